@@ -777,7 +777,8 @@ def assemble(
                     f"Host {host} sent a block of shape {got}, but holds a block of shape "
                     f"{hb.shape}."
                 )
-            regions.setdefault(region, host)
+            if regions.get(region, -1) < 0:
+                regions[region] = host
         else:
             regions.setdefault(region, -1)
     missing = sorted(r for r, h in regions.items() if h < 0)
