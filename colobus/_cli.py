@@ -1,0 +1,90 @@
+"""The ``colobus`` command: ``worker``, ``keygen``, ``demo``, ``bench``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+__all__ = ["build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="colobus", description="Run Python colocated with the devices of many hosts.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    w = sub.add_parser("worker", help="run one worker (one host) that joins a controller")
+    w.add_argument("--connect", required=True, help="controller endpoint, e.g. tcp://HOST:5555")
+    w.add_argument("--devices", type=int, default=None,
+                   help="number of CPU devices for this host (XLA host-platform device count)")
+    w.add_argument("--name", default=None,
+                   help="stable host name; a worker rejoining under it keeps its host index")
+    w.add_argument("--key-file", default=None,
+                   help="key file from `colobus keygen` ('-' reads the key from stdin); "
+                        "default: $COLOBUS_KEY_FILE")
+
+    k = sub.add_parser("keygen", help="write a new random key file (mode 0600)")
+    k.add_argument("path")
+
+    d = sub.add_parser("demo", help="run the async training-loop demo on a local cluster")
+    d.add_argument("--hosts", type=int, default=2)
+    d.add_argument("--devices", type=int, default=4, help="CPU devices per host")
+    d.add_argument("--steps", type=int, default=40)
+
+    b = sub.add_parser("bench", help="run the benchmarks (colobus against raw pyzmq)")
+    b.add_argument("name", nargs="?", default=None, help="one benchmark (default: all)")
+    b.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
+                   help="write machine-readable results (to PATH, or stdout)")
+    b.add_argument("--quick", action="store_true", help="small sizes, for CI")
+    return parser
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.WARNING,
+        format="%(asctime)s %(name)s %(levelname)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    logging.getLogger("colobus").setLevel(logging.DEBUG if verbose else logging.INFO)
+
+
+def _worker_key(path: str | None) -> bytes:
+    from ._keys import KEY_ENV, load_key
+
+    path = path or os.environ.get(KEY_ENV)
+    if not path:
+        return b""
+    if path == "-":
+        text = sys.stdin.readline().strip()
+        return bytes.fromhex(text)
+    return load_key(path)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.verbose)
+    if args.command == "worker":
+        from ._worker import main_worker
+
+        parent = os.environ.get("COLOBUS_PARENT_PID")
+        return main_worker(args.connect, args.name, _worker_key(args.key_file), args.devices,
+                           int(parent) if parent else None)
+    if args.command == "keygen":
+        from ._keys import write_key
+
+        write_key(args.path)
+        print(f"wrote a new key to {args.path} (mode 0600)")
+        return 0
+    if args.command == "demo":
+        from ._demo import run_demo
+
+        return run_demo(hosts=args.hosts, devices=args.devices, steps=args.steps)
+    if args.command == "bench":
+        from ._bench import run_bench
+
+        return run_bench(args.name, json_path=args.json, quick=args.quick)
+    raise AssertionError(args.command)

@@ -1,0 +1,965 @@
+"""The controller: one ROUTER socket, the host registry, and a future per call.
+
+Everything that touches the socket or the registry runs on the controller's
+event-loop thread. Public entry points that callers use from other threads
+(submitting calls, releasing arrays, cancelling) hop onto the loop with
+``call_soon_threadsafe``; callers already on the loop act directly.
+
+Lifecycle: ``NEW -> RUNNING -> CLOSED`` (:class:`State`). ``async with`` runs the
+controller on the caller's loop; plain ``with`` runs it on a loop thread of its
+own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import enum
+import ipaddress
+import logging
+import os
+import secrets
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+from urllib.parse import urlsplit
+
+import zmq
+
+from . import _protocol as P
+from ._errors import (
+    ColobusError,
+    ControllerClosedError,
+    HostLostError,
+    ProtocolError,
+    RemoteError,
+)
+from ._future import Future
+from ._protocol import Kind
+from ._sharding import Device
+from ._wire import PROTOCOL_VERSION, Buffer, Dropped, Envelope, decode, encode, loads
+
+__all__ = ["Controller", "HostInfo", "State", "current_controller"]
+
+log = logging.getLogger("colobus.controller")
+
+HELLO_MAX_AGE_S = 300.0
+
+
+class State(enum.Enum):
+    """Controller lifecycle."""
+
+    NEW = "new"
+    RUNNING = "running"
+    CLOSED = "closed"
+
+
+@dataclass(frozen=True, slots=True)
+class HostInfo:
+    """What the controller knows of one host.
+
+    Attributes:
+        index: host index (== ``Device.host`` == process index), in join order.
+        name: the worker's ``--name`` (stable across rejoins).
+        address: the worker's host name as it reported it.
+        pid: the worker process id.
+        devices: the host's devices, sorted by id.
+        state: ``"alive"`` or ``"lost"``.
+    """
+
+    index: int
+    name: str
+    address: str
+    pid: int
+    devices: tuple[Device, ...]
+    state: str
+
+
+@dataclass(slots=True, eq=False)
+class _Host:
+    index: int
+    name: str
+    identity: bytes
+    session: bytes
+    pid: int
+    address: str
+    devices: tuple[Device, ...]
+    alive: bool = True
+    send_seq: int = 0
+    recv_seq: int = 0
+    last_seen: float = 0.0
+    inflight: set[int] = field(default_factory=set)
+    code_sent: set[bytes] = field(default_factory=set)
+    objects_built: set[int] = field(default_factory=set)
+    store: tuple[int, int, int] = (0, 0, 0)  # arrays, bytes, objects, as last reported
+    generation: int = 0  # bumps on every (re)join; handles remember the one they saw
+
+    def info(self) -> HostInfo:
+        return HostInfo(
+            self.index, self.name, self.address, self.pid, self.devices,
+            "alive" if self.alive else "lost",
+        )
+
+    def lost_error(self, why: str) -> HostLostError:
+        return HostLostError(f"Host {self.index} ({self.name!r}) was lost: {why}", self.index)
+
+
+# What a reply from one host turns into; runs on the loop thread on receipt.
+Decoder = Callable[["_Host", P.Result, Envelope], Any]
+# Combines the per-host values (by host index) into the future's result.
+Combiner = Callable[[dict[int, Any]], Any]
+
+
+class _Pending:
+    """One remote operation spanning one or more hosts."""
+
+    __slots__ = ("combine", "decode", "errors", "future", "remaining", "values")
+
+    def __init__(
+        self, future: Future[Any], hosts: Iterable[int], decode: Decoder, combine: Combiner
+    ) -> None:
+        self.future = future
+        self.remaining = set(hosts)
+        self.values: dict[int, Any] = {}
+        self.errors: dict[int, BaseException] = {}
+        self.decode = decode
+        self.combine = combine
+
+    def settle(self) -> None:
+        if self.remaining:
+            return
+        if self.errors:
+            first = min(self.errors)
+            exc = self.errors[first]
+            for other in sorted(self.errors):
+                if other != first:
+                    err = self.errors[other]
+                    exc.add_note(f"host {other} also failed: {type(err).__name__}: {err}")
+            self.future.set_exception(exc)
+            return
+        try:
+            result = self.combine(self.values)
+        except BaseException as exc:  # a combine error belongs to this call only
+            self.future.set_exception(exc)
+        else:
+            self.future.set_result(result)
+
+
+def _is_loopback(bind: str) -> bool:
+    parts = urlsplit(bind)
+    if parts.scheme in ("ipc", "inproc"):
+        return True
+    host = (parts.hostname or "").strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _rebuild_exception(host: _Host, env: Envelope, meta: Any) -> BaseException:
+    type_name, message, tb = "Exception", "", ""
+    if isinstance(meta, list) and len(meta) == 3:
+        type_name, message, tb = (str(x) for x in meta)
+    exc: BaseException
+    try:
+        exc = loads(env.payload, env.buffers[: env.pbufs])
+        if not isinstance(exc, BaseException):
+            raise TypeError("not an exception")
+    except Exception:
+        exc = RemoteError(type_name, message, tb, host.index)
+    exc.add_note(f"raised on colobus host {host.index} ({host.name!r})")
+    if tb:
+        exc.add_note(f"remote traceback (host {host.index}):\n{tb.rstrip()}")
+    return exc
+
+
+_current: list[Controller] = []
+_current_lock = threading.Lock()
+
+
+def current_controller() -> Controller | None:
+    """The default controller: the one most recently entered and not yet closed."""
+    with _current_lock:
+        return _current[-1] if _current else None
+
+
+class Controller:
+    """Binds a ROUTER socket and drives the workers that join it.
+
+    Args:
+        bind: ZeroMQ endpoint to bind, e.g. ``"tcp://0.0.0.0:5555"``,
+            ``"tcp://127.0.0.1:*"`` (random port) or ``"ipc:///tmp/x.sock"``.
+        hosts: how many workers to wait for on entry.
+        key: shared secret (``cb.load_key``). Required unless bound to loopback/ipc.
+        heartbeat_interval: seconds between heartbeats, both directions.
+        liveness_timeout: a host silent this long is declared lost.
+        join_timeout: how long entry waits for ``hosts`` workers.
+        max_inflight: calls in flight per host before new calls queue here.
+        max_message_bytes: larger incoming messages are dropped and counted.
+        exit_workers_on_close: tell workers to exit (rather than wait for the
+            next controller) when this controller closes. ``local_cluster`` sets it.
+
+    Raises:
+        ValueError: bound to a non-loopback address without a key.
+    """
+
+    def __init__(
+        self,
+        bind: str = "tcp://127.0.0.1:*",
+        *,
+        hosts: int = 1,
+        key: bytes | None = None,
+        heartbeat_interval: float = 1.0,
+        liveness_timeout: float = 5.0,
+        join_timeout: float = 120.0,
+        max_inflight: int = 1024,
+        max_message_bytes: int = 1 << 40,
+        exit_workers_on_close: bool = False,
+    ) -> None:
+        if key is None and not _is_loopback(bind):
+            raise ValueError(
+                f"Controller bound to {bind!r} (not loopback) refuses to start without a key: "
+                "make one with `colobus keygen PATH` and pass key=cb.load_key(PATH); give "
+                "workers the same file with --key-file PATH or COLOBUS_KEY_FILE."
+            )
+        if hosts < 0:
+            raise ValueError(f"hosts must be >= 0, got {hosts}")
+        self._bind = bind
+        self._expected_hosts = hosts
+        self._key = key if key is not None else b""
+        self.heartbeat_interval = heartbeat_interval
+        self.liveness_timeout = liveness_timeout
+        self.join_timeout = join_timeout
+        self.max_inflight = max_inflight
+        self.max_message_bytes = max_message_bytes
+        self._exit_workers = exit_workers_on_close
+        self.state = State.NEW
+        self._session = secrets.token_bytes(16)
+        self._ctx: zmq.Context[Any] | None = None
+        self._sock: zmq.Socket[Any] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread_id: int | None = None
+        self._own_thread: threading.Thread | None = None
+        self._address = ""
+        self._hosts: list[_Host] = []
+        self._by_identity: dict[bytes, _Host] = {}
+        self._by_name: dict[str, _Host] = {}
+        self._dead_sessions: dict[bytes, bytes] = {}  # worker session -> identity
+        self._seen_hello: set[bytes] = set()
+        self._next_device_id = 0
+        self._pending: dict[int, _Pending] = {}
+        self._ids = _Counter()
+        self._dropped: collections.Counter[str] = collections.Counter()
+        self._warned_peers: set[bytes] = set()
+        self._counters: collections.Counter[str] = collections.Counter()
+        self._backlog: collections.deque[tuple[tuple[int, ...], Callable[[], None]]] = (
+            collections.deque()
+        )
+        self._releases: collections.deque[tuple[int, int, int, int]] = collections.deque()
+        self._release_scheduled = False
+        self._drain_scheduled = False
+        self._joined = asyncio.Event
+        self._join_waiters: list[asyncio.Future[None]] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._on_lost: list[Callable[[int], None]] = []
+        self._handlers: dict[Kind, Callable[[_Host, Any, Envelope], None]] = {
+            Kind.HEARTBEAT: self._on_heartbeat,
+            Kind.RESULT: self._on_result,
+        }
+
+    # -- public surface -------------------------------------------------------------
+
+    @property
+    def address(self) -> str:
+        """The endpoint workers connect to (after start)."""
+        return self._address
+
+    def devices(self) -> list[Device]:
+        """Devices of the live hosts, sorted by id."""
+        return sorted(d for h in self._hosts if h.alive for d in h.devices)
+
+    def hosts(self) -> list[HostInfo]:
+        """Every host that ever joined, by index, with its state."""
+        return [h.info() for h in self._hosts]
+
+    def stats(self) -> dict[str, Any]:
+        """Counters: dropped messages by reason, code blobs sent, per-host store sizes.
+
+        Per-host figures are the ones each worker last reported (every heartbeat,
+        or on :meth:`refresh_stats`).
+        """
+        return {
+            "dropped": dict(self._dropped),
+            "dropped_total": sum(self._dropped.values()),
+            "code_sent": self._counters["code_sent"],
+            "calls": self._counters["calls"],
+            "backlog": len(self._backlog),
+            "pending": len(self._pending),
+            "hosts": {
+                h.index: {
+                    "name": h.name,
+                    "state": "alive" if h.alive else "lost",
+                    "arrays": h.store[0],
+                    "bytes": h.store[1],
+                    "objects": h.store[2],
+                    "inflight": len(h.inflight),
+                }
+                for h in self._hosts
+            },
+        }
+
+    def refresh_stats(self) -> Future[dict[str, Any]]:
+        """Ask every live host for its store counters now; resolves to :meth:`stats`."""
+        hosts = tuple(h.index for h in self._hosts if h.alive)
+
+        def decode(host: _Host, body: P.Result, env: Envelope) -> None:
+            meta = body.meta
+            if isinstance(meta, list) and len(meta) == 3:
+                host.store = (int(meta[0]), int(meta[1]), int(meta[2]))
+
+        def send(call_id: int) -> None:
+            for i in hosts:
+                self._send(self._hosts[i], P.Stats(call_id))
+
+        return self.submit(hosts, send, decode, lambda _: self.stats(), backpressure=False)
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Bind the socket and start serving on the running loop; returns once bound."""
+        if self.state is not State.NEW:
+            raise RuntimeError(f"Controller cannot start: it is {self.state.value}")
+        self._loop = asyncio.get_running_loop()
+        self._loop_thread_id = threading.get_ident()
+        self._ctx = zmq.Context()
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        if self.max_message_bytes < (1 << 62):
+            sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+        try:
+            sock.bind(self._bind)
+        except zmq.ZMQError as exc:
+            sock.close(0)
+            self._ctx.term()
+            raise OSError(f"colobus controller cannot bind {self._bind!r}: {exc}") from exc
+        self._address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._sock = sock
+        self._loop.add_reader(sock.getsockopt(zmq.FD), self._drain)
+        self._tasks.append(self._loop.create_task(self._heartbeat_loop()))
+        self.state = State.RUNNING
+        log.info("controller listening on %s", self._address)
+        self._drain()
+
+    async def wait_for_hosts(self, n: int | None = None, timeout: float | None = None) -> None:
+        """Wait until ``n`` hosts (default: ``hosts``) are alive.
+
+        Raises:
+            TimeoutError: fewer joined within ``timeout`` (default ``join_timeout``).
+        """
+        n = self._expected_hosts if n is None else n
+        timeout = self.join_timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        while self._alive_count() < n:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(
+                    f"only {self._alive_count()} of {n} colobus hosts joined {self._address} "
+                    f"within {timeout:.0f} s; start workers with "
+                    f"`colobus worker --connect {self._address}`"
+                )
+            assert self._loop is not None
+            waiter = self._loop.create_future()
+            self._join_waiters.append(waiter)
+            try:
+                await asyncio.wait_for(waiter, left)
+            except TimeoutError:
+                pass
+            self._check_open()
+
+    def _alive_count(self) -> int:
+        return sum(1 for h in self._hosts if h.alive)
+
+    def _check_open(self) -> None:
+        if self.state is State.CLOSED:
+            raise ControllerClosedError("the colobus controller is closed")
+
+    async def aclose(self) -> None:
+        """Close the controller: fail pending calls, tell workers, release the socket."""
+        if self.state is State.CLOSED:
+            return
+        if self.state is State.NEW:
+            self.state = State.CLOSED
+            return
+        self._flush_releases()
+        reason = "exit" if self._exit_workers else "controller closed"
+        for h in self._hosts:
+            if h.alive:
+                self._send(h, P.Shutdown(reason))
+        self.state = State.CLOSED
+        err = ControllerClosedError("the colobus controller closed before this call finished")
+        for p in list(self._pending.values()):
+            p.future.set_exception(err)
+        self._pending.clear()
+        self._backlog.clear()
+        for w in self._join_waiters:
+            if not w.done():
+                w.set_result(None)
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        assert self._loop is not None and self._sock is not None and self._ctx is not None
+        self._loop.remove_reader(self._sock.getsockopt(zmq.FD))
+        # Give the SHUTDOWN messages a moment to leave before closing with linger.
+        self._sock.setsockopt(zmq.LINGER, 200)
+        self._sock.close()
+        self._ctx.term()
+        _pop_current(self)
+        log.info("controller on %s closed", self._address)
+
+    async def __aenter__(self) -> Controller:
+        await self.start()
+        try:
+            await self.wait_for_hosts()
+        except BaseException:
+            await self.aclose()
+            raise
+        _push_current(self)
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    # -- sync face: the same core on a loop thread of its own ---------------------------
+
+    def start_in_thread(self, timeout: float = 30.0) -> None:
+        """Start the controller on a private event-loop thread (the sync face)."""
+        loop = asyncio.new_event_loop()
+        ready = threading.Event()
+
+        def run() -> None:
+            asyncio.set_event_loop(loop)
+            loop.call_soon(ready.set)
+            loop.run_forever()
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.close()
+
+        self._own_thread = threading.Thread(target=run, name="colobus-controller", daemon=True)
+        self._own_thread.start()
+        if not ready.wait(timeout):
+            raise TimeoutError("colobus controller thread did not start")
+        asyncio.run_coroutine_threadsafe(self.start(), loop).result(timeout)
+
+    def run_sync(self, coro: Any, timeout: float | None = None) -> Any:
+        """Run a coroutine on the controller's own loop thread and wait for it."""
+        assert self._loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+
+    def close(self) -> None:
+        """Close a controller started with ``with`` (or from another thread)."""
+        loop = self._loop
+        if loop is None or self.state is State.CLOSED and self._own_thread is None:
+            self.state = State.CLOSED
+            return
+        if self._own_thread is None:
+            if threading.get_ident() == self._loop_thread_id:
+                raise RuntimeError("use `await ctl.aclose()` on the controller's loop")
+            asyncio.run_coroutine_threadsafe(self.aclose(), loop).result(30)
+            return
+        if self.state is not State.CLOSED:
+            asyncio.run_coroutine_threadsafe(self.aclose(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        self._own_thread.join(30)
+        self._own_thread = None
+
+    def __enter__(self) -> Controller:
+        self.start_in_thread()
+        try:
+            self.run_sync(self.wait_for_hosts())
+        except BaseException:
+            self.close()
+            raise
+        _push_current(self)
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    # -- thread hopping --------------------------------------------------------------
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        self._check_open()
+        assert self._loop is not None
+        return self._loop
+
+    def on_loop_thread(self) -> bool:
+        return threading.get_ident() == self._loop_thread_id
+
+    def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` on the loop thread: now if already there, else soon."""
+        if threading.get_ident() == self._loop_thread_id:
+            fn(*args)
+        else:
+            self.loop.call_soon_threadsafe(fn, *args)
+
+    # -- the call primitive ------------------------------------------------------------
+
+    def new_future(self, call_id: int = 0) -> Future[Any]:
+        return Future(self._loop_thread_id, call_id)
+
+    def next_id(self) -> int:
+        return self._ids.next()
+
+    def submit(
+        self,
+        hosts: Sequence[int],
+        send: Callable[[int], None],
+        decode: Decoder,
+        combine: Combiner,
+        *,
+        call_id: int | None = None,
+        backpressure: bool = True,
+        cancellable: bool = False,
+    ) -> Future[Any]:
+        """Start one remote operation on ``hosts``; thread-safe.
+
+        ``send(call_id)`` runs on the loop thread and sends the messages (it may
+        raise, failing only this future); each host's RESULT goes through
+        ``decode`` on receipt; once every host answered, ``combine`` builds the
+        result from the per-host values. The first error by host index wins.
+        """
+        self._check_open()
+        call_id = self.next_id() if call_id is None else call_id
+        fut = self.new_future(call_id)
+        hosts = tuple(hosts)
+        if cancellable:
+            fut._set_canceller(lambda f: self.call_soon(self._cancel, call_id))
+        self.call_soon(self._start_op, call_id, hosts, send, decode, combine, fut, backpressure)
+        return fut
+
+    def _start_op(
+        self,
+        call_id: int,
+        hosts: tuple[int, ...],
+        send: Callable[[int], None],
+        decode: Decoder,
+        combine: Combiner,
+        fut: Future[Any],
+        backpressure: bool,
+    ) -> None:
+        if fut.done():  # cancelled before it left the caller's thread
+            return
+        if self.state is State.CLOSED:
+            fut.set_exception(ControllerClosedError("the colobus controller is closed"))
+            return
+
+        def go() -> None:
+            if fut.done():
+                return
+            for i in hosts:
+                h = self._hosts[i] if 0 <= i < len(self._hosts) else None
+                if h is None or not h.alive:
+                    who = h.lost_error("it is not alive") if h else HostLostError(
+                        f"Host {i} does not exist", i)
+                    fut.set_exception(who)
+                    return
+            self._pending[call_id] = _Pending(fut, hosts, decode, combine)
+            for i in hosts:
+                self._hosts[i].inflight.add(call_id)
+            try:
+                send(call_id)
+            except BaseException as exc:
+                self._pending.pop(call_id, None)
+                for i in hosts:
+                    self._hosts[i].inflight.discard(call_id)
+                fut.set_exception(exc)
+            if not hosts:
+                self._pending.pop(call_id).settle()
+
+        if backpressure and (self._backlog or self._full(hosts)):
+            self._backlog.append((hosts, go))
+            return
+        go()
+
+    def _full(self, hosts: tuple[int, ...]) -> bool:
+        limit = self.max_inflight
+        hs = self._hosts
+        return any(0 <= i < len(hs) and len(hs[i].inflight) >= limit for i in hosts)
+
+    def _pump_backlog(self) -> None:
+        while self._backlog:
+            hosts, go = self._backlog[0]
+            if self._full(hosts):
+                return
+            self._backlog.popleft()
+            go()
+
+    def _cancel(self, call_id: int) -> None:
+        p = self._pending.pop(call_id, None)
+        if p is None:
+            return
+        for i in p.remaining:
+            h = self._hosts[i]
+            if h.alive:
+                self._send(h, P.Cancel(call_id))
+
+    def fail_pending(self, call_id: int, exc: BaseException) -> None:
+        p = self._pending.pop(call_id, None)
+        if p is not None:
+            p.future.set_exception(exc)
+
+    # -- host bookkeeping used by the API layers ------------------------------------------
+
+    def host(self, index: int) -> _Host:
+        return self._hosts[index]
+
+    def host_generation(self, index: int) -> int:
+        return self._hosts[index].generation
+
+    def check_hosts(self, hosts: Iterable[int], generations: dict[int, int] | None = None,
+                    what: str = "data") -> None:
+        """Raise ``HostLostError`` if a host is lost (or rejoined since ``generations``)."""
+        for i in hosts:
+            h = self._hosts[i]
+            if not h.alive:
+                raise h.lost_error(f"its {what} is gone")
+            if generations is not None and generations.get(i, h.generation) != h.generation:
+                raise h.lost_error(f"it rejoined since, and its {what} is gone")
+
+    def on_host_lost(self, fn: Callable[[int], None]) -> None:
+        self._on_lost.append(fn)
+
+    def send_code(self, host: _Host, digest: bytes, code: bytes) -> None:
+        """Send a pickled function or class to ``host`` once; later calls name it."""
+        if digest in host.code_sent:
+            return
+        host.code_sent.add(digest)
+        self._counters["code_sent"] += 1
+        self._send(host, P.Code(digest), code)
+
+    def count(self, name: str, n: int = 1) -> None:
+        self._counters[name] += n
+
+    def release(self, host: int, generation: int, ref: int = 0, call: int = 0) -> None:
+        """Free an array ref or a call's result tree on a host; thread-safe, batched.
+
+        Safe to call from finalizers on any thread, during interpreter shutdown too.
+        """
+        if self.state is State.CLOSED:
+            return
+        self._releases.append((host, generation, ref, call))
+        if not self._release_scheduled:
+            self._release_scheduled = True
+            try:
+                self.call_soon(self._flush_releases)
+            except (RuntimeError, ColobusError):
+                pass
+
+    def _flush_releases(self) -> None:
+        self._release_scheduled = False
+        per_host: dict[int, tuple[list[int], list[int]]] = {}
+        while self._releases:
+            host, gen, ref, call = self._releases.popleft()
+            h = self._hosts[host]
+            if not h.alive or h.generation != gen:
+                continue
+            refs, calls = per_host.setdefault(host, ([], []))
+            if ref:
+                refs.append(ref)
+            if call:
+                calls.append(call)
+        for host, (refs, calls) in per_host.items():
+            self._send(self._hosts[host], P.Release(refs, calls))
+
+    # -- socket I/O --------------------------------------------------------------------
+
+    def send(self, host: _Host, body: P.Body, payload: Buffer = b"",
+             buffers: Sequence[Buffer] = (), pbufs: int = 0) -> None:
+        self._send(host, body, payload, buffers, pbufs)
+
+    def _send(self, host: _Host, body: P.Body, payload: Buffer = b"",
+              buffers: Sequence[Buffer] = (), pbufs: int = 0) -> None:
+        sock = self._sock
+        if sock is None or sock.closed:
+            return
+        host.send_seq += 1
+        env = Envelope(body.kind, self._session, host.session, host.send_seq,
+                       body.to_wire(), payload, list(buffers), pbufs)
+        try:
+            sock.send_multipart([host.identity, *encode(self._key, env)], copy=False)
+        except zmq.ZMQError as exc:  # EHOSTUNREACH: the peer's connection is gone
+            log.debug("send to host %d failed: %s", host.index, exc)
+        self._schedule_drain()
+
+    def _send_raw(self, identity: bytes, receiver: bytes, body: P.Body) -> None:
+        assert self._sock is not None
+        env = Envelope(body.kind, self._session, receiver, 1, body.to_wire())
+        try:
+            self._sock.send_multipart([identity, *encode(self._key, env)])
+        except zmq.ZMQError:
+            pass
+
+    def _schedule_drain(self) -> None:
+        # The ZeroMQ FD is edge-triggered: a send can consume the edge that
+        # announced incoming messages, so re-check after every send.
+        if not self._drain_scheduled and self._loop is not None:
+            self._drain_scheduled = True
+            self._loop.call_soon(self._drain)
+
+    def _drain(self) -> None:
+        self._drain_scheduled = False
+        sock = self._sock
+        if sock is None or sock.closed:
+            return
+        try:
+            while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                self._on_frames(frames)
+                if sock.closed:
+                    return
+        except zmq.ZMQError as exc:
+            if exc.errno not in (zmq.EAGAIN, zmq.ENOTSOCK):
+                log.warning("controller socket error: %s", exc)
+        if self._releases and not self._release_scheduled:
+            self._flush_releases()
+
+    def _drop(self, reason: str, identity: bytes, detail: str = "") -> None:
+        self._dropped[reason] += 1
+        if reason in ("unauthenticated", "version") and identity not in self._warned_peers:
+            self._warned_peers.add(identity)
+            log.warning(
+                "dropping %s messages from peer %s%s (logged once per peer)",
+                reason, identity.hex(), f": {detail}" if detail else "",
+            )
+        else:
+            log.debug("dropped message (%s) %s", reason, detail)
+
+    def _on_frames(self, frames: list[Any]) -> None:
+        if len(frames) < 2:
+            self._dropped["malformed"] += 1
+            return
+        identity = frames[0].bytes
+        try:
+            env = decode(self._key, frames[1:], max_payload=self.max_message_bytes)
+        except Dropped as d:
+            self._drop(d.reason, identity, d.detail)
+            return
+        try:
+            if env.kind == Kind.HELLO:
+                self._on_hello(identity, env)
+                return
+            host = self._by_identity.get(identity)
+            if host is None or env.sender != host.session:
+                if env.sender in self._dead_sessions:
+                    self._drop("stale", identity)
+                    self._send_raw(identity, env.sender, P.Reset("declared lost; join again"))
+                else:
+                    self._drop("unknown_peer", identity)
+                return
+            if env.receiver != self._session:
+                self._drop("stale", identity)
+                return
+            if env.seq <= host.recv_seq:
+                self._drop("replay", identity)
+                return
+            if env.version != PROTOCOL_VERSION:
+                self._drop("version", identity)
+                return
+            host.recv_seq = env.seq
+            host.last_seen = time.monotonic()
+            body = P.parse(env.kind, env.body)
+            handler = self._handlers.get(Kind(env.kind))
+            if handler is None:
+                self._drop("unexpected_kind", identity, Kind(env.kind).name)
+                return
+            handler(host, body, env)
+        except ValueError as exc:
+            self._drop("malformed", identity, str(exc))
+        except Exception:  # a bug in a handler must not kill the reader
+            self._dropped["handler_error"] += 1
+            log.exception("error handling a message from %s", identity.hex())
+
+    # -- handlers ------------------------------------------------------------------------
+
+    def _on_hello(self, identity: bytes, env: Envelope) -> None:
+        if env.version != PROTOCOL_VERSION:
+            self._drop("version", identity, f"peer speaks protocol {env.version}")
+            self._send_raw(identity, env.sender, P.Reject(
+                f"protocol version mismatch: worker speaks {env.version}, controller speaks "
+                f"{PROTOCOL_VERSION}; install the same colobus version on both sides"))
+            return
+        hello = P.parse(env.kind, env.body)
+        assert isinstance(hello, P.Hello)
+        if env.sender in self._seen_hello or abs(time.time() - hello.time) > HELLO_MAX_AGE_S:
+            self._drop("replay", identity, "old hello")
+            return
+        if self.state is not State.RUNNING:
+            return
+        self._seen_hello.add(env.sender)
+        devices_raw = hello.devices
+        if not all(isinstance(d, list) and len(d) == 3 for d in devices_raw):
+            raise ValueError("bad device list")
+        old = self._by_name.get(hello.name)
+        if old is not None:
+            if old.alive:
+                self._lose(old, "it re-registered (the worker restarted)")
+            index = old.index
+            ids = [d.id for d in old.devices]
+            if len(ids) != len(devices_raw):
+                ids = self._new_device_ids(len(devices_raw))
+            generation = old.generation + 1
+        else:
+            index = len(self._hosts)
+            ids = self._new_device_ids(len(devices_raw))
+            generation = 0
+        devices = tuple(
+            Device(id=gid, host=index, platform=str(p), device_kind=str(k), local_id=int(lid))
+            for gid, (p, k, lid) in zip(ids, devices_raw, strict=True)
+        )
+        host = _Host(
+            index=index, name=hello.name, identity=identity, session=env.sender,
+            pid=hello.pid, address=hello.hostname, devices=tuple(sorted(devices)),
+            recv_seq=env.seq, last_seen=time.monotonic(), generation=generation,
+        )
+        if old is not None:
+            self._hosts[index] = host
+        else:
+            self._hosts.append(host)
+        self._by_name[hello.name] = host
+        self._by_identity[identity] = host
+        self._send(host, P.Welcome(index, [d.id for d in devices], self.heartbeat_interval,
+                                   self.liveness_timeout, self._exit_workers))
+        kinds = collections.Counter(d.platform for d in devices)
+        log.info(
+            "host %d %s: %r (pid %d on %s) with %s [%d/%d alive]",
+            index, "rejoined" if old else "joined", hello.name, hello.pid, hello.hostname,
+            ", ".join(f"{n} {p}" for p, n in sorted(kinds.items())) or "no devices",
+            self._alive_count(), self._expected_hosts,
+        )
+        for w in self._join_waiters:
+            if not w.done():
+                w.set_result(None)
+        self._join_waiters.clear()
+
+    def _new_device_ids(self, n: int) -> list[int]:
+        ids = list(range(self._next_device_id, self._next_device_id + n))
+        self._next_device_id += n
+        return ids
+
+    def _on_heartbeat(self, host: _Host, body: P.Heartbeat, env: Envelope) -> None:
+        host.store = (body.arrays, body.nbytes, body.objects)
+
+    def _on_result(self, host: _Host, body: P.Result, env: Envelope) -> None:
+        call_id = body.call_id
+        host.inflight.discard(call_id)
+        p = self._pending.get(call_id)
+        if p is not None and host.index in p.remaining:
+            p.remaining.discard(host.index)
+            try:
+                if body.status == P.Status.OK:
+                    p.values[host.index] = p.decode(host, body, env)
+                elif body.status == P.Status.CANCELLED:
+                    p.errors[host.index] = asyncio.CancelledError()
+                else:
+                    p.errors[host.index] = _rebuild_exception(host, env, body.meta)
+            except BaseException as exc:
+                p.errors[host.index] = exc
+            if not p.remaining:
+                del self._pending[call_id]
+                p.settle()
+        if self._backlog:
+            self._pump_backlog()
+
+    # -- liveness ------------------------------------------------------------------------
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_interval)
+            now = time.monotonic()
+            for h in self._hosts:
+                if not h.alive:
+                    continue
+                silent = now - h.last_seen
+                if silent > self.liveness_timeout:
+                    self._lose(h, f"no message for {silent:.1f} s")
+                else:
+                    self._send(h, P.Heartbeat(0, 0, 0))
+
+    def _lose(self, host: _Host, why: str) -> None:
+        if not host.alive:
+            return
+        host.alive = False
+        self._dead_sessions[host.session] = host.identity
+        self._by_identity.pop(host.identity, None)
+        log.warning("host %d (%r) lost: %s", host.index, host.name, why)
+        exc_text = why
+        for call_id in sorted(host.inflight):
+            p = self._pending.pop(call_id, None)
+            if p is not None:
+                p.future.set_exception(host.lost_error(exc_text))
+                for other in p.remaining:
+                    if other != host.index:
+                        # the other hosts will still answer; their slots free then
+                        pass
+        host.inflight.clear()
+        # Queued calls for that host fail when they are started (go() checks).
+        for fn in self._on_lost:
+            try:
+                fn(host.index)
+            except Exception:
+                log.exception("host-lost callback failed")
+        self._pump_backlog()
+
+    def lose_host_for_test(self, index: int) -> None:
+        """Declare a host lost now (tests and operators)."""
+        self.call_soon(self._lose, self._hosts[index], "declared lost by the controller")
+
+
+class _Counter:
+    """A thread-safe increasing id source (itertools.count is atomic under the GIL)."""
+
+    def __init__(self) -> None:
+        import itertools
+
+        self._it = itertools.count(1)
+
+    def next(self) -> int:
+        return next(self._it)
+
+
+def _push_current(ctl: Controller) -> None:
+    with _current_lock:
+        _current.append(ctl)
+
+
+def _pop_current(ctl: Controller) -> None:
+    with _current_lock:
+        if ctl in _current:
+            _current.remove(ctl)
+
+
+def default_controller() -> Controller:
+    """The default controller, or ``NoControllerError`` saying how to start one."""
+    from ._errors import NoControllerError
+
+    ctl = current_controller()
+    if ctl is None or ctl.state is not State.RUNNING:
+        raise NoControllerError()
+    return ctl
+
+
+# Keep weakref imported for type users of finalizers in sibling modules.
+_ = (weakref, os, ProtocolError)

@@ -1,0 +1,195 @@
+"""The Future behind every remote operation.
+
+A :class:`Future` is resolved on the controller's event-loop thread and can be
+awaited from any event loop, or waited on with :meth:`Future.result` from any
+other thread. It is deliberately not an ``asyncio.Future``: those belong to one
+loop, and colobus futures are shared between the controller's loop, the
+caller's loop and plain threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable, Generator
+from typing import Any, Generic, TypeVar
+
+__all__ = ["Future"]
+
+T = TypeVar("T")
+
+_PENDING, _CANCELLED, _FINISHED = 0, 1, 2
+
+
+class Future(Generic[T]):
+    """The result of a remote operation, awaitable from any event loop.
+
+    ``await fut`` works in any event loop; ``fut.result(timeout)`` works from any
+    thread except the controller's own loop thread, where it raises a
+    ``RuntimeError`` saying to ``await`` instead.
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "_callbacks",
+        "_canceller",
+        "_event",
+        "_exception",
+        "_lock",
+        "_loop_thread",
+        "_result",
+        "_state",
+        "call_id",
+    )
+
+    def __init__(self, loop_thread: int | None = None, call_id: int = 0) -> None:
+        self._lock = threading.Lock()
+        self._state = _PENDING
+        self._result: Any = None
+        self._exception: BaseException | None = None
+        self._callbacks: list[Callable[[Future[T]], object]] = []
+        self._event: threading.Event | None = None
+        self._loop_thread = loop_thread
+        self._canceller: Callable[[Future[T]], object] | None = None
+        self.call_id = call_id
+
+    def __repr__(self) -> str:
+        state = ("pending", "cancelled", "finished")[self._state]
+        if self._state == _FINISHED and self._exception is not None:
+            state = f"raised {type(self._exception).__name__}"
+        return f"<colobus.Future {state}>"
+
+    # -- state ---------------------------------------------------------------------
+
+    def done(self) -> bool:
+        """True once the future has a result, an exception, or was cancelled."""
+        return self._state != _PENDING
+
+    def cancelled(self) -> bool:
+        return self._state == _CANCELLED
+
+    def cancel(self) -> bool:
+        """Cancel the operation.
+
+        A call that has not started on its hosts is removed there; one already
+        running finishes and its result is dropped.
+
+        Returns:
+            True if the future was pending and is now cancelled.
+        """
+        with self._lock:
+            if self._state != _PENDING:
+                return False
+            self._state = _CANCELLED
+            canceller, self._canceller = self._canceller, None
+        if canceller is not None:
+            canceller(self)
+        self._finish()
+        return True
+
+    def set_result(self, result: T) -> None:
+        with self._lock:
+            if self._state != _PENDING:
+                return
+            self._result = result
+            self._state = _FINISHED
+        self._finish()
+
+    def set_exception(self, exc: BaseException) -> None:
+        with self._lock:
+            if self._state != _PENDING:
+                return
+            self._exception = exc
+            self._state = _FINISHED
+        self._finish()
+
+    def _set_canceller(self, fn: Callable[[Future[T]], object]) -> None:
+        self._canceller = fn
+
+    def _finish(self) -> None:
+        self._canceller = None
+        event = self._event
+        if event is not None:
+            event.set()
+        callbacks, self._callbacks = self._callbacks, []
+        for cb in callbacks:
+            cb(self)
+
+    def add_done_callback(self, fn: Callable[[Future[T]], object]) -> None:
+        """Call ``fn(fut)`` once done (at once if already done), on the resolving thread."""
+        with self._lock:
+            if self._state == _PENDING:
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+    # -- results -------------------------------------------------------------------
+
+    def _get(self) -> T:
+        if self._state == _CANCELLED:
+            raise asyncio.CancelledError()
+        if self._exception is not None:
+            raise self._exception
+        return self._result  # type: ignore[no-any-return]
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The exception the operation raised, or None; waits like :meth:`result`."""
+        self._wait(timeout)
+        if self._state == _CANCELLED:
+            raise asyncio.CancelledError()
+        return self._exception
+
+    def result(self, timeout: float | None = None) -> T:
+        """Block until done and return the result (or raise its exception).
+
+        Raises:
+            TimeoutError: not done within ``timeout`` seconds.
+            RuntimeError: called on the controller's event-loop thread.
+        """
+        self._wait(timeout)
+        return self._get()
+
+    def _wait(self, timeout: float | None) -> None:
+        if self._state != _PENDING:
+            return
+        if self._loop_thread is not None and threading.get_ident() == self._loop_thread:
+            raise RuntimeError(
+                "Future.result() would block the colobus controller's event loop; "
+                "use `await fut` inside async code instead."
+            )
+        with self._lock:
+            if self._state == _PENDING and self._event is None:
+                self._event = threading.Event()
+            event = self._event
+        if event is not None and not event.wait(timeout):
+            raise TimeoutError(f"colobus operation not done after {timeout} s")
+
+    def __await__(self) -> Generator[Any, None, T]:
+        if self._state == _PENDING:
+            loop = asyncio.get_running_loop()
+            waiter = loop.create_future()
+            waiter_thread = threading.get_ident()
+
+            def wake(_: Future[T]) -> None:
+                if threading.get_ident() == waiter_thread:
+                    _wake_waiter(waiter)
+                else:
+                    try:
+                        loop.call_soon_threadsafe(_wake_waiter, waiter)
+                    except RuntimeError:  # the awaiting loop is closed
+                        pass
+
+            self.add_done_callback(wake)
+            try:
+                yield from waiter
+            except asyncio.CancelledError:
+                # The awaiting task was cancelled: cancel the operation too, as
+                # asyncio does for a future awaited by a cancelled task.
+                self.cancel()
+                raise
+        return self._get()
+
+
+def _wake_waiter(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)

@@ -1,0 +1,723 @@
+"""The worker: one DEALER socket, the host's store, and the user code it runs.
+
+A worker joins a controller (HELLO -> WELCOME), then serves until the
+controller closes, goes silent, or declares the worker lost; then it drops the
+session's arrays and objects and joins again, with back-off. Plain functions
+run on a thread pool and ``async def`` ones on the worker's loop, so a busy
+call never stops heartbeats. Calls from one controller-side stream run in
+order; calls from different streams run at the same time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import inspect
+import io
+import logging
+import os
+import pickle
+import random
+import secrets
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+import cloudpickle
+import zmq
+
+from . import _protocol as P
+from ._codec import from_buffer, is_key_array, key_impl_name, to_buffer
+from ._protocol import Kind, Status
+from ._wire import PROTOCOL_VERSION, Buffer, Dropped, Envelope, decode, encode, loads
+
+__all__ = ["Worker", "setup_jax"]
+
+log = logging.getLogger("colobus.worker")
+
+BACKOFF_MIN_S = 0.1
+BACKOFF_MAX_S = 5.0
+
+
+class _Exit(Exception):
+    def __init__(self, code: int) -> None:
+        self.code = code
+
+
+def setup_jax(cpu_devices: int | None) -> Any:
+    """Import JAX with ``cpu_devices`` host-platform devices; return the module."""
+    if cpu_devices:
+        flags = os.environ.get("XLA_FLAGS", "")
+        flags = " ".join(f for f in flags.split() if "host_platform_device_count" not in f)
+        os.environ["XLA_FLAGS"] = (
+            f"{flags} --xla_force_host_platform_device_count={cpu_devices}".strip()
+        )
+    import jax
+
+    if cpu_devices:
+        try:
+            jax.config.update("jax_num_cpu_devices", cpu_devices)
+        except Exception:  # older JAX: XLA_FLAGS above does it
+            pass
+    return jax
+
+
+def _jax_exact(jax: Any, dtype: Any) -> bool:
+    """Whether JAX holds ``dtype`` without changing it (x64 off narrows int64...)."""
+    import numpy as np
+
+    if isinstance(dtype, np.dtypes.StringDType):
+        return True
+    if dtype.fields is not None or dtype.hasobject or dtype.kind in "VSUMm":
+        return False
+    try:
+        return bool(jax.dtypes.canonicalize_dtype(dtype) == dtype)
+    except Exception:
+        return False
+
+
+class _ArgsUnpickler(pickle.Unpickler):
+    """Unpickles call arguments; persistent ids name values resolved on this host."""
+
+    def __init__(self, data: Buffer, values: Sequence[Any], buffers: Sequence[Buffer]) -> None:
+        super().__init__(io.BytesIO(data), buffers=buffers)
+        self._values = values
+
+    def persistent_load(self, pid: Any) -> Any:
+        try:
+            return self._values[pid]
+        except (IndexError, TypeError):
+            raise pickle.UnpicklingError(f"bad persistent id {pid!r}") from None
+
+
+class Worker:
+    """One host: joins ``connect`` and runs what the controller sends.
+
+    Args:
+        connect: the controller's endpoint, e.g. ``tcp://10.0.0.1:5555``.
+        name: stable name; a worker rejoining under it gets its host index back.
+        key: the shared key (empty: none, for loopback-only controllers).
+        cpu_devices: XLA host-platform device count.
+        parent_pid: exit when this process is no longer our parent (local clusters).
+    """
+
+    def __init__(
+        self,
+        connect: str,
+        *,
+        name: str | None = None,
+        key: bytes = b"",
+        cpu_devices: int | None = None,
+        parent_pid: int | None = None,
+        max_threads: int = 64,
+    ) -> None:
+        self.connect = connect
+        self.name = name or f"{socket.gethostname()}-{os.getpid()}"
+        self._key = key
+        self._cpu_devices = cpu_devices
+        self._parent_pid = parent_pid
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_threads, "colobus-call")
+        self._jax: Any = None
+        self._jax_devices: list[Any] = []
+        self._by_local: dict[tuple[str, int], Any] = {}
+        self._mesh_cache: dict[Any, Any] = {}
+        # session state
+        self._ctx: zmq.Context[Any] | None = None
+        self._sock: zmq.Socket[Any] | None = None
+        self._session = b""
+        self._ctl_session: bytes | None = None
+        self._seq = 0
+        self._ctl_seq = 0
+        self._last_heard = 0.0
+        self._heartbeat = 1.0
+        self._liveness = 5.0
+        self._exit_with_controller = False
+        self.host_index = -1
+        self._welcome: asyncio.Future[None] | None = None
+        self._ended: asyncio.Future[str] | None = None
+        self._drain_scheduled = False
+        self.dropped: dict[str, int] = {}
+        # the store
+        self._code: dict[bytes, Any] = {}
+        self._arrays: dict[int, asyncio.Future[Any]] = {}
+        self._results: dict[int, asyncio.Future[Any]] = {}
+        self._objects: dict[int, asyncio.Future[Any]] = {}
+        self._obj_tasks: dict[int, set[asyncio.Task[None]]] = {}
+        self._streams: dict[int, asyncio.Task[None]] = {}
+        self._calls: dict[int, asyncio.Task[None]] = {}
+        self._started: set[int] = set()
+        self._handlers = {
+            Kind.HEARTBEAT: self._on_heartbeat,
+            Kind.CODE: self._on_code,
+            Kind.CALL: self._on_call,
+            Kind.CANCEL: self._on_cancel,
+            Kind.PUT: self._on_put,
+            Kind.FETCH: self._on_fetch,
+            Kind.RELEASE: self._on_release,
+            Kind.CONSTRUCT: self._on_construct,
+            Kind.DESTROY: self._on_destroy,
+            Kind.STATS: self._on_stats,
+            Kind.SHUTDOWN: self._on_shutdown,
+            Kind.RESET: self._on_reset,
+            Kind.WELCOME: self._on_welcome,
+            Kind.REJECT: self._on_reject,
+        }
+
+    # -- top level -----------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Serve until told to exit; returns the process exit code."""
+        return asyncio.run(self.serve())
+
+    async def serve(self) -> int:
+        self._jax = setup_jax(self._cpu_devices)
+        self._discover_devices()
+        self._ctx = zmq.Context()
+        watchdog = asyncio.get_running_loop().create_task(self._watch_parent())
+        backoff = BACKOFF_MIN_S
+        try:
+            while True:
+                joined, outcome = await self._one_session(backoff)
+                self._clear_store()
+                if outcome == "exit":
+                    return 0
+                if outcome == "reject":
+                    return 2
+                if self._exit_with_controller and outcome in ("closed", "lost"):
+                    log.info("controller gone; this local worker exits")
+                    return 0
+                backoff = BACKOFF_MIN_S if joined else min(backoff * 2, BACKOFF_MAX_S)
+                log.info("host %s: controller session ended (%s); joining again", self.name,
+                         outcome)
+        except _Exit as e:
+            return e.code
+        finally:
+            watchdog.cancel()
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._ctx.term()
+
+    async def _watch_parent(self) -> None:
+        if self._parent_pid is None:
+            return
+        while True:
+            await asyncio.sleep(0.5)
+            if os.getppid() != self._parent_pid:
+                log.warning("parent process %d is gone; worker exits", self._parent_pid)
+                os._exit(0)
+
+    def _discover_devices(self) -> None:
+        jax = self._jax
+        devices: list[Any] = []
+        try:
+            if jax.default_backend() != "cpu":
+                devices.extend(jax.devices())
+        except RuntimeError:
+            pass
+        devices.extend(jax.devices("cpu"))
+        self._jax_devices = devices
+        self._by_local = {(d.platform, d.id): d for d in devices}
+
+    def _device_report(self) -> list[list[Any]]:
+        return [[d.platform, d.device_kind, d.id] for d in self._jax_devices]
+
+    # -- one session: join, serve, end ---------------------------------------------------
+
+    async def _one_session(self, backoff: float) -> tuple[bool, str]:
+        loop = asyncio.get_running_loop()
+        assert self._ctx is not None
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, int(BACKOFF_MAX_S * 1000))
+        sock.connect(self.connect)
+        self._sock = sock
+        self._session = secrets.token_bytes(16)
+        self._ctl_session = None
+        self._seq = 0
+        self._ctl_seq = 0
+        self._welcome = loop.create_future()
+        self._ended = loop.create_future()
+        fd = sock.getsockopt(zmq.FD)
+        loop.add_reader(fd, self._drain)
+        joined = False
+        try:
+            while not self._welcome.done():
+                self._send(P.Hello(self.name, os.getpid(), socket.gethostname(),
+                                   self._device_report(), time.time()))
+                wait = backoff * (0.75 + random.random() / 2)
+                done, _ = await asyncio.wait({self._welcome, self._ended}, timeout=wait)
+                if self._ended.done():
+                    return False, self._ended.result()
+                backoff = min(backoff * 2, BACKOFF_MAX_S)
+            joined = True
+            log.info("host %s joined %s as host %d", self.name, self.connect, self.host_index)
+            hb = loop.create_task(self._heartbeats())
+            try:
+                outcome = await self._ended
+            finally:
+                hb.cancel()
+            return joined, outcome
+        finally:
+            loop.remove_reader(fd)
+            sock.close(0)
+            self._sock = None
+
+    async def _heartbeats(self) -> None:
+        assert self._ended is not None
+        while not self._ended.done():
+            await asyncio.sleep(self._heartbeat)
+            if time.monotonic() - self._last_heard > self._liveness:
+                log.warning("controller silent for %.1f s", time.monotonic() - self._last_heard)
+                self._end("lost")
+                return
+            self._send(P.Heartbeat(*self._store_counts()))
+
+    def _end(self, outcome: str) -> None:
+        if self._ended is not None and not self._ended.done():
+            self._ended.set_result(outcome)
+
+    def _clear_store(self) -> None:
+        for t in list(self._calls.values()):
+            t.cancel()
+        self._calls.clear()
+        self._streams.clear()
+        self._started.clear()
+        self._arrays.clear()
+        self._results.clear()
+        self._objects.clear()
+        self._obj_tasks.clear()
+        self._code.clear()
+        self._mesh_cache.clear()
+
+    def _store_counts(self) -> tuple[int, int, int]:
+        nbytes = 0
+        for f in self._arrays.values():
+            if f.done() and not f.cancelled() and f.exception() is None:
+                nbytes += int(getattr(f.result(), "nbytes", 0))
+        return len(self._arrays), nbytes, len(self._objects)
+
+    # -- socket I/O ----------------------------------------------------------------------
+
+    def _send(self, body: P.Body, payload: Buffer = b"", buffers: Sequence[Buffer] = (),
+              pbufs: int = 0) -> None:
+        sock = self._sock
+        if sock is None:
+            return
+        self._seq += 1
+        env = Envelope(body.kind, self._session, self._ctl_session or b"", self._seq,
+                       body.to_wire(), payload, list(buffers), pbufs)
+        try:
+            sock.send_multipart(encode(self._key, env), zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            log.debug("no connection yet; %s not sent", Kind(body.kind).name)
+        if not self._drain_scheduled:
+            self._drain_scheduled = True
+            asyncio.get_running_loop().call_soon(self._drain)
+
+    def _drain(self) -> None:
+        self._drain_scheduled = False
+        sock = self._sock
+        if sock is None:
+            return
+        try:
+            while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                self._on_frames(frames)
+                if self._sock is not sock:
+                    return
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EAGAIN:
+                log.warning("worker socket error: %s", exc)
+
+    def _drop(self, reason: str, detail: str = "") -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + 1
+        log.debug("dropped message (%s) %s", reason, detail)
+
+    def _on_frames(self, frames: list[Any]) -> None:
+        try:
+            env = decode(self._key, frames)
+        except Dropped as d:
+            if d.reason == "unauthenticated" and self._ctl_session is None:
+                log.warning("a message from %s failed authentication: is the key the same "
+                            "on both sides?", self.connect)
+            self._drop(d.reason, d.detail)
+            return
+        if env.receiver != self._session:
+            self._drop("stale")
+            return
+        if self._ctl_session is None:
+            if env.kind not in (Kind.WELCOME, Kind.REJECT):
+                self._drop("unexpected_kind")
+                return
+        elif env.sender != self._ctl_session:
+            self._drop("stale")
+            return
+        elif env.seq <= self._ctl_seq:
+            self._drop("replay")
+            return
+        self._ctl_seq = env.seq
+        self._last_heard = time.monotonic()
+        try:
+            body = P.parse(env.kind, env.body)
+            self._handlers[Kind(env.kind)](body, env)  # type: ignore[operator]
+        except (ValueError, KeyError) as exc:
+            self._drop("malformed", str(exc))
+        except _Exit:
+            raise
+        except Exception:
+            log.exception("error handling %s", env.kind)
+
+    # -- session handlers ---------------------------------------------------------------
+
+    def _on_welcome(self, body: P.Welcome, env: Envelope) -> None:
+        if self._ctl_session is not None:
+            self._drop("unexpected_kind")
+            return
+        if len(body.device_ids) != len(self._jax_devices):
+            raise ValueError("welcome device count mismatch")
+        self._ctl_session = env.sender
+        self.host_index = body.host
+        self._heartbeat = float(body.heartbeat)
+        self._liveness = float(body.liveness)
+        self._exit_with_controller = bool(body.exit_with_controller)
+        if self._welcome is not None and not self._welcome.done():
+            self._welcome.set_result(None)
+
+    def _on_reject(self, body: P.Reject, env: Envelope) -> None:
+        log.error("controller %s refused this worker: %s", self.connect, body.reason)
+        self._end("reject")
+
+    def _on_heartbeat(self, body: P.Heartbeat, env: Envelope) -> None:
+        pass
+
+    def _on_shutdown(self, body: P.Shutdown, env: Envelope) -> None:
+        self._end("exit" if body.reason == "exit" else "closed")
+
+    def _on_reset(self, body: P.Reset, env: Envelope) -> None:
+        self._end("reset")
+
+    def _on_stats(self, body: P.Stats, env: Envelope) -> None:
+        self._send(P.Result(body.call_id, Status.OK, list(self._store_counts())))
+
+    # -- code, arrays --------------------------------------------------------------------
+
+    def _on_code(self, body: P.Code, env: Envelope) -> None:
+        try:
+            self._code[body.digest] = ("ok", loads(env.payload, env.buffers[: env.pbufs]))
+        except Exception as exc:
+            log.warning("code %s does not unpickle here: %r", body.digest.hex()[:12], exc)
+            self._code[body.digest] = ("error", exc)
+
+    def _get_code(self, digest: bytes) -> Any:
+        state, value = self._code.get(digest, ("error", None))
+        if state == "error":
+            if value is None:
+                raise RuntimeError(f"code {digest.hex()[:12]} was never sent to this host")
+            raise value
+        return value
+
+    def local_mesh(self, raw: list[Any]) -> Any:
+        """A jax ``Mesh`` (or a single ``jax.Device``) from ``[[platform, id]...], shape, names``."""
+        key = repr(raw)
+        mesh = self._mesh_cache.get(key)
+        if mesh is None:
+            import numpy as np
+
+            ids, shape, names = raw
+            devs = [self._by_local[(str(p), int(i))] for p, i in ids]
+            if not shape:
+                mesh = devs[0]
+            else:
+                mesh = self._jax.sharding.Mesh(
+                    np.array(devs, dtype=object).reshape(shape), tuple(names))
+            self._mesh_cache[key] = mesh
+        return mesh
+
+    def _sharding(self, mesh: Any, spec: Any) -> Any:
+        jax = self._jax
+        if isinstance(mesh, jax.sharding.Mesh):
+            return jax.sharding.NamedSharding(mesh, spec)
+        return jax.sharding.SingleDeviceSharding(mesh)
+
+    def _to_host_value(self, arr: Any, mesh: Any, spec: Any, key_impl: str | None) -> Any:
+        jax = self._jax
+        if key_impl:
+            keys = jax.random.wrap_key_data(arr, impl=key_impl)
+            return jax.device_put(keys, self._sharding(mesh, spec))
+        if _jax_exact(jax, arr.dtype):
+            return jax.device_put(arr, self._sharding(mesh, spec))
+        return arr
+
+    def _on_put(self, body: P.Put, env: Envelope) -> None:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        self._arrays[body.ref] = fut
+        try:
+            if len(env.buffers) != 1:
+                raise ValueError("PUT needs one buffer")
+            arr = from_buffer(body.dtype, body.shape, env.buffers[0])
+            mesh = self.local_mesh(body.mesh)
+            spec = P.decode_spec(body.spec)
+            impl = body.key_impl if isinstance(body.key_impl, str) else None
+        except Exception as exc:
+            fut.set_exception(exc)
+            fut.exception()
+            raise ValueError(f"bad PUT: {exc}") from exc
+        if arr.nbytes < (1 << 20):
+            try:
+                fut.set_result(self._to_host_value(arr, mesh, spec, impl))
+            except Exception as exc:
+                fut.set_exception(exc)
+                fut.exception()
+            return
+        work = loop.run_in_executor(self._pool, self._to_host_value, arr, mesh, spec, impl)
+        work.add_done_callback(functools.partial(_chain, fut))
+
+    def _on_fetch(self, body: P.Fetch, env: Envelope) -> None:
+        loop = asyncio.get_running_loop()
+        fut = self._arrays.get(body.ref)
+        loop.create_task(self._fetch(body.call_id, body.ref, fut))
+
+    async def _fetch(self, call_id: int, ref: int, fut: asyncio.Future[Any] | None) -> None:
+        import numpy as np
+
+        try:
+            if fut is None:
+                raise KeyError(f"array {ref} is not on host {self.host_index} (deleted?)")
+            value = await fut
+            impl = None
+            if is_key_array(value):
+                impl = key_impl_name(value)
+                value = self._jax.random.key_data(value)
+            arr = np.asarray(value)
+            descr, buf = to_buffer(arr)
+        except BaseException as exc:
+            self._reply_error(call_id, exc)
+            return
+        self._send(P.Result(call_id, Status.OK, [list(arr.shape), descr, impl]), b"", [buf])
+
+    def _on_release(self, body: P.Release, env: Envelope) -> None:
+        for ref in body.refs:
+            self._arrays.pop(ref, None)
+        for call_id in body.calls:
+            self._results.pop(call_id, None)
+
+    # -- calls ----------------------------------------------------------------------------
+
+    def _pin(self, ref: Any) -> asyncio.Future[Any]:
+        """The store entry a call argument names, taken now (a later RELEASE can't race)."""
+        tag, ident = ref
+        table = (self._arrays, self._results, self._objects)[tag]
+        fut = table.get(ident)
+        if fut is None:
+            what = ("array", "call result", "object")[tag]
+            loop = asyncio.get_running_loop()
+            fut = loop.create_future()
+            fut.set_exception(KeyError(f"{what} {ident} is not on host {self.host_index}"))
+            fut.exception()
+        return fut
+
+    def _on_call(self, body: P.Call, env: Envelope) -> None:
+        loop = asyncio.get_running_loop()
+        pins = [self._pin(r) for r in body.refs]
+        obj = self._pin((2, body.obj)) if body.obj else None
+        prev = self._streams.get(body.stream)
+        results: asyncio.Future[Any] = loop.create_future()
+        self._results[body.call_id] = results
+        task = loop.create_task(self._run_call(body, env, pins, obj, prev, results))
+        self._streams[body.stream] = task
+        self._calls[body.call_id] = task
+        if body.obj:
+            self._obj_tasks.setdefault(body.obj, set()).add(task)
+        task.add_done_callback(functools.partial(self._call_done, body, results))
+
+    def _call_done(self, body: P.Call, results: asyncio.Future[Any],
+                   task: asyncio.Task[None]) -> None:
+        self._calls.pop(body.call_id, None)
+        self._started.discard(body.call_id)
+        if self._streams.get(body.stream) is task:
+            del self._streams[body.stream]
+        tasks = self._obj_tasks.get(body.obj)
+        if tasks is not None:
+            tasks.discard(task)
+        if task.cancelled():
+            if not results.done():
+                results.set_exception(asyncio.CancelledError())
+            self._send(P.Result(body.call_id, Status.CANCELLED, None))
+
+    def _on_cancel(self, body: P.Cancel, env: Envelope) -> None:
+        task = self._calls.get(body.call_id)
+        if task is not None and body.call_id not in self._started:
+            task.cancel()
+
+    async def _run_call(
+        self,
+        body: P.Call,
+        env: Envelope,
+        pins: list[asyncio.Future[Any]],
+        obj: asyncio.Future[Any] | None,
+        prev: asyncio.Task[None] | None,
+        results: asyncio.Future[Any],
+    ) -> None:
+        if prev is not None and not prev.done():
+            await asyncio.wait({prev})
+        self._started.add(body.call_id)
+        loop = asyncio.get_running_loop()
+        try:
+            values = [await p for p in pins]
+            args, kwargs = _ArgsUnpickler(env.payload, values, env.buffers[: env.pbufs]).load()
+            if obj is not None:
+                fn = getattr(await obj, body.method)
+            else:
+                fn = self._get_code(body.digest)
+            mesh = self.local_mesh(body.mesh)
+            if inspect.iscoroutinefunction(fn):
+                out = await fn(*args, **kwargs)
+            else:
+                out = await loop.run_in_executor(self._pool, functools.partial(fn, *args,
+                                                                                **kwargs))
+            meta = self._store_outputs(body.call_id, out, mesh)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            if not results.done():
+                results.set_exception(exc)
+                results.exception()
+            self._reply_error(body.call_id, exc)
+            return
+        results.set_result(out)
+        payload, bufs = _dumps_meta(meta)
+        self._send(P.Result(body.call_id, Status.OK, None), payload, bufs, len(bufs))
+
+    def _store_outputs(self, call_id: int, out: Any, mesh: Any) -> Any:
+        import numpy as np
+
+        jax = self._jax
+        leaves, treedef = jax.tree_util.tree_flatten(out)
+        if len(leaves) >= P.MAX_OUTPUTS:
+            raise ValueError(f"a call may return at most {P.MAX_OUTPUTS - 1} arrays")
+        metas: list[P.OutLeaf] = []
+        values: list[Any] = []
+        is_mesh = isinstance(mesh, jax.sharding.Mesh)
+        for i, leaf in enumerate(leaves):
+            spec = None
+            if isinstance(leaf, jax.Array):
+                sh = leaf.sharding
+                if (is_mesh and isinstance(sh, jax.sharding.NamedSharding)
+                        and sh.mesh.axis_names == mesh.axis_names
+                        and sh.mesh.devices.shape == mesh.devices.shape
+                        and all(a == b for a, b in zip(sh.mesh.devices.flat, mesh.devices.flat,
+                                                       strict=True))):
+                    spec = sh.spec
+                    value = leaf
+                else:
+                    value = jax.device_put(leaf, self._sharding(mesh, jax.sharding.PartitionSpec()))
+            elif isinstance(leaf, np.ndarray | np.generic | bool | int | float | complex):
+                arr = np.asarray(leaf)
+                if arr.dtype.hasobject:
+                    raise ValueError(
+                        "colocated_python only supports jax.Array as input and output, "
+                        f"but got {type(leaf)}.")
+                value = (jax.device_put(arr, self._sharding(mesh, jax.sharding.PartitionSpec()))
+                         if _jax_exact(jax, arr.dtype) else arr)
+            else:
+                raise ValueError(
+                    "colocated_python only supports jax.Array as input and output, "
+                    f"but got {type(leaf)}.")
+            impl = key_impl_name(value) if is_key_array(value) else None
+            metas.append(P.OutLeaf(i, tuple(value.shape), value.dtype if impl is None else None,
+                                   spec, impl))
+            values.append(value)
+        loop = asyncio.get_running_loop()
+        for i, value in enumerate(values):
+            fut = loop.create_future()
+            fut.set_result(value)
+            self._arrays[P.output_ref(call_id, i)] = fut
+        return treedef.unflatten(metas)
+
+    def _reply_error(self, call_id: int, exc: BaseException) -> None:
+        tb = "".join(traceback.format_exception(exc))
+        meta = [f"{type(exc).__module__}.{type(exc).__qualname__}", str(exc), tb]
+        try:
+            payload, bufs = _dumps_meta(exc)
+        except Exception:
+            payload, bufs = b"", []
+        self._send(P.Result(call_id, Status.ERROR, meta), payload, bufs, len(bufs))
+
+    # -- objects ------------------------------------------------------------------------
+
+    def _on_construct(self, body: P.Construct, env: Envelope) -> None:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        self._objects[body.obj] = fut
+        pins = [self._pin(r) for r in body.refs]
+        loop.create_task(self._construct(body, env, pins, fut))
+
+    async def _construct(self, body: P.Construct, env: Envelope,
+                         pins: list[asyncio.Future[Any]], fut: asyncio.Future[Any]) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            values = [await p for p in pins]
+            args, kwargs = _ArgsUnpickler(env.payload, values, env.buffers[: env.pbufs]).load()
+            cls = self._get_code(body.digest)
+            inst = await loop.run_in_executor(self._pool, functools.partial(cls, *args, **kwargs))
+        except BaseException as exc:
+            fut.set_exception(exc)
+            fut.exception()
+            return
+        fut.set_result(inst)
+
+    def _on_destroy(self, body: P.Destroy, env: Envelope) -> None:
+        tasks = self._obj_tasks.pop(body.obj, set())
+        fut = self._objects.get(body.obj)
+        if fut is None:
+            return
+        loop = asyncio.get_running_loop()
+        loop.create_task(self._destroy(body.obj, fut, tasks))
+
+    async def _destroy(self, obj: int, fut: asyncio.Future[Any],
+                       tasks: set[asyncio.Task[None]]) -> None:
+        if tasks:
+            await asyncio.wait(tasks)
+        if not fut.done():
+            await asyncio.wait({fut})
+        if self._objects.get(obj) is fut:
+            del self._objects[obj]
+        del fut  # the last reference: the instance's __del__ runs here
+
+
+def _chain(dst: asyncio.Future[Any], src: asyncio.Future[Any]) -> None:
+    if dst.done():
+        return
+    exc = src.exception()
+    if exc is not None:
+        dst.set_exception(exc)
+        dst.exception()
+    else:
+        dst.set_result(src.result())
+
+
+def _dumps_meta(obj: Any) -> tuple[bytes, list[Buffer]]:
+    from ._wire import dumps
+
+    return dumps(obj)
+
+
+def main_worker(connect: str, name: str | None, key: bytes, cpu_devices: int | None,
+                parent_pid: int | None) -> int:
+    """Entry point used by ``colobus worker``."""
+    worker = Worker(connect, name=name, key=key, cpu_devices=cpu_devices, parent_pid=parent_pid)
+    try:
+        return worker.run()
+    except KeyboardInterrupt:
+        return 130
+
+
+_ = (cloudpickle, sys, PROTOCOL_VERSION)
