@@ -117,7 +117,7 @@ Combiner = Callable[[dict[int, Any]], Any]
 class _Pending:
     """One remote operation spanning one or more hosts."""
 
-    __slots__ = ("combine", "decode", "errors", "future", "remaining", "values")
+    __slots__ = ("combine", "decode", "errors", "future", "outputs", "remaining", "values")
 
     def __init__(
         self, future: Future[Any], hosts: Iterable[int], decode: Decoder, combine: Combiner
@@ -128,11 +128,14 @@ class _Pending:
         self.errors: dict[int, BaseException] = {}
         self.decode = decode
         self.combine = combine
+        self.outputs: dict[int, int] = {}  # host -> output leaves it stored (call results)
 
-    def settle(self) -> None:
+    def settle(self, ctl: Controller) -> None:
         if self.remaining:
             return
         if self.errors:
+            for host, n in self.outputs.items():
+                ctl.free_outputs(host, self.future.call_id, n)
             first = min(self.errors)
             exc = self.errors[first]
             for other in sorted(self.errors):
@@ -264,7 +267,6 @@ class Controller:
         self._releases: collections.deque[tuple[int, int, int, int]] = collections.deque()
         self._release_scheduled = False
         self._drain_scheduled = False
-        self._joined = asyncio.Event
         self._join_waiters: list[asyncio.Future[None]] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._on_lost: list[Callable[[int], None]] = []
@@ -468,7 +470,7 @@ class Controller:
     def close(self) -> None:
         """Close a controller started with ``with`` (or from another thread)."""
         loop = self._loop
-        if loop is None or self.state is State.CLOSED and self._own_thread is None:
+        if loop is None or (self.state is State.CLOSED and self._own_thread is None):
             self.state = State.CLOSED
             return
         if self._own_thread is None:
@@ -586,8 +588,9 @@ class Controller:
                 for i in hosts:
                     self._hosts[i].inflight.discard(call_id)
                 fut.set_exception(exc)
+                return
             if not hosts:
-                self._pending.pop(call_id).settle()
+                self._pending.pop(call_id).settle(self)
 
         if backpressure and (self._backlog or self._full(hosts)):
             self._backlog.append((hosts, go))
@@ -598,6 +601,22 @@ class Controller:
         limit = self.max_inflight
         hs = self._hosts
         return any(0 <= i < len(hs) and len(hs[i].inflight) >= limit for i in hosts)
+
+    def post(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the loop thread after every call queued before it was sent."""
+        def run() -> None:
+            if self._backlog:
+                self._backlog.append(((), fn))
+            else:
+                fn()
+
+        self.call_soon(run)
+
+    def free_outputs(self, host: int, call_id: int, n: int) -> None:
+        """Free the outputs a host stored for a call whose result nobody will read."""
+        h = self._hosts[host]
+        if h.alive:
+            self._send(h, P.Release([P.output_ref(call_id, i) for i in range(n)], [call_id]))
 
     def _pump_backlog(self) -> None:
         while self._backlog:
@@ -866,8 +885,14 @@ class Controller:
         call_id = body.call_id
         host.inflight.discard(call_id)
         p = self._pending.get(call_id)
-        if p is not None and host.index in p.remaining:
+        ok_outputs = body.status == P.Status.OK and type(body.meta) is int
+        if p is None or host.index not in p.remaining:
+            if ok_outputs:  # cancelled, failed or lost: nobody will hold these
+                self.free_outputs(host.index, call_id, body.meta)
+        else:
             p.remaining.discard(host.index)
+            if ok_outputs:
+                p.outputs[host.index] = body.meta
             try:
                 if body.status == P.Status.OK:
                     p.values[host.index] = p.decode(host, body, env)
@@ -879,7 +904,7 @@ class Controller:
                 p.errors[host.index] = exc
             if not p.remaining:
                 del self._pending[call_id]
-                p.settle()
+                p.settle(self)
         if self._backlog:
             self._pump_backlog()
 

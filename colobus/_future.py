@@ -40,6 +40,7 @@ class Future(Generic[T]):
         "_result",
         "_state",
         "call_id",
+        "info",
     )
 
     def __init__(self, loop_thread: int | None = None, call_id: int = 0) -> None:
@@ -52,6 +53,7 @@ class Future(Generic[T]):
         self._loop_thread = loop_thread
         self._canceller: Callable[[Future[T]], object] | None = None
         self.call_id = call_id
+        self.info: Any = None  # what produced it (a colocated call's device list, ...)
 
     def __repr__(self) -> str:
         state = ("pending", "cancelled", "finished")[self._state]

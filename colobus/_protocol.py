@@ -190,9 +190,10 @@ class Put(Body):
 @dataclass(frozen=True, slots=True)
 class Fetch(Body):
     kind = Kind.FETCH
-    types = (int, int)
+    types = (int, int, bool)
     call_id: int
     ref: int
+    data: bool  # False: only answer once the array is stored (block_until_ready)
 
 
 @dataclass(frozen=True, slots=True)

@@ -150,6 +150,7 @@ class Worker:
         self._streams: dict[int, asyncio.Task[None]] = {}
         self._calls: dict[int, asyncio.Task[None]] = {}
         self._started: set[int] = set()
+        self._bg: set[asyncio.Task[None]] = set()
         self._handlers = {
             Kind.HEARTBEAT: self._on_heartbeat,
             Kind.CODE: self._on_code,
@@ -166,6 +167,12 @@ class Worker:
             Kind.WELCOME: self._on_welcome,
             Kind.REJECT: self._on_reject,
         }
+
+    def _spawn(self, coro: Any) -> None:
+        """A background task, kept referenced until it ends."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
 
     # -- top level -----------------------------------------------------------------------
 
@@ -252,7 +259,7 @@ class Worker:
                 self._send(P.Hello(self.name, os.getpid(), socket.gethostname(),
                                    self._device_report(), time.time()))
                 wait = backoff * (0.75 + random.random() / 2)
-                done, _ = await asyncio.wait({self._welcome, self._ended}, timeout=wait)
+                await asyncio.wait({self._welcome, self._ended}, timeout=wait)
                 if self._ended.done():
                     return False, self._ended.result()
                 backoff = min(backoff * 2, BACKOFF_MAX_S)
@@ -424,7 +431,7 @@ class Worker:
         return value
 
     def local_mesh(self, raw: list[Any]) -> Any:
-        """A jax ``Mesh`` (or a single ``jax.Device``) from ``[[platform, id]...], shape, names``."""
+        """A jax ``Mesh`` (or one ``jax.Device``) from ``[[platform, id]...], shape, names]``."""
         key = repr(raw)
         mesh = self._mesh_cache.get(key)
         if mesh is None:
@@ -483,15 +490,19 @@ class Worker:
     def _on_fetch(self, body: P.Fetch, env: Envelope) -> None:
         loop = asyncio.get_running_loop()
         fut = self._arrays.get(body.ref)
-        loop.create_task(self._fetch(body.call_id, body.ref, fut))
+        self._spawn(self._fetch(body.call_id, body.ref, fut, body.data))
 
-    async def _fetch(self, call_id: int, ref: int, fut: asyncio.Future[Any] | None) -> None:
+    async def _fetch(self, call_id: int, ref: int, fut: asyncio.Future[Any] | None,
+                     data: bool) -> None:
         import numpy as np
 
         try:
             if fut is None:
                 raise KeyError(f"array {ref} is not on host {self.host_index} (deleted?)")
             value = await fut
+            if not data:
+                self._send(P.Result(call_id, Status.OK, None))
+                return
             impl = None
             if is_key_array(value):
                 impl = key_impl_name(value)
@@ -594,7 +605,8 @@ class Worker:
             return
         results.set_result(out)
         payload, bufs = _dumps_meta(meta)
-        self._send(P.Result(body.call_id, Status.OK, None), payload, bufs, len(bufs))
+        nleaves = len(self._jax.tree_util.tree_leaves(meta))
+        self._send(P.Result(body.call_id, Status.OK, nleaves), payload, bufs, len(bufs))
 
     def _store_outputs(self, call_id: int, out: Any, mesh: Any) -> Any:
         import numpy as np
@@ -658,7 +670,7 @@ class Worker:
         fut: asyncio.Future[Any] = loop.create_future()
         self._objects[body.obj] = fut
         pins = [self._pin(r) for r in body.refs]
-        loop.create_task(self._construct(body, env, pins, fut))
+        self._spawn(self._construct(body, env, pins, fut))
 
     async def _construct(self, body: P.Construct, env: Envelope,
                          pins: list[asyncio.Future[Any]], fut: asyncio.Future[Any]) -> None:
@@ -679,8 +691,7 @@ class Worker:
         fut = self._objects.get(body.obj)
         if fut is None:
             return
-        loop = asyncio.get_running_loop()
-        loop.create_task(self._destroy(body.obj, fut, tasks))
+        self._spawn(self._destroy(body.obj, fut, tasks))
 
     async def _destroy(self, obj: int, fut: asyncio.Future[Any],
                        tasks: set[asyncio.Task[None]]) -> None:

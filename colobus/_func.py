@@ -1,0 +1,514 @@
+"""Controller side of colocated calls: device sets, pickling, dispatch, outputs.
+
+One call runs its function once on each host of its device set. The caller
+pickles the arguments once (``cb.Array`` leaves, futures and colocated objects
+become persistent ids that each host resolves to its own value), the loop
+thread sends one CALL per host, and the per-host output descriptions are
+combined into global ``cb.Array`` handles that stay on the hosts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hashlib
+import importlib
+import io
+import pickle
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import cloudpickle
+import numpy as np
+
+from . import _protocol as P
+from ._array import Array, mesh_message
+from ._controller import Controller, _Host, default_controller
+from ._errors import SerializationError
+from ._future import Future
+from ._sharding import (
+    Device,
+    Mesh,
+    NamedSharding,
+    PartitionSpec,
+    ShapeDtypeStruct,
+    SingleDeviceSharding,
+    global_shape_from_host,
+    host_blocks,
+)
+from ._wire import OOB_THRESHOLD, Buffer, Envelope, loads
+
+__all__ = ["CallPlan", "Code", "ColocatedFunction", "colocated_python", "invoke"]
+
+
+# -- code, pickled once and named by digest ---------------------------------------------
+
+
+def _load_wrapped(module: str, qualname: str) -> Any:
+    """On a host: the original function or class behind a colobus wrapper in ``module``."""
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return getattr(obj, "__wrapped__", obj)
+
+
+class Code:
+    """A function or class, pickled once (lazily) and named by its digest.
+
+    Functions and classes of importable modules travel by reference, so module
+    state on a host persists between calls; others travel by value (cloudpickle).
+    """
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+        self._lock = threading.Lock()
+        self._blob: tuple[bytes, bytes] | None = None
+
+    def get(self) -> tuple[bytes, bytes]:
+        """``(digest, pickled code)``; raises ``SerializationError``."""
+        blob = self._blob
+        if blob is None:
+            with self._lock:
+                if self._blob is None:
+                    self._blob = self._pickle()
+                blob = self._blob
+        return blob
+
+    def _pickle(self) -> tuple[bytes, bytes]:
+        obj = self.obj
+        module = getattr(obj, "__module__", None)
+        qualname = getattr(obj, "__qualname__", "")
+        data: bytes | None = None
+        if module and module != "__main__" and "<locals>" not in qualname:
+            try:
+                found = _load_wrapped(module, qualname)
+            except Exception:
+                found = None
+            if found is obj:
+                data = pickle.dumps(_ByRef(module, qualname), protocol=5)
+        if data is None:
+            try:
+                data = cloudpickle.dumps(obj, protocol=5)
+            except Exception as exc:
+                raise SerializationError(
+                    f"{qualname or obj!r} cannot be pickled to send to hosts: {exc}") from exc
+        return hashlib.blake2b(data, digest_size=16).digest(), data
+
+
+class _ByRef:
+    __slots__ = ("module", "qualname")
+
+    def __init__(self, module: str, qualname: str) -> None:
+        self.module = module
+        self.qualname = qualname
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_load_wrapped, (self.module, self.qualname))
+
+
+class ColocatedObjectBase:
+    """Base of the wrappers ``colocated_python_class`` makes (see ``_obj``)."""
+
+    _colobus_state: Any
+
+
+# -- argument pickling ---------------------------------------------------------------------
+
+
+class _ArgsPickler(cloudpickle.Pickler):  # type: ignore[misc]
+    """Pickles call arguments; host-resident values become persistent ids."""
+
+    def __init__(self, file: io.BytesIO, buffers: list[Buffer]) -> None:
+        def callback(pb: pickle.PickleBuffer) -> bool:
+            try:
+                raw = pb.raw()
+            except BufferError:
+                return True
+            if raw.nbytes < OOB_THRESHOLD:
+                return True
+            buffers.append(raw)
+            return False
+
+        super().__init__(file, protocol=5, buffer_callback=callback)
+        self.refs: list[list[int]] = []
+        self.keep: list[Any] = []  # keeps handles alive until the call is sent
+        self.objects: list[Any] = []
+
+    def persistent_id(self, obj: Any) -> int | None:
+        if isinstance(obj, Array):
+            obj.check_usable()
+            self.refs.append([0, obj.ref])
+        elif isinstance(obj, Future) and isinstance(obj.info, CallPlan):
+            self.refs.append([1, obj.call_id])
+        elif isinstance(obj, ColocatedObjectBase):
+            state = obj._colobus_state
+            state.check_open()
+            self.refs.append([2, state.obj_id])
+            self.objects.append(state)
+        else:
+            return None
+        self.keep.append(obj)
+        return len(self.refs) - 1
+
+
+@dataclass(slots=True)
+class PickledArgs:
+    payload: bytes
+    buffers: list[Buffer]
+    refs: list[list[int]]
+    keep: list[Any]
+    objects: list[Any]
+
+
+def pickle_args(tree: Any, what: str) -> PickledArgs:
+    """Pickle ``(args, kwargs)`` once for every host; ``SerializationError`` names the leaf."""
+    import jax
+
+    f = io.BytesIO()
+    buffers: list[Buffer] = []
+    pickler = _ArgsPickler(f, buffers)
+    try:
+        pickler.dump(tree)
+    except (SerializationError, RuntimeError) as exc:
+        if isinstance(exc, SerializationError) or "deleted" in str(exc):
+            raise
+        raise SerializationError(f"arguments of {what} cannot be pickled: {exc}") from exc
+    except Exception as exc:
+        where = "an argument"
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            if isinstance(leaf, Array | Future):
+                continue
+            try:
+                cloudpickle.dumps(leaf)
+            except Exception:
+                where = f"argument {jax.tree_util.keystr(path)} ({type(leaf).__name__})"
+                break
+        raise SerializationError(
+            f"{where} of {what} cannot be pickled, so nothing was sent: {exc}") from exc
+    return PickledArgs(f.getvalue(), buffers, pickler.refs, pickler.keep, pickler.objects)
+
+
+# -- device sets ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class CallPlan:
+    """Where a call runs: its device list, its mesh, and each host's part of it."""
+
+    devices: tuple[Device, ...]
+    mesh: Mesh | Device
+    hosts: tuple[int, ...]
+    host_mesh: dict[int, list[Any]]
+
+
+@functools.lru_cache(maxsize=256)
+def _plan_for(devices: tuple[Device, ...], mesh: Mesh | Device) -> CallPlan:
+    hosts = tuple(sorted({d.host for d in devices}))
+    if isinstance(mesh, Device):
+        host_mesh = {mesh.host: [[[mesh.platform, mesh.local_id]], [], []]}
+    else:
+        blocks = host_blocks(NamedSharding(mesh, PartitionSpec()), ())
+        host_mesh = {h: mesh_message(b) for h, b in blocks.items()}
+    return CallPlan(devices, mesh, hosts, host_mesh)
+
+
+def _device_list_of(x: Any) -> tuple[tuple[Device, ...], Mesh | Device]:
+    if isinstance(x, Array):
+        sh = x.sharding
+        if isinstance(sh, NamedSharding):
+            return sh.device_list, sh.mesh
+        if isinstance(sh, SingleDeviceSharding):
+            return sh.device_list, sh.device
+        return sh.device_list, Mesh(np.array(sh.device_list, dtype=object), ("devices",))
+    plan: CallPlan = x.info
+    return plan.devices, plan.mesh
+
+
+def _mesh_of_devices(devices: Sequence[Device]) -> Mesh | Device:
+    if len(devices) == 1:
+        return devices[0]
+    return Mesh(np.array(list(devices), dtype=object), ("devices",))
+
+
+def make_plan(leaves: list[Any], devices: Sequence[Device] | None) -> CallPlan:
+    lists: dict[tuple[Device, ...], Mesh | Device] = {}
+    for leaf in leaves:
+        if isinstance(leaf, Array) or (isinstance(leaf, Future) and isinstance(leaf.info,
+                                                                               CallPlan)):
+            dl, mesh = _device_list_of(leaf)
+            lists.setdefault(dl, mesh)
+    if devices is not None:
+        devs = tuple(devices)
+        for dl in lists:
+            if set(dl) != set(devs):
+                raise ValueError(
+                    "All arguments must use the same device list, but got multiple device "
+                    f"lists: {[list(devs), list(dl)]}.")
+        if lists:
+            dl, mesh = next(iter(lists.items()))
+            return _plan_for(dl, mesh)
+        return _plan_for(devs, _mesh_of_devices(devs))
+    if not lists:
+        raise ValueError(
+            "No devices found. colocated_python function without input arguments must be "
+            "first specialized with devices.")
+    if len(lists) > 1:
+        raise ValueError(
+            "All arguments must use the same device list, but got multiple device lists: "
+            f"{[list(dl) for dl in lists]}.")
+    dl, mesh = next(iter(lists.items()))
+    return _plan_for(dl, mesh)
+
+
+# -- specs -------------------------------------------------------------------------------------
+
+
+def _spec_of_leaf(x: Any) -> Any:
+    if isinstance(x, Array):
+        return ShapeDtypeStruct(x.shape, x.dtype, x.sharding)
+    if isinstance(x, np.ndarray | np.generic):
+        return ShapeDtypeStruct(x.shape, x.dtype)
+    return x
+
+
+def _is_handle(x: Any) -> bool:
+    return isinstance(x, Array | Future | ColocatedObjectBase)
+
+
+def _check_specs(actual: Any, expected: Any, what: str) -> None:
+    import jax
+
+    a_leaves, a_tree = jax.tree_util.tree_flatten_with_path(actual, is_leaf=_is_handle)
+    e_leaves, e_tree = jax.tree_util.tree_flatten(expected)
+    if jax.tree_util.tree_structure(actual, is_leaf=_is_handle) != e_tree:
+        raise ValueError(
+            f"{what} do not match the specs: expected structure {e_tree}, got {a_tree}")
+    for (path, a), e in zip(a_leaves, e_leaves, strict=True):
+        if not isinstance(e, ShapeDtypeStruct) or isinstance(a, Future):
+            continue
+        shape = getattr(a, "shape", None)
+        dtype = getattr(a, "dtype", None)
+        if shape is None or tuple(shape) != tuple(e.shape):
+            raise ValueError(f"{what}{jax.tree_util.keystr(path)}: expected shape "
+                             f"{tuple(e.shape)}, got {shape}")
+        if dtype != e.dtype:
+            raise ValueError(f"{what}{jax.tree_util.keystr(path)}: expected dtype {e.dtype}, "
+                             f"got {dtype}")
+
+
+# -- outputs -------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=16)
+def _key_dtype(impl: str) -> Any:
+    import jax
+
+    return jax.eval_shape(lambda: jax.random.key(0, impl=impl)).dtype
+
+
+def _build_outputs(ctl: Controller, call_id: int, plan: CallPlan,
+                   per_host: dict[int, Any]) -> Any:
+    import jax
+
+    hosts = sorted(per_host)
+    flat = {h: jax.tree_util.tree_flatten(per_host[h]) for h in hosts}
+    leaves0, tree0 = flat[hosts[0]]
+    for h in hosts[1:]:
+        if flat[h][1] != tree0:
+            raise ValueError(
+                f"hosts returned different output structures: host {hosts[0]} returned "
+                f"{tree0}, host {h} returned {flat[h][1]}")
+    outs: list[Array] = []
+    for i, leaf0 in enumerate(leaves0):
+        metas: dict[int, P.OutLeaf] = {h: flat[h][0][i] for h in hosts}
+        dtype = _key_dtype(leaf0.key_impl) if leaf0.key_impl else leaf0.dtype
+        specs = {m.spec for m in metas.values()}
+        if isinstance(plan.mesh, Mesh) and None not in specs and len(specs) == 1:
+            sharding: Any = NamedSharding(plan.mesh, leaf0.spec)
+            shape = global_shape_from_host(sharding, hosts[0], leaf0.shape)
+            blocks = host_blocks(sharding, shape)
+            for h, m in metas.items():
+                if tuple(blocks[h].shape) != tuple(m.shape):
+                    raise ValueError(
+                        f"output {i}: host {h} returned a block of shape {m.shape}, but the "
+                        f"global shape {shape} needs {blocks[h].shape} there")
+        else:
+            for h, m in metas.items():
+                if tuple(m.shape) != tuple(leaf0.shape) or m.dtype != leaf0.dtype or (
+                        m.key_impl != leaf0.key_impl):
+                    raise ValueError(
+                        f"output {i} is replicated, so all hosts must agree on its shape and "
+                        f"dtype, but host {hosts[0]} returned {leaf0.shape} {dtype} and host "
+                        f"{h} returned {m.shape} {m.dtype}")
+            shape = tuple(leaf0.shape)
+            sharding = (SingleDeviceSharding(plan.mesh) if isinstance(plan.mesh, Device)
+                        else NamedSharding(plan.mesh, PartitionSpec()))
+        outs.append(Array(ctl, P.output_ref(call_id, i), shape, dtype, sharding,
+                          key_impl=leaf0.key_impl, ready=True))
+    return tree0.unflatten(outs)
+
+
+# -- the call -------------------------------------------------------------------------------------
+
+
+def _stream_id() -> int:
+    try:
+        task = asyncio.current_task()
+    except RuntimeError:
+        task = None
+    return id(task) if task is not None else threading.get_ident()
+
+
+class Target:
+    """What a call runs: a function (by digest) or a method of a colocated object."""
+
+    name: str = ""
+    obj_id: int = 0
+    method: str = ""
+
+    def digest(self) -> bytes:
+        return b""
+
+    def check(self, ctl: Controller, plan: CallPlan) -> None:
+        """Raise at the call if this target cannot run on ``plan`` (caller's thread)."""
+
+    def prepare(self, ctl: Controller, host: _Host) -> None:
+        """Loop thread, before the CALL: make sure the host has what it needs."""
+
+
+class FunctionTarget(Target):
+    def __init__(self, code: Code, name: str) -> None:
+        self.code = code
+        self.name = name
+
+    def digest(self) -> bytes:
+        return self.code.get()[0]
+
+    def prepare(self, ctl: Controller, host: _Host) -> None:
+        digest, blob = self.code.get()
+        ctl.send_code(host, digest, blob)
+
+
+def invoke(target: Target, args: tuple[Any, ...], kwargs: dict[str, Any], *,
+           in_specs: Any = None, out_specs_fn: Callable[..., Any] | None = None,
+           devices: Sequence[Device] | None = None) -> Future[Any]:
+    """Run ``target`` on every host of the call's device set; a Future of its outputs."""
+    import jax
+
+    ctl = default_controller()
+    tree = (args, kwargs)
+    leaves = jax.tree_util.tree_leaves(tree, is_leaf=_is_handle)
+    plan = make_plan(leaves, devices)
+    in_tree = jax.tree_util.tree_map(_spec_of_leaf, tree, is_leaf=_is_handle)
+    if in_specs is not None:
+        _check_specs(tree, in_specs, f"inputs of {target.name}")
+    out_specs = out_specs_fn(*in_tree[0], **in_tree[1]) if out_specs_fn is not None else None
+    target.check(ctl, plan)
+    for leaf in leaves:
+        if isinstance(leaf, Array):
+            leaf.check_usable()
+    digest = target.digest()  # pickles the code now: SerializationError at the call
+    pickled = pickle_args(tree, target.name)
+    stream = _stream_id()
+    gens = {h: ctl.host_generation(h) for h in plan.hosts}
+
+    def send(call_id: int) -> None:
+        payload, bufs = pickled.payload, pickled.buffers
+        for h in plan.hosts:
+            host = ctl.host(h)
+            if host.generation != gens[h]:
+                raise host.lost_error("it rejoined after this call was made")
+            target.prepare(ctl, host)
+            for state in pickled.objects:
+                state.ensure_built(ctl, host)
+            ctl.send(host, P.Call(call_id, stream, digest, target.obj_id, target.method,
+                                  pickled.refs, plan.host_mesh[h]), payload, bufs, len(bufs))
+        ctl.count("calls")
+
+    def decode(host: _Host, body: P.Result, env: Envelope) -> Any:
+        return loads(env.payload, env.buffers[: env.pbufs])
+
+    call_id = ctl.next_id()
+
+    def combine(per_host: dict[int, Any]) -> Any:
+        out = _build_outputs(ctl, call_id, plan, per_host)
+        if out_specs is not None:
+            _check_specs(out, out_specs, f"outputs of {target.name}")
+        return out
+
+    fut = ctl.submit(plan.hosts, send, decode, combine, call_id=call_id, cancellable=True)
+    fut.info = plan
+    weakref.finalize(fut, _release_results, ctl, gens, call_id)
+    return fut
+
+
+def _release_results(ctl: Controller, gens: dict[int, int], call_id: int) -> None:
+    for h, g in gens.items():
+        ctl.release(h, g, call=call_id)
+
+
+# -- the decorator ---------------------------------------------------------------------------------
+
+
+class ColocatedFunction:
+    """A function that runs on every host of its device set; calls return ``cb.Future``."""
+
+    def __init__(self, fn: Callable[..., Any], *, in_specs: Any = None,
+                 out_specs_fn: Callable[..., Any] | None = None,
+                 devices: Sequence[Device] | None = None, code: Code | None = None) -> None:
+        functools.update_wrapper(self, fn)
+        self._fn = fn
+        self._code = code if code is not None else Code(fn)
+        self._target = FunctionTarget(self._code, getattr(fn, "__qualname__", repr(fn)))
+        self._in_specs = in_specs
+        self._out_specs_fn = out_specs_fn
+        self._devices = tuple(devices) if devices is not None else None
+
+    def __repr__(self) -> str:
+        return f"<colocated_python {self._target.name}>"
+
+    def specialize(self, in_specs: Any = None, out_specs_fn: Callable[..., Any] | None = None,
+                   devices: Sequence[Device] | None = None) -> ColocatedFunction:
+        """A new callable with fixed input specs, output specs function or devices."""
+        in_specs, out_specs_fn, devices = merge_specialization(
+            (self._in_specs, self._out_specs_fn, self._devices), in_specs, out_specs_fn,
+            devices)
+        return ColocatedFunction(self._fn, in_specs=in_specs, out_specs_fn=out_specs_fn,
+                                 devices=devices, code=self._code)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Future[Any]:
+        return invoke(self._target, args, kwargs, in_specs=self._in_specs,
+                      out_specs_fn=self._out_specs_fn, devices=self._devices)
+
+
+def merge_specialization(current: tuple[Any, Any, Any], in_specs: Any,
+                         out_specs_fn: Any, devices: Any) -> tuple[Any, Any, Any]:
+    cur_in, cur_out, cur_dev = current
+    if in_specs is not None and cur_in is not None:
+        raise ValueError("in_specs already specified")
+    if out_specs_fn is not None and cur_out is not None:
+        raise ValueError("out_specs_fn already specified")
+    if devices is not None and cur_dev is not None:
+        raise ValueError("devices already specified")
+    if devices is not None:
+        devices = tuple(np.asarray(devices, dtype=object).flat) if isinstance(
+            devices, np.ndarray) else tuple(devices)
+        if not devices or not all(isinstance(d, Device) for d in devices):
+            raise ValueError("devices must be a non-empty sequence of colobus Devices")
+    return (in_specs if in_specs is not None else cur_in,
+            out_specs_fn if out_specs_fn is not None else cur_out,
+            devices if devices is not None else cur_dev)
+
+
+def colocated_python(fn: Callable[..., Any]) -> ColocatedFunction:
+    """Run ``fn`` once on each host of its device set, colocated with the data.
+
+    The device set is the device list of the ``cb.Array`` arguments, or the one
+    given with ``specialize(devices=...)``. Each array argument arrives on a host
+    as a ``jax.Array`` holding that host's block; other arguments arrive as they
+    are. Calls return a ``cb.Future`` of the outputs as ``cb.Array`` handles.
+    """
+    return ColocatedFunction(fn)
