@@ -1,0 +1,33 @@
+"""Shared fixtures: real local clusters of real worker subprocesses."""
+
+from __future__ import annotations
+
+import os
+
+# The test process itself plays JAX with 8 CPU devices (sharding property tests).
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import collections.abc
+
+import pytest
+
+import colobus as cb
+
+
+@pytest.fixture(scope="session")
+def cluster() -> collections.abc.Iterator[cb.Controller]:
+    """One 2-host x 4-CPU-device local cluster shared by the whole session (sync face)."""
+    with cb.local_cluster(hosts=2, devices_per_host=4) as ctl:
+        yield ctl
+
+
+@pytest.fixture
+def ctl(cluster: cb.Controller) -> collections.abc.Iterator[cb.Controller]:
+    """The shared cluster, made the default controller for this test."""
+    from colobus._controller import _pop_current, _push_current
+
+    _push_current(cluster)
+    try:
+        yield cluster
+    finally:
+        _pop_current(cluster)
