@@ -173,7 +173,9 @@ def pickle_args(tree: Any, what: str) -> PickledArgs:
     try:
         pickler.dump(tree)
     except (SerializationError, RuntimeError) as exc:
-        if isinstance(exc, SerializationError) or "deleted" in str(exc):
+        # a deleted array or a closed object: the caller's misuse, not a pickling problem
+        if isinstance(exc, SerializationError) or "deleted" in str(exc) or (
+                "was closed" in str(exc)):
             raise
         raise SerializationError(f"arguments of {what} cannot be pickled: {exc}") from exc
     except Exception as exc:
@@ -184,7 +186,7 @@ def pickle_args(tree: Any, what: str) -> PickledArgs:
             try:
                 cloudpickle.dumps(leaf)
             except Exception:
-                where = f"argument {jax.tree_util.keystr(path)} ({type(leaf).__name__})"
+                where = f"argument {_arg_path(path)} ({type(leaf).__name__})"
                 break
         raise SerializationError(
             f"{where} of {what} cannot be pickled, so nothing was sent: {exc}") from exc
@@ -204,8 +206,23 @@ class CallPlan:
     host_mesh: dict[int, list[Any]]
 
 
-@functools.lru_cache(maxsize=256)
+_plans: dict[Any, CallPlan] = {}
+
+
 def _plan_for(devices: tuple[Device, ...], mesh: Mesh | Device) -> CallPlan:
+    # Devices compare by id only, and ids repeat across controllers: key on everything.
+    full = tuple((d.id, d.host, d.platform, d.local_id) for d in devices)
+    key = (full, None if isinstance(mesh, Device) else (mesh.axis_names, mesh.devices.shape))
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _make_plan(devices, mesh)
+        if len(_plans) > 1024:
+            _plans.clear()
+        _plans[key] = plan
+    return plan
+
+
+def _make_plan(devices: tuple[Device, ...], mesh: Mesh | Device) -> CallPlan:
     hosts = tuple(sorted({d.host for d in devices}))
     if isinstance(mesh, Device):
         host_mesh = {mesh.host: [[[mesh.platform, mesh.local_id]], [], []]}
@@ -278,7 +295,17 @@ def _is_handle(x: Any) -> bool:
     return isinstance(x, Array | Future | ColocatedObjectBase)
 
 
-def _check_specs(actual: Any, expected: Any, what: str) -> None:
+def _arg_path(path: Sequence[Any]) -> str:
+    """A leaf's path in ``(args, kwargs)`` as the user wrote it: ``args[0]['k']``, ``kwargs['n']``."""
+    import jax
+
+    first = path[0] if path else None
+    if isinstance(first, jax.tree_util.SequenceKey) and first.idx in (0, 1):
+        return ("args", "kwargs")[first.idx] + jax.tree_util.keystr(tuple(path[1:]))
+    return jax.tree_util.keystr(tuple(path))
+
+
+def _check_specs(actual: Any, expected: Any, what: str, *, inputs: bool = False) -> None:
     import jax
 
     a_leaves, a_tree = jax.tree_util.tree_flatten_with_path(actual, is_leaf=_is_handle)
@@ -291,12 +318,12 @@ def _check_specs(actual: Any, expected: Any, what: str) -> None:
             continue
         shape = getattr(a, "shape", None)
         dtype = getattr(a, "dtype", None)
+        where = _arg_path(path) if inputs else "output" + jax.tree_util.keystr(tuple(path))
         if shape is None or tuple(shape) != tuple(e.shape):
-            raise ValueError(f"{what}{jax.tree_util.keystr(path)}: expected shape "
-                             f"{tuple(e.shape)}, got {shape}")
+            raise ValueError(f"{what}: {where}: expected shape {tuple(e.shape)}, got "
+                             f"{None if shape is None else tuple(shape)}")
         if dtype != e.dtype:
-            raise ValueError(f"{what}{jax.tree_util.keystr(path)}: expected dtype {e.dtype}, "
-                             f"got {dtype}")
+            raise ValueError(f"{what}: {where}: expected dtype {e.dtype}, got {dtype}")
 
 
 # -- outputs -------------------------------------------------------------------------------------
@@ -404,7 +431,7 @@ def invoke(target: Target, args: tuple[Any, ...], kwargs: dict[str, Any], *,
     plan = make_plan(leaves, devices)
     in_tree = jax.tree_util.tree_map(_spec_of_leaf, tree, is_leaf=_is_handle)
     if in_specs is not None:
-        _check_specs(tree, in_specs, f"inputs of {target.name}")
+        _check_specs(tree, in_specs, f"inputs of {target.name}", inputs=True)
     out_specs = out_specs_fn(*in_tree[0], **in_tree[1]) if out_specs_fn is not None else None
     target.check(ctl, plan)
     for leaf in leaves:
@@ -412,6 +439,8 @@ def invoke(target: Target, args: tuple[Any, ...], kwargs: dict[str, Any], *,
             leaf.check_usable()
     digest = target.digest()  # pickles the code now: SerializationError at the call
     pickled = pickle_args(tree, target.name)
+    for state in pickled.objects:  # colocated objects passed as arguments
+        state.bind(ctl)
     stream = _stream_id()
     gens = {h: ctl.host_generation(h) for h in plan.hosts}
 
