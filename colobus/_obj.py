@@ -51,6 +51,7 @@ class ObjectState:
         self.ctl: Controller | None = None
         self.built: dict[int, int] = {}  # host -> generation it was built in
         self.closed = False
+        self.destroy_sent = False  # loop thread: DESTROY went out, nothing may build it again
         self._lock = threading.Lock()
 
     def check_open(self) -> None:
@@ -58,11 +59,25 @@ class ObjectState:
             raise RuntimeError(
                 f"this {self.cls_name} colocated object was closed; make a new one")
 
+    def bind(self, ctl: Controller) -> None:
+        """Caller's thread, at each call: tie the object to ``ctl``.
+
+        Done before the call is submitted, so a wrapper dropped right after the
+        call (before the loop thread sent it) still knows where to send DESTROY.
+        """
+        with self._lock:
+            self.check_open()
+            if self.ctl is None:
+                self.ctl = ctl
+            elif self.ctl is not ctl:
+                raise RuntimeError(
+                    f"this {self.cls_name} object belongs to another (closed?) controller")
+
     def check_plan(self, ctl: Controller, plan: CallPlan) -> None:
-        self.check_open()
-        if self.ctl is not None and self.ctl is not ctl:
-            raise RuntimeError(
-                f"this {self.cls_name} object belongs to another (closed?) controller")
+        self.bind(ctl)
+        for state in self.init.objects:  # objects given to __init__ are built with it
+            if state.ctl is None:
+                state.bind(ctl)
         for h in plan.hosts:
             gen = self.built.get(h)
             if gen is None:
@@ -75,6 +90,9 @@ class ObjectState:
         """Loop thread: send CONSTRUCT to ``host`` unless it built (or lost) the instance."""
         if self.ctl is None:
             self.ctl = ctl
+        if self.destroy_sent:  # closed while a call naming it waited to be sent
+            raise RuntimeError(
+                f"this {self.cls_name} colocated object was closed; make a new one")
         gen = self.built.get(host.index)
         if gen is not None:
             if gen != host.generation or not host.alive:
@@ -96,7 +114,9 @@ class ObjectState:
             if self.closed:
                 return
             self.closed = True
-        ctl = self.ctl
+            ctl = self.ctl
+            if ctl is None:  # never called: nothing is built and no call names it
+                self.destroy_sent = True
         if ctl is None or ctl.state.value != "running":
             return
 
@@ -106,6 +126,7 @@ class ObjectState:
                 if host.alive and host.generation == gen:
                     ctl.send(host, P.Destroy(self.obj_id))
             self.built.clear()
+            self.destroy_sent = True
             self.init = PickledArgs(b"", [], [], [], [])
 
         try:
@@ -129,12 +150,19 @@ class MethodTarget(Target):
 
 
 class ColocatedMethod:
-    """A method of a colocated object: behaves as a colocated function."""
+    """A method of a colocated object: behaves as a colocated function.
+
+    Like a Python bound method it keeps its object alive (``owner``), so
+    ``Loader(path).next_batch(x)`` works and the temporary object is destroyed
+    after that call. A method assigned back onto its object is stored without
+    the owner (no reference cycle) and bound again on each attribute access.
+    """
 
     def __init__(self, state: ObjectState, name: str, fn: Callable[..., Any], *,
                  in_specs: Any = None, out_specs_fn: Callable[..., Any] | None = None,
-                 devices: Sequence[Device] | None = None) -> None:
+                 devices: Sequence[Device] | None = None, owner: Any = None) -> None:
         functools.update_wrapper(self, fn)
+        self._owner = owner
         self._state = state
         self._name = name
         self._fn = fn
@@ -153,7 +181,13 @@ class ColocatedMethod:
             (self._in_specs, self._out_specs_fn, self._devices), in_specs, out_specs_fn,
             devices)
         return ColocatedMethod(self._state, self._name, self._fn, in_specs=in_specs,
-                               out_specs_fn=out_specs_fn, devices=devices)
+                               out_specs_fn=out_specs_fn, devices=devices, owner=self._owner)
+
+    def _rebind(self, owner: Any) -> ColocatedMethod:
+        """The same method (same specialization) held by ``owner``, or by nothing."""
+        return ColocatedMethod(self._state, self._name, self._fn, in_specs=self._in_specs,
+                               out_specs_fn=self._out_specs_fn, devices=self._devices,
+                               owner=owner)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Future[Any]:
         self._state.check_open()
@@ -175,7 +209,10 @@ class _MethodDescriptor:
     def __get__(self, inst: Any, owner: type | None = None) -> Any:
         if inst is None:
             return self
-        return ColocatedMethod(inst._colobus_state, self.name, self.fn)
+        assigned = inst._colobus_methods.get(self.name)
+        if assigned is not None:
+            return assigned._rebind(inst)
+        return ColocatedMethod(inst._colobus_state, self.name, self.fn, owner=inst)
 
 
 class _ColocatedObject(ColocatedObjectBase):
@@ -189,9 +226,29 @@ class _ColocatedObject(ColocatedObjectBase):
         init = pickle_args((args, kwargs), f"{cls.__qualname__}.__init__")
         state = ObjectState(type(self)._colobus_code, cls.__qualname__, init)
         object.__setattr__(self, "_colobus_state", state)
+        object.__setattr__(self, "_colobus_methods", {})
         object.__setattr__(self, "_colobus_finalizer", weakref.finalize(self, state.destroy))
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # ``obj.m = obj.m.specialize(...)``: keep the method without its owner, so
+        # the object does not hold itself (and dies, and is destroyed, by refcount).
+        if isinstance(value, ColocatedMethod) and value._state is self._colobus_state:
+            self._colobus_methods[name] = value._rebind(None)
+            self.__dict__.pop(name, None)
+            return
+        self._colobus_methods.pop(name, None)
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if self._colobus_methods.pop(name, None) is None:
+            object.__delattr__(self, name)
+
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("_colobus_"):  # not set yet (e.g. during unpickling)
+            raise AttributeError(name)
+        assigned = self._colobus_methods.get(name)
+        if assigned is not None:
+            return assigned._rebind(self)
         cls = type(self).__wrapped__
         if hasattr(cls, name):
             raise AttributeError(
