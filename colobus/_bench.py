@@ -1,0 +1,565 @@
+"""``colobus bench``: colobus against a raw pyzmq baseline of the same shape, same run.
+
+Every benchmark measures colobus and a raw ZeroMQ program doing the same
+traffic (a ROUTER in this process, DEALER echo servers in subprocesses, over
+``ipc``, blocking sockets on both ends), and reports both figures and their
+ratio ``colobus / baseline``. ``better`` says which direction wins: for
+latencies and memory lower is better (a ratio of 1.5 means 1.5x slower than raw),
+for rates higher is better (a ratio of 0.5 means half the raw rate).
+
+Groups (``colobus bench NAME``): ``latency``, ``pipelined``, ``fanout``,
+``object``, ``transfer`` (includes peak memory), ``chain``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import zmq
+
+import colobus as cb
+
+__all__ = ["BENCHMARKS", "run_bench"]
+
+log = logging.getLogger("colobus.bench")
+
+MiB = 1 << 20
+
+
+# -- code that runs on the hosts (importable, so it travels by reference) -------------
+
+
+@cb.colocated_python
+def bench_noop(x: Any) -> None:
+    """The no-op call: returns nothing, so no output is stored."""
+    return None
+
+
+@cb.colocated_python
+def bench_inc(x: Any) -> Any:
+    """One link of the dependent-call chain."""
+    return x + 1
+
+
+@cb.colocated_python_class
+class BenchObject:
+    """A trivial colocated object: construct plus first call."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def ping(self, x: Any) -> None:
+        return None
+
+
+# -- results -------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    """One benchmark figure: colobus, the raw baseline, and their ratio."""
+
+    name: str
+    unit: str
+    colobus: float
+    baseline: float
+    better: str  # "lower" or "higher"
+    note: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def ratio(self) -> float:
+        return self.colobus / self.baseline if self.baseline else float("nan")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"unit": self.unit, "colobus": self.colobus, "baseline": self.baseline,
+                "ratio": self.ratio, "better": self.better, "note": self.note, **self.extra}
+
+
+@dataclass(frozen=True)
+class Sizes:
+    latency_calls: int
+    pipelined_calls: int
+    window: int
+    object_reps: int
+    transfer: tuple[tuple[str, int, int], ...]  # (label, bytes, reps)
+    chain_reps: int
+    chain_len: int = 100
+
+
+FULL = Sizes(latency_calls=2000, pipelined_calls=20000, window=1000, object_reps=40,
+             transfer=(("small", 1 * MiB, 20), ("medium", 64 * MiB, 5), ("large", 256 * MiB, 3)),
+             chain_reps=5)
+QUICK = Sizes(latency_calls=200, pipelined_calls=3000, window=1000, object_reps=8,
+              transfer=(("small", 1 * MiB, 5), ("medium", 8 * MiB, 3), ("large", 32 * MiB, 2)),
+              chain_reps=2)
+
+
+# -- /proc memory --------------------------------------------------------------------------
+
+
+def _status_kib(pid: int, field_name: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field_name + ":"):
+                return int(line.split()[1])
+    raise KeyError(field_name)
+
+
+class PeakMemory:
+    """Peak RSS growth of some processes over a block (``VmHWM`` after a reset).
+
+    Writing ``5`` to ``/proc/PID/clear_refs`` resets ``VmHWM`` to the current
+    RSS, so the peak covers only the measured block. Where the kernel refuses,
+    the lifetime peak is used (then the figure may overstate).
+    """
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids = pids
+        self.before: dict[str, int] = {}
+        self.peak: dict[str, int] = {}
+        self.exact = True
+
+    def __enter__(self) -> PeakMemory:
+        for name, pid in self.pids.items():
+            try:
+                with open(f"/proc/{pid}/clear_refs", "w") as f:
+                    f.write("5")
+            except OSError:
+                self.exact = False
+            self.before[name] = _status_kib(pid, "VmRSS")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name, pid in self.pids.items():
+            self.peak[name] = max(0, _status_kib(pid, "VmHWM") - self.before[name]) * 1024
+
+
+# -- the raw pyzmq baseline ---------------------------------------------------------------
+
+
+def _echo_main(address: str, identity: str) -> None:
+    """A raw DEALER echo server (runs in a subprocess; blocking socket).
+
+    Ops (first frame): ``e`` echo the frames back; ``p`` keep the second frame
+    (zero-copy) and ack; ``g`` send the kept frame back (zero-copy); ``q`` quit.
+    """
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.IDENTITY, identity.encode())
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.connect(address)
+    sock.send(b"hello")
+    kept: Any = None
+    while True:
+        frames = sock.recv_multipart(copy=False)
+        op = frames[0].bytes
+        if op == b"e":
+            sock.send_multipart(frames, copy=False)
+        elif op == b"p":
+            kept = frames[1]
+            sock.send(b"k")
+        elif op == b"g":
+            sock.send_multipart([b"d", kept], copy=False)
+        elif op == b"q":
+            break
+    sock.close(0)
+    ctx.term()
+
+
+class RawEcho:
+    """A ROUTER here and ``n`` DEALER echo servers in subprocesses, over ipc."""
+
+    def __init__(self, n: int = 1) -> None:
+        self.n = n
+        self.path = os.path.join(tempfile.gettempdir(), f"colobus-bench-{os.getpid()}.sock")
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.bind(f"ipc://{self.path}")
+        self.ids = [f"s{i}".encode() for i in range(n)]
+        code = "import sys; from colobus._bench import _echo_main; _echo_main(*sys.argv[1:])"
+        self.procs = [subprocess.Popen([sys.executable, "-c", code, f"ipc://{self.path}",
+                                        i.decode()]) for i in self.ids]
+        self.sock.setsockopt(zmq.RCVTIMEO, 60_000)
+        for _ in range(n):
+            self.sock.recv_multipart()  # hello
+        self.sock.setsockopt(zmq.RCVTIMEO, -1)
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def close(self) -> None:
+        for i in self.ids:
+            self.sock.send_multipart([i, b"q"])
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.sock.close(0)
+        self.ctx.term()
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+
+    def __enter__(self) -> RawEcho:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def round_trips(self, n: int, hosts: int = 1) -> list[float]:
+        """``n`` blocking round trips (to ``hosts`` servers at once); seconds each."""
+        sock, ids, payload = self.sock, self.ids[:hosts], b"x" * 200
+        out = []
+        for _ in range(n + n // 10):
+            t = time.perf_counter()
+            for i in ids:
+                sock.send_multipart([i, b"e", payload])
+            for _ in ids:
+                sock.recv_multipart()
+            out.append(time.perf_counter() - t)
+        return out[n // 10:]
+
+    def pipelined(self, total: int, window: int, hosts: int = 1) -> float:
+        """Round trips per second with ``window`` in flight per server."""
+        sock, ids, payload = self.sock, self.ids[:hosts], b"x" * 200
+        t = time.perf_counter()
+        sent = recv = 0
+        for _ in range(min(window, total)):
+            for i in ids:
+                sock.send_multipart([i, b"e", payload])
+            sent += 1
+        while recv < total * len(ids):
+            sock.recv_multipart()
+            recv += 1
+            if sent < total and recv % len(ids) == 0:
+                for i in ids:
+                    sock.send_multipart([i, b"e", payload])
+                sent += 1
+        return total / (time.perf_counter() - t)
+
+    def put(self, buf: np.ndarray[Any, Any]) -> float:
+        """Send ``buf`` zero-copy to server 0 and wait for its ack; seconds."""
+        t = time.perf_counter()
+        self.sock.send_multipart([self.ids[0], b"p", buf], copy=False)
+        self.sock.recv_multipart()
+        return time.perf_counter() - t
+
+    def get(self) -> tuple[float, Any]:
+        """Fetch the kept buffer from server 0 (zero-copy); seconds and the data."""
+        t = time.perf_counter()
+        self.sock.send_multipart([self.ids[0], b"g"])
+        frames = self.sock.recv_multipart(copy=False)
+        data = np.frombuffer(frames[2].buffer, np.uint8)
+        return time.perf_counter() - t, data
+
+
+# -- benchmarks --------------------------------------------------------------------------
+
+
+def _median_us(xs: list[float]) -> float:
+    return statistics.median(xs) * 1e6
+
+
+async def _latency_async(x: Any, n: int) -> list[float]:
+    for _ in range(n // 10):
+        await bench_noop(x)
+    out = []
+    for _ in range(n):
+        t = time.perf_counter()
+        await bench_noop(x)
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def _latency_sync(x: Any, n: int) -> list[float]:
+    for _ in range(n // 10):
+        bench_noop(x).result()
+    out = []
+    for _ in range(n):
+        t = time.perf_counter()
+        bench_noop(x).result()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+async def _pipelined(x: Any, total: int, window: int) -> float:
+    sem = asyncio.Semaphore(window)
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+    left = [total]
+
+    def finished(f: cb.Future[Any]) -> None:
+        sem.release()
+        left[0] -= 1
+        if f.exception() is not None and not done.done():
+            done.set_exception(f.exception())  # type: ignore[arg-type]
+        elif left[0] == 0 and not done.done():
+            done.set_result(None)
+
+    t = time.perf_counter()
+    for _ in range(total):
+        await sem.acquire()
+        bench_noop(x).add_done_callback(finished)
+    await done
+    return total / (time.perf_counter() - t)
+
+
+def _one_device_array(ctl: cb.Controller, host: int = 0) -> Any:
+    dev = next(d for d in ctl.devices() if d.host == host)
+    return cb.device_put(np.zeros(4, np.float32), dev)
+
+
+def _fanout_array(ctl: cb.Controller, hosts: int) -> Any:
+    devs = [next(d for d in ctl.devices() if d.host == h) for h in range(hosts)]
+    mesh = cb.Mesh(np.array(devs, dtype=object), ("hosts",))
+    return cb.device_put(np.zeros(hosts, np.float32),
+                         cb.NamedSharding(mesh, cb.PartitionSpec("hosts")))
+
+
+class Bench:
+    """Runs the selected groups and collects rows."""
+
+    def __init__(self, sizes: Sizes) -> None:
+        self.sizes = sizes
+        self.rows: list[Row] = []
+        self._raw_rtt: dict[int, float] = {}
+
+    def add(self, row: Row) -> None:
+        self.rows.append(row)
+        print(_format_row(row), flush=True)
+
+    def raw_rtt_us(self, raw: RawEcho, hosts: int = 1) -> float:
+        return _median_us(raw.round_trips(self.sizes.latency_calls, hosts))
+
+    # groups that share one async cluster ------------------------------------------------
+
+    async def latency(self, ctl: cb.Controller, raw: RawEcho) -> None:
+        s = self.sizes
+        x = _one_device_array(ctl)
+        await cb.block_until_ready(x)
+        ours = _median_us(await _latency_async(x, s.latency_calls))
+        base = self.raw_rtt_us(raw)
+        self._raw_rtt[1] = base
+        self.add(Row("latency_async", "us", ours, base, "lower",
+                     "no-op call, 1 host, `async with`; baseline: raw blocking round trip"))
+
+    async def pipelined(self, ctl: cb.Controller, raw: RawEcho) -> None:
+        s = self.sizes
+        x = _one_device_array(ctl)
+        await cb.block_until_ready(x)
+        await _pipelined(x, s.pipelined_calls // 10, s.window)
+        ours = await _pipelined(x, s.pipelined_calls, s.window)
+        base = raw.pipelined(s.pipelined_calls, s.window)
+        self.add(Row("pipelined", "calls/s", ours, base, "higher",
+                     f"no-op calls, {s.window} in flight, 1 host; baseline: raw pipelined "
+                     "round trips"))
+
+    async def fanout(self, ctl: cb.Controller, raw: RawEcho) -> None:
+        s = self.sizes
+        hosts = len(ctl.hosts())
+        x1 = _one_device_array(ctl)
+        x = _fanout_array(ctl, hosts)
+        await cb.block_until_ready([x, x1])
+        one = _median_us(await _latency_async(x1, s.latency_calls))
+        ours = _median_us(await _latency_async(x, s.latency_calls))
+        base = self.raw_rtt_us(raw, hosts)
+        self.add(Row(f"fanout{hosts}_latency", "us", ours, base, "lower",
+                     f"no-op call on {hosts} hosts; baseline: raw round trip to {hosts} servers",
+                     {"colobus_1host": one, "vs_1host": ours / one}))
+        await _pipelined(x, s.pipelined_calls // 20, s.window)
+        ours_p = await _pipelined(x, s.pipelined_calls // 2, s.window)
+        base_p = raw.pipelined(s.pipelined_calls // 2, s.window, hosts)
+        self.add(Row(f"fanout{hosts}_pipelined", "calls/s", ours_p, base_p, "higher",
+                     f"no-op calls on {hosts} hosts, {s.window} in flight; baseline: raw "
+                     f"pipelined round trips to {hosts} servers"))
+
+    async def object(self, ctl: cb.Controller, raw: RawEcho) -> None:
+        s = self.sizes
+        x = _one_device_array(ctl)
+        await cb.block_until_ready(x)
+        times = []
+        for i in range(s.object_reps + 2):
+            t = time.perf_counter()
+            obj = BenchObject(i)
+            await obj.ping(x)
+            times.append(time.perf_counter() - t)
+            await obj.aclose()
+        ours = _median_us(times[2:])
+        base = self._raw_rtt.get(1) or self.raw_rtt_us(raw)
+        self.add(Row("object_first_call", "us", ours, base, "lower",
+                     "construct a colocated object plus its first method call, 1 host; "
+                     "baseline: raw blocking round trip"))
+
+    async def transfer(self, ctl: cb.Controller, raw: RawEcho) -> None:
+        worker = ctl.hosts()[0].pid
+        dev = next(d for d in ctl.devices() if d.host == 0)
+        me = os.getpid()
+        for label, nbytes, reps in self.sizes.transfer:
+            data = np.ones(nbytes, np.uint8)  # touched: no page faults inside the timing
+            put_t, get_t, raw_put, raw_get = [], [], [], []
+            mem: dict[str, PeakMemory] = {}
+            for r in range(reps):
+                measure = label == "large" and r == 0
+                with PeakMemory({"controller": me, "worker": worker}) as m_put:
+                    t = time.perf_counter()
+                    a = cb.device_put(data, dev)
+                    await cb.block_until_ready(a)
+                    put_t.append(time.perf_counter() - t)
+                with PeakMemory({"controller": me, "worker": worker}) as m_get:
+                    t = time.perf_counter()
+                    back = await cb.device_get(a)
+                    get_t.append(time.perf_counter() - t)
+                assert back.nbytes == nbytes
+                del back
+                a.delete()
+                with PeakMemory({"controller": me, "worker": raw.pids[0]}) as r_put:
+                    raw_put.append(raw.put(data))
+                with PeakMemory({"controller": me, "worker": raw.pids[0]}) as r_get:
+                    dt, got = raw.get()
+                    raw_get.append(dt)
+                assert got.nbytes == nbytes
+                del got
+                if measure:
+                    mem = {"put": m_put, "get": m_get, "raw_put": r_put, "raw_get": r_get}
+            gbs = nbytes / 1e9
+            size = f"{nbytes // MiB} MiB"
+            self.add(Row(f"put_{label}", "GB/s", gbs / statistics.median(put_t),
+                         gbs / statistics.median(raw_put), "higher",
+                         f"device_put + block_until_ready of {size}; baseline: raw zero-copy "
+                         "frame + ack", {"bytes": nbytes}))
+            self.add(Row(f"get_{label}", "GB/s", gbs / statistics.median(get_t),
+                         gbs / statistics.median(raw_get), "higher",
+                         f"device_get of {size}; baseline: raw zero-copy frame back",
+                         {"bytes": nbytes}))
+            for op in ("put", "get") if mem else ():
+                for side in ("controller", "worker"):
+                    ours = mem[op].peak[side] / MiB
+                    base = mem["raw_" + op].peak[side] / MiB
+                    # Growth under 1 MiB is RSS noise: it counts as 1 MiB in the ratio.
+                    self.add(Row(f"peak_rss_{op}_{side}", "MiB", ours, max(base, 1.0), "lower",
+                                 f"peak RSS growth of the {side} during {op} of {size}; "
+                                 "baseline: the raw program's same side",
+                                 {"bytes": nbytes, "per_payload": ours * MiB / nbytes,
+                                  "baseline_per_payload": base * MiB / nbytes,
+                                  "exact": mem[op].exact}))
+
+    async def chain(self, ctl: cb.Controller, raw: RawEcho) -> None:
+        s, n = self.sizes, self.sizes.chain_len
+        x = cb.device_put(np.zeros(4, np.float32), next(d for d in ctl.devices() if d.host == 0))
+        await cb.block_until_ready(x)
+        chained, awaited = [], []
+        for _ in range(s.chain_reps + 1):
+            t = time.perf_counter()
+            y: Any = x
+            for _ in range(n):
+                y = bench_inc(y)  # the Future itself is the next argument
+            y = await y
+            chained.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            z = x
+            for _ in range(n):
+                z = await bench_inc(z)
+            awaited.append(time.perf_counter() - t)
+        check = await cb.device_get([y, z])
+        assert float(check[0][0]) == n and float(check[1][0]) == n, check
+        ours = statistics.median(chained[1:]) * 1e3
+        aw = statistics.median(awaited[1:]) * 1e3
+        base = sum(raw.round_trips(n)) * 1e3
+        self.add(Row("chain100", "ms", ours, base, "lower",
+                     f"{n} dependent calls, each given the previous call's Future unawaited; "
+                     f"baseline: {n} raw blocking round trips",
+                     {"colobus_awaited_each": aw, "speedup_vs_awaited": aw / ours}))
+
+
+BENCHMARKS = ("latency", "pipelined", "fanout", "object", "transfer", "chain")
+
+
+async def _run_async(bench: Bench, groups: list[str]) -> None:
+    hosts = 4 if "fanout" in groups else 1
+    async with cb.local_cluster(hosts=hosts, devices_per_host=1) as ctl:
+        with RawEcho(hosts) as raw:
+            for g in groups:
+                await getattr(bench, g)(ctl, raw)
+
+
+def _run_sync(bench: Bench) -> None:
+    with cb.local_cluster(hosts=1, devices_per_host=1) as ctl, RawEcho(1) as raw:
+        x = _one_device_array(ctl)
+        cb.block_until_ready(x).result()
+        ours = _median_us(_latency_sync(x, bench.sizes.latency_calls))
+        base = bench._raw_rtt.get(1) or bench.raw_rtt_us(raw)
+        bench.add(Row("latency_sync", "us", ours, base, "lower",
+                      "no-op call, 1 host, `with` + .result(); baseline: raw blocking round "
+                      "trip"))
+
+
+def _format_row(row: Row) -> str:
+    fmt = "{:>12,.1f}" if row.unit != "GB/s" else "{:>12.2f}"
+    worse = row.ratio if row.better == "lower" else 1 / row.ratio
+    return (f"{row.name:<26} {fmt.format(row.colobus)} {fmt.format(row.baseline)} "
+            f"{row.unit:<8} ratio {row.ratio:6.2f}  ({worse:.2f}x raw's cost)")
+
+
+def _machine() -> dict[str, Any]:
+    return {"platform": platform.platform(), "python": platform.python_version(),
+            "cpus": os.cpu_count(), "pyzmq": zmq.__version__, "libzmq": zmq.zmq_version(),
+            "numpy": np.__version__}
+
+
+def run_bench(name: str | None, json_path: str | None, quick: bool) -> int:
+    """Run the benchmarks (all, or the group ``name``); print a table, maybe write JSON.
+
+    Args:
+        name: one group of :data:`BENCHMARKS`, or None for all.
+        json_path: write machine-readable results there (``"-"``: stdout).
+        quick: small sizes and few repetitions (for CI).
+
+    Returns:
+        The process exit code.
+    """
+    if name is not None and name not in BENCHMARKS:
+        print(f"unknown benchmark {name!r}; choose from: {', '.join(BENCHMARKS)}",
+              file=sys.stderr)
+        return 2
+    groups = [g for g in BENCHMARKS if name in (None, g)]
+    bench = Bench(QUICK if quick else FULL)
+    out = sys.stderr if json_path == "-" else sys.stdout
+    with contextlib.redirect_stdout(out):
+        print(f"{'benchmark':<26} {'colobus':>12} {'raw pyzmq':>12} unit", flush=True)
+        t0 = time.perf_counter()
+        asyncio.run(_run_async(bench, groups))
+        if name in (None, "latency"):
+            _run_sync(bench)
+        print(f"done in {time.perf_counter() - t0:.0f} s", flush=True)
+    if json_path is not None:
+        doc = {"machine": _machine(), "quick": quick,
+               "benchmarks": {r.name: r.as_dict() for r in bench.rows}}
+        text = json.dumps(doc, indent=2)
+        if json_path == "-":
+            print(text)
+        else:
+            with open(json_path, "w") as f:
+                f.write(text + "\n")
+    return 0
+

@@ -1,0 +1,64 @@
+"""`colobus bench --quick --json` runs every benchmark, colobus and raw pyzmq side by side."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from colobus._bench import BENCHMARKS
+
+EXPECTED = {
+    "latency_async", "latency_sync", "pipelined", "fanout4_latency", "fanout4_pipelined",
+    "object_first_call", "put_small", "get_small", "put_medium", "get_medium", "put_large",
+    "get_large", "peak_rss_put_controller", "peak_rss_put_worker", "peak_rss_get_controller",
+    "peak_rss_get_worker", "chain100",
+}
+
+
+def test_quick_bench_json(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "colobus", "bench", "--quick", "--json", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["quick"] is True
+    assert doc["machine"]["cpus"] >= 1
+    rows = doc["benchmarks"]
+    assert set(rows) == EXPECTED
+    for name, row in rows.items():
+        assert row["better"] in ("lower", "higher"), name
+        assert row["unit"], name
+        assert row["baseline"] > 0, name
+        assert row["colobus"] >= 0, name
+        assert math.isfinite(row["ratio"]) and row["ratio"] >= 0, name
+        if not name.startswith("peak_rss"):
+            assert row["colobus"] > 0 and row["ratio"] > 0, name
+    # every table row also printed, with both figures
+    for name in EXPECTED:
+        assert name in proc.stdout
+    assert rows["chain100"]["colobus_awaited_each"] > 0
+    assert rows["fanout4_latency"]["colobus_1host"] > 0
+
+
+def test_unknown_benchmark_name() -> None:
+    proc = subprocess.run([sys.executable, "-m", "colobus", "bench", "nope"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    for name in BENCHMARKS:
+        assert name in proc.stderr
+
+
+@pytest.mark.parametrize("name", ["object"])
+def test_one_group_to_stdout(name: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "colobus", "bench", name, "--quick", "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout)
+    assert set(doc["benchmarks"]) == {"object_first_call"}
