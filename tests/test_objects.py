@@ -361,6 +361,47 @@ async def test_temporary_wrapper_lives_until_its_call_is_sent(ctl: cb.Controller
     assert await _eventually(tail, ["tmp:0", "tmp:del"])
 
 
+async def test_specialized_method_on_object_makes_no_cycle(ctl: cb.Controller) -> None:
+    d = _device(3)
+    x = cb.device_put(np.array(5, np.int32), d)
+    gc.disable()  # destroyed by reference counting alone
+    try:
+        obj = Slow("spec")
+        obj.work = obj.work.specialize(devices=[d])
+        assert int(await cb.device_get(await obj.work(x, 0))) == 5
+        del obj
+    finally:
+        gc.enable()
+
+    async def tail() -> list[str]:
+        return [e for e in await _host_log(d) if e.startswith("spec:")][-2:]
+
+    assert await _eventually(tail, ["spec:0", "spec:del"])
+
+
+async def test_method_keeps_its_object_alive(ctl: cb.Controller) -> None:
+    d = _device(3)
+    x = cb.device_put(np.array(6, np.int32), d)
+    obj = Slow("bound")
+    work = obj.work
+    del obj
+    assert int(await cb.device_get(await work(x, 0))) == 6
+    assert int(await cb.device_get(await work(x, 1))) == 6
+    del work
+
+    async def tail() -> list[str]:
+        return [e for e in await _host_log(d) if e.startswith("bound:")][-3:]
+
+    assert await _eventually(tail, ["bound:0", "bound:1", "bound:del"])
+
+
+def test_sync_face(ctl: cb.Controller) -> None:
+    x = cb.device_put(np.array(2, np.int32), _device(4))
+    with Value(np.array(40, np.int32)) as value:
+        assert int(np.asarray(value.add(x).result(timeout=30))) == 42
+        assert int(np.asarray(value.fetch_like(x).result(timeout=30))) == 42
+
+
 # -- with / async with / close / aclose ------------------------------------------------------
 
 
