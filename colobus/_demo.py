@@ -321,15 +321,18 @@ def build_parser(prog: str = "async_training_loop.py") -> argparse.ArgumentParse
                         "instead of starting a local cluster")
     p.add_argument("--key-file", default=None, metavar="PATH",
                    help="key file from `colobus keygen` (needed with --bind)")
-    p.add_argument("--checkpoint-every", type=int, default=10, metavar="N",
-                   help="save parameters every N steps (0: never; default 10)")
+    p.add_argument("--checkpoint-every", type=int, default=None, metavar="N",
+                   help="save parameters every N steps (0: never; default: 4 saves a run)")
     p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
                    help="where each host writes checkpoints (default: a scratch dir per host)")
     return p
 
 
 async def _run(args: argparse.Namespace) -> Report:
-    opts = dict(checkpoint_every=args.checkpoint_every, checkpoint_dir=args.checkpoint_dir)
+    every = args.checkpoint_every
+    if every is None:
+        every = max(1, args.steps // 4)
+    opts = dict(checkpoint_every=every, checkpoint_dir=args.checkpoint_dir)
     if args.bind is None:
         async with cb.local_cluster(hosts=args.hosts, devices_per_host=args.devices):
             return await train(args.steps, **opts)

@@ -1,0 +1,89 @@
+"""The training-loop idea as a plain script: no asyncio, ``.result()`` instead of ``await``.
+
+``with cb.local_cluster(...)`` starts the controller on a thread of its own and
+the workers as subprocesses; every colocated call still returns a ``cb.Future``,
+and ``.result()`` waits for it from this (ordinary) thread.
+
+    python examples/sync_script.py [--steps N] [--hosts N] [--devices N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+import colobus as cb
+
+
+@cb.colocated_python_class
+class Loader:
+    """One per host: this host's rows of a regression task ``y = x @ w_true``."""
+
+    def __init__(self, features: int) -> None:
+        self.rng = np.random.default_rng()  # each host its own stream of data
+        self.w_true = np.arange(1.0, features + 1, dtype=np.float32) / features
+
+    def next_batch(self, like):
+        import jax
+
+        # ``like`` is this host's block of the parameters: its sharding tells the
+        # loader which devices (and mesh) this host's rows belong on.
+        mesh = like.sharding.mesh
+        x = self.rng.normal(size=(32 * mesh.size, self.w_true.size)).astype(np.float32)
+        y = x @ self.w_true
+        rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(("hosts", "devices")))
+        return jax.device_put(x, rows), jax.device_put(y, rows)
+
+
+@cb.colocated_python
+def host_step(w, x, y, lr):
+    """On each host: one SGD step on this host's rows only (local SGD)."""
+    import jax
+    import jax.numpy as jnp
+
+    def loss(w):
+        return jnp.mean((x @ w[0] - y) ** 2)
+
+    value, grad = jax.value_and_grad(loss)(w)
+    # w is this host's row of a (hosts, features) array: one model replica per host.
+    return jax.device_put(w - lr * grad, w.sharding), jax.device_put(value[None], w.sharding)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--hosts", type=int, default=2)
+    parser.add_argument("--devices", type=int, default=2, help="CPU devices per host")
+    args = parser.parse_args(argv)
+    features = 8
+
+    with cb.local_cluster(hosts=args.hosts, devices_per_host=args.devices):
+        mesh = cb.Mesh(np.array(cb.devices()).reshape(args.hosts, args.devices),
+                       ("hosts", "devices"))
+        per_host = cb.NamedSharding(mesh, cb.PartitionSpec("hosts"))
+        w = cb.device_put(np.zeros((args.hosts, features), np.float32), per_host)
+        loader = Loader(features)
+        for step in range(1, args.steps + 1):
+            x, y = loader.next_batch(w).result(timeout=60)
+            w, loss = host_step(w, x, y, 0.1).result(timeout=60)
+            if step % 10 == 0 or step == args.steps:
+                # Model averaging through the controller: fetch every replica
+                # (blocking np.asarray), average, and upload the mean to all hosts.
+                replicas = np.asarray(w)
+                w = cb.device_put(np.broadcast_to(replicas.mean(0), replicas.shape).copy(),
+                                  per_host)
+                losses = ", ".join(f"{v:.4f}" for v in np.asarray(loss))
+                print(f"step {step}: loss per host [{losses}], replicas averaged")
+        final = cb.device_get(w).result(timeout=60)[0]
+        loader.close()
+
+    w_true = np.arange(1.0, features + 1, dtype=np.float32) / features
+    error = float(np.abs(final - w_true).max())
+    print(f"done: max |w - w_true| = {error:.4f}")
+    return 0 if error < 0.1 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
