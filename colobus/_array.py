@@ -191,41 +191,47 @@ def _host_array(x: Any) -> tuple[np.ndarray[Any, Any], Any, str | None]:
 
         return np.asarray(jax.random.key_data(x)), x.dtype, key_impl_name(x)
     arr = np.asarray(x)
-    if arr.dtype.hasobject:
+    # numpy 2's StringDType reports hasobject, but travels (as UTF-8, see _codec)
+    if arr.dtype.hasobject and not isinstance(arr.dtype, np.dtypes.StringDType):
         raise ValueError(
             "device_put cannot send arrays of dtype object; convert to a numeric, string "
             "or structured dtype first")
     return arr, arr.dtype, None
 
 
-def _put_one(ctl: Controller, x: Any, sharding: Sharding) -> Array:
+class _PreparedPut:
+    """One leaf of a ``device_put``, checked and cut into host blocks, not yet sent."""
+
+    __slots__ = ("dtype", "impl", "msgs", "ref", "shape", "sharding")
+
+    def __init__(self, ctl: Controller, x: Any, sharding: Sharding) -> None:
+        data, self.dtype, self.impl = _host_array(x)
+        impl = self.impl
+        self.shape = tuple(data.shape[: data.ndim - 1]) if impl else tuple(data.shape)
+        self.sharding = sharding
+        blocks = host_blocks(sharding, self.shape)  # validates rank and divisibility
+        _check_devices(ctl, sharding)
+        self.ref = ctl.next_id() << 16
+        spec = P.encode_spec(_spec_of(sharding))
+        self.msgs: list[tuple[int, P.Put, memoryview]] = []
+        for h, b in blocks.items():
+            block = data[b.index] if data.ndim else data  # 0-d StringDType indexes to a str
+            descr, buf = to_buffer(block)
+            self.msgs.append(
+                (h, P.Put(self.ref, list(block.shape), descr, mesh_message(b), spec, impl), buf))
+
+    def handle(self, ctl: Controller) -> Array:
+        return Array(ctl, self.ref, self.shape, self.dtype, self.sharding, key_impl=self.impl)
+
+
+def _prepare(ctl: Controller, x: Any, sharding: Sharding) -> Array | _PreparedPut:
     if isinstance(x, Array):
         if x.sharding == sharding and x.sharding.device_list == sharding.device_list:
             return x
         raise ValueError(
             "device_put of a colobus.Array onto another sharding is not supported; "
             "fetch it with cb.device_get first")
-    data, dtype, impl = _host_array(x)
-    shape = tuple(data.shape[: data.ndim - (1 if impl else 0)]) if impl else data.shape
-    blocks = host_blocks(sharding, shape)  # validates rank and divisibility
-    _check_devices(ctl, sharding)
-    ref = ctl.next_id() << 16
-    spec = P.encode_spec(_spec_of(sharding))
-    msgs: list[tuple[int, P.Put, memoryview]] = []
-    for h, b in blocks.items():
-        block = data[b.index]
-        descr, buf = to_buffer(block)
-        msgs.append((h, P.Put(ref, list(block.shape), descr, mesh_message(b), spec, impl), buf))
-    arr = Array(ctl, ref, shape, dtype, sharding, key_impl=impl)
-
-    def send() -> None:
-        for h, body, buf in msgs:
-            host = ctl.host(h)
-            if host.alive and host.generation == arr._gens[h]:
-                ctl.send(host, body, b"", [buf])
-
-    ctl.post(send)
-    return arr
+    return _PreparedPut(ctl, x, sharding)
 
 
 def device_put(x: Any, device_or_sharding: Any) -> Any:
@@ -233,24 +239,56 @@ def device_put(x: Any, device_or_sharding: Any) -> Any:
 
     Returns ``cb.Array`` handles at once; the upload runs in the background and
     the arrays can be used in calls immediately. Each host receives only its own
-    block. Large inputs are sent without copying: do not modify a numpy input
-    until ``cb.block_until_ready`` on the result returned.
+    block. Every leaf is checked before anything is sent: a bad leaf raises and
+    no part of the tree leaves this process. Large inputs are sent without
+    copying: do not modify a numpy input until ``cb.block_until_ready`` on the
+    result returned.
 
     Args:
         x: the data.
         device_or_sharding: a ``cb.Device``, a ``cb.Sharding``, or a pytree of
             them matching ``x``.
+
+    Raises:
+        ValueError: a shape the sharding cannot divide, a spec naming an unknown
+            axis, an object-dtype array, a device not in this cluster.
+        HostLostError: the sharding uses devices of a lost host.
     """
     import jax
 
     ctl = default_controller()
     if isinstance(device_or_sharding, Device | Sharding):
         sharding = _to_sharding(ctl, device_or_sharding)
-        return jax.tree_util.tree_map(lambda leaf: _put_one(ctl, leaf, sharding), x,
-                                      is_leaf=_is_array_leaf)
-    return jax.tree_util.tree_map(
-        lambda leaf, target: _put_one(ctl, leaf, _to_sharding(ctl, target)), x,
-        device_or_sharding, is_leaf=_is_array_leaf)
+        prepared = jax.tree_util.tree_map(lambda leaf: _prepare(ctl, leaf, sharding), x,
+                                          is_leaf=_is_array_leaf)
+    else:
+        prepared = jax.tree_util.tree_map(
+            lambda leaf, target: _prepare(ctl, leaf, _to_sharding(ctl, target)), x,
+            device_or_sharding, is_leaf=_is_array_leaf)
+    sends: list[tuple[Array, _PreparedPut]] = []
+
+    def finish(p: Array | _PreparedPut) -> Array:
+        if isinstance(p, Array):
+            return p
+        arr = p.handle(ctl)
+        sends.append((arr, p))
+        return arr
+
+    out = jax.tree_util.tree_map(finish, prepared, is_leaf=_is_prepared_leaf)
+    if sends:
+        def send() -> None:
+            for arr, p in sends:
+                for h, body, buf in p.msgs:
+                    host = ctl.host(h)
+                    if host.alive and host.generation == arr._gens[h]:
+                        ctl.send(host, body, b"", [buf])
+
+        ctl.post(send)
+    return out
+
+
+def _is_prepared_leaf(x: Any) -> bool:
+    return isinstance(x, Array | _PreparedPut)
 
 
 def _is_array_leaf(x: Any) -> bool:

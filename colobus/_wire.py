@@ -182,16 +182,39 @@ def loads(payload: Buffer, buffers: Sequence[Buffer] = ()) -> Any:
 
 
 def encode_dtype(dtype: np.dtype[Any]) -> Any:
-    """A msgpack-able description of ``dtype``."""
+    """A msgpack-able description of ``dtype``.
+
+    ``ml_dtypes`` types (``bfloat16``, ``float8_*``, ``int4``...) travel by name:
+    numpy's own description of them is an anonymous ``V2`` that would lose the type.
+    """
     if isinstance(dtype, np.dtypes.StringDType):
         return "T"
+    if dtype.fields is None and dtype.type.__module__.split(".")[0] == "ml_dtypes":
+        return ["ml_dtypes", dtype.name]
     return np.lib.format.dtype_to_descr(dtype)
+
+
+def _ml_dtype(name: Any) -> np.dtype[Any]:
+    """An ``ml_dtypes`` type by name, checked (the name comes off the wire)."""
+    if not isinstance(name, str) or not name.isidentifier() or name.startswith("_"):
+        raise ValueError(f"bad ml_dtypes name {name!r}")
+    import ml_dtypes
+
+    try:
+        dt = np.dtype(getattr(ml_dtypes, name))
+    except (AttributeError, TypeError) as exc:
+        raise ValueError(f"unknown ml_dtypes type {name!r}") from exc
+    if dt.type.__module__.split(".")[0] != "ml_dtypes":
+        raise ValueError(f"{name!r} is not an ml_dtypes type")
+    return dt
 
 
 def decode_dtype(descr: Any) -> np.dtype[Any]:
     """Inverse of :func:`encode_dtype`; raises ``ValueError`` on garbage."""
     if descr == "T":
         return np.dtype(np.dtypes.StringDType())
+    if isinstance(descr, list) and len(descr) == 2 and descr[0] == "ml_dtypes":
+        return _ml_dtype(descr[1])
     try:
         dt = np.lib.format.descr_to_dtype(descr)
     except Exception as exc:

@@ -71,13 +71,20 @@ def _jax_exact(jax: Any, dtype: Any) -> bool:
     import numpy as np
 
     if isinstance(dtype, np.dtypes.StringDType):
-        return True
+        # JAX's string arrays fail on empty and replicated layouts: keep numpy.
+        return False
     if dtype.fields is not None or dtype.hasobject or dtype.kind in "VSUMm":
         return False
     try:
         return bool(jax.dtypes.canonicalize_dtype(dtype) == dtype)
     except Exception:
         return False
+
+
+def _is_string(dtype: Any) -> bool:
+    import numpy as np
+
+    return isinstance(dtype, np.dtypes.StringDType)
 
 
 class _ArgsUnpickler(pickle.Unpickler):
@@ -460,6 +467,16 @@ class Worker:
             return jax.device_put(keys, self._sharding(mesh, spec))
         if _jax_exact(jax, arr.dtype):
             return jax.device_put(arr, self._sharding(mesh, spec))
+        if _is_string(arr.dtype) and arr.size:
+            # A jax.Array where JAX can hold it (one distinct shard per device, as
+            # in JAX's own string examples); numpy where it cannot (replicas).
+            sharding = self._sharding(mesh, spec)
+            if sharding.is_fully_replicated and len(sharding.device_set) > 1:
+                return arr  # JAX puts it, but cannot read it back (jax 0.10)
+            try:
+                return jax.device_put(arr, sharding)
+            except Exception:
+                return arr
         return arr
 
     def _on_put(self, body: P.Put, env: Envelope) -> None:
