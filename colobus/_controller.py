@@ -40,6 +40,7 @@ from ._errors import (
 )
 from ._future import Future
 from ._protocol import Kind
+from ._sockio import EVENTS, POLLIN, recv_frames, send_frames
 from ._sharding import Device
 from ._wire import PROTOCOL_VERSION, Buffer, Dropped, Envelope, decode, encode, loads
 
@@ -204,6 +205,10 @@ class Controller:
         liveness_timeout: a host silent this long is declared lost.
         join_timeout: how long entry waits for ``hosts`` workers.
         max_inflight: calls in flight per host before new calls queue here.
+        max_backlog: calls queued here (not yet sent) before callers wait: a
+            caller on any other thread blocks in the call until the queue is
+            shorter; async code on the controller's loop awaits
+            :meth:`wait_capacity`. Default: ``max_inflight``.
         max_message_bytes: larger incoming messages are dropped and counted.
         exit_workers_on_close: tell workers to exit (rather than wait for the
             next controller) when this controller closes. ``local_cluster`` sets it.
@@ -222,6 +227,7 @@ class Controller:
         liveness_timeout: float = 5.0,
         join_timeout: float = 120.0,
         max_inflight: int = 1024,
+        max_backlog: int | None = None,
         max_message_bytes: int = 1 << 40,
         exit_workers_on_close: bool = False,
     ) -> None:
@@ -240,6 +246,7 @@ class Controller:
         self.liveness_timeout = liveness_timeout
         self.join_timeout = join_timeout
         self.max_inflight = max_inflight
+        self.max_backlog = max_inflight if max_backlog is None else max_backlog
         self.max_message_bytes = max_message_bytes
         self._exit_workers = exit_workers_on_close
         self.state = State.NEW
@@ -267,6 +274,11 @@ class Controller:
         self._releases: collections.deque[tuple[int, int, int, int]] = collections.deque()
         self._release_scheduled = False
         self._drain_scheduled = False
+        # Back-pressure: calls submitted but not yet sent (in transit to the loop
+        # or in the backlog), guarded by a condition that callers block on.
+        self._capacity = threading.Condition()
+        self._queued = 0
+        self._capacity_waiters: list[Future[None]] = []
         self._join_waiters: list[asyncio.Future[None]] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._on_lost: list[Callable[[int], None]] = []
@@ -302,6 +314,7 @@ class Controller:
             "code_sent": self._counters["code_sent"],
             "calls": self._counters["calls"],
             "backlog": len(self._backlog),
+            "queued": self._queued,
             "pending": len(self._pending),
             "hosts": {
                 h.index: {
@@ -412,6 +425,7 @@ class Controller:
             p.future.set_exception(err)
         self._pending.clear()
         self._backlog.clear()
+        self._wake_all_waiting()
         for w in self._join_waiters:
             if not w.done():
                 w.set_result(None)
@@ -544,6 +558,8 @@ class Controller:
         result from the per-host values. The first error by host index wins.
         """
         self._check_open()
+        if backpressure:
+            self._take_slot()
         call_id = self.next_id() if call_id is None else call_id
         fut = self.new_future(call_id)
         hosts = tuple(hosts)
@@ -563,12 +579,16 @@ class Controller:
         backpressure: bool,
     ) -> None:
         if fut.done():  # cancelled before it left the caller's thread
+            if backpressure:
+                self._give_slot()
             return
         if self.state is State.CLOSED:
             fut.set_exception(ControllerClosedError("the colobus controller is closed"))
             return
 
         def go() -> None:
+            if backpressure:
+                self._give_slot()
             if fut.done():
                 return
             for i in hosts:
@@ -596,6 +616,59 @@ class Controller:
             self._backlog.append((hosts, go))
             return
         go()
+
+    # -- back-pressure --------------------------------------------------------------------
+
+    def _take_slot(self) -> None:
+        """Count one call as queued; off the loop thread, first wait for room.
+
+        The controller's own loop thread never blocks here (it is the thread that
+        drains the queue); code running there awaits :meth:`wait_capacity`.
+        """
+        with self._capacity:
+            if not self.on_loop_thread():
+                while self._queued >= self.max_backlog and self.state is State.RUNNING:
+                    self._capacity.wait()
+                self._check_open()
+            self._queued += 1
+
+    def _give_slot(self) -> None:
+        """A queued call left the queue (sent, cancelled or failed); loop thread."""
+        with self._capacity:
+            self._queued = max(0, self._queued - 1)
+            if self._queued >= self.max_backlog:
+                return
+            self._capacity.notify()
+            waiters, self._capacity_waiters = self._capacity_waiters, []
+        for w in waiters:
+            w.set_result(None)
+
+    def _wake_all_waiting(self) -> None:
+        with self._capacity:
+            self._queued = 0
+            self._capacity.notify_all()
+            waiters, self._capacity_waiters = self._capacity_waiters, []
+        for w in waiters:
+            w.set_result(None)
+
+    async def wait_capacity(self) -> None:
+        """Wait until a new call would not queue beyond ``max_backlog``.
+
+        The back-pressure point for async code: calls made on the controller's
+        own loop never block, so a loop that fires calls there should ``await
+        ctl.wait_capacity()`` before each. Works from any event loop.
+
+        Raises:
+            ControllerClosedError: the controller closed.
+        """
+        while True:
+            self._check_open()
+            with self._capacity:
+                if self._queued < self.max_backlog:
+                    return
+                waiter: Future[None] = Future()
+                self._capacity_waiters.append(waiter)
+            await waiter
 
     def _full(self, hosts: tuple[int, ...]) -> bool:
         limit = self.max_inflight
@@ -718,7 +791,7 @@ class Controller:
         env = Envelope(body.kind, self._session, host.session, host.send_seq,
                        body.to_wire(), payload, list(buffers), pbufs)
         try:
-            sock.send_multipart([host.identity, *encode(self._key, env)], copy=False)
+            send_frames(sock, [host.identity, *encode(self._key, env)])
         except zmq.ZMQError as exc:  # EHOSTUNREACH: the peer's connection is gone
             log.debug("send to host %d failed: %s", host.index, exc)
         self._schedule_drain()
@@ -744,8 +817,8 @@ class Controller:
         if sock is None or sock.closed:
             return
         try:
-            while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            while sock.getsockopt(EVENTS) & POLLIN:
+                frames = recv_frames(sock)
                 self._on_frames(frames)
                 if sock.closed:
                     return

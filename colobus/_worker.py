@@ -157,6 +157,7 @@ class Worker:
         self._streams: dict[int, asyncio.Task[None]] = {}
         self._calls: dict[int, asyncio.Task[None]] = {}
         self._started: set[int] = set()
+        self._skipped: set[int] = set()  # cancelled before they started
         self._bg: set[asyncio.Task[None]] = set()
         self._handlers = {
             Kind.HEARTBEAT: self._on_heartbeat,
@@ -303,6 +304,7 @@ class Worker:
         self._calls.clear()
         self._streams.clear()
         self._started.clear()
+        self._skipped.clear()
         self._arrays.clear()
         self._results.clear()
         self._objects.clear()
@@ -581,9 +583,17 @@ class Worker:
             self._send(P.Result(body.call_id, Status.CANCELLED, None))
 
     def _on_cancel(self, body: P.Cancel, env: Envelope) -> None:
-        task = self._calls.get(body.call_id)
-        if task is not None and body.call_id not in self._started:
-            task.cancel()
+        # The call's task is not cancelled: it still waits for its predecessor in
+        # the stream (so later calls of the stream keep their order), then skips
+        # running. The controller hears CANCELLED at once.
+        call_id = body.call_id
+        if (call_id in self._calls and call_id not in self._started
+                and call_id not in self._skipped):
+            self._skipped.add(call_id)
+            results = self._results.get(call_id)
+            if results is not None and not results.done():
+                results.set_exception(asyncio.CancelledError())
+            self._send(P.Result(call_id, Status.CANCELLED, None))
 
     async def _run_call(
         self,
@@ -596,6 +606,9 @@ class Worker:
     ) -> None:
         if prev is not None and not prev.done():
             await asyncio.wait({prev})
+        if body.call_id in self._skipped:  # cancelled before it started: never runs
+            self._skipped.discard(body.call_id)
+            return
         self._started.add(body.call_id)
         loop = asyncio.get_running_loop()
         try:
