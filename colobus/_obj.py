@@ -16,7 +16,7 @@ import threading
 import weakref
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from . import _protocol as P
 from ._controller import Controller, _Host
@@ -204,7 +204,7 @@ class _MethodDescriptor:
     def __init__(self, name: str, fn: Callable[..., Any]) -> None:
         self.name = name
         self.fn = fn
-        functools.update_wrapper(self, fn)
+        functools.update_wrapper(cast(Any, self), fn)  # name and docstring for help()
 
     def __get__(self, inst: Any, owner: type | None = None) -> Any:
         if inst is None:
@@ -220,6 +220,8 @@ class _ColocatedObject(ColocatedObjectBase):
 
     __wrapped__: type
     _colobus_code: Code
+    _colobus_methods: dict[str, ColocatedMethod]  # methods assigned back, without owner
+    _colobus_finalizer: weakref.finalize[Any, Any]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         cls = type(self).__wrapped__
@@ -258,7 +260,7 @@ class _ColocatedObject(ColocatedObjectBase):
 
     def close(self) -> None:
         """Destroy the instance on every host that built it (after its queued calls)."""
-        self._colobus_finalizer()  # type: ignore[attr-defined]
+        self._colobus_finalizer()
 
     async def aclose(self) -> None:
         self.close()
@@ -311,4 +313,4 @@ def colocated_python_class(cls: type[T]) -> type[T]:
         if inspect.isfunction(member) or inspect.iscoroutinefunction(member):
             namespace[name] = _MethodDescriptor(name, member)
     wrapper = type(cls.__name__, (_ColocatedObject,), namespace)
-    return wrapper  # type: ignore[return-value]
+    return cast(type[T], wrapper)

@@ -615,8 +615,10 @@ class Sleeper:
 
 
 async def test_lost_host_fails_object_calls() -> None:
+    # 3 s rather than 1 s of silence: on a loaded 2-core machine a live worker can
+    # miss a 1 s window, and host 0 must stay alive here.
     lc = cb.local_cluster(hosts=2, devices_per_host=1, heartbeat_interval=0.2,
-                          liveness_timeout=1.0)
+                          liveness_timeout=3.0)
     async with lc as c:
         d0, d1 = c.devices()
         obj = Sleeper()
