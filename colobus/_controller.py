@@ -986,6 +986,9 @@ class Controller:
     async def _heartbeat_loop(self) -> None:
         while True:
             await asyncio.sleep(self.heartbeat_interval)
+            # Read what already arrived before judging silence: a loop that was busy
+            # (a large pickle, a GC pause) must not declare live hosts lost.
+            self._drain()
             now = time.monotonic()
             for h in self._hosts:
                 if not h.alive:
