@@ -40,8 +40,8 @@ from ._errors import (
 )
 from ._future import Future
 from ._protocol import Kind
-from ._sockio import EVENTS, POLLIN, recv_frames, send_frames
 from ._sharding import Device
+from ._sockio import EVENTS, POLLIN, recv_frames, send_frames
 from ._wire import PROTOCOL_VERSION, Buffer, Dropped, Envelope, decode, encode, loads
 
 __all__ = ["Controller", "HostInfo", "State", "current_controller"]
