@@ -33,6 +33,7 @@ import zmq
 from . import _protocol as P
 from ._codec import from_buffer, is_key_array, key_impl_name, to_buffer
 from ._protocol import Kind, Status
+from ._sockio import EVENTS, NOBLOCK, POLLIN, recv_frames, send_frames
 from ._wire import PROTOCOL_VERSION, Buffer, Dropped, Envelope, decode, encode, loads
 
 __all__ = ["Worker", "setup_jax"]
@@ -330,7 +331,7 @@ class Worker:
         env = Envelope(body.kind, self._session, self._ctl_session or b"", self._seq,
                        body.to_wire(), payload, list(buffers), pbufs)
         try:
-            sock.send_multipart(encode(self._key, env), zmq.NOBLOCK, copy=False)
+            send_frames(sock, encode(self._key, env), NOBLOCK)
         except zmq.Again:
             log.debug("no connection yet; %s not sent", Kind(body.kind).name)
         if not self._drain_scheduled:
@@ -343,8 +344,8 @@ class Worker:
         if sock is None:
             return
         try:
-            while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            while sock.getsockopt(EVENTS) & POLLIN:
+                frames = recv_frames(sock)
                 self._on_frames(frames)
                 if self._sock is not sock:
                     return
