@@ -74,7 +74,11 @@ def _jax_exact(jax: Any, dtype: Any) -> bool:
     if isinstance(dtype, np.dtypes.StringDType):
         # JAX's string arrays fail on empty and replicated layouts: keep numpy.
         return False
-    if dtype.fields is not None or dtype.hasobject or dtype.kind in "VSUMm":
+    if dtype.fields is not None or dtype.hasobject:
+        return False
+    # ml_dtypes (bfloat16, float8_*, int4...) are kind "V" to numpy, yet JAX's own.
+    ml = dtype.type.__module__.split(".")[0] == "ml_dtypes"
+    if dtype.kind in "VSUMm" and not ml:
         return False
     try:
         return bool(jax.dtypes.canonicalize_dtype(dtype) == dtype)

@@ -573,3 +573,77 @@ async def test_ids_stable_when_host_rejoins(workers: list[subprocess.Popen[bytes
             cb.device_get(arr)
         again = cb.device_put(np.arange(4.0), after.devices[1])
         assert_same(await cb.device_get(again), np.arange(4.0))
+
+
+# -- dtype corners ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["2d-hosts-devices", "2d-hosts", "single-device"])
+def test_strings_exact(ctl: cb.Controller, layout: str) -> None:
+    sharding, _ = layouts(cb.devices())[layout]
+    shape = (4, 8)
+    words = ["", "a\x00", "\x00\x00", "trailing  ", "é" * 3, "🦊🐒", "x" * 10_000, "tab\tnl\n"]
+    x = np.array([words[k % len(words)] + ("" if k % 3 else str(k)) for k in range(32)],
+                 dtype=np.dtypes.StringDType()).reshape(shape)
+    assert_same(np.asarray(cb.device_put(x, sharding)), x)
+    for na in (None, np.nan):
+        dt = np.dtypes.StringDType(na_object=na)
+        y = np.array([na if k % 5 == 0 else f"v{k}" for k in range(32)], dtype=dt).reshape(shape)
+        got = np.asarray(cb.device_put(y, sharding))
+        assert got.dtype == dt
+        assert [str(v) for v in got.ravel().tolist()] == [str(v) for v in y.ravel().tolist()]
+        assert np.isnan(got).tolist() == np.isnan(y).tolist() if na is not None else True
+    odd = np.dtypes.StringDType(na_object="NA")
+    with pytest.raises(ValueError, match="na_object"):
+        cb.device_put(np.array(["a"], dtype=odd), next(iter(sharding.device_set)))
+
+
+def test_ml_dtypes_keep_their_type(ctl: cb.Controller) -> None:
+    devs = cb.devices()
+    mesh = cb.Mesh(np.array(devs).reshape(2, 4), ("hosts", "devices"))
+    sh = cb.NamedSharding(mesh, P("hosts", "devices"))
+    for t in (ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2,
+              ml_dtypes.int4, ml_dtypes.uint4):
+        x = np.arange(-4, 4).repeat(4).reshape(4, 8).astype(t)
+        arr = cb.device_put(x, sh)
+        assert arr.dtype == np.dtype(t)
+        got = np.asarray(arr)
+        assert got.dtype == np.dtype(t), t
+        assert_same(got, x)
+        # on the hosts, a colocated function sees the real type too
+        same = np.asarray(record_block(arr).result(timeout=30))
+        assert same.dtype == np.dtype(t)
+
+
+def test_string_buffer_checks() -> None:
+    """String buffers come off the wire unauthenticated: bad lengths are rejected."""
+    from colobus._codec import from_buffer, to_buffer
+
+    x = np.array(["ab", "", "cde"], dtype=np.dtypes.StringDType())
+    descr, buf = to_buffer(x)
+    assert from_buffer(descr, [3], buf).tolist() == ["ab", "", "cde"]
+    raw = bytearray(buf)
+    with pytest.raises(ValueError):
+        from_buffer(descr, [3], raw[:-1])  # data cut short
+    with pytest.raises(ValueError):
+        from_buffer(descr, [4], raw)  # length table longer than the buffer
+    bad = bytearray(raw)
+    bad[0:8] = (-1).to_bytes(8, "little", signed=True)  # NA in a dtype without NA
+    with pytest.raises(ValueError):
+        from_buffer(descr, [3], bad)
+    with pytest.raises(ValueError):
+        from_buffer(["T", 7], [3], raw)
+
+
+def test_jax_arrays_and_handles_as_input(ctl: cb.Controller) -> None:
+    devs = cb.devices()
+    mesh = cb.Mesh(np.array(devs).reshape(2, 4), ("hosts", "devices"))
+    sh = cb.NamedSharding(mesh, P("hosts", "devices"))
+    local = jax.sharding.NamedSharding(
+        jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("a", "b")), P("a", "b"))
+    x = jax.device_put(np.arange(32, dtype=np.float32).reshape(4, 8), local)
+    arr = cb.device_put(x, sh)
+    assert_same(np.asarray(arr), np.arange(32, dtype=np.float32).reshape(4, 8))
+    assert cb.device_put(arr, sh) is arr  # already there
+    with pytest.raises(ValueError, match="another sharding"):
+        cb.device_put(arr, devs[0])
