@@ -14,6 +14,7 @@ import functools
 import hashlib
 import importlib
 import io
+import itertools
 import pickle
 import threading
 import weakref
@@ -296,7 +297,7 @@ def _is_handle(x: Any) -> bool:
 
 
 def _arg_path(path: Sequence[Any]) -> str:
-    """A leaf's path in ``(args, kwargs)`` as the user wrote it: ``args[0]['k']``, ``kwargs['n']``."""
+    """A leaf's path in ``(args, kwargs)`` as written at the call: ``args[0]['k']``."""
     import jax
 
     first = path[0] if path else None
@@ -381,12 +382,31 @@ def _build_outputs(ctl: Controller, call_id: int, plan: CallPlan,
 # -- the call -------------------------------------------------------------------------------------
 
 
+_stream_counter = itertools.count(1)
+_task_streams: weakref.WeakKeyDictionary[asyncio.Task[Any], int] = weakref.WeakKeyDictionary()
+_thread_streams = threading.local()
+
+
 def _stream_id() -> int:
+    """The calling task's (else thread's) stream: unique for this process's lifetime.
+
+    Not ``id(task)`` or the thread ident: those are reused once a task or thread
+    ends, which would queue a new caller's calls behind an old caller's calls
+    still running on the hosts (ordering is per stream).
+    """
     try:
         task = asyncio.current_task()
     except RuntimeError:
         task = None
-    return id(task) if task is not None else threading.get_ident()
+    if task is not None:
+        sid = _task_streams.get(task)
+        if sid is None:
+            sid = _task_streams[task] = next(_stream_counter)
+        return sid
+    sid = getattr(_thread_streams, "sid", None)
+    if sid is None:
+        sid = _thread_streams.sid = next(_stream_counter)
+    return int(sid)
 
 
 class Target:

@@ -664,11 +664,13 @@ class Worker:
                                                        strict=True))):
                     spec = sh.spec
                     value = leaf
+                elif _is_string(leaf.dtype):  # JAX cannot replicate string arrays
+                    value = np.asarray(leaf)
                 else:
                     value = jax.device_put(leaf, self._sharding(mesh, jax.sharding.PartitionSpec()))
             elif isinstance(leaf, np.ndarray | np.generic | bool | int | float | complex):
                 arr = np.asarray(leaf)
-                if arr.dtype.hasobject:
+                if arr.dtype.hasobject and not isinstance(arr.dtype, np.dtypes.StringDType):
                     raise ValueError(
                         "colocated_python only supports jax.Array as input and output, "
                         f"but got {type(leaf)}.")
