@@ -36,7 +36,7 @@ import numpy as np
 
 import colobus as cb
 
-__all__ = ["Report", "build_parser", "main", "run_demo", "train"]
+__all__ = ["Report", "build_parser", "describe_hosts", "format_report", "main", "run_demo", "train"]
 
 FEATURES = 16  # the model: y = x @ w, with w of this many weights
 ROWS_PER_DEVICE = 64  # each device's share of a host's batch
@@ -334,11 +334,20 @@ async def _run(args: argparse.Namespace) -> Report:
         every = max(1, args.steps // 4)
     opts = dict(checkpoint_every=every, checkpoint_dir=args.checkpoint_dir)
     if args.bind is None:
-        async with cb.local_cluster(hosts=args.hosts, devices_per_host=args.devices):
+        async with cb.local_cluster(hosts=args.hosts, devices_per_host=args.devices) as ctl:
+            print(describe_hosts(ctl), flush=True)
             return await train(args.steps, **opts)
     key = cb.load_key(args.key_file) if args.key_file else None
-    async with cb.Controller(args.bind, hosts=args.hosts, key=key):
+    async with cb.Controller(args.bind, hosts=args.hosts, key=key) as ctl:
+        print(describe_hosts(ctl), flush=True)
         return await train(args.steps, **opts)
+
+
+def describe_hosts(ctl: cb.Controller) -> str:
+    """One line per host that joined: index, name, where it runs, its devices."""
+    return "\n".join(
+        f"host {h.index}: {h.name!r}, pid {h.pid} on {h.address}, {len(h.devices)} "
+        f"{h.devices[0].platform if h.devices else ''} devices" for h in ctl.hosts())
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "async_training_loop.py") -> int:

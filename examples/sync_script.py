@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         loader = Loader(features)
         for step in range(1, args.steps + 1):
             x, y = loader.next_batch(w).result(timeout=60)
-            w, loss = host_step(w, x, y, 0.1).result(timeout=60)
+            w, loss = host_step(w, x, y, 0.2).result(timeout=60)
             if step % 10 == 0 or step == args.steps:
                 # Model averaging through the controller: fetch every replica
                 # (blocking np.asarray), average, and upload the mean to all hosts.
