@@ -1,0 +1,323 @@
+"""A multi-host test bed: one Linux network namespace per worker, all on one bridge.
+
+Layout (``T`` is a short random tag per bed, ``X`` a free third octet)::
+
+    root namespace (the test process, the controller)
+      bridge cbnTbr  10.211.X.1/24
+        |-- veth cbnTh0 ===== cbnTw0  10.211.X.10  in netns colobus-nb-PID-T-0 (worker 0)
+        |-- veth cbnTh1 ===== cbnTw1  10.211.X.11  in netns colobus-nb-PID-T-1 (worker 1)
+        ...
+
+The /24 exists only on the bridge and inside our namespaces; no route leads
+out of it, so all traffic stays between the bed's own interfaces. Cutting a
+host (:meth:`NetBed.cut`) sets the root-side end of its veth down; restoring it
+sets it up again. Workers run as ``ip netns exec NS python -m colobus worker
+...`` with the key in a 0600 file (never on a command line).
+
+Everything the bed creates is removed by :meth:`NetBed.close` (idempotent;
+called from fixtures' ``finally``). Leftovers of a crashed earlier run (their
+creating process is gone) are removed when a new bed starts. Tests use
+:func:`unavailable_reason` to skip where namespaces cannot be made.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from colobus._keys import write_key
+
+__all__ = [
+    "NetBed", "NetHost", "cleanup_leftovers", "cpu_seconds", "eventually", "unavailable_reason",
+]
+
+IF_PREFIX = "cbn"  # interface names: cbn<tag>br, cbn<tag>h<i>, cbn<tag>w<i> (<= 15 chars)
+NS_PREFIX = "colobus-nb-"  # namespaces: colobus-nb-<creator pid>-<tag>-<i>
+ALIAS_PREFIX = "colobus-netbed pid="  # ifalias of the bed's root-side links
+SUBNET_BASE = "10.211"  # the bed takes the first free 10.211.X.0/24, X = 7 by preference
+
+_probe_result: list[str | None] = []
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+    if check and proc.returncode != 0:
+        raise RuntimeError(f"`ip {' '.join(args)}` failed: {proc.stderr.strip()}")
+    return proc
+
+
+def unavailable_reason() -> str | None:
+    """Why a bed cannot be made here (a skip reason), or None if it can."""
+    if _probe_result:
+        return _probe_result[0]
+    reason: str | None = None
+    if not sys.platform.startswith("linux"):
+        reason = "the netns test bed needs Linux network namespaces"
+    elif os.geteuid() != 0:
+        reason = "the netns test bed needs root (ip netns add); CI runs it as root"
+    elif shutil.which("ip") is None:
+        reason = "the netns test bed needs iproute2's `ip` command"
+    else:
+        probe = f"{NS_PREFIX}probe-{os.getpid()}"
+        made = _ip("netns", "add", probe, check=False)
+        if made.returncode != 0:
+            reason = f"cannot create a network namespace: {made.stderr.strip()}"
+        else:
+            _ip("netns", "del", probe, check=False)
+    _probe_result.append(reason)
+    return reason
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def cleanup_leftovers() -> list[str]:
+    """Remove namespaces and links of earlier beds whose creating process is gone.
+
+    Returns what was removed. Beds of live processes (a concurrent run) are left alone.
+    """
+    removed: list[str] = []
+    for line in _ip("netns", "list", check=False).stdout.splitlines():
+        name = line.split()[0] if line.strip() else ""
+        if not name.startswith(NS_PREFIX):
+            continue
+        pid_text = name[len(NS_PREFIX):].split("-")[0]
+        if pid_text.isdigit() and not _pid_alive(int(pid_text)):
+            _ip("netns", "del", name, check=False)
+            removed.append(name)
+    net = "/sys/class/net"
+    for link in sorted(os.listdir(net)) if os.path.isdir(net) else []:
+        if not link.startswith(IF_PREFIX):
+            continue
+        try:
+            with open(os.path.join(net, link, "ifalias")) as f:
+                alias = f.read().strip()
+        except OSError:
+            continue
+        if alias.startswith(ALIAS_PREFIX):
+            pid_text = alias[len(ALIAS_PREFIX):]
+            if pid_text.isdigit() and not _pid_alive(int(pid_text)):
+                _ip("link", "del", link, check=False)
+                removed.append(link)
+    return removed
+
+
+def _free_subnet() -> ipaddress.IPv4Network:
+    used = _ip("-4", "-o", "addr", "show", check=False).stdout
+    routes = _ip("-4", "route", "show", "table", "all", check=False).stdout
+    for third in [7, *range(8, 255)]:
+        net = ipaddress.IPv4Network(f"{SUBNET_BASE}.{third}.0/24")
+        prefix = f"{SUBNET_BASE}.{third}."
+        if prefix not in used and prefix not in routes:
+            return net
+    raise RuntimeError(f"no free {SUBNET_BASE}.X.0/24 for the netns test bed")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` so far (from /proc/PID/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        stat = f.read()
+    fields = stat.rsplit(")", 1)[1].split()
+    utime, stime = int(fields[11]), int(fields[12])  # fields 14 and 15 of proc(5)
+    return (utime + stime) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class NetHost:
+    """One namespace: where one worker runs, with its own address."""
+
+    index: int
+    ns: str
+    host_if: str  # root-namespace end of the veth, a port of the bridge
+    ns_if: str  # the end inside the namespace
+    ip: str
+
+
+class NetBed:
+    """A bridge, ``hosts`` namespaces on it, and the worker processes started in them.
+
+    Args:
+        hosts: how many namespaces (worker hosts) to make.
+    """
+
+    def __init__(self, hosts: int = 2) -> None:
+        self.tag = secrets.token_hex(2)
+        self.bridge = f"{IF_PREFIX}{self.tag}br"
+        self.hosts: list[NetHost] = []
+        self._n = hosts
+        self._procs: list[subprocess.Popen[bytes]] = []
+        self._tmp = tempfile.TemporaryDirectory(prefix="colobus-netbed-")
+        self.key_file = os.path.join(self._tmp.name, "key")
+        self.key = write_key(self.key_file)
+        self.controller_ip = ""
+        self._made_links: list[str] = []
+        self._made_ns: list[str] = []
+        self._closed = False
+
+    # -- building and tearing down -------------------------------------------------
+
+    def create(self) -> NetBed:
+        """Make the bridge and namespaces; undoes what it made if a step fails."""
+        try:
+            self._create()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _create(self) -> None:
+        cleanup_leftovers()
+        net = _free_subnet()
+        addrs = list(net.hosts())
+        self.controller_ip = str(addrs[0])
+        alias = f"{ALIAS_PREFIX}{os.getpid()}"
+        _ip("link", "add", "name", self.bridge, "type", "bridge")
+        self._made_links.append(self.bridge)
+        _ip("link", "set", "dev", self.bridge, "alias", alias)
+        _ip("addr", "add", f"{self.controller_ip}/24", "dev", self.bridge)
+        _ip("link", "set", "dev", self.bridge, "up")
+        for i in range(self._n):
+            h = NetHost(i, f"{NS_PREFIX}{os.getpid()}-{self.tag}-{i}",
+                        f"{IF_PREFIX}{self.tag}h{i}", f"{IF_PREFIX}{self.tag}w{i}",
+                        str(addrs[9 + i]))
+            _ip("netns", "add", h.ns)
+            self._made_ns.append(h.ns)
+            _ip("link", "add", h.host_if, "type", "veth", "peer", "name", h.ns_if)
+            self._made_links.append(h.host_if)
+            _ip("link", "set", "dev", h.host_if, "alias", alias)
+            _ip("link", "set", h.ns_if, "netns", h.ns)
+            _ip("link", "set", h.host_if, "master", self.bridge)
+            _ip("link", "set", h.host_if, "up")
+            _ip("-n", h.ns, "addr", "add", f"{h.ip}/24", "dev", h.ns_if)
+            _ip("-n", h.ns, "link", "set", "lo", "up")
+            _ip("-n", h.ns, "link", "set", h.ns_if, "up")
+            self.hosts.append(h)
+        self._check_reachable()
+
+    def _check_reachable(self) -> None:
+        """Each namespace can open TCP to the controller's address (else a clear error)."""
+        with socket.socket() as srv:
+            srv.bind((self.controller_ip, 0))
+            srv.listen(len(self.hosts))
+            port = srv.getsockname()[1]
+            code = ("import socket,sys; socket.create_connection((sys.argv[1], int(sys.argv[2])),"
+                    " timeout=5).close()")
+            for h in self.hosts:
+                proc = subprocess.run(
+                    ["ip", "netns", "exec", h.ns, sys.executable, "-c", code,
+                     self.controller_ip, str(port)],
+                    capture_output=True, text=True, timeout=30)
+                if proc.returncode != 0:
+                    raise RuntimeError(
+                        f"netns bed: {h.ns} ({h.ip}) cannot reach {self.controller_ip}:{port} "
+                        f"over the bridge (a firewall?): {proc.stderr.strip()[-300:]}")
+                srv.accept()[0].close()
+
+    def close(self) -> None:
+        """Kill the bed's workers, delete its namespaces and links; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            for p in self._procs:
+                if p.poll() is None:
+                    p.kill()
+            for p in self._procs:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    p.wait(10)
+        finally:
+            for ns in reversed(self._made_ns):
+                _ip("netns", "del", ns, check=False)  # takes the veth pair with it
+            for link in reversed(self._made_links):
+                if os.path.exists(f"/sys/class/net/{link}"):
+                    _ip("link", "del", link, check=False)
+            self._tmp.cleanup()
+
+    def __enter__(self) -> NetBed:
+        return self.create()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- using it ------------------------------------------------------------------------
+
+    def bind(self, port: int | str = "*") -> str:
+        """A ZeroMQ endpoint on the controller's bridge address."""
+        return f"tcp://{self.controller_ip}:{port}"
+
+    def free_port(self) -> int:
+        """A TCP port free on the controller's address right now."""
+        with socket.socket() as s:
+            s.bind((self.controller_ip, 0))
+            return int(s.getsockname()[1])
+
+    def start_worker(self, i: int, connect: str, *, name: str | None = None, devices: int = 2,
+                     key_file: str | None = None) -> subprocess.Popen[bytes]:
+        """Start ``colobus worker`` inside namespace ``i``; the bed kills it on close.
+
+        The Popen pid is the worker's (``ip netns exec`` execs in place).
+        """
+        h = self.hosts[i]
+        env = dict(os.environ)
+        paths = [p if p else os.getcwd() for p in sys.path]
+        env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+        env["COLOBUS_PARENT_PID"] = str(os.getpid())  # no orphans if the test process dies
+        env.pop("COLOBUS_KEY_FILE", None)
+        cmd = ["ip", "netns", "exec", h.ns, sys.executable, "-m", "colobus", "worker",
+               "--connect", connect, "--devices", str(devices),
+               "--name", name or f"nb-{i}", "--key-file", key_file or self.key_file]
+        proc = subprocess.Popen(cmd, env=env, cwd=os.getcwd(), stdin=subprocess.DEVNULL)
+        self._procs.append(proc)
+        return proc
+
+    def kill(self, proc: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` to a worker this bed started and reap it."""
+        if proc.poll() is None:
+            proc.send_signal(sig)
+        proc.wait(10)
+
+    def cut(self, i: int) -> None:
+        """Take host ``i`` off the network: its bridge-side veth goes down."""
+        _ip("link", "set", self.hosts[i].host_if, "down")
+
+    def restore(self, i: int) -> None:
+        """Bring host ``i`` back onto the bridge."""
+        _ip("link", "set", self.hosts[i].host_if, "up")
+
+    @contextlib.contextmanager
+    def cut_off(self, i: int) -> Iterator[None]:
+        """``with bed.cut_off(i):`` host ``i`` is unreachable inside the block."""
+        self.cut(i)
+        try:
+            yield
+        finally:
+            self.restore(i)
+
+
+async def eventually(pred: Callable[[], object], timeout: float, what: str,
+                     step: float = 0.05) -> None:
+    """Poll ``pred()`` (without blocking the loop) until true; fail naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await asyncio.sleep(step)
