@@ -189,9 +189,25 @@ def encode_dtype(dtype: np.dtype[Any]) -> Any:
     """
     if isinstance(dtype, np.dtypes.StringDType):
         return "T"
-    if dtype.fields is None and dtype.type.__module__.split(".")[0] == "ml_dtypes":
+    if dtype.fields is None and _is_ml(dtype):
         return ["ml_dtypes", dtype.name]
+    if _has_ml_field(dtype):
+        raise ValueError(
+            f"structured dtype {dtype} has an ml_dtypes field, which would arrive as raw "
+            "bytes; send that field as an array of its own")
     return np.lib.format.dtype_to_descr(dtype)
+
+
+def _is_ml(dtype: np.dtype[Any]) -> bool:
+    return dtype.type.__module__.split(".")[0] == "ml_dtypes"
+
+
+def _has_ml_field(dtype: np.dtype[Any]) -> bool:
+    if dtype.subdtype is not None:
+        return _has_ml_field(dtype.subdtype[0])
+    if dtype.fields is None:
+        return _is_ml(dtype)
+    return any(_has_ml_field(f[0]) for f in dtype.fields.values())
 
 
 def _ml_dtype(name: Any) -> np.dtype[Any]:
@@ -204,7 +220,7 @@ def _ml_dtype(name: Any) -> np.dtype[Any]:
         dt = np.dtype(getattr(ml_dtypes, name))
     except (AttributeError, TypeError) as exc:
         raise ValueError(f"unknown ml_dtypes type {name!r}") from exc
-    if dt.type.__module__.split(".")[0] != "ml_dtypes":
+    if not _is_ml(dt):
         raise ValueError(f"{name!r} is not an ml_dtypes type")
     return dt
 

@@ -457,6 +457,8 @@ def test_bad_input_errors_and_sends_nothing(ctl: cb.Controller, no_send: list[An
         cb.device_put(np.array([1, "a", None], dtype=object), devs[0])
     with pytest.raises(ValueError, match="object"):
         cb.device_put([np.zeros(2), np.array([{}], dtype=object)], devs[0])
+    with pytest.raises(ValueError, match="ml_dtypes field"):
+        cb.device_put(np.zeros(2, [("a", ml_dtypes.bfloat16)]), devs[0])
     stranger = cb.Device(id=99, host=0, platform="cpu", device_kind="cpu", local_id=0)
     with pytest.raises(ValueError, match="not a device of this controller"):
         cb.device_put(np.zeros(2), stranger)
