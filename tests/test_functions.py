@@ -331,6 +331,28 @@ def test_sequential_execution(ctl: cb.Controller, on_main_thread: bool) -> None:
         state_cleanup(x).result(timeout=30)
 
 
+async def test_sequential_execution_in_one_task(ctl: cb.Controller) -> None:
+    x = _put_over_hosts(np.zeros((2, 4), np.float32))
+    try:
+        seq_func0(x)
+        seq_func1(x)
+        await seq_func2(x)  # one asyncio task, one stream: in order on each host
+    finally:
+        await state_cleanup(x)
+
+
+async def test_array_keyword_arguments(ctl: cb.Controller) -> None:
+    @cb.colocated_python
+    def scaled(x: jax.Array, *, by: jax.Array, label: str) -> jax.Array:
+        assert label == "kw"
+        return x * by
+
+    x = _put_over_hosts(np.arange(4, dtype=np.int32).reshape(2, 2))
+    by = _put_over_hosts(np.full((2, 2), 3, np.int32))
+    out = await scaled(x, by=by, label="kw")
+    np.testing.assert_array_equal(await cb.device_get(out), np.arange(4).reshape(2, 2) * 3)
+
+
 def test_concurrent_execution(ctl: cb.Controller) -> None:
     x = _put_over_hosts(np.zeros((2, 4), np.float32))
     func = barrier_wait.specialize(out_specs_fn=lambda x: x)
