@@ -321,8 +321,10 @@ def test_array_attributes(ctl: cb.Controller) -> None:
     assert "shape=(4, 8)" in repr(arr)
     one = cb.device_put(np.zeros((3,), np.int16), devs[3])
     assert one.devices() == {devs[3]} and one.nbytes == 6
-    keys = cb.device_put(make("key", (4,)), sh.mesh.devices.flat[7])
+    jkeys = make("key", (4,))
+    keys = cb.device_put(jkeys, sh.mesh.devices.flat[7])
     assert keys.shape == (4,) and keys.ndim == 1 and keys.size == 4
+    assert keys.dtype == jkeys.dtype and keys.nbytes == jkeys.nbytes
     assert jax.dtypes.issubdtype(keys.dtype, jax.dtypes.prng_key)
 
 
