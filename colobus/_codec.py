@@ -28,8 +28,9 @@ def is_key_array(x: Any) -> bool:
     if dtype is None or isinstance(dtype, np.dtype):
         return False
     import jax
+    import jax.numpy as jnp
 
-    return bool(jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key))
+    return bool(jnp.issubdtype(dtype, jax.dtypes.prng_key))
 
 
 def key_impl_name(x: Any) -> str:
@@ -57,7 +58,7 @@ def to_buffer(arr: np.ndarray[Any, Any]) -> tuple[Any, memoryview]:
 def _bytes_view(arr: np.ndarray[Any, Any]) -> memoryview:
     if arr.size == 0 or arr.dtype.itemsize == 0:
         return memoryview(b"")
-    return memoryview(arr.reshape(-1).view(np.uint8))
+    return memoryview(arr.reshape(-1).view(np.uint8).data)
 
 
 def from_buffer(descr: Any, shape: list[int] | tuple[int, ...], buf: Any) -> np.ndarray[Any, Any]:
@@ -101,17 +102,18 @@ def _strings_to_buffer(arr: np.ndarray[Any, Any]) -> tuple[Any, memoryview]:
     out = np.empty(lens.nbytes + len(data), np.uint8)
     out[: lens.nbytes] = lens.view(np.uint8)
     out[lens.nbytes:] = np.frombuffer(data, np.uint8)
-    return ["T", na], memoryview(out)
+    return ["T", na], memoryview(out.data)
 
 
 def _strings_from_buffer(na: Any, shape: tuple[int, ...], buf: Any) -> np.ndarray[Any, Any]:
+    make: Any = np.dtypes.StringDType  # numpy's stubs reject na_object=
     if na == _NA_NONE:
-        dtype = np.dtypes.StringDType()
+        dtype = make()
         na_value: Any = None
     elif na == _NA_IS_NONE:
-        dtype, na_value = np.dtypes.StringDType(na_object=None), None
+        dtype, na_value = make(na_object=None), None
     elif na == _NA_IS_NAN:
-        dtype, na_value = np.dtypes.StringDType(na_object=np.nan), np.nan
+        dtype, na_value = make(na_object=np.nan), np.nan
     else:
         raise ValueError(f"bad string dtype NA code {na!r}")
     count = int(np.prod(shape, dtype=np.int64))

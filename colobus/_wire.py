@@ -217,7 +217,7 @@ def _ml_dtype(name: Any) -> np.dtype[Any]:
     import ml_dtypes
 
     try:
-        dt = np.dtype(getattr(ml_dtypes, name))
+        dt: np.dtype[Any] = np.dtype(getattr(ml_dtypes, name))
     except (AttributeError, TypeError) as exc:
         raise ValueError(f"unknown ml_dtypes type {name!r}") from exc
     if not _is_ml(dt):
