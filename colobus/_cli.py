@@ -26,9 +26,18 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--key-file", default=None,
                    help="key file from `colobus keygen` ('-' reads the key from stdin); "
                         "default: $COLOBUS_KEY_FILE")
+    w.add_argument("--curve-key-file", default=None, metavar="PATH",
+                   help="CurveZMQ: this worker's secret key file from `colobus keygen --curve` "
+                        "(turns on encryption; needs --server-key)")
+    w.add_argument("--server-key", default=None, metavar="PATH",
+                   help="CurveZMQ: the controller's public key file (PATH.pub from "
+                        "`colobus keygen --curve PATH`) or its Z85 public key")
 
     k = sub.add_parser("keygen", help="write a new random key file (mode 0600)")
     k.add_argument("path")
+    k.add_argument("--curve", action="store_true",
+                   help="write a CurveZMQ key pair instead: PATH (secret, mode 0600) and "
+                        "PATH.pub (public)")
 
     d = sub.add_parser("demo", help="run the async training-loop demo on a local cluster")
     d.add_argument("--hosts", type=int, default=2)
@@ -71,11 +80,24 @@ def main(argv: Sequence[str] | None = None) -> int:
         from ._worker import main_worker
 
         parent = os.environ.get("COLOBUS_PARENT_PID")
-        return main_worker(args.connect, args.name, _worker_key(args.key_file), args.devices,
-                           int(parent) if parent else None)
-    if args.command == "keygen":
-        from ._keys import write_key
+        curve_keypair, server_key = None, None
+        if args.curve_key_file or args.server_key:
+            from ._keys import load_curve_keypair, load_curve_public
 
+            if not (args.curve_key_file and args.server_key):
+                build_parser().error("CurveZMQ needs both --curve-key-file and --server-key")
+            curve_keypair = load_curve_keypair(args.curve_key_file)
+            server_key = load_curve_public(args.server_key)
+        return main_worker(args.connect, args.name, _worker_key(args.key_file), args.devices,
+                           int(parent) if parent else None, curve_keypair, server_key)
+    if args.command == "keygen":
+        from ._keys import write_curve_keypair, write_key
+
+        if args.curve:
+            public, _ = write_curve_keypair(args.path)
+            print(f"wrote a CurveZMQ key pair: {args.path} (secret, mode 0600) and "
+                  f"{args.path}.pub (public key {public.decode()})")
+            return 0
         write_key(args.path)
         print(f"wrote a new key to {args.path} (mode 0600)")
         return 0

@@ -43,6 +43,11 @@ class LocalCluster:
             bind = f"ipc://{self._ipc_path}"
         else:
             bind = "tcp://127.0.0.1:*"
+        if any(name.startswith("curve_") for name in options):
+            raise ValueError(
+                "local_cluster does not set up CurveZMQ (its workers talk over ipc or "
+                "loopback on this machine); use cb.Controller(..., curve_secret_key=...) and "
+                "`colobus worker --curve-key-file ... --server-key ...` (docs/security.md)")
         options.setdefault("exit_workers_on_close", True)
         self.controller = Controller(bind, hosts=hosts, key=self._key, **options)
         self.procs: list[subprocess.Popen[bytes]] = []

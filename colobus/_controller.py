@@ -212,9 +212,22 @@ class Controller:
         max_message_bytes: larger incoming messages are dropped and counted.
         exit_workers_on_close: tell workers to exit (rather than wait for the
             next controller) when this controller closes. ``local_cluster`` sets it.
+        curve_secret_key: turn on CurveZMQ encryption with this server key pair:
+            the path of a secret key file from ``colobus keygen --curve PATH``,
+            or a Z85 secret key. Workers then need ``--server-key PATH.pub``
+            and a key pair of their own. The MAC ``key`` is still required
+            where it is without encryption. See ``docs/security.md``.
+        curve_public_key: the server's Z85 public key; by default derived from
+            the secret key.
+        curve_allow: the workers allowed to connect (CurveZMQ only): Z85 public
+            keys, public key files, or directories of ``*.pub`` files. None
+            lets any worker that knows the server's public key finish the
+            handshake (its messages must still carry the MAC).
 
     Raises:
-        ValueError: bound to a non-loopback address without a key.
+        ValueError: bound to a non-loopback address without a key, or
+            ``curve_allow`` given without ``curve_secret_key``.
+        AuthenticationError: a CurveZMQ key or key file is not valid.
     """
 
     def __init__(
@@ -230,6 +243,9 @@ class Controller:
         max_backlog: int | None = None,
         max_message_bytes: int = 1 << 40,
         exit_workers_on_close: bool = False,
+        curve_secret_key: bytes | str | os.PathLike[str] | None = None,
+        curve_public_key: bytes | None = None,
+        curve_allow: Iterable[bytes | str | os.PathLike[str]] | None = None,
     ) -> None:
         if key is None and not _is_loopback(bind):
             raise ValueError(
@@ -249,6 +265,18 @@ class Controller:
         self.max_backlog = max_inflight if max_backlog is None else max_backlog
         self.max_message_bytes = max_message_bytes
         self._exit_workers = exit_workers_on_close
+        self._curve: tuple[bytes, bytes] | None = None  # (public, secret), Z85
+        self._curve_allow: set[bytes] | None = None
+        self._auth: Any = None  # zmq.auth.thread.ThreadAuthenticator while running
+        if curve_secret_key is not None:
+            from ._keys import load_curve_allow, load_curve_keypair
+
+            public, secret = load_curve_keypair(curve_secret_key)
+            self._curve = (curve_public_key or public, secret)
+            if curve_allow is not None:
+                self._curve_allow = load_curve_allow(curve_allow)
+        elif curve_allow is not None:
+            raise ValueError("curve_allow needs curve_secret_key (the server's key pair)")
         self.state = State.NEW
         self._session = secrets.token_bytes(16)
         self._ctx: zmq.Context[Any] | None = None
@@ -360,10 +388,13 @@ class Controller:
         sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         if self.max_message_bytes < (1 << 62):
             sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+        if self._curve is not None:
+            self._start_curve(sock)
         try:
             sock.bind(self._bind)
         except zmq.ZMQError as exc:
             sock.close(0)
+            self._stop_curve()
             self._ctx.term()
             raise OSError(f"colobus controller cannot bind {self._bind!r}: {exc}") from exc
         self._address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -373,6 +404,31 @@ class Controller:
         self.state = State.RUNNING
         log.info("controller listening on %s", self._address)
         self._drain()
+
+    def _start_curve(self, sock: zmq.Socket[Any]) -> None:
+        """Make ``sock`` a CurveZMQ server; a ZAP thread checks the allow-list."""
+        from zmq.auth.thread import ThreadAuthenticator
+
+        assert self._curve is not None and self._ctx is not None
+        public, secret = self._curve
+        allowed = self._curve_allow
+        self._auth = ThreadAuthenticator(self._ctx, log=logging.getLogger("colobus.auth"))
+        self._auth.start()
+        if allowed is None:
+            self._auth.configure_curve(domain="*", location=zmq.auth.CURVE_ALLOW_ANY)
+        else:
+            self._auth.configure_curve_callback(domain="*",
+                                                credentials_provider=_CurveAllowList(allowed))
+        sock.setsockopt(zmq.CURVE_SERVER, 1)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+        log.info("CurveZMQ on: server key %s, %s", public.decode(),
+                 "any client key" if allowed is None else f"{len(allowed)} allowed client keys")
+
+    def _stop_curve(self) -> None:
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
 
     async def wait_for_hosts(self, n: int | None = None, timeout: float | None = None) -> None:
         """Wait until ``n`` hosts (default: ``hosts``) are alive.
@@ -437,6 +493,7 @@ class Controller:
         # Give the SHUTDOWN messages a moment to leave before closing with linger.
         self._sock.setsockopt(zmq.LINGER, 200)
         self._sock.close()
+        self._stop_curve()
         self._ctx.term()
         _pop_current(self)
         log.info("controller on %s closed", self._address)
@@ -756,7 +813,12 @@ class Controller:
         if not self._release_scheduled:
             self._release_scheduled = True
             try:
-                self.call_soon(self._flush_releases)
+                if threading.get_ident() == self._loop_thread_id:
+                    # Defer even on the loop: every release of this loop iteration
+                    # (a burst of results settling) goes in one RELEASE per host.
+                    self.loop.call_soon(self._flush_releases)
+                else:
+                    self.call_soon(self._flush_releases)
             except (RuntimeError, ColobusError):
                 pass
 
@@ -1027,6 +1089,22 @@ class Controller:
     def lose_host_for_test(self, index: int) -> None:
         """Declare a host lost now (tests and operators)."""
         self.call_soon(self._lose, self._hosts[index], "declared lost by the controller")
+
+
+class _CurveAllowList:
+    """ZAP credentials provider: a CurveZMQ client key must be on the list."""
+
+    def __init__(self, allowed: set[bytes]) -> None:
+        self.allowed = allowed
+        self.refused: set[bytes] = set()
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        ok = key in self.allowed
+        if not ok and key not in self.refused:  # it retries: log each key once
+            self.refused.add(key)
+            log.warning("refused a CurveZMQ client with key %s (not in curve_allow)",
+                        key.decode(errors="replace"))
+        return ok
 
 
 class _Counter:

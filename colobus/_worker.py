@@ -115,6 +115,9 @@ class Worker:
         key: the shared key (empty: none, for loopback-only controllers).
         cpu_devices: XLA host-platform device count.
         parent_pid: exit when this process is no longer our parent (local clusters).
+        curve_keypair: ``(public, secret)`` Z85 CurveZMQ key pair of this worker;
+            with ``curve_server_key`` it turns on encryption.
+        curve_server_key: the controller's Z85 CurveZMQ public key.
     """
 
     def __init__(
@@ -126,7 +129,15 @@ class Worker:
         cpu_devices: int | None = None,
         parent_pid: int | None = None,
         max_threads: int = 64,
+        curve_keypair: tuple[bytes, bytes] | None = None,
+        curve_server_key: bytes | None = None,
     ) -> None:
+        if (curve_keypair is None) != (curve_server_key is None):
+            raise ValueError("CurveZMQ needs both this worker's key pair and the server's "
+                             "public key (--curve-key-file and --server-key)")
+        self._curve: tuple[tuple[bytes, bytes], bytes] | None = None
+        if curve_keypair is not None and curve_server_key is not None:
+            self._curve = (curve_keypair, curve_server_key)
         self.connect = connect
         self.name = name or f"{socket.gethostname()}-{os.getpid()}"
         self._key = key
@@ -256,6 +267,11 @@ class Worker:
         sock.setsockopt(zmq.IMMEDIATE, 1)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, int(BACKOFF_MAX_S * 1000))
+        if self._curve is not None:
+            (public, secret), server = self._curve
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+            sock.setsockopt(zmq.CURVE_SERVERKEY, server)
         sock.connect(self.connect)
         self._sock = sock
         self._session = secrets.token_bytes(16)
@@ -759,9 +775,11 @@ def _dumps_meta(obj: Any) -> tuple[bytes, list[Buffer]]:
 
 
 def main_worker(connect: str, name: str | None, key: bytes, cpu_devices: int | None,
-                parent_pid: int | None) -> int:
+                parent_pid: int | None, curve_keypair: tuple[bytes, bytes] | None = None,
+                curve_server_key: bytes | None = None) -> int:
     """Entry point used by ``colobus worker``."""
-    worker = Worker(connect, name=name, key=key, cpu_devices=cpu_devices, parent_pid=parent_pid)
+    worker = Worker(connect, name=name, key=key, cpu_devices=cpu_devices, parent_pid=parent_pid,
+                    curve_keypair=curve_keypair, curve_server_key=curve_server_key)
     try:
         return worker.run()
     except KeyboardInterrupt:
