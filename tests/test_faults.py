@@ -171,6 +171,15 @@ async def expect_host_lost(make: collections.abc.Callable[[], Any], host: int) -
     return str(info.value)
 
 
+async def in_own_task(make: collections.abc.Callable[[], cb.Future[Any]]) -> cb.Future[Any]:
+    """Make a call from a task of its own: a stream of its own, not ordered after ours."""
+
+    async def call() -> cb.Future[Any]:
+        return make()
+
+    return await asyncio.create_task(call())
+
+
 async def wait_file(path: str, timeout: float = 30.0) -> None:
     await eventually(lambda: os.path.exists(path), timeout, f"{path} to appear")
 
@@ -201,7 +210,7 @@ async def test_sigkill_mid_call_fails_its_calls_and_only_them(bed: NetBed, tmp_p
 
         marker = str(tmp_path / "started")
         long_call = nap(a0, 60.0, marker)  # only on host 0
-        spanning = nap(both, 60.0)  # on both hosts
+        spanning = await in_own_task(lambda: nap(both, 60.0))  # on both hosts
         short_other = nap(a1, 1.0)  # only on host 1
         await wait_file(marker)
 
@@ -381,11 +390,8 @@ async def test_hung_user_code_keeps_heartbeating_and_is_cancellable(tmp_path: An
         flag = str(tmp_path / "release")
         marks = [str(tmp_path / "m-sleep"), str(tmp_path / "m-spin")]
 
-        async def in_own_task(fn: Any, marker: str) -> cb.Future[Any]:
-            return fn(x, flag, marker)  # a task of its own: a stream of its own
-
-        hung = [await asyncio.create_task(in_own_task(hang_sleeping, marks[0])),
-                await asyncio.create_task(in_own_task(hang_spinning, marks[1]))]
+        hung = [await in_own_task(lambda: hang_sleeping(x, flag, marks[0])),
+                await in_own_task(lambda: hang_spinning(x, flag, marks[1]))]
         for m in marks:
             await wait_file(m)
         await asyncio.sleep(3 * LIVE)  # several liveness timeouts with both calls stuck
