@@ -60,6 +60,9 @@ class LocalCluster:
         paths = [p if p else os.getcwd() for p in sys.path]
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
         env["COLOBUS_PARENT_PID"] = str(os.getpid())
+        import jax
+
+        env["COLOBUS_JAX_X64"] = "1" if jax.config.jax_enable_x64 else "0"
         env.pop("COLOBUS_KEY_FILE", None)
         for i in range(self.hosts):
             cmd = [sys.executable, "-m", "colobus", "worker",

@@ -284,9 +284,18 @@ def make_plan(leaves: list[Any], devices: Sequence[Device] | None) -> CallPlan:
 # -- specs -------------------------------------------------------------------------------------
 
 
+def _as_seen_on_hosts(dtype: Any) -> Any:
+    """The dtype user code on a host sees: JAX's canonical one (int64 -> int32 unless x64)."""
+    if isinstance(dtype, np.dtype) and dtype.kind in "biufc":
+        import jax
+
+        return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+    return dtype
+
+
 def _spec_of_leaf(x: Any) -> Any:
     if isinstance(x, Array):
-        return ShapeDtypeStruct(x.shape, x.dtype, x.sharding)
+        return ShapeDtypeStruct(x.shape, _as_seen_on_hosts(x.dtype), x.sharding)
     if isinstance(x, np.ndarray | np.generic):
         return ShapeDtypeStruct(x.shape, x.dtype)
     return x
@@ -323,7 +332,7 @@ def _check_specs(actual: Any, expected: Any, what: str, *, inputs: bool = False)
         if shape is None or tuple(shape) != tuple(e.shape):
             raise ValueError(f"{what}: {where}: expected shape {tuple(e.shape)}, got "
                              f"{None if shape is None else tuple(shape)}")
-        if dtype != e.dtype:
+        if _as_seen_on_hosts(dtype) != _as_seen_on_hosts(e.dtype):
             raise ValueError(f"{what}: {where}: expected dtype {e.dtype}, got {dtype}")
 
 

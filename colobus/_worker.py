@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import gc
 import inspect
 import io
 import logging
@@ -28,6 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import cloudpickle
+import numpy as np
 import zmq
 
 from . import _protocol as P
@@ -64,6 +66,9 @@ def setup_jax(cpu_devices: int | None) -> Any:
             jax.config.update("jax_num_cpu_devices", cpu_devices)
         except Exception:  # older JAX: XLA_FLAGS above does it
             pass
+    # JAX's own default (x64 off) unless the controller side asks otherwise;
+    # local_cluster passes its process's setting (docs/arrays.md, "Dtypes").
+    jax.config.update("jax_enable_x64", os.environ.get("COLOBUS_JAX_X64", "0") == "1")
     return jax
 
 
@@ -84,6 +89,35 @@ def _jax_exact(jax: Any, dtype: Any) -> bool:
         return bool(jax.dtypes.canonicalize_dtype(dtype) == dtype)
     except Exception:
         return False
+
+
+class NumpyBlock(np.ndarray):  # type: ignore[type-arg]
+    """A host block kept as numpy (its exact bytes), with the layout JAX would give it.
+
+    Stored when JAX cannot hold the dtype as is (64-bit types while x64 is off,
+    structured dtypes, some string layouts), so fetching returns exactly what was
+    put. A numeric block is presented to user code as a ``jax.Array``, converted
+    the way ``jax.device_put`` would (int64 -> int32 while x64 is off).
+    """
+
+    jax_sharding: Any = None
+
+
+def _numpy_block(arr: Any, sharding: Any) -> NumpyBlock:
+    block = np.asarray(arr).view(NumpyBlock)
+    block.jax_sharding = sharding
+    return block
+
+
+def _present(jax: Any, value: Any) -> Any:
+    """What user code receives for a stored value."""
+    if not isinstance(value, NumpyBlock):
+        return value
+    plain = value.view(np.ndarray)
+    if plain.dtype.kind in "biufc" and value.jax_sharding is not None:
+        canonical = jax.dtypes.canonicalize_dtype(plain.dtype)
+        return jax.device_put(plain.astype(canonical), value.jax_sharding)
+    return plain
 
 
 def _is_string(dtype: Any) -> bool:
@@ -207,6 +241,9 @@ class Worker:
     async def serve(self) -> int:
         self._jax = setup_jax(self._cpu_devices)
         self._discover_devices()
+        # Everything imported so far (JAX: ~100k objects) lives as long as the process:
+        # keep it out of the collector's scans, which otherwise cost every call.
+        gc.freeze()
         self._ctx = zmq.Context()
         watchdog = asyncio.get_running_loop().create_task(self._watch_parent())
         backoff = BACKOFF_MIN_S
@@ -309,6 +346,9 @@ class Worker:
         assert self._ended is not None
         while not self._ended.done():
             await asyncio.sleep(self._heartbeat)
+            self._drain()  # judge silence only after reading what already arrived
+            if self._ended.done():
+                return
             if time.monotonic() - self._last_heard > self._liveness:
                 log.warning("controller silent for %.1f s", time.monotonic() - self._last_heard)
                 self._end("lost")
@@ -500,7 +540,7 @@ class Worker:
                 return jax.device_put(arr, sharding)
             except Exception:
                 return arr
-        return arr
+        return _numpy_block(arr, self._sharding(mesh, spec))
 
     def _on_put(self, body: P.Put, env: Envelope) -> None:
         loop = asyncio.get_running_loop()
@@ -524,8 +564,17 @@ class Worker:
                 fut.set_exception(exc)
                 fut.exception()
             return
-        work = loop.run_in_executor(self._pool, self._to_host_value, arr, mesh, spec, impl)
+        work = loop.run_in_executor(self._pool, self._to_host_value_ready, arr, mesh, spec,
+                                    impl)
         work.add_done_callback(functools.partial(_chain, fut))
+
+    def _to_host_value_ready(self, arr: Any, mesh: Any, spec: Any, key_impl: str | None) -> Any:
+        # jax.device_put returns before its copy is done: wait here (a pool thread),
+        # so a PUT counts as stored (block_until_ready) only once the data is in place
+        # and the received frame can be freed.
+        value = self._to_host_value(arr, mesh, spec, key_impl)
+        ready = getattr(value, "block_until_ready", None)
+        return ready() if ready is not None else value
 
     def _on_fetch(self, body: P.Fetch, env: Envelope) -> None:
         loop = asyncio.get_running_loop()
@@ -633,7 +682,7 @@ class Worker:
         self._started.add(body.call_id)
         loop = asyncio.get_running_loop()
         try:
-            values = [await p for p in pins]
+            values = [_present(self._jax, await p) for p in pins]
             args, kwargs = _ArgsUnpickler(env.payload, values, env.buffers[: env.pbufs]).load()
             if obj is not None:
                 fn = getattr(await obj, body.method)
@@ -690,8 +739,9 @@ class Worker:
                     raise ValueError(
                         "colocated_python only supports jax.Array as input and output, "
                         f"but got {type(leaf)}.")
-                value = (jax.device_put(arr, self._sharding(mesh, jax.sharding.PartitionSpec()))
-                         if _jax_exact(jax, arr.dtype) else arr)
+                replicated = self._sharding(mesh, jax.sharding.PartitionSpec())
+                value = (jax.device_put(arr, replicated) if _jax_exact(jax, arr.dtype)
+                         else _numpy_block(arr, replicated))
             else:
                 raise ValueError(
                     "colocated_python only supports jax.Array as input and output, "
@@ -729,7 +779,7 @@ class Worker:
                          pins: list[asyncio.Future[Any]], fut: asyncio.Future[Any]) -> None:
         loop = asyncio.get_running_loop()
         try:
-            values = [await p for p in pins]
+            values = [_present(self._jax, await p) for p in pins]
             args, kwargs = _ArgsUnpickler(env.payload, values, env.buffers[: env.pbufs]).load()
             cls = self._get_code(body.digest)
             inst = await loop.run_in_executor(self._pool, functools.partial(cls, *args, **kwargs))

@@ -651,3 +651,21 @@ def test_jax_arrays_and_handles_as_input(ctl: cb.Controller) -> None:
     assert cb.device_put(arr, sh) is arr  # already there
     with pytest.raises(ValueError, match="another sharding"):
         cb.device_put(arr, devs[0])
+
+
+@cb.colocated_python
+def _describe_int64(x):
+    import jax
+
+    assert isinstance(x, jax.Array), type(x)
+    return x * 2
+
+
+async def test_int64_stored_exactly_but_seen_as_jax_would(ctl: cb.Controller) -> None:
+    """A 64-bit block is kept exactly on the host and handed over as JAX would (int32)."""
+    big = np.array([2**40 + 1, -3], dtype=np.int64)
+    x = cb.device_put(big, cb.devices()[0])
+    np.testing.assert_array_equal(await cb.device_get(x), big)  # exact round trip
+    y = await _describe_int64(cb.device_put(np.array([1, 2], dtype=np.int64), cb.devices()[4]))
+    assert y.dtype == np.int32
+    np.testing.assert_array_equal(await cb.device_get(y), [2, 4])
