@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import enum
+import functools
 import ipaddress
 import logging
 import os
@@ -809,18 +810,22 @@ class Controller:
         """
         if self.state is State.CLOSED:
             return
-        self._releases.append((host, generation, ref, call))
-        if not self._release_scheduled:
+        try:
+            # Through post(): a free must never overtake the PUT (or call) that
+            # makes what it frees, which may still be on its way to the loop or
+            # queued in the backlog; else the host stores it after the free and
+            # keeps it forever (a `device_put(...).delete()` leak).
+            self.post(functools.partial(self._queue_release, (host, generation, ref, call)))
+        except (RuntimeError, ColobusError):
+            pass
+
+    def _queue_release(self, entry: tuple[int, int, int, int]) -> None:
+        self._releases.append(entry)
+        if not self._release_scheduled and self._loop is not None:
             self._release_scheduled = True
-            try:
-                if threading.get_ident() == self._loop_thread_id:
-                    # Defer even on the loop: every release of this loop iteration
-                    # (a burst of results settling) goes in one RELEASE per host.
-                    self.loop.call_soon(self._flush_releases)
-                else:
-                    self.call_soon(self._flush_releases)
-            except (RuntimeError, ColobusError):
-                pass
+            # Deferred: every release of this loop iteration (a burst of results
+            # settling) goes out in one RELEASE per host.
+            self._loop.call_soon(self._flush_releases)
 
     def _flush_releases(self) -> None:
         self._release_scheduled = False
