@@ -84,8 +84,22 @@ class LocalCluster:
                     f"local colobus worker {i} exited with code {code} before joining; "
                     "see its output above")
 
-    def _reap(self, timeout: float = 10.0) -> None:
+    def _reap(self, timeout: float = 10.0, grace: float = 1.0) -> None:
+        """Wait for the workers (told to exit by the closing controller); stop stragglers.
+
+        A worker exits within milliseconds of reading the controller's SHUTDOWN.
+        One that had not read it when the controller's socket closed never will:
+        its DEALER (``IMMEDIATE``) drops unread messages when the connection goes,
+        and it would exit only when its liveness timeout fires. So after
+        ``grace`` seconds the rest get SIGTERM, and SIGKILL at ``timeout``.
+        """
         deadline = time.monotonic() + timeout
+        for p in self.procs:
+            try:
+                p.wait(max(0.0, min(grace, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                log.debug("local worker %d did not exit on SHUTDOWN; terminating it", p.pid)
+                p.terminate()
         for p in self.procs:
             try:
                 p.wait(max(0.0, deadline - time.monotonic()))
