@@ -650,6 +650,7 @@ class Worker:
         if task.cancelled():
             if not results.done():
                 results.set_exception(asyncio.CancelledError())
+                results.exception()  # retrieved: no "never retrieved" log when dropped
             self._send(P.Result(body.call_id, Status.CANCELLED, None))
 
     def _on_cancel(self, body: P.Cancel, env: Envelope) -> None:
@@ -663,6 +664,7 @@ class Worker:
             results = self._results.get(call_id)
             if results is not None and not results.done():
                 results.set_exception(asyncio.CancelledError())
+                results.exception()  # retrieved: no "never retrieved" log when dropped
             self._send(P.Result(call_id, Status.CANCELLED, None))
 
     async def _run_call(
