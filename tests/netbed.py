@@ -321,3 +321,22 @@ async def eventually(pred: Callable[[], object], timeout: float, what: str,
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         await asyncio.sleep(step)
+
+
+def _main(argv: list[str]) -> int:
+    """``python tests/netbed.py --cleanup``: remove leftovers of beds whose process died."""
+    if argv != ["--cleanup"]:
+        print("usage: python tests/netbed.py --cleanup", file=sys.stderr)
+        return 2
+    reason = unavailable_reason()
+    if reason is not None:
+        print(f"netbed: nothing to clean ({reason})")
+        return 0
+    removed = cleanup_leftovers()
+    print(f"netbed: removed {len(removed)} leftover namespace(s)/link(s)"
+          + (f": {', '.join(removed)}" if removed else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))
