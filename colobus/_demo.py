@@ -134,17 +134,23 @@ class CheckpointWriter:
         self.keep = keep
 
     def save(self, params: Any, step: int) -> None:
-        """Write ``params`` as ``step_NNNNNN.npy`` atomically (temp file, fsync, rename)."""
+        """Write ``params`` as ``step_NNNNNN.npy`` atomically (temp file, fsync, rename).
+
+        Hosts sharing one directory (one machine, or a shared file system) write
+        the same file: the parameters are replicated, and the last rename wins.
+        """
         data = np.asarray(params)
         final = os.path.join(self.directory, f"step_{step:06d}.npy")
-        with open(final + ".tmp", "wb") as f:
+        tmp = f"{final}.{os.getpid()}.tmp"  # one temp file per writer process
+        with open(tmp, "wb") as f:
             np.save(f, data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(final + ".tmp", final)
+        os.replace(tmp, final)
         for old in sorted(n for n in os.listdir(self.directory) if n.endswith(".npy"))[
                 :-self.keep]:
-            os.remove(os.path.join(self.directory, old))
+            with contextlib.suppress(FileNotFoundError):  # another host removed it first
+                os.remove(os.path.join(self.directory, old))
 
     def __del__(self) -> None:
         # Runs on the host when the controller drops its handle. A directory this
