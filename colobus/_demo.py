@@ -57,6 +57,14 @@ def _host_mesh() -> Any:
     return jax.sharding.Mesh(np.array(jax.local_devices(backend="cpu")), ("devices",))
 
 
+def _split_rows(mesh: Any) -> Any:
+    """A sharding that splits an array's first axis over ``mesh``'s ``"devices"`` axis."""
+    import jax
+
+    spec = jax.sharding.PartitionSpec("devices")  # type: ignore[no-untyped-call]
+    return jax.sharding.NamedSharding(mesh, spec)
+
+
 @cb.colocated_python_class
 class Loader:
     """Makes batches of a synthetic regression task on the host it lives on.
@@ -78,10 +86,9 @@ class Loader:
         rows = self.rows_per_device * mesh.size
         x = self.rng.normal(size=(rows, self.w_true.size)).astype(np.float32)
         y = x @ self.w_true + 0.01 * self.rng.normal(size=rows).astype(np.float32)
-        split = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("devices"))
         # Returned with a NamedSharding over the host's part of the call's mesh, each
         # host's rows become one block of a global array that stays on the hosts.
-        return jax.device_put(x, split), jax.device_put(y, split)
+        return jax.device_put(x, _split_rows(mesh)), jax.device_put(y, _split_rows(mesh))
 
 
 _per_device_grads: Any = None
@@ -111,8 +118,7 @@ def device_grads(params: Any, batch: tuple[Any, Any]) -> tuple[Any, Any]:
     mesh = x.sharding.mesh  # the host's part of the call's mesh
     n = mesh.size
     losses, grads = _grads_fn()(params, x.reshape(n, -1, x.shape[-1]), y.reshape(n, -1))
-    per_device = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("devices"))
-    return jax.device_put(grads, per_device), jax.device_put(losses, per_device)
+    return jax.device_put(grads, _split_rows(mesh)), jax.device_put(losses, _split_rows(mesh))
 
 
 @cb.colocated_python
@@ -255,15 +261,15 @@ async def train(steps: int, *, checkpoint_every: int = 10, checkpoint_dir: str |
     report = Report(hosts=len({d.host for d in devices}), devices=len(devices))
 
     # Nothing is built on the hosts yet: each object is made on first use.
-    loader = Loader(FEATURES, ROWS_PER_DEVICE)
+    loader: Any = Loader(FEATURES, ROWS_PER_DEVICE)
     # A method without array arguments must be told where to run.
     loader.next_batch = loader.next_batch.specialize(devices=devices)
-    writer = CheckpointWriter(checkpoint_dir)
+    writer: Any = CheckpointWriter(checkpoint_dir)
     checkpoints = _Checkpoints(writer, report)
 
     # The parameters: one copy on every device, uploaded in the background.
-    params: Any = cb.device_put(np.zeros(FEATURES, np.float32),
-                                cb.NamedSharding(mesh, cb.PartitionSpec()))
+    replicated = cb.NamedSharding(mesh, cb.PartitionSpec())  # type: ignore[no-untyped-call]
+    params: Any = cb.device_put(np.zeros(FEATURES, np.float32), replicated)
     bar = _Progress(steps, progress if progress is not None else sys.stderr)
     t0 = time.perf_counter()
     for step in range(1, steps + 1):
