@@ -50,6 +50,7 @@ __all__ = ["Controller", "HostInfo", "State", "current_controller"]
 log = logging.getLogger("colobus.controller")
 
 HELLO_MAX_AGE_S = 300.0
+RESET_SEQ = 1 << 62  # sequence number of a RESET: above any a session reaches
 
 
 class State(enum.Enum):
@@ -863,9 +864,9 @@ class Controller:
             log.debug("send to host %d failed: %s", host.index, exc)
         self._schedule_drain()
 
-    def _send_raw(self, identity: bytes, receiver: bytes, body: P.Body) -> None:
+    def _send_raw(self, identity: bytes, receiver: bytes, body: P.Body, seq: int = 1) -> None:
         assert self._sock is not None
-        env = Envelope(body.kind, self._session, receiver, 1, body.to_wire())
+        env = Envelope(body.kind, self._session, receiver, seq, body.to_wire())
         try:
             self._sock.send_multipart([identity, *encode(self._key, env)])
         except zmq.ZMQError:
@@ -924,7 +925,10 @@ class Controller:
             if host is None or env.sender != host.session:
                 if env.sender in self._dead_sessions:
                     self._drop("stale", identity)
-                    self._send_raw(identity, env.sender, P.Reset("declared lost; join again"))
+                    # The last word of that session: a sequence number above any the
+                    # worker has seen from us, or it would drop the RESET as a replay.
+                    self._send_raw(identity, env.sender, P.Reset("declared lost; join again"),
+                                   seq=RESET_SEQ)
                 else:
                     self._drop("unknown_peer", identity)
                 return

@@ -122,17 +122,19 @@ class LocalWorkers:
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen[bytes]] = []
 
-    def start(self, connect: str, key_file: str, name: str, devices: int = 1
-              ) -> subprocess.Popen[bytes]:
+    def start(self, connect: str, key_file: str, name: str, devices: int = 1,
+              log: str | None = None) -> subprocess.Popen[bytes]:
+        """Start a worker; with ``log``, its stderr (its log) goes to that file."""
         env = dict(os.environ)
         paths = [p if p else os.getcwd() for p in sys.path]
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
         env["COLOBUS_PARENT_PID"] = str(os.getpid())
         env.pop("COLOBUS_KEY_FILE", None)
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "colobus", "worker", "--connect", connect, "--devices",
-             str(devices), "--name", name, "--key-file", key_file],
-            env=env, stdin=subprocess.DEVNULL)
+        with open(log or os.devnull, "wb") as err:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "colobus", "worker", "--connect", connect, "--devices",
+                 str(devices), "--name", name, "--key-file", key_file],
+                env=env, stdin=subprocess.DEVNULL, stderr=err if log else None)
         self.procs.append(proc)
         return proc
 
@@ -455,6 +457,35 @@ async def test_wrong_key_worker_never_joins_and_is_logged_once(
         x = cb.device_put(np.arange(2.0), ctl.devices()[0])
         np.testing.assert_array_equal(await cb.device_get(await plus_one(x)), [1.0, 2.0])
         assert len([r for r in caplog.records if "unauthenticated" in r.getMessage()]) == 1
+
+
+async def test_worker_declared_lost_is_told_to_rejoin_at_once(
+        tmp_path: Any, local_workers: LocalWorkers) -> None:
+    """A worker the controller gave up on (while it still thinks all is well) gets a
+    RESET on its next message and joins again, long before its own liveness timeout."""
+    key_file = str(tmp_path / "key")
+    key = write_key(key_file)
+    log = str(tmp_path / "worker.log")
+    async with cb.Controller("tcp://127.0.0.1:*", hosts=0, key=key, heartbeat_interval=HB,
+                             liveness_timeout=60.0) as ctl:
+        proc = local_workers.start(ctl.address, key_file, "paused", log=log)
+        await ctl.wait_for_hosts(1, timeout=60)
+        ids = [d.id for d in ctl.devices()]
+        x = cb.device_put(np.arange(3.0), ctl.devices()[0])
+        await cb.block_until_ready(x)
+        ctl.lose_host_for_test(0)
+        await eventually(lambda: ctl.hosts()[0].state == "lost", 10, "the host declared lost")
+        # Its heartbeats are now stale; the RESET they draw makes it rejoin (its own
+        # liveness timeout, 60 s, is far away).
+        await eventually(lambda: ctl.hosts()[0].state == "alive", 30, "the worker to rejoin")
+        assert dropped(ctl).get("stale", 0) >= 1
+        info = ctl.hosts()[0]
+        assert info.pid == proc.pid and [d.id for d in info.devices] == ids
+        await expect_host_lost(lambda: cb.device_get(x), 0)
+        y = cb.device_put(np.arange(3.0), ctl.devices()[0])
+        np.testing.assert_array_equal(await cb.device_get(await plus_one(y)), [1.0, 2.0, 3.0])
+    with open(log) as f:
+        assert "session ended (reset)" in f.read()
 
 
 class RawPeer:
