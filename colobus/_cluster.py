@@ -88,10 +88,9 @@ class LocalCluster:
         """Wait for the workers (told to exit by the closing controller); stop stragglers.
 
         A worker exits within milliseconds of reading the controller's SHUTDOWN.
-        One that had not read it when the controller's socket closed never will:
-        its DEALER (``IMMEDIATE``) drops unread messages when the connection goes,
-        and it would exit only when its liveness timeout fires. So after
-        ``grace`` seconds the rest get SIGTERM, and SIGKILL at ``timeout``.
+        One that never got it (its connection went first) would exit only when its
+        liveness timeout fires. So after ``grace`` seconds the rest get SIGTERM,
+        and SIGKILL at ``timeout``.
         """
         deadline = time.monotonic() + timeout
         for p in self.procs:

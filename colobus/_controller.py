@@ -966,6 +966,9 @@ class Controller:
             return
         hello = P.parse(env.kind, env.body)
         assert isinstance(hello, P.Hello)
+        current = self._by_identity.get(identity)
+        if current is not None and current.session == env.sender:
+            return  # a HELLO the worker resent while ours was on its way: already joined
         if env.sender in self._seen_hello or abs(time.time() - hello.time) > HELLO_MAX_AGE_S:
             self._drop("replay", identity, "old hello")
             return

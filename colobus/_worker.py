@@ -301,7 +301,9 @@ class Worker:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
-        sock.setsockopt(zmq.IMMEDIATE, 1)
+        # Not IMMEDIATE: with it, a DEALER drops unread incoming messages (such as
+        # the controller's SHUTDOWN) when the connection goes. HELLOs queued while
+        # the controller is away are resent copies; the controller ignores them.
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, int(BACKOFF_MAX_S * 1000))
         if self._curve is not None:
