@@ -534,7 +534,9 @@ async def test_replayed_stale_and_other_version_envelopes_are_rejected() -> None
     ctx = zmq.asyncio.Context()
     peers: list[RawPeer] = []
     try:
-        async with cb.Controller("tcp://127.0.0.1:*", hosts=0, key=key, **FAST) as ctl:
+        # A long liveness timeout: the raw peer only speaks when the test says so.
+        async with cb.Controller("tcp://127.0.0.1:*", hosts=0, key=key, heartbeat_interval=HB,
+                                 liveness_timeout=60.0) as ctl:
             peer = RawPeer(ctx, ctl.address, key)
             peers.append(peer)
             hello = peer.hello("raw-host")
@@ -552,14 +554,17 @@ async def test_replayed_stale_and_other_version_envelopes_are_rejected() -> None
             await wait_drops(ctl, "replay", 1)
             await peer.send(peer.frames(P.Heartbeat(0, 0, 0), seq=1))  # an old sequence number
             await wait_drops(ctl, "replay", 2)
-            await peer.send(hello)  # the join itself, replayed
-            await wait_drops(ctl, "replay", 3)
-            assert len(ctl.hosts()) == 1
-            # The same frames from another connection: not a known peer.
+            await peer.send(hello)  # the join resent on its own connection: ignored
+            # Captured frames replayed from another connection: the join is a replay,
+            # later messages come from no known peer.
             thief = RawPeer(ctx, ctl.address, key)
             peers.append(thief)
+            await thief.send(hello)
+            await wait_drops(ctl, "replay", 3)
             await thief.send(peer.frames(P.Heartbeat(0, 0, 0)))
             await wait_drops(ctl, "unknown_peer", 1)
+            assert [h.name for h in ctl.hosts()] == ["raw-host"]
+            assert ctl.hosts()[index].state == "alive"
 
             # Declared lost: its next messages are stale and it is told to join again.
             ctl.lose_host_for_test(index)
