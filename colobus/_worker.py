@@ -244,6 +244,10 @@ class Worker:
         # Everything imported so far (JAX: ~100k objects) lives as long as the process:
         # keep it out of the collector's scans, which otherwise cost every call.
         gc.freeze()
+        # User code that spins in pure Python holds the GIL for a whole switch
+        # interval each time the loop thread lets go of it (the convoy effect): a
+        # short interval keeps heartbeats and fetches flowing past such code.
+        sys.setswitchinterval(0.0005)
         self._ctx = zmq.Context()
         watchdog = asyncio.get_running_loop().create_task(self._watch_parent())
         backoff = BACKOFF_MIN_S
