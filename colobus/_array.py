@@ -7,6 +7,7 @@ on the hosts, batched.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -310,8 +311,8 @@ def _fetch_many(arrays: list[Array], data: bool,
     for i, a in enumerate(arrays):
         a.check_usable()
         if data:
-            for h, b in a._fetch_block_hosts().items():
-                plan.append((h, i, a, b))
+            for h, blk in a._fetch_block_hosts().items():
+                plan.append((h, i, a, blk))
         elif not a._ready:
             for h in a.hosts:
                 plan.append((h, i, a, None))
@@ -358,10 +359,14 @@ def _fetch_many(arrays: list[Array], data: bool,
         def send(call_id: int, h: int = h, a: Array = a) -> None:
             ctl.send(ctl.host(h), P.Fetch(call_id, a.ref, data))
 
-        f = ctl.submit((h,), send, decode, lambda v, h=h: v[h], call_id=sub,
+        f = ctl.submit((h,), send, decode, functools.partial(_value_of, h), call_id=sub,
                        backpressure=False)
-        f.add_done_callback(lambda f, sub=sub: on_one(sub, f))
+        f.add_done_callback(functools.partial(on_one, sub))
     return outer
+
+
+def _value_of(host: int, values: dict[int, Any]) -> Any:
+    return values[host]
 
 
 def _assemble(a: Array, blocks: dict[int, np.ndarray[Any, Any]]) -> Any:
@@ -373,7 +378,7 @@ def _assemble(a: Array, blocks: dict[int, np.ndarray[Any, Any]]) -> Any:
         extra = sample.shape[len(a.shape):]
         data_hb = {h: hb[h] for h in blocks}
         full = _assemble_blocks(a.shape + extra, sample.dtype, blocks, data_hb, len(extra))
-        return jax.random.wrap_key_data(full, impl=a._key_impl)
+        return jax.random.wrap_key_data(full, impl=a._key_impl)  # type: ignore[arg-type]
     return assemble(a.shape, a.dtype, blocks, {h: hb[h] for h in blocks})
 
 
@@ -394,10 +399,11 @@ def device_get(tree: Any) -> Future[Any]:
 
     leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=_is_array_leaf)
     arrays = [x for x in leaves if isinstance(x, Array)]
+    tdef: Any = treedef
 
     def finish(results: list[Any]) -> Any:
         it = iter(_assemble(a, r) for a, r in zip(arrays, results, strict=True))
-        return treedef.unflatten([next(it) if isinstance(x, Array) else x for x in leaves])
+        return tdef.unflatten([next(it) if isinstance(x, Array) else x for x in leaves])
 
     return _fetch_many(arrays, True, finish)
 

@@ -334,7 +334,7 @@ def _fanout_array(ctl: cb.Controller, hosts: int) -> Any:
     devs = [next(d for d in ctl.devices() if d.host == h) for h in range(hosts)]
     mesh = cb.Mesh(np.array(devs, dtype=object), ("hosts",))
     return cb.device_put(np.zeros(hosts, np.float32),
-                         cb.NamedSharding(mesh, cb.PartitionSpec("hosts")))  # type: ignore[no-untyped-call]
+                         cb.NamedSharding(mesh, cb.PartitionSpec("hosts")))
 
 
 class Bench:

@@ -62,7 +62,7 @@ class LocalCluster:
         env["COLOBUS_PARENT_PID"] = str(os.getpid())
         import jax
 
-        env["COLOBUS_JAX_X64"] = "1" if jax.config.jax_enable_x64 else "0"
+        env["COLOBUS_JAX_X64"] = "1" if jax.config.read("jax_enable_x64") else "0"
         env.pop("COLOBUS_KEY_FILE", None)
         for i in range(self.hosts):
             cmd = [sys.executable, "-m", "colobus", "worker",

@@ -42,7 +42,7 @@ from ._errors import (
 from ._future import Future
 from ._protocol import Kind
 from ._sharding import Device
-from ._sockio import EVENTS, POLLIN, recv_frames, send_frames
+from ._sockio import readable, recv_frames, send_frames, socket_fd
 from ._wire import PROTOCOL_VERSION, Buffer, Dropped, Envelope, decode, encode, loads
 
 __all__ = ["Controller", "HostInfo", "State", "current_controller"]
@@ -401,7 +401,7 @@ class Controller:
             raise OSError(f"colobus controller cannot bind {self._bind!r}: {exc}") from exc
         self._address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._sock = sock
-        self._loop.add_reader(sock.getsockopt(zmq.FD), self._drain)
+        self._loop.add_reader(socket_fd(sock), self._drain)
         self._tasks.append(self._loop.create_task(self._heartbeat_loop()))
         self.state = State.RUNNING
         log.info("controller listening on %s", self._address)
@@ -491,7 +491,7 @@ class Controller:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         assert self._loop is not None and self._sock is not None and self._ctx is not None
-        self._loop.remove_reader(self._sock.getsockopt(zmq.FD))
+        self._loop.remove_reader(socket_fd(self._sock))
         # Give the SHUTDOWN messages a moment to leave before closing with linger.
         self._sock.setsockopt(zmq.LINGER, 200)
         self._sock.close()
@@ -885,7 +885,7 @@ class Controller:
         if sock is None or sock.closed:
             return
         try:
-            while sock.getsockopt(EVENTS) & POLLIN:
+            while readable(sock):
                 frames = recv_frames(sock)
                 self._on_frames(frames)
                 if sock.closed:

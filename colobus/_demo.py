@@ -61,7 +61,7 @@ def _split_rows(mesh: Any) -> Any:
     """A sharding that splits an array's first axis over ``mesh``'s ``"devices"`` axis."""
     import jax
 
-    spec = jax.sharding.PartitionSpec("devices")  # type: ignore[no-untyped-call]
+    spec = jax.sharding.PartitionSpec("devices")
     return jax.sharding.NamedSharding(mesh, spec)
 
 
@@ -268,7 +268,7 @@ async def train(steps: int, *, checkpoint_every: int = 10, checkpoint_dir: str |
     checkpoints = _Checkpoints(writer, report)
 
     # The parameters: one copy on every device, uploaded in the background.
-    replicated = cb.NamedSharding(mesh, cb.PartitionSpec())  # type: ignore[no-untyped-call]
+    replicated = cb.NamedSharding(mesh, cb.PartitionSpec())
     params: Any = cb.device_put(np.zeros(FEATURES, np.float32), replicated)
     bar = _Progress(steps, progress if progress is not None else sys.stderr)
     t0 = time.perf_counter()

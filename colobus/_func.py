@@ -320,7 +320,8 @@ def _check_specs(actual: Any, expected: Any, what: str, *, inputs: bool = False)
 
     a_leaves, a_tree = jax.tree_util.tree_flatten_with_path(actual, is_leaf=_is_handle)
     e_leaves, e_tree = jax.tree_util.tree_flatten(expected)
-    if jax.tree_util.tree_structure(actual, is_leaf=_is_handle) != e_tree:
+    a_struct: Any = jax.tree_util.tree_structure(actual, is_leaf=_is_handle)
+    if a_struct != e_tree:
         raise ValueError(
             f"{what} do not match the specs: expected structure {e_tree}, got {a_tree}")
     for (path, a), e in zip(a_leaves, e_leaves, strict=True):
@@ -351,7 +352,8 @@ def _build_outputs(ctl: Controller, call_id: int, plan: CallPlan,
     import jax
 
     hosts = sorted(per_host)
-    flat = {h: jax.tree_util.tree_flatten(per_host[h]) for h in hosts}
+    flat: dict[int, tuple[list[Any], Any]] = {
+        h: jax.tree_util.tree_flatten(per_host[h]) for h in hosts}
     leaves0, tree0 = flat[hosts[0]]
     for h in hosts[1:]:
         if flat[h][1] != tree0:

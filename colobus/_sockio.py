@@ -11,11 +11,14 @@ sending large buffers without a copy.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import zmq
 
-__all__ = ["COPY_BELOW", "EVENTS", "NOBLOCK", "POLLIN", "recv_frames", "send_frames"]
+__all__ = [
+    "COPY_BELOW", "EVENTS", "NOBLOCK", "POLLIN", "readable", "recv_frames", "send_frames",
+    "socket_fd",
+]
 
 SNDMORE = int(zmq.SNDMORE)
 NOBLOCK = int(zmq.NOBLOCK)
@@ -33,6 +36,16 @@ def send_frames(sock: zmq.Socket[Any], frames: Sequence[Any], flags: int = 0) ->
     for i, f in enumerate(frames):
         n = len(f) if isinstance(f, bytes) else memoryview(f).nbytes
         send(f, flags | SNDMORE if i < last else flags, copy=n < COPY_BELOW)
+
+
+def readable(sock: zmq.Socket[Any]) -> bool:
+    """Whether a message is waiting (the FD is edge-triggered: ask after every I/O)."""
+    return bool(cast(int, sock.getsockopt(EVENTS)) & POLLIN)
+
+
+def socket_fd(sock: zmq.Socket[Any]) -> int:
+    """The socket's file descriptor, for ``loop.add_reader``."""
+    return cast(int, sock.getsockopt(zmq.FD))
 
 
 def recv_frames(sock: zmq.Socket[Any], flags: int = NOBLOCK) -> list[Any]:

@@ -35,7 +35,7 @@ import zmq
 from . import _protocol as P
 from ._codec import from_buffer, is_key_array, key_impl_name, to_buffer
 from ._protocol import Kind, Status
-from ._sockio import EVENTS, NOBLOCK, POLLIN, recv_frames, send_frames
+from ._sockio import NOBLOCK, readable, recv_frames, send_frames, socket_fd
 from ._wire import PROTOCOL_VERSION, Buffer, Dropped, Envelope, decode, encode, loads
 
 __all__ = ["Worker", "setup_jax"]
@@ -91,7 +91,7 @@ def _jax_exact(jax: Any, dtype: Any) -> bool:
         return False
 
 
-class NumpyBlock(np.ndarray):  # type: ignore[type-arg]
+class NumpyBlock(np.ndarray):
     """A host block kept as numpy (its exact bytes), with the layout JAX would give it.
 
     Stored when JAX cannot hold the dtype as is (64-bit types while x64 is off,
@@ -323,7 +323,7 @@ class Worker:
         self._ctl_seq = 0
         self._welcome = loop.create_future()
         self._ended = loop.create_future()
-        fd = sock.getsockopt(zmq.FD)
+        fd = socket_fd(sock)
         loop.add_reader(fd, self._drain)
         joined = False
         try:
@@ -331,7 +331,8 @@ class Worker:
                 self._send(P.Hello(self.name, os.getpid(), socket.gethostname(),
                                    self._device_report(), time.time()))
                 wait = backoff * (0.75 + random.random() / 2)
-                await asyncio.wait({self._welcome, self._ended}, timeout=wait)
+                waits: list[asyncio.Future[Any]] = [self._welcome, self._ended]
+                await asyncio.wait(waits, timeout=wait)
                 if self._ended.done():
                     return False, self._ended.result()
                 backoff = min(backoff * 2, BACKOFF_MAX_S)
@@ -410,7 +411,7 @@ class Worker:
         if sock is None:
             return
         try:
-            while sock.getsockopt(EVENTS) & POLLIN:
+            while readable(sock):
                 frames = recv_frames(sock)
                 self._on_frames(frames)
                 if self._sock is not sock:
@@ -583,7 +584,6 @@ class Worker:
         return ready() if ready is not None else value
 
     def _on_fetch(self, body: P.Fetch, env: Envelope) -> None:
-        loop = asyncio.get_running_loop()
         fut = self._arrays.get(body.ref)
         self._spawn(self._fetch(body.call_id, body.ref, fut, body.data))
 
