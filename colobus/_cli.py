@@ -58,7 +58,8 @@ def _setup_logging(verbose: bool) -> None:
         format="%(asctime)s %(name)s %(levelname)s: %(message)s",
         datefmt="%H:%M:%S",
     )
-    logging.getLogger("colobus").setLevel(logging.DEBUG if verbose else logging.INFO)
+    level = os.environ.get("COLOBUS_LOG_LEVEL", "INFO").upper()
+    logging.getLogger("colobus").setLevel(logging.DEBUG if verbose else level)
 
 
 def _worker_key(path: str | None) -> bytes:

@@ -60,6 +60,8 @@ class LocalCluster:
         paths = [p if p else os.getcwd() for p in sys.path]
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
         env["COLOBUS_PARENT_PID"] = str(os.getpid())
+        # Local workers share the user's terminal: only warnings and errors.
+        env.setdefault("COLOBUS_LOG_LEVEL", "WARNING")
         import jax
 
         env["COLOBUS_JAX_X64"] = "1" if jax.config.read("jax_enable_x64") else "0"
