@@ -19,15 +19,7 @@ import threading
 import time
 
 import colobus as cb
-
-
-def rss_mib(pid: str = "self") -> float:
-    """Resident set size of ``pid`` in MiB, from /proc (no psutil needed)."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+from colobus._bench import rss_mib
 
 
 @cb.colocated_python

@@ -23,15 +23,7 @@ from typing import Any
 import numpy as np
 
 import colobus as cb
-
-
-def rss_mib(pid: int | str = "self") -> float:
-    """Resident set size of ``pid`` in MiB, from /proc (no psutil needed)."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+from colobus._bench import rss_mib
 
 
 @cb.colocated_python

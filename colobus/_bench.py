@@ -119,6 +119,15 @@ def _status_kib(pid: int, field_name: str) -> int:
     raise KeyError(field_name)
 
 
+def rss_mib(pid: int | str = "self") -> float:
+    """Resident set size of ``pid`` (default: this process) in MiB, from /proc."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
 class PeakMemory:
     """Peak RSS growth of some processes over a block (``VmHWM`` after a reset).
 
