@@ -11,6 +11,7 @@ order; calls from different streams run at the same time.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import functools
 import gc
@@ -23,6 +24,7 @@ import random
 import secrets
 import socket
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Sequence
@@ -126,6 +128,56 @@ def _is_string(dtype: Any) -> bool:
     return isinstance(dtype, np.dtypes.StringDType)
 
 
+MAX_BATCH = 256  # calls of one stream run in one thread-pool job, at most
+
+_QUEUED, _RUNNING, _CANCELLED, _DONE = range(4)
+
+
+class _Stream:
+    """The calls of one controller-side stream, which run in arrival order."""
+
+    __slots__ = ("busy", "queue", "sid", "waiting")
+
+    def __init__(self, sid: int) -> None:
+        self.sid = sid
+        self.queue: collections.deque[_Call] = collections.deque()
+        self.busy = False  # a batch or an async call of it is running
+        self.waiting: asyncio.Future[Any] | None = None  # the head's unresolved input
+
+
+class _Call:
+    """One CALL on this host, from arrival to reply."""
+
+    __slots__ = ("body", "env", "epoch", "fn", "last", "mesh", "obj", "ok", "outcome", "pins",
+                 "results", "state", "stream")
+
+    def __init__(self, body: P.Call, env: Envelope, pins: list[asyncio.Future[Any]],
+                 obj: asyncio.Future[Any] | None, results: asyncio.Future[Any],
+                 stream: _Stream, epoch: int) -> None:
+        self.body = body
+        self.env: Envelope | None = env
+        self.pins = pins
+        self.obj = obj
+        self.results = results
+        self.stream = stream
+        self.epoch = epoch
+        self.state = _QUEUED
+        self.fn: Any = None
+        self.mesh: Any = None
+        self.last = False  # the last of its batch: the stream is free once it is done
+        self.ok = False
+        self.outcome: Any = None
+
+    def unready_input(self) -> asyncio.Future[Any] | None:
+        """An input (argument or object) not resolved yet, if any."""
+        for p in self.pins:
+            if not p.done():
+                return p
+        if self.obj is not None and not self.obj.done():
+            return self.obj
+        return None
+
+
 class _ArgsUnpickler(pickle.Unpickler):
     """Unpickles call arguments; persistent ids name values resolved on this host."""
 
@@ -203,11 +255,16 @@ class Worker:
         self._arrays: dict[int, asyncio.Future[Any]] = {}
         self._results: dict[int, asyncio.Future[Any]] = {}
         self._objects: dict[int, asyncio.Future[Any]] = {}
-        self._obj_tasks: dict[int, set[asyncio.Task[None]]] = {}
-        self._streams: dict[int, asyncio.Task[None]] = {}
-        self._calls: dict[int, asyncio.Task[None]] = {}
-        self._started: set[int] = set()
-        self._skipped: set[int] = set()  # cancelled before they started
+        self._obj_calls: dict[int, set[asyncio.Future[Any]]] = {}  # obj -> calls' results
+        self._streams: dict[int, _Stream] = {}
+        self._calls: dict[int, _Call] = {}
+        self._async_calls: set[asyncio.Task[None]] = set()
+        self._epoch = 0  # bumps when a session's store is dropped
+        self._state_lock = threading.Lock()  # a call's QUEUED -> RUNNING | CANCELLED
+        self._done_lock = threading.Lock()
+        self._done: list[_Call] = []  # finished on pool threads, not yet seen by the loop
+        self._flush_scheduled = False
+        self._loop: asyncio.AbstractEventLoop | None = None  # set in serve()
         self._bg: set[asyncio.Task[None]] = set()
         self._handlers = {
             Kind.HEARTBEAT: self._on_heartbeat,
@@ -239,6 +296,7 @@ class Worker:
         return asyncio.run(self.serve())
 
     async def serve(self) -> int:
+        self._loop = asyncio.get_running_loop()
         self._jax = setup_jax(self._cpu_devices)
         self._discover_devices()
         # Everything imported so far (JAX: ~100k objects) lives as long as the process:
@@ -367,16 +425,15 @@ class Worker:
             self._ended.set_result(outcome)
 
     def _clear_store(self) -> None:
-        for t in list(self._calls.values()):
+        self._epoch += 1
+        for t in list(self._async_calls):
             t.cancel()
         self._calls.clear()
         self._streams.clear()
-        self._started.clear()
-        self._skipped.clear()
         self._arrays.clear()
         self._results.clear()
         self._objects.clear()
-        self._obj_tasks.clear()
+        self._obj_calls.clear()
         self._code.clear()
         self._mesh_cache.clear()
 
@@ -634,89 +691,245 @@ class Worker:
         loop = asyncio.get_running_loop()
         pins = [self._pin(r) for r in body.refs]
         obj = self._pin((2, body.obj)) if body.obj else None
-        prev = self._streams.get(body.stream)
         results: asyncio.Future[Any] = loop.create_future()
         self._results[body.call_id] = results
-        task = loop.create_task(self._run_call(body, env, pins, obj, prev, results))
-        self._streams[body.stream] = task
-        self._calls[body.call_id] = task
+        stream = self._streams.get(body.stream)
+        if stream is None:
+            stream = self._streams[body.stream] = _Stream(body.stream)
+        call = _Call(body, env, pins, obj, results, stream, self._epoch)
+        self._calls[body.call_id] = call
         if body.obj:
-            self._obj_tasks.setdefault(body.obj, set()).add(task)
-        task.add_done_callback(functools.partial(self._call_done, body, results))
-
-    def _call_done(self, body: P.Call, results: asyncio.Future[Any],
-                   task: asyncio.Task[None]) -> None:
-        self._calls.pop(body.call_id, None)
-        self._started.discard(body.call_id)
-        if self._streams.get(body.stream) is task:
-            del self._streams[body.stream]
-        tasks = self._obj_tasks.get(body.obj)
-        if tasks is not None:
-            tasks.discard(task)
-        if task.cancelled():
-            if not results.done():
-                results.set_exception(asyncio.CancelledError())
-                results.exception()  # retrieved: no "never retrieved" log when dropped
-            self._send(P.Result(body.call_id, Status.CANCELLED, None))
+            self._obj_calls.setdefault(body.obj, set()).add(results)
+        stream.queue.append(call)
+        self._pump(stream)
 
     def _on_cancel(self, body: P.Cancel, env: Envelope) -> None:
-        # The call's task is not cancelled: it still waits for its predecessor in
-        # the stream (so later calls of the stream keep their order), then skips
-        # running. The controller hears CANCELLED at once.
-        call_id = body.call_id
-        if (call_id in self._calls and call_id not in self._started
-                and call_id not in self._skipped):
-            self._skipped.add(call_id)
-            results = self._results.get(call_id)
-            if results is not None and not results.done():
-                results.set_exception(asyncio.CancelledError())
-                results.exception()  # retrieved: no "never retrieved" log when dropped
-            self._send(P.Result(call_id, Status.CANCELLED, None))
-
-    async def _run_call(
-        self,
-        body: P.Call,
-        env: Envelope,
-        pins: list[asyncio.Future[Any]],
-        obj: asyncio.Future[Any] | None,
-        prev: asyncio.Task[None] | None,
-        results: asyncio.Future[Any],
-    ) -> None:
-        if prev is not None and not prev.done():
-            await asyncio.wait({prev})
-        if body.call_id in self._skipped:  # cancelled before it started: never runs
-            self._skipped.discard(body.call_id)
+        # A call not started yet never runs: it stays in its stream's queue (or its
+        # batch) and is skipped there, so later calls keep their order. The
+        # controller hears CANCELLED at once.
+        call = self._calls.get(body.call_id)
+        if call is None:
             return
-        self._started.add(body.call_id)
-        loop = asyncio.get_running_loop()
-        try:
-            values = [_present(self._jax, await p) for p in pins]
-            args, kwargs = _ArgsUnpickler(env.payload, values, env.buffers[: env.pbufs]).load()
-            if obj is not None:
-                fn = getattr(await obj, body.method)
-            else:
-                fn = self._get_code(body.digest)
-            mesh = self.local_mesh(body.mesh)
+        with self._state_lock:
+            if call.state != _QUEUED:
+                return
+            call.state = _CANCELLED
+        if not call.results.done():
+            call.results.set_exception(asyncio.CancelledError())
+            call.results.exception()  # retrieved: no "never retrieved" log when dropped
+        self._send(P.Result(body.call_id, Status.CANCELLED, None))
+        stream = call.stream
+        if stream.waiting is not None and stream.queue and stream.queue[0] is call:
+            stream.waiting = None  # it waited for this call's inputs: not any more
+            self._pump(stream)
+
+    # A stream's calls run one after another. When the head of its queue is a
+    # plain function with its inputs ready, it and the ready plain calls queued
+    # behind it run back to back in one thread-pool job (one hop, not one per
+    # call); each call's reply goes out as it finishes. `async def` functions run
+    # on the loop, alone.
+
+    def _pump(self, stream: _Stream) -> None:
+        """Start the stream's next calls, unless some are running or it waits for inputs."""
+        if stream.busy or stream.waiting is not None:
+            return
+        if self._streams.get(stream.sid) is not stream:
+            return  # a stream of a finished session
+        queue = stream.queue
+        batch: list[_Call] = []
+        while queue and len(batch) < MAX_BATCH:
+            call = queue[0]
+            if call.state == _CANCELLED:
+                queue.popleft()
+                self._forget(call)
+                continue
+            wait = call.unready_input()
+            if wait is not None:
+                if batch:
+                    break
+                stream.waiting = wait
+                wait.add_done_callback(functools.partial(self._resume, stream))
+                return
+            try:
+                fn = self._target(call)
+            except Exception as exc:
+                if batch:
+                    break
+                queue.popleft()
+                self._fail(call, exc)
+                continue
             if inspect.iscoroutinefunction(fn):
-                out = await fn(*args, **kwargs)
-            else:
-                out = await loop.run_in_executor(self._pool, functools.partial(fn, *args,
-                                                                                **kwargs))
-            meta = self._store_outputs(body.call_id, out, mesh)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:
-            if not results.done():
-                results.set_exception(exc)
-                results.exception()
-            self._reply_error(body.call_id, exc)
-            return
-        results.set_result(out)
-        payload, bufs = _dumps_meta(meta)
-        nleaves = len(self._jax.tree_util.tree_leaves(meta))
-        self._send(P.Result(body.call_id, Status.OK, nleaves), payload, bufs, len(bufs))
+                if batch:
+                    break
+                queue.popleft()
+                call.state = _RUNNING  # no lock: CANCEL also runs on this thread
+                stream.busy = True
+                task = asyncio.get_running_loop().create_task(self._run_async(call, fn))
+                self._async_calls.add(task)
+                task.add_done_callback(self._async_calls.discard)
+                return
+            call.fn = fn
+            queue.popleft()
+            batch.append(call)
+        if batch:
+            batch[-1].last = True
+            stream.busy = True
+            self._pool.submit(self._run_batch, batch)
+        elif not queue:
+            del self._streams[stream.sid]  # idle: a later call starts a new one
 
-    def _store_outputs(self, call_id: int, out: Any, mesh: Any) -> Any:
+    def _resume(self, stream: _Stream, fut: asyncio.Future[Any]) -> None:
+        if stream.waiting is fut:
+            stream.waiting = None
+            self._pump(stream)
+
+    def _target(self, call: _Call) -> Any:
+        """The callable a call runs, and its mesh (loop thread; raises for the call)."""
+        body = call.body
+        if call.obj is not None:
+            fn = getattr(call.obj.result(), body.method)
+        else:
+            fn = self._get_code(body.digest)
+        call.mesh = self.local_mesh(body.mesh)
+        return fn
+
+    def _forget(self, call: _Call) -> None:
+        """Drop a call from the bookkeeping, and its references to inputs and code."""
+        body = call.body
+        self._calls.pop(body.call_id, None)
+        if body.obj:
+            pending = self._obj_calls.get(body.obj)
+            if pending is not None:
+                pending.discard(call.results)
+        call.pins = []
+        call.obj = None
+        call.fn = None
+        call.env = None
+
+    def _fail(self, call: _Call, exc: BaseException) -> None:
+        """A call that cannot start: fail it (loop thread)."""
+        call.state = _DONE
+        self._forget(call)
+        if not call.results.done():
+            call.results.set_exception(exc)
+            call.results.exception()
+        self._reply_error(call.body.call_id, exc)
+
+    def _run_batch(self, batch: list[_Call]) -> None:
+        """Pool thread: run ready plain calls of one stream back to back."""
+        for call in batch:
+            with self._state_lock:
+                runs = call.state == _QUEUED
+                if runs:
+                    call.state = _RUNNING
+            if runs:
+                self._run_plain(call)
+            self._post_done(call)
+
+    def _run_plain(self, call: _Call) -> None:
+        """Pool thread: one call, start to reply bytes; sets ``ok`` and ``outcome``."""
+        try:
+            fn, call.fn = call.fn, None
+            args, kwargs = self._call_args(call)
+            out = fn(*args, **kwargs)
+            call.outcome = (out, *self._outputs(out, call.mesh))
+            call.ok = True
+        except BaseException as exc:
+            call.outcome = exc
+
+    def _call_args(self, call: _Call) -> tuple[Any, Any]:
+        values = [_present(self._jax, p.result()) for p in call.pins]
+        env = call.env
+        assert env is not None
+        args, kwargs = _ArgsUnpickler(env.payload, values, env.buffers[: env.pbufs]).load()
+        return args, kwargs
+
+    def _post_done(self, call: _Call) -> None:
+        """Pool thread: hand a finished call to the loop; one wake-up per burst."""
+        with self._done_lock:
+            self._done.append(call)
+            if self._flush_scheduled:
+                return
+            self._flush_scheduled = True
+        loop = self._loop
+        assert loop is not None
+        try:
+            loop.call_soon_threadsafe(self._flush_done)
+        except RuntimeError:  # the loop closed: the worker is exiting
+            pass
+
+    def _flush_done(self) -> None:
+        with self._done_lock:
+            done, self._done = self._done, []
+            self._flush_scheduled = False
+        for call in done:
+            self._finish(call)
+
+    def _finish(self, call: _Call) -> None:
+        """Loop thread: store a finished call's outputs, reply, start what is next."""
+        if call.epoch != self._epoch:
+            return  # the session it belonged to is over
+        body = call.body
+        if call.state == _RUNNING:
+            call.state = _DONE
+            self._forget(call)
+            outcome, call.outcome = call.outcome, None
+            if call.ok:
+                out, stored, payload, bufs = outcome
+                loop = asyncio.get_running_loop()
+                for i, value in enumerate(stored):
+                    fut = loop.create_future()
+                    fut.set_result(value)
+                    self._arrays[P.output_ref(body.call_id, i)] = fut
+                if not call.results.done():
+                    call.results.set_result(out)
+                self._send(P.Result(body.call_id, Status.OK, len(stored)), payload, bufs,
+                           len(bufs))
+            else:
+                if not call.results.done():
+                    call.results.set_exception(outcome)
+                    call.results.exception()
+                self._reply_error(body.call_id, outcome)
+        else:
+            self._forget(call)
+        if call.last:
+            call.stream.busy = False
+            self._pump(call.stream)
+
+    async def _run_async(self, call: _Call, fn: Any) -> None:
+        """An ``async def`` call, on the loop."""
+        try:
+            args, kwargs = self._call_args(call)
+            out = await fn(*args, **kwargs)
+            call.outcome = (out, *self._outputs(out, call.mesh))
+            call.ok = True
+        except asyncio.CancelledError as exc:
+            if call.epoch != self._epoch:
+                raise  # the session ended
+            call.outcome = exc
+        except BaseException as exc:
+            call.outcome = exc
+        del fn
+        call.last = True
+        if call.ok or not isinstance(call.outcome, asyncio.CancelledError):
+            self._finish(call)
+            return
+        # The function itself was cancelled (it awaited something cancelled).
+        call.state = _DONE
+        self._forget(call)
+        call.outcome = None
+        if not call.results.done():
+            call.results.set_exception(asyncio.CancelledError())
+            call.results.exception()
+        self._send(P.Result(call.body.call_id, Status.CANCELLED, None))
+        call.stream.busy = False
+        self._pump(call.stream)
+
+    def _outputs(self, out: Any, mesh: Any) -> tuple[list[Any], bytes, list[Buffer]]:
+        """The values a call's outputs are stored as, and its reply's pickled metadata.
+
+        Thread-safe: runs on a pool thread for plain functions.
+        """
         import numpy as np
 
         jax = self._jax
@@ -758,12 +971,8 @@ class Worker:
             metas.append(P.OutLeaf(i, tuple(value.shape), value.dtype if impl is None else None,
                                    spec, impl))
             values.append(value)
-        loop = asyncio.get_running_loop()
-        for i, value in enumerate(values):
-            fut = loop.create_future()
-            fut.set_result(value)
-            self._arrays[P.output_ref(call_id, i)] = fut
-        return treedef.unflatten(metas)
+        payload, bufs = _dumps_meta(treedef.unflatten(metas))
+        return values, payload, bufs
 
     def _reply_error(self, call_id: int, exc: BaseException) -> None:
         tb = "".join(traceback.format_exception(exc))
@@ -798,16 +1007,16 @@ class Worker:
         fut.set_result(inst)
 
     def _on_destroy(self, body: P.Destroy, env: Envelope) -> None:
-        tasks = self._obj_tasks.pop(body.obj, set())
+        calls = self._obj_calls.pop(body.obj, set())
         fut = self._objects.get(body.obj)
         if fut is None:
             return
-        self._spawn(self._destroy(body.obj, fut, tasks))
+        self._spawn(self._destroy(body.obj, fut, calls))
 
     async def _destroy(self, obj: int, fut: asyncio.Future[Any],
-                       tasks: set[asyncio.Task[None]]) -> None:
-        if tasks:
-            await asyncio.wait(tasks)
+                       calls: set[asyncio.Future[Any]]) -> None:
+        if calls:  # each call's result slot: settled once the call finished
+            await asyncio.wait(calls)
         if not fut.done():
             await asyncio.wait({fut})
         if self._objects.get(obj) is fut:
