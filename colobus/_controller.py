@@ -312,7 +312,8 @@ class Controller:
         self._join_waiters: list[asyncio.Future[None]] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._on_lost: list[Callable[[int], None]] = []
-        self._handlers: dict[Kind, Callable[[_Host, Any, Envelope], None]] = {
+        # Keyed by Kind, found by the plain int off the wire (IntEnum hashes as int).
+        self._handlers: dict[int, Callable[[_Host, Any, Envelope], None]] = {
             Kind.HEARTBEAT: self._on_heartbeat,
             Kind.RESULT: self._on_result,
         }
@@ -732,7 +733,11 @@ class Controller:
     def _full(self, hosts: tuple[int, ...]) -> bool:
         limit = self.max_inflight
         hs = self._hosts
-        return any(0 <= i < len(hs) and len(hs[i].inflight) >= limit for i in hosts)
+        n = len(hs)
+        for i in hosts:
+            if 0 <= i < n and len(hs[i].inflight) >= limit:
+                return True
+        return False
 
     def post(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the loop thread after every call queued before it was sent."""
@@ -944,7 +949,7 @@ class Controller:
             host.recv_seq = env.seq
             host.last_seen = time.monotonic()
             body = P.parse(env.kind, env.body)
-            handler = self._handlers.get(Kind(env.kind))
+            handler = self._handlers.get(env.kind)
             if handler is None:
                 self._drop("unexpected_kind", identity, Kind(env.kind).name)
                 return

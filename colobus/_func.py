@@ -40,7 +40,7 @@ from ._sharding import (
     global_shape_from_host,
     host_blocks,
 )
-from ._wire import OOB_THRESHOLD, Buffer, Envelope, loads
+from ._wire import OOB_THRESHOLD, Buffer, Envelope, StdPickler, loads
 
 __all__ = ["CallPlan", "Code", "ColocatedFunction", "colocated_python", "invoke"]
 
@@ -119,24 +119,31 @@ class ColocatedObjectBase:
 # -- argument pickling ---------------------------------------------------------------------
 
 
-class _ArgsPickler(cloudpickle.Pickler):  # type: ignore[misc]
-    """Pickles call arguments; host-resident values become persistent ids."""
+def _oob_callback(buffers: list[Buffer]) -> Callable[[pickle.PickleBuffer], bool]:
+    def callback(pb: pickle.PickleBuffer) -> bool:
+        try:
+            raw = pb.raw()
+        except BufferError:
+            return True
+        if raw.nbytes < OOB_THRESHOLD:
+            return True
+        buffers.append(raw)
+        return False
 
-    def __init__(self, file: io.BytesIO, buffers: list[Buffer]) -> None:
-        def callback(pb: pickle.PickleBuffer) -> bool:
-            try:
-                raw = pb.raw()
-            except BufferError:
-                return True
-            if raw.nbytes < OOB_THRESHOLD:
-                return True
-            buffers.append(raw)
-            return False
+    return callback
 
-        super().__init__(file, protocol=5, buffer_callback=callback)
-        self.refs: list[list[int]] = []
-        self.keep: list[Any] = []  # keeps handles alive until the call is sent
-        self.objects: list[Any] = []
+
+class _HandleIds:
+    """Persistent ids for host-resident values (mixed into both picklers)."""
+
+    refs: list[list[int]]
+    keep: list[Any]
+    objects: list[Any]
+
+    def _reset_ids(self) -> None:
+        self.refs = []
+        self.keep = []  # keeps handles alive until the call is sent
+        self.objects = []
 
     def persistent_id(self, obj: Any) -> int | None:
         if isinstance(obj, Array):
@@ -155,6 +162,22 @@ class _ArgsPickler(cloudpickle.Pickler):  # type: ignore[misc]
         return len(self.refs) - 1
 
 
+class _FastArgsPickler(_HandleIds, StdPickler):
+    """The stdlib (C) pickler: most arguments are arrays, numbers and plain containers."""
+
+    def __init__(self, file: io.BytesIO, buffers: list[Buffer]) -> None:
+        super().__init__(file, protocol=5, buffer_callback=_oob_callback(buffers))
+        self._reset_ids()
+
+
+class _ArgsPickler(_HandleIds, cloudpickle.Pickler):  # type: ignore[misc]
+    """Pickles call arguments with cloudpickle; host-resident values become persistent ids."""
+
+    def __init__(self, file: io.BytesIO, buffers: list[Buffer]) -> None:
+        super().__init__(file, protocol=5, buffer_callback=_oob_callback(buffers))
+        self._reset_ids()
+
+
 @dataclass(slots=True)
 class PickledArgs:
     payload: bytes
@@ -170,6 +193,18 @@ def pickle_args(tree: Any, what: str) -> PickledArgs:
 
     f = io.BytesIO()
     buffers: list[Buffer] = []
+    fast = _FastArgsPickler(f, buffers)
+    try:
+        fast.dump(tree)
+        return PickledArgs(f.getvalue(), buffers, fast.refs, fast.keep, fast.objects)
+    except (SerializationError, RuntimeError) as exc:
+        if isinstance(exc, SerializationError) or "deleted" in str(exc) or (
+                "was closed" in str(exc)):
+            raise
+    except Exception:  # ByValue, or what only cloudpickle can pickle: start over
+        pass
+    f = io.BytesIO()
+    buffers = []
     pickler = _ArgsPickler(f, buffers)
     try:
         pickler.dump(tree)
@@ -460,10 +495,12 @@ def invoke(target: Target, args: tuple[Any, ...], kwargs: dict[str, Any], *,
     tree = (args, kwargs)
     leaves = jax.tree_util.tree_leaves(tree, is_leaf=_is_handle)
     plan = make_plan(leaves, devices)
-    in_tree = jax.tree_util.tree_map(_spec_of_leaf, tree, is_leaf=_is_handle)
     if in_specs is not None:
         _check_specs(tree, in_specs, f"inputs of {target.name}", inputs=True)
-    out_specs = out_specs_fn(*in_tree[0], **in_tree[1]) if out_specs_fn is not None else None
+    out_specs = None
+    if out_specs_fn is not None:
+        in_tree = jax.tree_util.tree_map(_spec_of_leaf, tree, is_leaf=_is_handle)
+        out_specs = out_specs_fn(*in_tree[0], **in_tree[1])
     target.check(ctl, plan)
     for leaf in leaves:
         if isinstance(leaf, Array):
@@ -501,11 +538,18 @@ def invoke(target: Target, args: tuple[Any, ...], kwargs: dict[str, Any], *,
 
     fut = ctl.submit(plan.hosts, send, decode, combine, call_id=call_id, cancellable=True)
     fut.info = plan
-    weakref.finalize(fut, _release_results, ctl, gens, call_id)
+    # When the Future goes, so does each host's result slot (kept for Futures as
+    # arguments). A weakref callback: several times cheaper than weakref.finalize.
+    _result_refs.add(weakref.ref(fut, functools.partial(_release_results, ctl, gens, call_id)))
     return fut
 
 
-def _release_results(ctl: Controller, gens: dict[int, int], call_id: int) -> None:
+_result_refs: set[weakref.ref[Future[Any]]] = set()
+
+
+def _release_results(ctl: Controller, gens: dict[int, int], call_id: int,
+                     ref: weakref.ref[Future[Any]]) -> None:
+    _result_refs.discard(ref)
     for h, g in gens.items():
         ctl.release(h, g, call=call_id)
 

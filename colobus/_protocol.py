@@ -250,12 +250,14 @@ BODIES: dict[Kind, type[Body]] = {
 }
 
 
+_BY_INT: dict[int, type[Body]] = {int(k): v for k, v in BODIES.items()}  # by wire int
+
+
 def parse(kind: int, raw: Any) -> Body:
     """The typed body of an authenticated envelope; ``ValueError`` if malformed."""
-    try:
-        cls = BODIES[Kind(kind)]
-    except ValueError:
-        raise ValueError(f"unknown message kind {kind}") from None
+    cls = _BY_INT.get(kind)
+    if cls is None:
+        raise ValueError(f"unknown message kind {kind}")
     return cls.from_wire(raw)
 
 

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import io
 import pickle
 import struct
+import types
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,12 +31,15 @@ from typing import Any
 import cloudpickle
 import msgpack
 import numpy as np
+from cloudpickle.cloudpickle import _should_pickle_by_reference
 
 __all__ = [
     "MAC_SIZE",
     "PROTOCOL_VERSION",
+    "ByValue",
     "Dropped",
     "Envelope",
+    "StdPickler",
     "decode",
     "decode_dtype",
     "dumps",
@@ -155,8 +160,46 @@ def decode(
 # -- pickling with out-of-band buffers -------------------------------------------------
 
 
+class ByValue(Exception):
+    """The stdlib pickler met a class or function that must travel by value."""
+
+
+_by_reference: dict[Any, bool] = {}  # importable classes and functions seen so far
+
+
+class StdPickler(pickle.Pickler):
+    """The stdlib (C) pickler, refusing what cloudpickle would pickle by value.
+
+    Several times cheaper than cloudpickle's pickler for plain data. It raises
+    :class:`ByValue` on a class or function that cloudpickle pickles by value
+    (defined in ``__main__``, locally, or in a module registered by value): by
+    reference, those would not load on the other side. Callers then fall back to
+    cloudpickle.
+    """
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, type | types.FunctionType):
+            ok = _by_reference.get(obj)
+            if ok is None:
+                try:
+                    ok = bool(_should_pickle_by_reference(obj))
+                except Exception:
+                    ok = False
+                if ok:
+                    if len(_by_reference) > 4096:
+                        _by_reference.clear()
+                    _by_reference[obj] = True
+            if not ok:
+                raise ByValue(repr(obj))
+        return NotImplemented
+
+
 def dumps(obj: Any) -> tuple[bytes, list[Buffer]]:
-    """Cloudpickle ``obj``; large contiguous buffers go out of band (zero-copy frames)."""
+    """Pickle ``obj``; large contiguous buffers go out of band (zero-copy frames).
+
+    The stdlib pickler first; cloudpickle where that fails or would pickle a class
+    or function by reference that cloudpickle sends by value.
+    """
     bufs: list[Buffer] = []
 
     def callback(pb: pickle.PickleBuffer) -> bool:
@@ -169,6 +212,12 @@ def dumps(obj: Any) -> tuple[bytes, list[Buffer]]:
         bufs.append(raw)
         return False
 
+    f = io.BytesIO()
+    try:
+        StdPickler(f, protocol=5, buffer_callback=callback).dump(obj)
+        return f.getvalue(), bufs
+    except Exception:
+        bufs.clear()
     data = cloudpickle.dumps(obj, protocol=5, buffer_callback=callback)
     return data, bufs
 

@@ -1,0 +1,83 @@
+"""Fast paths of issue 7 that must not change behaviour: stdlib pickling, lazy puts.
+
+The stdlib pickler takes plain arguments and results; what cloudpickle sends
+by value (classes and functions of ``__main__``, local ones) must still travel
+by value. Large ``device_put`` blocks stay as numpy on the host until a call
+needs them as ``jax.Array``.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import sys
+from typing import Any
+
+import numpy as np
+import pytest
+
+import colobus as cb
+from colobus._wire import ByValue, StdPickler, dumps, loads
+
+
+@cb.colocated_python
+def describe(x: Any, extra: Any) -> Any:
+    """Reports what the host received: the block's type and ``extra`` applied to it."""
+    import jax
+
+    value = extra(x) if callable(extra) else extra.apply(x)
+    return jax.numpy.asarray(value), np.asarray(isinstance(x, jax.Array))
+
+
+def _main_class() -> type:
+    """A class that pickles by reference as ``__main__.<name>`` in this process only."""
+
+    class Scale:
+        def __init__(self, k: float) -> None:
+            self.k = k
+
+        def apply(self, x: Any) -> Any:
+            return x * self.k
+
+    Scale.__module__ = "__main__"
+    Scale.__qualname__ = Scale.__name__ = "ColobusTestScale"
+    return Scale
+
+
+def test_std_pickler_refuses_what_cloudpickle_sends_by_value() -> None:
+    scale = _main_class()
+    main = sys.modules["__main__"]
+    main.ColobusTestScale = scale  # type: ignore[attr-defined]
+    try:
+        with pytest.raises(ByValue):
+            StdPickler(io.BytesIO(), protocol=5).dump(scale(2.0))
+        with pytest.raises(ByValue):
+            StdPickler(io.BytesIO(), protocol=5).dump(lambda v: v)
+        # plain data and importable classes go through the stdlib pickler
+        f = io.BytesIO()
+        StdPickler(f, protocol=5).dump({"a": np.arange(3), "b": (1, 2.0, "x"), "c": ValueError})
+        out = pickle.loads(f.getvalue())
+        assert out["c"] is ValueError and out["a"].tolist() == [0, 1, 2]
+        # dumps falls back to cloudpickle for them
+        payload, bufs = dumps(scale(3.0))
+        assert loads(payload, bufs).apply(2) == 6.0
+    finally:
+        del main.ColobusTestScale  # type: ignore[attr-defined]
+
+
+async def test_main_and_local_arguments_travel_by_value(ctl: cb.Controller) -> None:
+    dev = cb.devices()[0]
+    x = cb.device_put(np.arange(4, dtype=np.float32), dev)
+    scale = _main_class()
+    main = sys.modules["__main__"]
+    main.ColobusTestScale = scale  # type: ignore[attr-defined]
+    try:
+        # by reference, `__main__.ColobusTestScale` would not load on the host
+        out, is_jax = await describe(x, scale(2.0))
+        assert np.asarray(await cb.device_get(out)).tolist() == [0, 2, 4, 6]
+        assert bool(np.asarray(await cb.device_get(is_jax)))
+        k = 5.0
+        out, _ = await describe(x, lambda v: v + k)  # a closure: by value too
+        assert np.asarray(await cb.device_get(out)).tolist() == [5, 6, 7, 8]
+    finally:
+        del main.ColobusTestScale  # type: ignore[attr-defined]
