@@ -100,9 +100,17 @@ class NumpyBlock(np.ndarray):
     structured dtypes, some string layouts), so fetching returns exactly what was
     put. A numeric block is presented to user code as a ``jax.Array``, converted
     the way ``jax.device_put`` would (int64 -> int32 while x64 is off).
+
+    Large PUT blocks are stored this way too, even where JAX holds the dtype: a
+    numpy view on the received frame, made a ``jax.Array`` only when a call first
+    needs it (``lazy``). That conversion is cached, and the store entry then holds
+    the ``jax.Array`` alone, so the frame is freed once no queued call holds it.
     """
 
     jax_sharding: Any = None
+    lazy = False  # JAX holds the dtype exactly: cache the jax.Array once made
+    jax_value: Any = None  # that cached jax.Array
+    put_ref = 0  # the store entry a lazy block was PUT as
 
 
 def _numpy_block(arr: Any, sharding: Any) -> NumpyBlock:
@@ -112,13 +120,21 @@ def _numpy_block(arr: Any, sharding: Any) -> NumpyBlock:
 
 
 def _present(jax: Any, value: Any) -> Any:
-    """What user code receives for a stored value."""
+    """What user code receives for a stored value (any thread)."""
     if not isinstance(value, NumpyBlock):
         return value
+    cached = value.jax_value
+    if cached is not None:
+        return cached
     plain = value.view(np.ndarray)
+    if value.lazy:
+        out = jax.device_put(plain, value.jax_sharding)
+        out.block_until_ready()  # the copy is done: the frame can go once unpinned
+        value.jax_value = out
+        return out
     if plain.dtype.kind in "biufc" and value.jax_sharding is not None:
         canonical = jax.dtypes.canonicalize_dtype(plain.dtype)
-        return jax.device_put(plain.astype(canonical), value.jax_sharding)
+        return jax.device_put(plain.astype(canonical, copy=False), value.jax_sharding)
     return plain
 
 
@@ -128,6 +144,7 @@ def _is_string(dtype: Any) -> bool:
     return isinstance(dtype, np.dtypes.StringDType)
 
 
+LAZY_PUT_BYTES = 1 << 20  # PUT blocks this large become jax.Arrays on first use
 MAX_BATCH = 256  # calls of one stream run in one thread-pool job, at most
 
 _QUEUED, _RUNNING, _CANCELLED, _DONE = range(4)
@@ -621,16 +638,61 @@ class Worker:
             fut.set_exception(exc)
             fut.exception()
             raise ValueError(f"bad PUT: {exc}") from exc
-        if arr.nbytes < (1 << 20):
+        if arr.nbytes < LAZY_PUT_BYTES:
             try:
                 fut.set_result(self._to_host_value(arr, mesh, spec, impl))
             except Exception as exc:
                 fut.set_exception(exc)
                 fut.exception()
             return
+        if impl is None and _jax_exact(self._jax, arr.dtype):
+            # Stored as the numpy view on the received frame: no copy now (the
+            # put is done when the frame is here); a call makes the jax.Array.
+            try:
+                block = _numpy_block(arr, self._sharding(mesh, spec))
+            except Exception as exc:
+                fut.set_exception(exc)
+                fut.exception()
+                return
+            block.lazy = True
+            block.put_ref = body.ref
+            fut.set_result(block)
+            return
         work = loop.run_in_executor(self._pool, self._to_host_value_ready, arr, mesh, spec,
                                     impl)
         work.add_done_callback(functools.partial(_chain, fut))
+
+    def _present(self, value: Any) -> Any:
+        """What user code receives for a stored value (any thread)."""
+        lazy = isinstance(value, NumpyBlock) and value.lazy and value.jax_value is None
+        out = _present(self._jax, value)
+        if lazy and self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._swap_block, value)
+            except RuntimeError:  # the loop closed: the worker is exiting
+                pass
+        return out
+
+    def _swap_block(self, block: NumpyBlock) -> None:
+        """Loop thread: a lazy PUT block got its jax.Array; store that alone.
+
+        The numpy view (and the received frame under it) lives on only while
+        calls that pinned the old entry still hold it. If JAX aliased the frame
+        (aligned host memory), the jax.Array keeps it: no copy was made.
+        """
+        ref = block.put_ref
+        fut = self._arrays.get(ref)
+        if fut is None or not fut.done() or fut.cancelled() or fut.exception() is not None:
+            return
+        if fut.result() is not block or block.jax_value is None:
+            return
+        swapped = asyncio.get_running_loop().create_future()
+        swapped.set_result(block.jax_value)
+        self._arrays[ref] = swapped
+        # jaxlib drops its reference to the copied numpy source from a callback of
+        # the collector (references released off the GIL wait in a queue): run a
+        # young-generation pass now, or the frame waits for the next automatic one.
+        gc.collect(0)
 
     def _to_host_value_ready(self, arr: Any, mesh: Any, spec: Any, key_impl: str | None) -> Any:
         # jax.device_put returns before its copy is done: wait here (a pool thread),
@@ -838,7 +900,7 @@ class Worker:
             call.outcome = exc
 
     def _call_args(self, call: _Call) -> tuple[Any, Any]:
-        values = [_present(self._jax, p.result()) for p in call.pins]
+        values = [self._present(p.result()) for p in call.pins]
         env = call.env
         assert env is not None
         args, kwargs = _ArgsUnpickler(env.payload, values, env.buffers[: env.pbufs]).load()
@@ -996,7 +1058,7 @@ class Worker:
                          pins: list[asyncio.Future[Any]], fut: asyncio.Future[Any]) -> None:
         loop = asyncio.get_running_loop()
         try:
-            values = [_present(self._jax, await p) for p in pins]
+            values = [self._present(await p) for p in pins]
             args, kwargs = _ArgsUnpickler(env.payload, values, env.buffers[: env.pbufs]).load()
             cls = self._get_code(body.digest)
             inst = await loop.run_in_executor(self._pool, functools.partial(cls, *args, **kwargs))
