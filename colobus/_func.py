@@ -509,39 +509,66 @@ def invoke(target: Target, args: tuple[Any, ...], kwargs: dict[str, Any], *,
     pickled = pickle_args(tree, target.name)
     for state in pickled.objects:  # colocated objects passed as arguments
         state.bind(ctl)
-    stream = _stream_id()
     gens = {h: ctl.host_generation(h) for h in plan.hosts}
-
-    def send(call_id: int) -> None:
-        payload, bufs = pickled.payload, pickled.buffers
-        for h in plan.hosts:
-            host = ctl.host(h)
-            if host.generation != gens[h]:
-                raise host.lost_error("it rejoined after this call was made")
-            target.prepare(ctl, host)
-            for state in pickled.objects:
-                state.ensure_built(ctl, host)
-            ctl.send(host, P.Call(call_id, stream, digest, target.obj_id, target.method,
-                                  pickled.refs, plan.host_mesh[h]), payload, bufs, len(bufs))
-        ctl.count("calls")
-
-    def decode(host: _Host, body: P.Result, env: Envelope) -> Any:
-        return loads(env.payload, env.buffers[: env.pbufs])
-
-    call_id = ctl.next_id()
-
-    def combine(per_host: dict[int, Any]) -> Any:
-        out = _build_outputs(ctl, call_id, plan, per_host)
-        if out_specs is not None:
-            _check_specs(out, out_specs, f"outputs of {target.name}")
-        return out
-
-    fut = ctl.submit(plan.hosts, send, decode, combine, call_id=call_id, cancellable=True)
+    op = _CallOp(ctl, target, plan, pickled, _stream_id(), digest, gens, ctl.next_id(),
+                 out_specs)
+    fut = ctl.submit(plan.hosts, op.send, _decode_result, op.combine, call_id=op.call_id,
+                     cancellable=True)
+    call_id = op.call_id
     fut.info = plan
     # When the Future goes, so does each host's result slot (kept for Futures as
     # arguments). A weakref callback: several times cheaper than weakref.finalize.
     _result_refs.add(weakref.ref(fut, functools.partial(_release_results, ctl, gens, call_id)))
     return fut
+
+
+class _CallOp:
+    """One call's sending and output building (a class, not closures: fewer objects
+    per call for the collector to track while calls are in flight)."""
+
+    __slots__ = ("call_id", "ctl", "digest", "gens", "out_specs", "pickled", "plan", "stream",
+                 "target")
+
+    def __init__(self, ctl: Controller, target: Target, plan: CallPlan, pickled: PickledArgs,
+                 stream: int, digest: bytes, gens: dict[int, int], call_id: int,
+                 out_specs: Any) -> None:
+        self.ctl = ctl
+        self.target = target
+        self.plan = plan
+        self.pickled: PickledArgs | None = pickled
+        self.stream = stream
+        self.digest = digest
+        self.gens = gens
+        self.call_id = call_id
+        self.out_specs = out_specs
+
+    def send(self, call_id: int) -> None:
+        """Loop thread: one CALL per host; drops the pickled arguments once sent."""
+        ctl, target, plan, pickled = self.ctl, self.target, self.plan, self.pickled
+        assert pickled is not None
+        self.pickled = None  # argument handles live until the call is sent, no longer
+        payload, bufs = pickled.payload, pickled.buffers
+        for h in plan.hosts:
+            host = ctl.host(h)
+            if host.generation != self.gens[h]:
+                raise host.lost_error("it rejoined after this call was made")
+            target.prepare(ctl, host)
+            for state in pickled.objects:
+                state.ensure_built(ctl, host)
+            ctl.send(host, P.Call(call_id, self.stream, self.digest, target.obj_id,
+                                  target.method, pickled.refs, plan.host_mesh[h]),
+                     payload, bufs, len(bufs))
+        ctl.count("calls")
+
+    def combine(self, per_host: dict[int, Any]) -> Any:
+        out = _build_outputs(self.ctl, self.call_id, self.plan, per_host)
+        if self.out_specs is not None:
+            _check_specs(out, self.out_specs, f"outputs of {self.target.name}")
+        return out
+
+
+def _decode_result(host: _Host, body: P.Result, env: Envelope) -> Any:
+    return loads(env.payload, env.buffers[: env.pbufs])
 
 
 _result_refs: set[weakref.ref[Future[Any]]] = set()
