@@ -17,12 +17,10 @@ import numpy as np
 from . import _protocol as P
 from ._codec import from_buffer, is_key_array, key_impl_name, to_buffer
 from ._controller import Controller, _Host, default_controller
-from ._errors import HostLostError
 from ._future import Future
 from ._sharding import (
     Device,
     HostBlock,
-    Mesh,
     NamedSharding,
     PartitionSpec,
     Sharding,
@@ -419,6 +417,3 @@ def block_until_ready(tree: Any) -> Future[Any]:
         return tree
 
     return _fetch_many(arrays, False, finish)
-
-
-_ = (Mesh, HostLostError)

@@ -22,7 +22,6 @@ import os
 import secrets
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -36,7 +35,6 @@ from ._errors import (
     ColobusError,
     ControllerClosedError,
     HostLostError,
-    ProtocolError,
     RemoteError,
 )
 from ._future import Future
@@ -1155,7 +1153,3 @@ def default_controller() -> Controller:
     if ctl is None or ctl.state is not State.RUNNING:
         raise NoControllerError()
     return ctl
-
-
-# Keep weakref imported for type users of finalizers in sibling modules.
-_ = (weakref, os, ProtocolError)

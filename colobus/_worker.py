@@ -30,7 +30,6 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
-import cloudpickle
 import numpy as np
 import zmq
 
@@ -38,7 +37,7 @@ from . import _protocol as P
 from ._codec import from_buffer, is_key_array, key_impl_name, to_buffer
 from ._protocol import Kind, Status
 from ._sockio import NOBLOCK, readable, recv_frames, send_frames, socket_fd
-from ._wire import PROTOCOL_VERSION, Buffer, Dropped, Envelope, decode, encode, loads
+from ._wire import Buffer, Dropped, Envelope, decode, encode, loads
 
 __all__ = ["Worker", "setup_jax"]
 
@@ -1113,6 +1112,3 @@ def main_worker(connect: str, name: str | None, key: bytes, cpu_devices: int | N
         return worker.run()
     except KeyboardInterrupt:
         return 130
-
-
-_ = (cloudpickle, sys, PROTOCOL_VERSION)
