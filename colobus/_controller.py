@@ -124,12 +124,30 @@ class _Pending:
         self, future: Future[Any], hosts: Iterable[int], decode: Decoder, combine: Combiner
     ) -> None:
         self.future = future
-        self.remaining = set(hosts)
+        # The hosts yet to answer, as a bit mask: an int is not tracked by the
+        # garbage collector, a set would be (one more object per call in flight).
+        remaining = 0
+        for i in hosts:
+            remaining |= 1 << i
+        self.remaining = remaining
         self.values: dict[int, Any] = {}
         self.errors: dict[int, BaseException] = {}
         self.decode = decode
         self.combine = combine
         self.outputs: dict[int, int] = {}  # host -> output leaves it stored (call results)
+
+    def waits_for(self, host: int) -> bool:
+        return bool(self.remaining >> host & 1)
+
+    def waiting_for(self) -> list[int]:
+        """The hosts yet to answer, in index order."""
+        mask, out, i = self.remaining, [], 0
+        while mask:
+            if mask & 1:
+                out.append(i)
+            mask >>= 1
+            i += 1
+        return out
 
     def settle(self, ctl: Controller) -> None:
         if self.remaining:
@@ -310,6 +328,7 @@ class Controller:
         self._join_waiters: list[asyncio.Future[None]] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._on_lost: list[Callable[[int], None]] = []
+        self._canceller = self._cancel_future  # one bound method, not one per call
         # Keyed by Kind, found by the plain int off the wire (IntEnum hashes as int).
         self._handlers: dict[int, Callable[[_Host, Any, Envelope], None]] = {
             Kind.HEARTBEAT: self._on_heartbeat,
@@ -622,7 +641,7 @@ class Controller:
         fut = self.new_future(call_id)
         hosts = tuple(hosts)
         if cancellable:
-            fut._set_canceller(lambda f: self.call_soon(self._cancel, call_id))
+            fut._set_canceller(self._canceller)
         self.call_soon(self._start_op, call_id, hosts, send, decode, combine, fut, backpressure)
         return fut
 
@@ -643,37 +662,48 @@ class Controller:
         if self.state is State.CLOSED:
             fut.set_exception(ControllerClosedError("the colobus controller is closed"))
             return
-
-        def go() -> None:
-            if backpressure:
-                self._give_slot()
-            if fut.done():
-                return
-            for i in hosts:
-                h = self._hosts[i] if 0 <= i < len(self._hosts) else None
-                if h is None or not h.alive:
-                    who = h.lost_error("it is not alive") if h else HostLostError(
-                        f"Host {i} does not exist", i)
-                    fut.set_exception(who)
-                    return
-            self._pending[call_id] = _Pending(fut, hosts, decode, combine)
-            for i in hosts:
-                self._hosts[i].inflight.add(call_id)
-            try:
-                send(call_id)
-            except BaseException as exc:
-                self._pending.pop(call_id, None)
-                for i in hosts:
-                    self._hosts[i].inflight.discard(call_id)
-                fut.set_exception(exc)
-                return
-            if not hosts:
-                self._pending.pop(call_id).settle(self)
-
         if backpressure and (self._backlog or self._full(hosts)):
+            go = functools.partial(self._go, call_id, hosts, send, decode, combine, fut,
+                                   backpressure)
             self._backlog.append((hosts, go))
             return
-        go()
+        self._go(call_id, hosts, send, decode, combine, fut, backpressure)
+
+    def _go(
+        self,
+        call_id: int,
+        hosts: tuple[int, ...],
+        send: Callable[[int], None],
+        decode: Decoder,
+        combine: Combiner,
+        fut: Future[Any],
+        backpressure: bool,
+    ) -> None:
+        """Loop thread: send an operation now (a method, not a closure: fewer objects)."""
+        if backpressure:
+            self._give_slot()
+        if fut.done():
+            return
+        for i in hosts:
+            h = self._hosts[i] if 0 <= i < len(self._hosts) else None
+            if h is None or not h.alive:
+                who = h.lost_error("it is not alive") if h else HostLostError(
+                    f"Host {i} does not exist", i)
+                fut.set_exception(who)
+                return
+        self._pending[call_id] = _Pending(fut, hosts, decode, combine)
+        for i in hosts:
+            self._hosts[i].inflight.add(call_id)
+        try:
+            send(call_id)
+        except BaseException as exc:
+            self._pending.pop(call_id, None)
+            for i in hosts:
+                self._hosts[i].inflight.discard(call_id)
+            fut.set_exception(exc)
+            return
+        if not hosts:
+            self._pending.pop(call_id).settle(self)
 
     # -- back-pressure --------------------------------------------------------------------
 
@@ -761,11 +791,15 @@ class Controller:
             self._backlog.popleft()
             go()
 
+    def _cancel_future(self, fut: Future[Any]) -> None:
+        """A cancellable operation's Future was cancelled (any thread)."""
+        self.call_soon(self._cancel, fut.call_id)
+
     def _cancel(self, call_id: int) -> None:
         p = self._pending.pop(call_id, None)
         if p is None:
             return
-        for i in p.remaining:
+        for i in p.waiting_for():
             h = self._hosts[i]
             if h.alive:
                 self._send(h, P.Cancel(call_id))
@@ -1036,11 +1070,11 @@ class Controller:
         host.inflight.discard(call_id)
         p = self._pending.get(call_id)
         ok_outputs = body.status == P.Status.OK and type(body.meta) is int
-        if p is None or host.index not in p.remaining:
+        if p is None or not p.waits_for(host.index):
             if ok_outputs:  # cancelled, failed or lost: nobody will hold these
                 self.free_outputs(host.index, call_id, body.meta)
         else:
-            p.remaining.discard(host.index)
+            p.remaining &= ~(1 << host.index)
             if ok_outputs:
                 p.outputs[host.index] = body.meta
             try:
@@ -1087,11 +1121,8 @@ class Controller:
         for call_id in sorted(host.inflight):
             p = self._pending.pop(call_id, None)
             if p is not None:
+                # The other hosts still answer; their result slots are freed then.
                 p.future.set_exception(host.lost_error(exc_text))
-                for other in p.remaining:
-                    if other != host.index:
-                        # the other hosts will still answer; their slots free then
-                        pass
         host.inflight.clear()
         # Queued calls for that host fail when they are started (go() checks).
         for fn in self._on_lost:

@@ -512,13 +512,12 @@ def invoke(target: Target, args: tuple[Any, ...], kwargs: dict[str, Any], *,
     gens = {h: ctl.host_generation(h) for h in plan.hosts}
     op = _CallOp(ctl, target, plan, pickled, _stream_id(), digest, gens, ctl.next_id(),
                  out_specs)
-    fut = ctl.submit(plan.hosts, op.send, _decode_result, op.combine, call_id=op.call_id,
+    fut = ctl.submit(plan.hosts, op.send, _decode_result, op, call_id=op.call_id,
                      cancellable=True)
-    call_id = op.call_id
     fut.info = plan
     # When the Future goes, so does each host's result slot (kept for Futures as
     # arguments). A weakref callback: several times cheaper than weakref.finalize.
-    _result_refs.add(weakref.ref(fut, functools.partial(_release_results, ctl, gens, call_id)))
+    _result_refs[weakref.ref(fut, _release_results)] = op
     return fut
 
 
@@ -560,7 +559,11 @@ class _CallOp:
                      payload, bufs, len(bufs))
         ctl.count("calls")
 
-    def combine(self, per_host: dict[int, Any]) -> Any:
+    def __call__(self, per_host: dict[int, Any]) -> Any:
+        """The combiner: the call's outputs from each host's reply (loop thread).
+
+        The op itself, not its bound method: one object less per call in flight.
+        """
         out = _build_outputs(self.ctl, self.call_id, self.plan, per_host)
         if self.out_specs is not None:
             _check_specs(out, self.out_specs, f"outputs of {self.target.name}")
@@ -571,14 +574,15 @@ def _decode_result(host: _Host, body: P.Result, env: Envelope) -> Any:
     return loads(env.payload, env.buffers[: env.pbufs])
 
 
-_result_refs: set[weakref.ref[Future[Any]]] = set()
+_result_refs: dict[weakref.ref[Future[Any]], _CallOp] = {}
 
 
-def _release_results(ctl: Controller, gens: dict[int, int], call_id: int,
-                     ref: weakref.ref[Future[Any]]) -> None:
-    _result_refs.discard(ref)
-    for h, g in gens.items():
-        ctl.release(h, g, call=call_id)
+def _release_results(ref: weakref.ref[Future[Any]]) -> None:
+    op = _result_refs.pop(ref, None)
+    if op is None:
+        return
+    for h, g in op.gens.items():
+        op.ctl.release(h, g, call=op.call_id)
 
 
 # -- the decorator ---------------------------------------------------------------------------------

@@ -20,6 +20,11 @@ T = TypeVar("T")
 
 _PENDING, _CANCELLED, _FINISHED = 0, 1, 2
 
+# One lock for every Future's state change: the critical sections are a few
+# attribute writes, and a lock per Future would be one more object per call for
+# the garbage collector to track while calls are in flight.
+_LOCK = threading.Lock()
+
 
 class Future(Generic[T]):
     """The result of a remote operation, awaitable from any event loop.
@@ -35,7 +40,6 @@ class Future(Generic[T]):
         "_canceller",
         "_event",
         "_exception",
-        "_lock",
         "_loop_thread",
         "_result",
         "_state",
@@ -44,11 +48,10 @@ class Future(Generic[T]):
     )
 
     def __init__(self, loop_thread: int | None = None, call_id: int = 0) -> None:
-        self._lock = threading.Lock()
         self._state = _PENDING
         self._result: Any = None
         self._exception: BaseException | None = None
-        self._callbacks: list[Callable[[Future[T]], object]] = []
+        self._callbacks: list[Callable[[Future[T]], object]] | None = None
         self._event: threading.Event | None = None
         self._loop_thread = loop_thread
         self._canceller: Callable[[Future[T]], object] | None = None
@@ -79,7 +82,7 @@ class Future(Generic[T]):
         Returns:
             True if the future was pending and is now cancelled.
         """
-        with self._lock:
+        with _LOCK:
             if self._state != _PENDING:
                 return False
             self._state = _CANCELLED
@@ -90,7 +93,7 @@ class Future(Generic[T]):
         return True
 
     def set_result(self, result: T) -> None:
-        with self._lock:
+        with _LOCK:
             if self._state != _PENDING:
                 return
             self._result = result
@@ -98,7 +101,7 @@ class Future(Generic[T]):
         self._finish()
 
     def set_exception(self, exc: BaseException) -> None:
-        with self._lock:
+        with _LOCK:
             if self._state != _PENDING:
                 return
             self._exception = exc
@@ -113,15 +116,19 @@ class Future(Generic[T]):
         event = self._event
         if event is not None:
             event.set()
-        callbacks, self._callbacks = self._callbacks, []
-        for cb in callbacks:
-            cb(self)
+        callbacks, self._callbacks = self._callbacks, None
+        if callbacks:
+            for cb in callbacks:
+                cb(self)
 
     def add_done_callback(self, fn: Callable[[Future[T]], object]) -> None:
         """Call ``fn(fut)`` once done (at once if already done), on the resolving thread."""
-        with self._lock:
+        with _LOCK:
             if self._state == _PENDING:
-                self._callbacks.append(fn)
+                if self._callbacks is None:
+                    self._callbacks = [fn]
+                else:
+                    self._callbacks.append(fn)
                 return
         fn(self)
 
@@ -159,7 +166,7 @@ class Future(Generic[T]):
                 "Future.result() would block the colobus controller's event loop; "
                 "use `await fut` inside async code instead."
             )
-        with self._lock:
+        with _LOCK:
             if self._state == _PENDING and self._event is None:
                 self._event = threading.Event()
             event = self._event

@@ -145,6 +145,7 @@ def _is_string(dtype: Any) -> bool:
 
 LAZY_PUT_BYTES = 1 << 20  # PUT blocks this large become jax.Arrays on first use
 MAX_BATCH = 256  # calls of one stream run in one thread-pool job, at most
+BRIEF_WAIT_S = 0.0005  # after starting quick calls, the loop waits this long for them
 
 _QUEUED, _RUNNING, _CANCELLED, _DONE = range(4)
 
@@ -280,6 +281,13 @@ class Worker:
         self._done_lock = threading.Lock()
         self._done: list[_Call] = []  # finished on pool threads, not yet seen by the loop
         self._flush_scheduled = False
+        # The brief wait (see _wait_briefly): the loop thread waits on this event
+        # while ``_sync_wait``; a pool thread that finishes a call sets it instead of
+        # waking the loop through its self-pipe.
+        self._sync_wait = False
+        self._done_event = threading.Event()
+        self._started = False  # this drain started a batch on the pool
+        self._quick = True  # the last batch took less than BRIEF_WAIT_S
         self._loop: asyncio.AbstractEventLoop | None = None  # set in serve()
         self._bg: set[asyncio.Task[None]] = set()
         self._handlers = {
@@ -484,14 +492,39 @@ class Worker:
         if sock is None:
             return
         try:
-            while readable(sock):
-                frames = recv_frames(sock)
-                self._on_frames(frames)
-                if self._sock is not sock:
-                    return
+            while True:
+                while readable(sock):
+                    frames = recv_frames(sock)
+                    self._on_frames(frames)
+                    if self._sock is not sock:
+                        return
+                if not (self._started and self._quick and self._wait_briefly()):
+                    break
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EAGAIN:
                 log.warning("worker socket error: %s", exc)
+
+    def _wait_briefly(self) -> bool:
+        """Loop thread: wait a moment for the calls this drain started; True if any ended.
+
+        A quick call then costs no wake-up of the loop through its self-pipe, and
+        the GIL passes to the pool thread at once instead of when the loop next
+        blocks. The wait is bounded (``BRIEF_WAIT_S``) and skipped while calls run
+        long, so heartbeats and new messages wait at most that long.
+        """
+        self._started = False
+        with self._done_lock:
+            waiting = self._sync_wait = not self._done
+            if waiting:
+                self._done_event.clear()
+        if waiting:
+            self._done_event.wait(BRIEF_WAIT_S)
+            with self._done_lock:
+                self._sync_wait = False
+        if not self._done:
+            return False
+        self._flush_done()
+        return True
 
     def _drop(self, reason: str, detail: str = "") -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
@@ -835,6 +868,7 @@ class Worker:
         if batch:
             batch[-1].last = True
             stream.busy = True
+            self._started = True
             self._pool.submit(self._run_batch, batch)
         elif not queue:
             del self._streams[stream.sid]  # idle: a later call starts a new one
@@ -878,6 +912,7 @@ class Worker:
 
     def _run_batch(self, batch: list[_Call]) -> None:
         """Pool thread: run ready plain calls of one stream back to back."""
+        t0 = time.perf_counter()
         for call in batch:
             with self._state_lock:
                 runs = call.state == _QUEUED
@@ -885,6 +920,7 @@ class Worker:
                     call.state = _RUNNING
             if runs:
                 self._run_plain(call)
+            self._quick = time.perf_counter() - t0 < BRIEF_WAIT_S
             self._post_done(call)
 
     def _run_plain(self, call: _Call) -> None:
@@ -912,6 +948,9 @@ class Worker:
             if self._flush_scheduled:
                 return
             self._flush_scheduled = True
+            if self._sync_wait:
+                self._done_event.set()  # the loop thread is waiting for it
+                return
         loop = self._loop
         assert loop is not None
         try:
