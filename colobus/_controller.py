@@ -41,7 +41,18 @@ from ._future import Future
 from ._protocol import Kind
 from ._sharding import Device
 from ._sockio import readable, recv_frames, send_frames, socket_fd
-from ._wire import PROTOCOL_VERSION, Buffer, Dropped, Envelope, decode, encode, loads
+from ._wire import (
+    PROTOCOL_VERSION,
+    Buffer,
+    Dropped,
+    Envelope,
+    Outgoing,
+    batched,
+    decode,
+    encode,
+    loads,
+    unpack_batch,
+)
 
 __all__ = ["Controller", "HostInfo", "State", "current_controller"]
 
@@ -94,6 +105,7 @@ class _Host:
     recv_seq: int = 0
     last_seen: float = 0.0
     inflight: set[int] = field(default_factory=set)
+    outbox: list[Outgoing] = field(default_factory=list)  # not sent yet (see _send)
     code_sent: set[bytes] = field(default_factory=set)
     objects_built: set[int] = field(default_factory=set)
     store: tuple[int, int, int] = (0, 0, 0)  # arrays, bytes, objects, as last reported
@@ -320,6 +332,9 @@ class Controller:
         self._releases: collections.deque[tuple[int, int, int, int]] = collections.deque()
         self._release_scheduled = False
         self._drain_scheduled = False
+        self._outbox_hosts: list[_Host] = []  # hosts with messages waiting in their outbox
+        self._flush_scheduled = False
+        self._corked = False  # inside _drain: its sends leave when it ends
         # Back-pressure: calls submitted but not yet sent (in transit to the loop
         # or in the backlog), guarded by a condition that callers block on.
         self._capacity = threading.Condition()
@@ -361,6 +376,8 @@ class Controller:
             "dropped_total": sum(self._dropped.values()),
             "code_sent": self._counters["code_sent"],
             "calls": self._counters["calls"],
+            "batches": self._counters["batches"],
+            "batches_received": self._counters["batches_received"],
             "backlog": len(self._backlog),
             "queued": self._queued,
             "pending": len(self._pending),
@@ -495,6 +512,7 @@ class Controller:
         for h in self._hosts:
             if h.alive:
                 self._send(h, P.Shutdown(reason))
+        self._flush_out()
         self.state = State.CLOSED
         err = ControllerClosedError("the colobus controller closed before this call finished")
         for p in list(self._pending.values()):
@@ -889,16 +907,42 @@ class Controller:
 
     def _send(self, host: _Host, body: P.Body, payload: Buffer = b"",
               buffers: Sequence[Buffer] = (), pbufs: int = 0) -> None:
+        """Queue a message to ``host`` (loop thread); it leaves at the end of this step.
+
+        Messages to one host leave in the order queued. Those queued in one step
+        of the loop (a burst of calls from one task, the replies a drain of the
+        socket triggers) leave as one BATCH envelope: one MAC, one sequence
+        number, one multipart send for all of them.
+        """
         sock = self._sock
         if sock is None or sock.closed:
             return
-        host.send_seq += 1
-        env = Envelope(body.kind, self._session, host.session, host.send_seq,
-                       body.to_wire(), payload, list(buffers), pbufs)
-        try:
-            send_frames(sock, [host.identity, *encode(self._key, env)])
-        except zmq.ZMQError as exc:  # EHOSTUNREACH: the peer's connection is gone
-            log.debug("send to host %d failed: %s", host.index, exc)
+        host.outbox.append((body.kind, body.to_wire(), payload, buffers, pbufs))
+        if len(host.outbox) == 1:
+            self._outbox_hosts.append(host)
+            if not self._corked and not self._flush_scheduled and self._loop is not None:
+                self._flush_scheduled = True
+                self._loop.call_soon(self._flush_out)
+
+    def _flush_out(self) -> None:
+        """Send every host's queued messages: one envelope each, a BATCH where several."""
+        self._flush_scheduled = False
+        hosts, self._outbox_hosts = self._outbox_hosts, []
+        sock = self._sock
+        for host in hosts:
+            items, host.outbox = host.outbox, []
+            if sock is None or sock.closed:
+                continue
+            for env in batched(items, self._session, host.session):
+                host.send_seq += 1
+                env.seq = host.send_seq
+                try:
+                    send_frames(sock, [host.identity, *encode(self._key, env)])
+                except zmq.ZMQError as exc:  # EHOSTUNREACH: the peer's connection is gone
+                    log.debug("send to host %d failed: %s", host.index, exc)
+                    break
+                if env.kind == Kind.BATCH:
+                    self._counters["batches"] += 1
         self._schedule_drain()
 
     def _send_raw(self, identity: bytes, receiver: bytes, body: P.Body, seq: int = 1) -> None:
@@ -921,6 +965,7 @@ class Controller:
         sock = self._sock
         if sock is None or sock.closed:
             return
+        self._corked = True  # what the replies trigger leaves in batches, at the end
         try:
             while readable(sock):
                 frames = recv_frames(sock)
@@ -930,8 +975,12 @@ class Controller:
         except zmq.ZMQError as exc:
             if exc.errno not in (zmq.EAGAIN, zmq.ENOTSOCK):
                 log.warning("controller socket error: %s", exc)
+        finally:
+            self._corked = False
         if self._releases and not self._release_scheduled:
             self._flush_releases()
+        if self._outbox_hosts:
+            self._flush_out()
 
     def _drop(self, reason: str, identity: bytes, detail: str = "") -> None:
         self._dropped[reason] += 1
@@ -980,6 +1029,27 @@ class Controller:
                 return
             host.recv_seq = env.seq
             host.last_seen = time.monotonic()
+            if env.kind != Kind.BATCH:
+                self._dispatch(host, identity, env)
+                return
+            subs = unpack_batch(env)
+            self._counters["batches_received"] += 1
+        except Dropped as d:
+            self._drop(d.reason, identity, d.detail)
+            return
+        except ValueError as exc:
+            self._drop("malformed", identity, str(exc))
+            return
+        except Exception:  # a bug in a handler must not kill the reader
+            self._dropped["handler_error"] += 1
+            log.exception("error handling a message from %s", identity.hex())
+            return
+        for sub in subs:
+            self._dispatch(host, identity, sub)
+
+    def _dispatch(self, host: _Host, identity: bytes, env: Envelope) -> None:
+        """Handle one authenticated message of a joined host."""
+        try:
             body = P.parse(env.kind, env.body)
             handler = self._handlers.get(env.kind)
             if handler is None:

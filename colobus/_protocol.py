@@ -60,6 +60,7 @@ class Kind(enum.IntEnum):
     STATS = 14  # C: report store counters now
     SHUTDOWN = 15  # C: the controller is closing
     RESET = 16  # C: you were declared lost; join again
+    BATCH = 17  # both: several of the above to one peer, in order, in one envelope
 
 
 class Status(enum.IntEnum):

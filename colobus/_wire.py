@@ -11,6 +11,12 @@ Frame layout of one envelope (fixed; no delimiter scanning)::
     2  mac      32 bytes: keyed BLAKE2b over len(header)|header|len(payload)|payload
     3+ buffers  raw bytes (numpy data, pickle-5 out-of-band buffers), lengths in header
 
+A BATCH envelope (kind 17) carries several messages to one peer in order: its
+body is a list of ``[kind, body, payload_len, nbufs, pbufs]``, its payload the
+messages' payloads back to back, its buffers theirs in order. One MAC and one
+sequence number cover the batch; :func:`unpack_batch` splits it after
+:func:`decode` authenticated it.
+
 Buffer *contents* are not covered by the MAC (hashing gigabytes would halve the
 transfer rate); their count and lengths are. They are never unpickled: they are
 only ever viewed as numpy memory. Use CurveZMQ where the network is untrusted.
@@ -39,7 +45,9 @@ __all__ = [
     "ByValue",
     "Dropped",
     "Envelope",
+    "Outgoing",
     "StdPickler",
+    "batched",
     "decode",
     "decode_dtype",
     "dumps",
@@ -47,9 +55,12 @@ __all__ = [
     "encode_dtype",
     "loads",
     "mac",
+    "pack_batch",
+    "unpack_batch",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: BATCH envelopes
+BATCH_KIND = 17  # _protocol.Kind.BATCH (this module does not import the kinds)
 MAC_SIZE = 32
 MAX_HEADER_BYTES = 1 << 20
 # Out-of-band pickle buffers below this size stay in the pickle (a copy is cheaper
@@ -155,6 +166,99 @@ def decode(
         if _nbytes(b) != n:
             raise Dropped("malformed", "buffer length")
     return Envelope(kind, sender, receiver, seq, body, payload, buffers, pbufs, version)
+
+
+# -- batches ----------------------------------------------------------------------------
+
+# One message waiting to be sent: (kind, body as wire list, payload, buffers, pbufs).
+Outgoing = tuple[int, Any, Buffer, Sequence[Buffer], int]
+
+
+def pack_batch(items: Sequence[Outgoing]) -> tuple[list[Any], bytes, list[Buffer]]:
+    """The body, payload and buffers of one BATCH envelope carrying ``items`` in order."""
+    entries: list[Any] = []
+    payloads: list[Buffer] = []
+    buffers: list[Buffer] = []
+    for kind, body, payload, bufs, pbufs in items:
+        entries.append([kind, body, _nbytes(payload), len(bufs), pbufs])
+        if payload:
+            payloads.append(payload)
+        buffers.extend(bufs)
+    return entries, b"".join(payloads), buffers
+
+
+BATCH_MAX_ITEMS = 256  # messages in one BATCH, at most
+BATCH_MAX_PAYLOAD = 1 << 18  # a payload this large travels alone, not copied into a batch
+BATCH_MAX_HEADER = MAX_HEADER_BYTES // 2  # a larger batch header is sent as its messages
+
+
+def batched(items: Sequence[Outgoing], sender: bytes, receiver: bytes) -> list[Envelope]:
+    """Envelopes (sequence numbers not set) carrying ``items`` in order, batched where
+    several fit together: a lone message, or one with a large payload, travels as itself."""
+    out: list[Envelope] = []
+    run: list[Outgoing] = []
+
+    def close_run() -> None:
+        if len(run) == 1:
+            out.append(_single(run[0], sender, receiver))
+        elif run:
+            body, payload, buffers = pack_batch(run)
+            # Bodies are small but for error replies (tracebacks): a batch whose
+            # header would near the receiver's limit goes as its messages instead.
+            if len(msgpack.packb(body, use_bin_type=True)) > BATCH_MAX_HEADER:
+                out.extend(_single(item, sender, receiver) for item in run)
+            else:
+                out.append(Envelope(BATCH_KIND, sender, receiver, 0, body, payload, buffers))
+        run.clear()
+
+    for item in items:
+        if _nbytes(item[2]) >= BATCH_MAX_PAYLOAD:
+            close_run()
+            out.append(_single(item, sender, receiver))
+            continue
+        run.append(item)
+        if len(run) >= BATCH_MAX_ITEMS:
+            close_run()
+    close_run()
+    return out
+
+
+def _single(item: Outgoing, sender: bytes, receiver: bytes) -> Envelope:
+    kind, body, payload, bufs, pbufs = item
+    return Envelope(kind, sender, receiver, 0, body, payload, list(bufs), pbufs)
+
+
+def unpack_batch(env: Envelope) -> list[Envelope]:
+    """The messages of an authenticated BATCH envelope, in order.
+
+    Raises:
+        Dropped: ``malformed`` if the entries do not describe exactly the
+            envelope's payload and buffers, or nest another batch.
+    """
+    entries = env.body
+    if not isinstance(entries, list) or not entries:
+        raise Dropped("malformed", "batch body")
+    view = memoryview(env.payload)
+    out: list[Envelope] = []
+    at = nb = 0
+    for entry in entries:
+        if not (isinstance(entry, list) and len(entry) == 5):
+            raise Dropped("malformed", "batch entry")
+        kind, body, plen, nbufs, pbufs = entry
+        if not (type(kind) is int and type(plen) is int and type(nbufs) is int
+                and type(pbufs) is int and kind != BATCH_KIND and plen >= 0
+                and 0 <= pbufs <= nbufs):
+            raise Dropped("malformed", "batch entry fields")
+        if at + plen > len(view) or nb + nbufs > len(env.buffers):
+            raise Dropped("malformed", "batch lengths")
+        payload: Buffer = view[at:at + plen] if plen else b""
+        out.append(Envelope(kind, env.sender, env.receiver, env.seq, body, payload,
+                            env.buffers[nb:nb + nbufs], pbufs, env.version))
+        at += plen
+        nb += nbufs
+    if at != len(view) or nb != len(env.buffers):
+        raise Dropped("malformed", "batch lengths")
+    return out
 
 
 # -- pickling with out-of-band buffers -------------------------------------------------

@@ -37,7 +37,17 @@ from . import _protocol as P
 from ._codec import from_buffer, is_key_array, key_impl_name, to_buffer
 from ._protocol import Kind, Status
 from ._sockio import NOBLOCK, readable, recv_frames, send_frames, socket_fd
-from ._wire import Buffer, Dropped, Envelope, decode, encode, loads
+from ._wire import (
+    Buffer,
+    Dropped,
+    Envelope,
+    Outgoing,
+    batched,
+    decode,
+    encode,
+    loads,
+    unpack_batch,
+)
 
 __all__ = ["Worker", "setup_jax"]
 
@@ -266,6 +276,8 @@ class Worker:
         self._welcome: asyncio.Future[None] | None = None
         self._ended: asyncio.Future[str] | None = None
         self._drain_scheduled = False
+        self._corked = False  # sends queue in _outbox and leave together (see _send)
+        self._outbox: list[Outgoing] = []
         self.dropped: dict[str, int] = {}
         # the store
         self._code: dict[bytes, Any] = {}
@@ -399,6 +411,7 @@ class Worker:
             sock.setsockopt(zmq.CURVE_SERVERKEY, server)
         sock.connect(self.connect)
         self._sock = sock
+        self._outbox = []  # nothing of an earlier session leaves on this one
         self._session = secrets.token_bytes(16)
         self._ctl_session = None
         self._seq = 0
@@ -472,16 +485,26 @@ class Worker:
 
     def _send(self, body: P.Body, payload: Buffer = b"", buffers: Sequence[Buffer] = (),
               pbufs: int = 0) -> None:
-        sock = self._sock
-        if sock is None:
+        """Send a message; while corked (a drain, a burst of finished calls) it waits
+        in the outbox and leaves with the others, in order, as one BATCH envelope."""
+        if self._sock is None:
             return
-        self._seq += 1
-        env = Envelope(body.kind, self._session, self._ctl_session or b"", self._seq,
-                       body.to_wire(), payload, list(buffers), pbufs)
-        try:
-            send_frames(sock, encode(self._key, env), NOBLOCK)
-        except zmq.Again:
-            log.debug("no connection yet; %s not sent", Kind(body.kind).name)
+        self._outbox.append((body.kind, body.to_wire(), payload, buffers, pbufs))
+        if not self._corked:
+            self._flush_out()
+
+    def _flush_out(self) -> None:
+        items, self._outbox = self._outbox, []
+        sock = self._sock
+        if sock is None or not items:
+            return
+        for env in batched(items, self._session, self._ctl_session or b""):
+            self._seq += 1
+            env.seq = self._seq
+            try:
+                send_frames(sock, encode(self._key, env), NOBLOCK)
+            except zmq.Again:
+                log.debug("no connection yet; %s not sent", Kind(env.kind).name)
         if not self._drain_scheduled:
             self._drain_scheduled = True
             asyncio.get_running_loop().call_soon(self._drain)
@@ -491,6 +514,7 @@ class Worker:
         sock = self._sock
         if sock is None:
             return
+        corked, self._corked = self._corked, True
         try:
             while True:
                 while readable(sock):
@@ -498,11 +522,16 @@ class Worker:
                     self._on_frames(frames)
                     if self._sock is not sock:
                         return
+                self._flush_out()  # the replies so far leave before any wait
                 if not (self._started and self._quick and self._wait_briefly()):
                     break
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EAGAIN:
                 log.warning("worker socket error: %s", exc)
+        finally:
+            self._corked = corked
+            if not corked:
+                self._flush_out()
 
     def _wait_briefly(self) -> bool:
         """Loop thread: wait a moment for the calls this drain started; True if any ended.
@@ -554,6 +583,19 @@ class Worker:
             return
         self._ctl_seq = env.seq
         self._last_heard = time.monotonic()
+        if env.kind != Kind.BATCH:
+            self._dispatch(env)
+            return
+        try:
+            subs = unpack_batch(env)
+        except Dropped as d:
+            self._drop(d.reason, d.detail)
+            return
+        for sub in subs:
+            self._dispatch(sub)
+
+    def _dispatch(self, env: Envelope) -> None:
+        """Handle one authenticated message of this session's controller."""
         try:
             body = P.parse(env.kind, env.body)
             self._handlers[Kind(env.kind)](body, env)  # type: ignore[operator]
@@ -962,8 +1004,14 @@ class Worker:
         with self._done_lock:
             done, self._done = self._done, []
             self._flush_scheduled = False
-        for call in done:
-            self._finish(call)
+        corked, self._corked = self._corked, True  # the replies leave as one batch
+        try:
+            for call in done:
+                self._finish(call)
+        finally:
+            self._corked = corked
+            if not corked:
+                self._flush_out()
 
     def _finish(self, call: _Call) -> None:
         """Loop thread: store a finished call's outputs, reply, start what is next."""

@@ -666,3 +666,48 @@ def test_random_garbage_is_dropped_counted_and_calls_keep_working(ctl: cb.Contro
         x = cb.device_put(np.arange(4.0), dev)
         np.testing.assert_array_equal(np.asarray(plus_one(x).result(timeout=60)),
                                       np.arange(4.0) + 1)
+
+
+async def test_batches_from_a_joined_peer_are_split_and_bad_ones_dropped_whole() -> None:
+    """A BATCH is checked (MAC, session, sequence) once, then split: its messages are
+    handled in order; a batch whose entries do not match its payload and buffers is
+    dropped as malformed, none of its messages handled."""
+    from colobus._wire import pack_batch
+
+    key = secrets.token_bytes(32)
+    ctx = zmq.asyncio.Context()
+    peer: RawPeer | None = None
+    try:
+        async with cb.Controller("tcp://127.0.0.1:*", hosts=0, key=key, heartbeat_interval=HB,
+                                 liveness_timeout=60.0) as ctl:
+            peer = RawPeer(ctx, ctl.address, key)
+            await peer.send(peer.hello("batcher"))
+            welcome = await peer.recv()
+            peer.ctl_session = welcome.sender
+
+            def batch(body: list[Any], payload: bytes = b"") -> list[bytes | memoryview]:
+                peer.seq += 1
+                env = Envelope(Kind.BATCH, peer.session, peer.ctl_session, peer.seq, body,
+                               payload)
+                return encode(key, env)
+
+            beats = [(int(Kind.HEARTBEAT), P.Heartbeat(n, 10 * n, 0).to_wire(), b"", [], 0)
+                     for n in (3, 5)]
+            body, payload, _ = pack_batch(beats)
+            await peer.send(batch(body, payload))
+            # Handled in order: the last heartbeat's store counts are the ones kept.
+            await eventually(lambda: ctl.stats()["hosts"][0]["arrays"] == 5, 10, "batch handled")
+            assert ctl.stats()["batches_received"] == 1
+            bad = [[int(Kind.HEARTBEAT), P.Heartbeat(7, 70, 0).to_wire(), 4, 0, 0]]
+            await peer.send(batch(bad, b"abc"))  # says 4 payload bytes, carries 3
+            await wait_drops(ctl, "malformed", 1)
+            nested = [[int(Kind.BATCH), [], 0, 0, 0]]
+            await peer.send(batch(nested))
+            await wait_drops(ctl, "malformed", 2)
+            assert ctl.stats()["hosts"][0]["arrays"] == 5  # nothing of either was handled
+            assert "handler_error" not in dropped(ctl)
+            assert ctl.hosts()[0].state == "alive"
+    finally:
+        if peer is not None:
+            peer.close()
+        ctx.term()

@@ -4,10 +4,24 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from colobus import _protocol as P
 from colobus._codec import from_buffer, to_buffer
-from colobus._wire import Dropped, Envelope, decode, dumps, encode, loads
+from colobus._wire import (
+    BATCH_MAX_ITEMS,
+    BATCH_MAX_PAYLOAD,
+    Dropped,
+    Envelope,
+    batched,
+    decode,
+    dumps,
+    encode,
+    loads,
+    pack_batch,
+    unpack_batch,
+)
 
 KEY = b"k" * 32
 
@@ -104,3 +118,89 @@ def test_array_codec_round_trips(arr: np.ndarray) -> None:
 def test_object_arrays_do_not_travel() -> None:
     with pytest.raises(ValueError, match="object"):
         to_buffer(np.array([object()], dtype=object))
+
+
+# -- BATCH envelopes ----------------------------------------------------------------------
+
+S, R = b"s" * 16, b"r" * 16
+
+
+def _item(i: int, payload: bytes = b"", bufs: tuple[bytes, ...] = (), pbufs: int = 0) -> tuple:
+    return (int(P.Kind.CALL), [i, "x"], payload, list(bufs), pbufs)
+
+
+def _wire_round_trip(env: Envelope) -> Envelope:
+    return decode(KEY, [bytes(f) for f in encode(KEY, env)])
+
+
+def test_a_batch_carries_its_messages_in_order_with_their_payloads_and_buffers() -> None:
+    items = [_item(0, b"p0", (b"a", b"bb"), 1), _item(1), _item(2, b"payload-2", (b"ccc",), 0)]
+    [env] = batched(items, S, R)
+    assert env.kind == P.Kind.BATCH
+    env.seq = 5
+    subs = unpack_batch(_wire_round_trip(env))
+    assert [(s.kind, s.body, bytes(s.payload), [bytes(b) for b in s.buffers], s.pbufs)
+            for s in subs] == [
+        (P.Kind.CALL, [0, "x"], b"p0", [b"a", b"bb"], 1),
+        (P.Kind.CALL, [1, "x"], b"", [], 0),
+        (P.Kind.CALL, [2, "x"], b"payload-2", [b"ccc"], 0),
+    ]
+    assert all((s.sender, s.receiver, s.seq) == (S, R, 5) for s in subs)
+
+
+def test_lone_and_large_messages_travel_as_themselves_and_long_runs_split() -> None:
+    [single] = batched([_item(0, b"p")], S, R)
+    assert single.kind == P.Kind.CALL and bytes(single.payload) == b"p"
+    big = b"x" * BATCH_MAX_PAYLOAD
+    envs = batched([_item(0), _item(1), _item(2, big), _item(3)], S, R)
+    assert [e.kind for e in envs] == [P.Kind.BATCH, P.Kind.CALL, P.Kind.CALL]
+    assert envs[1].payload is big  # not copied into a batch
+    many = batched([_item(i) for i in range(2 * BATCH_MAX_ITEMS + 1)], S, R)
+    assert [len(e.body) if e.kind == P.Kind.BATCH else 1 for e in many] == [
+        BATCH_MAX_ITEMS, BATCH_MAX_ITEMS, 1]
+
+
+def test_a_batch_whose_header_would_be_too_large_goes_as_its_messages() -> None:
+    huge = [(int(P.Kind.RESULT), [i, 1, ["T", "m", "t" * 200_000]], b"", [], 0)
+            for i in range(4)]
+    envs = batched(huge, S, R)
+    assert [e.kind for e in envs] == [P.Kind.RESULT] * 4
+
+
+@pytest.mark.parametrize("body", [
+    [], "x", [[6, [], 0, 0]], [[6, [], 0, 0, 0, 0]], [["6", [], 0, 0, 0]],
+    [[17, [], 0, 0, 0]],  # a batch inside a batch
+    [[6, [], 1, 0, 0]],  # more payload than there is
+    [[6, [], 0, 0, 0]],  # less payload than there is
+    [[6, [], 3, 1, 0]],  # a buffer that is not there
+    [[6, [], 3, 0, 1]],  # pbufs above nbufs
+    [[6, [], -1, 0, 0]],
+])
+def test_malformed_batches_are_dropped(body: object) -> None:
+    env = Envelope(int(P.Kind.BATCH), S, R, 1, body, b"abc")
+    with pytest.raises(Dropped) as info:
+        unpack_batch(env)
+    assert info.value.reason == "malformed"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.recursive(st.none() | st.integers(-3, 300) | st.binary(max_size=4) | st.text(max_size=3),
+                    lambda c: st.lists(c, max_size=6), max_leaves=30),
+       st.binary(max_size=40), st.lists(st.binary(max_size=5), max_size=3))
+def test_any_batch_body_splits_exactly_or_is_dropped(body: object, payload: bytes,
+                                                     bufs: list[bytes]) -> None:
+    env = Envelope(int(P.Kind.BATCH), S, R, 1, body, payload, list(bufs))
+    try:
+        subs = unpack_batch(env)
+    except Dropped as d:
+        assert d.reason == "malformed"
+        return
+    assert b"".join(bytes(s.payload) for s in subs) == payload
+    assert [b for s in subs for b in s.buffers] == bufs
+    assert all(s.kind != P.Kind.BATCH for s in subs)
+
+
+def test_pack_batch_concatenates_payloads() -> None:
+    body, payload, bufs = pack_batch([_item(0, b"ab", (b"1",)), _item(1, b"cde")])
+    assert payload == b"abcde" and bufs == [b"1"]
+    assert [e[2:] for e in body] == [[2, 1, 0], [3, 0, 0]]
