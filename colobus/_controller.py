@@ -60,6 +60,7 @@ log = logging.getLogger("colobus.controller")
 
 HELLO_MAX_AGE_S = 300.0
 RESET_SEQ = 1 << 62  # sequence number of a RESET: above any a session reaches
+RELEASE_DELAY_S = 0.002  # frees wait this long for a message to ride along with
 
 
 class State(enum.Enum):
@@ -331,7 +332,6 @@ class Controller:
         )
         self._releases: collections.deque[tuple[int, int, int, int]] = collections.deque()
         self._release_scheduled = False
-        self._drain_scheduled = False
         self._outbox_hosts: list[_Host] = []  # hosts with messages waiting in their outbox
         self._flush_scheduled = False
         self._corked = False  # inside _drain: its sends leave when it ends
@@ -507,7 +507,7 @@ class Controller:
         if self.state is State.NEW:
             self.state = State.CLOSED
             return
-        self._flush_releases()
+        self._queue_releases()
         reason = "exit" if self._exit_workers else "controller closed"
         for h in self._hosts:
             if h.alive:
@@ -879,12 +879,17 @@ class Controller:
         self._releases.append(entry)
         if not self._release_scheduled and self._loop is not None:
             self._release_scheduled = True
-            # Deferred: every release of this loop iteration (a burst of results
-            # settling) goes out in one RELEASE per host.
-            self._loop.call_soon(self._flush_releases)
+            # Frees are not urgent: they ride along with the next messages sent
+            # (see _flush_out), or leave on their own after RELEASE_DELAY_S.
+            self._loop.call_later(RELEASE_DELAY_S, self._release_timer)
 
-    def _flush_releases(self) -> None:
+    def _release_timer(self) -> None:
         self._release_scheduled = False
+        if self._releases:
+            self._flush_out()
+
+    def _queue_releases(self) -> None:
+        """Move the queued frees into the hosts' outboxes, one RELEASE per host."""
         per_host: dict[int, tuple[list[int], list[int]]] = {}
         while self._releases:
             host, gen, ref, call = self._releases.popleft()
@@ -897,7 +902,7 @@ class Controller:
             if call:
                 calls.append(call)
         for host, (refs, calls) in per_host.items():
-            self._send(self._hosts[host], P.Release(refs, calls))
+            self._enqueue(self._hosts[host], P.Release(refs, calls))
 
     # -- socket I/O --------------------------------------------------------------------
 
@@ -914,19 +919,38 @@ class Controller:
         socket triggers) leave as one BATCH envelope: one MAC, one sequence
         number, one multipart send for all of them.
         """
+        if not self._enqueue(host, body, payload, buffers, pbufs):
+            return
+        if self._corked or self._loop is None or self._flush_scheduled:
+            return
+        # The first message of a step leaves at once (a lone call waits for nothing);
+        # the ones queued after it in the same step leave together when it ends.
+        self._flush_scheduled = True
+        self._loop.call_soon(self._end_step)
+        self._flush_out()
+
+    def _enqueue(self, host: _Host, body: P.Body, payload: Buffer = b"",
+                 buffers: Sequence[Buffer] = (), pbufs: int = 0) -> bool:
+        """Append a message to ``host``'s outbox; False if the socket is gone."""
         sock = self._sock
         if sock is None or sock.closed:
-            return
+            return False
         host.outbox.append((body.kind, body.to_wire(), payload, buffers, pbufs))
         if len(host.outbox) == 1:
             self._outbox_hosts.append(host)
-            if not self._corked and not self._flush_scheduled and self._loop is not None:
-                self._flush_scheduled = True
-                self._loop.call_soon(self._flush_out)
+        return True
+
+    def _end_step(self) -> None:
+        self._flush_scheduled = False
+        self._flush_out()
+        # The ZeroMQ FD is edge-triggered: a send can consume the edge that
+        # announced incoming messages, so read what waits after sending.
+        self._drain()
 
     def _flush_out(self) -> None:
-        """Send every host's queued messages: one envelope each, a BATCH where several."""
-        self._flush_scheduled = False
+        """Send every host's queued messages (and queued frees): a BATCH where several."""
+        if self._releases:
+            self._queue_releases()
         hosts, self._outbox_hosts = self._outbox_hosts, []
         sock = self._sock
         for host in hosts:
@@ -943,7 +967,6 @@ class Controller:
                     break
                 if env.kind == Kind.BATCH:
                     self._counters["batches"] += 1
-        self._schedule_drain()
 
     def _send_raw(self, identity: bytes, receiver: bytes, body: P.Body, seq: int = 1) -> None:
         assert self._sock is not None
@@ -953,34 +976,26 @@ class Controller:
         except zmq.ZMQError:
             pass
 
-    def _schedule_drain(self) -> None:
-        # The ZeroMQ FD is edge-triggered: a send can consume the edge that
-        # announced incoming messages, so re-check after every send.
-        if not self._drain_scheduled and self._loop is not None:
-            self._drain_scheduled = True
-            self._loop.call_soon(self._drain)
-
     def _drain(self) -> None:
-        self._drain_scheduled = False
         sock = self._sock
         if sock is None or sock.closed:
             return
-        self._corked = True  # what the replies trigger leaves in batches, at the end
+        corked, self._corked = self._corked, True  # replies' sends leave in batches
         try:
-            while readable(sock):
-                frames = recv_frames(sock)
-                self._on_frames(frames)
-                if sock.closed:
-                    return
+            while True:
+                while readable(sock):
+                    frames = recv_frames(sock)
+                    self._on_frames(frames)
+                    if sock.closed:
+                        return
+                if not self._outbox_hosts:
+                    break
+                self._flush_out()  # then read again: the sends may have taken the edge
         except zmq.ZMQError as exc:
             if exc.errno not in (zmq.EAGAIN, zmq.ENOTSOCK):
                 log.warning("controller socket error: %s", exc)
         finally:
-            self._corked = False
-        if self._releases and not self._release_scheduled:
-            self._flush_releases()
-        if self._outbox_hosts:
-            self._flush_out()
+            self._corked = corked
 
     def _drop(self, reason: str, identity: bytes, detail: str = "") -> None:
         self._dropped[reason] += 1

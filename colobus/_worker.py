@@ -493,11 +493,12 @@ class Worker:
         if not self._corked:
             self._flush_out()
 
-    def _flush_out(self) -> None:
+    def _flush_out(self) -> bool:
+        """Send what waits in the outbox; True if anything was sent."""
         items, self._outbox = self._outbox, []
         sock = self._sock
         if sock is None or not items:
-            return
+            return False
         for env in batched(items, self._session, self._ctl_session or b""):
             self._seq += 1
             env.seq = self._seq
@@ -505,9 +506,12 @@ class Worker:
                 send_frames(sock, encode(self._key, env), NOBLOCK)
             except zmq.Again:
                 log.debug("no connection yet; %s not sent", Kind(env.kind).name)
-        if not self._drain_scheduled:
+        if not self._corked and not self._drain_scheduled:
+            # The ZeroMQ FD is edge-triggered: a send can take the edge that announced
+            # incoming messages; read them soon. (A drain re-reads by itself.)
             self._drain_scheduled = True
             asyncio.get_running_loop().call_soon(self._drain)
+        return True
 
     def _drain(self) -> None:
         self._drain_scheduled = False
@@ -522,9 +526,11 @@ class Worker:
                     self._on_frames(frames)
                     if self._sock is not sock:
                         return
-                self._flush_out()  # the replies so far leave before any wait
-                if not (self._started and self._quick and self._wait_briefly()):
-                    break
+                sent = self._flush_out()  # the replies so far leave before any wait
+                if self._started and self._quick and self._wait_briefly():
+                    continue
+                if not sent:
+                    break  # else read again: the sends may have taken the FD's edge
         except zmq.ZMQError as exc:
             if exc.errno != zmq.EAGAIN:
                 log.warning("worker socket error: %s", exc)
