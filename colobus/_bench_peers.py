@@ -439,6 +439,13 @@ def _version(module: str) -> str:
     return ""
 
 
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # e.g. a parent package missing, or blocked in sys.modules
+        return False
+
+
 def run_peers(sizes: Sizes, groups: Sequence[str], enabled: bool,
               modules: Mapping[str, str] | None = None,
               why_disabled: str = "--no-peers") -> list[PeerRun]:
@@ -461,7 +468,7 @@ def run_peers(sizes: Sizes, groups: Sequence[str], enabled: bool,
         return [PeerRun(peer, "skipped", detail=why_disabled) for peer in modules]
     runs: list[PeerRun] = []
     for peer, module in modules.items():
-        if importlib.util.find_spec(module) is None:
+        if not _installed(module):
             print(f"{peer} not installed: {INSTALL_HINT}", flush=True)
             runs.append(PeerRun(peer, "not installed", detail=INSTALL_HINT))
             continue
