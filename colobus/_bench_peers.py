@@ -473,6 +473,11 @@ def run_peers(sizes: Sizes, groups: Sequence[str], enabled: bool,
             runs.append(PeerRun(peer, "not installed", detail=INSTALL_HINT))
             continue
         skipped = {g: why for g, why in SKIPPED_GROUPS.get(peer, {}).items() if g in groups}
+        if not [g for g in groups if g not in skipped]:
+            detail = "; ".join(f"{g}: {why}" for g, why in skipped.items())
+            print(f"{peer} skipped: {detail}", flush=True)
+            runs.append(PeerRun(peer, "skipped", version=_version(module), detail=detail))
+            continue
         run = PeerRun(peer, "measured", version=_version(module))
         print(f"-- {peer} {run.version}: running the same workloads ...", flush=True)
         t0 = time.perf_counter()
@@ -524,4 +529,4 @@ def format_peer_line(row: Row, peer: str) -> str:
     verdict = (f"colobus {ahead:.2f}x ahead" if ahead >= 1
                else f"colobus {1 / ahead:.2f}x behind")
     return (f"{row.name:<26} vs {peer}: {fmt.format(p['value'])} {row.unit} "
-            f"(colobus/{peer} {ratio:.2f}: {verdict})")
+            f"(colobus/{peer} {ratio:.3g}: {verdict})")
