@@ -79,6 +79,7 @@ class Row:
     better: str  # "lower" or "higher"
     note: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    peers: dict[str, dict[str, Any]] = field(default_factory=dict)  # see _bench_peers
 
     @property
     def ratio(self) -> float:
@@ -86,7 +87,8 @@ class Row:
 
     def as_dict(self) -> dict[str, Any]:
         return {"unit": self.unit, "colobus": self.colobus, "baseline": self.baseline,
-                "ratio": self.ratio, "better": self.better, "note": self.note, **self.extra}
+                "ratio": self.ratio, "better": self.better, "note": self.note, **self.extra,
+                "peers": self.peers}
 
 
 @dataclass(frozen=True)
@@ -536,13 +538,18 @@ def _machine() -> dict[str, Any]:
             "numpy": np.__version__}
 
 
-def run_bench(name: str | None, json_path: str | None, quick: bool) -> int:
+def run_bench(name: str | None, json_path: str | None, quick: bool,
+              peers: bool | None = None, peer_modules: dict[str, str] | None = None) -> int:
     """Run the benchmarks (all, or the group ``name``); print a table, maybe write JSON.
 
     Args:
         name: one group of :data:`BENCHMARKS`, or None for all.
         json_path: write machine-readable results there (``"-"``: stdout).
         quick: small sizes and few repetitions (for CI).
+        peers: run the same workloads on Ray and IPython Parallel where installed
+            (``colobus._bench_peers``); None: yes unless ``quick``.
+        peer_modules: peer name -> module to import (default: all peers); a peer
+            whose module is not importable is skipped as not installed.
 
     Returns:
         The process exit code.
@@ -560,9 +567,19 @@ def run_bench(name: str | None, json_path: str | None, quick: bool) -> int:
         asyncio.run(_run_async(bench, groups))
         if name in (None, "latency"):
             _run_sync(bench)
+        from . import _bench_peers
+
+        runs = _bench_peers.run_peers(
+            bench.sizes, groups, enabled=(not quick) if peers is None else peers,
+            modules=peer_modules, why_disabled="--quick (--peers runs them)" if quick
+            else "--no-peers")
+        _bench_peers.attach(bench.rows, runs)
+        for line in _bench_peers.peer_lines(bench.rows):
+            print(line, flush=True)
         print(f"done in {time.perf_counter() - t0:.0f} s", flush=True)
     if json_path is not None:
         doc = {"machine": _machine(), "quick": quick,
+               "peers": {run.peer: run.as_dict() for run in runs},
                "benchmarks": {r.name: r.as_dict() for r in bench.rows}}
         text = json.dumps(doc, indent=2)
         if json_path == "-":

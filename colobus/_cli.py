@@ -48,7 +48,14 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("name", nargs="?", default=None, help="one benchmark (default: all)")
     b.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                    help="write machine-readable results (to PATH, or stdout)")
-    b.add_argument("--quick", action="store_true", help="small sizes, for CI")
+    b.add_argument("--quick", action="store_true",
+                   help="small sizes, for CI (skips Ray and IPython Parallel unless --peers)")
+    pg = b.add_mutually_exclusive_group()
+    pg.add_argument("--peers", dest="peers", action="store_true", default=None,
+                    help="also run the workloads on Ray and IPython Parallel where installed "
+                         "(the default without --quick)")
+    pg.add_argument("--no-peers", dest="peers", action="store_false",
+                    help="skip Ray and IPython Parallel")
     return parser
 
 
@@ -109,5 +116,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "bench":
         from ._bench import run_bench
 
-        return run_bench(args.name, json_path=args.json, quick=args.quick)
+        return run_bench(args.name, json_path=args.json, quick=args.quick, peers=args.peers)
     raise AssertionError(args.command)

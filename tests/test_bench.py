@@ -45,6 +45,10 @@ def test_quick_bench_json(tmp_path: Path) -> None:
         assert name in proc.stdout
     assert rows["chain100"]["colobus_awaited_each"] > 0
     assert rows["fanout4_latency"]["colobus_1host"] > 0
+    # --quick skips Ray and IPython Parallel (CI does not install the bench extra)
+    assert {run["status"] for run in doc["peers"].values()} == {"skipped"}
+    assert all(row["peers"] == {} for row in rows.values())
+    assert "skipped: --quick" in proc.stdout
 
 
 def test_unknown_benchmark_name() -> None:
