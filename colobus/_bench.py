@@ -103,7 +103,7 @@ class Sizes:
 
 
 FULL = Sizes(latency_calls=2000, pipelined_calls=20000, window=1000, object_reps=40,
-             transfer=(("small", 1 * MiB, 20), ("medium", 64 * MiB, 5), ("large", 256 * MiB, 3)),
+             transfer=(("small", 1 * MiB, 20), ("medium", 64 * MiB, 7), ("large", 256 * MiB, 5)),
              chain_reps=5)
 QUICK = Sizes(latency_calls=200, pipelined_calls=3000, window=1000, object_reps=8,
               transfer=(("small", 1 * MiB, 5), ("medium", 8 * MiB, 3), ("large", 32 * MiB, 2)),
@@ -532,10 +532,20 @@ def _format_row(row: Row) -> str:
             f"{row.unit:<8} ratio {row.ratio:6.2f}  ({worse:.2f}x raw's cost)")
 
 
+def _huge_pages_line() -> str:
+    from ._hugepages import with_huge_pages
+
+    here = "hugetlb=1" in os.environ.get("GLIBC_TUNABLES", "")
+    workers = "hugetlb=1" in with_huge_pages(dict(os.environ)).get("GLIBC_TUNABLES", "")
+    return (f"{'on' if here else 'off'} in this process and the raw echo servers, "
+            f"{'on' if workers else 'off'} in colobus's local workers")
+
+
 def _machine() -> dict[str, Any]:
     return {"platform": platform.platform(), "python": platform.python_version(),
             "cpus": os.cpu_count(), "pyzmq": zmq.__version__, "libzmq": zmq.zmq_version(),
-            "numpy": np.__version__}
+            "numpy": np.__version__,
+            "glibc_tunables": os.environ.get("GLIBC_TUNABLES", "")}
 
 
 def run_bench(name: str | None, json_path: str | None, quick: bool,
@@ -563,6 +573,7 @@ def run_bench(name: str | None, json_path: str | None, quick: bool,
     out = sys.stderr if json_path == "-" else sys.stdout
     with contextlib.redirect_stdout(out):
         print(f"{'benchmark':<26} {'colobus':>12} {'raw pyzmq':>12} unit", flush=True)
+        print(f"huge pages (glibc.malloc.hugetlb): {_huge_pages_line()}", flush=True)
         t0 = time.perf_counter()
         asyncio.run(_run_async(bench, groups))
         if name in (None, "latency"):

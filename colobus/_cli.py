@@ -83,6 +83,10 @@ def _worker_key(path: str | None) -> bytes:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if argv is None and args.command in ("worker", "bench"):
+        from ._hugepages import reexec_with_huge_pages
+
+        reexec_with_huge_pages()  # large receives: huge pages, not 4 KiB page faults
     _setup_logging(args.verbose)
     if args.command == "worker":
         from ._worker import main_worker

@@ -16,6 +16,7 @@ from types import TracebackType
 from typing import Any
 
 from ._controller import Controller, _pop_current, _push_current
+from ._hugepages import with_huge_pages
 from ._keys import generate_key
 
 __all__ = ["LocalCluster", "init", "local_cluster", "shutdown"]
@@ -56,7 +57,7 @@ class LocalCluster:
     # -- processes ----------------------------------------------------------------------
 
     def _spawn(self) -> None:
-        env = dict(os.environ)
+        env = with_huge_pages(dict(os.environ))  # the workers receive the large PUTs
         paths = [p if p else os.getcwd() for p in sys.path]
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
         env["COLOBUS_PARENT_PID"] = str(os.getpid())
