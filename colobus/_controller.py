@@ -38,6 +38,7 @@ from ._errors import (
     RemoteError,
 )
 from ._future import Future
+from ._loops import new_event_loop
 from ._protocol import Kind
 from ._sharding import Device
 from ._sockio import readable, recv_frames, send_frames, socket_fd
@@ -555,7 +556,7 @@ class Controller:
 
     def start_in_thread(self, timeout: float = 30.0) -> None:
         """Start the controller on a private event-loop thread (the sync face)."""
-        loop = asyncio.new_event_loop()
+        loop = new_event_loop()
         ready = threading.Event()
 
         def run() -> None:
