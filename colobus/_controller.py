@@ -932,10 +932,17 @@ class Controller:
 
     def _enqueue(self, host: _Host, body: P.Body, payload: Buffer = b"",
                  buffers: Sequence[Buffer] = (), pbufs: int = 0) -> bool:
-        """Append a message to ``host``'s outbox; False if the socket is gone."""
+        """Append a message to ``host``'s outbox; False if the socket is gone.
+
+        Frees queued before it go first: a message never overtakes a free the
+        program asked for earlier (a ``refresh_stats()`` after a ``delete()``
+        sees the array gone).
+        """
         sock = self._sock
         if sock is None or sock.closed:
             return False
+        if self._releases:
+            self._queue_releases()
         host.outbox.append((body.kind, body.to_wire(), payload, buffers, pbufs))
         if len(host.outbox) == 1:
             self._outbox_hosts.append(host)

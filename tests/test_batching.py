@@ -101,3 +101,16 @@ async def test_cancelling_calls_inside_a_batch_cancels_just_those(ctl: cb.Contro
             assert isinstance(out, ValueError)
         else:
             assert isinstance(out, cb.Array)
+
+
+async def test_a_free_asked_for_before_a_message_reaches_the_host_before_it(
+        ctl: cb.Controller) -> None:
+    """Frees wait to ride along with other messages, but never behind later ones."""
+    dev = ctl.devices()[0]
+    base = (await ctl.refresh_stats())["hosts"][0]["arrays"]
+    for _ in range(5):
+        x = cb.device_put(np.arange(8.0), dev)
+        await cb.block_until_ready(x)
+        assert (await ctl.refresh_stats())["hosts"][0]["arrays"] == base + 1
+        x.delete()  # queued; the STATS below must not overtake it
+        assert (await ctl.refresh_stats())["hosts"][0]["arrays"] == base
