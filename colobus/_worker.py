@@ -20,6 +20,7 @@ import io
 import logging
 import os
 import pickle
+import queue
 import random
 import secrets
 import socket
@@ -27,7 +28,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -160,6 +161,53 @@ BRIEF_WAIT_S = 0.0005  # after starting quick calls, the loop waits this long fo
 _QUEUED, _RUNNING, _CANCELLED, _DONE = range(4)
 
 
+class _CallPool:
+    """The threads plain functions run on: one job per ready run of a stream's calls.
+
+    ``ThreadPoolExecutor`` makes a ``concurrent.futures.Future`` (a condition
+    variable and its lock) and a work item per job and takes a semaphore on each
+    submit; the runs of calls need none of that. Threads start on demand, up to
+    ``max_threads``; a job waits in the queue while all are busy.
+    """
+
+    def __init__(self, max_threads: int, name: str) -> None:
+        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0
+        self._threads: list[threading.Thread] = []
+        self._max = max_threads
+        self._name = name
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._lock:
+            if self._idle:
+                self._idle -= 1  # that thread takes this job
+            elif len(self._threads) < self._max:
+                t = threading.Thread(target=self._serve, daemon=True,
+                                     name=f"{self._name}_{len(self._threads)}")
+                self._threads.append(t)
+                t.start()
+        self._queue.put(job)
+
+    def _serve(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            try:
+                job()
+            except BaseException:  # a job reports its own errors; this is a bug
+                log.exception("a call-pool job failed")
+            del job
+            with self._lock:
+                self._idle += 1
+
+    def shutdown(self) -> None:
+        """Let the threads go once their jobs end (daemons: they never hold up exit)."""
+        for _ in self._threads:
+            self._queue.put(None)
+
+
 class _Stream:
     """The calls of one controller-side stream, which run in arrival order."""
 
@@ -256,7 +304,9 @@ class Worker:
         self._key = key
         self._cpu_devices = cpu_devices
         self._parent_pid = parent_pid
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_threads, "colobus-call")
+        self._calls_pool = _CallPool(max_threads, "colobus-call")
+        # PUT conversions and object construction: run_in_executor needs an Executor.
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_threads, "colobus-work")
         self._jax: Any = None
         self._jax_devices: list[Any] = []
         self._by_local: dict[tuple[str, int], Any] = {}
@@ -363,6 +413,7 @@ class Worker:
             return e.code
         finally:
             watchdog.cancel()
+            self._calls_pool.shutdown()
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._ctx.term()
 
@@ -917,7 +968,7 @@ class Worker:
             batch[-1].last = True
             stream.busy = True
             self._started = True
-            self._pool.submit(self._run_batch, batch)
+            self._calls_pool.submit(functools.partial(self._run_batch, batch))
         elif not queue:
             del self._streams[stream.sid]  # idle: a later call starts a new one
 
