@@ -888,6 +888,7 @@ class Controller:
         self._release_scheduled = False
         if self._releases:
             self._flush_out()
+            self._drain()  # the send may have taken the FD's edge: read what waits
 
     def _queue_releases(self) -> None:
         """Move the queued frees into the hosts' outboxes, one RELEASE per host."""

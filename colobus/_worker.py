@@ -348,7 +348,7 @@ class Worker:
         # waking the loop through its self-pipe.
         self._sync_wait = False
         self._done_event = threading.Event()
-        self._started = False  # this drain started a batch on the pool
+        self._started = False  # the current drain started a batch on the pool
         self._quick = True  # the last batch took less than BRIEF_WAIT_S
         self._loop: asyncio.AbstractEventLoop | None = None  # set in serve()
         self._bg: set[asyncio.Task[None]] = set()
@@ -569,6 +569,7 @@ class Worker:
         sock = self._sock
         if sock is None:
             return
+        self._started = False  # only calls this drain starts are worth waiting for
         corked, self._corked = self._corked, True
         try:
             while True:

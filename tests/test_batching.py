@@ -114,3 +114,28 @@ async def test_a_free_asked_for_before_a_message_reaches_the_host_before_it(
         assert (await ctl.refresh_stats())["hosts"][0]["arrays"] == base + 1
         x.delete()  # queued; the STATS below must not overtake it
         assert (await ctl.refresh_stats())["hosts"][0]["arrays"] == base
+
+
+@cb.colocated_python
+def inc(x: Any) -> Any:
+    return x + 1
+
+
+async def test_chains_with_frees_in_between_never_wait_for_a_heartbeat() -> None:
+    """Every send outside a drain is followed by reading the socket (its FD is
+    edge-triggered): with heartbeats 60 s apart, a reply missed after a send (the
+    timed RELEASE flush did this) would stall a chain until the next heartbeat."""
+    async with cb.local_cluster(hosts=1, devices_per_host=1, heartbeat_interval=60.0,
+                                liveness_timeout=300.0) as ctl:
+        x = cb.device_put(np.zeros(4, np.float32), ctl.devices()[0])
+
+        async def chain() -> Any:
+            z = x
+            for _ in range(50):
+                z = inc(z)  # each link's Future dies here: its free is queued
+            return await z
+
+        for i in range(30):
+            out = await asyncio.wait_for(chain(), 20)
+            assert float(np.asarray(await cb.device_get(out))[0]) == 50.0, i
+            await asyncio.sleep(0.003)  # let the 2 ms free timer fire between chains
