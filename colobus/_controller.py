@@ -35,6 +35,7 @@ from ._errors import (
     ColobusError,
     ControllerClosedError,
     HostLostError,
+    NoControllerError,
     RemoteError,
 )
 from ._future import Future
@@ -1272,8 +1273,6 @@ def _pop_current(ctl: Controller) -> None:
 
 def default_controller() -> Controller:
     """The default controller, or ``NoControllerError`` saying how to start one."""
-    from ._errors import NoControllerError
-
     ctl = current_controller()
     if ctl is None or ctl.state is not State.RUNNING:
         raise NoControllerError()
