@@ -16,7 +16,8 @@ import numpy as np
 
 from . import _protocol as P
 from ._codec import from_buffer, is_key_array, key_impl_name, to_buffer
-from ._controller import Controller, _Host, default_controller
+from ._controller import Controller, default_controller
+from ._hosts import Host
 from ._future import Future
 from ._sharding import (
     Device,
@@ -85,7 +86,7 @@ class Array:
         self._ready = ready
         self._deleted = False
         hosts = sorted({d.host for d in sharding.device_set})
-        self._gens = {h: ctl.host_generation(h) for h in hosts}
+        self._gens = {h: ctl._hosts[h].generation for h in hosts}
         self._finalizer = (weakref.finalize(self, _release_all, ctl, dict(self._gens), ref)
                            if owns_ref else None)
 
@@ -130,12 +131,12 @@ class Array:
         """Raise if deleted or if a host holding its data was lost."""
         if self._deleted:
             raise RuntimeError(f"{self!r} was deleted; it cannot be used any more")
-        self._ctl.check_hosts(self._gens, self._gens, "array data")
+        self._ctl._hosts.check(self._gens, self._gens, "array data")
 
     # -- fetching -----------------------------------------------------------------------------
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray[Any, Any]:
-        if self._ctl.on_loop_thread():
+        if self._ctl._on_loop_thread():
             raise RuntimeError(
                 "np.asarray(colobus.Array) blocks, which would stall the controller's event "
                 "loop; use `await cb.device_get(arr)` in async code.")
@@ -159,7 +160,7 @@ class Array:
 
 def _release_all(ctl: Controller, gens: dict[int, int], ref: int) -> None:
     for h, g in gens.items():
-        ctl.release(h, g, ref=ref)
+        ctl._release(h, g, ref=ref)
 
 
 # -- device_put -----------------------------------------------------------------------------
@@ -180,7 +181,7 @@ def _check_devices(ctl: Controller, sharding: Sharding) -> None:
     for d in sharding.device_set:
         if d.id not in known or known[d.id] != d or known[d.id].host != d.host:
             raise ValueError(f"{d!r} is not a device of this controller; use ctl.devices()")
-    ctl.check_hosts(sorted({d.host for d in sharding.device_set}), None, "devices")
+    ctl._hosts.check(sorted({d.host for d in sharding.device_set}), None, "devices")
 
 
 def _host_array(x: Any) -> tuple[np.ndarray[Any, Any], Any, str | None]:
@@ -210,7 +211,7 @@ class _PreparedPut:
         self.sharding = sharding
         blocks = host_blocks(sharding, self.shape)  # validates rank and divisibility
         _check_devices(ctl, sharding)
-        self.ref = ctl.next_id() << 16
+        self.ref = ctl._ops.next_id() << 16
         spec = P.encode_spec(_spec_of(sharding))
         self.msgs: list[tuple[int, P.Put, memoryview]] = []
         for h, b in blocks.items():
@@ -278,11 +279,11 @@ def device_put(x: Any, device_or_sharding: Any) -> Any:
         def send() -> None:
             for arr, p in sends:
                 for h, body, buf in p.msgs:
-                    host = ctl.host(h)
+                    host = ctl._hosts[h]
                     if host.alive and host.generation == arr._gens[h]:
-                        ctl.send(host, body, b"", [buf])
+                        ctl._send(host, body, b"", [buf])
 
-        ctl.post(send)
+        ctl._ops.post(send)
     return out
 
 
@@ -321,13 +322,13 @@ def _fetch_many(arrays: list[Array], data: bool,
     sub_ids: dict[int, tuple[int, int, Array, HostBlock | None]] = {}
     for h, items in by_host.items():
         for i, a, b in items:
-            sub_ids[ctl.next_id()] = (h, i, a, b)
+            sub_ids[ctl._ops.next_id()] = (h, i, a, b)
     if not sub_ids:
-        fut: Future[Any] = ctl.new_future()
+        fut: Future[Any] = ctl._ops.new_future()
         fut.set_result(finish([None] * len(arrays)))
         return fut
     results: list[dict[int, np.ndarray[Any, Any]]] = [{} for _ in arrays]
-    outer = ctl.new_future()
+    outer = ctl._ops.new_future()
     remaining = [len(sub_ids)]
 
     def on_one(sub: int, f: Future[Any]) -> None:
@@ -347,7 +348,7 @@ def _fetch_many(arrays: list[Array], data: bool,
             except BaseException as e:
                 outer.set_exception(e)
 
-    def decode(host: _Host, body: P.Result, env: Envelope) -> Any:
+    def decode(host: Host, body: P.Result, env: Envelope) -> Any:
         if not data:
             return None
         shape, descr, _impl = body.meta
@@ -355,9 +356,9 @@ def _fetch_many(arrays: list[Array], data: bool,
 
     for sub, (h, _, a, _) in sub_ids.items():
         def send(call_id: int, h: int = h, a: Array = a) -> None:
-            ctl.send(ctl.host(h), P.Fetch(call_id, a.ref, data))
+            ctl._send(ctl._hosts[h], P.Fetch(call_id, a.ref, data))
 
-        f = ctl.submit((h,), send, decode, functools.partial(_value_of, h), call_id=sub,
+        f = ctl._ops.submit((h,), send, decode, functools.partial(_value_of, h), call_id=sub,
                        backpressure=False)
         f.add_done_callback(functools.partial(on_one, sub))
     return outer

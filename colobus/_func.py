@@ -27,7 +27,8 @@ import numpy as np
 
 from . import _protocol as P
 from ._array import Array, mesh_message
-from ._controller import Controller, _Host, default_controller
+from ._controller import Controller, default_controller
+from ._hosts import Host
 from ._errors import SerializationError
 from ._future import Future
 from ._sharding import (
@@ -468,7 +469,7 @@ class Target:
     def check(self, ctl: Controller, plan: CallPlan) -> None:
         """Raise at the call if this target cannot run on ``plan`` (caller's thread)."""
 
-    def prepare(self, ctl: Controller, host: _Host) -> None:
+    def prepare(self, ctl: Controller, host: Host) -> None:
         """Loop thread, before the CALL: make sure the host has what it needs."""
 
 
@@ -480,9 +481,9 @@ class FunctionTarget(Target):
     def digest(self) -> bytes:
         return self.code.get()[0]
 
-    def prepare(self, ctl: Controller, host: _Host) -> None:
+    def prepare(self, ctl: Controller, host: Host) -> None:
         digest, blob = self.code.get()
-        ctl.send_code(host, digest, blob)
+        ctl._send_code(host, digest, blob)
 
 
 def invoke(target: Target, args: tuple[Any, ...], kwargs: dict[str, Any], *,
@@ -509,10 +510,10 @@ def invoke(target: Target, args: tuple[Any, ...], kwargs: dict[str, Any], *,
     pickled = pickle_args(tree, target.name)
     for state in pickled.objects:  # colocated objects passed as arguments
         state.bind(ctl)
-    gens = {h: ctl.host_generation(h) for h in plan.hosts}
-    op = _CallOp(ctl, target, plan, pickled, _stream_id(), digest, gens, ctl.next_id(),
+    gens = {h: ctl._hosts[h].generation for h in plan.hosts}
+    op = _CallOp(ctl, target, plan, pickled, _stream_id(), digest, gens, ctl._ops.next_id(),
                  out_specs)
-    fut = ctl.submit(plan.hosts, op.send, _decode_result, op, call_id=op.call_id,
+    fut = ctl._ops.submit(plan.hosts, op.send, _decode_result, op, call_id=op.call_id,
                      cancellable=True)
     fut.info = plan
     # When the Future goes, so does each host's result slot (kept for Futures as
@@ -548,16 +549,16 @@ class _CallOp:
         self.pickled = None  # argument handles live until the call is sent, no longer
         payload, bufs = pickled.payload, pickled.buffers
         for h in plan.hosts:
-            host = ctl.host(h)
+            host = ctl._hosts[h]
             if host.generation != self.gens[h]:
                 raise host.lost_error("it rejoined after this call was made")
             target.prepare(ctl, host)
             for state in pickled.objects:
                 state.ensure_built(ctl, host)
-            ctl.send(host, P.Call(call_id, self.stream, self.digest, target.obj_id,
+            ctl._send(host, P.Call(call_id, self.stream, self.digest, target.obj_id,
                                   target.method, pickled.refs, plan.host_mesh[h]),
                      payload, bufs, len(bufs))
-        ctl.count("calls")
+        ctl._count("calls")
 
     def __call__(self, per_host: dict[int, Any]) -> Any:
         """The combiner: the call's outputs from each host's reply (loop thread).
@@ -570,7 +571,7 @@ class _CallOp:
         return out
 
 
-def _decode_result(host: _Host, body: P.Result, env: Envelope) -> Any:
+def _decode_result(host: Host, body: P.Result, env: Envelope) -> Any:
     return loads(env.payload, env.buffers[: env.pbufs])
 
 
@@ -582,7 +583,7 @@ def _release_results(ref: weakref.ref[Future[Any]]) -> None:
     if op is None:
         return
     for h, g in op.gens.items():
-        op.ctl.release(h, g, call=op.call_id)
+        op.ctl._release(h, g, call=op.call_id)
 
 
 # -- the decorator ---------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ caller's loop and plain threads.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections.abc import Callable, Generator
 from typing import Any, Generic, TypeVar
@@ -19,6 +20,8 @@ __all__ = ["Future"]
 T = TypeVar("T")
 
 _PENDING, _CANCELLED, _FINISHED = 0, 1, 2
+
+log = logging.getLogger("colobus.future")
 
 # One lock for every Future's state change: the critical sections are a few
 # attribute writes, and a lock per Future would be one more object per call for
@@ -108,6 +111,17 @@ class Future(Generic[T]):
             self._state = _FINISHED
         self._finish()
 
+    def _set_cancelled(self) -> None:
+        """The operation was cancelled elsewhere (on a host): end as cancelled.
+
+        Unlike :meth:`cancel`, nothing is asked of the hosts: they already know.
+        """
+        with _LOCK:
+            if self._state != _PENDING:
+                return
+            self._state = _CANCELLED
+        self._finish()
+
     def _set_canceller(self, fn: Callable[[Future[T]], object]) -> None:
         self._canceller = fn
 
@@ -119,7 +133,7 @@ class Future(Generic[T]):
         callbacks, self._callbacks = self._callbacks, None
         if callbacks:
             for cb in callbacks:
-                cb(self)
+                _run_callback(cb, self)
 
     def add_done_callback(self, fn: Callable[[Future[T]], object]) -> None:
         """Call ``fn(fut)`` once done (at once if already done), on the resolving thread."""
@@ -130,7 +144,7 @@ class Future(Generic[T]):
                 else:
                     self._callbacks.append(fn)
                 return
-        fn(self)
+        _run_callback(fn, self)
 
     # -- results -------------------------------------------------------------------
 
@@ -197,6 +211,14 @@ class Future(Generic[T]):
                 self.cancel()
                 raise
         return self._get()
+
+
+def _run_callback(fn: Callable[[Future[Any]], object], fut: Future[Any]) -> None:
+    """Run one done-callback; one that raises is logged and the others still run."""
+    try:
+        fn(fut)
+    except Exception:
+        log.exception("a colobus Future done-callback raised (the other callbacks still run)")
 
 
 def _wake_waiter(waiter: asyncio.Future[None]) -> None:

@@ -4,7 +4,8 @@ Constructing a wrapper pickles its arguments and sends nothing. The first call
 whose device set includes a host sends that host a CONSTRUCT (then the call);
 each host keeps one instance per wrapper. When the wrapper is closed or
 garbage-collected, every host that built the instance gets a DESTROY, which
-the host runs after the calls it already holds for that object.
+the host runs in the dropping caller's stream (after its earlier calls, before
+its later ones), once the calls it already holds for that object finished.
 """
 
 from __future__ import annotations
@@ -19,13 +20,15 @@ from types import TracebackType
 from typing import Any, TypeVar, cast
 
 from . import _protocol as P
-from ._controller import Controller, _Host
+from ._controller import Controller
+from ._hosts import Host
 from ._func import (
     CallPlan,
     Code,
     ColocatedObjectBase,
     PickledArgs,
     Target,
+    _stream_id,
     invoke,
     merge_specialization,
     pickle_args,
@@ -82,11 +85,11 @@ class ObjectState:
             gen = self.built.get(h)
             if gen is None:
                 continue
-            host = ctl.host(h)
+            host = ctl._hosts[h]
             if not host.alive or host.generation != gen:
                 raise host.lost_error(f"the {self.cls_name} instance lived there")
 
-    def ensure_built(self, ctl: Controller, host: _Host) -> None:
+    def ensure_built(self, ctl: Controller, host: Host) -> None:
         """Loop thread: send CONSTRUCT to ``host`` unless it built (or lost) the instance."""
         if self.ctl is None:
             self.ctl = ctl
@@ -99,17 +102,23 @@ class ObjectState:
                 raise host.lost_error(f"the {self.cls_name} instance lived there")
             return
         digest, blob = self.code.get()
-        ctl.send_code(host, digest, blob)
+        ctl._send_code(host, digest, blob)
         init = self.init
         for state in init.objects:
             state.ensure_built(ctl, host)
-        ctl.send(host, P.Construct(self.obj_id, digest, init.refs), init.payload, init.buffers,
+        ctl._send(host, P.Construct(self.obj_id, digest, init.refs), init.payload, init.buffers,
                  len(init.buffers))
         self.built[host.index] = host.generation
-        ctl.count("objects_built")
+        ctl._count("objects_built")
 
     def destroy(self) -> None:
-        """Idempotent; safe from finalizers on any thread."""
+        """Idempotent; safe from finalizers on any thread.
+
+        The DESTROY is ordered like a call of the caller that dropped (or closed)
+        the wrapper: hosts run it after that caller's earlier calls and before its
+        later ones, once every call of the object they hold has finished.
+        """
+        stream = _stream_id()
         with self._lock:
             if self.closed:
                 return
@@ -122,15 +131,15 @@ class ObjectState:
 
         def send() -> None:
             for h, gen in list(self.built.items()):
-                host = ctl.host(h)
+                host = ctl._hosts[h]
                 if host.alive and host.generation == gen:
-                    ctl.send(host, P.Destroy(self.obj_id))
+                    ctl._send(host, P.Destroy(self.obj_id, stream))
             self.built.clear()
             self.destroy_sent = True
             self.init = PickledArgs(b"", [], [], [], [])
 
         try:
-            ctl.post(send)
+            ctl._ops.post(send)
         except Exception:  # controller already closed: the hosts dropped everything
             pass
 
@@ -145,7 +154,7 @@ class MethodTarget(Target):
     def check(self, ctl: Controller, plan: CallPlan) -> None:
         self.state.check_plan(ctl, plan)
 
-    def prepare(self, ctl: Controller, host: _Host) -> None:
+    def prepare(self, ctl: Controller, host: Host) -> None:
         self.state.ensure_built(ctl, host)
 
 

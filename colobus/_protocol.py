@@ -125,10 +125,11 @@ class Reject(Body):
 @dataclass(frozen=True, slots=True)
 class Heartbeat(Body):
     kind = Kind.HEARTBEAT
-    types = (int, int, int)
+    types = (int, int, int, int)
     arrays: int
     nbytes: int
     objects: int
+    results: int  # call results kept for futures still alive on the controller
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,9 +217,13 @@ class Construct(Body):
 
 @dataclass(frozen=True, slots=True)
 class Destroy(Body):
+    """Drop an object: in ``stream`` (after its earlier calls, before its later
+    ones), once every call of the object already received has finished."""
+
     kind = Kind.DESTROY
-    types = (int,)
+    types = (int, int)
     obj: int
+    stream: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,7 +6,7 @@ only a caller holding an authenticated :class:`Envelope` unpickles its payload.
 
 Frame layout of one envelope (fixed; no delimiter scanning)::
 
-    0  header   msgpack array [version, kind, sender, receiver, seq, buflens, pbufs, body]
+    0  header   msgpack array [version, kind, sender, receiver, seq, ack, buflens, pbufs, body]
     1  payload  cloudpickle bytes, or empty
     2  mac      32 bytes: keyed BLAKE2b over len(header)|header|len(payload)|payload
     3+ buffers  raw bytes (numpy data, pickle-5 out-of-band buffers), lengths in header
@@ -59,7 +59,7 @@ __all__ = [
     "unpack_batch",
 ]
 
-PROTOCOL_VERSION = 2  # 2: BATCH envelopes
+PROTOCOL_VERSION = 3  # 2: BATCH envelopes; 3: acknowledgements (ack) in every header
 BATCH_KIND = 17  # _protocol.Kind.BATCH (this module does not import the kinds)
 MAC_SIZE = 32
 MAX_HEADER_BYTES = 1 << 20
@@ -94,6 +94,7 @@ class Envelope:
     buffers: list[Buffer] = field(default_factory=list)
     pbufs: int = 0  # the first ``pbufs`` buffers belong to the payload's pickle
     version: int = PROTOCOL_VERSION
+    ack: int = 0  # the highest sequence number the sender has received from the receiver
 
 
 def mac(key: bytes, header: Buffer, payload: Buffer) -> bytes:
@@ -114,7 +115,8 @@ def encode(key: bytes, env: Envelope) -> list[Buffer]:
     """Frames for ``env`` (the caller prepends a routing identity where needed)."""
     buflens = [_nbytes(b) for b in env.buffers]
     header = msgpack.packb(
-        [env.version, env.kind, env.sender, env.receiver, env.seq, buflens, env.pbufs, env.body],
+        [env.version, env.kind, env.sender, env.receiver, env.seq, env.ack, buflens, env.pbufs,
+         env.body],
         use_bin_type=True,
     )
     return [header, env.payload, mac(key, header, env.payload), *env.buffers]
@@ -146,7 +148,9 @@ def decode(
         raise Dropped("unauthenticated")
     try:
         fields = msgpack.unpackb(header, raw=False, use_list=True)
-        version, kind, sender, receiver, seq, buflens, pbufs, body = fields
+        if isinstance(fields, list) and len(fields) == 8:  # protocol 2: no ack (version check)
+            fields.insert(5, 0)
+        version, kind, sender, receiver, seq, ack, buflens, pbufs, body = fields
     except Exception as exc:  # msgpack raises several types on garbage
         raise Dropped("malformed", f"header: {exc}") from None
     if not (
@@ -155,6 +159,7 @@ def decode(
         and isinstance(sender, bytes)
         and isinstance(receiver, bytes)
         and isinstance(seq, int)
+        and isinstance(ack, int)
         and isinstance(buflens, list)
         and isinstance(pbufs, int)
     ):
@@ -165,7 +170,7 @@ def decode(
     for b, n in zip(buffers, buflens, strict=True):
         if _nbytes(b) != n:
             raise Dropped("malformed", "buffer length")
-    return Envelope(kind, sender, receiver, seq, body, payload, buffers, pbufs, version)
+    return Envelope(kind, sender, receiver, seq, body, payload, buffers, pbufs, version, ack)
 
 
 # -- batches ----------------------------------------------------------------------------
@@ -253,7 +258,7 @@ def unpack_batch(env: Envelope) -> list[Envelope]:
             raise Dropped("malformed", "batch lengths")
         payload: Buffer = view[at:at + plen] if plen else b""
         out.append(Envelope(kind, env.sender, env.receiver, env.seq, body, payload,
-                            env.buffers[nb:nb + nbufs], pbufs, env.version))
+                            env.buffers[nb:nb + nbufs], pbufs, env.version, env.ack))
         at += plen
         nb += nbufs
     if at != len(view) or nb != len(env.buffers):

@@ -435,13 +435,13 @@ async def test_gc_frees_host_memory(ctl: cb.Controller) -> None:
 def no_send(ctl: cb.Controller, monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Any]]:
     """Records every background send device_put schedules (none must be scheduled)."""
     posted: list[Any] = []
-    real_post = ctl.post
+    real_post = ctl._ops.post
 
     def spy(fn: Callable[[], None]) -> None:
         posted.append(fn)
         real_post(fn)
 
-    monkeypatch.setattr(ctl, "post", spy)
+    monkeypatch.setattr(ctl._ops, "post", spy)
     yield posted
 
 

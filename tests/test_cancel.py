@@ -88,7 +88,7 @@ async def test_cancel_running_call_finishes_result_dropped(ctl: cb.Controller) -
     log = await _events(events)
     assert log.index(-gate) < log.index(after)
     assert a.cancelled()
-    assert a.call_id not in ctl._pending
+    assert a.call_id not in ctl._ops.pending
 
 
 async def test_cancelling_awaiting_task_cancels_call(ctl: cb.Controller) -> None:

@@ -167,7 +167,7 @@ def test_init_and_shutdown() -> None:
 
 
 def test_future_result_timeout_and_loop_thread_guard(ctl: cb.Controller) -> None:
-    fut = ctl.new_future()
+    fut = ctl._ops.new_future()
     with pytest.raises(TimeoutError):
         fut.result(timeout=0.05)
     errors: list[BaseException] = []
@@ -185,7 +185,7 @@ def test_future_result_timeout_and_loop_thread_guard(ctl: cb.Controller) -> None
 
 
 async def test_future_awaitable_from_other_loops_and_callbacks(ctl: cb.Controller) -> None:
-    fut = ctl.new_future()
+    fut = ctl._ops.new_future()
     seen: list[object] = []
     fut.add_done_callback(lambda f: seen.append(f.result()))
 
@@ -198,7 +198,7 @@ async def test_future_awaitable_from_other_loops_and_callbacks(ctl: cb.Controlle
     t = threading.Thread(target=lambda: result.append(other_thread()))
     t.start()
     await asyncio.sleep(0.05)
-    ctl.call_soon(fut.set_result, "done")
+    ctl._call_soon(fut.set_result, "done")
     assert await fut == "done"
     t.join(10)
     assert result == ["done"] and seen == ["done"]

@@ -477,7 +477,7 @@ async def test_worker_declared_lost_is_told_to_rejoin_at_once(
         ids = [d.id for d in ctl.devices()]
         x = cb.device_put(np.arange(3.0), ctl.devices()[0])
         await cb.block_until_ready(x)
-        ctl.lose_host_for_test(0)
+        ctl._declare_lost(0)
         await eventually(lambda: ctl.hosts()[0].state == "lost", 10, "the host declared lost")
         # Its heartbeats are now stale; the RESET they draw makes it rejoin (its own
         # liveness timeout, 60 s, is far away).
@@ -552,11 +552,11 @@ async def test_replayed_stale_and_other_version_envelopes_are_rejected() -> None
             assert isinstance(body, P.Welcome)
             index, ids = body.host, body.device_ids
 
-            beat = peer.frames(P.Heartbeat(0, 0, 0))
+            beat = peer.frames(P.Heartbeat(0, 0, 0, 0))
             await peer.send(beat)
             await peer.send(beat)  # the same envelope again: a replay
             await wait_drops(ctl, "replay", 1)
-            await peer.send(peer.frames(P.Heartbeat(0, 0, 0), seq=1))  # an old sequence number
+            await peer.send(peer.frames(P.Heartbeat(0, 0, 0, 0), seq=1))  # an old sequence number
             await wait_drops(ctl, "replay", 2)
             await peer.send(hello)  # the join resent on its own connection: ignored
             # Captured frames replayed from another connection: the join is a replay,
@@ -565,15 +565,15 @@ async def test_replayed_stale_and_other_version_envelopes_are_rejected() -> None
             peers.append(thief)
             await thief.send(hello)
             await wait_drops(ctl, "replay", 3)
-            await thief.send(peer.frames(P.Heartbeat(0, 0, 0)))
+            await thief.send(peer.frames(P.Heartbeat(0, 0, 0, 0)))
             await wait_drops(ctl, "unknown_peer", 1)
             assert [h.name for h in ctl.hosts()] == ["raw-host"]
             assert ctl.hosts()[index].state == "alive"
 
             # Declared lost: its next messages are stale and it is told to join again.
-            ctl.lose_host_for_test(index)
+            ctl._declare_lost(index)
             await eventually(lambda: ctl.hosts()[index].state == "lost", 10, "raw host lost")
-            await peer.send(peer.frames(P.Heartbeat(0, 0, 0)))
+            await peer.send(peer.frames(P.Heartbeat(0, 0, 0, 0)))
             await wait_drops(ctl, "stale", 1)
             while True:
                 env = await peer.recv()
