@@ -17,8 +17,8 @@ import numpy as np
 from . import _protocol as P
 from ._codec import from_buffer, is_key_array, key_impl_name, to_buffer
 from ._controller import Controller, default_controller
-from ._hosts import Host
 from ._future import Future
+from ._hosts import Host
 from ._sharding import (
     Device,
     HostBlock,

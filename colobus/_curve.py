@@ -34,12 +34,13 @@ def start_curve_server(ctx: zmq.Context[Any], sock: zmq.Socket[Any], public: byt
 
     Returns the authenticator, to ``stop()`` when the socket closes.
     """
+    from zmq.auth import CURVE_ALLOW_ANY
     from zmq.auth.thread import ThreadAuthenticator
 
     auth = ThreadAuthenticator(ctx, log=logging.getLogger("colobus.auth"))
     auth.start()
     if allowed is None:
-        auth.configure_curve(domain="*", location=zmq.auth.CURVE_ALLOW_ANY)
+        auth.configure_curve(domain="*", location=CURVE_ALLOW_ANY)
     else:
         auth.configure_curve_callback(domain="*", credentials_provider=_CurveAllowList(allowed))
     sock.setsockopt(zmq.CURVE_SERVER, 1)

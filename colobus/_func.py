@@ -28,9 +28,9 @@ import numpy as np
 from . import _protocol as P
 from ._array import Array, mesh_message
 from ._controller import Controller, default_controller
-from ._hosts import Host
 from ._errors import SerializationError
 from ._future import Future
+from ._hosts import Host
 from ._sharding import (
     Device,
     Mesh,

@@ -21,7 +21,6 @@ from typing import Any, TypeVar, cast
 
 from . import _protocol as P
 from ._controller import Controller
-from ._hosts import Host
 from ._func import (
     CallPlan,
     Code,
@@ -34,6 +33,7 @@ from ._func import (
     pickle_args,
 )
 from ._future import Future
+from ._hosts import Host
 from ._sharding import Device
 
 __all__ = ["colocated_python_class"]

@@ -691,14 +691,14 @@ async def test_batches_from_a_joined_peer_are_split_and_bad_ones_dropped_whole()
                                payload)
                 return encode(key, env)
 
-            beats = [(int(Kind.HEARTBEAT), P.Heartbeat(n, 10 * n, 0).to_wire(), b"", [], 0)
+            beats = [(int(Kind.HEARTBEAT), P.Heartbeat(n, 10 * n, 0, 0).to_wire(), b"", [], 0)
                      for n in (3, 5)]
             body, payload, _ = pack_batch(beats)
             await peer.send(batch(body, payload))
             # Handled in order: the last heartbeat's store counts are the ones kept.
             await eventually(lambda: ctl.stats()["hosts"][0]["arrays"] == 5, 10, "batch handled")
             assert ctl.stats()["batches_received"] == 1
-            bad = [[int(Kind.HEARTBEAT), P.Heartbeat(7, 70, 0).to_wire(), 4, 0, 0]]
+            bad = [[int(Kind.HEARTBEAT), P.Heartbeat(7, 70, 0, 0).to_wire(), 4, 0, 0]]
             await peer.send(batch(bad, b"abc"))  # says 4 payload bytes, carries 3
             await wait_drops(ctl, "malformed", 1)
             nested = [[int(Kind.BATCH), [], 0, 0, 0]]

@@ -233,7 +233,7 @@ def test_fuzz_worker(tmp_path: pathlib.Path) -> None:
         result = next_from_worker(Kind.RESULT)
         body = P.parse(result.kind, result.body)
         assert isinstance(body, P.Result) and body.call_id == 42
-        assert body.status == P.Status.OK and body.meta == [0, 0, 0]
+        assert body.status == P.Status.OK and body.meta == [0, 0, 0, 0]
         assert proc.poll() is None
         assert not canary.exists()
         # A clean exit on request proves the session survived it all.
