@@ -55,17 +55,22 @@ class Peer:
         # (seq, time sent, frames): kept until the peer's ack covers seq
         self.unacked: collections.deque[tuple[int, float, list[Buffer]]] = collections.deque()
 
-    def accept(self, env: Envelope) -> bool:
-        """Take an authenticated envelope of this session: False if it is not new
-        (a copy resent after a blip, or a replay); else note it and its ack."""
-        if env.seq <= self.recv_seq:
-            return False
-        self.recv_seq = env.seq
+    def accept(self, env: Envelope) -> str | None:
+        """Take an authenticated envelope of this session, or say why not.
+
+        Envelopes must come in sequence: ``"replay"`` for one already taken (a
+        copy resent after a blip, or a replay), ``"gap"`` for one after a lost
+        one (its sender resends from the gap on, since it is not acknowledged).
+        """
+        seq = env.seq
+        if seq != self.recv_seq + 1:
+            return "replay" if seq <= self.recv_seq else "gap"
+        self.recv_seq = seq
         unacked = self.unacked
         ack = env.ack
         while unacked and unacked[0][0] <= ack:
             unacked.popleft()
-        return True
+        return None
 
     def forget(self) -> None:
         """The session is over: drop what waits to be sent or acknowledged."""

@@ -606,8 +606,9 @@ class Controller:
             if env.version != PROTOCOL_VERSION:
                 self._drop("version", identity)
                 return
-            if not host.peer.accept(env):
-                self._drop("replay", identity)
+            refused = host.peer.accept(env)
+            if refused is not None:
+                self._drop(refused, identity)
                 return
             host.last_seen = time.monotonic()
             if env.kind != Kind.BATCH:
@@ -659,7 +660,10 @@ class Controller:
         assert isinstance(hello, P.Hello)
         current = self._hosts.by_identity.get(identity)
         if current is not None and current.session == env.sender:
-            return  # a HELLO the worker resent while ours was on its way: already joined
+            # A HELLO the worker resent while our WELCOME was on its way: already
+            # joined. Its number is taken, so the worker's next message follows it.
+            current.peer.recv_seq = max(current.peer.recv_seq, env.seq)
+            return
         if env.sender in self._seen_hello or abs(time.time() - hello.time) > HELLO_MAX_AGE_S:
             self._drop("replay", identity, "old hello")
             return

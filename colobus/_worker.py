@@ -344,8 +344,12 @@ class Worker:
         elif env.sender != peer.their_session:
             self._drop("stale")
             return
-        if not peer.accept(env):
-            self._drop("replay")
+        elif env.kind == Kind.RESET:  # the controller's last word, outside the numbering
+            self._end("reset")
+            return
+        refused = peer.accept(env)
+        if refused is not None:
+            self._drop(refused)
             return
         self._last_heard = time.monotonic()
         if env.kind != Kind.BATCH:
