@@ -18,6 +18,7 @@ import itertools
 import pickle
 import threading
 import weakref
+from collections import ChainMap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,7 @@ from ._controller import Controller, default_controller
 from ._errors import SerializationError
 from ._future import Future
 from ._hosts import Host
+from ._hostside import HOST_REDUCERS, std_dispatch_table
 from ._sharding import (
     Device,
     Mesh,
@@ -93,11 +95,19 @@ class Code:
                 data = pickle.dumps(_ByRef(module, qualname), protocol=5)
         if data is None:
             try:
-                data = cloudpickle.dumps(obj, protocol=5)
+                f = io.BytesIO()
+                _CodePickler(f, protocol=5).dump(obj)
+                data = f.getvalue()
             except Exception as exc:
                 raise SerializationError(
                     f"{qualname or obj!r} cannot be pickled to send to hosts: {exc}") from exc
         return hashlib.blake2b(data, digest_size=16).digest(), data
+
+
+class _CodePickler(cloudpickle.Pickler):  # type: ignore[misc]
+    """cloudpickle, with device-model objects made the host's JAX objects (``_hostside``)."""
+
+    dispatch_table = ChainMap(HOST_REDUCERS, cloudpickle.Pickler.dispatch_table)
 
 
 class _ByRef:
@@ -167,12 +177,15 @@ class _FastArgsPickler(_HandleIds, StdPickler):
     """The stdlib (C) pickler: most arguments are arrays, numbers and plain containers."""
 
     def __init__(self, file: io.BytesIO, buffers: list[Buffer]) -> None:
+        self.dispatch_table = std_dispatch_table()  # read by the C pickler's __init__
         super().__init__(file, protocol=5, buffer_callback=_oob_callback(buffers))
         self._reset_ids()
 
 
 class _ArgsPickler(_HandleIds, cloudpickle.Pickler):  # type: ignore[misc]
     """Pickles call arguments with cloudpickle; host-resident values become persistent ids."""
+
+    dispatch_table = ChainMap(HOST_REDUCERS, cloudpickle.Pickler.dispatch_table)
 
     def __init__(self, file: io.BytesIO, buffers: list[Buffer]) -> None:
         super().__init__(file, protocol=5, buffer_callback=_oob_callback(buffers))
