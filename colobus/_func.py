@@ -26,6 +26,7 @@ from typing import Any
 import cloudpickle
 import numpy as np
 
+from . import _outlayout
 from . import _protocol as P
 from ._array import Array, mesh_message
 from ._controller import Controller, default_controller
@@ -319,9 +320,16 @@ def make_plan(leaves: list[Any], devices: Sequence[Device] | None) -> CallPlan:
             return _plan_for(dl, mesh)
         return _plan_for(devs, _mesh_of_devices(devs))
     if not lists:
-        raise ValueError(
+        exc = ValueError(
             "No devices found. colocated_python function without input arguments must be "
             "first specialized with devices.")
+        if leaves:
+            exc.add_note(
+                f"colobus: the call has arguments ({type(leaves[0]).__name__} first), but no "
+                "cb.Array among them: put them on the hosts first with "
+                "cb.device_put(x, device_or_sharding), or fix the devices with "
+                "fn.specialize(devices=...).")
+        raise exc
     if len(lists) > 1:
         raise ValueError(
             "All arguments must use the same device list, but got multiple device lists: "
@@ -397,7 +405,7 @@ def _key_dtype(impl: str) -> Any:
 
 
 def _build_outputs(ctl: Controller, call_id: int, plan: CallPlan,
-                   per_host: dict[int, Any]) -> Any:
+                   per_host: dict[int, Any], ref_shardings: Sequence[Any] = ()) -> Any:
     import jax
 
     hosts = sorted(per_host)
@@ -414,8 +422,16 @@ def _build_outputs(ctl: Controller, call_id: int, plan: CallPlan,
         metas: dict[int, P.OutLeaf] = {h: flat[h][0][i] for h in hosts}
         dtype = _key_dtype(leaf0.key_impl) if leaf0.key_impl else leaf0.dtype
         specs = {m.spec for m in metas.values()}
-        if isinstance(plan.mesh, Mesh) and None not in specs and len(specs) == 1:
-            sharding: Any = NamedSharding(plan.mesh, leaf0.spec)
+        kept = None  # the function's own layout, where the hosts kept one (_outlayout)
+        has_layout = any(m.layout is not None for m in metas.values())
+        if has_layout:
+            kept = _outlayout.global_sharding(i, plan, metas, ref_shardings)
+        if isinstance(kept, SingleDeviceSharding):
+            sharding: Any = kept
+            shape = tuple(leaf0.shape)
+        elif kept is not None or (not has_layout and isinstance(plan.mesh, Mesh)
+                                  and None not in specs and len(specs) == 1):
+            sharding = kept if kept is not None else NamedSharding(plan.mesh, leaf0.spec)
             shape = global_shape_from_host(sharding, hosts[0], leaf0.shape)
             blocks = host_blocks(sharding, shape)
             for h, m in metas.items():
@@ -434,6 +450,8 @@ def _build_outputs(ctl: Controller, call_id: int, plan: CallPlan,
             shape = tuple(leaf0.shape)
             sharding = (SingleDeviceSharding(plan.mesh) if isinstance(plan.mesh, Device)
                         else NamedSharding(plan.mesh, PartitionSpec()))
+        if leaf0.digest is not None and len(hosts) > 1:
+            _outlayout.check_replicas(i, sharding, shape, metas)
         outs.append(Array(ctl, P.output_ref(call_id, i), shape, dtype, sharding,
                           key_impl=leaf0.key_impl, ready=True))
     return tree0.unflatten(outs)
@@ -539,8 +557,8 @@ class _CallOp:
     """One call's sending and output building (a class, not closures: fewer objects
     per call for the collector to track while calls are in flight)."""
 
-    __slots__ = ("call_id", "ctl", "digest", "gens", "out_specs", "pickled", "plan", "stream",
-                 "target")
+    __slots__ = ("call_id", "ctl", "digest", "gens", "out_specs", "pickled", "plan",
+                 "ref_shardings", "stream", "target")
 
     def __init__(self, ctl: Controller, target: Target, plan: CallPlan, pickled: PickledArgs,
                  stream: int, digest: bytes, gens: dict[int, int], call_id: int,
@@ -554,12 +572,16 @@ class _CallOp:
         self.gens = gens
         self.call_id = call_id
         self.out_specs = out_specs
+        self.ref_shardings: tuple[Any, ...] = ()
 
     def send(self, call_id: int) -> None:
         """Loop thread: one CALL per host; drops the pickled arguments once sent."""
         ctl, target, plan, pickled = self.ctl, self.target, self.plan, self.pickled
         assert pickled is not None
         self.pickled = None  # argument handles live until the call is sent, no longer
+        if pickled.keep:  # an output laid out like an argument gets its global sharding
+            self.ref_shardings = tuple(k.sharding if isinstance(k, Array) else None
+                                       for k in pickled.keep)
         payload, bufs = pickled.payload, pickled.buffers
         for h in plan.hosts:
             host = ctl._hosts[h]
@@ -578,7 +600,7 @@ class _CallOp:
 
         The op itself, not its bound method: one object less per call in flight.
         """
-        out = _build_outputs(self.ctl, self.call_id, self.plan, per_host)
+        out = _build_outputs(self.ctl, self.call_id, self.plan, per_host, self.ref_shardings)
         if self.out_specs is not None:
             _check_specs(out, self.out_specs, f"outputs of {self.target.name}")
         return out

@@ -52,13 +52,14 @@ from ._sharding import (
     host_blocks,
 )
 
-__all__ = ["HOST_REDUCERS", "install", "localize", "std_dispatch_table"]
+__all__ = ["HOST_REDUCERS", "global_id", "install", "localize", "std_dispatch_table"]
 
 _DeviceRaw = tuple[int, int, str, str, int]
 
 _lock = threading.Lock()
 _host: int | None = None
 _devices: dict[int, Any] = {}  # global id -> this host's jax.Device
+_ids: dict[Any, int] = {}  # this host's jax.Device -> global id
 _meshes: dict[Any, Any] = {}  # raw mesh -> jax Mesh (one object per layout: cheap ==)
 
 
@@ -69,7 +70,14 @@ def install(host: int, devices: Mapping[int, Any]) -> None:
         _host = host
         _devices.clear()
         _devices.update(devices)
+        _ids.clear()
+        _ids.update({d: i for i, d in devices.items()})
         _meshes.clear()
+
+
+def global_id(device: Any) -> int | None:
+    """The global id of one of this host's ``jax.Device``s (None if it is not one)."""
+    return _ids.get(device)
 
 
 # -- controller side: what the host-bound picklers write ------------------------------------
