@@ -30,6 +30,7 @@ from ._sharding import (
     assemble,
     host_blocks,
 )
+from ._shards import Shard, addressable_shards
 from ._wire import Envelope
 
 __all__ = [

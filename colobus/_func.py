@@ -10,6 +10,7 @@ combined into global ``cb.Array`` handles that stay on the hosts.
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import hashlib
 import importlib
@@ -21,7 +22,7 @@ import weakref
 from collections import ChainMap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import cloudpickle
 import numpy as np
@@ -29,6 +30,7 @@ import numpy as np
 from . import _outlayout
 from . import _protocol as P
 from ._array import Array, mesh_message
+from ._cacheinfo import CacheInfo, Signatures
 from ._controller import Controller, default_controller
 from ._errors import SerializationError
 from ._future import Future
@@ -71,6 +73,7 @@ class Code:
         self.obj = obj
         self._lock = threading.Lock()
         self._blob: tuple[bytes, bytes] | None = None
+        self.shipped: collections.Counter[int] = collections.Counter()  # host -> times sent
 
     def get(self) -> tuple[bytes, bytes]:
         """``(digest, pickled code)``; raises ``SerializationError``."""
@@ -81,6 +84,13 @@ class Code:
                     self._blob = self._pickle()
                 blob = self._blob
         return blob
+
+    def ship(self, ctl: Controller, host: Host) -> bytes:
+        """Loop thread: send the code to ``host`` unless it has it; returns the digest."""
+        digest, blob = self.get()
+        if ctl._send_code(host, digest, blob):
+            self.shipped[host.index] += 1
+        return digest
 
     def _pickle(self) -> tuple[bytes, bytes]:
         obj = self.obj
@@ -108,7 +118,8 @@ class Code:
 class _CodePickler(cloudpickle.Pickler):  # type: ignore[misc]
     """cloudpickle, with device-model objects made the host's JAX objects (``_hostside``)."""
 
-    dispatch_table = ChainMap(HOST_REDUCERS, cloudpickle.Pickler.dispatch_table)
+    dispatch_table: ClassVar[ChainMap[Any, Any]] = ChainMap(
+        HOST_REDUCERS, cloudpickle.Pickler.dispatch_table)
 
 
 class _ByRef:
@@ -186,7 +197,8 @@ class _FastArgsPickler(_HandleIds, StdPickler):
 class _ArgsPickler(_HandleIds, cloudpickle.Pickler):  # type: ignore[misc]
     """Pickles call arguments with cloudpickle; host-resident values become persistent ids."""
 
-    dispatch_table = ChainMap(HOST_REDUCERS, cloudpickle.Pickler.dispatch_table)
+    dispatch_table: ClassVar[ChainMap[Any, Any]] = ChainMap(
+        HOST_REDUCERS, cloudpickle.Pickler.dispatch_table)
 
     def __init__(self, file: io.BytesIO, buffers: list[Buffer]) -> None:
         super().__init__(file, protocol=5, buffer_callback=_oob_callback(buffers))
@@ -431,7 +443,8 @@ def _build_outputs(ctl: Controller, call_id: int, plan: CallPlan,
             shape = tuple(leaf0.shape)
         elif kept is not None or (not has_layout and isinstance(plan.mesh, Mesh)
                                   and None not in specs and len(specs) == 1):
-            sharding = kept if kept is not None else NamedSharding(plan.mesh, leaf0.spec)
+            sharding = kept if kept is not None else NamedSharding(
+                plan.mesh, leaf0.spec)  # type: ignore[arg-type]
             shape = global_shape_from_host(sharding, hosts[0], leaf0.shape)
             blocks = host_blocks(sharding, shape)
             for h, m in metas.items():
@@ -493,6 +506,7 @@ class Target:
     name: str = ""
     obj_id: int = 0
     method: str = ""
+    signatures: Signatures | None = None  # counted where cache_info() reports them
 
     def digest(self) -> bytes:
         return b""
@@ -508,13 +522,13 @@ class FunctionTarget(Target):
     def __init__(self, code: Code, name: str) -> None:
         self.code = code
         self.name = name
+        self.signatures = Signatures()
 
     def digest(self) -> bytes:
         return self.code.get()[0]
 
     def prepare(self, ctl: Controller, host: Host) -> None:
-        digest, blob = self.code.get()
-        ctl._send_code(host, digest, blob)
+        self.code.ship(ctl, host)
 
 
 def invoke(target: Target, args: tuple[Any, ...], kwargs: dict[str, Any], *,
@@ -525,8 +539,10 @@ def invoke(target: Target, args: tuple[Any, ...], kwargs: dict[str, Any], *,
 
     ctl = default_controller()
     tree = (args, kwargs)
-    leaves = jax.tree_util.tree_leaves(tree, is_leaf=_is_handle)
+    leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=_is_handle)
     plan = make_plan(leaves, devices)
+    if target.signatures is not None:
+        target.signatures.note(treedef, leaves, plan)
     if in_specs is not None:
         _check_specs(tree, in_specs, f"inputs of {target.name}", inputs=True)
     out_specs = None
@@ -649,6 +665,11 @@ class ColocatedFunction:
             devices)
         return ColocatedFunction(self._fn, in_specs=in_specs, out_specs_fn=out_specs_fn,
                                  devices=devices, code=self._code)
+
+    def cache_info(self) -> CacheInfo:
+        """Input signatures seen by this (specialized) function, and code shipped per host."""
+        assert self._target.signatures is not None
+        return self._target.signatures.info(self._code.shipped)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Future[Any]:
         return invoke(self._target, args, kwargs, in_specs=self._in_specs,

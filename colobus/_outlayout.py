@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from . import _hostside
+from ._codec import is_key_array
 from ._sharding import (
     Mesh,
     NamedSharding,
@@ -46,7 +47,7 @@ from ._sharding import (
 
 __all__ = ["DIGEST_MAX_BYTES", "check_replicas", "digest", "global_sharding", "kept_layout"]
 
-DIGEST_MAX_BYTES = 1 << 20
+DIGEST_MAX_BYTES = 64 << 10
 """Outputs up to this size are hashed on the hosts (blake2b, 16 bytes); larger replicas
 are not compared."""
 
@@ -90,40 +91,35 @@ def kept_layout(jax: Any, leaf: Any, mesh: Any, args: Sequence[Any]) -> list[Any
 
 
 def digest(value: Any) -> bytes | None:
-    """A digest of a small output's shape, dtype and bytes; None above the limit."""
-    try:
-        nbytes = int(value.nbytes)
-    except Exception:  # typed PRNG keys: hash their key data
-        nbytes = DIGEST_MAX_BYTES + 1
-    if nbytes > DIGEST_MAX_BYTES:
-        return _key_digest(value)
+    """A digest of a small output's bytes; None above :data:`DIGEST_MAX_BYTES`.
+
+    Shape and dtype are not in it: the controller compares those separately.
+    """
+    if is_key_array(value):
+        import jax
+
+        value = jax.random.key_data(value)
+    if int(value.nbytes) > DIGEST_MAX_BYTES:
+        return None
     arr = np.asarray(value)
-    h = hashlib.blake2b(digest_size=16)
-    h.update(f"{arr.shape}{arr.dtype}".encode())
     if isinstance(arr.dtype, np.dtypes.StringDType):
+        h = hashlib.blake2b(digest_size=16)
         for s in arr.reshape(-1).tolist():
             h.update(s.encode("utf-8", "surrogatepass"))
             h.update(b"\0")
-    elif arr.size and arr.dtype.itemsize:
-        h.update(np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data)
-    return h.digest()
-
-
-def _key_digest(value: Any) -> bytes | None:
-    from ._codec import is_key_array
-
-    if not is_key_array(value):
-        return None
-    import jax
-
-    data = jax.random.key_data(value)
-    return digest(data) if int(data.nbytes) <= DIGEST_MAX_BYTES else None
+        return h.digest()
+    if not arr.size or not arr.dtype.itemsize:
+        return b""
+    if not arr.flags.c_contiguous:
+        arr = np.ascontiguousarray(arr)
+    return hashlib.blake2b(arr.reshape(-1).view(np.uint8).data, digest_size=16).digest()
 
 
 # -- controller side ---------------------------------------------------------------------------
 
 
-_Report = tuple[int, Sharding, bool] | None  # (ref, the host's layout, replicated); None: on the call mesh
+# (ref, the host's layout, replicated); None: replicated on the host's part of the call mesh
+_Report = tuple[int, Sharding, bool] | None
 
 
 def _reports(plan: Any, metas: Mapping[int, Any]) -> dict[int, _Report]:
