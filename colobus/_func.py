@@ -435,7 +435,8 @@ def _build_outputs(ctl: Controller, call_id: int, plan: CallPlan,
         dtype = _key_dtype(leaf0.key_impl) if leaf0.key_impl else leaf0.dtype
         specs = {m.spec for m in metas.values()}
         kept = None  # the function's own layout, where the hosts kept one (_outlayout)
-        has_layout = any(m.layout is not None for m in metas.values())
+        has_layout = any(m.layout is not None for m in metas.values()) or (
+            leaf0.ref >= 0 and _outlayout.names_other_layout(plan, leaf0, ref_shardings))
         if has_layout:
             kept = _outlayout.global_sharding(i, plan, metas, ref_shardings)
         if isinstance(kept, SingleDeviceSharding):

@@ -6,13 +6,16 @@ own mesh (another device order, another mesh shape or axis names, a
 ``SingleDeviceSharding``), is stored as it is, and the host describes its
 layout in plain fields (``OutLeaf.layout``)::
 
-    [ref, kind, device ids, mesh shape, axis names, fully replicated]
+    [kind, device ids, mesh shape, axis names, fully replicated]
 
-``ref`` is the position (among the call's host-resident arguments) of an
-argument whose sharding *object* the output carries (as after
-``jax.device_put(v, y.sharding)`` or ``make_array_from_single_device_arrays(...,
-y.sharding, ...)``), else -1; ``kind`` is ``"named"`` or ``"single"``; device
-ids are global. Small outputs (up to :data:`DIGEST_MAX_BYTES`) also carry a
+``kind`` is ``"named"`` or ``"single"``; device ids are global. ``OutLeaf.ref``
+is the position (among the call's host-resident arguments) of an argument
+whose sharding *object* the output carries (as after ``jax.device_put(v,
+y.sharding)`` or ``make_array_from_single_device_arrays(..., y.sharding,
+...)``), else -1: where one host's part of two global layouts looks the same
+(one device per host), it names the global one. It is looked for on kept
+layouts, and on outputs on the call's own mesh when the call has several
+host-resident arguments. Small outputs (up to :data:`DIGEST_MAX_BYTES`) also carry a
 digest of their bytes, so the controller can tell replicas that disagree.
 
 Controller side (:func:`global_sharding`, :func:`check_replicas`): the global
@@ -55,14 +58,13 @@ are not compared."""
 # -- host side -------------------------------------------------------------------------------
 
 
-def kept_layout(jax: Any, leaf: Any, mesh: Any, args: Sequence[Any]) -> list[Any] | None:
+def kept_layout(jax: Any, leaf: Any, mesh: Any) -> list[Any] | None:
     """The layout fields of a ``jax.Array`` output to keep as it is, or None.
 
     Args:
         jax: The ``jax`` module.
         leaf: The output.
         mesh: The host's part of the call's mesh (a ``jax`` Mesh or one device).
-        args: The call's host-resident argument values, in ``refs`` order.
     """
     sh = leaf.sharding
     if isinstance(sh, jax.sharding.NamedSharding):
@@ -82,12 +84,15 @@ def kept_layout(jax: Any, leaf: Any, mesh: Any, args: Sequence[Any]) -> list[Any
     ids = [_hostside.global_id(d) for d in devices]
     if None in ids:
         return None
-    ref = -1
+    return [kind, ids, shape, names, bool(sh.is_fully_replicated)]
+
+
+def arg_ref(sharding: Any, args: Sequence[Any]) -> int:
+    """The position of the first argument whose sharding is ``sharding`` itself, else -1."""
     for k, value in enumerate(args):
-        if getattr(value, "sharding", None) is sh:
-            ref = k
-            break
-    return [ref, kind, ids, shape, names, bool(sh.is_fully_replicated)]
+        if getattr(value, "sharding", None) is sharding:
+            return k
+    return -1
 
 
 def digest(value: Any) -> bytes | None:
@@ -126,8 +131,9 @@ def _reports(plan: Any, metas: Mapping[int, Any]) -> dict[int, _Report]:
     by_id = {d.id: d for d in plan.devices}
     out: dict[int, _Report] = {}
     for h, m in metas.items():
+        ref = m.ref
         if m.layout is not None:
-            ref, kind, ids, shape, names, replicated = m.layout
+            kind, ids, shape, names, replicated = m.layout
             if not all(isinstance(i, int) and i in by_id for i in ids):
                 raise ValueError(f"host {h} described an output on devices {ids} outside the call")
             devs = [by_id[i] for i in ids]
@@ -141,7 +147,7 @@ def _reports(plan: Any, metas: Mapping[int, Any]) -> dict[int, _Report]:
         elif m.spec is not None and isinstance(plan.mesh, Mesh):
             _, sub = _host_sub_mesh(NamedSharding(plan.mesh, PartitionSpec()), h)
             local = NamedSharding(sub, m.spec)
-            out[h] = (-1, local, local.is_fully_replicated)
+            out[h] = (int(ref), local, local.is_fully_replicated)
         else:
             out[h] = None
     return out
@@ -173,6 +179,15 @@ def _fits(candidate: Sharding, reports: Mapping[int, _Report]) -> bool:
                 view.mesh.axis_names != local.mesh.axis_names):
             return False
     return True
+
+
+def names_other_layout(plan: Any, leaf: Any, ref_shardings: Sequence[Any]) -> bool:
+    """Whether an output on the call's mesh names an argument laid out on another mesh."""
+    ref = leaf.ref
+    if not 0 <= ref < len(ref_shardings):
+        return False
+    sharding = ref_shardings[ref]
+    return isinstance(sharding, NamedSharding) and sharding.mesh != plan.mesh
 
 
 def global_sharding(index: int, plan: Any, metas: Mapping[int, Any],
@@ -214,8 +229,13 @@ def global_sharding(index: int, plan: Any, metas: Mapping[int, Any],
 
 
 @functools.lru_cache(maxsize=256)
-def _block_groups(sharding: Sharding, shape: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
-    """Hosts that hold the same block of a global array, for each block held twice or more."""
+def _block_groups(sharding: Sharding, shape: tuple[int, ...],
+                  hosts: tuple[int, ...]) -> tuple[tuple[int, ...], ...]:
+    """Hosts that hold the same block of a global array, for each block held twice or more.
+
+    ``hosts`` (each device's host) is part of the cache key: devices compare by id
+    only, and another controller numbers the same ids onto other hosts.
+    """
     groups: dict[tuple[tuple[int, int], ...], list[int]] = {}
     for h, b in host_blocks(sharding, shape).items():
         groups.setdefault(tuple((s.start, s.stop) for s in b.index), []).append(h)
@@ -231,7 +251,7 @@ def check_replicas(index: int, sharding: Sharding, shape: tuple[int, ...],
     digests = {h: m.digest for h, m in metas.items() if m.digest is not None}
     if len(digests) < 2 or len(set(digests.values())) == 1:
         return
-    for group in _block_groups(sharding, shape):
+    for group in _block_groups(sharding, shape, tuple(d.host for d in sharding.device_list)):
         seen = [(h, digests[h]) for h in group if h in digests]
         for h, d in seen[1:]:
             if d != seen[0][1]:

@@ -69,8 +69,10 @@ def addressable_shards(array: Array) -> list[Shard]:
 def _fetch_shard(array: Array, host: int, index: tuple[slice, ...]) -> Future[Any]:
     array.check_usable()
     block = host_blocks(array.sharding, array.shape)[host]
-    local = tuple(slice(s.start - b.start, s.stop - b.start)
-                  for s, b in zip(index, block.index, strict=True))
+    local = []
+    for s, b, n in zip(index, block.index, array.shape, strict=True):
+        start, stop, _ = s.indices(n)  # JAX's indices use slice(None) for whole dimensions
+        local.append(slice(start - b.start, stop - b.start))
     ctl = array._ctl
     ref = array.ref
     impl = array._key_impl
@@ -83,7 +85,7 @@ def _fetch_shard(array: Array, host: int, index: tuple[slice, ...]) -> Future[An
         return from_buffer(descr, shape, env.buffers[0])
 
     def combine(values: dict[int, Any]) -> Any:
-        data: np.ndarray[Any, Any] = values[host][local]
+        data: np.ndarray[Any, Any] = values[host][tuple(local)]
         if impl:
             import jax
 
