@@ -443,7 +443,7 @@ def test_cache_info_counts_like_jax(ctl: cb.Controller) -> None:
     assert all(h["code_sent"] >= 1 for h in ctl.stats()["hosts"].values())
 
 
-# -- 6. upstream's list on 8 hosts x 1 device --------------------------------------------------------
+# -- 6. upstream's list on 8 hosts x 1 device ---------------------------------------------
 
 
 @pytest.fixture(scope="module")
