@@ -134,7 +134,7 @@ def _reports(plan: Any, metas: Mapping[int, Any]) -> dict[int, _Report]:
         ref = m.ref
         if m.layout is not None:
             kind, ids, shape, names, replicated = m.layout
-            if not all(isinstance(i, int) and i in by_id for i in ids):
+            if not ids or not all(isinstance(i, int) and i in by_id for i in ids):
                 raise ValueError(f"host {h} described an output on devices {ids} outside the call")
             devs = [by_id[i] for i in ids]
             if kind == "single":
