@@ -278,6 +278,42 @@ async def test_mesh_over_hosts_becomes_the_hosts_sub_mesh(ctl: cb.Controller) ->
     np.testing.assert_array_equal(got, [[1, 1, 1, 1, 1, 0, 5, 1], [1, 1, 1, 1, 1, 1, 1, 0]])
 
 
+def test_localize_rules(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_hostside`` as host 1 of a 2 x 2 cluster, on this process's JAX devices."""
+    from colobus import _hostside
+    from colobus._func import pickle_args
+    from colobus._wire import loads
+
+    jdevs = jax.devices()[:2]
+    monkeypatch.setattr(_hostside, "_host", 1)
+    monkeypatch.setattr(_hostside, "_devices", {2: jdevs[0], 3: jdevs[1]})
+    monkeypatch.setattr(_hostside, "_ids", {jdevs[0]: 2, jdevs[1]: 3})
+    monkeypatch.setattr(_hostside, "_meshes", {})
+    devs = [cb.Device(i, i // 2, "cpu", "cpu", i % 2) for i in range(4)]
+    mesh = cb.Mesh(np.array(devs).reshape(2, 2), ("hosts", "devices"))
+    rows = cb.NamedSharding(mesh, P("hosts"))
+    objs = (devs[3], devs[0], mesh, rows, cb.SingleDeviceSharding(devs[1]),
+            cb.ShapeDtypeStruct((4, 6), np.float32, rows), cb.ShapeDtypeStruct((3,), np.int8),
+            cb.Mesh(np.array(devs[:2]), "x"))
+    pickled = pickle_args((objs, {}), "f")
+    (dev, other, sub, local, remote_single, sds, plain, remote_mesh), _ = loads(pickled.payload)
+    assert dev is jdevs[1]
+    # Another host's device: the colobus Device, a stand-in (so are meshes and shardings
+    # with no device here).
+    assert isinstance(other, cb.Device) and (other.id, other.process_index) == (0, 0)
+    assert isinstance(sub, jax.sharding.Mesh) and sub.axis_names == ("hosts", "devices")
+    assert list(sub.devices.flat) == jdevs and sub.devices.shape == (1, 2)
+    assert local == jax.sharding.NamedSharding(sub, P("hosts"))
+    assert isinstance(remote_single, cb.SingleDeviceSharding) and remote_single == objs[4]
+    assert isinstance(remote_mesh, cb.Mesh) and remote_mesh == objs[7]
+    assert sds == jax.ShapeDtypeStruct((2, 6), np.float32, sharding=local)  # the host's block
+    assert plain == jax.ShapeDtypeStruct((3,), np.int8)
+    # The host's devices must form a sub-box of the mesh.
+    diagonal = cb.Mesh(np.array([devs[0], devs[2], devs[3], devs[1]]).reshape(2, 2), ("a", "b"))
+    with pytest.raises(ValueError, match="do not form a sub-box"):
+        loads(pickle_args(((diagonal,), {}), "f").payload)
+
+
 # -- 2 and 3. outputs keep their sharding; cb.Array answers like jax.Array ----------------------
 
 
