@@ -11,6 +11,7 @@ number, and reports the shipping that actually costs something.
 from __future__ import annotations
 
 import collections
+import threading
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -37,26 +38,28 @@ class CacheInfo(NamedTuple):
 
 
 class Signatures:
-    """Input signatures of one (specialized) colocated function; thread-safe enough to count."""
+    """Input signatures of one (specialized) colocated function; thread-safe."""
 
-    __slots__ = ("hits", "misses", "seen")
+    __slots__ = ("_lock", "hits", "misses", "seen")
 
     def __init__(self) -> None:
         self.hits = 0
         self.misses = 0
         self.seen: set[Any] = set()
+        self._lock = threading.Lock()
 
     def note(self, treedef: Any, leaves: Sequence[Any], plan: Any) -> None:
         """Count one call with these flattened inputs on ``plan`` (its device set)."""
         key = (treedef, plan.devices, tuple(
             (x.shape, x.dtype, x.sharding) if type(x) is Array else type(x) for x in leaves))
-        if key in self.seen:
-            self.hits += 1
-            return
-        if len(self.seen) >= MAX_SIGNATURES:
-            self.seen.clear()
-        self.seen.add(key)
-        self.misses += 1
+        with self._lock:
+            if key in self.seen:
+                self.hits += 1
+                return
+            if len(self.seen) >= MAX_SIGNATURES:
+                self.seen.clear()
+            self.seen.add(key)
+            self.misses += 1
 
     def info(self, shipped: collections.Counter[int]) -> CacheInfo:
         return CacheInfo(self.hits, self.misses, dict(sorted(shipped.items())))
