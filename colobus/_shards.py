@@ -18,7 +18,7 @@ from ._sharding import Device, host_blocks
 
 if TYPE_CHECKING:
     from ._array import Array
-    from ._controller import _Host
+    from ._hosts import Host
     from ._wire import Envelope
 
 __all__ = ["Shard", "addressable_shards"]
@@ -78,9 +78,9 @@ def _fetch_shard(array: Array, host: int, index: tuple[slice, ...]) -> Future[An
     impl = array._key_impl
 
     def send(call_id: int) -> None:
-        ctl.send(ctl.host(host), P.Fetch(call_id, ref, True))
+        ctl._send(ctl._hosts[host], P.Fetch(call_id, ref, True))
 
-    def decode(h: _Host, body: P.Result, env: Envelope) -> Any:
+    def decode(h: Host, body: P.Result, env: Envelope) -> Any:
         shape, descr, _impl = body.meta
         return from_buffer(descr, shape, env.buffers[0])
 
@@ -92,4 +92,5 @@ def _fetch_shard(array: Array, host: int, index: tuple[slice, ...]) -> Future[An
             return jax.random.wrap_key_data(data, impl=impl)  # type: ignore[arg-type]
         return data
 
-    return ctl.submit((host,), send, decode, combine, backpressure=False)
+    fut: Future[Any] = ctl._ops.submit((host,), send, decode, combine, backpressure=False)
+    return fut
