@@ -19,7 +19,6 @@ from ._codec import from_buffer, is_key_array, key_impl_name, to_buffer
 from ._controller import Controller, default_controller
 from ._future import Future
 from ._hosts import Host
-from ._shards import Shard, addressable_shards
 from ._sharding import (
     Device,
     HostBlock,
