@@ -29,6 +29,7 @@ from ._sharding import (
     assemble,
     host_blocks,
 )
+from ._shards import Shard, addressable_shards
 from ._wire import Envelope
 
 __all__ = [
@@ -105,11 +106,35 @@ class Array:
         return self.size * int(self.dtype.itemsize)
 
     @property
+    def itemsize(self) -> int:
+        return int(self.dtype.itemsize)
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of unsized object")
+        return self.shape[0]
+
+    @property
     def hosts(self) -> tuple[int, ...]:
         return tuple(self._gens)
 
     def devices(self) -> set[Device]:
         return set(self.sharding.device_set)
+
+    @property
+    def is_fully_replicated(self) -> bool:
+        """Whether every device holds the whole array."""
+        return self.sharding.is_fully_replicated
+
+    @property
+    def is_fully_addressable(self) -> bool:
+        """Always True: the controller addresses every host (a single-controller view)."""
+        return True
+
+    @property
+    def addressable_shards(self) -> list[Shard]:
+        """Every device's shard, in the sharding's device order; ``.data`` is a Future."""
+        return addressable_shards(self)
 
     def is_deleted(self) -> bool:
         return self._deleted
@@ -125,7 +150,8 @@ class Array:
     def __repr__(self) -> str:
         state = ", deleted" if self._deleted else ""
         return (f"colobus.Array(shape={self.shape}, dtype={self.dtype}, "
-                f"sharding={self.sharding}{state})")
+                f"sharding={self.sharding}, hosts={list(self._gens)}, "
+                f"devices={[d.id for d in self.sharding.device_list]}{state})")
 
     def check_usable(self) -> None:
         """Raise if deleted or if a host holding its data was lost."""

@@ -246,6 +246,7 @@ class Controller:
                     "bytes": h.store[1],
                     "objects": h.store[2],
                     "results": h.store[3],
+                    "code_sent": len(h.code_sent),
                     "inflight": len(h.inflight),
                 }
                 for h in self._hosts.hosts
@@ -495,13 +496,18 @@ class Controller:
         if chan is not None and host.alive:
             chan.send(host.peer, body, payload, buffers, pbufs)
 
-    def _send_code(self, host: Host, digest: bytes, code: bytes) -> None:
-        """Send a pickled function or class to ``host`` once; later calls name it."""
+    def _send_code(self, host: Host, digest: bytes, code: bytes) -> bool:
+        """Send a pickled function or class to ``host`` once; later calls name it.
+
+        Returns:
+            Whether it was sent now (False: the host has it).
+        """
         if digest in host.code_sent:
-            return
+            return False
         host.code_sent.add(digest)
         self._counters["code_sent"] += 1
         self._send(host, P.Code(digest), code)
+        return True
 
     def _count(self, name: str, n: int = 1) -> None:
         self._counters[name] += n

@@ -10,6 +10,7 @@ combined into global ``cb.Array`` handles that stay on the hosts.
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import hashlib
 import importlib
@@ -18,19 +19,23 @@ import itertools
 import pickle
 import threading
 import weakref
+from collections import ChainMap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import cloudpickle
 import numpy as np
 
+from . import _outlayout
 from . import _protocol as P
 from ._array import Array, mesh_message
+from ._cacheinfo import CacheInfo, Signatures
 from ._controller import Controller, default_controller
 from ._errors import SerializationError
 from ._future import Future
 from ._hosts import Host
+from ._hostside import HOST_REDUCERS, std_dispatch_table
 from ._sharding import (
     Device,
     Mesh,
@@ -68,6 +73,7 @@ class Code:
         self.obj = obj
         self._lock = threading.Lock()
         self._blob: tuple[bytes, bytes] | None = None
+        self.shipped: collections.Counter[int] = collections.Counter()  # host -> times sent
 
     def get(self) -> tuple[bytes, bytes]:
         """``(digest, pickled code)``; raises ``SerializationError``."""
@@ -78,6 +84,13 @@ class Code:
                     self._blob = self._pickle()
                 blob = self._blob
         return blob
+
+    def ship(self, ctl: Controller, host: Host) -> bytes:
+        """Loop thread: send the code to ``host`` unless it has it; returns the digest."""
+        digest, blob = self.get()
+        if ctl._send_code(host, digest, blob):
+            self.shipped[host.index] += 1
+        return digest
 
     def _pickle(self) -> tuple[bytes, bytes]:
         obj = self.obj
@@ -93,11 +106,20 @@ class Code:
                 data = pickle.dumps(_ByRef(module, qualname), protocol=5)
         if data is None:
             try:
-                data = cloudpickle.dumps(obj, protocol=5)
+                f = io.BytesIO()
+                _CodePickler(f, protocol=5).dump(obj)
+                data = f.getvalue()
             except Exception as exc:
                 raise SerializationError(
                     f"{qualname or obj!r} cannot be pickled to send to hosts: {exc}") from exc
         return hashlib.blake2b(data, digest_size=16).digest(), data
+
+
+class _CodePickler(cloudpickle.Pickler):  # type: ignore[misc]
+    """cloudpickle, with device-model objects made the host's JAX objects (``_hostside``)."""
+
+    dispatch_table: ClassVar[ChainMap[Any, Any]] = ChainMap(
+        HOST_REDUCERS, cloudpickle.Pickler.dispatch_table)
 
 
 class _ByRef:
@@ -167,12 +189,16 @@ class _FastArgsPickler(_HandleIds, StdPickler):
     """The stdlib (C) pickler: most arguments are arrays, numbers and plain containers."""
 
     def __init__(self, file: io.BytesIO, buffers: list[Buffer]) -> None:
+        self.dispatch_table = std_dispatch_table()  # read by the C pickler's __init__
         super().__init__(file, protocol=5, buffer_callback=_oob_callback(buffers))
         self._reset_ids()
 
 
 class _ArgsPickler(_HandleIds, cloudpickle.Pickler):  # type: ignore[misc]
     """Pickles call arguments with cloudpickle; host-resident values become persistent ids."""
+
+    dispatch_table: ClassVar[ChainMap[Any, Any]] = ChainMap(
+        HOST_REDUCERS, cloudpickle.Pickler.dispatch_table)
 
     def __init__(self, file: io.BytesIO, buffers: list[Buffer]) -> None:
         super().__init__(file, protocol=5, buffer_callback=_oob_callback(buffers))
@@ -306,9 +332,16 @@ def make_plan(leaves: list[Any], devices: Sequence[Device] | None) -> CallPlan:
             return _plan_for(dl, mesh)
         return _plan_for(devs, _mesh_of_devices(devs))
     if not lists:
-        raise ValueError(
+        exc = ValueError(
             "No devices found. colocated_python function without input arguments must be "
             "first specialized with devices.")
+        if leaves:
+            exc.add_note(
+                f"colobus: the call has arguments ({type(leaves[0]).__name__} first), but no "
+                "cb.Array among them: put them on the hosts first with "
+                "cb.device_put(x, device_or_sharding), or fix the devices with "
+                "fn.specialize(devices=...).")
+        raise exc
     if len(lists) > 1:
         raise ValueError(
             "All arguments must use the same device list, but got multiple device lists: "
@@ -384,7 +417,7 @@ def _key_dtype(impl: str) -> Any:
 
 
 def _build_outputs(ctl: Controller, call_id: int, plan: CallPlan,
-                   per_host: dict[int, Any]) -> Any:
+                   per_host: dict[int, Any], ref_shardings: Sequence[Any] = ()) -> Any:
     import jax
 
     hosts = sorted(per_host)
@@ -401,8 +434,18 @@ def _build_outputs(ctl: Controller, call_id: int, plan: CallPlan,
         metas: dict[int, P.OutLeaf] = {h: flat[h][0][i] for h in hosts}
         dtype = _key_dtype(leaf0.key_impl) if leaf0.key_impl else leaf0.dtype
         specs = {m.spec for m in metas.values()}
-        if isinstance(plan.mesh, Mesh) and None not in specs and len(specs) == 1:
-            sharding: Any = NamedSharding(plan.mesh, leaf0.spec)
+        kept = None  # the function's own layout, where the hosts kept one (_outlayout)
+        has_layout = any(m.layout is not None for m in metas.values()) or (
+            leaf0.ref >= 0 and _outlayout.names_other_layout(plan, leaf0, ref_shardings))
+        if has_layout:
+            kept = _outlayout.global_sharding(i, plan, metas, ref_shardings)
+        if isinstance(kept, SingleDeviceSharding):
+            sharding: Any = kept
+            shape = tuple(leaf0.shape)
+        elif kept is not None or (not has_layout and isinstance(plan.mesh, Mesh)
+                                  and None not in specs and len(specs) == 1):
+            sharding = kept if kept is not None else NamedSharding(
+                plan.mesh, leaf0.spec)  # type: ignore[arg-type]
             shape = global_shape_from_host(sharding, hosts[0], leaf0.shape)
             blocks = host_blocks(sharding, shape)
             for h, m in metas.items():
@@ -421,6 +464,8 @@ def _build_outputs(ctl: Controller, call_id: int, plan: CallPlan,
             shape = tuple(leaf0.shape)
             sharding = (SingleDeviceSharding(plan.mesh) if isinstance(plan.mesh, Device)
                         else NamedSharding(plan.mesh, PartitionSpec()))
+        if leaf0.digest is not None and len(hosts) > 1:
+            _outlayout.check_replicas(i, sharding, shape, metas)
         outs.append(Array(ctl, P.output_ref(call_id, i), shape, dtype, sharding,
                           key_impl=leaf0.key_impl, ready=True))
     return tree0.unflatten(outs)
@@ -462,6 +507,7 @@ class Target:
     name: str = ""
     obj_id: int = 0
     method: str = ""
+    signatures: Signatures | None = None  # counted where cache_info() reports them
 
     def digest(self) -> bytes:
         return b""
@@ -477,13 +523,13 @@ class FunctionTarget(Target):
     def __init__(self, code: Code, name: str) -> None:
         self.code = code
         self.name = name
+        self.signatures = Signatures()
 
     def digest(self) -> bytes:
         return self.code.get()[0]
 
     def prepare(self, ctl: Controller, host: Host) -> None:
-        digest, blob = self.code.get()
-        ctl._send_code(host, digest, blob)
+        self.code.ship(ctl, host)
 
 
 def invoke(target: Target, args: tuple[Any, ...], kwargs: dict[str, Any], *,
@@ -494,8 +540,10 @@ def invoke(target: Target, args: tuple[Any, ...], kwargs: dict[str, Any], *,
 
     ctl = default_controller()
     tree = (args, kwargs)
-    leaves = jax.tree_util.tree_leaves(tree, is_leaf=_is_handle)
+    leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=_is_handle)
     plan = make_plan(leaves, devices)
+    if target.signatures is not None:
+        target.signatures.note(treedef, leaves, plan)
     if in_specs is not None:
         _check_specs(tree, in_specs, f"inputs of {target.name}", inputs=True)
     out_specs = None
@@ -526,8 +574,8 @@ class _CallOp:
     """One call's sending and output building (a class, not closures: fewer objects
     per call for the collector to track while calls are in flight)."""
 
-    __slots__ = ("call_id", "ctl", "digest", "gens", "out_specs", "pickled", "plan", "stream",
-                 "target")
+    __slots__ = ("call_id", "ctl", "digest", "gens", "out_specs", "pickled", "plan",
+                 "ref_shardings", "stream", "target")
 
     def __init__(self, ctl: Controller, target: Target, plan: CallPlan, pickled: PickledArgs,
                  stream: int, digest: bytes, gens: dict[int, int], call_id: int,
@@ -541,12 +589,16 @@ class _CallOp:
         self.gens = gens
         self.call_id = call_id
         self.out_specs = out_specs
+        self.ref_shardings: tuple[Any, ...] = ()
 
     def send(self, call_id: int) -> None:
         """Loop thread: one CALL per host; drops the pickled arguments once sent."""
         ctl, target, plan, pickled = self.ctl, self.target, self.plan, self.pickled
         assert pickled is not None
         self.pickled = None  # argument handles live until the call is sent, no longer
+        if pickled.keep:  # an output laid out like an argument gets its global sharding
+            self.ref_shardings = tuple(k.sharding if isinstance(k, Array) else None
+                                       for k in pickled.keep)
         payload, bufs = pickled.payload, pickled.buffers
         for h in plan.hosts:
             host = ctl._hosts[h]
@@ -565,7 +617,7 @@ class _CallOp:
 
         The op itself, not its bound method: one object less per call in flight.
         """
-        out = _build_outputs(self.ctl, self.call_id, self.plan, per_host)
+        out = _build_outputs(self.ctl, self.call_id, self.plan, per_host, self.ref_shardings)
         if self.out_specs is not None:
             _check_specs(out, self.out_specs, f"outputs of {self.target.name}")
         return out
@@ -614,6 +666,11 @@ class ColocatedFunction:
             devices)
         return ColocatedFunction(self._fn, in_specs=in_specs, out_specs_fn=out_specs_fn,
                                  devices=devices, code=self._code)
+
+    def cache_info(self) -> CacheInfo:
+        """Input signatures seen by this (specialized) function, and code shipped per host."""
+        assert self._target.signatures is not None
+        return self._target.signatures.info(self._code.shipped)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Future[Any]:
         return invoke(self._target, args, kwargs, in_specs=self._in_specs,

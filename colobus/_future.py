@@ -187,6 +187,19 @@ class Future(Generic[T]):
         if event is not None and not event.wait(timeout):
             raise TimeoutError(f"colobus operation not done after {timeout} s")
 
+    def __array__(self, dtype: Any = None, copy: Any = None) -> Any:
+        """``np.asarray(fut)``: ``np.asarray`` of the value, waiting like :meth:`result`.
+
+        Raises:
+            RuntimeError: called on the controller's event-loop thread.
+        """
+        import numpy as np
+
+        value = self.result()
+        if copy:
+            return np.array(value, dtype=dtype, copy=True)
+        return np.asarray(value, dtype=dtype)
+
     def __await__(self) -> Generator[Any, None, T]:
         if self._state == _PENDING:
             loop = asyncio.get_running_loop()

@@ -9,11 +9,14 @@ host stores and the description it reports.
 
 from __future__ import annotations
 
+import asyncio
 import os
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from . import _outlayout
 from . import _protocol as P
 from ._codec import is_key_array, key_impl_name
 from ._wire import Buffer, dumps
@@ -175,9 +178,13 @@ class HostValues:
         ready = getattr(value, "block_until_ready", None)
         return ready() if ready is not None else value
 
-    def outputs(self, out: Any, mesh: Any) -> tuple[list[Any], Any, bytes, list[Buffer]]:
+    def outputs(self, out: Any, mesh: Any, pins: Sequence[asyncio.Future[Any]] = (),
+                ) -> tuple[list[Any], Any, bytes, list[Buffer]]:
         """A call's return value as the values the host stores, their tree, and the
-        reply's pickled description (one :class:`~colobus._protocol.OutLeaf` per leaf)."""
+        reply's pickled description (one :class:`~colobus._protocol.OutLeaf` per leaf).
+
+        ``pins`` are the call's host-resident arguments (for ``OutLeaf.ref``, see
+        ``_outlayout``)."""
         jax = self.jax
         leaves, treedef = jax.tree_util.tree_flatten(out)
         if len(leaves) >= P.MAX_OUTPUTS:
@@ -187,6 +194,8 @@ class HostValues:
         is_mesh = isinstance(mesh, jax.sharding.Mesh)
         for i, leaf in enumerate(leaves):
             spec = None
+            layout = None
+            ref = -1
             if isinstance(leaf, jax.Array):
                 sh = leaf.sharding
                 if (is_mesh and isinstance(sh, jax.sharding.NamedSharding)
@@ -196,6 +205,12 @@ class HostValues:
                                                        strict=True))):
                     spec = sh.spec
                     value = leaf
+                    if len(pins) > 1:  # which argument's layout, if it is one (_outlayout)
+                        ref = _outlayout.arg_ref(sh, _pinned_values(pins))
+                elif (layout := _outlayout.kept_layout(jax, leaf, mesh)) is not None:
+                    spec = getattr(sh, "spec", None)  # the function's own layout, kept
+                    value = leaf
+                    ref = _outlayout.arg_ref(sh, _pinned_values(pins))
                 elif is_string(leaf.dtype):  # JAX cannot replicate string arrays
                     value = np.asarray(leaf)
                 else:
@@ -215,7 +230,18 @@ class HostValues:
                     f"but got {type(leaf)}.")
             impl = key_impl_name(value) if is_key_array(value) else None
             metas.append(P.OutLeaf(i, tuple(value.shape), value.dtype if impl is None else None,
-                                   spec, impl))
+                                   spec, impl, layout,
+                                   # one device: no other host can hold a replica
+                                   _outlayout.digest(value) if is_mesh else None, ref))
             values.append(value)
         payload, bufs = dumps(treedef.unflatten(metas))
         return values, treedef, payload, bufs
+
+
+def _pinned_values(pins: Sequence[asyncio.Future[Any]]) -> list[Any]:
+    """A call's resolved host-resident arguments, as user code saw them (any thread)."""
+    values = []
+    for p in pins:
+        value = p.result() if p.done() and not p.cancelled() and p.exception() is None else None
+        values.append(value.jax_value if isinstance(value, NumpyBlock) else value)
+    return values

@@ -101,8 +101,7 @@ class ObjectState:
             if gen != host.generation or not host.alive:
                 raise host.lost_error(f"the {self.cls_name} instance lived there")
             return
-        digest, blob = self.code.get()
-        ctl._send_code(host, digest, blob)
+        digest = self.code.ship(ctl, host)
         init = self.init
         for state in init.objects:
             state.ensure_built(ctl, host)

@@ -274,6 +274,7 @@ class OutLeaf:
     The host keeps the value under array ref ``(call_id << 16) | index``.
     ``spec`` is the ``PartitionSpec`` when the leaf is sharded over the host's
     part of the call's mesh, else None (replicated over the host's devices).
+    ``layout``, ``digest`` and ``ref`` are described in ``_outlayout``.
     """
 
     index: int
@@ -281,6 +282,11 @@ class OutLeaf:
     dtype: Any
     spec: Any
     key_impl: str | None
+    # The function's own layout where the host kept it (see ``_outlayout``): plain
+    # ints, strings and lists only, so it ports to a msgpack description as is.
+    layout: list[Any] | None = None
+    digest: bytes | None = None  # of a small output's bytes, to compare replicas
+    ref: int = -1  # the argument (refs position) whose sharding object the output carries
 
 
 MAX_OUTPUTS = 1 << 16

@@ -358,7 +358,7 @@ class Scheduler:
             fn, call.fn = call.fn, None
             args, kwargs = self._call_args(call)
             out = fn(*args, **kwargs)
-            call.outcome = self._w.values.outputs(out, call.mesh)
+            call.outcome = self._w.values.outputs(out, call.mesh, call.pins)
             call.ok = True
         except BaseException as exc:
             call.outcome = exc
@@ -458,7 +458,7 @@ class Scheduler:
         try:
             args, kwargs = self._call_args(call)
             out = await fn(*args, **kwargs)
-            call.outcome = self._w.values.outputs(out, call.mesh)
+            call.outcome = self._w.values.outputs(out, call.mesh, call.pins)
             call.ok = True
         except asyncio.CancelledError as exc:
             if call.epoch != self._w.epoch:

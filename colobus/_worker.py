@@ -29,6 +29,7 @@ from typing import Any
 
 import zmq
 
+from . import _hostside
 from . import _protocol as P
 from ._channel import Channel, Peer
 from ._codec import from_buffer, is_key_array, key_impl_name, to_buffer
@@ -387,6 +388,7 @@ class Worker:
         self._peer.their_session = env.sender
         self._joined = True
         self.host_index = body.host
+        _hostside.install(body.host, dict(zip(body.device_ids, self._jax_devices, strict=True)))
         self._heartbeat = float(body.heartbeat)
         self._liveness = float(body.liveness)
         self._exit_with_controller = bool(body.exit_with_controller)

@@ -82,8 +82,13 @@ def barrier_wait(x: jax.Array) -> jax.Array:
 @cb.colocated_python
 def host_view(x: jax.Array) -> Any:
     """What a host sees of ``x``: its block's shape, its local device count, its values."""
-    return (np.array(x.shape), np.array(len(x.sharding.device_set)),
-            np.asarray(x).reshape(-1)[:1], x * 10)
+    return (np.array(x.shape), np.array(len(x.sharding.device_set)), x * 10)
+
+
+@cb.colocated_python
+def first_value(x: jax.Array) -> Any:
+    """The first value of the host's block, as an unsharded (replicated) output."""
+    return np.asarray(x).reshape(-1)[:1]
 
 
 class CustomError(Exception):
@@ -617,24 +622,24 @@ async def test_array_sharded_over_both_hosts_arrives_as_host_blocks(
 
 async def test_host_sees_only_its_block_values(ctl: cb.Controller) -> None:
     x = _put_over_hosts(np.arange(8, dtype=np.int32).reshape(2, 4))
-    shape, ndev, first, tenfold = await host_view(x)
+    shape, ndev, tenfold = await host_view(x)
     np.testing.assert_array_equal(await cb.device_get(shape), [1, 4])
     np.testing.assert_array_equal(await cb.device_get(ndev), 4)
     assert tenfold.sharding == x.sharding
     np.testing.assert_array_equal(await cb.device_get(tenfold),
                                   np.arange(8).reshape(2, 4) * 10)
 
-    # Hosts that disagree on a replicated output's value: shapes and dtypes must
-    # agree (they do), values are not compared; each host keeps its own copy and
-    # a fetch reads the lowest host's.
-    assert first.shape == (1,)
-    np.testing.assert_array_equal(await cb.device_get(first), [0])
+    # Hosts that disagree on a replicated output's value: its digests differ, so
+    # the call fails instead of a fetch silently reading the lowest host's copy.
+    with pytest.raises(ValueError, match=r"replicated over hosts \[0, 1\].*host 0 and host 1 "
+                                         r"returned different values"):
+        await first_value(x)
 
 
 async def test_one_dimensional_mesh_over_both_hosts(ctl: cb.Controller) -> None:
     mesh = cb.Mesh(np.array(cb.devices()), ("x",))
     x = cb.device_put(np.arange(16, dtype=np.int32), cb.NamedSharding(mesh, P("x")))
-    shape, ndev, _, tenfold = await host_view(x)
+    shape, ndev, tenfold = await host_view(x)
     np.testing.assert_array_equal(await cb.device_get(shape), [8])
     np.testing.assert_array_equal(await cb.device_get(ndev), 4)
     np.testing.assert_array_equal(await cb.device_get(tenfold), np.arange(16) * 10)
@@ -646,7 +651,7 @@ async def test_two_dimensional_mesh(ctl: cb.Controller) -> None:
     # Rows split over hosts, columns over each host's devices, and the transpose.
     for spec, block in ((P("hosts", "devices"), [2, 8]), (P("devices", "hosts"), [4, 4])):
         x = cb.device_put(data, cb.NamedSharding(mesh, spec))
-        shape, ndev, _, tenfold = await host_view(x)
+        shape, ndev, tenfold = await host_view(x)
         np.testing.assert_array_equal(await cb.device_get(shape), block)
         np.testing.assert_array_equal(await cb.device_get(ndev), 4)
         assert tenfold.sharding == cb.NamedSharding(mesh, spec)
