@@ -114,11 +114,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"wrote a new key to {args.path} (mode 0600)")
         return 0
     if args.command == "demo":
-        from ._demo import run_demo
+        from ._tools.demo import run_demo
 
         return run_demo(hosts=args.hosts, devices=args.devices, steps=args.steps)
     if args.command == "bench":
-        from ._bench import run_bench
+        from ._tools.bench import run_bench
 
         return run_bench(args.name, json_path=args.json, quick=args.quick, peers=args.peers)
     raise AssertionError(args.command)

@@ -7,7 +7,8 @@
 - :class:`~colobus._ops.Operations`: every operation in flight, the backlog,
   back-pressure, and the single way each operation ends;
 - the frees queue (here): array and result frees ride along with other messages;
-- liveness (here, :meth:`Controller._tick`): heartbeats, lost hosts, resends;
+- :class:`~colobus._sessions.Sessions`: joins, authentication, dispatch by kind,
+  liveness (heartbeats, lost hosts, resends);
 - :class:`~colobus._syncface.LoopThread`: the sync face's loop thread.
 
 Everything that touches the socket or the registry runs on the controller's
@@ -20,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import enum
-import functools
 import ipaddress
 import logging
 import os
@@ -36,22 +36,19 @@ import zmq
 
 from . import _protocol as P
 from ._channel import Channel
-from ._errors import ColobusError, ControllerClosedError, NoControllerError
+from ._errors import ControllerClosedError, NoControllerError
+from ._frees import Frees
 from ._future import Future
 from ._hosts import Host, HostInfo, HostRegistry
-from ._protocol import Kind
+from ._sessions import Sessions
 from ._sharding import Device
 from ._syncface import LoopThread
-from ._wire import PROTOCOL_VERSION, Buffer, Dropped, Envelope, decode, unpack_batch
+from ._wire import Buffer, Envelope
 
 __all__ = ["Controller", "HostInfo", "State", "current_controller"]
 
 log = logging.getLogger("colobus.controller")
 
-HELLO_MAX_AGE_S = 300.0
-SEEN_HELLO_MAX = 65536  # worker sessions whose HELLO was taken (replay guard), at most
-RESET_SEQ = 1 << 62  # sequence number of a RESET: above any a session reaches
-RELEASE_DELAY_S = 0.002  # frees wait this long for a message to ride along with
 
 
 class State(enum.Enum):
@@ -179,20 +176,12 @@ class Controller:
 
         self._ops = Operations(self, max_inflight,
                                max_inflight if max_backlog is None else max_backlog)
-        self._seen_hello: collections.OrderedDict[bytes, None] = collections.OrderedDict()
-        self._dropped: collections.Counter[str] = collections.Counter()
-        self._warned_peers: set[bytes] = set()
         self._counters: collections.Counter[str] = collections.Counter()
-        self._frees: collections.deque[tuple[int, int, int, int]] = collections.deque()
-        self._free_timer_set = False
+        self._frees = Frees(self)
         self._join_waiters: list[asyncio.Future[None]] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._closing: asyncio.Task[None] | None = None  # a close begun on the loop thread
-        # Keyed by Kind, found by the plain int off the wire (IntEnum hashes as int).
-        self._handlers: dict[int, Callable[[Host, Any, Envelope], None]] = {
-            Kind.HEARTBEAT: self._on_heartbeat,
-            Kind.RESULT: self._ops.on_result,
-        }
+        self._sessions = Sessions(self)
 
     # -- public surface -------------------------------------------------------------
 
@@ -228,12 +217,12 @@ class Controller:
         chan = self._chan
         ops = self._ops
         return {
-            "dropped": dict(self._dropped),
-            "dropped_total": sum(self._dropped.values()),
+            "dropped": dict(self._sessions.dropped),
+            "dropped_total": sum(self._sessions.dropped.values()),
             "code_sent": self._counters["code_sent"],
             "calls": self._counters["calls"],
             "batches": chan.batches_sent if chan is not None else 0,
-            "batches_received": self._counters["batches_received"],
+            "batches_received": self._sessions.batches_received,
             "resent": chan.resent if chan is not None else 0,
             "backlog": len(ops.backlog),
             "queued": ops.queued,
@@ -313,8 +302,8 @@ class Controller:
             self.state = State.CLOSED
             raise OSError(f"colobus controller cannot bind {self._bind!r}: {exc}") from exc
         self._address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._chan = Channel(sock, self._key, self._loop, self._on_frames,
-                             before_flush=self._move_frees)
+        self._chan = Channel(sock, self._key, self._loop, self._sessions.on_frames,
+                             before_flush=self._frees.move_to_outboxes)
         self._tasks.append(self._loop.create_task(self._liveness_loop()))
         self.state = State.RUNNING
         log.info("controller listening on %s", self._address)
@@ -514,217 +503,23 @@ class Controller:
 
     def _declare_lost(self, index: int, why: str = "declared lost by the controller") -> None:
         """Declare a host lost now (a local cluster whose worker process died; tests)."""
-        self._call_soon(self._lose, self._hosts[index], why)
-
-    # -- frees: batched, and never ahead of what makes what they free ----------------------
+        self._call_soon(self._sessions.lose, self._hosts[index], why)
 
     def _release(self, host: int, generation: int, ref: int = 0, call: int = 0) -> None:
-        """Free an array ref or a call's result slot on a host; thread-safe, batched.
+        """Free an array ref or a call's result slot on a host; thread-safe, batched."""
+        self._frees.release(host, generation, ref, call)
 
-        Safe to call from finalizers on any thread, during interpreter shutdown too.
-        """
-        if self.state is State.CLOSED:
-            return
-        try:
-            # Through the backlog: a free must never overtake the PUT (or call) that
-            # makes what it frees, which may still be on its way to the loop or
-            # queued; else the host stores it after the free and keeps it forever.
-            self._ops.post(functools.partial(self._queue_free, (host, generation, ref, call)))
-        except (RuntimeError, ColobusError):
-            pass
-
-    def _queue_free(self, entry: tuple[int, int, int, int]) -> None:
-        self._frees.append(entry)
-        if not self._free_timer_set and self._loop is not None:
-            self._free_timer_set = True
-            # Frees are not urgent: they ride along with the next messages sent,
-            # or leave on their own after RELEASE_DELAY_S.
-            self._loop.call_later(RELEASE_DELAY_S, self._free_timer)
-
-    def _free_timer(self) -> None:
-        self._free_timer_set = False
-        chan = self._chan
-        if self._frees and chan is not None and chan.open:
-            chan.flush()
-            chan.drain()  # the send may have taken the FD's edge: read what waits
-
-    def _move_frees(self) -> None:
-        """Move the queued frees into the hosts' outboxes, one RELEASE per host."""
-        if not self._frees:
-            return
-        per_host: dict[int, tuple[list[int], list[int]]] = {}
-        while self._frees:
-            host, gen, ref, call = self._frees.popleft()
-            h = self._hosts[host]
-            if not h.alive or h.generation != gen:
-                continue
-            refs, calls = per_host.setdefault(host, ([], []))
-            if ref:
-                refs.append(ref)
-            if call:
-                calls.append(call)
-        assert self._chan is not None
-        for host, (refs, calls) in per_host.items():
-            self._chan.enqueue(self._hosts[host].peer, P.Release(refs, calls))
-
-    # -- receiving ------------------------------------------------------------------------
-
-    def _drop(self, reason: str, identity: bytes, detail: str = "") -> None:
-        self._dropped[reason] += 1
-        if (reason in ("unauthenticated", "version") and identity not in self._warned_peers
-                and len(self._warned_peers) < 1024):
-            self._warned_peers.add(identity)
-            log.warning(
-                "dropping %s messages from peer %s%s (logged once per peer)",
-                reason, identity.hex(), f": {detail}" if detail else "",
-            )
-        else:
-            log.debug("dropped message (%s) %s", reason, detail)
-
-    def _on_frames(self, frames: list[Any]) -> None:
-        if len(frames) < 2:
-            self._dropped["malformed"] += 1
-            return
-        identity = frames[0].bytes
-        try:
-            env = decode(self._key, frames[1:], max_payload=self.max_message_bytes)
-        except Dropped as d:
-            self._drop(d.reason, identity, d.detail)
-            return
-        try:
-            if env.kind == Kind.HELLO:
-                self._on_hello(identity, env)
-                return
-            host = self._hosts.by_identity.get(identity)
-            if host is None or env.sender != host.session:
-                if env.sender in self._hosts.dead_sessions:
-                    self._drop("stale", identity)
-                    # The last word of that session: a sequence number above any the
-                    # worker has seen from us, or it would drop the RESET as a replay.
-                    self._send_raw(identity, env.sender, P.Reset("declared lost; join again"),
-                                   seq=RESET_SEQ)
-                else:
-                    self._drop("unknown_peer", identity)
-                return
-            if env.receiver != self._session:
-                self._drop("stale", identity)
-                return
-            if env.version != PROTOCOL_VERSION:
-                self._drop("version", identity)
-                return
-            refused = host.peer.accept(env)
-            if refused is not None:
-                self._drop(refused, identity)
-                return
-            host.last_seen = time.monotonic()
-            if env.kind != Kind.BATCH:
-                self._dispatch(host, identity, env)
-                return
-            subs = unpack_batch(env)
-            self._counters["batches_received"] += 1
-        except Dropped as d:
-            self._drop(d.reason, identity, d.detail)
-            return
-        except ValueError as exc:
-            self._drop("malformed", identity, str(exc))
-            return
-        except Exception:  # a bug in a handler must not kill the reader
-            self._dropped["handler_error"] += 1
-            log.exception("error handling a message from %s", identity.hex())
-            return
-        for sub in subs:
-            self._dispatch(host, identity, sub)
-
-    def _dispatch(self, host: Host, identity: bytes, env: Envelope) -> None:
-        """Handle one authenticated message of a joined host."""
-        try:
-            body = P.parse(env.kind, env.body)
-            handler = self._handlers.get(env.kind)
-            if handler is None:
-                self._drop("unexpected_kind", identity, Kind(env.kind).name)
-                return
-            handler(host, body, env)
-        except ValueError as exc:
-            self._drop("malformed", identity, str(exc))
-        except Exception:  # a bug in a handler must not kill the reader
-            self._dropped["handler_error"] += 1
-            log.exception("error handling a message from %s", identity.hex())
-
-    def _send_raw(self, identity: bytes, receiver: bytes, body: P.Body, seq: int = 1) -> None:
-        if self._chan is not None:
-            self._chan.send_raw([identity], Envelope(body.kind, self._session, receiver, seq,
-                                                     body.to_wire()))
-
-    def _on_hello(self, identity: bytes, env: Envelope) -> None:
-        if env.version != PROTOCOL_VERSION:
-            self._drop("version", identity, f"peer speaks protocol {env.version}")
-            self._send_raw(identity, env.sender, P.Reject(
-                f"protocol version mismatch: worker speaks {env.version}, controller speaks "
-                f"{PROTOCOL_VERSION}; install the same colobus version on both sides"))
-            return
-        hello = P.parse(env.kind, env.body)
-        assert isinstance(hello, P.Hello)
-        current = self._hosts.by_identity.get(identity)
-        if current is not None and current.session == env.sender:
-            # A HELLO the worker resent while our WELCOME was on its way: already
-            # joined. Its number is taken, so the worker's next message follows it.
-            current.peer.recv_seq = max(current.peer.recv_seq, env.seq)
-            return
-        if env.sender in self._seen_hello or abs(time.time() - hello.time) > HELLO_MAX_AGE_S:
-            self._drop("replay", identity, "old hello")
-            return
-        if self.state is not State.RUNNING:
-            return
-        self._seen_hello[env.sender] = None
-        while len(self._seen_hello) > SEEN_HELLO_MAX:
-            self._seen_hello.popitem(last=False)
-        old = self._hosts.by_name.get(hello.name)
-        if old is not None and old.alive:
-            self._lose(old, "it re-registered (the worker restarted)")
-        host = self._hosts.join(identity, hello, env.sender, self._session, env.seq)
-        self._send(host, P.Welcome(host.index, [d.id for d in host.devices],
-                                   self.heartbeat_interval, self.liveness_timeout,
-                                   self._exit_workers))
-        log.info("%s", self._hosts.describe(host, old is not None, self._expected_hosts))
+    def _joined(self) -> None:
+        """A host joined: wake those waiting for hosts."""
         for w in self._join_waiters:
             if not w.done():
                 w.set_result(None)
         self._join_waiters.clear()
 
-    def _on_heartbeat(self, host: Host, body: P.Heartbeat, env: Envelope) -> None:
-        host.store = (body.arrays, body.nbytes, body.objects, body.results)
-
-    # -- liveness ------------------------------------------------------------------------
-
     async def _liveness_loop(self) -> None:
         while True:
             await asyncio.sleep(self.heartbeat_interval)
-            self._tick()
-
-    def _tick(self) -> None:
-        """Heartbeats out, silent hosts lost, unacknowledged messages resent."""
-        chan = self._chan
-        assert chan is not None
-        # Read what already arrived before judging silence: a loop that was busy
-        # (a large pickle, a GC pause) must not declare live hosts lost.
-        chan.drain()
-        now = time.monotonic()
-        alive = []
-        for h in self._hosts.alive():
-            silent = now - h.last_seen
-            if silent > self.liveness_timeout:
-                self._lose(h, f"no message for {silent:.1f} s")
-            else:
-                self._send(h, P.Heartbeat(0, 0, 0, 0))
-                alive.append(h.peer)
-        chan.resend_stale(alive, self._resend_after)
-
-    def _lose(self, host: Host, why: str) -> None:
-        """A host is gone: exactly the operations waiting for it fail."""
-        if not self._hosts.mark_lost(host):
-            return
-        log.warning("host %d (%r) lost: %s", host.index, host.name, why)
-        self._ops.host_lost(host, why)
+            self._sessions.tick()
 
 
 def _push_current(ctl: Controller) -> None:

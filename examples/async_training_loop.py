@@ -24,7 +24,7 @@ or as the driver of remote workers (see docs/deployment.md and docker-compose.ym
     # on each host:
     colobus worker --connect tcp://DRIVER:5555 --devices 4 --key-file colobus.key
 
-The code itself lives in the package, in ``colobus/_demo.py``, so that
+The code itself lives in the package, in ``colobus/_tools/demo.py``, so that
 ``colobus demo`` runs the very same loop from a plain ``pip install``; read it
 there (it is written to be read top to bottom). The heart of it is this loop::
 
@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import sys
 
-from colobus._demo import build_parser, main
+from colobus._tools.demo import build_parser, main
 
 __all__ = ["build_parser", "main"]
 

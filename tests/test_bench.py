@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from colobus._bench import BENCHMARKS
+from colobus._tools.bench import BENCHMARKS
 
 EXPECTED = {
     "latency_async", "latency_sync", "pipelined", "fanout4_latency", "fanout4_pipelined",

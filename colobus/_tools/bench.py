@@ -79,7 +79,7 @@ class Row:
     better: str  # "lower" or "higher"
     note: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
-    peers: dict[str, dict[str, Any]] = field(default_factory=dict)  # see _bench_peers
+    peers: dict[str, dict[str, Any]] = field(default_factory=dict)  # see bench_peers
 
     @property
     def ratio(self) -> float:
@@ -206,7 +206,7 @@ class RawEcho:
         self.sock.setsockopt(zmq.RCVHWM, 0)
         self.sock.bind(f"ipc://{self.path}")
         self.ids = [f"s{i}".encode() for i in range(n)]
-        code = "import sys; from colobus._bench import _echo_main; _echo_main(*sys.argv[1:])"
+        code = "import sys; from colobus._tools.bench import _echo_main; _echo_main(*sys.argv[1:])"
         self.procs = [subprocess.Popen([sys.executable, "-c", code, f"ipc://{self.path}",
                                         i.decode()]) for i in self.ids]
         self.sock.setsockopt(zmq.RCVTIMEO, 60_000)
@@ -533,7 +533,7 @@ def _format_row(row: Row) -> str:
 
 
 def _huge_pages_line() -> str:
-    from ._hugepages import with_huge_pages
+    from .._hugepages import with_huge_pages
 
     here = "hugetlb=1" in os.environ.get("GLIBC_TUNABLES", "")
     workers = "hugetlb=1" in with_huge_pages(dict(os.environ)).get("GLIBC_TUNABLES", "")
@@ -557,7 +557,7 @@ def run_bench(name: str | None, json_path: str | None, quick: bool,
         json_path: write machine-readable results there (``"-"``: stdout).
         quick: small sizes and few repetitions (for CI).
         peers: run the same workloads on Ray and IPython Parallel where installed
-            (``colobus._bench_peers``); None: yes unless ``quick``.
+            (``colobus._tools.bench_peers``); None: yes unless ``quick``.
         peer_modules: peer name -> module to import (default: all peers); a peer
             whose module is not importable is skipped as not installed.
 
@@ -578,7 +578,7 @@ def run_bench(name: str | None, json_path: str | None, quick: bool,
         asyncio.run(_run_async(bench, groups))
         if name in (None, "latency"):
             _run_sync(bench)
-        from . import _bench_peers
+        from . import bench_peers as _bench_peers
 
         runs = _bench_peers.run_peers(
             bench.sizes, groups, enabled=(not quick) if peers is None else peers,

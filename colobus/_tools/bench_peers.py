@@ -2,7 +2,7 @@
 
 After colobus's own rows are measured, each peer that is installed (the
 optional ``bench`` extra: ``pip install 'colobus[bench]'``) runs the workloads
-it has an equivalent for, with the same :class:`~colobus._bench.Sizes`, and
+it has an equivalent for, with the same :class:`~colobus._tools.bench.Sizes`, and
 each figure is attached to colobus's row of the same name with the ratio
 ``colobus / peer``. A peer that is not installed is skipped with one line; a
 peer that fails to start or run is reported and skipped, never fatal.
@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 
 if TYPE_CHECKING:
-    from ._bench import Row, Sizes
+    from .bench import Row, Sizes
 
 __all__ = ["CAP_S", "INSTALL_HINT", "PEERS", "PeerFigure", "PeerRun", "attach",
            "format_peer_line", "peer_lines", "run_ipyparallel", "run_peers", "run_ray"]
@@ -253,7 +253,7 @@ def run_ray(sizes: Sizes, groups: Iterable[str], hosts: int = FANOUT_HOSTS,
 
     Args:
         sizes: the same sizes as colobus's run.
-        groups: the benchmark groups to run (those of ``colobus._bench.BENCHMARKS``).
+        groups: the benchmark groups to run (those of ``colobus._tools.bench.BENCHMARKS``).
         hosts: actors for the fan-out rows.
         figures: filled in as rows are measured (so a failure keeps the earlier ones).
 

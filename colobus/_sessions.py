@@ -1,0 +1,211 @@
+"""The controller's side of every worker session: join, authenticate, dispatch, liveness.
+
+Each incoming message is authenticated (MAC, then its session, then its place
+in the sequence) before anything reads its body; what fails is dropped and
+counted by reason. A HELLO joins a worker (a new host, or the next generation
+of a named one); a joined host's messages go to the handler of their kind.
+Every ``heartbeat_interval`` the controller reads what waits, declares hosts
+silent beyond the liveness timeout lost (exactly their operations fail), sends
+heartbeats, and resends what a host left unacknowledged (a dropped connection).
+Everything here runs on the controller's loop thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from . import _protocol as P
+from ._hosts import Host
+from ._protocol import Kind
+from ._wire import PROTOCOL_VERSION, Dropped, Envelope, decode, unpack_batch
+
+if TYPE_CHECKING:
+    from ._controller import Controller
+
+__all__ = ["Sessions"]
+
+log = logging.getLogger("colobus.controller")
+
+HELLO_MAX_AGE_S = 300.0
+SEEN_HELLO_MAX = 65536  # worker sessions whose HELLO was taken (replay guard), at most
+WARNED_PEERS_MAX = 1024  # peers whose unauthenticated messages were logged, at most
+RESET_SEQ = 1 << 62  # sequence number of a RESET: above any a session reaches
+
+
+class Sessions:
+    """Joins workers, checks each envelope against its session, dispatches, judges silence."""
+
+    def __init__(self, ctl: Controller) -> None:
+        self._ctl = ctl
+        self.dropped: collections.Counter[str] = collections.Counter()
+        self.batches_received = 0
+        self._seen_hello: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        self._warned_peers: set[bytes] = set()
+        # Keyed by Kind, found by the plain int off the wire (IntEnum hashes as int).
+        self._handlers: dict[int, Callable[[Host, Any, Envelope], None]] = {
+            Kind.HEARTBEAT: self._on_heartbeat,
+            Kind.RESULT: ctl._ops.on_result,
+        }
+
+    # -- receiving ------------------------------------------------------------------------
+
+    def drop(self, reason: str, identity: bytes, detail: str = "") -> None:
+        self.dropped[reason] += 1
+        if (reason in ("unauthenticated", "version") and identity not in self._warned_peers
+                and len(self._warned_peers) < WARNED_PEERS_MAX):
+            self._warned_peers.add(identity)
+            log.warning(
+                "dropping %s messages from peer %s%s (logged once per peer)",
+                reason, identity.hex(), f": {detail}" if detail else "",
+            )
+        else:
+            log.debug("dropped message (%s) %s", reason, detail)
+
+    def on_frames(self, frames: list[Any]) -> None:
+        """One multipart message off the ROUTER: authenticate, then handle or drop."""
+        if len(frames) < 2:
+            self.dropped["malformed"] += 1
+            return
+        ctl = self._ctl
+        identity = frames[0].bytes
+        try:
+            env = decode(ctl._key, frames[1:], max_payload=ctl.max_message_bytes)
+        except Dropped as d:
+            self.drop(d.reason, identity, d.detail)
+            return
+        try:
+            if env.kind == Kind.HELLO:
+                self._on_hello(identity, env)
+                return
+            host = ctl._hosts.by_identity.get(identity)
+            if host is None or env.sender != host.session:
+                if env.sender in ctl._hosts.dead_sessions:
+                    self.drop("stale", identity)
+                    # The last word of that session: the worker takes a RESET outside
+                    # the session's numbering and joins again.
+                    self._send_raw(identity, env.sender, P.Reset("declared lost; join again"),
+                                   seq=RESET_SEQ)
+                else:
+                    self.drop("unknown_peer", identity)
+                return
+            if env.receiver != ctl._session:
+                self.drop("stale", identity)
+                return
+            if env.version != PROTOCOL_VERSION:
+                self.drop("version", identity)
+                return
+            refused = host.peer.accept(env)
+            if refused is not None:
+                self.drop(refused, identity)
+                return
+            host.last_seen = time.monotonic()
+            if env.kind != Kind.BATCH:
+                self._dispatch(host, identity, env)
+                return
+            subs = unpack_batch(env)
+            self.batches_received += 1
+        except Dropped as d:
+            self.drop(d.reason, identity, d.detail)
+            return
+        except ValueError as exc:
+            self.drop("malformed", identity, str(exc))
+            return
+        except Exception:  # a bug in a handler must not kill the reader
+            self.dropped["handler_error"] += 1
+            log.exception("error handling a message from %s", identity.hex())
+            return
+        for sub in subs:
+            self._dispatch(host, identity, sub)
+
+    def _dispatch(self, host: Host, identity: bytes, env: Envelope) -> None:
+        """Handle one authenticated message of a joined host."""
+        try:
+            body = P.parse(env.kind, env.body)
+            handler = self._handlers.get(env.kind)
+            if handler is None:
+                self.drop("unexpected_kind", identity, Kind(env.kind).name)
+                return
+            handler(host, body, env)
+        except ValueError as exc:
+            self.drop("malformed", identity, str(exc))
+        except Exception:  # a bug in a handler must not kill the reader
+            self.dropped["handler_error"] += 1
+            log.exception("error handling a message from %s", identity.hex())
+
+    def _send_raw(self, identity: bytes, receiver: bytes, body: P.Body, seq: int = 1) -> None:
+        chan = self._ctl._chan
+        if chan is not None:
+            chan.send_raw([identity], Envelope(body.kind, self._ctl._session, receiver, seq,
+                                               body.to_wire()))
+
+    # -- handlers ------------------------------------------------------------------------
+
+    def _on_hello(self, identity: bytes, env: Envelope) -> None:
+        ctl = self._ctl
+        if env.version != PROTOCOL_VERSION:
+            self.drop("version", identity, f"peer speaks protocol {env.version}")
+            self._send_raw(identity, env.sender, P.Reject(
+                f"protocol version mismatch: worker speaks {env.version}, controller speaks "
+                f"{PROTOCOL_VERSION}; install the same colobus version on both sides"))
+            return
+        hello = P.parse(env.kind, env.body)
+        assert isinstance(hello, P.Hello)
+        hosts = ctl._hosts
+        current = hosts.by_identity.get(identity)
+        if current is not None and current.session == env.sender:
+            # A HELLO the worker resent while our WELCOME was on its way: already
+            # joined. Its number is taken, so the worker's next message follows it.
+            current.peer.recv_seq = max(current.peer.recv_seq, env.seq)
+            return
+        if env.sender in self._seen_hello or abs(time.time() - hello.time) > HELLO_MAX_AGE_S:
+            self.drop("replay", identity, "old hello")
+            return
+        if ctl._closed:
+            return
+        self._seen_hello[env.sender] = None
+        while len(self._seen_hello) > SEEN_HELLO_MAX:
+            self._seen_hello.popitem(last=False)
+        old = hosts.by_name.get(hello.name)
+        if old is not None and old.alive:
+            self.lose(old, "it re-registered (the worker restarted)")
+        host = hosts.join(identity, hello, env.sender, ctl._session, env.seq)
+        ctl._send(host, P.Welcome(host.index, [d.id for d in host.devices],
+                                  ctl.heartbeat_interval, ctl.liveness_timeout,
+                                  ctl._exit_workers))
+        log.info("%s", hosts.describe(host, old is not None, ctl._expected_hosts))
+        ctl._joined()
+
+    def _on_heartbeat(self, host: Host, body: P.Heartbeat, env: Envelope) -> None:
+        host.store = (body.arrays, body.nbytes, body.objects, body.results)
+
+    # -- liveness ------------------------------------------------------------------------
+
+    def tick(self) -> None:
+        """Heartbeats out, silent hosts lost, unacknowledged messages resent."""
+        ctl = self._ctl
+        chan = ctl._chan
+        assert chan is not None
+        # Read what already arrived before judging silence: a loop that was busy
+        # (a large pickle, a GC pause) must not declare live hosts lost.
+        chan.drain()
+        now = time.monotonic()
+        alive = []
+        for h in ctl._hosts.alive():
+            silent = now - h.last_seen
+            if silent > ctl.liveness_timeout:
+                self.lose(h, f"no message for {silent:.1f} s")
+            else:
+                ctl._send(h, P.Heartbeat(0, 0, 0, 0))
+                alive.append(h.peer)
+        chan.resend_stale(alive, ctl._resend_after)
+
+    def lose(self, host: Host, why: str) -> None:
+        """A host is gone: exactly the operations waiting for it fail."""
+        if not self._ctl._hosts.mark_lost(host):
+            return
+        log.warning("host %d (%r) lost: %s", host.index, host.name, why)
+        self._ctl._ops.host_lost(host, why)
