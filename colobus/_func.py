@@ -1,41 +1,32 @@
-"""Controller side of colocated calls: device sets, pickling, dispatch, outputs.
+"""Controller side of colocated calls: the decorator, specs, dispatch, outputs.
 
-One call runs its function once on each host of its device set. The caller
-pickles the arguments once (``cb.Array`` leaves, futures and colocated objects
-become persistent ids that each host resolves to its own value), the loop
-thread sends one CALL per host, and the per-host output descriptions are
-combined into global ``cb.Array`` handles that stay on the hosts.
+One call runs its function once on each host of its device set (``_plan``).
+The caller pickles the arguments once (``_serialization``), the loop thread
+sends one CALL per host, and the per-host output descriptions are combined
+into global ``cb.Array`` handles that stay on the hosts.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import functools
-import hashlib
-import importlib
-import io
 import itertools
-import pickle
 import threading
 import weakref
-from collections import ChainMap
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
-import cloudpickle
 import numpy as np
 
 from . import _outlayout
 from . import _protocol as P
-from ._array import Array, mesh_message
+from ._array import Array
 from ._cacheinfo import CacheInfo, Signatures
 from ._controller import Controller, default_controller
-from ._errors import SerializationError
 from ._future import Future
 from ._hosts import Host
-from ._hostside import HOST_REDUCERS, std_dispatch_table
+from ._plan import CallPlan, make_plan
+from ._serialization import Code, ColocatedObjectBase, PickledArgs, arg_path, pickle_args
 from ._sharding import (
     Device,
     Mesh,
@@ -46,308 +37,12 @@ from ._sharding import (
     global_shape_from_host,
     host_blocks,
 )
-from ._wire import OOB_THRESHOLD, Buffer, Envelope, StdPickler, loads
+from ._wire import Envelope, loads
 
-__all__ = ["CallPlan", "Code", "ColocatedFunction", "colocated_python", "invoke"]
-
-
-# -- code, pickled once and named by digest ---------------------------------------------
-
-
-def _load_wrapped(module: str, qualname: str) -> Any:
-    """On a host: the original function or class behind a colobus wrapper in ``module``."""
-    obj: Any = importlib.import_module(module)
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    return getattr(obj, "__wrapped__", obj)
-
-
-class Code:
-    """A function or class, pickled once (lazily) and named by its digest.
-
-    Functions and classes of importable modules travel by reference, so module
-    state on a host persists between calls; others travel by value (cloudpickle).
-    """
-
-    def __init__(self, obj: Any) -> None:
-        self.obj = obj
-        self._lock = threading.Lock()
-        self._blob: tuple[bytes, bytes] | None = None
-        self.shipped: collections.Counter[int] = collections.Counter()  # host -> times sent
-
-    def get(self) -> tuple[bytes, bytes]:
-        """``(digest, pickled code)``; raises ``SerializationError``."""
-        blob = self._blob
-        if blob is None:
-            with self._lock:
-                if self._blob is None:
-                    self._blob = self._pickle()
-                blob = self._blob
-        return blob
-
-    def ship(self, ctl: Controller, host: Host) -> bytes:
-        """Loop thread: send the code to ``host`` unless it has it; returns the digest."""
-        digest, blob = self.get()
-        if ctl._send_code(host, digest, blob):
-            self.shipped[host.index] += 1
-        return digest
-
-    def _pickle(self) -> tuple[bytes, bytes]:
-        obj = self.obj
-        module = getattr(obj, "__module__", None)
-        qualname = getattr(obj, "__qualname__", "")
-        data: bytes | None = None
-        if module and module != "__main__" and "<locals>" not in qualname:
-            try:
-                found = _load_wrapped(module, qualname)
-            except Exception:
-                found = None
-            if found is obj:
-                data = pickle.dumps(_ByRef(module, qualname), protocol=5)
-        if data is None:
-            try:
-                f = io.BytesIO()
-                _CodePickler(f, protocol=5).dump(obj)
-                data = f.getvalue()
-            except Exception as exc:
-                raise SerializationError(
-                    f"{qualname or obj!r} cannot be pickled to send to hosts: {exc}") from exc
-        return hashlib.blake2b(data, digest_size=16).digest(), data
-
-
-class _CodePickler(cloudpickle.Pickler):  # type: ignore[misc]
-    """cloudpickle, with device-model objects made the host's JAX objects (``_hostside``)."""
-
-    dispatch_table: ClassVar[ChainMap[Any, Any]] = ChainMap(
-        HOST_REDUCERS, cloudpickle.Pickler.dispatch_table)
-
-
-class _ByRef:
-    __slots__ = ("module", "qualname")
-
-    def __init__(self, module: str, qualname: str) -> None:
-        self.module = module
-        self.qualname = qualname
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_load_wrapped, (self.module, self.qualname))
-
-
-class ColocatedObjectBase:
-    """Base of the wrappers ``colocated_python_class`` makes (see ``_obj``)."""
-
-    _colobus_state: Any
-
-
-# -- argument pickling ---------------------------------------------------------------------
-
-
-def _oob_callback(buffers: list[Buffer]) -> Callable[[pickle.PickleBuffer], bool]:
-    def callback(pb: pickle.PickleBuffer) -> bool:
-        try:
-            raw = pb.raw()
-        except BufferError:
-            return True
-        if raw.nbytes < OOB_THRESHOLD:
-            return True
-        buffers.append(raw)
-        return False
-
-    return callback
-
-
-class _HandleIds:
-    """Persistent ids for host-resident values (mixed into both picklers)."""
-
-    refs: list[list[int]]
-    keep: list[Any]
-    objects: list[Any]
-
-    def _reset_ids(self) -> None:
-        self.refs = []
-        self.keep = []  # keeps handles alive until the call is sent
-        self.objects = []
-
-    def persistent_id(self, obj: Any) -> int | None:
-        if isinstance(obj, Array):
-            obj.check_usable()
-            self.refs.append([0, obj.ref])
-        elif isinstance(obj, Future) and isinstance(obj.info, CallPlan):
-            self.refs.append([1, obj.call_id])
-        elif isinstance(obj, ColocatedObjectBase):
-            state = obj._colobus_state
-            state.check_open()
-            self.refs.append([2, state.obj_id])
-            self.objects.append(state)
-        else:
-            return None
-        self.keep.append(obj)
-        return len(self.refs) - 1
-
-
-class _FastArgsPickler(_HandleIds, StdPickler):
-    """The stdlib (C) pickler: most arguments are arrays, numbers and plain containers."""
-
-    def __init__(self, file: io.BytesIO, buffers: list[Buffer]) -> None:
-        self.dispatch_table = std_dispatch_table()  # read by the C pickler's __init__
-        super().__init__(file, protocol=5, buffer_callback=_oob_callback(buffers))
-        self._reset_ids()
-
-
-class _ArgsPickler(_HandleIds, cloudpickle.Pickler):  # type: ignore[misc]
-    """Pickles call arguments with cloudpickle; host-resident values become persistent ids."""
-
-    dispatch_table: ClassVar[ChainMap[Any, Any]] = ChainMap(
-        HOST_REDUCERS, cloudpickle.Pickler.dispatch_table)
-
-    def __init__(self, file: io.BytesIO, buffers: list[Buffer]) -> None:
-        super().__init__(file, protocol=5, buffer_callback=_oob_callback(buffers))
-        self._reset_ids()
-
-
-@dataclass(slots=True)
-class PickledArgs:
-    payload: bytes
-    buffers: list[Buffer]
-    refs: list[list[int]]
-    keep: list[Any]
-    objects: list[Any]
-
-
-def pickle_args(tree: Any, what: str) -> PickledArgs:
-    """Pickle ``(args, kwargs)`` once for every host; ``SerializationError`` names the leaf."""
-    import jax
-
-    f = io.BytesIO()
-    buffers: list[Buffer] = []
-    fast = _FastArgsPickler(f, buffers)
-    try:
-        fast.dump(tree)
-        return PickledArgs(f.getvalue(), buffers, fast.refs, fast.keep, fast.objects)
-    except (SerializationError, RuntimeError) as exc:
-        if isinstance(exc, SerializationError) or "deleted" in str(exc) or (
-                "was closed" in str(exc)):
-            raise
-    except Exception:  # ByValue, or what only cloudpickle can pickle: start over
-        pass
-    f = io.BytesIO()
-    buffers = []
-    pickler = _ArgsPickler(f, buffers)
-    try:
-        pickler.dump(tree)
-    except (SerializationError, RuntimeError) as exc:
-        # a deleted array or a closed object: the caller's misuse, not a pickling problem
-        if isinstance(exc, SerializationError) or "deleted" in str(exc) or (
-                "was closed" in str(exc)):
-            raise
-        raise SerializationError(f"arguments of {what} cannot be pickled: {exc}") from exc
-    except Exception as exc:
-        where = "an argument"
-        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-            if isinstance(leaf, Array | Future):
-                continue
-            try:
-                cloudpickle.dumps(leaf)
-            except Exception:
-                where = f"argument {_arg_path(path)} ({type(leaf).__name__})"
-                break
-        raise SerializationError(
-            f"{where} of {what} cannot be pickled, so nothing was sent: {exc}") from exc
-    return PickledArgs(f.getvalue(), buffers, pickler.refs, pickler.keep, pickler.objects)
-
-
-# -- device sets ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class CallPlan:
-    """Where a call runs: its device list, its mesh, and each host's part of it."""
-
-    devices: tuple[Device, ...]
-    mesh: Mesh | Device
-    hosts: tuple[int, ...]
-    host_mesh: dict[int, list[Any]]
-
-
-_plans: dict[Any, CallPlan] = {}
-
-
-def _plan_for(devices: tuple[Device, ...], mesh: Mesh | Device) -> CallPlan:
-    # Devices compare by id only, and ids repeat across controllers: key on everything.
-    full = tuple((d.id, d.host, d.platform, d.local_id) for d in devices)
-    key = (full, None if isinstance(mesh, Device) else (mesh.axis_names, mesh.devices.shape))
-    plan = _plans.get(key)
-    if plan is None:
-        plan = _make_plan(devices, mesh)
-        if len(_plans) > 1024:
-            _plans.clear()
-        _plans[key] = plan
-    return plan
-
-
-def _make_plan(devices: tuple[Device, ...], mesh: Mesh | Device) -> CallPlan:
-    hosts = tuple(sorted({d.host for d in devices}))
-    if isinstance(mesh, Device):
-        host_mesh = {mesh.host: [[[mesh.platform, mesh.local_id]], [], []]}
-    else:
-        blocks = host_blocks(NamedSharding(mesh, PartitionSpec()), ())
-        host_mesh = {h: mesh_message(b) for h, b in blocks.items()}
-    return CallPlan(devices, mesh, hosts, host_mesh)
-
-
-def _device_list_of(x: Any) -> tuple[tuple[Device, ...], Mesh | Device]:
-    if isinstance(x, Array):
-        sh = x.sharding
-        if isinstance(sh, NamedSharding):
-            return sh.device_list, sh.mesh
-        if isinstance(sh, SingleDeviceSharding):
-            return sh.device_list, sh.device
-        return sh.device_list, Mesh(np.array(sh.device_list, dtype=object), ("devices",))
-    plan: CallPlan = x.info
-    return plan.devices, plan.mesh
-
-
-def _mesh_of_devices(devices: Sequence[Device]) -> Mesh | Device:
-    if len(devices) == 1:
-        return devices[0]
-    return Mesh(np.array(list(devices), dtype=object), ("devices",))
-
-
-def make_plan(leaves: list[Any], devices: Sequence[Device] | None) -> CallPlan:
-    lists: dict[tuple[Device, ...], Mesh | Device] = {}
-    for leaf in leaves:
-        if isinstance(leaf, Array) or (isinstance(leaf, Future) and isinstance(leaf.info,
-                                                                               CallPlan)):
-            dl, mesh = _device_list_of(leaf)
-            lists.setdefault(dl, mesh)
-    if devices is not None:
-        devs = tuple(devices)
-        for dl in lists:
-            if set(dl) != set(devs):
-                raise ValueError(
-                    "All arguments must use the same device list, but got multiple device "
-                    f"lists: {[list(devs), list(dl)]}.")
-        if lists:
-            dl, mesh = next(iter(lists.items()))
-            return _plan_for(dl, mesh)
-        return _plan_for(devs, _mesh_of_devices(devs))
-    if not lists:
-        exc = ValueError(
-            "No devices found. colocated_python function without input arguments must be "
-            "first specialized with devices.")
-        if leaves:
-            exc.add_note(
-                f"colobus: the call has arguments ({type(leaves[0]).__name__} first), but no "
-                "cb.Array among them: put them on the hosts first with "
-                "cb.device_put(x, device_or_sharding), or fix the devices with "
-                "fn.specialize(devices=...).")
-        raise exc
-    if len(lists) > 1:
-        raise ValueError(
-            "All arguments must use the same device list, but got multiple device lists: "
-            f"{[list(dl) for dl in lists]}.")
-    dl, mesh = next(iter(lists.items()))
-    return _plan_for(dl, mesh)
+__all__ = [
+    "CallPlan", "Code", "ColocatedFunction", "ColocatedObjectBase", "PickledArgs",
+    "colocated_python", "invoke", "pickle_args",
+]
 
 
 # -- specs -------------------------------------------------------------------------------------
@@ -374,16 +69,6 @@ def _is_handle(x: Any) -> bool:
     return isinstance(x, Array | Future | ColocatedObjectBase)
 
 
-def _arg_path(path: Sequence[Any]) -> str:
-    """A leaf's path in ``(args, kwargs)`` as written at the call: ``args[0]['k']``."""
-    import jax
-
-    first = path[0] if path else None
-    if isinstance(first, jax.tree_util.SequenceKey) and first.idx in (0, 1):
-        return ("args", "kwargs")[first.idx] + jax.tree_util.keystr(tuple(path[1:]))
-    return jax.tree_util.keystr(tuple(path))
-
-
 def _check_specs(actual: Any, expected: Any, what: str, *, inputs: bool = False) -> None:
     import jax
 
@@ -398,7 +83,7 @@ def _check_specs(actual: Any, expected: Any, what: str, *, inputs: bool = False)
             continue
         shape = getattr(a, "shape", None)
         dtype = getattr(a, "dtype", None)
-        where = _arg_path(path) if inputs else "output" + jax.tree_util.keystr(tuple(path))
+        where = arg_path(path) if inputs else "output" + jax.tree_util.keystr(tuple(path))
         if shape is None or tuple(shape) != tuple(e.shape):
             raise ValueError(f"{what}: {where}: expected shape {tuple(e.shape)}, got "
                              f"{None if shape is None else tuple(shape)}")

@@ -30,7 +30,7 @@ import io
 import pickle
 import struct
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +55,7 @@ __all__ = [
     "encode_dtype",
     "loads",
     "mac",
+    "oob_callback",
     "pack_batch",
     "unpack_batch",
 ]
@@ -303,13 +304,9 @@ class StdPickler(pickle.Pickler):
         return NotImplemented
 
 
-def dumps(obj: Any) -> tuple[bytes, list[Buffer]]:
-    """Pickle ``obj``; large contiguous buffers go out of band (zero-copy frames).
-
-    The stdlib pickler first; cloudpickle where that fails or would pickle a class
-    or function by reference that cloudpickle sends by value.
-    """
-    bufs: list[Buffer] = []
+def oob_callback(buffers: list[Buffer]) -> Callable[[pickle.PickleBuffer], bool]:
+    """A pickle-5 ``buffer_callback``: large contiguous buffers go out of band into
+    ``buffers`` (zero-copy frames); small or non-contiguous ones stay in the pickle."""
 
     def callback(pb: pickle.PickleBuffer) -> bool:
         try:
@@ -318,9 +315,20 @@ def dumps(obj: Any) -> tuple[bytes, list[Buffer]]:
             return True
         if raw.nbytes < OOB_THRESHOLD:
             return True
-        bufs.append(raw)
+        buffers.append(raw)
         return False
 
+    return callback
+
+
+def dumps(obj: Any) -> tuple[bytes, list[Buffer]]:
+    """Pickle ``obj``; large contiguous buffers go out of band (zero-copy frames).
+
+    The stdlib pickler first; cloudpickle where that fails or would pickle a class
+    or function by reference that cloudpickle sends by value.
+    """
+    bufs: list[Buffer] = []
+    callback = oob_callback(bufs)
     f = io.BytesIO()
     try:
         StdPickler(f, protocol=5, buffer_callback=callback).dump(obj)
