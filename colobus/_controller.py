@@ -40,6 +40,7 @@ from ._errors import ControllerClosedError, NoControllerError
 from ._frees import Frees
 from ._future import Future
 from ._hosts import Host, HostInfo, HostRegistry
+from ._ops import Operations
 from ._sessions import Sessions
 from ._sharding import Device
 from ._syncface import LoopThread
@@ -172,8 +173,6 @@ class Controller:
         self._own_thread: LoopThread | None = None
         self._address = ""
         self._hosts = HostRegistry()
-        from ._ops import Operations
-
         self._ops = Operations(self, max_inflight,
                                max_inflight if max_backlog is None else max_backlog)
         self._counters: collections.Counter[str] = collections.Counter()

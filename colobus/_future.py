@@ -15,6 +15,8 @@ import threading
 from collections.abc import Callable, Generator
 from typing import Any, Generic, TypeVar
 
+import numpy as np
+
 __all__ = ["Future"]
 
 T = TypeVar("T")
@@ -193,8 +195,6 @@ class Future(Generic[T]):
         Raises:
             RuntimeError: called on the controller's event-loop thread.
         """
-        import numpy as np
-
         value = self.result()
         if copy:
             return np.array(value, dtype=dtype, copy=True)

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from . import _protocol as P
 from ._errors import ControllerClosedError, HostLostError, ProtocolError
 from ._future import Future
+from ._remote import rebuild_exception
 from ._wire import Envelope
 
 if TYPE_CHECKING:
@@ -101,8 +102,6 @@ class Operation:
         elif status == P.Status.CANCELLED:
             self.was_cancelled = True
         else:
-            from ._remote import rebuild_exception
-
             self.errors[i] = rebuild_exception(host, env, body.meta)
 
     def end(self, ops: Operations, exc: BaseException | None = None) -> None:

@@ -27,6 +27,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import zmq
 
 from . import _hostside
@@ -495,8 +496,6 @@ class Worker:
 
     async def _fetch(self, call_id: int, ref: int, fut: asyncio.Future[Any] | None,
                      data: bool, epoch: int) -> None:
-        import numpy as np
-
         try:
             if fut is None:
                 raise KeyError(f"array {ref} is not on host {self.host_index} (deleted?)")
