@@ -15,20 +15,12 @@ from typing import Any
 import numpy as np
 
 from . import _protocol as P
+from ._blocks import HostBlock, assemble, host_blocks
 from ._codec import from_buffer, is_key_array, key_impl_name, to_buffer
 from ._controller import Controller, default_controller
 from ._future import Future
 from ._hosts import Host
-from ._sharding import (
-    Device,
-    HostBlock,
-    NamedSharding,
-    PartitionSpec,
-    Sharding,
-    SingleDeviceSharding,
-    assemble,
-    host_blocks,
-)
+from ._sharding import Device, NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 from ._shards import Shard, addressable_shards
 from ._wire import Envelope
 

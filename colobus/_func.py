@@ -21,6 +21,7 @@ import numpy as np
 from . import _outlayout
 from . import _protocol as P
 from ._array import Array
+from ._blocks import global_shape_from_host, host_blocks
 from ._cacheinfo import CacheInfo, Signatures
 from ._controller import Controller, default_controller
 from ._future import Future
@@ -34,8 +35,6 @@ from ._sharding import (
     PartitionSpec,
     ShapeDtypeStruct,
     SingleDeviceSharding,
-    global_shape_from_host,
-    host_blocks,
 )
 from ._wire import Envelope, loads
 

@@ -43,14 +43,8 @@ from typing import Any
 
 import numpy as np
 
-from ._sharding import (
-    Device,
-    Mesh,
-    NamedSharding,
-    ShapeDtypeStruct,
-    SingleDeviceSharding,
-    host_blocks,
-)
+from ._blocks import host_blocks
+from ._sharding import Device, Mesh, NamedSharding, ShapeDtypeStruct, SingleDeviceSharding
 
 __all__ = ["HOST_REDUCERS", "global_id", "install", "localize", "std_dispatch_table"]
 

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from . import _hostside
+from ._blocks import host_blocks, host_sub_mesh
 from ._codec import is_key_array
 from ._sharding import (
     Mesh,
@@ -44,8 +45,6 @@ from ._sharding import (
     PartitionSpec,
     Sharding,
     SingleDeviceSharding,
-    _host_sub_mesh,
-    host_blocks,
 )
 
 __all__ = ["DIGEST_MAX_BYTES", "check_replicas", "digest", "global_sharding", "kept_layout"]
@@ -145,7 +144,7 @@ def _reports(plan: Any, metas: Mapping[int, Any]) -> dict[int, _Report]:
                 local = NamedSharding(Mesh(arr.reshape(shape), tuple(names)), m.spec)
             out[h] = (int(ref), local, bool(replicated))
         elif m.spec is not None and isinstance(plan.mesh, Mesh):
-            _, sub = _host_sub_mesh(NamedSharding(plan.mesh, PartitionSpec()), h)
+            _, sub = host_sub_mesh(NamedSharding(plan.mesh, PartitionSpec()), h)
             local = NamedSharding(sub, m.spec)
             out[h] = (int(ref), local, local.is_fully_replicated)
         else:
@@ -159,7 +158,7 @@ def _host_view(sharding: Sharding, host: int) -> Sharding | None:
     if not isinstance(sharding, NamedSharding):
         return None
     try:
-        _, sub = _host_sub_mesh(sharding, host)
+        _, sub = host_sub_mesh(sharding, host)
     except ValueError:
         return None
     return NamedSharding(sub, sharding.spec)

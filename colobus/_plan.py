@@ -14,8 +14,9 @@ from typing import Any
 import numpy as np
 
 from ._array import Array, mesh_message
+from ._blocks import host_blocks
 from ._future import Future
-from ._sharding import Device, Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding, host_blocks
+from ._sharding import Device, Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 __all__ = ["CallPlan", "make_plan"]
 

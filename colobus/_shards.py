@@ -12,9 +12,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import _protocol as P
+from ._blocks import host_blocks
 from ._codec import from_buffer
 from ._future import Future
-from ._sharding import Device, host_blocks
+from ._sharding import Device
 
 if TYPE_CHECKING:
     from ._array import Array

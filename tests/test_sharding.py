@@ -17,19 +17,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from colobus._blocks import HostBlock, assemble, global_shape_from_host, host_blocks
 from colobus._sharding import (
     Device,
-    HostBlock,
     Mesh,
     NamedSharding,
     PartitionSpec,
     ShapeDtypeStruct,
     Sharding,
     SingleDeviceSharding,
-    assemble,
     colocated_cpu_devices_from,
-    global_shape_from_host,
-    host_blocks,
 )
 
 P = PartitionSpec
