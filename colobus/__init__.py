@@ -34,12 +34,15 @@ from ._sharding import PartitionSpec as PartitionSpec
 from ._sharding import ShapeDtypeStruct as ShapeDtypeStruct
 from ._sharding import Sharding as Sharding
 from ._sharding import SingleDeviceSharding as SingleDeviceSharding
+from ._trace import CallTimings as CallTimings
+from ._trace import HostTimings as HostTimings
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Array",
     "AuthenticationError",
+    "CallTimings",
     "ColobusError",
     "Controller",
     "ControllerClosedError",
@@ -47,6 +50,7 @@ __all__ = [
     "Future",
     "HostInfo",
     "HostLostError",
+    "HostTimings",
     "Mesh",
     "NamedSharding",
     "NoControllerError",

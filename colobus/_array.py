@@ -300,6 +300,7 @@ def device_put(x: Any, device_or_sharding: Any) -> Any:
                     host = ctl._hosts[h]
                     if host.alive and host.generation == arr._gens[h]:
                         ctl._send(host, body, b"", [buf])
+                        ctl._count("bytes_put", buf.nbytes)
 
         ctl._ops.post(send)
     return out
@@ -370,7 +371,9 @@ def _fetch_many(arrays: list[Array], data: bool,
         if not data:
             return None
         shape, descr, _impl = body.meta
-        return from_buffer(descr, shape, env.buffers[0])
+        block = from_buffer(descr, shape, env.buffers[0])
+        ctl._count("bytes_fetched", block.nbytes)
+        return block
 
     for sub, (h, _, a, _) in sub_ids.items():
         def send(call_id: int, h: int = h, a: Array = a) -> None:

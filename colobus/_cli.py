@@ -1,4 +1,4 @@
-"""The ``colobus`` command: ``worker``, ``keygen``, ``demo``, ``bench``."""
+"""The ``colobus`` command: ``worker``, ``keygen``, ``demo``, ``bench``, ``top``."""
 
 from __future__ import annotations
 
@@ -43,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--hosts", type=int, default=2)
     d.add_argument("--devices", type=int, default=4, help="CPU devices per host")
     d.add_argument("--steps", type=int, default=40)
+    d.add_argument("--metrics", nargs="?", const="127.0.0.1:9464", default=None,
+                   metavar="HOST:PORT",
+                   help="serve Prometheus metrics during the run (default 127.0.0.1:9464) "
+                        "and print how to watch them with `colobus top`")
 
     b = sub.add_parser("bench", help="run the benchmarks (colobus against raw pyzmq)")
     b.add_argument("name", nargs="?", default=None, help="one benchmark (default: all)")
@@ -56,6 +60,15 @@ def build_parser() -> argparse.ArgumentParser:
                          "(the default without --quick)")
     pg.add_argument("--no-peers", dest="peers", action="store_false",
                     help="skip Ray and IPython Parallel")
+    b.add_argument("--metrics", action="store_true",
+                   help="run colobus's clusters with metrics on (to measure their cost)")
+
+    t = sub.add_parser("top", help="watch a running cluster: hosts, calls, memory, live")
+    t.add_argument("--metrics", required=True, metavar="URL",
+                   help="the controller's metrics endpoint, e.g. http://127.0.0.1:9464")
+    t.add_argument("--once", action="store_true", help="print one snapshot and exit")
+    t.add_argument("--interval", type=float, default=1.0, metavar="SECONDS",
+                   help="seconds between refreshes (default 1)")
     return parser
 
 
@@ -116,9 +129,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "demo":
         from ._tools.demo import run_demo
 
-        return run_demo(hosts=args.hosts, devices=args.devices, steps=args.steps)
+        return run_demo(hosts=args.hosts, devices=args.devices, steps=args.steps,
+                        metrics=args.metrics)
     if args.command == "bench":
         from ._tools.bench import run_bench
 
-        return run_bench(args.name, json_path=args.json, quick=args.quick, peers=args.peers)
+        return run_bench(args.name, json_path=args.json, quick=args.quick, peers=args.peers,
+                         metrics=args.metrics)
+    if args.command == "top":
+        from ._top import run_top
+
+        return run_top(args.metrics, once=args.once, interval=args.interval)
     raise AssertionError(args.command)

@@ -197,7 +197,8 @@ def local_cluster(hosts: int = 2, devices_per_host: int = 1, *, transport: str =
         hosts: number of worker processes (hosts).
         devices_per_host: CPU devices per host.
         transport: ``"ipc"`` (Unix socket) or ``"tcp"`` (loopback).
-        **options: passed to :class:`Controller` (``heartbeat_interval``, ...).
+        **options: passed to :class:`Controller` (``heartbeat_interval``, ``metrics``,
+            ``trace``, ...).
     """
     return LocalCluster(hosts, devices_per_host, transport=transport, **options)
 

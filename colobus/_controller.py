@@ -40,6 +40,7 @@ from ._errors import ControllerClosedError, NoControllerError
 from ._frees import Frees
 from ._future import Future
 from ._hosts import Host, HostInfo, HostRegistry
+from ._observe import host_health, observing
 from ._ops import Operations
 from ._sessions import Sessions
 from ._sharding import Device
@@ -110,10 +111,22 @@ class Controller:
             the secret key.
         curve_allow: the workers allowed to connect (CurveZMQ only): Z85 public
             keys, public key files, or directories of ``*.pub`` files.
+        metrics: serve Prometheus metrics at ``http://HOST:PORT/metrics`` (e.g.
+            ``"127.0.0.1:9464"``; port 0 picks a free one, see
+            :attr:`metrics_url`); needs ``prometheus_client``. Off by default.
+        metrics_public: allow a ``metrics`` address that is not loopback (the
+            endpoint has no authentication). See ``docs/observability.md``.
+        trace: record where each colocated call spends its time
+            (``fut.timings()``): True, or a path to write a Chrome trace
+            (Perfetto) JSON file to on close (and on :meth:`write_trace`).
+            Emits OpenTelemetry spans too where ``opentelemetry`` is importable.
+            ``metrics`` also records timings.
 
     Raises:
-        ValueError: bound to a non-loopback address without a key, or
-            ``curve_allow`` given without ``curve_secret_key``.
+        ValueError: bound to a non-loopback address without a key,
+            ``curve_allow`` given without ``curve_secret_key``, or ``metrics``
+            not loopback without ``metrics_public``.
+        ImportError: ``metrics`` given but ``prometheus_client`` is missing.
         AuthenticationError: a CurveZMQ key or key file is not valid.
     """
 
@@ -133,6 +146,9 @@ class Controller:
         curve_secret_key: bytes | str | os.PathLike[str] | None = None,
         curve_public_key: bytes | None = None,
         curve_allow: Iterable[bytes | str | os.PathLike[str]] | None = None,
+        metrics: str | None = None,
+        metrics_public: bool = False,
+        trace: bool | str | os.PathLike[str] | None = None,
     ) -> None:
         if key is None and not _is_loopback(bind):
             raise ValueError(
@@ -165,6 +181,9 @@ class Controller:
         elif curve_allow is not None:
             raise ValueError("curve_allow needs curve_secret_key (the server's key pair)")
         self.state = State.NEW
+        # Metrics and traces (None when both are off: one check per call site).
+        self.observer, self._metrics, self._trace = observing(
+            metrics, metrics_public, trace, self.stats)
         self._session = secrets.token_bytes(16)
         self._ctx: zmq.Context[Any] | None = None
         self._chan: Channel | None = None
@@ -183,6 +202,24 @@ class Controller:
         self._sessions = Sessions(self)
 
     # -- public surface -------------------------------------------------------------
+
+    @property
+    def metrics_url(self) -> str | None:
+        """Where the Prometheus metrics are served (after start), or None if off."""
+        return (self._metrics.url or None) if self._metrics is not None else None
+
+    def write_trace(self, path: str | os.PathLike[str] | None = None) -> str:
+        """Write the calls settled so far as Chrome trace JSON; returns the path.
+
+        Args:
+            path: where to write; default the ``trace=`` path.
+
+        Raises:
+            ValueError: tracing is off, or no path was given either way.
+        """
+        if self._trace is None:
+            raise ValueError("tracing is off: start the controller with trace=True or trace=PATH")
+        return self._trace.write(path)
 
     @property
     def address(self) -> str:
@@ -206,12 +243,15 @@ class Controller:
         return [h.info() for h in self._hosts.hosts]
 
     def stats(self) -> dict[str, Any]:
-        """Counters: dropped messages by reason, code blobs sent, per-host store sizes.
+        """Counters: dropped messages by reason, code blobs and bytes sent, array
+        bytes put and fetched, and per host its store sizes and health.
 
         Per-host figures are the ones each worker last reported (every heartbeat,
         or on :meth:`refresh_stats`): ``arrays``, ``bytes`` and ``objects`` it
         holds, and ``results``, the call results it keeps for futures that are
-        still alive (each frees when its future is garbage-collected).
+        still alive (each frees when its future is garbage-collected); from its
+        heartbeats only, ``rtt`` (heartbeat round trip, s), ``rss`` (bytes),
+        ``cpu`` (s) and ``dropped`` (None or empty until the first one).
         """
         chan = self._chan
         ops = self._ops
@@ -219,6 +259,9 @@ class Controller:
             "dropped": dict(self._sessions.dropped),
             "dropped_total": sum(self._sessions.dropped.values()),
             "code_sent": self._counters["code_sent"],
+            "code_bytes": self._counters["code_bytes"],
+            "bytes_put": self._counters["bytes_put"],
+            "bytes_fetched": self._counters["bytes_fetched"],
             "calls": self._counters["calls"],
             "batches": chan.batches_sent if chan is not None else 0,
             "batches_received": self._sessions.batches_received,
@@ -236,8 +279,9 @@ class Controller:
                     "results": h.store[3],
                     "code_sent": len(h.code_sent),
                     "inflight": len(h.inflight),
+                    **host_health(h),
                 }
-                for h in self._hosts.hosts
+                for h in list(self._hosts.hosts)
             },
         }
 
@@ -277,6 +321,8 @@ class Controller:
             raise RuntimeError(f"Controller cannot start: it is {self.state.value}")
         self._loop = asyncio.get_running_loop()
         self._loop_thread_id = threading.get_ident()
+        if self._metrics is not None:
+            self._metrics.start()
         self._ctx = zmq.Context()
         sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -299,6 +345,7 @@ class Controller:
             self._stop_curve()
             self._ctx.term()
             self.state = State.CLOSED
+            self._stop_observing()
             raise OSError(f"colobus controller cannot bind {self._bind!r}: {exc}") from exc
         self._address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._chan = Channel(sock, self._key, self._loop, self._sessions.on_frames,
@@ -307,6 +354,15 @@ class Controller:
         self.state = State.RUNNING
         log.info("controller listening on %s", self._address)
         self._chan.drain()
+
+    def _stop_observing(self) -> None:
+        if self._metrics is not None:
+            self._metrics.close()
+        if self._trace is not None and self._trace.path is not None:
+            try:
+                log.info("trace written to %s", self._trace.write())
+            except OSError as exc:
+                log.warning("could not write the trace to %s: %s", self._trace.path, exc)
 
     def _stop_curve(self) -> None:
         if self._auth is not None:
@@ -365,6 +421,7 @@ class Controller:
         self._stop_curve()
         self._ctx.term()
         _pop_current(self)
+        self._stop_observing()
         log.info("controller on %s closed", self._address)
 
     async def __aenter__(self) -> Controller:
@@ -494,6 +551,7 @@ class Controller:
             return False
         host.code_sent.add(digest)
         self._counters["code_sent"] += 1
+        self._counters["code_bytes"] += len(code)
         self._send(host, P.Code(digest), code)
         return True
 

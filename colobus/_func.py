@@ -245,8 +245,12 @@ def invoke(target: Target, args: tuple[Any, ...], kwargs: dict[str, Any], *,
     gens = {h: ctl._hosts[h].generation for h in plan.hosts}
     op = _CallOp(ctl, target, plan, pickled, _stream_id(), digest, gens, ctl._ops.next_id(),
                  out_specs)
-    fut = ctl._ops.submit(plan.hosts, op.send, _decode_result, op, call_id=op.call_id,
-                     cancellable=True)
+    obs = ctl.observer  # None unless metrics or tracing is on
+    if obs is None:
+        fut = ctl._ops.submit(plan.hosts, op.send, _decode_result, op, call_id=op.call_id,
+                              cancellable=True)
+    else:
+        fut = obs.submit(ctl, plan.hosts, op, _decode_result, target.name)
     fut.info = plan
     # When the Future goes, so does each host's result slot (kept for Futures as
     # arguments). A weakref callback: several times cheaper than weakref.finalize.

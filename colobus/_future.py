@@ -13,7 +13,10 @@ import asyncio
 import logging
 import threading
 from collections.abc import Callable, Generator
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+if TYPE_CHECKING:
+    from ._trace import CallRecord, CallTimings
 
 import numpy as np
 
@@ -48,6 +51,7 @@ class Future(Generic[T]):
         "_loop_thread",
         "_result",
         "_state",
+        "_timing",
         "call_id",
         "info",
     )
@@ -62,6 +66,7 @@ class Future(Generic[T]):
         self._canceller: Callable[[Future[T]], object] | None = None
         self.call_id = call_id
         self.info: Any = None  # what produced it (a colocated call's device list, ...)
+        self._timing: CallRecord | None = None  # set when the controller records timings
 
     def __repr__(self) -> str:
         state = ("pending", "cancelled", "finished")[self._state]
@@ -147,6 +152,22 @@ class Future(Generic[T]):
                     self._callbacks.append(fn)
                 return
         _run_callback(fn, self)
+
+    def timings(self) -> CallTimings | None:
+        """Where this call spent its time, once it is done.
+
+        Recorded for colocated calls (functions and methods) while the
+        controller runs with ``metrics=`` or ``trace=`` on; see
+        ``docs/observability.md``.
+
+        Returns:
+            A ``cb.CallTimings``, or None: not done yet, not a colocated call,
+            or the controller records no timings.
+        """
+        rec = self._timing
+        if rec is None or self._state == _PENDING or not rec.outcome:
+            return None
+        return rec.timings()
 
     # -- results -------------------------------------------------------------------
 

@@ -65,6 +65,8 @@ class Host:
     objects_built: set[int] = field(default_factory=set)
     # what the worker last reported holding: arrays, bytes, objects, results
     store: tuple[int, int, int, int] = (0, 0, 0, 0)
+    health: P.Heartbeat | None = None  # the worker's last heartbeat
+    rtt: float | None = None  # the last heartbeat round trip, seconds
     generation: int = 0  # bumps on every (re)join; handles remember the one they saw
 
     @property

@@ -21,6 +21,7 @@ import asyncio
 import collections
 import itertools
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -247,11 +248,15 @@ class Operations:
             hosts[i].inflight.add(op.call_id)
         send, op.send = op.send, None
         assert send is not None
+        obs = self.ctl.observer
+        go = time.perf_counter() if obs is not None else 0.0
         try:
             send(op.call_id)
         except BaseException as exc:
             op.end(self, exc)
             return
+        if obs is not None:
+            obs.sending(op.call_id, go)
         if not op.hosts:
             op.end(self)
 
@@ -282,6 +287,8 @@ class Operations:
 
     def on_result(self, host: Host, body: P.Result, env: Envelope) -> None:
         """A host's RESULT (loop thread)."""
+        if self.ctl.observer is not None:
+            self.ctl.observer.result(host.index, body)
         call_id = body.call_id
         host.inflight.discard(call_id)
         op = self.pending.get(call_id)

@@ -8,7 +8,7 @@ kind, checking field types, or raises ``ValueError`` (counted as malformed).
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 __all__ = [
@@ -76,15 +76,18 @@ class Body:
 
     kind: ClassVar[Kind]
     types: ClassVar[tuple[type | tuple[type, ...], ...]]
+    required: ClassVar[int | None] = None  # fields a body must carry (None: all of them)
 
     def to_wire(self) -> list[Any]:
         return [getattr(self, name) for name in self.__slots__]  # type: ignore[attr-defined]
 
     @classmethod
     def from_wire(cls, raw: Any) -> Body:
-        if not isinstance(raw, list) or len(raw) != len(cls.types):
-            raise ValueError(f"{cls.kind.name}: expected {len(cls.types)} fields")
-        for value, typ in zip(raw, cls.types, strict=True):
+        most = len(cls.types)
+        least = most if cls.required is None else cls.required
+        if not isinstance(raw, list) or not least <= len(raw) <= most:
+            raise ValueError(f"{cls.kind.name}: expected {most} fields")
+        for value, typ in zip(raw, cls.types, strict=False):
             if not isinstance(value, typ):
                 raise ValueError(f"{cls.kind.name}: bad field {value!r:.40}")
         return cls(*raw)
@@ -124,12 +127,27 @@ class Reject(Body):
 
 @dataclass(frozen=True, slots=True)
 class Heartbeat(Body):
+    """Liveness, both ways, and a worker's health.
+
+    The controller's carries ``ping`` (its own clock, ns). A worker's echoes the
+    last ping it got and ``held``, the ns between receiving that ping and sending
+    this, so the controller reads the round trip without a message of its own.
+    The other fields are the worker's: what its store holds, its process's
+    resident memory and CPU time, and the messages it dropped, by reason.
+    """
+
     kind = Kind.HEARTBEAT
-    types = (int, int, int, int)
+    types = (int, int, int, int, int, int, int, int, dict)
+    required = 4
     arrays: int
     nbytes: int
     objects: int
     results: int  # call results kept for futures still alive on the controller
+    ping: int = 0
+    held: int = 0
+    rss: int = 0  # bytes
+    cpu: int = 0  # ns of CPU time, user + system
+    dropped: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,11 +179,16 @@ class Call(Body):
 
 @dataclass(frozen=True, slots=True)
 class Result(Body):
+    """The outcome of a request. ``times``: for a CALL that ran, ``[queued, ran]``,
+    the ns it waited on the host (arrival to start) and the ns it ran; else empty."""
+
     kind = Kind.RESULT
-    types = (int, int, object)
+    types = (int, int, object, list)
+    required = 3
     call_id: int
     status: int
     meta: Any
+    times: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,6 +40,7 @@ log = logging.getLogger("colobus.worker")
 
 MAX_BATCH = 256  # calls of one stream run in one thread-pool job, at most
 BRIEF_WAIT_S = 0.0005  # after starting quick calls, the loop waits this long for them
+BRIEF_WAIT_NS = int(BRIEF_WAIT_S * 1e9)
 
 _QUEUED, _RUNNING, _CANCELLED, _DONE = range(4)
 
@@ -116,8 +117,8 @@ class _Destroy:
 class _Call:
     """One CALL on this host, from arrival to reply."""
 
-    __slots__ = ("body", "env", "epoch", "fn", "last", "mesh", "obj", "ok", "outcome", "pins",
-                 "results", "state", "stream")
+    __slots__ = ("arrived", "body", "env", "epoch", "fn", "last", "mesh", "obj", "ok", "outcome",
+                 "pins", "ran", "results", "started", "state", "stream")
 
     def __init__(self, body: P.Call, env: Envelope, pins: list[asyncio.Future[Any]],
                  obj: asyncio.Future[Any] | None, results: asyncio.Future[Any],
@@ -135,6 +136,12 @@ class _Call:
         self.last = False  # the last of its batch: the stream is free once it is done
         self.ok = False
         self.outcome: Any = None
+        # perf_counter_ns on arrival and at start, and ns it ran: the reply's times.
+        self.arrived = self.started = self.ran = 0
+
+    def times(self) -> list[int]:
+        """``[queued, ran]`` in ns, as the RESULT reports them (empty: it never started)."""
+        return [self.started - self.arrived, self.ran] if self.started else []
 
     def unready_input(self) -> asyncio.Future[Any] | None:
         """An input (argument or object) not resolved yet, if any."""
@@ -200,6 +207,7 @@ class Scheduler:
         store.results[body.call_id] = results
         stream = self._stream(body.stream)
         call = _Call(body, env, pins, obj, results, stream, w.epoch)
+        call.arrived = time.perf_counter_ns()
         self._calls[body.call_id] = call
         if body.obj:
             store.obj_calls.setdefault(body.obj, set()).add(results)
@@ -341,7 +349,7 @@ class Scheduler:
 
     def _run_batch(self, batch: list[_Call]) -> None:
         """Pool thread: run ready plain calls of one stream back to back."""
-        t0 = time.perf_counter()
+        t0 = start = time.perf_counter_ns()
         for call in batch:
             with self._state_lock:
                 runs = call.state == _QUEUED
@@ -349,7 +357,10 @@ class Scheduler:
                     call.state = _RUNNING
             if runs:
                 self._run_plain(call)
-            self._quick = time.perf_counter() - t0 < BRIEF_WAIT_S
+            end = time.perf_counter_ns()
+            call.started, call.ran = start, end - start
+            self._quick = end - t0 < BRIEF_WAIT_NS
+            start = end
             self._post_done(call)
 
     def _run_plain(self, call: _Call) -> None:
@@ -441,12 +452,13 @@ class Scheduler:
                 result = w.store.store_outputs(body.call_id, values, treedef)
                 if not call.results.done():
                     call.results.set_result(result)
-                w.send(P.Result(body.call_id, Status.OK, len(values)), payload, bufs, len(bufs))
+                w.send(P.Result(body.call_id, Status.OK, len(values), call.times()), payload,
+                       bufs, len(bufs))
             else:
                 if not call.results.done():
                     call.results.set_exception(outcome)
                     call.results.exception()
-                w.reply_error(body.call_id, outcome)
+                w.reply_error(body.call_id, outcome, call.times())
         else:
             self._forget(call)
         if call.last:
@@ -455,6 +467,7 @@ class Scheduler:
 
     async def _run_async(self, call: _Call, fn: Any) -> None:
         """An ``async def`` call, on the loop."""
+        call.started = time.perf_counter_ns()
         try:
             args, kwargs = self._call_args(call)
             out = await fn(*args, **kwargs)
@@ -466,6 +479,7 @@ class Scheduler:
             call.outcome = exc
         except BaseException as exc:
             call.outcome = exc
+        call.ran = time.perf_counter_ns() - call.started
         del fn
         call.last = True
         if call.ok or not isinstance(call.outcome, asyncio.CancelledError):

@@ -181,6 +181,9 @@ class Sessions:
 
     def _on_heartbeat(self, host: Host, body: P.Heartbeat, env: Envelope) -> None:
         host.store = (body.arrays, body.nbytes, body.objects, body.results)
+        host.health = body
+        if body.ping:  # it echoes our ping: the round trip, less the time it held it
+            host.rtt = max(0, time.monotonic_ns() - body.ping - body.held) / 1e9
 
     # -- liveness ------------------------------------------------------------------------
 
@@ -199,7 +202,7 @@ class Sessions:
             if silent > ctl.liveness_timeout:
                 self.lose(h, f"no message for {silent:.1f} s")
             else:
-                ctl._send(h, P.Heartbeat(0, 0, 0, 0))
+                ctl._send(h, P.Heartbeat(0, 0, 0, 0, time.monotonic_ns()))
                 alive.append(h.peer)
         chan.resend_stale(alive, ctl._resend_after)
 

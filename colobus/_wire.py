@@ -60,7 +60,8 @@ __all__ = [
     "unpack_batch",
 ]
 
-PROTOCOL_VERSION = 3  # 2: BATCH envelopes; 3: acknowledgements (ack) in every header
+PROTOCOL_VERSION = 4  # 2: BATCH envelopes; 3: acknowledgements (ack) in every header;
+# 4: timings in RESULT, health in HEARTBEAT
 BATCH_KIND = 17  # _protocol.Kind.BATCH (this module does not import the kinds)
 MAC_SIZE = 32
 MAX_HEADER_BYTES = 1 << 20

@@ -43,6 +43,7 @@ from ._hostvalues import (
     present,
     setup_jax,
 )
+from ._procstat import cpu_ns, rss_bytes
 from ._protocol import Kind, Status
 from ._sched import ArgsUnpickler, Scheduler, error_meta
 from ._sockio import NOBLOCK
@@ -110,6 +111,8 @@ class Worker:
         self.host_index = -1
         self.loop: asyncio.AbstractEventLoop | None = None  # set in serve()
         self.dropped: dict[str, int] = {}
+        self._ping = 0  # the controller's last heartbeat ping, to echo in ours
+        self._ping_at = 0  # monotonic ns when it arrived
         # session state
         self._ctx: zmq.Context[Any] | None = None
         self._chan: Channel | None = None
@@ -281,8 +284,15 @@ class Worker:
                 log.warning("controller silent for %.1f s", time.monotonic() - self._last_heard)
                 self._end("lost")
                 return
-            self.send(P.Heartbeat(*self.store.counts()))
+            self.send(self._health())
             self._chan.resend_stale([self._peer], resend_after)
+
+    def _health(self) -> P.Heartbeat:
+        """Our heartbeat: store counters, the ping echo, process memory, CPU, drops."""
+        ping, self._ping = self._ping, 0
+        held = time.monotonic_ns() - self._ping_at if ping else 0
+        return P.Heartbeat(*self.store.counts(), ping, held, rss_bytes(), cpu_ns(),
+                           dict(self.dropped))
 
     def _end(self, outcome: str) -> None:
         if self._ended is not None and not self._ended.done():
@@ -312,12 +322,14 @@ class Worker:
         if self._chan is not None:
             self._chan.uncork(corked)
 
-    def reply_error(self, call_id: int, exc: BaseException) -> None:
+    def reply_error(self, call_id: int, exc: BaseException, times: list[int] | None = None
+                    ) -> None:
         try:
             payload, bufs = dumps(exc)
         except Exception:
             payload, bufs = b"", []
-        self.send(P.Result(call_id, Status.ERROR, error_meta(exc)), payload, bufs, len(bufs))
+        self.send(P.Result(call_id, Status.ERROR, error_meta(exc), times or []), payload, bufs,
+                  len(bufs))
 
     def _drop(self, reason: str, detail: str = "") -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
@@ -401,7 +413,7 @@ class Worker:
         self._end("reject")
 
     def _on_heartbeat(self, body: P.Heartbeat, env: Envelope) -> None:
-        pass
+        self._ping, self._ping_at = body.ping, time.monotonic_ns()
 
     def _on_shutdown(self, body: P.Shutdown, env: Envelope) -> None:
         self._end("exit" if body.reason == "exit" else "closed")

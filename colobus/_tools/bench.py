@@ -506,16 +506,16 @@ class Bench:
 BENCHMARKS = ("latency", "pipelined", "fanout", "object", "transfer", "chain")
 
 
-async def _run_async(bench: Bench, groups: list[str]) -> None:
+async def _run_async(bench: Bench, groups: list[str], options: dict[str, Any]) -> None:
     hosts = 4 if "fanout" in groups else 1
-    async with cb.local_cluster(hosts=hosts, devices_per_host=1) as ctl:
+    async with cb.local_cluster(hosts=hosts, devices_per_host=1, **options) as ctl:
         with RawEcho(hosts) as raw:
             for g in groups:
                 await getattr(bench, g)(ctl, raw)
 
 
-def _run_sync(bench: Bench) -> None:
-    with cb.local_cluster(hosts=1, devices_per_host=1) as ctl, RawEcho(1) as raw:
+def _run_sync(bench: Bench, options: dict[str, Any]) -> None:
+    with cb.local_cluster(hosts=1, devices_per_host=1, **options) as ctl, RawEcho(1) as raw:
         x = _one_device_array(ctl)
         cb.block_until_ready(x).result()
         ours = _median_us(_latency_sync(x, bench.sizes.latency_calls))
@@ -549,7 +549,8 @@ def _machine() -> dict[str, Any]:
 
 
 def run_bench(name: str | None, json_path: str | None, quick: bool,
-              peers: bool | None = None, peer_modules: dict[str, str] | None = None) -> int:
+              peers: bool | None = None, peer_modules: dict[str, str] | None = None,
+              metrics: bool = False) -> int:
     """Run the benchmarks (all, or the group ``name``); print a table, maybe write JSON.
 
     Args:
@@ -560,6 +561,8 @@ def run_bench(name: str | None, json_path: str | None, quick: bool,
             (``colobus._tools.bench_peers``); None: yes unless ``quick``.
         peer_modules: peer name -> module to import (default: all peers); a peer
             whose module is not importable is skipped as not installed.
+        metrics: run colobus's clusters with metrics on (a free loopback port), to
+            compare against a run with them off.
 
     Returns:
         The process exit code.
@@ -575,9 +578,11 @@ def run_bench(name: str | None, json_path: str | None, quick: bool,
         print(f"{'benchmark':<26} {'colobus':>12} {'raw pyzmq':>12} unit", flush=True)
         print(f"huge pages (glibc.malloc.hugetlb): {_huge_pages_line()}", flush=True)
         t0 = time.perf_counter()
-        asyncio.run(_run_async(bench, groups))
+        options: dict[str, Any] = {"metrics": "127.0.0.1:0"} if metrics else {}
+        print(f"metrics: {'on' if metrics else 'off'}", flush=True)
+        asyncio.run(_run_async(bench, groups, options))
         if name in (None, "latency"):
-            _run_sync(bench)
+            _run_sync(bench, options)
         from . import bench_peers as _bench_peers
 
         runs = _bench_peers.run_peers(
@@ -589,7 +594,7 @@ def run_bench(name: str | None, json_path: str | None, quick: bool,
             print(line, flush=True)
         print(f"done in {time.perf_counter() - t0:.0f} s", flush=True)
     if json_path is not None:
-        doc = {"machine": _machine(), "quick": quick,
+        doc = {"machine": _machine(), "quick": quick, "metrics": metrics,
                "peers": {run.peer: run.as_dict() for run in runs},
                "benchmarks": {r.name: r.as_dict() for r in bench.rows}}
         text = json.dumps(doc, indent=2)

@@ -337,6 +337,10 @@ def build_parser(prog: str = "async_training_loop.py") -> argparse.ArgumentParse
                    help="save parameters every N steps (0: never; default: 4 saves a run)")
     p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
                    help="where each host writes checkpoints (default: a scratch dir per host)")
+    p.add_argument("--metrics", nargs="?", const="127.0.0.1:9464", default=None,
+                   metavar="HOST:PORT",
+                   help="serve Prometheus metrics during the run (default 127.0.0.1:9464) "
+                        "and print how to watch them with `colobus top`")
     return p
 
 
@@ -346,13 +350,24 @@ async def _run(args: argparse.Namespace) -> Report:
         every = max(1, args.steps // 4)
     opts = dict(checkpoint_every=every, checkpoint_dir=args.checkpoint_dir)
     if args.bind is None:
-        async with cb.local_cluster(hosts=args.hosts, devices_per_host=args.devices) as ctl:
+        async with cb.local_cluster(hosts=args.hosts, devices_per_host=args.devices,
+                                    metrics=args.metrics) as ctl:
             print(describe_hosts(ctl), flush=True)
+            print_metrics(ctl)
             return await train(args.steps, **opts)
     key = cb.load_key(args.key_file) if args.key_file else None
-    async with cb.Controller(args.bind, hosts=args.hosts, key=key) as ctl:
+    async with cb.Controller(args.bind, hosts=args.hosts, key=key, metrics=args.metrics) as ctl:
         print(describe_hosts(ctl), flush=True)
+        print_metrics(ctl)
         return await train(args.steps, **opts)
+
+
+def print_metrics(ctl: cb.Controller) -> None:
+    """Where the metrics are served and how to watch them (nothing when they are off)."""
+    url = ctl.metrics_url
+    if url is not None:
+        print(f"metrics: {url}\n  watch live: colobus top --metrics {url.removesuffix('/metrics')}"
+              f"\n  scrape it from Prometheus: see docs/observability.md", flush=True)
 
 
 def describe_hosts(ctl: cb.Controller) -> str:
@@ -375,7 +390,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "async_training_loop.py"
     return 130
 
 
-def run_demo(hosts: int = 2, devices: int = 4, steps: int = 40) -> int:
+def run_demo(hosts: int = 2, devices: int = 4, steps: int = 40,
+             metrics: str | None = None) -> int:
     """``colobus demo``: the training loop on a local cluster; every worker is reaped."""
-    return main(["--hosts", str(hosts), "--devices", str(devices), "--steps", str(steps)],
-                prog="colobus demo")
+    argv = ["--hosts", str(hosts), "--devices", str(devices), "--steps", str(steps)]
+    if metrics is not None:
+        argv += ["--metrics", metrics]
+    return main(argv, prog="colobus demo")
