@@ -31,3 +31,18 @@ def ctl(cluster: cb.Controller) -> collections.abc.Iterator[cb.Controller]:
         yield cluster
     finally:
         _pop_current(cluster)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--run-slow", action="store_true", default=False,
+                     help="also run the tests marked slow (long explorations)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``slow`` stay out of the default run (and CI) unless ``--run-slow``."""
+    if config.getoption("--run-slow"):
+        return
+    skip = pytest.mark.skip(reason="slow: run with --run-slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

@@ -90,6 +90,14 @@ def nap(seconds: float, token: int) -> np.ndarray:
 
 
 @cb.colocated_python
+def nap_on(pid: int, seconds: float, token: int) -> np.ndarray:
+    """Return ``token``; the host with ``pid`` first sleeps ``seconds``: a lopsided call."""
+    if os.getpid() == pid:
+        time.sleep(seconds)
+    return np.int32(token)
+
+
+@cb.colocated_python
 def after_file(path: str, token: int) -> np.ndarray:
     """Wait (a worker thread, at most 60 s) until ``path`` exists, return ``token``."""
     _wait_for_file(path)
