@@ -134,7 +134,6 @@ class _Before:
         assert ctl.hosts()[0].pid == self.info.pid and ctl.hosts()[0].state == "alive"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 12 defect 7")
 async def test_defect7_blip_through_proxy_costs_nothing(tmp_path: Any) -> None:
     key_file = str(tmp_path / "key")
     key = write_key(key_file)

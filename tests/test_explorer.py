@@ -492,9 +492,6 @@ def _run(examples: int, steps: int, shrink: bool, derandomize: bool) -> None:
         report_multiple_bugs=False))
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "issue 12: on the code of 2026-11-30 the explorer finds a device_get that overtakes "
-    "its device_put queued behind the backlog (defect 5: 'array ... is not on host')"))
 def test_explorer_bounded(bed: Bed) -> None:
     _run(examples=6, steps=25, shrink=False, derandomize=True)
 
