@@ -59,7 +59,7 @@ def ones_unless(pid: int, how: str) -> Any:
     return (np.ones(4, np.float32),)
 
 
-class Tracked(np.ndarray):  # type: ignore[type-arg]
+class Tracked(np.ndarray):
     """A numpy array this host can tell is still alive (it is weakly referenced)."""
 
 
@@ -67,7 +67,7 @@ _RAW: list[weakref.ref[Tracked]] = []  # the raw return values of big_block made
 
 
 @cb.colocated_python
-def big_block(nbytes: int) -> np.ndarray:
+def big_block(nbytes: int) -> Any:
     """A fresh ``nbytes`` array, tracked: while any part of the host holds this raw
     return value (its results table, say), ``raw_alive`` counts it."""
     out = np.ones(nbytes, np.uint8).view(Tracked)
@@ -76,21 +76,21 @@ def big_block(nbytes: int) -> np.ndarray:
 
 
 @cb.colocated_python
-def raw_alive() -> np.ndarray:
+def raw_alive() -> Any:
     """How many raw return values of ``big_block`` this host still holds."""
     gc.collect()
     return np.int32(sum(1 for r in _RAW if r() is not None))
 
 
 @cb.colocated_python
-def nap(seconds: float, token: int) -> np.ndarray:
+def nap(seconds: float, token: int) -> Any:
     """Sleep ``seconds`` (a worker thread), return ``token``."""
     time.sleep(seconds)
     return np.int32(token)
 
 
 @cb.colocated_python
-def nap_on(pid: int, seconds: float, token: int) -> np.ndarray:
+def nap_on(pid: int, seconds: float, token: int) -> Any:
     """Return ``token``; the host with ``pid`` first sleeps ``seconds``: a lopsided call."""
     if os.getpid() == pid:
         time.sleep(seconds)
@@ -98,14 +98,14 @@ def nap_on(pid: int, seconds: float, token: int) -> np.ndarray:
 
 
 @cb.colocated_python
-def after_file(path: str, token: int) -> np.ndarray:
+def after_file(path: str, token: int) -> Any:
     """Wait (a worker thread, at most 60 s) until ``path`` exists, return ``token``."""
     _wait_for_file(path)
     return np.int32(token)
 
 
 @cb.colocated_python
-def fail(message: str) -> np.ndarray:
+def fail(message: str) -> Any:
     raise ValueError(message)
 
 
@@ -115,12 +115,12 @@ def plus_one(x: Any) -> Any:
 
 
 @cb.colocated_python
-def value(token: int) -> np.ndarray:
+def value(token: int) -> Any:
     return np.full(2, token, np.int32)
 
 
 @cb.colocated_python
-async def cancels_itself() -> np.ndarray:
+async def cancels_itself() -> Any:
     """An ``async def`` that is cancelled on its host: nobody on the controller asked."""
     task = asyncio.current_task()
     assert task is not None
@@ -130,7 +130,7 @@ async def cancels_itself() -> np.ndarray:
 
 
 @cb.colocated_python
-def was_destroyed(token: int) -> np.ndarray:
+def was_destroyed(token: int) -> Any:
     """Whether the ``Flagged`` instance with ``token`` was dropped (its ``__del__`` ran) here."""
     with _LOCK:
         return np.bool_(token in DESTROYED)
@@ -143,7 +143,7 @@ class Flagged:
     def __init__(self, token: int) -> None:
         self.token = token
 
-    def touch(self) -> np.ndarray:
+    def touch(self) -> Any:
         return np.int32(self.token)
 
     def __del__(self) -> None:
@@ -158,11 +158,11 @@ class Counter:
     def __init__(self, start: int) -> None:
         self.n = start
 
-    def incr(self) -> np.ndarray:
+    def incr(self) -> Any:
         self.n += 1
         return np.int32(self.n)
 
-    def get(self) -> np.ndarray:
+    def get(self) -> Any:
         return np.int32(self.n)
 
 
@@ -173,5 +173,5 @@ class SlowStart:
     def __init__(self, seconds: float) -> None:
         time.sleep(seconds)
 
-    def ping(self) -> np.ndarray:
+    def ping(self) -> Any:
         return np.int32(1)

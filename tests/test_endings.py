@@ -41,7 +41,7 @@ import colobus as cb
 from colobus._keys import write_key
 
 HB, LIVE = 0.25, 3.0  # heartbeat and liveness timeout of the clusters that lose a host
-FAST = {"heartbeat_interval": HB, "liveness_timeout": LIVE}
+FAST: dict[str, Any] = {"heartbeat_interval": HB, "liveness_timeout": LIVE}
 
 
 # -- 1: host-side outputs are freed whatever the ending of a multi-host call --------------

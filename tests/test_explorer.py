@@ -38,7 +38,6 @@ from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
     invariant,
-    precondition,
     rule,
     run_state_machine_as_test,
 )
@@ -50,16 +49,17 @@ from colobus._keys import write_key
 BOUND = 20.0  # seconds within which any operation must settle, beyond its own run time
 SLOW_S = 0.4
 WHERE = st.sampled_from([(0,), (1,), (0, 1)])
+PICK = st.integers(0, 255)  # which tracked future, array or object a rule acts on
 _tokens = itertools.count(1)
 
 
 class Bed:
     """A sync-face controller and two standalone workers that can be killed and restarted."""
 
-    def __init__(self, key_file: str, restarts: int) -> None:
+    def __init__(self, key_file: str) -> None:
         self.key = write_key(key_file)
         self.workers = Workers(key_file)
-        self.restarts_left = restarts
+        self.restarts_per_example = 1
         self.gen = [0, 0]  # restarts per host index, as the model counts them
         self.ctl = cb.Controller("tcp://127.0.0.1:*", hosts=0, key=self.key,
                                  heartbeat_interval=0.25, liveness_timeout=4.0,
@@ -106,7 +106,7 @@ _bed: list[Bed] = []
 
 @pytest.fixture(scope="module")
 def bed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Bed]:
-    b = Bed(str(tmp_path_factory.mktemp("explorer") / "key"), restarts=2)
+    b = Bed(str(tmp_path_factory.mktemp("explorer") / "key"))
     try:
         b.start()
         _bed.append(b)
@@ -186,6 +186,7 @@ class Explorer(RuleBasedStateMachine):
         self.arrays: list[Arr] = []
         self.objects: list[Obj] = []
         self.failed = False  # a rule raised: the example already failed there
+        self.restarts_left = self.bed.restarts_per_example
         self.base = self._steady_store()
 
     # -- helpers ---------------------------------------------------------------------------
@@ -246,8 +247,11 @@ class Explorer(RuleBasedStateMachine):
                 got = np.asarray(cb.device_get(out).result(BOUND))
                 np.testing.assert_array_equal(got, op.expected, err_msg=op.what)
 
-    def _pick(self, data: st.DataObject, items: list[Any]) -> Any:
-        return data.draw(st.sampled_from(items))
+    @staticmethod
+    def _pick(i: int, items: list[Any]) -> Any:
+        """The ``i``-th item (modulo), or None: a rule draws the same whatever the state,
+        so a replayed example draws alike even where timing changed what it holds."""
+        return items[i % len(items)] if items else None
 
     # -- calls -------------------------------------------------------------------------------
 
@@ -278,11 +282,12 @@ class Explorer(RuleBasedStateMachine):
         self._track(fut, f"lopsided call {tok} (host {slow_host} slow)", (0, 1), SLOW_S,
                     expected=np.asarray(np.int32(tok)))
 
-    @precondition(lambda self: bool(self.arrays))
-    @rule(data=st.data())
+    @rule(i=PICK)
     @step
-    def call_on_array(self, data: st.DataObject) -> None:
-        a: Arr = self._pick(data, self.arrays)
+    def call_on_array(self, i: int) -> None:
+        a: Arr | None = self._pick(i, self.arrays)
+        if a is None:
+            return
         lost = self._lost(a.hosts, a.gens)
         try:
             fut = hs.plus_one(a.arr)
@@ -304,29 +309,32 @@ class Explorer(RuleBasedStateMachine):
             self._track(f(tok), f"burst call {tok} on {where}", (where,), 0.0,
                         expected=np.full(2, tok, np.int32))
 
-    @precondition(lambda self: bool(self.ops))
-    @rule(data=st.data())
+    @rule(i=PICK)
     @step
-    def await_one(self, data: st.DataObject) -> None:
-        op: Op = self._pick(data, self.ops)
+    def await_one(self, i: int) -> None:
+        op: Op | None = self._pick(i, self.ops)
+        if op is None:
+            return
         self.ops.remove(op)
         self._check(op)
 
-    @precondition(lambda self: bool(self.ops))
-    @rule(data=st.data())
+    @rule(i=PICK)
     @step
-    def cancel(self, data: st.DataObject) -> None:
-        op: Op = self._pick(data, self.ops)
+    def cancel(self, i: int) -> None:
+        op: Op | None = self._pick(i, self.ops)
+        if op is None:
+            return
         if op.fut.cancel():
             op.cancelled = True
             if op.obj is not None:  # a cancelled method call may or may not have counted
                 op.obj.unknown.update(op.hosts)
 
-    @precondition(lambda self: bool(self.ops))
-    @rule(data=st.data())
+    @rule(i=PICK)
     @step
-    def drop_future(self, data: st.DataObject) -> None:
-        op: Op = self._pick(data, self.ops)
+    def drop_future(self, i: int) -> None:
+        op: Op | None = self._pick(i, self.ops)
+        if op is None:
+            return
         self.ops.remove(op)
         self.dropped.append((weakref.ref(op.fut), op.deadline, op.what))
 
@@ -350,11 +358,12 @@ class Explorer(RuleBasedStateMachine):
             target = cb.NamedSharding(mesh, cb.PartitionSpec("h"))
         self.arrays.append(Arr(cb.device_put(value, target), where, self._gens(where), value))
 
-    @precondition(lambda self: bool(self.arrays))
-    @rule(data=st.data())
+    @rule(i=PICK)
     @step
-    def fetch(self, data: st.DataObject) -> None:
-        a: Arr = self._pick(data, self.arrays)
+    def fetch(self, i: int) -> None:
+        a: Arr | None = self._pick(i, self.arrays)
+        if a is None:
+            return
         lost = self._lost(a.hosts, a.gens)
         try:
             got = np.asarray(cb.device_get(a.arr).result(BOUND))
@@ -367,11 +376,12 @@ class Explorer(RuleBasedStateMachine):
         if a.expected is not None:
             np.testing.assert_array_equal(got, a.expected)
 
-    @precondition(lambda self: bool(self.arrays))
-    @rule(data=st.data(), how=st.sampled_from(["delete", "drop"]))
+    @rule(i=PICK, how=st.sampled_from(["delete", "drop"]))
     @step
-    def release_array(self, data: st.DataObject, how: str) -> None:
-        a: Arr = self._pick(data, self.arrays)
+    def release_array(self, i: int, how: str) -> None:
+        a: Arr | None = self._pick(i, self.arrays)
+        if a is None:
+            return
         self.arrays.remove(a)
         if how == "delete":
             a.arr.delete()
@@ -384,11 +394,12 @@ class Explorer(RuleBasedStateMachine):
     def make_object(self, start: int) -> None:
         self.objects.append(Obj(hs.Counter(start), start))
 
-    @precondition(lambda self: bool(self.objects))
-    @rule(data=st.data(), where=WHERE)
+    @rule(i=PICK, where=WHERE)
     @step
-    def call_object(self, data: st.DataObject, where: tuple[int, ...]) -> None:
-        o: Obj = self._pick(data, self.objects)
+    def call_object(self, i: int, where: tuple[int, ...]) -> None:
+        o: Obj | None = self._pick(i, self.objects)
+        if o is None:
+            return
         lost = bool(o.lost_ok & set(where))
         method = o.obj.incr.specialize(devices=self._devs(where))
         try:
@@ -408,22 +419,24 @@ class Explorer(RuleBasedStateMachine):
                     expected=expected, may_lose=lost)
         self.ops[-1].obj = o
 
-    @precondition(lambda self: bool(self.objects))
-    @rule(data=st.data(), how=st.sampled_from(["close", "drop"]))
+    @rule(i=PICK, how=st.sampled_from(["close", "drop"]))
     @step
-    def release_object(self, data: st.DataObject, how: str) -> None:
-        o: Obj = self._pick(data, self.objects)
+    def release_object(self, i: int, how: str) -> None:
+        o: Obj | None = self._pick(i, self.objects)
+        if o is None:
+            return
         self.objects.remove(o)
         if how == "close":
             o.obj.close()
 
     # -- hosts -----------------------------------------------------------------------------------
 
-    @precondition(lambda self: self.bed.restarts_left > 0)
     @rule(h=st.sampled_from([0, 1]))
     @step
     def restart_host(self, h: int) -> None:
-        self.bed.restarts_left -= 1
+        if self.restarts_left == 0:  # the example's budget: restarts cost seconds
+            return
+        self.restarts_left -= 1
         self.bed.restart(h)
         for op in self.ops:
             if h in op.hosts:
@@ -493,10 +506,10 @@ def _run(examples: int, steps: int, shrink: bool, derandomize: bool) -> None:
 
 
 def test_explorer_bounded(bed: Bed) -> None:
-    _run(examples=6, steps=25, shrink=False, derandomize=True)
+    _run(examples=8, steps=30, shrink=False, derandomize=True)
 
 
 @pytest.mark.slow
 def test_explorer_long(bed: Bed) -> None:
-    bed.restarts_left = 10
+    bed.restarts_per_example = 2
     _run(examples=60, steps=50, shrink=True, derandomize=False)
