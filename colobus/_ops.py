@@ -325,6 +325,9 @@ class Operations:
             h = hosts[i]
             if h.alive:
                 self.ctl._send(h, P.Cancel(call_id))
+        chan = self.ctl._chan
+        if chan is not None:
+            chan.flush()  # a CANCEL is urgent: it must reach the host before the call starts
         op.end(self, asyncio.CancelledError())
 
     def host_lost(self, host: Host, why: str) -> None:
