@@ -16,8 +16,9 @@ import numpy as np
 
 from . import _protocol as P
 from ._blocks import HostBlock, assemble, host_blocks
-from ._codec import from_buffer, is_key_array, key_impl_name, to_buffer
+from ._codec import is_key_array, key_impl_name, to_buffer
 from ._controller import Controller, default_controller
+from ._describe import read_fetched
 from ._future import Future
 from ._hosts import Host
 from ._sharding import Device, NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
@@ -370,8 +371,7 @@ def _fetch_many(arrays: list[Array], data: bool,
     def decode(host: Host, body: P.Result, env: Envelope) -> Any:
         if not data:
             return None
-        shape, descr, _impl = body.meta
-        block = from_buffer(descr, shape, env.buffers[0])
+        block = read_fetched(body.meta, env.buffers)
         ctl._count("bytes_fetched", block.nbytes)
         return block
 

@@ -83,14 +83,22 @@ def _setup_logging(verbose: bool) -> None:
 
 
 def _worker_key(path: str | None) -> bytes:
-    from ._keys import KEY_ENV, load_key
+    """The worker's key: from ``--key-file`` (``-``: stdin), else ``$COLOBUS_KEY_FILE``.
+
+    Raises:
+        AuthenticationError: no key given, or not a key of at least 32 bytes.
+    """
+    from ._errors import AuthenticationError
+    from ._keys import KEY_ENV, load_key, parse_key_text
 
     path = path or os.environ.get(KEY_ENV)
     if not path:
-        return b""
+        raise AuthenticationError(
+            "a worker needs the controller's key: give --key-file PATH (or '-' to read it "
+            f"from stdin) or set {KEY_ENV}; a controller started without a key logs the "
+            "file it wrote its key to")
     if path == "-":
-        text = sys.stdin.readline().strip()
-        return bytes.fromhex(text)
+        return parse_key_text(sys.stdin.readline(4096), "the key read from stdin")
     return load_key(path)
 
 
@@ -102,6 +110,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         reexec_with_huge_pages()  # large receives: huge pages, not 4 KiB page faults
     _setup_logging(args.verbose)
     if args.command == "worker":
+        from ._errors import ColobusError
         from ._worker import main_worker
 
         parent = os.environ.get("COLOBUS_PARENT_PID")
@@ -113,17 +122,27 @@ def main(argv: Sequence[str] | None = None) -> int:
                 build_parser().error("CurveZMQ needs both --curve-key-file and --server-key")
             curve_keypair = load_curve_keypair(args.curve_key_file)
             server_key = load_curve_public(args.server_key)
-        return main_worker(args.connect, args.name, _worker_key(args.key_file), args.devices,
+        try:
+            key = _worker_key(args.key_file)
+        except (OSError, ColobusError) as exc:
+            logging.getLogger("colobus.worker").error("%s", exc)
+            return 2
+        return main_worker(args.connect, args.name, key, args.devices,
                            int(parent) if parent else None, curve_keypair, server_key)
     if args.command == "keygen":
         from ._keys import write_curve_keypair, write_key
 
-        if args.curve:
-            public, _ = write_curve_keypair(args.path)
-            print(f"wrote a CurveZMQ key pair: {args.path} (secret, mode 0600) and "
-                  f"{args.path}.pub (public key {public.decode()})")
-            return 0
-        write_key(args.path)
+        try:
+            if args.curve:
+                public, _ = write_curve_keypair(args.path)
+                print(f"wrote a CurveZMQ key pair: {args.path} (secret, mode 0600) and "
+                      f"{args.path}.pub (public key {public.decode()})")
+                return 0
+            write_key(args.path)
+        except FileExistsError as exc:
+            print(f"colobus keygen: {exc.filename} exists; keygen never overwrites a file "
+                  "(or follows a symlink): remove it first", file=sys.stderr)
+            return 1
         print(f"wrote a new key to {args.path} (mode 0600)")
         return 0
     if args.command == "demo":

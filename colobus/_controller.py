@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import enum
-import ipaddress
 import logging
 import os
 import secrets
@@ -30,10 +29,10 @@ import time
 from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Any
-from urllib.parse import urlsplit
 
 import zmq
 
+from . import _describe, _keys
 from . import _protocol as P
 from ._channel import Channel
 from ._errors import ControllerClosedError, NoControllerError
@@ -51,6 +50,8 @@ __all__ = ["Controller", "HostInfo", "State", "current_controller"]
 
 log = logging.getLogger("colobus.controller")
 
+DEFAULT_MAX_MESSAGE_BYTES = 1 << 31  # 2 GiB: raise with Controller(max_message_bytes=...)
+
 
 
 class State(enum.Enum):
@@ -59,19 +60,6 @@ class State(enum.Enum):
     NEW = "new"
     RUNNING = "running"
     CLOSED = "closed"
-
-
-def _is_loopback(bind: str) -> bool:
-    parts = urlsplit(bind)
-    if parts.scheme in ("ipc", "inproc"):
-        return True
-    host = (parts.hostname or "").strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 _current: list[Controller] = []
@@ -91,7 +79,9 @@ class Controller:
         bind: ZeroMQ endpoint to bind, e.g. ``"tcp://0.0.0.0:5555"``,
             ``"tcp://127.0.0.1:*"`` (random port) or ``"ipc:///tmp/x.sock"``.
         hosts: how many workers to wait for on entry.
-        key: shared secret (``cb.load_key``). Required unless bound to loopback/ipc.
+        key: shared secret of at least 32 bytes (``cb.load_key``). None: the
+            controller makes a fresh one on start and writes it to a private
+            0600 file, :attr:`key_file`, for ``colobus worker --key-file``.
         heartbeat_interval: seconds between heartbeats, both directions.
         liveness_timeout: a host silent this long is declared lost.
         join_timeout: how long entry waits for ``hosts`` workers.
@@ -100,13 +90,16 @@ class Controller:
             caller on a plain thread blocks in the call until the queue is
             shorter; code running on an event loop never blocks there and
             awaits :meth:`wait_capacity`. Default: ``max_inflight``.
-        max_message_bytes: larger incoming messages are dropped and counted.
+        max_message_bytes: larger incoming messages (all frames together) are
+            dropped and counted; workers refuse to send larger replies and fail
+            the call instead. Default 2 GiB; raise it to fetch larger host blocks.
         exit_workers_on_close: tell workers to exit (rather than wait for the
             next controller) when this controller closes. ``local_cluster`` sets it.
         curve_secret_key: turn on CurveZMQ encryption with this server key pair:
-            the path of a secret key file from ``colobus keygen --curve PATH``,
-            or a Z85 secret key. Workers then need ``--server-key PATH.pub``
-            and a key pair of their own. See ``docs/security.md``.
+            the path of a secret key file from ``colobus keygen --curve PATH``
+            (files only: a secret never travels as a value). Workers then need
+            ``--server-key PATH.pub`` and a key pair of their own. See
+            ``docs/security.md``.
         curve_public_key: the server's Z85 public key; by default derived from
             the secret key.
         curve_allow: the workers allowed to connect (CurveZMQ only): Z85 public
@@ -123,11 +116,11 @@ class Controller:
             ``metrics`` also records timings.
 
     Raises:
-        ValueError: bound to a non-loopback address without a key,
-            ``curve_allow`` given without ``curve_secret_key``, or ``metrics``
-            not loopback without ``metrics_public``.
+        ValueError: ``curve_allow`` given without ``curve_secret_key``, or
+            ``metrics`` not loopback without ``metrics_public``.
         ImportError: ``metrics`` given but ``prometheus_client`` is missing.
-        AuthenticationError: a CurveZMQ key or key file is not valid.
+        AuthenticationError: ``key`` is shorter than 32 bytes, or a CurveZMQ key
+            file is not valid.
     """
 
     def __init__(
@@ -141,26 +134,24 @@ class Controller:
         join_timeout: float = 120.0,
         max_inflight: int = 1024,
         max_backlog: int | None = None,
-        max_message_bytes: int = 1 << 40,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         exit_workers_on_close: bool = False,
-        curve_secret_key: bytes | str | os.PathLike[str] | None = None,
+        curve_secret_key: str | os.PathLike[str] | None = None,
         curve_public_key: bytes | None = None,
         curve_allow: Iterable[bytes | str | os.PathLike[str]] | None = None,
         metrics: str | None = None,
         metrics_public: bool = False,
         trace: bool | str | os.PathLike[str] | None = None,
     ) -> None:
-        if key is None and not _is_loopback(bind):
-            raise ValueError(
-                f"Controller bound to {bind!r} (not loopback) refuses to start without a key: "
-                "make one with `colobus keygen PATH` and pass key=cb.load_key(PATH); give "
-                "workers the same file with --key-file PATH or COLOBUS_KEY_FILE."
-            )
+        if key is not None:
+            key = _keys.check_key(key, "Controller(key=...)")
         if hosts < 0:
             raise ValueError(f"hosts must be >= 0, got {hosts}")
         self._bind = bind
         self._expected_hosts = hosts
-        self._key = key if key is not None else b""
+        self._key = key if key is not None else _keys.generate_key()
+        self._write_key_file = key is None
+        self.key_file: str | None = None  # where a generated key was written (on start)
         self.heartbeat_interval = heartbeat_interval
         self.liveness_timeout = liveness_timeout
         self.join_timeout = join_timeout
@@ -258,6 +249,8 @@ class Controller:
         return {
             "dropped": dict(self._sessions.dropped),
             "dropped_total": sum(self._sessions.dropped.values()),
+            "hosts_dropped": self._sessions.hosts_dropped,
+            "join_challenges": len(self._sessions.challenges),
             "code_sent": self._counters["code_sent"],
             "code_bytes": self._counters["code_bytes"],
             "bytes_put": self._counters["bytes_put"],
@@ -290,9 +283,7 @@ class Controller:
         hosts = tuple(h.index for h in self._hosts.alive())
 
         def decode(host: Host, body: P.Result, env: Envelope) -> None:
-            meta = body.meta
-            if isinstance(meta, list) and len(meta) == 4 and all(type(x) is int for x in meta):
-                host.store = (meta[0], meta[1], meta[2], meta[3])
+            host.store = _describe.read_store_counts(body.meta)
 
         def send(call_id: int) -> None:
             for i in hosts:
@@ -332,8 +323,9 @@ class Controller:
         # A worker that reconnects after a dropped connection keeps its routing id:
         # its new connection takes over the route even if the old one lingers.
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        if self.max_message_bytes < (1 << 62):
-            sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
+        # libzmq refuses (and disconnects) a single frame over the limit before
+        # colobus sees it; several smaller frames over it in total are counted there.
+        sock.setsockopt(zmq.MAXMSGSIZE, min(self.max_message_bytes, (1 << 63) - 1))
         if self._curve is not None:
             from ._curve import start_curve_server
 
@@ -353,6 +345,11 @@ class Controller:
         self._tasks.append(self._loop.create_task(self._liveness_loop()))
         self.state = State.RUNNING
         log.info("controller listening on %s", self._address)
+        if self._write_key_file:
+            self.key_file = str(_keys.write_private_key(self._key))
+            log.info("no key given: wrote a fresh key to %s; standalone workers join with "
+                     "`colobus worker --connect %s --key-file %s`",
+                     self.key_file, self._address, self.key_file)
         self._chan.drain()
 
     def _stop_observing(self) -> None:
@@ -420,6 +417,8 @@ class Controller:
         chan.close(linger_ms=200)  # a moment for the SHUTDOWN messages to leave
         self._stop_curve()
         self._ctx.term()
+        if self.key_file is not None:
+            _keys.remove_private_key(self.key_file)
         _pop_current(self)
         self._stop_observing()
         log.info("controller on %s closed", self._address)

@@ -6,7 +6,7 @@
     ├── NoControllerError       no default controller is running
     ├── ControllerClosedError   the controller was closed (by you)
     ├── HostLostError           a host went silent or died (the peer)
-    ├── RemoteError             a host raised an exception that does not unpickle here
+    ├── RemoteError             a host raised an exception whose type cannot be rebuilt here
     ├── SerializationError      code or arguments cannot be pickled; nothing was sent
     ├── ProtocolError           a peer speaks another protocol version or broke the protocol
     └── AuthenticationError     a key does not match
@@ -60,7 +60,7 @@ class HostLostError(ColobusError):
 
 
 class RemoteError(ColobusError):
-    """An exception raised on a host whose type cannot be rebuilt here.
+    """An exception raised on a host whose type cannot be rebuilt here (never unpickled).
 
     Attributes:
         type_name: qualified name of the remote exception type.

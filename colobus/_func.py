@@ -24,6 +24,7 @@ from ._array import Array
 from ._blocks import global_shape_from_host, host_blocks
 from ._cacheinfo import CacheInfo, Signatures
 from ._controller import Controller, default_controller
+from ._describe import read_outputs
 from ._future import Future
 from ._hosts import Host
 from ._plan import CallPlan, make_plan
@@ -36,7 +37,7 @@ from ._sharding import (
     ShapeDtypeStruct,
     SingleDeviceSharding,
 )
-from ._wire import Envelope, loads
+from ._wire import Envelope
 
 __all__ = [
     "CallPlan", "Code", "ColocatedFunction", "ColocatedObjectBase", "PickledArgs",
@@ -312,7 +313,8 @@ class _CallOp:
 
 
 def _decode_result(host: Host, body: P.Result, env: Envelope) -> Any:
-    return loads(env.payload, env.buffers[: env.pbufs])
+    """A host's output description (msgpack; never a pickle: see ``_describe``)."""
+    return read_outputs(env.payload, body.meta)
 
 
 _result_refs: dict[weakref.ref[Future[Any]], _CallOp] = {}

@@ -61,6 +61,9 @@ class Host:
     alive: bool = True
     last_seen: float = 0.0
     inflight: set[int] = field(default_factory=set)  # operations waiting for this host
+    # Operations sent here whose reply has not come: a RESULT for any other call id
+    # is a protocol violation (an operation that ended early still gets its reply).
+    awaiting: set[int] = field(default_factory=set)
     code_sent: set[bytes] = field(default_factory=set)
     objects_built: set[int] = field(default_factory=set)
     # what the worker last reported holding: arrays, bytes, objects, results

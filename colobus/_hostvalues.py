@@ -19,7 +19,8 @@ import numpy as np
 from . import _outlayout
 from . import _protocol as P
 from ._codec import is_key_array, key_impl_name
-from ._wire import Buffer, dumps
+from ._describe import describe_outputs
+from ._wire import Buffer
 
 __all__ = [
     "LAZY_PUT_BYTES", "HostValues", "NumpyBlock", "is_string", "jax_exact", "numpy_block",
@@ -234,8 +235,8 @@ class HostValues:
                                    # one device: no other host can hold a replica
                                    _outlayout.digest(value) if is_mesh else None, ref))
             values.append(value)
-        payload, bufs = dumps(treedef.unflatten(metas))
-        return values, treedef, payload, bufs
+        # msgpack, never a pickle: the controller does not unpickle what hosts send.
+        return values, treedef, describe_outputs(treedef, metas), []
 
 
 def _pinned_values(pins: Sequence[asyncio.Future[Any]]) -> list[Any]:

@@ -1,10 +1,17 @@
-"""Shared keys: ``colobus keygen PATH`` writes one, :func:`load_key` reads one."""
+"""Keys on disk: ``colobus keygen PATH`` writes one, :func:`load_key` reads one.
 
+Key files are created with ``O_CREAT | O_EXCL | O_NOFOLLOW`` and mode 0600 (an
+existing file or a symlink at the path is never written through), and refused
+when the group or others may read them. MAC keys are at least
+:data:`MIN_KEY_BYTES` long wherever one enters colobus. CurveZMQ secret keys
+are read from files only, never from a value that could sit on a command line.
+"""
 from __future__ import annotations
 
 import os
 import secrets
 import stat
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -12,17 +19,23 @@ from ._errors import AuthenticationError
 
 __all__ = [
     "KEY_ENV",
+    "MIN_KEY_BYTES",
+    "check_key",
     "generate_key",
     "load_curve_allow",
     "load_curve_keypair",
     "load_curve_public",
     "load_key",
+    "parse_key_text",
+    "remove_private_key",
     "write_curve_keypair",
     "write_key",
+    "write_private_key",
 ]
 
 KEY_ENV = "COLOBUS_KEY_FILE"
 KEY_BYTES = 32
+MIN_KEY_BYTES = 32
 
 
 def generate_key() -> bytes:
@@ -30,43 +43,93 @@ def generate_key() -> bytes:
     return secrets.token_bytes(KEY_BYTES)
 
 
-def write_key(path: str | os.PathLike[str], key: bytes | None = None) -> bytes:
-    """Write ``key`` (default: a new one) as hex to ``path`` with mode 0600."""
-    key = generate_key() if key is None else key
-    p = Path(path)
-    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+def check_key(key: bytes, source: str) -> bytes:
+    """``key`` if it is long enough to be a MAC key.
+
+    Raises:
+        AuthenticationError: shorter than :data:`MIN_KEY_BYTES` (naming its length).
+    """
+    if not isinstance(key, bytes | bytearray):
+        raise AuthenticationError(f"{source}: a key is bytes, got {type(key).__name__}")
+    if len(key) < MIN_KEY_BYTES:
+        raise AuthenticationError(
+            f"{source}: the key is {len(key)} bytes; colobus keys must be at least "
+            f"{MIN_KEY_BYTES} bytes (make one with `colobus keygen PATH`)")
+    return bytes(key)
+
+
+def _create_private(path: Path, data: bytes, mode: int = 0o600) -> None:
+    """Write a new file: never over an existing one, never through a symlink."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
     try:
-        os.fchmod(fd, 0o600)
-        os.write(fd, key.hex().encode() + b"\n")
+        os.fchmod(fd, mode)
+        os.write(fd, data)
     finally:
         os.close(fd)
+
+
+def write_key(path: str | os.PathLike[str], key: bytes | None = None) -> bytes:
+    """Write ``key`` (default: a new one) as hex to a new file ``path``, mode 0600.
+
+    Raises:
+        FileExistsError: something (a file, a symlink) is already at ``path``.
+        AuthenticationError: ``key`` is too short.
+    """
+    key = generate_key() if key is None else check_key(key, "write_key")
+    _create_private(Path(path), key.hex().encode() + b"\n")
     return key
+
+
+def parse_key_text(text: str, source: str) -> bytes:
+    """A key from its hex text (a key file's content, or stdin for ``--key-file -``)."""
+    try:
+        key = bytes.fromhex(text.strip())
+    except ValueError:
+        raise AuthenticationError(
+            f"{source} is not a colobus key (expected hex); make one with "
+            "`colobus keygen PATH`") from None
+    return check_key(key, source)
 
 
 def load_key(path: str | os.PathLike[str]) -> bytes:
     """Read a key file written by ``colobus keygen``.
 
     Raises:
-        AuthenticationError: the file is not a colobus key.
+        AuthenticationError: the file is not a colobus key, its key is shorter
+            than 32 bytes, or the group or others may read it.
         FileNotFoundError: there is no such file.
     """
     p = Path(path)
-    text = p.read_text().strip()
+    fd = os.open(p, os.O_RDONLY)
     try:
-        key = bytes.fromhex(text)
-    except ValueError:
-        raise AuthenticationError(
-            f"{p} is not a colobus key file (expected hex); make one with `colobus keygen {p}`"
-        ) from None
-    if len(key) < 16:
-        raise AuthenticationError(f"{p}: key too short ({len(key)} bytes; need 16 or more)")
-    mode = p.stat().st_mode
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        import logging
+        mode = os.fstat(fd).st_mode
+        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise AuthenticationError(
+                f"key file {p} can be read by others (mode {mode & 0o777:o}); "
+                f"run `chmod 600 {p}`")
+        with os.fdopen(os.dup(fd), "r") as f:
+            text = f.read(1 << 16)
+    finally:
+        os.close(fd)
+    return parse_key_text(text, str(p))
 
-        logging.getLogger("colobus.keys").warning(
-            "key file %s is readable by others (mode %o); chmod 600 it", p, mode & 0o777)
-    return key
+
+def write_private_key(key: bytes) -> Path:
+    """Write ``key`` to a new file in a fresh private (0700) directory; its path."""
+    directory = Path(tempfile.mkdtemp(prefix="colobus-key-"))
+    path = directory / "key"
+    write_key(path, key)
+    return path
+
+
+def remove_private_key(path: str | os.PathLike[str]) -> None:
+    """Remove a file made by :func:`write_private_key`, and its directory."""
+    p = Path(path)
+    try:
+        p.unlink()
+        p.parent.rmdir()
+    except OSError:
+        pass
 
 
 # -- CurveZMQ key pairs (optional encryption) ------------------------------------------
@@ -99,14 +162,9 @@ def write_curve_keypair(path: str | os.PathLike[str]) -> tuple[bytes, bytes]:
     public, secret = zmq.curve_keypair()
     p = Path(path)
     pub = Path(str(p) + CURVE_PUBLIC_SUFFIX)
-    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)
-        os.write(fd, _CURVE_SECRET_TEMPLATE.format(
-            pub_name=pub.name, public=public.decode(), secret=secret.decode()).encode())
-    finally:
-        os.close(fd)
-    pub.write_text(_CURVE_PUBLIC_TEMPLATE.format(public=public.decode()))
+    _create_private(p, _CURVE_SECRET_TEMPLATE.format(
+        pub_name=pub.name, public=public.decode(), secret=secret.decode()).encode())
+    _create_private(pub, _CURVE_PUBLIC_TEMPLATE.format(public=public.decode()).encode(), 0o644)
     return public, secret
 
 
@@ -126,22 +184,26 @@ def _z85_key(value: bytes | str) -> bytes | None:
     return None
 
 
-def load_curve_keypair(source: bytes | str | os.PathLike[str]) -> tuple[bytes, bytes]:
-    """``(public, secret)`` (Z85) from a secret key file or a Z85 / raw secret key.
+def load_curve_keypair(source: str | os.PathLike[str]) -> tuple[bytes, bytes]:
+    """``(public, secret)`` (Z85) from a secret key file (``colobus keygen --curve PATH``).
+
+    Secrets come from files only: a value that could be a key itself is never
+    accepted (it would sit on command lines and in logs), nor echoed in errors.
 
     Raises:
-        AuthenticationError: not a CurveZMQ secret key.
+        AuthenticationError: not a readable, private CurveZMQ secret key file.
     """
-    import zmq
     import zmq.auth
 
-    if isinstance(source, bytes) or (isinstance(source, str) and not os.path.exists(source)):
-        secret = _z85_key(source)
-        if secret is None:
-            raise AuthenticationError(
-                f"{source!r:.60} is neither a CurveZMQ secret key file nor a Z85 key")
-        return zmq.curve_public(secret), secret
+    if not isinstance(source, str | os.PathLike):
+        raise AuthenticationError(
+            "CurveZMQ secret keys are read from files only: give the path of a secret key "
+            "file from `colobus keygen --curve PATH`")
     p = Path(source)
+    if not p.is_file():
+        raise AuthenticationError(
+            "no CurveZMQ secret key file at the path given (secret keys are read from files "
+            "only; make one with `colobus keygen --curve PATH`)")
     try:
         public, secret = zmq.auth.load_certificate(p)
     except (OSError, ValueError) as exc:
@@ -150,11 +212,11 @@ def load_curve_keypair(source: bytes | str | os.PathLike[str]) -> tuple[bytes, b
         raise AuthenticationError(
             f"{p} holds only a public key; give the secret key file "
             f"(`colobus keygen --curve {p}` writes both)")
-    if p.stat().st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        import logging
-
-        logging.getLogger("colobus.keys").warning(
-            "CurveZMQ secret key file %s is readable by others; chmod 600 it", p)
+    mode = p.stat().st_mode
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise AuthenticationError(
+            f"CurveZMQ secret key file {p} can be read by others (mode {mode & 0o777:o}); "
+            f"run `chmod 600 {p}`")
     return public, secret
 
 
@@ -170,7 +232,7 @@ def load_curve_public(source: bytes | str | os.PathLike[str]) -> bytes:
         key = _z85_key(source)
         if key is None:
             raise AuthenticationError(
-                f"{source!r:.60} is neither a CurveZMQ key file nor a Z85 public key")
+                "the CurveZMQ public key given is neither a key file nor a Z85 public key")
         return key
     p = Path(source)
     try:

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from . import _protocol as P
+from ._describe import BadReply
 from ._errors import ControllerClosedError, HostLostError, ProtocolError
 from ._future import Future
 from ._remote import rebuild_exception
@@ -84,26 +85,29 @@ class Operation:
             i += 1
         return out
 
-    def answered(self, host: Host, body: P.Result, env: Envelope) -> None:
-        """Record one host's RESULT (loop thread)."""
+    def answered(self, host: Host, body: P.Result, env: Envelope) -> BadReply | None:
+        """Record one host's RESULT (loop thread); the reply's flaw if it broke the
+        protocol (the operation then fails with a ``ProtocolError``)."""
         i = host.index
         self.remaining &= ~(1 << i)
         status = body.status
-        if status == P.Status.OK:
-            if type(body.meta) is int:
-                self.outputs[i] = body.meta
-            try:
+        try:
+            if status == P.Status.OK:
+                if type(body.meta) is int:
+                    self.outputs[i] = body.meta
                 self.values[i] = self.decode(host, body, env)
-            except (ValueError, TypeError, KeyError, IndexError) as exc:
-                err = ProtocolError(f"host {i} sent a malformed reply: {exc}")
-                err.__cause__ = exc
-                self.errors[i] = err
-            except BaseException as exc:
-                self.errors[i] = exc
-        elif status == P.Status.CANCELLED:
-            self.was_cancelled = True
-        else:
-            self.errors[i] = rebuild_exception(host, env, body.meta)
+            elif status == P.Status.CANCELLED:
+                self.was_cancelled = True
+            else:
+                self.errors[i] = rebuild_exception(host, env, body.meta)
+        except BadReply as exc:
+            err = ProtocolError(f"host {i} ({host.name!r}) sent a malformed reply: {exc}")
+            err.__cause__ = exc
+            self.errors[i] = err
+            return exc
+        except BaseException as exc:
+            self.errors[i] = exc
+        return None
 
     def end(self, ops: Operations, exc: BaseException | None = None) -> None:
         """End the operation (loop thread): with ``exc``, else from what hosts answered.
@@ -246,6 +250,7 @@ class Operations:
         self.pending[op.call_id] = op
         for i in op.hosts:
             hosts[i].inflight.add(op.call_id)
+            hosts[i].awaiting.add(op.call_id)
         send, op.send = op.send, None
         assert send is not None
         obs = self.ctl.observer
@@ -290,16 +295,28 @@ class Operations:
         if self.ctl.observer is not None:
             self.ctl.observer.result(host.index, body)
         call_id = body.call_id
+        ctl = self.ctl
+        if call_id not in host.awaiting:  # never sent to this host, or answered already
+            ctl._sessions.violation(host, "unsolicited", f"result for call {call_id}")
+            return
+        host.awaiting.discard(call_id)
+        if (body.status == P.Status.OK and type(body.meta) is int
+                and not 0 <= body.meta < P.MAX_OUTPUTS):
+            ctl._sessions.violation(host, "malformed", f"{body.meta} outputs")
+            return
         host.inflight.discard(call_id)
         op = self.pending.get(call_id)
+        bad: BadReply | None = None
         if op is None or not op.waits_for(host.index):
             # Ended already (cancelled, failed, a host lost): nobody will own these.
             if body.status == P.Status.OK and type(body.meta) is int:
                 self.free_outputs(host.index, call_id, body.meta)
         else:
-            op.answered(host, body, env)
+            bad = op.answered(host, body, env)
             if not op.remaining:
                 op.end(self)
+        if bad is not None:  # the call failed with a ProtocolError; the host goes
+            ctl._sessions.violation(host, "bad_reply", str(bad))
         if self.backlog:
             self.pump()
 

@@ -16,12 +16,14 @@ __all__ = [
     "Body",
     "Call",
     "Cancel",
+    "Challenge",
     "Code",
     "Construct",
     "Destroy",
     "Fetch",
     "Heartbeat",
     "Hello",
+    "Join",
     "Kind",
     "Put",
     "Reject",
@@ -61,6 +63,8 @@ class Kind(enum.IntEnum):
     SHUTDOWN = 15  # C: the controller is closing
     RESET = 16  # C: you were declared lost; join again
     BATCH = 17  # both: several of the above to one peer, in order, in one envelope
+    JOIN = 18  # W: ask for a join challenge (first message of a session)
+    CHALLENGE = 19  # C: a fresh nonce the worker's HELLO must carry
 
 
 class Status(enum.IntEnum):
@@ -99,23 +103,37 @@ _num = (int, float)
 @dataclass(frozen=True, slots=True)
 class Hello(Body):
     kind = Kind.HELLO
-    types = (str, int, str, list, _num)
+    types = (str, int, str, list, bytes)
     name: str
     pid: int
     hostname: str
     devices: list[Any]  # [[platform, device_kind, local_id], ...]
-    time: float
+    nonce: bytes  # the controller's CHALLENGE to this session, inside the MAC
 
 
 @dataclass(frozen=True, slots=True)
 class Welcome(Body):
     kind = Kind.WELCOME
-    types = (int, list, _num, _num, bool)
+    types = (int, list, _num, _num, bool, int)
     host: int
     device_ids: list[int]
     heartbeat: float
     liveness: float
     exit_with_controller: bool
+    max_message_bytes: int  # the controller drops larger messages; replies stay under it
+
+
+@dataclass(frozen=True, slots=True)
+class Join(Body):
+    kind = Kind.JOIN
+    types = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Challenge(Body):
+    kind = Kind.CHALLENGE
+    types = (bytes,)
+    nonce: bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,7 +291,7 @@ class Reset(Body):
 BODIES: dict[Kind, type[Body]] = {
     cls.kind: cls
     for cls in (
-        Hello, Welcome, Reject, Heartbeat, Code, Call, Result, Cancel, Put, Fetch,
+        Hello, Welcome, Reject, Join, Challenge, Heartbeat, Code, Call, Result, Cancel, Put, Fetch,
         Release, Construct, Destroy, Stats, Shutdown, Reset,
     )
 }
@@ -292,7 +310,7 @@ def parse(kind: int, raw: Any) -> Body:
 
 @dataclass(frozen=True, slots=True)
 class OutLeaf:
-    """One output leaf of a call, as a host reports it (inside the RESULT pickle).
+    """One output leaf of a call, as a host reports it (see ``_describe``).
 
     The host keeps the value under array ref ``(call_id << 16) | index``.
     ``spec`` is the ``PartitionSpec`` when the leaf is sharded over the host's

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ._errors import RemoteError
-from ._wire import Envelope, loads
+from ._describe import read_error, rebuild_error
+from ._wire import Envelope
 
 if TYPE_CHECKING:
     from ._hosts import Host
@@ -14,17 +14,15 @@ __all__ = ["rebuild_exception"]
 
 
 def rebuild_exception(host: Host, env: Envelope, meta: Any) -> BaseException:
-    """The exception a host's ERROR reply describes, with the host and traceback as notes."""
-    type_name, message, tb = "Exception", "", ""
-    if isinstance(meta, list) and len(meta) == 3:
-        type_name, message, tb = (str(x) for x in meta)
-    exc: BaseException
-    try:
-        exc = loads(env.payload, env.buffers[: env.pbufs])
-        if not isinstance(exc, BaseException):
-            raise TypeError("not an exception")
-    except Exception:
-        exc = RemoteError(type_name, message, tb, host.index)
+    """The exception a host's ERROR reply describes, rebuilt from data (never
+    unpickled: see ``_describe``), with the host and traceback as notes.
+
+    Raises:
+        BadReply: the payload is not an error description.
+    """
+    failure = read_error(env.payload)
+    exc = rebuild_error(failure, host.index)
+    tb = failure.traceback
     exc.add_note(f"raised on colobus host {host.index} ({host.name!r})")
     if tb:
         exc.add_note(f"remote traceback (host {host.index}):\n{tb.rstrip()}")

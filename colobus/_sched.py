@@ -22,7 +22,6 @@ import pickle
 import queue
 import threading
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -515,8 +514,3 @@ class Scheduler:
             stream.busy = False
             self.pump(stream)
 
-
-def error_meta(exc: BaseException) -> list[str]:
-    """What an ERROR reply says of ``exc`` in plain data: type, message, traceback."""
-    tb = "".join(traceback.format_exception(exc))
-    return [f"{type(exc).__module__}.{type(exc).__qualname__}", str(exc), tb]

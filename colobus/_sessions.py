@@ -2,8 +2,10 @@
 
 Each incoming message is authenticated (MAC, then its session, then its place
 in the sequence) before anything reads its body; what fails is dropped and
-counted by reason. A HELLO joins a worker (a new host, or the next generation
-of a named one); a joined host's messages go to the handler of their kind.
+counted by reason. A worker joins by answering a challenge: JOIN gets a fresh
+nonce (CHALLENGE), and a HELLO carrying it joins the worker (a new host, or
+the next generation of a named one). A joined host's messages go to the
+handler of their kind; a joined host that breaks the protocol is dropped.
 Every ``heartbeat_interval`` the controller reads what waits, declares hosts
 silent beyond the liveness timeout lost (exactly their operations fail), sends
 heartbeats, and resends what a host left unacknowledged (a dropped connection).
@@ -19,6 +21,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from . import _protocol as P
+from ._guard import Challenges, PeerWarnings
 from ._hosts import Host
 from ._protocol import Kind
 from ._wire import PROTOCOL_VERSION, Dropped, Envelope, decode, unpack_batch
@@ -30,9 +33,9 @@ __all__ = ["Sessions"]
 
 log = logging.getLogger("colobus.controller")
 
-HELLO_MAX_AGE_S = 300.0
-SEEN_HELLO_MAX = 65536  # worker sessions whose HELLO was taken (replay guard), at most
-WARNED_PEERS_MAX = 1024  # peers whose unauthenticated messages were logged, at most
+MAX_HOSTS = 4096  # distinct host names one controller keeps
+MAX_DEVICES_PER_HOST = 4096
+MAX_NAME = 256  # characters of a host name or address
 RESET_SEQ = 1 << 62  # sequence number of a RESET: above any a session reaches
 
 
@@ -43,8 +46,9 @@ class Sessions:
         self._ctl = ctl
         self.dropped: collections.Counter[str] = collections.Counter()
         self.batches_received = 0
-        self._seen_hello: collections.OrderedDict[bytes, None] = collections.OrderedDict()
-        self._warned_peers: set[bytes] = set()
+        self.hosts_dropped = 0  # joined hosts dropped for breaking the protocol
+        self.challenges = Challenges()  # join nonces: bounded, expiring
+        self._peer_warnings = PeerWarnings(log)
         # Keyed by Kind, found by the plain int off the wire (IntEnum hashes as int).
         self._handlers: dict[int, Callable[[Host, Any, Envelope], None]] = {
             Kind.HEARTBEAT: self._on_heartbeat,
@@ -55,15 +59,17 @@ class Sessions:
 
     def drop(self, reason: str, identity: bytes, detail: str = "") -> None:
         self.dropped[reason] += 1
-        if (reason in ("unauthenticated", "version") and identity not in self._warned_peers
-                and len(self._warned_peers) < WARNED_PEERS_MAX):
-            self._warned_peers.add(identity)
-            log.warning(
-                "dropping %s messages from peer %s%s (logged once per peer)",
-                reason, identity.hex(), f": {detail}" if detail else "",
-            )
+        if reason in ("unauthenticated", "version", "oversized"):
+            self._peer_warnings.note(reason, identity, detail)  # rate-limited
         else:
             log.debug("dropped message (%s) %s", reason, detail)
+
+    def violation(self, host: Host, reason: str, detail: str = "") -> None:
+        """``host`` broke the protocol with a valid MAC: count it and drop the host."""
+        self.dropped[reason] += 1
+        if host.alive:
+            self.hosts_dropped += 1
+            self.lose(host, f"it broke the protocol ({reason}: {detail:.200})")
 
     def on_frames(self, frames: list[Any]) -> None:
         """One multipart message off the ROUTER: authenticate, then handle or drop."""
@@ -72,12 +78,22 @@ class Sessions:
             return
         ctl = self._ctl
         identity = frames[0].bytes
+        host: Host | None = None
         try:
-            env = decode(ctl._key, frames[1:], max_payload=ctl.max_message_bytes)
+            # Sizes from the frame lengths first, then the MAC, then the header.
+            env = decode(ctl._key, frames[1:], max_payload=ctl.max_message_bytes,
+                         max_total=ctl.max_message_bytes)
         except Dropped as d:
-            self.drop(d.reason, identity, d.detail)
+            host = ctl._hosts.by_identity.get(identity)
+            if host is not None and d.reason == "oversized":
+                self.violation(host, d.reason, d.detail)  # its workers stay under the limit
+            else:
+                self.drop(d.reason, identity, d.detail)
             return
         try:
+            if env.kind == Kind.JOIN:
+                self._on_join(identity, env)
+                return
             if env.kind == Kind.HELLO:
                 self._on_hello(identity, env)
                 return
@@ -109,7 +125,10 @@ class Sessions:
             subs = unpack_batch(env)
             self.batches_received += 1
         except Dropped as d:
-            self.drop(d.reason, identity, d.detail)
+            if host is not None:
+                self.violation(host, d.reason, d.detail)
+            else:
+                self.drop(d.reason, identity, d.detail)
             return
         except ValueError as exc:
             self.drop("malformed", identity, str(exc))
@@ -119,6 +138,8 @@ class Sessions:
             log.exception("error handling a message from %s", identity.hex())
             return
         for sub in subs:
+            if not host.alive:
+                return  # dropped for an earlier message of the batch
             self._dispatch(host, identity, sub)
 
     def _dispatch(self, host: Host, identity: bytes, env: Envelope) -> None:
@@ -126,12 +147,15 @@ class Sessions:
         try:
             body = P.parse(env.kind, env.body)
             handler = self._handlers.get(env.kind)
+            if env.kind in (Kind.HELLO, Kind.JOIN):  # a join resent by a joined host
+                self.drop("stale", identity, "join of a joined host")
+                return
             if handler is None:
-                self.drop("unexpected_kind", identity, Kind(env.kind).name)
+                self.violation(host, "unexpected_kind", Kind(env.kind).name)
                 return
             handler(host, body, env)
         except ValueError as exc:
-            self.drop("malformed", identity, str(exc))
+            self.violation(host, "malformed", str(exc))
         except Exception:  # a bug in a handler must not kill the reader
             self.dropped["handler_error"] += 1
             log.exception("error handling a message from %s", identity.hex())
@@ -144,13 +168,35 @@ class Sessions:
 
     # -- handlers ------------------------------------------------------------------------
 
+    def _refuse_version(self, identity: bytes, env: Envelope) -> bool:
+        if env.version == PROTOCOL_VERSION:
+            return False
+        self.drop("version", identity, f"peer speaks protocol {env.version}")
+        self._send_raw(identity, env.sender, P.Reject(
+            f"protocol version mismatch: worker speaks {env.version}, controller speaks "
+            f"{PROTOCOL_VERSION}; install the same colobus version on both sides"))
+        return True
+
+    def _on_join(self, identity: bytes, env: Envelope) -> None:
+        """A worker asks to join: answer with a fresh nonce its HELLO must carry."""
+        if self._refuse_version(identity, env) or self._ctl._closed:
+            return
+        P.parse(env.kind, env.body)  # no fields: ValueError (malformed) otherwise
+        if len(env.sender) != 16 or env.buffers or env.payload:
+            self.drop("malformed", identity, "join")
+            return
+        current = self._ctl._hosts.by_identity.get(identity)
+        if current is not None and current.session == env.sender:
+            # A JOIN the worker sent again before our WELCOME reached it: already
+            # joined. Its number is taken, so the worker's next message follows it.
+            current.peer.recv_seq = max(current.peer.recv_seq, env.seq)
+            return
+        nonce = self.challenges.issue(identity, env.sender)
+        self._send_raw(identity, env.sender, P.Challenge(nonce))
+
     def _on_hello(self, identity: bytes, env: Envelope) -> None:
         ctl = self._ctl
-        if env.version != PROTOCOL_VERSION:
-            self.drop("version", identity, f"peer speaks protocol {env.version}")
-            self._send_raw(identity, env.sender, P.Reject(
-                f"protocol version mismatch: worker speaks {env.version}, controller speaks "
-                f"{PROTOCOL_VERSION}; install the same colobus version on both sides"))
+        if self._refuse_version(identity, env):
             return
         hello = P.parse(env.kind, env.body)
         assert isinstance(hello, P.Hello)
@@ -161,21 +207,31 @@ class Sessions:
             # joined. Its number is taken, so the worker's next message follows it.
             current.peer.recv_seq = max(current.peer.recv_seq, env.seq)
             return
-        if env.sender in self._seen_hello or abs(time.time() - hello.time) > HELLO_MAX_AGE_S:
-            self.drop("replay", identity, "old hello")
+        # The nonce this controller issued to this connection and session, once:
+        # a recorded HELLO is worthless to any later controller or connection.
+        if not self.challenges.take(identity, env.sender, hello.nonce):
+            self.drop("replay", identity, "hello without a fresh challenge")
             return
         if ctl._closed:
             return
-        self._seen_hello[env.sender] = None
-        while len(self._seen_hello) > SEEN_HELLO_MAX:
-            self._seen_hello.popitem(last=False)
+        if not (len(hello.devices) <= MAX_DEVICES_PER_HOST and all(
+                isinstance(d, list) and len(d) == 3 and isinstance(d[0], str)
+                and isinstance(d[1], str) and type(d[2]) is int for d in hello.devices)):
+            raise ValueError("bad device list")
+        if len(hello.name) > MAX_NAME or len(hello.hostname) > MAX_NAME:
+            raise ValueError("host name too long")
         old = hosts.by_name.get(hello.name)
+        if old is None and len(hosts.hosts) >= MAX_HOSTS:
+            self.drop("too_many_hosts", identity, hello.name[:64])
+            self._send_raw(identity, env.sender, P.Reject(
+                f"this controller already has {MAX_HOSTS} hosts; rejoin under an existing name"))
+            return
         if old is not None and old.alive:
             self.lose(old, "it re-registered (the worker restarted)")
         host = hosts.join(identity, hello, env.sender, ctl._session, env.seq)
         ctl._send(host, P.Welcome(host.index, [d.id for d in host.devices],
                                   ctl.heartbeat_interval, ctl.liveness_timeout,
-                                  ctl._exit_workers))
+                                  ctl._exit_workers, ctl.max_message_bytes))
         log.info("%s", hosts.describe(host, old is not None, ctl._expected_hosts))
         ctl._joined()
 
@@ -195,6 +251,7 @@ class Sessions:
         # Read what already arrived before judging silence: a loop that was busy
         # (a large pickle, a GC pause) must not declare live hosts lost.
         chan.drain()
+        self._peer_warnings.flush()
         now = time.monotonic()
         alive = []
         for h in ctl._hosts.alive():

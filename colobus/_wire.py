@@ -1,13 +1,15 @@
 """Envelopes <-> ZeroMQ frames: layout, MAC, replay window, zero-copy buffers.
 
 This module is pure: it never touches a socket. It trusts nothing it receives
-until :func:`decode` has checked the MAC; only then is the header unpacked, and
-only a caller holding an authenticated :class:`Envelope` unpickles its payload.
+until :func:`decode` has checked sizes and the MAC; only then is the header
+unpacked. Only a worker unpickles payloads (:func:`loads`, on authenticated
+envelopes from its controller); the controller never unpickles what a worker
+sent: replies are msgpack (``_describe``) and raw buffers.
 
 Frame layout of one envelope (fixed; no delimiter scanning)::
 
     0  header   msgpack array [version, kind, sender, receiver, seq, ack, buflens, pbufs, body]
-    1  payload  cloudpickle bytes, or empty
+    1  payload  cloudpickle bytes (controller to worker), msgpack (worker replies), or empty
     2  mac      32 bytes: keyed BLAKE2b over len(header)|header|len(payload)|payload
     3+ buffers  raw bytes (numpy data, pickle-5 out-of-band buffers), lengths in header
 
@@ -60,11 +62,13 @@ __all__ = [
     "unpack_batch",
 ]
 
-PROTOCOL_VERSION = 4  # 2: BATCH envelopes; 3: acknowledgements (ack) in every header;
+PROTOCOL_VERSION = 5  # 2: BATCH envelopes; 3: acknowledgements (ack) in every header;
 # 4: timings in RESULT, health in HEARTBEAT
+# 5: challenged joins (JOIN, CHALLENGE), no pickles from workers
 BATCH_KIND = 17  # _protocol.Kind.BATCH (this module does not import the kinds)
 MAC_SIZE = 32
 MAX_HEADER_BYTES = 1 << 20
+MAX_FRAMES = 1 << 16  # frames in one envelope (a batch's buffers included)
 # Out-of-band pickle buffers below this size stay in the pickle (a copy is cheaper
 # than a frame); the same threshold pyzmq uses to decide zero-copy sends.
 OOB_THRESHOLD = 1 << 16
@@ -131,19 +135,28 @@ def _frame_bytes(frame: Any) -> Buffer:
 
 
 def decode(
-    key: bytes, frames: Sequence[Any], *, max_payload: int = 1 << 40
+    key: bytes, frames: Sequence[Any], *, max_payload: int = 1 << 40,
+    max_total: int | None = None, max_frames: int = MAX_FRAMES,
 ) -> Envelope:
     """Authenticate and unpack ``frames``; raise :class:`Dropped` on anything wrong.
 
-    Nothing is unpickled here. The MAC is checked before the header is parsed.
+    Nothing is unpickled here. Sizes are checked from the frame lengths first
+    (``max_total``: all frames together), then the MAC, and only then is the
+    header parsed.
     """
     if len(frames) < 3:
         raise Dropped("malformed", f"{len(frames)} frames")
+    if len(frames) > max_frames:
+        raise Dropped("oversized", f"{len(frames)} frames")
     header = _frame_bytes(frames[0])
     payload = _frame_bytes(frames[1])
     tag = _frame_bytes(frames[2])
     if _nbytes(header) > MAX_HEADER_BYTES or _nbytes(payload) > max_payload:
         raise Dropped("oversized")
+    if max_total is not None:
+        total = sum(_nbytes(_frame_bytes(f)) for f in frames)
+        if total > max_total:
+            raise Dropped("oversized", f"{total} bytes")
     if _nbytes(tag) != MAC_SIZE:
         raise Dropped("malformed", "bad mac frame")
     if not hmac.compare_digest(mac(key, header, payload), bytes(tag)):
@@ -341,7 +354,8 @@ def dumps(obj: Any) -> tuple[bytes, list[Buffer]]:
 
 
 def loads(payload: Buffer, buffers: Sequence[Buffer] = ()) -> Any:
-    """Unpickle a payload made by :func:`dumps`. Only call on authenticated envelopes."""
+    """Unpickle a payload made by :func:`dumps` (workers only, on authenticated envelopes
+    from their controller; the controller never unpickles what a worker sent)."""
     return pickle.loads(payload, buffers=buffers)
 
 

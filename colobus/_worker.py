@@ -34,6 +34,7 @@ from . import _hostside
 from . import _protocol as P
 from ._channel import Channel, Peer
 from ._codec import from_buffer, is_key_array, key_impl_name, to_buffer
+from ._describe import describe_error
 from ._hostvalues import (
     LAZY_PUT_BYTES,
     HostValues,
@@ -43,12 +44,13 @@ from ._hostvalues import (
     present,
     setup_jax,
 )
+from ._keys import check_key
 from ._procstat import cpu_ns, rss_bytes
 from ._protocol import Kind, Status
-from ._sched import ArgsUnpickler, Scheduler, error_meta
+from ._sched import ArgsUnpickler, Scheduler
 from ._sockio import NOBLOCK
 from ._store import Store
-from ._wire import Buffer, Dropped, Envelope, decode, dumps, loads, unpack_batch
+from ._wire import Buffer, Dropped, Envelope, decode, loads, unpack_batch
 
 __all__ = ["Worker", "main_worker", "setup_jax"]
 
@@ -56,6 +58,7 @@ log = logging.getLogger("colobus.worker")
 
 BACKOFF_MIN_S = 0.1
 BACKOFF_MAX_S = 5.0
+REPLY_MARGIN = 1 << 20  # room for a reply's header, MAC and batch around a fetched block
 
 
 class _Exit(Exception):
@@ -69,7 +72,7 @@ class Worker:
     Args:
         connect: the controller's endpoint, e.g. ``tcp://10.0.0.1:5555``.
         name: stable name; a worker rejoining under it gets its host index back.
-        key: the shared key (empty: none, for loopback-only controllers).
+        key: the shared key, at least 32 bytes (there is no unauthenticated mode).
         cpu_devices: XLA host-platform device count.
         parent_pid: exit when this process is no longer our parent (local clusters).
         curve_keypair: ``(public, secret)`` Z85 CurveZMQ key pair of this worker;
@@ -82,7 +85,7 @@ class Worker:
         connect: str,
         *,
         name: str | None = None,
-        key: bytes = b"",
+        key: bytes,
         cpu_devices: int | None = None,
         parent_pid: int | None = None,
         max_threads: int = 64,
@@ -96,8 +99,9 @@ class Worker:
         if curve_keypair is not None and curve_server_key is not None:
             self._curve = (curve_keypair, curve_server_key)
         self.connect = connect
-        self.name = name or f"{socket.gethostname()}-{os.getpid()}"
-        self._key = key
+        self._hostname = socket.gethostname()
+        self.name = name or f"{self._hostname}-{os.getpid()}"
+        self._key = check_key(key, "the worker's key")
         self._cpu_devices = cpu_devices
         self._parent_pid = parent_pid
         self.sched = Scheduler(self, max_threads)
@@ -122,6 +126,8 @@ class Worker:
         self._heartbeat = 1.0
         self._liveness = 5.0
         self._exit_with_controller = False
+        self._max_message = 1 << 62  # the controller's limit, from its WELCOME
+        self._answered = False  # a HELLO answered the CHALLENGE to the last JOIN
         self._welcome: asyncio.Future[None] | None = None
         self._ended: asyncio.Future[str] | None = None
         self._bg: set[asyncio.Task[None]] = set()
@@ -140,6 +146,7 @@ class Worker:
             Kind.RESET: lambda body, env: self._end("reset"),
             Kind.WELCOME: self._on_welcome,
             Kind.REJECT: self._on_reject,
+            Kind.CHALLENGE: self._on_challenge,
         }
 
     def _spawn(self, coro: Any) -> None:
@@ -228,8 +235,8 @@ class Worker:
         # connection the controller finds this host by it again.
         sock.setsockopt(zmq.ROUTING_ID, b"w" + session)
         # Not IMMEDIATE: with it, a DEALER drops unread incoming messages (such as
-        # the controller's SHUTDOWN) when the connection goes. HELLOs queued while
-        # the controller is away are resent copies; the controller ignores them.
+        # the controller's SHUTDOWN) when the connection goes. JOINs queued while
+        # the controller is away get one CHALLENGE each; only the first is answered.
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, int(BACKOFF_MAX_S * 1000))
         if self._curve is not None:
@@ -246,13 +253,10 @@ class Worker:
                                     send_flags=NOBLOCK, after_flush=self.sched.wait_briefly)
         joined = False
         try:
-            seq = 0
             while not self._welcome.done():
-                seq += 1  # HELLOs are numbered outside the session's acknowledged stream
-                hello = P.Hello(self.name, os.getpid(), socket.gethostname(),
-                                self._device_report(), time.time())
-                chan.send_raw([], Envelope(Kind.HELLO, session, b"", seq, hello.to_wire()))
-                self._peer.send_seq = seq
+                # One HELLO per JOIN round: it answers the CHALLENGE (_on_challenge).
+                self._answered = False
+                self._send_join_raw(P.Join())
                 wait = backoff * (0.75 + random.random() / 2)
                 waits: list[asyncio.Future[Any]] = [self._welcome, self._ended]
                 await asyncio.wait(waits, timeout=wait)
@@ -324,12 +328,16 @@ class Worker:
 
     def reply_error(self, call_id: int, exc: BaseException, times: list[int] | None = None
                     ) -> None:
-        try:
-            payload, bufs = dumps(exc)
-        except Exception:
-            payload, bufs = b"", []
-        self.send(P.Result(call_id, Status.ERROR, error_meta(exc), times or []), payload, bufs,
-                  len(bufs))
+        """Report ``exc`` as data (type name, plain args, message, notes, traceback)."""
+        self.send(P.Result(call_id, Status.ERROR, None, times or []),
+                  describe_error(exc, self._hostname))
+
+    def _send_join_raw(self, body: P.Body) -> None:
+        """JOIN and HELLO: numbered outside the session's acknowledged stream."""
+        assert self._chan is not None and self._peer is not None
+        self._peer.send_seq += 1
+        self._chan.send_raw([], Envelope(body.kind, self._peer.session, b"",
+                                         self._peer.send_seq, body.to_wire()))
 
     def _drop(self, reason: str, detail: str = "") -> None:
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
@@ -351,7 +359,7 @@ class Worker:
             self._drop("stale")
             return
         if not self._joined:
-            if env.kind not in (Kind.WELCOME, Kind.REJECT):
+            if env.kind not in (Kind.WELCOME, Kind.REJECT, Kind.CHALLENGE):
                 self._drop("unexpected_kind")
                 return
             peer.recv_seq = env.seq - 1
@@ -405,8 +413,18 @@ class Worker:
         self._heartbeat = float(body.heartbeat)
         self._liveness = float(body.liveness)
         self._exit_with_controller = bool(body.exit_with_controller)
+        self._max_message = body.max_message_bytes
         if self._welcome is not None and not self._welcome.done():
             self._welcome.set_result(None)
+
+    def _on_challenge(self, body: P.Challenge, env: Envelope) -> None:
+        """The controller's nonce for this session: join with a HELLO that carries it."""
+        if self._joined or self._answered:
+            self._drop("stale")
+            return
+        self._answered = True
+        self._send_join_raw(P.Hello(self.name, os.getpid(), self._hostname,
+                                    self._device_report(), body.nonce))
 
     def _on_reject(self, body: P.Reject, env: Envelope) -> None:
         log.error("controller %s refused this worker: %s", self.connect, body.reason)
@@ -523,6 +541,12 @@ class Worker:
                 value = self._jax.random.key_data(value)
             arr = np.asarray(value)
             descr, buf = to_buffer(arr)
+            if buf.nbytes + REPLY_MARGIN > self._max_message:
+                raise ValueError(
+                    f"a block of {buf.nbytes} bytes is too large to fetch: the controller "
+                    f"accepts messages up to max_message_bytes={self._max_message}; raise it "
+                    "with Controller(..., max_message_bytes=N) or local_cluster(..., "
+                    "max_message_bytes=N)")
         except BaseException as exc:
             if epoch == self.epoch and not isinstance(exc, asyncio.CancelledError):
                 self.reply_error(call_id, exc)

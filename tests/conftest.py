@@ -8,10 +8,44 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import collections.abc
+import pickle
+import traceback
+from typing import Any
 
+import cloudpickle
+import cloudpickle.cloudpickle
 import pytest
 
-import colobus as cb
+
+def _forbid_unpickling(record: str) -> None:
+    """Make every unpickling in THIS process fail and leave a record of who tried.
+
+    ``tests/test_no_unpickle.py`` runs a slice of the suite with it: workers are
+    other processes (they still unpickle what the controller sends), so a record
+    proves the controller unpickled something a worker sent.
+    """
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        with open(record, "a") as f:
+            f.write("".join(traceback.format_stack()) + "\n----\n")
+        raise RuntimeError("unpickling is forbidden in the controller process")
+
+    class RefusingUnpickler(pickle.Unpickler):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            refuse()
+
+    pickle.loads = refuse
+    pickle.load = refuse
+    pickle.Unpickler = RefusingUnpickler  # type: ignore[misc]
+    cloudpickle.loads = refuse
+    cloudpickle.load = refuse
+    cloudpickle.cloudpickle.loads = refuse  # type: ignore[attr-defined]
+
+
+if os.environ.get("COLOBUS_TEST_FORBID_UNPICKLE"):
+    _forbid_unpickling(os.environ["COLOBUS_TEST_FORBID_UNPICKLE"])
+
+import colobus as cb  # noqa: E402  (after the patch: no module keeps the real loads)
 
 
 @pytest.fixture(scope="session")

@@ -545,15 +545,20 @@ async def test_ids_stable_when_host_rejoins(workers: list[subprocess.Popen[bytes
     env["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)
     env.pop("COLOBUS_KEY_FILE", None)
 
+    key_file: list[str] = []
+
     def spawn(address: str, name: str, n: int) -> subprocess.Popen[bytes]:
         p = subprocess.Popen([sys.executable, "-m", "colobus", "worker", "--connect", address,
-                              "--devices", str(n), "--name", name], env=env,
-                             stdin=subprocess.DEVNULL)
+                              "--devices", str(n), "--name", name, "--key-file", key_file[0]],
+                             env=env, stdin=subprocess.DEVNULL)
         workers.append(p)
         return p
 
+    # No key given: the controller makes one and writes it to c.key_file for workers.
     async with cb.Controller("tcp://127.0.0.1:*", hosts=0, heartbeat_interval=0.2,
                              liveness_timeout=1.0) as c:
+        assert c.key_file is not None
+        key_file.append(c.key_file)
         first = spawn(c.address, "w0", 1)
         await await_until(lambda: len(c.hosts()) == 1, what="w0 joined")
         w1 = spawn(c.address, "w1", 2)

@@ -18,6 +18,7 @@ import pytest
 
 import colobus as cb
 from colobus._cli import build_parser
+from colobus._keys import write_key
 
 
 @cb.colocated_python
@@ -60,11 +61,59 @@ def test_worker_cli_options() -> None:
         "tcp://h:5555", 4, "a", "/k")
 
 
-def test_non_loopback_bind_needs_a_key() -> None:
-    with pytest.raises(ValueError, match="keygen"):
-        cb.Controller("tcp://0.0.0.0:5555", hosts=1)
-    cb.Controller("tcp://127.0.0.1:5555", hosts=1)  # loopback: fine
+def test_keys_are_at_least_32_bytes_everywhere(tmp_path: Path) -> None:
+    for bad in (b"", b"k" * 31):
+        with pytest.raises(cb.AuthenticationError, match=rf"is {len(bad)} bytes.*at least 32"):
+            cb.Controller("tcp://0.0.0.0:5555", hosts=1, key=bad)
     cb.Controller("tcp://0.0.0.0:5555", hosts=1, key=b"k" * 32)
+    short = tmp_path / "short.key"
+    short.write_text((b"s" * 16).hex())
+    short.chmod(0o600)
+    with pytest.raises(cb.AuthenticationError, match="is 16 bytes"):
+        cb.load_key(short)
+    # A worker reading a short key from stdin (--key-file -) exits with the same error.
+    out = subprocess.run([sys.executable, "-m", "colobus", "worker", "--connect",
+                          "tcp://127.0.0.1:9", "--key-file", "-"], input="00" * 8,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "is 8 bytes" in out.stderr
+    # ... and one without any key does not start either (no unauthenticated mode).
+    env = {k: v for k, v in os.environ.items() if k != "COLOBUS_KEY_FILE"}
+    out = subprocess.run([sys.executable, "-m", "colobus", "worker", "--connect",
+                          "tcp://127.0.0.1:9"], capture_output=True, text=True, timeout=120,
+                         env=env, stdin=subprocess.DEVNULL)
+    assert out.returncode == 2 and "--key-file" in out.stderr
+
+
+def test_key_files_are_private_and_never_written_through(tmp_path: Path) -> None:
+    path = tmp_path / "k"
+    key = write_key(path)
+    path.chmod(0o640)
+    with pytest.raises(cb.AuthenticationError, match=f"chmod 600 {path}"):
+        cb.load_key(path)
+    path.chmod(0o600)
+    assert cb.load_key(path) == key
+    # keygen never overwrites a file, nor writes through a symlink.
+    out = subprocess.run([sys.executable, "-m", "colobus", "keygen", str(path)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and "exists" in out.stderr
+    assert cb.load_key(path) == key
+    target = tmp_path / "target"
+    target.write_text("precious")
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    out = subprocess.run([sys.executable, "-m", "colobus", "keygen", str(link)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and target.read_text() == "precious"
+
+
+async def test_controller_without_key_makes_one_in_a_private_file() -> None:
+    async with cb.Controller("tcp://127.0.0.1:*", hosts=0) as c:
+        assert c.key_file is not None
+        path = Path(c.key_file)
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+        assert len(cb.load_key(path)) >= 32
+    assert not path.exists()
 
 
 def test_no_controller_error_says_how_to_start_one() -> None:
@@ -236,3 +285,14 @@ def test_a_worker_with_another_key_never_joins(tmp_path: Path) -> None:
 
     dropped = asyncio.run(run())
     assert dropped["unauthenticated"] >= 1
+
+
+def test_local_cluster_key_is_fresh_and_never_on_a_command_line(ctl: cb.Controller) -> None:
+    from colobus._cluster import LocalCluster
+
+    assert LocalCluster(hosts=1)._key != LocalCluster(hosts=1)._key  # one per cluster
+    secret = ctl._key.hex().encode()
+    assert len(ctl._key) >= 32
+    for host in ctl.hosts():
+        assert secret not in Path(f"/proc/{host.pid}/cmdline").read_bytes()
+        assert secret not in Path(f"/proc/{host.pid}/environ").read_bytes()

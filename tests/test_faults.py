@@ -521,9 +521,15 @@ class RawPeer:
         frames = await asyncio.wait_for(self.sock.recv_multipart(), timeout)
         return decode(self.key, frames)
 
-    def hello(self, name: str, **kw: Any) -> list[bytes | memoryview]:
-        return self.frames(P.Hello(name, os.getpid(), "raw", [["cpu", "cpu", 0]], time.time()),
-                           **kw)
+    def hello(self, name: str, nonce: bytes, **kw: Any) -> list[bytes | memoryview]:
+        return self.frames(P.Hello(name, os.getpid(), "raw", [["cpu", "cpu", 0]], nonce), **kw)
+
+    async def challenge(self) -> bytes:
+        """JOIN, and the nonce of the controller's CHALLENGE."""
+        await self.send(self.frames(P.Join()))
+        while (env := await self.recv()).kind != Kind.CHALLENGE:
+            pass
+        return bytes(env.body[0])
 
     def close(self) -> None:
         self.sock.close(0)
@@ -543,7 +549,7 @@ async def test_replayed_stale_and_other_version_envelopes_are_rejected() -> None
                                  liveness_timeout=60.0) as ctl:
             peer = RawPeer(ctx, ctl.address, key)
             peers.append(peer)
-            hello = peer.hello("raw-host")
+            hello = peer.hello("raw-host", await peer.challenge())
             await peer.send(hello)
             welcome = await peer.recv()
             assert welcome.kind == Kind.WELCOME
@@ -586,7 +592,7 @@ async def test_replayed_stale_and_other_version_envelopes_are_rejected() -> None
 
             # Joining again under the same name (a new session) restores index and ids.
             peer.session, peer.ctl_session, peer.seq = secrets.token_bytes(16), b"", 0
-            await peer.send(peer.hello("raw-host"))
+            await peer.send(peer.hello("raw-host", await peer.challenge()))
             while (env := await peer.recv()).kind != Kind.WELCOME:
                 pass
             again = P.parse(env.kind, env.body)
@@ -597,7 +603,7 @@ async def test_replayed_stale_and_other_version_envelopes_are_rejected() -> None
             # A peer speaking another protocol version is told so at join.
             future = RawPeer(ctx, ctl.address, key)
             peers.append(future)
-            await future.send(future.hello("from-the-future", version=999))
+            await future.send(future.hello("from-the-future", b"n" * 16, version=999))
             reject = await future.recv()
             assert reject.kind == Kind.REJECT
             reason = P.parse(reject.kind, reject.body)
@@ -681,7 +687,7 @@ async def test_batches_from_a_joined_peer_are_split_and_bad_ones_dropped_whole()
         async with cb.Controller("tcp://127.0.0.1:*", hosts=0, key=key, heartbeat_interval=HB,
                                  liveness_timeout=60.0) as ctl:
             peer = RawPeer(ctx, ctl.address, key)
-            await peer.send(peer.hello("batcher"))
+            await peer.send(peer.hello("batcher", await peer.challenge()))
             welcome = await peer.recv()
             peer.ctl_session = welcome.sender
 
@@ -701,12 +707,21 @@ async def test_batches_from_a_joined_peer_are_split_and_bad_ones_dropped_whole()
             bad = [[int(Kind.HEARTBEAT), P.Heartbeat(7, 70, 0, 0).to_wire(), 4, 0, 0]]
             await peer.send(batch(bad, b"abc"))  # says 4 payload bytes, carries 3
             await wait_drops(ctl, "malformed", 1)
+            assert ctl.stats()["hosts"][0]["arrays"] == 5  # nothing of it was handled
+            # A key holder that breaks the protocol is dropped (and counted).
+            await eventually(lambda: ctl.hosts()[0].state == "lost", 10, "batcher dropped")
+            assert ctl.stats()["hosts_dropped"] == 1
+            # The same for a nested batch, from the host joined again.
+            peer.session, peer.ctl_session, peer.seq = secrets.token_bytes(16), b"", 0
+            await peer.send(peer.hello("batcher", await peer.challenge()))
+            while (env := await peer.recv()).kind != Kind.WELCOME:
+                pass
+            peer.ctl_session = env.sender
             nested = [[int(Kind.BATCH), [], 0, 0, 0]]
             await peer.send(batch(nested))
             await wait_drops(ctl, "malformed", 2)
-            assert ctl.stats()["hosts"][0]["arrays"] == 5  # nothing of either was handled
+            await eventually(lambda: ctl.hosts()[0].state == "lost", 10, "batcher dropped")
             assert "handler_error" not in dropped(ctl)
-            assert ctl.hosts()[0].state == "alive"
     finally:
         if peer is not None:
             peer.close()

@@ -101,7 +101,7 @@ def test_fuzz_controller(fuzz_cluster: cb.Controller, tmp_path: pathlib.Path) ->
             raw.send_multipart(_frames(key, kind, b"u" * 16, ctl._session, 5,
                                        [1, 1, None], evil))
         # 4. Truncated envelopes: each frame cut short, frames missing.
-        good = _frames(key, Kind.HEARTBEAT, b"t" * 16, ctl._session, 1, [0, 0, 0])
+        good = _frames(key, Kind.HEARTBEAT, b"t" * 16, ctl._session, 1, [0, 0, 0, 0])
         for i in range(3):
             cut = list(good)
             cut[i] = cut[i][: len(cut[i]) // 2]
@@ -112,31 +112,32 @@ def test_fuzz_controller(fuzz_cluster: cb.Controller, tmp_path: pathlib.Path) ->
         raw.send_multipart([rng.randbytes(3 << 19), b"", b"m" * 32])
         raw.send_multipart([b"x" * (3 << 20), b"", b"m" * 32])
 
-        # 6. A key holder that joins, then misbehaves: replays, wrong kinds.
+        # 6. A key holder that joins (JOIN, CHALLENGE, HELLO with the nonce), then
+        # misbehaves: replays and stale messages are dropped; a RESULT for a call it
+        # was never sent breaks the protocol, so the host is dropped (not unpickled).
         sess = secrets.token_bytes(16)
-        hello = P.Hello("fuzz-fake", 1, "nowhere", [], time.time()).to_wire()
-        fake.send_multipart(_frames(key, Kind.HELLO, sess, b"", 1, hello))
+        fake.send_multipart(_frames(key, Kind.JOIN, sess, b"", 1, []))
+        assert fake.poll(30_000), "the controller did not answer a JOIN"
+        challenge = decode(key, fake.recv_multipart())
+        assert challenge.kind == Kind.CHALLENGE and challenge.receiver == sess
+        nonce = challenge.body[0]
+        hello = P.Hello("fuzz-fake", 1, "nowhere", [], nonce).to_wire()
+        fake.send_multipart(_frames(key, Kind.HELLO, sess, b"", 2, hello))
         assert fake.poll(30_000), "the controller did not answer a valid HELLO"
         welcome = decode(key, fake.recv_multipart())
         assert welcome.kind == Kind.WELCOME and welcome.receiver == sess
         ctl_sess = welcome.sender
-        fake.send_multipart(_frames(key, Kind.HELLO, sess, b"", 1, hello))  # replayed hello
-        old = P.Hello("fuzz-old", 1, "nowhere", [], time.time() - 3600).to_wire()
-        fake.send_multipart(_frames(key, Kind.HELLO, secrets.token_bytes(16), b"", 1, old))
-        fake.send_multipart(_frames(key, Kind.HEARTBEAT, sess, ctl_sess, 2, [0, 0, 0]))
-        fake.send_multipart(_frames(key, Kind.HEARTBEAT, sess, ctl_sess, 2, [0, 0, 0]))  # replay
-        fake.send_multipart(_frames(key, Kind.RESULT, sess, ctl_sess, 2, [9, 1, None], evil))
-        fake.send_multipart(_frames(key, Kind.CODE, sess, ctl_sess, 3, [b"d" * 16], evil))
-        fake.send_multipart(_frames(key, 99, sess, ctl_sess, 4, []))  # unknown kind
-        fake.send_multipart(_frames(key, Kind.HEARTBEAT, sess, ctl_sess, 5, ["x"]))  # bad body
-        # A RESULT (status ERROR: its payload would be unpickled) for a call that
-        # does not exist: dropped without unpickling.
-        fake.send_multipart(_frames(key, Kind.RESULT, sess, ctl_sess, 6,
-                                    [123456789, int(P.Status.ERROR), ["E", "", ""]], evil))
-        fake.send_multipart(_frames(key, Kind.HEARTBEAT, sess, b"z" * 16, 7, [0, 0, 0]))  # stale
+        # The same HELLO from another session: its nonce was this session's, used once.
+        fake.send_multipart(_frames(key, Kind.HELLO, secrets.token_bytes(16), b"", 1, hello))
+        fake.send_multipart(_frames(key, Kind.HEARTBEAT, sess, ctl_sess, 3, [0, 0, 0, 0]))
+        fake.send_multipart(_frames(key, Kind.HEARTBEAT, sess, ctl_sess, 3, [0, 0, 0, 0]))  # replay
+        fake.send_multipart(_frames(key, Kind.HEARTBEAT, sess, b"z" * 16, 4, [0, 0, 0, 0]))  # stale
+        fake.send_multipart(_frames(key, Kind.RESULT, sess, ctl_sess, 4,
+                                    [123456789, int(P.Status.ERROR), None], evil))
+        fake.send_multipart(_frames(key, Kind.CODE, sess, ctl_sess, 5, [b"d" * 16], evil))
 
         expected = {"malformed": 1, "unauthenticated": len(Kind), "unknown_peer": 4,
-                    "oversized": 1, "replay": 3, "unexpected_kind": 1, "stale": 1}
+                    "oversized": 1, "replay": 2, "unsolicited": 1, "stale": 2}
 
         def all_counted() -> bool:
             dropped = ctl.stats()["dropped"]
@@ -180,17 +181,28 @@ def test_fuzz_worker(tmp_path: pathlib.Path) -> None:
     port = router.bind_to_random_port("tcp://127.0.0.1")
     proc = _spawn_worker(f"tcp://127.0.0.1:{port}", key)
     try:
-        assert router.poll(60_000), "the worker never said HELLO"
+        assert router.poll(60_000), "the worker never asked to JOIN"
         ident, *frames = router.recv_multipart()
-        hello_env = decode(key, frames)
-        assert hello_env.kind == Kind.HELLO
-        hello = P.parse(hello_env.kind, hello_env.body)
-        assert isinstance(hello, P.Hello)
-        wsess = hello_env.sender
+        join_env = decode(key, frames)
+        assert join_env.kind == Kind.JOIN
+        wsess = join_env.sender
         csess = secrets.token_bytes(16)
 
         def to_worker(parts: list[bytes]) -> None:
             router.send_multipart([ident, *parts])
+
+        # The challenge: its HELLO must carry our nonce (inside its MAC).
+        nonce = secrets.token_bytes(16)
+        to_worker(_frames(key, Kind.CHALLENGE, csess, wsess, 1, [nonce]))
+        while True:
+            assert router.poll(60_000), "the worker never said HELLO"
+            _, *frames = router.recv_multipart()
+            hello_env = decode(key, frames)
+            if hello_env.kind == Kind.HELLO:
+                break
+        hello = P.parse(hello_env.kind, hello_env.body)
+        assert isinstance(hello, P.Hello) and hello.nonce == nonce
+        assert hello_env.sender == wsess
 
         def garbage() -> None:
             for _ in range(N_RANDOM // 2):
@@ -204,10 +216,10 @@ def test_fuzz_worker(tmp_path: pathlib.Path) -> None:
         garbage()
         to_worker(_frames(key, Kind.CODE, csess, wsess, 1, [b"d" * 16], evil))
         to_worker(_frames(key, Kind.WELCOME, csess, b"not-its-session!", 1,
-                          [0, [0] * len(hello.devices), 1.0, 60.0, False]))
-        # The worker keeps saying HELLO (it is alive); now let it join.
+                          [0, [0] * len(hello.devices), 1.0, 60.0, False, 1 << 30]))
+        # The worker keeps asking to JOIN (it is alive); now let it join.
         assert proc.poll() is None
-        welcome = P.Welcome(0, list(range(len(hello.devices))), 1.0, 60.0, False)
+        welcome = P.Welcome(0, list(range(len(hello.devices))), 1.0, 60.0, False, 1 << 30)
         to_worker(_frames(key, Kind.WELCOME, csess, wsess, 1, welcome.to_wire()))
 
         def next_from_worker(kind: Kind) -> Envelope:

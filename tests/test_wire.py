@@ -89,10 +89,10 @@ def test_large_arrays_in_pickles_go_out_of_band() -> None:
 
 
 def test_body_parse_checks_types() -> None:
-    hello = P.Hello("w", 1, "h", [["cpu", "cpu", 0]], 1.0)
+    hello = P.Hello("w", 1, "h", [["cpu", "cpu", 0]], b"n" * 16)
     assert P.parse(P.Kind.HELLO, hello.to_wire()) == hello
     with pytest.raises(ValueError):
-        P.parse(P.Kind.HELLO, ["w", "not an int", "h", [], 1.0])
+        P.parse(P.Kind.HELLO, ["w", "not an int", "h", [], b"n" * 16])
     with pytest.raises(ValueError):
         P.parse(999, [])
 

@@ -1,0 +1,128 @@
+"""Bounds on what peers can make the controller hold or log: join challenges,
+size-capped tables, rate-limited warnings about peers that fail authentication.
+
+Everything here is per controller and bounded whatever peers send: a table
+never holds more than its capacity (the oldest entry goes first), challenges
+expire, and warnings about unauthenticated peers are one line, then one summary
+per interval, whatever the number of peers.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import secrets
+import time
+from typing import Generic, TypeVar
+
+__all__ = ["BoundedDict", "Challenges", "PeerWarnings"]
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+NONCE_BYTES = 16
+
+
+class BoundedDict(collections.OrderedDict[K, V], Generic[K, V]):
+    """A dict that forgets its oldest entries beyond ``capacity``."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self.capacity = capacity
+
+    def __setitem__(self, key: K, value: V) -> None:
+        super().__setitem__(key, value)
+        self.move_to_end(key)
+        while len(self) > self.capacity:
+            self.popitem(last=False)
+
+
+class Challenges:
+    """Join challenges: a fresh random nonce per connecting worker, used once.
+
+    The controller hands one out in answer to an authenticated JOIN; the
+    worker's HELLO must carry it (inside the MAC) from the same connection and
+    session. A nonce lives ``ttl`` seconds (monotonic clock: no wall clocks, no
+    clock skew between machines), and at most ``capacity`` are outstanding (a
+    flood of JOINs evicts the oldest, never grows the table).
+    """
+
+    def __init__(self, capacity: int = 1024, ttl: float = 30.0) -> None:
+        self.capacity = capacity
+        self.ttl = ttl
+        self._open: collections.OrderedDict[bytes, tuple[bytes, bytes, float]] = (
+            collections.OrderedDict())  # nonce -> (identity, worker session, expiry)
+
+    def __len__(self) -> int:
+        return len(self._open)
+
+    def issue(self, identity: bytes, session: bytes) -> bytes:
+        """A new nonce for the worker session ``session`` on connection ``identity``."""
+        now = time.monotonic()
+        self._expire(now)
+        while len(self._open) >= self.capacity:
+            self._open.popitem(last=False)
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        self._open[nonce] = (identity, session, now + self.ttl)
+        return nonce
+
+    def take(self, identity: bytes, session: bytes, nonce: bytes) -> bool:
+        """True (once) if ``nonce`` was issued to this connection and session and is fresh."""
+        self._expire(time.monotonic())
+        entry = self._open.get(nonce)
+        if entry is None or entry[0] != identity or entry[1] != session:
+            return False
+        del self._open[nonce]
+        return True
+
+    def _expire(self, now: float) -> None:
+        # Insertion order is expiry order (one ttl for all).
+        while self._open:
+            nonce, (_, _, expiry) = next(iter(self._open.items()))
+            if expiry > now:
+                return
+            del self._open[nonce]
+
+
+class PeerWarnings:
+    """Warnings about peers whose messages fail authentication or speak another version.
+
+    The first is logged at once; after that at most one summary line per
+    ``interval`` seconds says how many more were dropped, from how many peers
+    (counted up to a bound). The per-reason counts are in ``ctl.stats()``.
+    """
+
+    def __init__(self, log: logging.Logger, interval: float = 60.0) -> None:
+        self.log = log
+        self.interval = interval
+        self._last: float | None = None
+        self._pending: collections.Counter[str] = collections.Counter()
+        self._peers: BoundedDict[bytes, None] = BoundedDict(1024)
+        self.suppressed = 0
+
+    def note(self, reason: str, identity: bytes, detail: str) -> None:
+        now = time.monotonic()
+        if self._last is None:
+            self._last = now
+            self.log.warning(
+                "dropping %s messages from peer %s%s (further ones are summarised every "
+                "%.0f s)", reason, identity.hex(), f": {detail}" if detail else "",
+                self.interval)
+            return
+        self.suppressed += 1
+        self._pending[reason] += 1
+        self._peers[identity] = None
+        self.flush(now)
+
+    def flush(self, now: float | None = None) -> None:
+        """Log the summary if one is due (the controller calls this every heartbeat)."""
+        now = time.monotonic() if now is None else now
+        if not self._pending or self._last is None or now - self._last < self.interval:
+            return
+        self.log.warning(
+            "dropped %s from %d peer(s) in the last %.0f s",
+            ", ".join(f"{n} {r}" for r, n in sorted(self._pending.items())),
+            len(self._peers), now - self._last)
+        self._last = now
+        self._pending.clear()
+        self._peers.clear()

@@ -1,0 +1,403 @@
+"""A malicious worker cannot run code in the controller, wedge it, or grow its memory.
+
+The fake worker here is raw pyzmq plus colobus's own wire module, and it holds
+the key: it joins (JOIN, CHALLENGE, HELLO) like a real worker, then answers the
+controller with hostile replies. Every field that carries bytes gets a pickle
+whose ``__reduce__`` would create a marker file; descriptions name classes and
+functions the controller must never call or import; counts are huge or
+negative; kinds are unknown; replies are for calls it was never sent or that
+belong to another host; frames are oversized; HELLOs flood in or are replayed to
+a restarted controller. After each: the marker file never appears, a real host
+keeps completing calls, the fake host is dropped and counted by reason, and the
+controller's tables stay bounded.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import contextlib
+import gc
+import logging
+import os
+import pathlib
+import pickle
+import secrets
+import subprocess
+import sys
+import time
+import tracemalloc
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+import colobus as cb
+from colobus import _protocol as P
+from colobus._protocol import Kind, Status
+from colobus._wire import BATCH_KIND, Envelope, decode, encode, unpack_batch
+
+FAST: dict[str, Any] = dict(heartbeat_interval=0.5, liveness_timeout=60.0, join_timeout=120.0)
+
+
+class _Touch:
+    """Unpickling this creates a file: the canary for "nothing was unpickled"."""
+
+    def __init__(self, path: pathlib.Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (pathlib.Path.touch, (self.path,))
+
+
+@cb.colocated_python
+def add_one(x: Any) -> Any:
+    return x + 1
+
+
+@cb.colocated_python
+def make_one() -> Any:
+    return np.ones(2, np.float32)
+
+
+def _wait_until(pred: Any, what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+class FakeWorker:
+    """An authenticated worker that says whatever a test tells it to."""
+
+    def __init__(self, zctx: zmq.Context[Any], address: str, key: bytes, name: str) -> None:
+        self.key = key
+        self.name = name
+        self.sock = zctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+        self.session = secrets.token_bytes(16)
+        self.ctl_session = b""
+        self.seq = 0
+        self.index = -1
+        self.sent_hello: list[bytes] = []
+        self._inbox: list[Envelope] = []
+
+    def send(self, kind: int, body: Any, payload: bytes = b"", buffers: list[bytes] | None = None,
+             *, session: bytes | None = None, receiver: bytes | None = None) -> list[bytes]:
+        self.seq += 1
+        env = Envelope(int(kind), session or self.session,
+                       self.ctl_session if receiver is None else receiver, self.seq, body,
+                       payload, list(buffers or []), 0)
+        frames = [bytes(f) for f in encode(self.key, env)]
+        self.sock.send_multipart(frames)
+        return frames
+
+    def expect(self, kind: Kind, timeout: float = 30.0) -> Envelope:
+        deadline = time.monotonic() + timeout
+        while True:
+            for i, env in enumerate(self._inbox):
+                if env.kind == kind:
+                    return self._inbox.pop(i)
+            left = deadline - time.monotonic()
+            assert left > 0 and self.sock.poll(int(left * 1000)), f"no {kind.name} arrived"
+            env = decode(self.key, self.sock.recv_multipart())
+            self._inbox.extend(unpack_batch(env) if env.kind == BATCH_KIND else [env])
+
+    def join(self, devices: int = 1) -> int:
+        self.send(Kind.JOIN, [], receiver=b"")
+        nonce = self.expect(Kind.CHALLENGE).body[0]
+        hello = P.Hello(self.name, os.getpid(), "fake", [["cpu", "cpu", i] for i in range(devices)],
+                        nonce)
+        self.sent_hello = self.send(Kind.HELLO, hello.to_wire(), receiver=b"")
+        welcome = self.expect(Kind.WELCOME)
+        self.ctl_session = welcome.sender
+        self.index = welcome.body[0]
+        return self.index
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+@pytest.fixture(scope="module")
+def bed(tmp_path_factory: pytest.TempPathFactory) -> collections.abc.Iterator[dict[str, Any]]:
+    """A controller (its own loop thread), one real worker, and a marker path."""
+    tmp = tmp_path_factory.mktemp("malicious")
+    key = secrets.token_bytes(32)
+    ctl = cb.Controller("tcp://127.0.0.1:*", hosts=0, key=key,
+                        max_message_bytes=4 << 20, **FAST)
+    ctl.start_in_thread()
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)
+    proc = subprocess.Popen([sys.executable, "-m", "colobus", "worker", "--connect", ctl.address,
+                             "--devices", "2", "--name", "real", "--key-file", "-"],
+                            stdin=subprocess.PIPE, env=env)
+    assert proc.stdin is not None
+    proc.stdin.write(key.hex().encode() + b"\n")
+    proc.stdin.close()
+    zctx: zmq.Context[Any] = zmq.Context()
+    # A module that would create the marker if the controller ever imported it.
+    (tmp / "colobus_evil_module.py").write_text(
+        f"import pathlib\npathlib.Path({str(tmp / 'marker')!r}).touch()\n"
+        "class Boom(Exception):\n    pass\n")
+    sys.path.insert(0, str(tmp))
+    try:
+        _wait_until(lambda: len(ctl.hosts()) == 1, "the real worker to join", 120)
+        yield {"ctl": ctl, "key": key, "marker": tmp / "marker", "zctx": zctx}
+    finally:
+        sys.path.remove(str(tmp))
+        ctl.close()
+        proc.kill()
+        proc.wait(30)
+        zctx.term()
+
+
+@pytest.fixture
+def mctl(bed: dict[str, Any]) -> collections.abc.Iterator[cb.Controller]:
+    from colobus._controller import _pop_current, _push_current
+
+    ctl: cb.Controller = bed["ctl"]
+    _push_current(ctl)
+    try:
+        yield ctl
+    finally:
+        _pop_current(ctl)
+    # After every test: nothing unpickled or imported; no table grew without bound.
+    assert not bed["marker"].exists()
+    assert "colobus_evil_module" not in sys.modules
+    stats = ctl.stats()
+    assert stats["join_challenges"] <= 1024 and len(ctl._hosts.dead_sessions) <= 4096
+    assert stats.get("dropped", {}).get("handler_error", 0) == 0
+
+
+def _real_host_still_works(ctl: cb.Controller) -> None:
+    real = [d for d in ctl.devices() if d.host == 0]
+    x = cb.device_put(np.arange(4.0), real[0])
+    assert np.asarray(add_one(x).result(60)).tolist() == [1.0, 2.0, 3.0, 4.0]
+
+
+@contextlib.contextmanager
+def _fake(bed: dict[str, Any], name: str) -> collections.abc.Iterator[FakeWorker]:
+    """A joined fake host; closed, and declared lost if it still is alive, at the end."""
+    ctl: cb.Controller = bed["ctl"]
+    fake = FakeWorker(bed["zctx"], ctl.address, bed["key"], name)
+    try:
+        fake.join()
+        yield fake
+    finally:
+        fake.close()
+        if fake.index >= 0 and ctl.hosts()[fake.index].state == "alive":
+            ctl._declare_lost(fake.index)
+            _wait_until(lambda: ctl.hosts()[fake.index].state == "lost", "retired fake")
+
+
+def _dropped(ctl: cb.Controller, host: int, reason: str, before: dict[str, int]) -> None:
+    """``host`` was declared lost, and ``reason`` counted once more."""
+    _wait_until(lambda: ctl.hosts()[host].state == "lost", f"host {host} dropped")
+    assert ctl.stats()["dropped"].get(reason, 0) > before.get(reason, 0), ctl.stats()["dropped"]
+
+
+def _answer_call(fake: FakeWorker, status: int, meta: Any, payload: bytes = b"",
+                 buffers: list[bytes] | None = None) -> None:
+    call = fake.expect(Kind.CALL)
+    fake.send(Kind.RESULT, [call.body[0], status, meta], payload, buffers)
+
+
+def _evil_payloads(marker: pathlib.Path) -> list[tuple[int, Any, bytes, list[bytes]]]:
+    """(status, meta, payload, buffers) replies, each carrying hostile bytes or names."""
+    evil = pickle.dumps(_Touch(marker))
+    pack = msgpack.packb
+    leaf = {"shape": [2], "dtype": "<f4", "spec": None, "key": None}
+    return [
+        (Status.OK, 1, evil, [evil]),  # a pickle as the output description
+        (Status.ERROR, None, evil, [evil]),  # a pickle as the error description
+        (Status.OK, evil, evil, []),  # a pickle as the count
+        (Status.OK, 1, pack({"v": 1, "tree": "*", "leaves": [dict(leaf, dtype=evil)]}), []),
+        (Status.OK, 1, pack({"v": 1, "tree": "*", "leaves": [dict(leaf, spec=evil)]}), []),
+        (Status.OK, 1, pack({"v": 1, "tree": ["c", "os", "system", [str(marker)], ["*"]],
+                             "leaves": [leaf]}), []),
+        (Status.OK, 1, pack({"v": 1, "tree": ["n", "colobus_evil_module", "Boom", ["*"]],
+                             "leaves": [leaf]}), []),
+        (Status.OK, 1, pack({"v": 1, "tree": ["t", [["l", [["t", ["*"]]] * 3]] * 200],
+                             "leaves": [leaf]}), []),  # leaves reused: not one per slot
+    ]
+
+
+@pytest.mark.parametrize("case", range(8))
+def test_hostile_replies_never_run_code(bed: dict[str, Any], mctl: cb.Controller,
+                                        case: int) -> None:
+    with _fake(bed, f"evil-{case}") as fake:
+        before = dict(mctl.stats()["dropped"])
+        dev = [d for d in mctl.devices() if d.host == fake.index]
+        fut = make_one.specialize(devices=dev)()
+        _answer_call(fake, *_evil_payloads(bed["marker"])[case])
+        with pytest.raises(cb.ProtocolError, match="malformed reply"):
+            fut.result(30)
+        _dropped(mctl, fake.index, "bad_reply", before)
+    _real_host_still_works(mctl)
+
+
+def test_errors_are_data_never_code(bed: dict[str, Any], mctl: cb.Controller) -> None:
+    """Error descriptions name callables and modules: only imported Exception classes
+    are rebuilt; everything else is a RemoteError; nothing is imported or called."""
+    marker = str(bed["marker"])
+
+    def error(module: str, qualname: str, args: Any) -> bytes:
+        return msgpack.packb({"v": 1, "module": module, "qualname": qualname, "args": args,
+                              "message": "m", "notes": ["n1"], "traceback": "tb", "host": "h"})
+
+    with _fake(bed, "evil-errors") as fake:
+        dev = [d for d in mctl.devices() if d.host == fake.index]
+        cases: list[tuple[bytes, Any]] = [
+            (error("os", "system", [f"touch {marker}"]), cb.RemoteError),
+            (error("builtins", "exec", [f"open({marker!r}, 'w')"]), cb.RemoteError),
+            (error("colobus_evil_module", "Boom", []), cb.RemoteError),  # not imported
+            (error("pathlib", "Path.touch", [marker]), cb.RemoteError),
+            (error("builtins", "KeyboardInterrupt", []), cb.RemoteError),  # not an Exception
+            (error("builtins", "ValueError", ["plain", 1, [2.5, None]]), ValueError),
+            (error("builtins", "KeyError", None), cb.RemoteError),  # args did not travel
+        ]
+        for payload, expected in cases:
+            fut = make_one.specialize(devices=dev)()
+            _answer_call(fake, Status.ERROR, None, payload)
+            with pytest.raises(expected) as info:
+                fut.result(30)
+            assert "n1" in info.value.__notes__
+            assert f"raised on colobus host {fake.index}" in info.value.__notes__[1]
+        assert mctl.hosts()[fake.index].state == "alive"  # errors as data are no violation
+    _real_host_still_works(mctl)
+
+
+@pytest.mark.parametrize("what", ["huge_count", "negative_count", "stats_counts",
+                                  "fetch_shape", "unknown_kind", "controller_kind",
+                                  "never_sent", "other_hosts_call", "oversized_total"])
+def test_protocol_violations_drop_the_host(bed: dict[str, Any], mctl: cb.Controller,
+                                           what: str) -> None:
+    reason = {"huge_count": "malformed", "negative_count": "malformed",
+              "stats_counts": "bad_reply", "fetch_shape": "bad_reply",
+              "unknown_kind": "malformed", "controller_kind": "unexpected_kind",
+              "never_sent": "unsolicited", "other_hosts_call": "unsolicited",
+              "oversized_total": "oversized"}[what]
+    evil = pickle.dumps(_Touch(bed["marker"]))
+    other: Any = None
+    with _fake(bed, f"bad-{what}") as fake:
+        before = dict(mctl.stats()["dropped"])
+        dev = [d for d in mctl.devices() if d.host == fake.index]
+        if what in ("huge_count", "negative_count"):
+            fut = make_one.specialize(devices=dev)()
+            # A count this size once built range(n) on the controller's loop.
+            _answer_call(fake, Status.OK, (1 << 62) if what == "huge_count" else -1)
+            with pytest.raises(cb.HostLostError):
+                fut.result(30)
+        elif what == "stats_counts":
+            fut = mctl.refresh_stats()
+            st = fake.expect(Kind.STATS)
+            fake.send(Kind.RESULT, [st.body[0], Status.OK, [-1, 1 << 63, evil, 0]])
+            with pytest.raises(cb.ProtocolError):
+                fut.result(30)
+        elif what == "fetch_shape":
+            arr = cb.device_put(np.zeros(2, np.float32), dev[0])
+            fut = cb.device_get(arr)
+            fetch = fake.expect(Kind.FETCH)
+            fake.send(Kind.RESULT, [fetch.body[0], Status.OK, [[1 << 40, 1 << 40], "<f4", None]],
+                      b"", [evil])
+            with pytest.raises(cb.ProtocolError):
+                fut.result(30)
+        elif what == "unknown_kind":
+            fake.send(99, [evil])
+        elif what == "controller_kind":
+            fake.send(Kind.CODE, [b"d" * 16], evil)
+        elif what == "never_sent":
+            fake.send(Kind.RESULT, [10**12, Status.OK, 1], evil)
+        elif what == "other_hosts_call":
+            real = [d for d in mctl.devices() if d.host == 0]
+            other = add_one(cb.device_put(np.arange(3.0), real[0]))
+            fake.send(Kind.RESULT, [other.call_id, Status.ERROR, None], evil)
+            fake.send(Kind.RESULT, [other.call_id + 1, Status.OK, 1], evil)
+        elif what == "oversized_total":
+            # Two frames under the limit each, over it together: counted, not buffered
+            # into anything, and this host (whose real workers stay under) is dropped.
+            half = b"\0" * (3 << 20)
+            fake.send(Kind.HEARTBEAT, [0, 0, 0, 0], b"", [half, half])
+        _dropped(mctl, fake.index, reason, before)
+    if other is not None:  # the other host's call was not disturbed
+        assert np.asarray(other.result(60)).tolist() == [1.0, 2.0, 3.0]
+    _real_host_still_works(mctl)
+    assert mctl.stats()["hosts_dropped"] >= 1
+
+
+def test_join_floods_stay_bounded(bed: dict[str, Any], mctl: cb.Controller,
+                                  caplog: pytest.LogCaptureFixture) -> None:
+    """JOIN, HELLO and bad-MAC floods: bounded tables, flat memory, few log lines."""
+    ctl = mctl
+    hosts_before = len(ctl.hosts())
+    before = dict(ctl.stats()["dropped"])
+    flood = FakeWorker(bed["zctx"], ctl.address, bed["key"], "flood")
+    stranger = FakeWorker(bed["zctx"], ctl.address, secrets.token_bytes(32), "stranger")
+    caplog.set_level(logging.WARNING, logger="colobus")
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        n = 3000
+        for i in range(n):
+            flood.send(Kind.JOIN, [], session=secrets.token_bytes(16), receiver=b"")
+            hello = P.Hello(f"flood-{i}", 1, "x", [], secrets.token_bytes(16))
+            flood.send(Kind.HELLO, hello.to_wire(), session=secrets.token_bytes(16), receiver=b"")
+            stranger.send(Kind.HELLO, hello.to_wire(), receiver=b"")
+        _wait_until(lambda: ctl.stats()["dropped"].get("unauthenticated", 0)
+                    >= before.get("unauthenticated", 0) + n, "the flood to be read", 120)
+        _wait_until(lambda: ctl.stats()["dropped"].get("replay", 0)
+                    >= before.get("replay", 0) + n, "the HELLOs to be dropped", 120)
+        gc.collect()
+        grown = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+        flood.close()
+        stranger.close()
+    assert len(ctl.hosts()) == hosts_before  # no HELLO without a fresh nonce joined
+    assert ctl.stats()["join_challenges"] <= 1024  # bounded, whatever the flood
+    assert grown < 2 << 20, f"the controller grew by {grown} bytes"
+    warnings = [r for r in caplog.records if r.name == "colobus.controller"
+                and "dropping" in r.getMessage()]
+    assert len(warnings) <= 1  # one line, then periodic summaries
+    _real_host_still_works(ctl)
+
+
+def test_recorded_hello_is_worthless_to_a_restarted_controller(
+        bed: dict[str, Any], mctl: cb.Controller) -> None:
+    """A HELLO recorded from an earlier controller (same key) neither joins nor evicts."""
+    key = bed["key"]
+    with cb.Controller("tcp://127.0.0.1:*", hosts=0, key=key, **FAST) as earlier:
+        recorder = FakeWorker(bed["zctx"], earlier.address, key, "victim")
+        recorder.join()
+        recorded = recorder.sent_hello
+        recorder.close()
+    replayer = bed["zctx"].socket(zmq.DEALER)
+    replayer.setsockopt(zmq.LINGER, 0)
+    replayer.connect(mctl.address)
+    # ``victim``: the live host of that name on the current controller.
+    with _fake(bed, "victim") as victim, contextlib.closing(replayer):
+        before = dict(mctl.stats()["dropped"])
+        replayer.send_multipart(recorded)
+        # Also the live victim's own HELLO from another connection: its nonce was used.
+        replayer.send_multipart(victim.sent_hello)
+        _wait_until(lambda: mctl.stats()["dropped"].get("replay", 0)
+                    >= before.get("replay", 0) + 2, "the replays to be dropped")
+        assert mctl.hosts()[victim.index].state == "alive"
+        assert [h.name for h in mctl.hosts()].count("victim") == 1
+    _real_host_still_works(mctl)
+
+
+def test_reply_over_the_limit_fails_its_call_with_a_clear_error(
+        bed: dict[str, Any], mctl: cb.Controller) -> None:
+    """A real worker never sends a message over the controller's max_message_bytes:
+    the fetch fails with an error saying how to raise the limit; the host stays."""
+    real = [d for d in mctl.devices() if d.host == 0]
+    big = cb.device_put(np.zeros(6 << 20, np.uint8), real[0])  # over the bed's 4 MiB
+    with pytest.raises(ValueError, match=r"max_message_bytes=4194304.*raise it"):
+        cb.device_get(big).result(60)
+    assert mctl.hosts()[0].state == "alive"
+    _real_host_still_works(mctl)
