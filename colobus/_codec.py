@@ -19,7 +19,10 @@ import numpy as np
 
 from ._wire import decode_dtype, encode_dtype
 
-__all__ = ["from_buffer", "is_key_array", "key_impl_name", "to_buffer"]
+__all__ = [
+    "dtype_from_wire", "dtype_to_wire", "from_buffer", "is_key_array", "key_impl_name",
+    "to_buffer",
+]
 
 
 def is_key_array(x: Any) -> bool:
@@ -145,3 +148,23 @@ def _view(buf: Any, dtype: np.dtype[Any], shape: tuple[int, ...]) -> np.ndarray[
     if memoryview(buf).nbytes != count * dtype.itemsize:
         raise ValueError("buffer size does not match shape and dtype")
     return np.frombuffer(buf, dtype=dtype, count=count).reshape(shape)
+
+
+def dtype_to_wire(dtype: Any) -> Any:
+    """A msgpack description of any dtype an array travels with (no pickle):
+    :func:`colobus._wire.encode_dtype`, or ``["T", na code]`` for ``StringDType``."""
+    if isinstance(dtype, np.dtypes.StringDType):
+        return ["T", _na_code(dtype)]
+    return encode_dtype(np.dtype(dtype))
+
+
+def dtype_from_wire(raw: Any) -> np.dtype[Any]:
+    """Inverse of :func:`dtype_to_wire`; ``ValueError`` on garbage."""
+    if isinstance(raw, list) and len(raw) == 2 and raw[0] == "T":
+        if type(raw[1]) is not int or raw[1] not in (_NA_NONE, _NA_IS_NONE, _NA_IS_NAN):
+            raise ValueError("bad NA code")
+        make: Any = np.dtypes.StringDType  # numpy's stubs reject na_object=
+        dt: np.dtype[Any] = (make() if raw[1] == _NA_NONE else make(na_object=None)
+                             if raw[1] == _NA_IS_NONE else make(na_object=np.nan))
+        return dt
+    return decode_dtype(raw)

@@ -28,7 +28,7 @@ optional for readers)::
               | ["o", [key, ...], [TREE, ...]]   collections.OrderedDict
               | ["n", module, qualname, [TREE, ...]]         a namedtuple class
               | ["c", module, qualname, aux, [TREE, ...]]    a registered pytree node
-        DTYPE = as :func:`colobus._wire.encode_dtype`, or ["T", na code] (StringDType)
+        DTYPE = :func:`colobus._codec.dtype_to_wire`: numpy descr, ml_dtypes name, or ["T", na]
 
     error (RESULT payload, status ERROR)
         {"v": 1, "module": str, "qualname": str, "args": [plain, ...] | None,
@@ -51,9 +51,9 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from . import _codec
 from . import _protocol as P
 from ._errors import RemoteError
-from ._wire import decode_dtype, encode_dtype
 
 __all__ = [
     "BadReply",
@@ -61,7 +61,6 @@ __all__ = [
     "describe_error",
     "describe_outputs",
     "dtype_from_wire",
-    "dtype_to_wire",
     "lookup_class",
     "read_error",
     "read_fetched",
@@ -107,26 +106,10 @@ def _pack(obj: Any) -> bytes:
 # -- dtypes ------------------------------------------------------------------------------
 
 
-def dtype_to_wire(dtype: Any) -> Any:
-    """A msgpack description of a numpy dtype (no pickle)."""
-    if isinstance(dtype, np.dtypes.StringDType):
-        from ._codec import _na_code
-
-        return ["T", _na_code(dtype)]
-    return encode_dtype(np.dtype(dtype))
-
-
 def dtype_from_wire(raw: Any) -> np.dtype[Any]:
-    """Inverse of :func:`dtype_to_wire`; :class:`BadReply` on garbage."""
+    """A dtype description off the wire (``_codec.dtype_from_wire``); BadReply on garbage."""
     try:
-        if isinstance(raw, list) and len(raw) == 2 and raw[0] == "T":
-            make: Any = np.dtypes.StringDType  # numpy's stubs reject na_object=
-            if raw[1] not in (0, 1, 2) or type(raw[1]) is not int:
-                raise ValueError("bad NA code")
-            dt: np.dtype[Any] = (make() if raw[1] == 0 else make(na_object=None)
-                                 if raw[1] == 1 else make(na_object=np.nan))
-            return dt
-        return decode_dtype(raw)
+        return _codec.dtype_from_wire(raw)
     except ValueError as exc:
         raise BadReply(f"bad dtype: {exc}") from None
 
@@ -163,7 +146,7 @@ def describe_outputs(treedef: Any, leaves: list[P.OutLeaf]) -> bytes:
 
 def _leaf_to_wire(m: P.OutLeaf) -> dict[str, Any]:
     out: dict[str, Any] = {
-        "shape": list(m.shape), "dtype": None if m.dtype is None else dtype_to_wire(m.dtype),
+        "shape": list(m.shape), "dtype": None if m.dtype is None else _codec.dtype_to_wire(m.dtype),
         "spec": None if m.spec is None else P.encode_spec(m.spec), "key": m.key_impl}
     if m.layout is not None:
         out["layout"] = m.layout
