@@ -231,9 +231,10 @@ class Worker:
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
         session = secrets.token_bytes(16)
-        # One routing id for the whole session (never reused): after a dropped
-        # connection the controller finds this host by it again.
-        sock.setsockopt(zmq.ROUTING_ID, b"w" + session)
+        # One routing id for the whole session, random and unrelated to the session
+        # id (which every header shows): after a dropped connection the controller
+        # finds this host by it again.
+        sock.setsockopt(zmq.ROUTING_ID, b"w" + secrets.token_bytes(16))
         # Not IMMEDIATE: with it, a DEALER drops unread incoming messages (such as
         # the controller's SHUTDOWN) when the connection goes. JOINs queued while
         # the controller is away get one CHALLENGE each; only the first is answered.
