@@ -32,7 +32,7 @@ from typing import Any
 
 import zmq
 
-from . import _describe, _keys
+from . import _describe, _keys, _syncface
 from . import _protocol as P
 from ._channel import Channel
 from ._errors import ControllerClosedError, NoControllerError
@@ -438,19 +438,11 @@ class Controller:
     ) -> None:
         await self.aclose()
 
-    # -- sync face --------------------------------------------------------------------------
+    # -- sync face (colobus._syncface) ------------------------------------------------------
 
     def start_in_thread(self, timeout: float = 30.0) -> None:
         """Start the controller on a private event-loop thread (the sync face)."""
-        thread = LoopThread()
-        thread.start(timeout)
-        self._own_thread = thread
-        try:
-            thread.run(self.start(), timeout)
-        except BaseException:
-            self._own_thread = None
-            thread.stop()  # no loop thread outlives a failed start
-            raise
+        _syncface.start_in_thread(self, timeout)
 
     def run_sync(self, coro: Any, timeout: float | None = None) -> Any:
         """Run a coroutine on the controller's loop and wait for it (not from that loop).
@@ -459,13 +451,7 @@ class Controller:
             RuntimeError: called on the controller's own loop thread (it would
                 deadlock); ``await`` the coroutine there instead.
         """
-        if self._own_thread is not None:
-            return self._own_thread.run(coro, timeout)
-        if self._loop is None or self._on_loop_thread():
-            coro.close()
-            raise RuntimeError("run_sync cannot run on the controller's own event loop; "
-                               "await the coroutine there instead")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+        return _syncface.run_sync(self, coro, timeout)
 
     def close(self) -> None:
         """Close the controller from plain code (``with``), or from any other thread.
@@ -473,25 +459,7 @@ class Controller:
         On the controller's own loop thread (a done-callback), closing starts at
         once and finishes in the background: nothing may block that thread.
         """
-        thread = self._own_thread
-        if self._loop is None or (thread is None and self.state is State.CLOSED):
-            self.state = State.CLOSED
-            return
-        if self._on_loop_thread():
-            self._own_thread = None
-            self._closing = self._loop.create_task(self.aclose())
-            if thread is not None:
-                self._closing.add_done_callback(lambda _: thread.stop())
-            return
-        if thread is None:
-            asyncio.run_coroutine_threadsafe(self.aclose(), self._loop).result(30)
-            return
-        self._own_thread = None
-        try:
-            if self.state is not State.CLOSED:
-                thread.run(self.aclose(), 30)
-        finally:
-            thread.stop()
+        _syncface.close(self)
 
     def __enter__(self) -> Controller:
         self.start_in_thread()
@@ -513,6 +481,9 @@ class Controller:
     @property
     def _closed(self) -> bool:
         return self.state is State.CLOSED
+
+    def _set_closed(self) -> None:
+        self.state = State.CLOSED
 
     def _check_open(self) -> None:
         if self.state is State.CLOSED:

@@ -12,11 +12,14 @@ import asyncio
 import logging
 import threading
 from collections.abc import Coroutine
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ._loops import new_event_loop
 
-__all__ = ["LoopThread"]
+if TYPE_CHECKING:
+    from ._controller import Controller
+
+__all__ = ["LoopThread", "close", "run_sync", "start_in_thread"]
 
 log = logging.getLogger("colobus.controller")
 
@@ -72,3 +75,55 @@ class LoopThread:
             return
         if not self.on_thread() and self._thread.is_alive():
             self._thread.join(timeout)
+
+
+def start_in_thread(ctl: Controller, timeout: float) -> None:
+    """Start ``ctl`` on a private event-loop thread; no thread outlives a failed start."""
+    thread = LoopThread()
+    thread.start(timeout)
+    ctl._own_thread = thread
+    try:
+        thread.run(ctl.start(), timeout)
+    except BaseException:
+        ctl._own_thread = None
+        thread.stop()
+        raise
+
+
+def run_sync(ctl: Controller, coro: Coroutine[Any, Any, T], timeout: float | None) -> T:
+    """Run ``coro`` on ``ctl``'s loop and wait for it; refused on that loop's thread."""
+    if ctl._own_thread is not None:
+        return ctl._own_thread.run(coro, timeout)
+    if ctl._loop is None or ctl._on_loop_thread():
+        coro.close()
+        raise RuntimeError("run_sync cannot run on the controller's own event loop; "
+                           "await the coroutine there instead")
+    return asyncio.run_coroutine_threadsafe(coro, ctl._loop).result(timeout)
+
+
+def close(ctl: Controller) -> None:
+    """Close ``ctl`` from plain code or any other thread.
+
+    On the controller's own loop thread (a done-callback), closing starts at once
+    and finishes in the background: nothing may block that thread.
+    """
+    thread = ctl._own_thread
+    loop = ctl._loop
+    if loop is None or (thread is None and ctl._closed):
+        ctl._set_closed()
+        return
+    if ctl._on_loop_thread():
+        ctl._own_thread = None
+        closing = ctl._closing = loop.create_task(ctl.aclose())
+        if thread is not None:
+            closing.add_done_callback(lambda _: thread.stop())
+        return
+    if thread is None:
+        asyncio.run_coroutine_threadsafe(ctl.aclose(), loop).result(30)
+        return
+    ctl._own_thread = None
+    try:
+        if not ctl._closed:
+            thread.run(ctl.aclose(), 30)
+    finally:
+        thread.stop()

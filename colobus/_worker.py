@@ -27,21 +27,15 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import zmq
 
 from . import _hostside
 from . import _protocol as P
 from ._channel import Channel, Peer
-from ._codec import from_buffer, is_key_array, key_impl_name, to_buffer
 from ._describe import describe_error
+from ._hostarrays import HostArrays
 from ._hostvalues import (
-    LAZY_PUT_BYTES,
     HostValues,
-    NumpyBlock,
-    jax_exact,
-    numpy_block,
-    present,
     setup_jax,
 )
 from ._keys import check_key
@@ -58,7 +52,6 @@ log = logging.getLogger("colobus.worker")
 
 BACKOFF_MIN_S = 0.1
 BACKOFF_MAX_S = 5.0
-REPLY_MARGIN = 1 << 20  # room for a reply's header, MAC and batch around a fetched block
 
 
 class _Exit(Exception):
@@ -111,6 +104,7 @@ class Worker:
         self._jax_devices: list[Any] = []
         self.values: HostValues = HostValues(None, {})
         self.store = Store()
+        self.arrays = HostArrays(self)
         self.epoch = 0  # bumps when a session's store is dropped
         self.host_index = -1
         self.loop: asyncio.AbstractEventLoop | None = None  # set in serve()
@@ -136,8 +130,8 @@ class Worker:
             Kind.CODE: self._on_code,
             Kind.CALL: self.sched.on_call,
             Kind.CANCEL: lambda body, env: self.sched.on_cancel(body),
-            Kind.PUT: self._on_put,
-            Kind.FETCH: self._on_fetch,
+            Kind.PUT: self.arrays.on_put,
+            Kind.FETCH: self.arrays.on_fetch,
             Kind.RELEASE: lambda body, env: self.store.release(body.refs, body.calls),
             Kind.CONSTRUCT: self._on_construct,
             Kind.DESTROY: lambda body, env: self.sched.on_destroy(body),
@@ -447,112 +441,9 @@ class Worker:
             log.warning("code %s does not unpickle here: %r", body.digest.hex()[:12], exc)
             self.store.code[body.digest] = ("error", exc)
 
-    # -- arrays --------------------------------------------------------------------------
-
-    def _on_put(self, body: P.Put, env: Envelope) -> None:
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[Any] = loop.create_future()
-        self.store.arrays[body.ref] = fut
-        values = self.values
-        try:
-            if len(env.buffers) != 1:
-                raise ValueError("PUT needs one buffer")
-            arr = from_buffer(body.dtype, body.shape, env.buffers[0])
-            mesh = values.local_mesh(body.mesh)
-            spec = P.decode_spec(body.spec)
-            impl = body.key_impl if isinstance(body.key_impl, str) else None
-        except Exception as exc:
-            fut.set_exception(exc)
-            fut.exception()
-            raise ValueError(f"bad PUT: {exc}") from exc
-        if arr.nbytes < LAZY_PUT_BYTES:
-            try:
-                fut.set_result(values.to_host_value(arr, mesh, spec, impl))
-            except Exception as exc:
-                fut.set_exception(exc)
-                fut.exception()
-            return
-        if impl is None and jax_exact(self._jax, arr.dtype):
-            # Stored as the numpy view on the received frame: no copy now (the
-            # put is done when the frame is here); a call makes the jax.Array.
-            try:
-                block = numpy_block(arr, values.sharding(mesh, spec))
-            except Exception as exc:
-                fut.set_exception(exc)
-                fut.exception()
-                return
-            block.lazy = True
-            block.put_ref = body.ref
-            fut.set_result(block)
-            return
-        work = loop.run_in_executor(self._pool, values.to_host_value_ready, arr, mesh, spec,
-                                    impl)
-        work.add_done_callback(functools.partial(_chain, fut))
-
     def present(self, value: Any) -> Any:
         """What user code receives for a stored value (any thread)."""
-        lazy = isinstance(value, NumpyBlock) and value.lazy and value.jax_value is None
-        out = present(self._jax, value)
-        if lazy and self.loop is not None:
-            try:
-                self.loop.call_soon_threadsafe(self._swap_block, value)
-            except RuntimeError:  # the loop closed: the worker is exiting
-                pass
-        return out
-
-    def _swap_block(self, block: NumpyBlock) -> None:
-        """Loop thread: a lazy PUT block got its jax.Array; store that alone.
-
-        The numpy view (and the received frame under it) lives on only while
-        calls that pinned the old entry still hold it. If JAX aliased the frame
-        (aligned host memory), the jax.Array keeps it: no copy was made.
-        """
-        ref = block.put_ref
-        fut = self.store.arrays.get(ref)
-        if fut is None or not fut.done() or fut.cancelled() or fut.exception() is not None:
-            return
-        if fut.result() is not block or block.jax_value is None:
-            return
-        swapped = asyncio.get_running_loop().create_future()
-        swapped.set_result(block.jax_value)
-        self.store.arrays[ref] = swapped
-        # jaxlib drops its reference to the copied numpy source from a callback of
-        # the collector (references released off the GIL wait in a queue): run a
-        # young-generation pass now, or the frame waits for the next automatic one.
-        gc.collect(0)
-
-    def _on_fetch(self, body: P.Fetch, env: Envelope) -> None:
-        fut = self.store.arrays.get(body.ref)
-        self._spawn(self._fetch(body.call_id, body.ref, fut, body.data, self.epoch))
-
-    async def _fetch(self, call_id: int, ref: int, fut: asyncio.Future[Any] | None,
-                     data: bool, epoch: int) -> None:
-        try:
-            if fut is None:
-                raise KeyError(f"array {ref} is not on host {self.host_index} (deleted?)")
-            value = await fut
-            if epoch != self.epoch:
-                return  # that controller session is over: its call ids mean nothing now
-            if not data:
-                self.send(P.Result(call_id, Status.OK, None))
-                return
-            impl = None
-            if is_key_array(value):
-                impl = key_impl_name(value)
-                value = self._jax.random.key_data(value)
-            arr = np.asarray(value)
-            descr, buf = to_buffer(arr)
-            if buf.nbytes + REPLY_MARGIN > self._max_message:
-                raise ValueError(
-                    f"a block of {buf.nbytes} bytes is too large to fetch: the controller "
-                    f"accepts messages up to max_message_bytes={self._max_message}; raise it "
-                    "with Controller(..., max_message_bytes=N) or local_cluster(..., "
-                    "max_message_bytes=N)")
-        except BaseException as exc:
-            if epoch == self.epoch and not isinstance(exc, asyncio.CancelledError):
-                self.reply_error(call_id, exc)
-            return
-        self.send(P.Result(call_id, Status.OK, [list(arr.shape), descr, impl]), b"", [buf])
+        return self.arrays.present(value)
 
     # -- objects ------------------------------------------------------------------------
 
@@ -576,17 +467,6 @@ class Worker:
             fut.exception()
             return
         fut.set_result(inst)
-
-
-def _chain(dst: asyncio.Future[Any], src: asyncio.Future[Any]) -> None:
-    if dst.done():
-        return
-    exc = src.exception()
-    if exc is not None:
-        dst.set_exception(exc)
-        dst.exception()
-    else:
-        dst.set_result(src.result())
 
 
 def main_worker(connect: str, name: str | None, key: bytes, cpu_devices: int | None,
