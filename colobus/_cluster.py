@@ -18,6 +18,7 @@ from typing import Any
 from ._controller import Controller, _pop_current, _push_current
 from ._hugepages import with_huge_pages
 from ._keys import generate_key
+from ._procwatch import HostProcess, describe_exit
 
 __all__ = ["LocalCluster", "init", "local_cluster", "shutdown"]
 
@@ -52,6 +53,9 @@ class LocalCluster:
         options.setdefault("exit_workers_on_close", True)
         self.controller = Controller(bind, hosts=hosts, key=self._key, **options)
         self.procs: list[subprocess.Popen[bytes]] = []
+        self._watched: list[HostProcess] = []
+        self._ended: dict[int, str] = {}  # host number -> how its process ended
+        self._closing = False  # our own stop: workers ending now is no news
         self._closed = False
 
     # -- processes ----------------------------------------------------------------------
@@ -67,25 +71,38 @@ class LocalCluster:
 
         env["COLOBUS_JAX_X64"] = "1" if jax.config.read("jax_enable_x64") else "0"
         env.pop("COLOBUS_KEY_FILE", None)
-        for i in range(self.hosts):
+        env["PYTHONUNBUFFERED"] = "1"  # host code's prints reach us line by line
+        names = [f"local-{i}" for i in range(self.hosts)]
+        self.controller._number_hosts_by_name(names)  # local-0 is host 0
+        for i, name in enumerate(names):
             cmd = [sys.executable, "-m", "colobus", "worker",
                    "--connect", self.controller.address,
                    "--devices", str(self.devices_per_host),
-                   "--name", f"local-{i}", "--key-file", "-"]
-            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, env=env, cwd=os.getcwd())
+                   "--name", name, "--key-file", "-"]
+            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, env=env, cwd=os.getcwd())
             assert proc.stdin is not None
             # The key travels on the worker's stdin, never on a command line.
             proc.stdin.write(self._key.hex().encode() + b"\n")
             proc.stdin.close()
             self.procs.append(proc)
+            self._watched.append(HostProcess(i, name, proc, self._process_ended))
+
+    def _process_ended(self, hp: HostProcess, how: str) -> None:
+        """A worker process ended (on its relay thread): tell the controller at once."""
+        if self._closing:
+            return
+        self._ended[hp.index] = how
+        log.warning("local host %d (%r, pid %d) %s", hp.index, hp.name, hp.proc.pid, how)
+        self.controller._host_process_ended(hp.name, hp.proc.pid, f"its process {how}")
 
     def _check_procs(self) -> None:
         for i, p in enumerate(self.procs):
             code = p.poll()
             if code is not None:
                 raise RuntimeError(
-                    f"local colobus worker {i} exited with code {code} before joining; "
-                    "see its output above")
+                    f"local colobus worker {i} {describe_exit(code)} before joining; "
+                    f"see its [stderr:{i}] lines above")
 
     def _reap(self, timeout: float = 10.0, grace: float = 1.0) -> None:
         """Wait for the workers (told to exit by the closing controller); stop stragglers.
@@ -95,6 +112,7 @@ class LocalCluster:
         liveness timeout fires. So after ``grace`` seconds the rest get SIGTERM,
         and SIGKILL at ``timeout``.
         """
+        self._closing = True
         deadline = time.monotonic() + timeout
         for p in self.procs:
             try:
@@ -108,6 +126,9 @@ class LocalCluster:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+        for hp in self._watched:
+            hp.join(max(0.1, deadline - time.monotonic()))  # their last lines first
+        self._watched.clear()
         self.procs.clear()
         if self._ipc_path and os.path.exists(self._ipc_path):
             try:
@@ -116,6 +137,7 @@ class LocalCluster:
                 pass
 
     def _kill_all(self) -> None:
+        self._closing = True
         for p in self.procs:
             if p.poll() is None:
                 p.kill()
@@ -141,6 +163,7 @@ class LocalCluster:
             self._spawn()
             await self._wait_joined()
         except BaseException:
+            self._closing = True
             await self.controller.aclose()
             self._kill_all()
             raise
@@ -149,6 +172,7 @@ class LocalCluster:
 
     async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
                         tb: TracebackType | None) -> None:
+        self._closing = True
         try:
             await self.controller.aclose()
         finally:
@@ -162,6 +186,7 @@ class LocalCluster:
             self._spawn()
             self.controller.run_sync(self._wait_joined())
         except BaseException:
+            self._closing = True
             self.controller.close()
             self._kill_all()
             raise
@@ -176,6 +201,7 @@ class LocalCluster:
         if self._closed:
             return
         self._closed = True
+        self._closing = True
         try:
             self.controller.close()
         finally:

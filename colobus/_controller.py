@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import enum
 import logging
 import os
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -39,6 +40,8 @@ from ._errors import ControllerClosedError, NoControllerError
 from ._frees import Frees
 from ._future import Future
 from ._hosts import Host, HostInfo, HostRegistry
+from ._joinorder import JoinOrder
+from ._joinwait import JoinProgress, key_words
 from ._observe import host_health, observing
 from ._ops import Operations
 from ._sessions import Sessions
@@ -344,9 +347,10 @@ class Controller:
                              before_flush=self._frees.move_to_outboxes)
         self._tasks.append(self._loop.create_task(self._liveness_loop()))
         self.state = State.RUNNING
-        log.info("controller listening on %s", self._address)
+        log.info("controller listening on %s (%s)", self._address, key_words(self._key))
         if self._write_key_file:
             self.key_file = str(_keys.write_private_key(self._key))
+            _keys.note_key_file(self._key, self.key_file)
             log.info("no key given: wrote a fresh key to %s; standalone workers join with "
                      "`colobus worker --connect %s --key-file %s`",
                      self.key_file, self._address, self.key_file)
@@ -375,21 +379,18 @@ class Controller:
         n = self._expected_hosts if n is None else n
         timeout = self.join_timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
+        progress = JoinProgress(self._address, self._key, n)
         while self._hosts.alive_count() < n:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(
-                    f"only {self._hosts.alive_count()} of {n} colobus hosts joined "
-                    f"{self._address} within {timeout:.0f} s; start workers with "
-                    f"`colobus worker --connect {self._address}`"
-                )
+                raise TimeoutError(progress.timeout_message(self._hosts.alive_count(), timeout))
             assert self._loop is not None
             waiter = self._loop.create_future()
             self._join_waiters.append(waiter)
             try:
-                await asyncio.wait_for(waiter, left)
+                await asyncio.wait_for(waiter, min(left, progress.next_report_in() + 0.01))
             except TimeoutError:
-                pass
+                progress.report(self._hosts.alive_count())
             self._check_open()
 
     async def aclose(self) -> None:
@@ -531,6 +532,29 @@ class Controller:
     def _declare_lost(self, index: int, why: str = "declared lost by the controller") -> None:
         """Declare a host lost now (a local cluster whose worker process died; tests)."""
         self._call_soon(self._sessions.lose, self._hosts[index], why)
+
+    def _number_hosts_by_name(self, names: Sequence[str]) -> None:
+        """Give the first hosts to join these names the numbers 0, 1, ... in this order.
+
+        For ``local_cluster``, before its workers start: HELLOs wait until all
+        of ``names`` said HELLO (see :mod:`colobus._joinorder`).
+        """
+        self._sessions.join_order = JoinOrder(names)
+
+    def _host_process_ended(self, name: str, pid: int, why: str) -> None:
+        """The process of host ``name`` (pid ``pid``) is gone: declare it lost now.
+
+        Called from any thread by whoever owns the process (``local_cluster``),
+        so the host is lost at once rather than after ``liveness_timeout``.
+        """
+        def lose() -> None:
+            host = self._hosts.by_name.get(name)
+            if host is not None and host.pid == pid:
+                self._sessions.lose(host, why)
+
+        if self.state is State.RUNNING:
+            with contextlib.suppress(RuntimeError, ControllerClosedError):  # closed meanwhile
+                self._call_soon(lose)
 
     def _release(self, host: int, generation: int, ref: int = 0, call: int = 0) -> None:
         """Free an array ref or a call's result slot on a host; thread-safe, batched."""

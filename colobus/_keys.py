@@ -8,6 +8,7 @@ are read from files only, never from a value that could sit on a command line.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import secrets
 import stat
@@ -22,10 +23,13 @@ __all__ = [
     "MIN_KEY_BYTES",
     "check_key",
     "generate_key",
+    "key_file_of",
+    "key_id",
     "load_curve_allow",
     "load_curve_keypair",
     "load_curve_public",
     "load_key",
+    "note_key_file",
     "parse_key_text",
     "remove_private_key",
     "write_curve_keypair",
@@ -80,6 +84,38 @@ def write_key(path: str | os.PathLike[str], key: bytes | None = None) -> bytes:
     return key
 
 
+_key_files: dict[bytes, str] = {}  # key -> the file load_key read it from
+
+
+def key_file_of(key: bytes) -> str | None:
+    """The file :func:`load_key` read ``key`` from (for messages), if it did."""
+    return _key_files.get(key)
+
+
+def note_key_file(key: bytes, path: str) -> None:
+    """Remember that ``key`` is in ``path`` (a file colobus wrote), for messages."""
+    _key_files[key] = path
+
+
+def key_id(key: bytes) -> str:
+    """A short name for ``key`` that can be shown and compared, never reversed.
+
+    Both sides log it, so a worker and a driver can tell whether they hold the
+    same key without showing it: the first 8 hex digits of a SHA-256 of the key.
+    """
+    if not key:
+        return "none"
+    return hashlib.sha256(b"colobus key id\0" + key).hexdigest()[:8]
+
+
+def _make_one(path: Path) -> str:
+    """How to make the key file ``path`` that is missing."""
+    if str(path).startswith("/run/secrets/"):  # inside a container: a secret not given
+        return ("the key reaches containers as a secret: run `colobus keygen colobus.key` "
+                "beside docker-compose.yml (see docs/deployment.md)")
+    return f"make one with `colobus keygen {path}`"
+
+
 def parse_key_text(text: str, source: str) -> bytes:
     """A key from its hex text (a key file's content, or stdin for ``--key-file -``)."""
     try:
@@ -97,12 +133,18 @@ def load_key(path: str | os.PathLike[str]) -> bytes:
     Raises:
         AuthenticationError: the file is not a colobus key, its key is shorter
             than 32 bytes, or the group or others may read it.
-        FileNotFoundError: there is no such file.
+        OSError: the file cannot be read (``FileNotFoundError``: there is no
+            such file); the message says how to make one.
     """
     p = Path(path)
-    fd = os.open(p, os.O_RDONLY)
+    try:
+        fd = os.open(p, os.O_RDONLY)
+    except OSError as exc:
+        raise type(exc)(f"cannot read key file {p} ({exc.strerror}); {_make_one(p)}") from None
     try:
         mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(f"key file {p} is a directory; {_make_one(p)}")
         if mode & (stat.S_IRWXG | stat.S_IRWXO):
             raise AuthenticationError(
                 f"key file {p} can be read by others (mode {mode & 0o777:o}); "
@@ -111,7 +153,9 @@ def load_key(path: str | os.PathLike[str]) -> bytes:
             text = f.read(1 << 16)
     finally:
         os.close(fd)
-    return parse_key_text(text, str(p))
+    key = parse_key_text(text, str(p))
+    _key_files[key] = str(p)
+    return key
 
 
 def write_private_key(key: bytes) -> Path:

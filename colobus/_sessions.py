@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from . import _protocol as P
 from ._guard import Challenges, PeerWarnings
 from ._hosts import Host
+from ._joinorder import JoinOrder
 from ._protocol import Kind
 from ._wire import PROTOCOL_VERSION, Dropped, Envelope, decode, unpack_batch
 
@@ -49,6 +50,8 @@ class Sessions:
         self.hosts_dropped = 0  # joined hosts dropped for breaking the protocol
         self.challenges = Challenges()  # join nonces: bounded, expiring
         self._peer_warnings = PeerWarnings(log)
+        # local_cluster numbers its hosts by name: the first HELLOs wait for each other.
+        self.join_order: JoinOrder[tuple[bytes, Envelope, P.Hello]] | None = None
         # Keyed by Kind, found by the plain int off the wire (IntEnum hashes as int).
         self._handlers: dict[int, Callable[[Host, Any, Envelope], None]] = {
             Kind.HEARTBEAT: self._on_heartbeat,
@@ -220,6 +223,20 @@ class Sessions:
             raise ValueError("bad device list")
         if len(hello.name) > MAX_NAME or len(hello.hostname) > MAX_NAME:
             raise ValueError("host name too long")
+        if self.join_order is not None:  # local_cluster: number hosts by name
+            ready = self.join_order.offer(hello.name, (identity, env, hello))
+            if not (len(ready) == 1 and ready[0][1] is env):
+                if ready:
+                    self.join_order = None
+                    for held in ready:
+                        self._admit(*held)
+                return
+        self._admit(identity, env, hello)
+
+    def _admit(self, identity: bytes, env: Envelope, hello: P.Hello) -> None:
+        """Join a worker whose HELLO passed every check: a new host, or a rejoin."""
+        ctl = self._ctl
+        hosts = ctl._hosts
         old = hosts.by_name.get(hello.name)
         if old is None and len(hosts.hosts) >= MAX_HOSTS:
             self.drop("too_many_hosts", identity, hello.name[:64])

@@ -21,8 +21,10 @@ import logging
 import os
 import random
 import secrets
+import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -33,11 +35,13 @@ from . import _hostside
 from . import _protocol as P
 from ._channel import Channel, Peer
 from ._describe import describe_error
+from ._endpoint import parse_connect
 from ._hostarrays import HostArrays
 from ._hostvalues import (
     HostValues,
     setup_jax,
 )
+from ._join import JoinDiagnosis
 from ._keys import check_key
 from ._procstat import cpu_ns, rss_bytes
 from ._protocol import Kind, Status
@@ -91,6 +95,7 @@ class Worker:
         self._curve: tuple[tuple[bytes, bytes], bytes] | None = None
         if curve_keypair is not None and curve_server_key is not None:
             self._curve = (curve_keypair, curve_server_key)
+        self._endpoint = parse_connect(connect)  # ValueError: says what is wrong with it
         self.connect = connect
         self._hostname = socket.gethostname()
         self.name = name or f"{self._hostname}-{os.getpid()}"
@@ -122,6 +127,7 @@ class Worker:
         self._exit_with_controller = False
         self._max_message = 1 << 62  # the controller's limit, from its WELCOME
         self._answered = False  # a HELLO answered the CHALLENGE to the last JOIN
+        self._stopping = False  # SIGTERM: no next session
         self._welcome: asyncio.Future[None] | None = None
         self._ended: asyncio.Future[str] | None = None
         self._bg: set[asyncio.Task[None]] = set()
@@ -157,6 +163,11 @@ class Worker:
 
     async def serve(self) -> int:
         self.loop = asyncio.get_running_loop()
+        # As PID 1 in a container, SIGTERM without a handler is ignored (docker stop
+        # would wait and SIGKILL); with one, the worker leaves its session and exits.
+        on_main = threading.current_thread() is threading.main_thread()
+        if on_main:
+            self.loop.add_signal_handler(signal.SIGTERM, self._on_sigterm)
         self._jax = setup_jax(self._cpu_devices)
         self._discover_devices()
         # Everything imported so far (JAX: ~100k objects) lives as long as the process:
@@ -186,10 +197,17 @@ class Worker:
         except _Exit as e:
             return e.code
         finally:
+            if on_main:
+                self.loop.remove_signal_handler(signal.SIGTERM)
             watchdog.cancel()
             self.sched.pool.shutdown()
             self._pool.shutdown(wait=False, cancel_futures=True)
-            self._ctx.term()
+            _end_context(self._ctx)
+
+    def _on_sigterm(self) -> None:
+        log.info("host %s: SIGTERM; worker exits", self.name)
+        self._stopping = True
+        self._end("exit")
 
     async def _watch_parent(self) -> None:
         if self._parent_pid is None:
@@ -239,11 +257,19 @@ class Worker:
             sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
             sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
             sock.setsockopt(zmq.CURVE_SERVERKEY, server)
-        sock.connect(self.connect)
+        try:
+            sock.connect(self.connect)
+        except zmq.ZMQError as exc:  # an endpoint parse_connect let through
+            sock.close(0)
+            raise ValueError(f"cannot connect to {self.connect!r}: {exc}") from None
         self._peer = Peer([], session, b"")
         self._joined = False
         self._welcome = loop.create_future()
         self._ended = loop.create_future()
+        if self._stopping:
+            self._ended.set_result("exit")
+        diagnosis = JoinDiagnosis(self._endpoint, self._key, curve=self._curve is not None,
+                                  quiet=self.host_index >= 0)
         chan = self._chan = Channel(sock, self._key, loop, self._on_frames,
                                     send_flags=NOBLOCK, after_flush=self.sched.wait_briefly)
         joined = False
@@ -254,11 +280,13 @@ class Worker:
                 self._send_join_raw(P.Join())
                 wait = backoff * (0.75 + random.random() / 2)
                 waits: list[asyncio.Future[Any]] = [self._welcome, self._ended]
-                await asyncio.wait(waits, timeout=wait)
+                await asyncio.wait(waits, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
                 if self._ended.done():
                     return False, self._ended.result()
                 backoff = min(backoff * 2, BACKOFF_MAX_S)
+                diagnosis.after_hello()
             joined = True
+            diagnosis.close()
             log.info("host %s joined %s as host %d", self.name, self.connect, self.host_index)
             hb = loop.create_task(self._heartbeats())
             try:
@@ -267,6 +295,7 @@ class Worker:
                 hb.cancel()
             return joined, outcome
         finally:
+            diagnosis.close()
             chan.close()
             self._chan = None
             self._peer = None
@@ -467,6 +496,23 @@ class Worker:
             fut.exception()
             return
         fut.set_result(inst)
+
+
+def _end_context(ctx: zmq.Context[Any], timeout: float = 0.5) -> None:
+    """Close ``ctx``'s sockets and terminate it, waiting at most ``timeout``.
+
+    ZeroMQ resolves a ``tcp://NAME:PORT`` endpoint on its I/O thread, and
+    termination waits for that thread: with the driver's name gone (its
+    container stopped) and DNS timing out, that can take many seconds. The
+    worker is exiting, so it does not wait for more than ``timeout``.
+    """
+    ender = threading.Thread(target=ctx.destroy, kwargs={"linger": 0},
+                             name="colobus-zmq-term", daemon=True)
+    ender.start()
+    ender.join(timeout)
+    if ender.is_alive():
+        log.debug("ZeroMQ context still terminating after %.1f s (a name lookup?); "
+                  "exiting without it", timeout)
 
 
 def main_worker(connect: str, name: str | None, key: bytes, cpu_devices: int | None,

@@ -321,12 +321,14 @@ def format_report(r: Report) -> str:
 
 def build_parser(prog: str = "async_training_loop.py") -> argparse.ArgumentParser:
     """The options of ``examples/async_training_loop.py`` (``colobus demo`` has a subset)."""
-    p = argparse.ArgumentParser(
+    from .._cli import CliParser, positive_int
+
+    p = CliParser(
         prog=prog, description="Async data-parallel training driven from one colobus controller.")
-    p.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
-    p.add_argument("--hosts", type=int, default=2,
+    p.add_argument("--steps", type=positive_int, default=40, help="training steps (default 40)")
+    p.add_argument("--hosts", type=positive_int, default=2,
                    help="hosts: local worker processes, or remote workers to wait for")
-    p.add_argument("--devices", type=int, default=4,
+    p.add_argument("--devices", type=positive_int, default=4,
                    help="CPU devices per local host (remote workers choose their own)")
     p.add_argument("--bind", default=None, metavar="ENDPOINT",
                    help="bind here and wait for remote workers (e.g. tcp://0.0.0.0:5555) "
@@ -344,7 +346,7 @@ def build_parser(prog: str = "async_training_loop.py") -> argparse.ArgumentParse
     return p
 
 
-async def _run(args: argparse.Namespace) -> Report:
+async def _run(args: argparse.Namespace, key: bytes | None) -> Report:
     every = args.checkpoint_every
     if every is None:
         every = max(1, args.steps // 4)
@@ -355,7 +357,6 @@ async def _run(args: argparse.Namespace) -> Report:
             print(describe_hosts(ctl), flush=True)
             print_metrics(ctl)
             return await train(args.steps, **opts)
-    key = cb.load_key(args.key_file) if args.key_file else None
     async with cb.Controller(args.bind, hosts=args.hosts, key=key, metrics=args.metrics) as ctl:
         print(describe_hosts(ctl), flush=True)
         print_metrics(ctl)
@@ -377,13 +378,33 @@ def describe_hosts(ctl: cb.Controller) -> str:
         f"{h.devices[0].platform if h.devices else ''} devices" for h in ctl.hosts())
 
 
+HOST_LOST_STATUS = 3  # the exit status when a host was lost mid-run
+
+
 def main(argv: Sequence[str] | None = None, prog: str = "async_training_loop.py") -> int:
     """Run the command line; 0 when training converged."""
     args = build_parser(prog).parse_args(argv)
+    try:
+        key = cb.load_key(args.key_file) if args.key_file else None
+    except (OSError, cb.AuthenticationError) as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
     where = args.bind or f"a local cluster ({args.hosts} hosts x {args.devices} devices)"
     print(f"colobus: training {args.steps} steps on {where}", flush=True)
     with contextlib.suppress(KeyboardInterrupt):
-        report = asyncio.run(_run(args))
+        try:
+            report = asyncio.run(_run(args, key))
+        except TimeoutError as exc:  # the hosts did not join: the message says what to run
+            print(f"{prog}: error: {exc}", file=sys.stderr)
+            return 1
+        except cb.HostLostError as exc:
+            # What docs/reliability.md asks of a driver: report the loss, then go on
+            # without that host or stop cleanly. The parameters live on every host,
+            # so a lost host takes part of them: this loop stops (the controller and
+            # the other hosts are shut down in order by `async with`).
+            print(f"{prog}: stopping: {exc}; the other hosts are fine, but training "
+                  "needs every host's share", file=sys.stderr, flush=True)
+            return HOST_LOST_STATUS
         print(format_report(report), flush=True)
         return 0 if report.last_loss < report.first_loss else 1
     print("interrupted", file=sys.stderr)

@@ -1,0 +1,224 @@
+"""The docker-compose simulation, for real: a driver and three worker containers.
+
+Builds the image (offline where needed: a base image from Debian's packages,
+wheels from the host; see docker/), then runs docker-compose.yml with Compose
+v2 (``docker compose``) or v1 (``docker-compose``), whichever is here, and
+breaks it: a worker container killed mid-training, another cut off the
+network and put back. Skipped, with the reason, where no Docker engine runs
+(``.ci/run`` starts one where it can). All traffic stays between containers on
+this machine.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from colobus._keys import write_key
+
+ROOT = Path(__file__).resolve().parent.parent
+IMAGE = "colobus:local"  # what docker-compose.yml runs
+PUBLIC_BASE = "python:3.11-slim"
+LOCAL_BASE = "colobus-base:bookworm"  # docker/build-base
+HOST_LOST_STATUS = 3  # the example driver's status after a lost host (colobus._tools.demo)
+
+pytestmark = pytest.mark.docker
+
+
+def _run(*argv: str, timeout: float = 120, check: bool = True,
+         env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout,
+                          cwd=ROOT, env=env)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(argv)} -> {proc.returncode}\n"
+                             f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def _engine_missing() -> str | None:
+    """Why the Docker tests cannot run here, or None."""
+    if shutil.which("docker") is None:
+        return "no docker command (.ci/run installs Debian's docker.io where it can)"
+    info = subprocess.run(["docker", "info", "--format", "{{.ServerVersion}}"],
+                          capture_output=True, text=True, timeout=30)
+    if info.returncode != 0:
+        return f"no Docker engine answers: {info.stderr.strip()[-200:]}"
+    if _compose_command() is None:
+        return "neither `docker compose` (v2) nor `docker-compose` (v1) is installed"
+    return None
+
+
+def _compose_command() -> list[str] | None:
+    if subprocess.run(["docker", "compose", "version"], capture_output=True,
+                      timeout=30).returncode == 0:
+        return ["docker", "compose"]
+    if shutil.which("docker-compose"):
+        return ["docker-compose"]
+    return None
+
+
+def _base_image() -> str:
+    """The Dockerfile's BASE: as given, the public image if here, else one built locally."""
+    given = os.environ.get("COLOBUS_BASE_IMAGE")
+    if given:
+        return given
+    if _run("docker", "image", "inspect", PUBLIC_BASE, check=False).returncode == 0:
+        return PUBLIC_BASE
+    _run(str(ROOT / "docker" / "build-base"), LOCAL_BASE, timeout=900)
+    return LOCAL_BASE
+
+
+@pytest.fixture(scope="module")
+def image() -> str:
+    """Build the image (once per run; docker's layer cache makes a rebuild quick)."""
+    reason = _engine_missing()
+    if reason:
+        pytest.skip(reason)
+    base = _base_image()
+    if base == LOCAL_BASE:  # no registry: the dependencies come as wheels from this host
+        _run(str(ROOT / "docker" / "fetch-wheels"), sys.executable, timeout=600)
+    _run("docker", "build", "-q", "--build-arg", f"BASE={base}", "-t", IMAGE, ".",
+         timeout=1200)
+    return base
+
+
+class Compose:
+    """One compose project of the repository's file, torn down in finally."""
+
+    def __init__(self, tmp: Path, base: str) -> None:
+        compose = _compose_command()
+        assert compose is not None
+        self.project = f"colobusci{os.getpid()}"
+        key = tmp / "colobus.key"
+        write_key(key)
+        # The key file: the repository's ./colobus.key is the user's, so the test's
+        # own comes in through an override file (a secret all the same).
+        override = tmp / "override.yml"
+        override.write_text(
+            "services:\n  driver:\n    secrets: [colobus_key]\n"
+            f"secrets:\n  colobus_key:\n    file: {key}\n")
+        self.argv = [*compose, "-p", self.project, "-f", str(ROOT / "docker-compose.yml"),
+                     "-f", str(override)]
+        self.env = dict(os.environ, COLOBUS_BASE_IMAGE=base)
+
+    def __call__(self, *args: str, timeout: float = 300, check: bool = True,
+                 steps: int = 20) -> subprocess.CompletedProcess[str]:
+        env = dict(self.env, COLOBUS_STEPS=str(steps))
+        return _run(*self.argv, *args, timeout=timeout, check=check, env=env)
+
+    def containers(self, service: str) -> list[str]:
+        out = _run("docker", "ps", "-aq", "--no-trunc",
+                   "--filter", f"label=com.docker.compose.project={self.project}",
+                   "--filter", f"label=com.docker.compose.service={service}").stdout
+        return sorted(out.split())
+
+    def network(self) -> str:
+        return f"{self.project}_default"
+
+    def down(self) -> None:
+        self("down", "-t", "2", "--remove-orphans", check=False, timeout=120)
+
+
+@pytest.fixture
+def compose(image: str, tmp_path: Path) -> collections.abc.Iterator[Compose]:
+    c = Compose(tmp_path, image)
+    try:
+        yield c
+    finally:
+        c.down()
+
+
+def _logs(container: str) -> str:
+    proc = _run("docker", "logs", container, check=False)
+    return proc.stdout + proc.stderr
+
+
+def _wait_for_log(container: str, text: str, timeout: float, count: int = 1) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        logs = _logs(container)
+        if logs.count(text) >= count:
+            return logs
+        time.sleep(0.5)
+    raise AssertionError(f"{text!r} x{count} not in the logs of {container[:12]} within "
+                         f"{timeout} s:\n{_logs(container)[-3000:]}")
+
+
+def _wait_exit(container: str, timeout: float) -> int:
+    return int(_run("docker", "wait", container, timeout=timeout).stdout.strip())
+
+
+def test_compose_trains_on_three_worker_containers(compose: Compose) -> None:
+    t0 = time.monotonic()
+    proc = compose("up", "--no-build", "--scale", "worker=3", "--abort-on-container-exit",
+                   "--exit-code-from", "driver", steps=20, timeout=600, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "trained 20 steps on 3 hosts x 4 devices" in out, out[-4000:]
+    # Workers take SIGTERM as PID 1: --abort-on-container-exit ends in seconds,
+    # not after docker's 10 s grace and a SIGKILL.
+    assert "exited with code 137" not in out
+    assert time.monotonic() - t0 < 300
+
+
+def test_killed_worker_container_stops_the_driver_cleanly(compose: Compose) -> None:
+    compose("up", "-d", "--no-build", "--scale", "worker=3", steps=10**6)
+    [driver] = compose.containers("driver")
+    workers = compose.containers("worker")
+    assert len(workers) == 3
+    _wait_for_log(driver, "host 2: ", 180)  # all three joined; training runs
+    time.sleep(2)
+    _run("docker", "kill", workers[0])
+    status = _wait_exit(driver, 90)
+    logs = _logs(driver)
+    assert status == HOST_LOST_STATUS, logs[-3000:]
+    assert f"'{workers[0][:12]}-1') was lost" in logs, logs[-3000:]
+    assert "stopping:" in logs and "Traceback" not in logs
+    # The other workers leave on SIGTERM (PID 1 in their containers), with status 0,
+    # long before docker's grace period would end in a SIGKILL (status 137).
+    t0 = time.monotonic()
+    compose("stop", "-t", "30", timeout=120)
+    assert time.monotonic() - t0 < 20.0, "a worker waited for SIGKILL"
+    for w in workers[1:]:
+        assert _run("docker", "inspect", "-f", "{{.State.ExitCode}}", w).stdout.strip() == "0"
+        assert "SIGTERM; worker exits" in _logs(w)
+
+
+def test_network_cut_worker_is_lost_then_rejoins_the_next_driver(compose: Compose) -> None:
+    compose("up", "-d", "--no-build", "--scale", "worker=3", steps=10**6)
+    [driver] = compose.containers("driver")
+    cut = compose.containers("worker")[1]
+    _wait_for_log(driver, "host 2: ", 180)
+    time.sleep(2)
+    _run("docker", "network", "disconnect", compose.network(), cut)
+    try:
+        status = _wait_exit(driver, 90)
+        logs = _logs(driver)
+        assert status == HOST_LOST_STATUS, logs[-3000:]
+        assert f"'{cut[:12]}-1') was lost: no message for" in logs, logs[-3000:]
+    finally:
+        _run("docker", "network", "connect", compose.network(), cut)
+    # Back on the network, the worker joins the next driver with the others.
+    _run("docker", "start", driver)
+    logs = _wait_for_log(driver, "host 2: ", 180, count=2)
+    second = logs[logs.rindex("colobus: training"):]
+    assert f"'{cut[:12]}-1'" in second, second[-3000:]
+
+
+def test_image_without_the_key_secret_says_keygen(image: str) -> None:
+    secret = "/run/secrets/colobus_key"
+    for command in (["colobus", "worker", "--connect", "tcp://driver:5555", "--key-file", secret],
+                    ["python", "examples/async_training_loop.py", "--bind", "tcp://0.0.0.0:5555",
+                     "--hosts", "1", "--key-file", secret]):
+        proc = _run("docker", "run", "--rm", "--network", "none", IMAGE, *command,
+                    check=False, timeout=120)
+        assert proc.returncode == 2, proc.stderr
+        assert "colobus keygen colobus.key" in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr
