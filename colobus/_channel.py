@@ -93,6 +93,8 @@ class Channel:
             message never overtakes a free asked for earlier).
         after_flush: called after each flush inside a drain; True means read
             again (the worker's brief wait for calls it just started).
+        before_drain: called as each drain starts (the worker forgets the calls
+            that earlier drains started: only this drain's are worth waiting for).
     """
 
     def __init__(
@@ -105,6 +107,7 @@ class Channel:
         send_flags: int = 0,
         before_flush: Callable[[], None] | None = None,
         after_flush: Callable[[], bool] | None = None,
+        before_drain: Callable[[], None] | None = None,
     ) -> None:
         self.sock = sock
         self._key = key
@@ -113,6 +116,7 @@ class Channel:
         self._flags = send_flags
         self._before_flush = before_flush
         self._after_flush = after_flush
+        self._before_drain = before_drain
         self._dirty: list[Peer] = []  # peers with messages in their outbox
         self._step_scheduled = False
         self._corked = False  # inside a drain (or a burst): sends leave when it ends
@@ -248,6 +252,8 @@ class Channel:
         sock = self.sock
         if sock.closed:
             return
+        if self._before_drain is not None:
+            self._before_drain()
         corked, self._corked = self._corked, True
         try:
             while True:

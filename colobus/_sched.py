@@ -401,6 +401,10 @@ class Scheduler:
         except RuntimeError:  # the loop closed: the worker is exiting
             pass
 
+    def drain_starts(self) -> None:
+        """A drain of the socket starts: only the calls it starts are worth a brief wait."""
+        self.started = False
+
     def wait_briefly(self) -> bool:
         """Loop thread: wait a moment for the calls this drain started; True if any ended.
 

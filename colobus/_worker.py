@@ -271,7 +271,8 @@ class Worker:
         diagnosis = JoinDiagnosis(self._endpoint, self._key, curve=self._curve is not None,
                                   quiet=self.host_index >= 0)
         chan = self._chan = Channel(sock, self._key, loop, self._on_frames,
-                                    send_flags=NOBLOCK, after_flush=self.sched.wait_briefly)
+                                    send_flags=NOBLOCK, after_flush=self.sched.wait_briefly,
+                                    before_drain=self.sched.drain_starts)
         joined = False
         try:
             while not self._welcome.done():
