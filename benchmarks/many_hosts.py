@@ -239,8 +239,10 @@ def _spawn(address: str, key: bytes, n: int, per_proc: int, heartbeat: float
 
 
 def _profile_lines(prof: cProfile.Profile, n: int = 14) -> list[str]:
+    sort = os.environ.get("MANY_HOSTS_SORT", "tottime")
+    n = int(os.environ.get("MANY_HOSTS_LINES", n))
     s = io.StringIO()
-    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(n)
+    pstats.Stats(prof, stream=s).sort_stats(sort).print_stats(n)
     lines = [ln for ln in s.getvalue().splitlines() if ln.strip()]
     start = next((i for i, ln in enumerate(lines) if "ncalls" in ln), 0)
     return lines[start:start + n + 1]
