@@ -17,6 +17,13 @@ EXPECTED = {
     "object_first_call", "put_small", "get_small", "put_medium", "get_medium", "put_large",
     "get_large", "peak_rss_put_controller", "peak_rss_put_worker", "peak_rss_get_controller",
     "peak_rss_get_worker", "chain100",
+    # bench_calls: calls, scaling, bigout
+    "mem_inflight_controller", "mem_inflight_worker", "mem_held_controller", "mem_held_worker",
+    "noop_async_alt", "ident_async", "plus1_async", "ident_pipelined_tasks",
+    "ident_pipelined_gather", "noop_sync_alt", "ident_sync",
+    "scaling1_noop", "scaling1_ident", "scaling2_noop", "scaling2_ident", "scaling4_noop",
+    "scaling4_ident", "scaling_cpu_per_host_noop", "scaling_cpu_per_host_ident",
+    "bigout_first_peak_rss_worker", "bigout_second_peak_rss_worker",
 }
 
 
@@ -38,13 +45,16 @@ def test_quick_bench_json(tmp_path: Path) -> None:
         assert row["baseline"] > 0, name
         assert row["colobus"] >= 0, name
         assert math.isfinite(row["ratio"]) and row["ratio"] >= 0, name
-        if not name.startswith("peak_rss"):
+        if not name.startswith(("peak_rss", "mem_", "scaling_cpu")):
             assert row["colobus"] > 0 and row["ratio"] > 0, name
     # every table row also printed, with both figures
     for name in EXPECTED:
         assert name in proc.stdout
     assert rows["chain100"]["colobus_awaited_each"] > 0
     assert rows["fanout4_latency"]["colobus_1host"] > 0
+    assert rows["ident_async"]["vs_noop"] > 0 and rows["ident_async"]["cpu_us"] > 0
+    assert rows["scaling4_noop"]["cpu_us_per_host"] > 0
+    assert rows["bigout_second_peak_rss_worker"]["bytes"] == 32 << 20
     # --quick skips Ray and IPython Parallel (CI does not install the bench extra)
     assert {run["status"] for run in doc["peers"].values()} == {"skipped"}
     assert all(row["peers"] == {} for row in rows.values())

@@ -8,7 +8,8 @@ latencies and memory lower is better (a ratio of 1.5 means 1.5x slower than raw)
 for rates higher is better (a ratio of 0.5 means half the raw rate).
 
 Groups (``colobus bench NAME``): ``latency``, ``pipelined``, ``fanout``,
-``object``, ``transfer`` (includes peak memory), ``chain``.
+``object``, ``transfer`` (includes peak memory), ``chain``, and those of
+``bench_calls``: ``calls``, ``scaling``, ``bigout``.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ import numpy as np
 import zmq
 
 import colobus as cb
+
+from . import bench_calls
 
 __all__ = ["BENCHMARKS", "run_bench"]
 
@@ -503,7 +506,8 @@ class Bench:
                      {"colobus_awaited_each": aw, "speedup_vs_awaited": aw / ours}))
 
 
-BENCHMARKS = ("latency", "pipelined", "fanout", "object", "transfer", "chain")
+CORE = ("latency", "pipelined", "fanout", "object", "transfer", "chain")
+BENCHMARKS = CORE + bench_calls.GROUPS
 
 
 async def _run_async(bench: Bench, groups: list[str], options: dict[str, Any]) -> None:
@@ -580,9 +584,12 @@ def run_bench(name: str | None, json_path: str | None, quick: bool,
         t0 = time.perf_counter()
         options: dict[str, Any] = {"metrics": "127.0.0.1:0"} if metrics else {}
         print(f"metrics: {'on' if metrics else 'off'}", flush=True)
-        asyncio.run(_run_async(bench, groups, options))
+        core = [g for g in groups if g in CORE]
+        if core:
+            asyncio.run(_run_async(bench, core, options))
         if name in (None, "latency"):
             _run_sync(bench, options)
+        bench_calls.run_groups(bench, groups, options)
         from . import bench_peers as _bench_peers
 
         runs = _bench_peers.run_peers(
