@@ -239,6 +239,9 @@ def _spawn(address: str, key: bytes, n: int, per_proc: int, heartbeat: float
 
 
 def _profile_lines(prof: cProfile.Profile, n: int = 14) -> list[str]:
+    dump = os.environ.get("MANY_HOSTS_DUMP")
+    if dump:
+        prof.dump_stats(f"{dump}.{len(os.listdir(os.path.dirname(dump) or '.'))}")
     sort = os.environ.get("MANY_HOSTS_SORT", "tottime")
     n = int(os.environ.get("MANY_HOSTS_LINES", n))
     s = io.StringIO()

@@ -5,7 +5,12 @@ goes through the routing-id logic of ``Socket.send`` for each frame; on the
 no-op call path that was about 10 us per message, several times the cost of
 the sends themselves. These helpers do the same with plain ``int`` flags, and
 copy small frames (cheaper than a zero-copy frame and its bookkeeping) while
-sending large buffers without a copy.
+sending large buffers without a copy. They call the socket's compiled
+``send``/``recv`` directly (pyzmq's Python-level ``Socket.send`` only adds the
+DRAFT ``routing_id``/``group`` arguments, unused here), and read a received
+frame's ``more`` flag instead of asking the socket for ``RCVMORE`` (each
+``getsockopt`` builds an enum): on a controller with a thousand hosts these
+per-frame costs are most of what a heartbeat costs.
 """
 
 from __future__ import annotations
@@ -27,15 +32,17 @@ POLLIN = int(zmq.POLLIN)
 RCVMORE = int(zmq.RCVMORE)
 # Below this size a copy beats a zero-copy frame (pyzmq's own copy threshold).
 COPY_BELOW = 1 << 16
+_send = zmq.backend.Socket.send  # the compiled methods, below pyzmq's Python wrappers
+_recv = zmq.backend.Socket.recv
 
 
 def send_frames(sock: zmq.Socket[Any], frames: Sequence[Any], flags: int = 0) -> None:
     """Send one multipart message; ``bytes``/``memoryview`` parts, large ones zero-copy."""
-    send = sock.send
+    more = flags | SNDMORE
     last = len(frames) - 1
     for i, f in enumerate(frames):
-        n = len(f) if isinstance(f, bytes) else memoryview(f).nbytes
-        send(f, flags | SNDMORE if i < last else flags, copy=n < COPY_BELOW)
+        n = len(f) if type(f) is bytes else memoryview(f).nbytes
+        _send(sock, f, more if i < last else flags, n < COPY_BELOW)
 
 
 def readable(sock: zmq.Socket[Any]) -> bool:
@@ -50,9 +57,9 @@ def socket_fd(sock: zmq.Socket[Any]) -> int:
 
 def recv_frames(sock: zmq.Socket[Any], flags: int = NOBLOCK) -> list[Any]:
     """Receive one multipart message as ``zmq.Frame`` objects (no copies)."""
-    recv = sock.recv
-    parts = [recv(flags, copy=False)]
-    more = sock.getsockopt
-    while more(RCVMORE):
-        parts.append(recv(flags, copy=False))
+    frame = _recv(sock, flags, False)
+    parts = [frame]
+    while frame.more:
+        frame = _recv(sock, flags, False)
+        parts.append(frame)
     return parts

@@ -103,9 +103,22 @@ class Envelope:
     ack: int = 0  # the highest sequence number the sender has received from the receiver
 
 
+_KEYED: dict[bytes, Any] = {}  # key -> BLAKE2b state after the key block (a few keys)
+_KEYED_MAX = 16
+
+
 def mac(key: bytes, header: Buffer, payload: Buffer) -> bytes:
-    """Keyed BLAKE2b over the header and the payload, each with its length."""
-    h = hashlib.blake2b(key=key[:64], digest_size=MAC_SIZE)
+    """Keyed BLAKE2b over the header and the payload, each with its length.
+
+    The state after absorbing the key is made once per key and copied per
+    message (a keyed BLAKE2b compresses a whole block for the key first).
+    """
+    keyed = _KEYED.get(key)
+    if keyed is None:
+        if len(_KEYED) >= _KEYED_MAX:
+            _KEYED.clear()
+        keyed = _KEYED[key] = hashlib.blake2b(key=key[:64], digest_size=MAC_SIZE)
+    h = keyed.copy()
     h.update(_LEN.pack(len(header)))
     h.update(header)
     h.update(_LEN.pack(len(payload)))
@@ -215,6 +228,8 @@ BATCH_MAX_HEADER = MAX_HEADER_BYTES // 2  # a larger batch header is sent as its
 def batched(items: Sequence[Outgoing], sender: bytes, receiver: bytes) -> list[Envelope]:
     """Envelopes (sequence numbers not set) carrying ``items`` in order, batched where
     several fit together: a lone message, or one with a large payload, travels as itself."""
+    if len(items) == 1:  # the common case: one message, as itself
+        return [_single(items[0], sender, receiver)]
     out: list[Envelope] = []
     run: list[Outgoing] = []
 
