@@ -303,6 +303,9 @@ async def measure(n: int, per_proc: int, idle_s: float, calls: int, profile: boo
             for _ in range(3):
                 await f()
             lat = []
+            chan = ctl._chan
+            assert chan is not None
+            b0 = chan.batches_sent
             c0 = time.thread_time()
             if prof is not None:
                 prof.enable()
@@ -314,6 +317,7 @@ async def measure(n: int, per_proc: int, idle_s: float, calls: int, profile: boo
                 prof.disable()
                 out["fanout_profile"] = _profile_lines(prof)
             cpu = (time.thread_time() - c0) / calls
+            out["fanout_batches_per_host_call"] = (chan.batches_sent - b0) / calls / n
             out["fanout_ms"] = statistics.median(lat) * 1e3
             out["fanout_loop_cpu_ms_per_call"] = cpu * 1e3
             out["fanout_loop_cpu_us_per_host"] = cpu * 1e6 / n
@@ -351,6 +355,7 @@ def _report(r: dict[str, Any]) -> None:
             t = TARGETS[target]
             mark = f"  target < {t:g}: {'met' if value < t else 'NOT met'}" if n >= 1024 else ""
         print(f"  {label:<30} {value:>10.2f} {unit}{mark}")
+    print(f"  BATCH envelopes per host per call: {r['fanout_batches_per_host_call']:.2f}")
     print(f"  alive after idle: {r['alive_after_idle']}/{n}; dropped: {r['dropped'] or 'none'}")
     for key in ("idle_profile", "fanout_profile"):
         if key in r:

@@ -156,7 +156,12 @@ class Channel:
             return
         self._step_scheduled = True
         self._loop.call_soon(self._end_step)
-        self.flush()
+        # Only this peer's messages leave now: others queued earlier (frees moved
+        # into every host's outbox) wait for the end of the step, and ride along
+        # with what the step sends them then (a fan-out call: one envelope per host).
+        if peer in self._dirty:  # it is (its outbox is not empty), unless forgotten
+            self._dirty.remove(peer)
+        self._send_outbox(peer, time.monotonic())
 
     def enqueue(self, peer: Peer, body: P.Body, payload: Buffer = b"",
                 buffers: Sequence[Buffer] = (), pbufs: int = 0) -> None:
@@ -198,22 +203,27 @@ class Channel:
             return False
         now = time.monotonic()
         for peer in peers:
-            items, peer.outbox = peer.outbox, []
-            for env in batched(items, peer.session, peer.their_session):
-                peer.send_seq += 1
-                env.seq = peer.send_seq
-                env.ack = peer.recv_seq
-                frames = encode(self._key, env)
-                peer.unacked.append((env.seq, now, frames))
-                if env.kind == BATCH_KIND:
-                    self.batches_sent += 1
-                try:
-                    send_frames(sock, [*peer.route, *frames], self._flags)
-                except zmq.ZMQError as exc:
-                    # No connection to that peer now (EHOSTUNREACH on a ROUTER, EAGAIN
-                    # on a DEALER): the message waits in ``unacked`` for a resend.
-                    log.debug("send failed (%s); resent once the peer is back", exc)
+            self._send_outbox(peer, now)
         return True
+
+    def _send_outbox(self, peer: Peer, now: float) -> None:
+        """Send ``peer``'s queued messages, batched (the caller took it off ``_dirty``)."""
+        sock = self.sock
+        items, peer.outbox = peer.outbox, []
+        for env in batched(items, peer.session, peer.their_session):
+            peer.send_seq += 1
+            env.seq = peer.send_seq
+            env.ack = peer.recv_seq
+            frames = encode(self._key, env)
+            peer.unacked.append((env.seq, now, frames))
+            if env.kind == BATCH_KIND:
+                self.batches_sent += 1
+            try:
+                send_frames(sock, [*peer.route, *frames], self._flags)
+            except zmq.ZMQError as exc:
+                # No connection to that peer now (EHOSTUNREACH on a ROUTER, EAGAIN
+                # on a DEALER): the message waits in ``unacked`` for a resend.
+                log.debug("send failed (%s); resent once the peer is back", exc)
 
     def resend_stale(self, peers: Sequence[Peer], after: float) -> None:
         """Send again what ``peers`` left unacknowledged for ``after`` seconds.

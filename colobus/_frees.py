@@ -42,6 +42,25 @@ class Frees:
         except (RuntimeError, ColobusError):
             pass
 
+    def release_call(self, call: int, generations: dict[int, int]) -> None:
+        """Free the result slot of ``call`` on each of its hosts (host -> generation):
+        one hop to the loop thread for the whole call, not one per host; thread-safe."""
+        ctl = self._ctl
+        if ctl._closed:
+            return
+        entries = [(host, gen, 0, call) for host, gen in generations.items()]
+        try:
+            ctl._ops.post(functools.partial(self._queue_many, entries))
+        except (RuntimeError, ColobusError):
+            pass
+
+    def _queue_many(self, entries: list[tuple[int, int, int, int]]) -> None:
+        self._queue.extend(entries)
+        loop = self._ctl._loop
+        if not self._timer_set and loop is not None:
+            self._timer_set = True
+            loop.call_later(RELEASE_DELAY_S, self._timer)
+
     def _queue_one(self, entry: tuple[int, int, int, int]) -> None:
         self._queue.append(entry)
         loop = self._ctl._loop
@@ -60,7 +79,7 @@ class Frees:
         """Queue the waiting frees as one RELEASE per host (called before any flush)."""
         if not self._queue:
             return
-        hosts = self._ctl._hosts
+        hosts = self._ctl._hosts.hosts
         per_host: dict[int, tuple[list[int], list[int]]] = {}
         while self._queue:
             host, gen, ref, call = self._queue.popleft()

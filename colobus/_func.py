@@ -324,8 +324,7 @@ def _release_results(ref: weakref.ref[Future[Any]]) -> None:
     op = _result_refs.pop(ref, None)
     if op is None:
         return
-    for h, g in op.gens.items():
-        op.ctl._release(h, g, call=op.call_id)
+    op.ctl._frees.release_call(op.call_id, op.gens)
 
 
 # -- the decorator ---------------------------------------------------------------------------------
