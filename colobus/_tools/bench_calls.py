@@ -291,8 +291,10 @@ async def _on_cluster(bench: Bench, fn: Callable[[Bench, cb.Controller, RawEcho]
                       hosts: int, devices: int, options: dict[str, Any]) -> None:
     from .bench import RawEcho
 
-    async with cb.local_cluster(hosts=hosts, devices_per_host=devices, **options) as ctl:
-        with RawEcho(hosts) as raw:
+    # The echo servers first: starting them blocks, and the controller's loop must not
+    # miss its heartbeats meanwhile.
+    with RawEcho(hosts) as raw:
+        async with cb.local_cluster(hosts=hosts, devices_per_host=devices, **options) as ctl:
             await fn(bench, ctl, raw)
 
 
