@@ -7,7 +7,9 @@ inverse, and :func:`assemble` puts a global array together from host blocks.
 
 from __future__ import annotations
 
+import collections
 import math
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -65,9 +67,44 @@ class HostBlock:
         return hash(self._key())
 
 
-def host_sub_mesh(sharding: NamedSharding, host: int) -> tuple[tuple[list[int], ...], Mesh]:
+# Layout math per mesh object, remembered: a call's outputs on a mesh of N hosts need
+# every host's block, and each host's block scans the whole mesh, so without this a
+# fan-out call costs O(N^2) on the controller. Keyed by the mesh object's id, holding
+# the mesh itself (so the id cannot be reused while its entry lives); bounded.
+_CACHE_MAX = 1024
+_cache: collections.OrderedDict[tuple[Any, ...], tuple[Mesh, Any]] = collections.OrderedDict()
+_cache_lock = threading.Lock()
+
+
+def _cached(mesh: Mesh, key: tuple[Any, ...]) -> Any:
+    with _cache_lock:
+        hit = _cache.get((id(mesh), *key))
+        if hit is None or hit[0] is not mesh:
+            return None
+        _cache.move_to_end((id(mesh), *key))
+        return hit[1]
+
+
+def _remember(mesh: Mesh, key: tuple[Any, ...], value: Any) -> None:
+    with _cache_lock:
+        _cache[(id(mesh), *key)] = (mesh, value)
+        while len(_cache) > _CACHE_MAX:
+            _cache.popitem(last=False)
+
+
+def host_sub_mesh(sharding: NamedSharding, host: int) -> tuple[tuple[tuple[int, ...], ...], Mesh]:
     """The per-axis mesh positions of ``host``'s devices and the sub-mesh they form."""
     mesh = sharding.mesh
+    hit = _cached(mesh, ("sub", host))
+    if hit is not None:
+        return hit  # type: ignore[no-any-return]
+    out = _host_sub_mesh(mesh, host, sharding)
+    _remember(mesh, ("sub", host), out)
+    return out
+
+
+def _host_sub_mesh(mesh: Mesh, host: int, sharding: NamedSharding
+                   ) -> tuple[tuple[tuple[int, ...], ...], Mesh]:
     positions = [pos for pos, dev in np.ndenumerate(mesh.devices) if dev.host == host]
     if not positions:
         raise ValueError(f"Host {host} has no device in {sharding}.")
@@ -79,7 +116,7 @@ def host_sub_mesh(sharding: NamedSharding, host: int) -> tuple[tuple[list[int], 
             "devices to be the product of one set of positions per mesh axis."
         )
     local = mesh.devices[np.ix_(*coords)]
-    return coords, Mesh(local, mesh.axis_names)
+    return tuple(tuple(c) for c in coords), Mesh(local, mesh.axis_names)
 
 
 def _named_host_block(sharding: NamedSharding, host: int, shape: tuple[int, ...]) -> HostBlock:
@@ -147,8 +184,13 @@ def host_blocks(sharding: Sharding, shape: Sequence[int]) -> dict[int, HostBlock
         index = tuple(slice(0, s) for s in shape)
         return {dev.host: HostBlock(dev.host, index, shape, devices, sharding)}
     if isinstance(sharding, NamedSharding):
-        hosts = sorted({dev.host for dev in sharding.device_list})
-        return {h: _named_host_block(sharding, h, shape) for h in hosts}
+        key = ("blocks", sharding._entries, shape)
+        blocks = _cached(sharding.mesh, key)
+        if blocks is None:
+            hosts = sorted({dev.host for dev in sharding.device_list})
+            blocks = {h: _named_host_block(sharding, h, shape) for h in hosts}
+            _remember(sharding.mesh, key, blocks)
+        return dict(blocks)  # the caller's own dict; the HostBlocks are immutable
     raise TypeError(f"Unsupported sharding type: {type(sharding)}.")
 
 
