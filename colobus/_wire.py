@@ -101,8 +101,12 @@ class Envelope:
     pbufs: int = 0  # the first ``pbufs`` buffers belong to the payload's pickle
     version: int = PROTOCOL_VERSION
     ack: int = 0  # the highest sequence number the sender has received from the receiver
+    # ``body`` already msgpacked (a BATCH, packed once to check its size): ``encode``
+    # splices these bytes into the header instead of packing the body again.
+    packed_body: bytes | None = None
 
 
+_ARRAY9 = b"\x99"  # msgpack: a fixarray of 9 elements (the header's fields)
 _KEYED: dict[bytes, Any] = {}  # key -> BLAKE2b state after the key block (a few keys)
 _KEYED_MAX = 16
 
@@ -133,11 +137,19 @@ def _nbytes(b: Buffer) -> int:
 def encode(key: bytes, env: Envelope) -> list[Buffer]:
     """Frames for ``env`` (the caller prepends a routing identity where needed)."""
     buflens = [_nbytes(b) for b in env.buffers]
-    header = msgpack.packb(
-        [env.version, env.kind, env.sender, env.receiver, env.seq, env.ack, buflens, env.pbufs,
-         env.body],
-        use_bin_type=True,
-    )
+    if env.packed_body is None:
+        header = msgpack.packb(
+            [env.version, env.kind, env.sender, env.receiver, env.seq, env.ack, buflens,
+             env.pbufs, env.body],
+            use_bin_type=True,
+        )
+    else:  # the same bytes: a 9-array is an 8-array's fields followed by the ninth
+        head = msgpack.packb(
+            [env.version, env.kind, env.sender, env.receiver, env.seq, env.ack, buflens,
+             env.pbufs],
+            use_bin_type=True,
+        )
+        header = _ARRAY9 + head[1:] + env.packed_body
     return [header, env.payload, mac(key, header, env.payload), *env.buffers]
 
 
@@ -240,10 +252,12 @@ def batched(items: Sequence[Outgoing], sender: bytes, receiver: bytes) -> list[E
             body, payload, buffers = pack_batch(run)
             # Bodies are small but for error replies (tracebacks): a batch whose
             # header would near the receiver's limit goes as its messages instead.
-            if len(msgpack.packb(body, use_bin_type=True)) > BATCH_MAX_HEADER:
+            packed = msgpack.packb(body, use_bin_type=True)
+            if len(packed) > BATCH_MAX_HEADER:
                 out.extend(_single(item, sender, receiver) for item in run)
             else:
-                out.append(Envelope(BATCH_KIND, sender, receiver, 0, body, payload, buffers))
+                out.append(Envelope(BATCH_KIND, sender, receiver, 0, body, payload, buffers,
+                                    packed_body=packed))
         run.clear()
 
     for item in items:

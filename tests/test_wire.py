@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -204,3 +206,21 @@ def test_pack_batch_concatenates_payloads() -> None:
     body, payload, bufs = pack_batch([_item(0, b"ab", (b"1",)), _item(1, b"cde")])
     assert payload == b"abcde" and bufs == [b"1"]
     assert [e[2:] for e in body] == [[2, 1, 0], [3, 0, 0]]
+
+
+def test_batch_body_packed_once_encodes_the_same_bytes() -> None:
+    """A BATCH carries its body packed once (for the size check); the header spliced
+    from those bytes is byte for byte the one packing the body again would make."""
+    from colobus._wire import BATCH_KIND, Envelope, batched, decode, encode, unpack_batch
+
+    key = b"k" * 32
+    items: list[Any] = [(6, [1, 2, b"d" * 16, -1, "", [], [[0], [1], ["x"]]], b"pay", [], 0),
+                        (11, [[1, 2], [3]], b"", [], 0)]
+    (env,) = batched(items, b"s" * 16, b"r" * 16)
+    assert env.kind == BATCH_KIND and env.packed_body is not None
+    env.seq, env.ack = 5, 3
+    again = Envelope(env.kind, env.sender, env.receiver, 5, env.body, env.payload, env.buffers,
+                     env.pbufs, env.version, 3)
+    assert [bytes(f) for f in encode(key, env)] == [bytes(f) for f in encode(key, again)]
+    subs = unpack_batch(decode(key, encode(key, env)))
+    assert [s.kind for s in subs] == [6, 11] and subs[0].payload == b"pay"
