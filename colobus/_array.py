@@ -178,8 +178,7 @@ class Array:
 
 
 def _release_all(ctl: Controller, gens: dict[int, int], ref: int) -> None:
-    for h, g in gens.items():
-        ctl._release(h, g, ref=ref)
+    ctl._frees.release_on(gens, ref=ref)
 
 
 # -- device_put -----------------------------------------------------------------------------

@@ -556,10 +556,6 @@ class Controller:
             with contextlib.suppress(RuntimeError, ControllerClosedError):  # closed meanwhile
                 self._call_soon(lose)
 
-    def _release(self, host: int, generation: int, ref: int = 0, call: int = 0) -> None:
-        """Free an array ref or a call's result slot on a host; thread-safe, batched."""
-        self._frees.release(host, generation, ref, call)
-
     def _joined(self) -> None:
         """A host joined: wake those waiting for hosts."""
         for w in self._join_waiters:

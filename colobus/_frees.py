@@ -32,23 +32,14 @@ class Frees:
         self._queue: collections.deque[tuple[int, int, int, int]] = collections.deque()
         self._timer_set = False
 
-    def release(self, host: int, generation: int, ref: int = 0, call: int = 0) -> None:
-        """Free array ``ref`` or the result of ``call`` on ``host``; thread-safe."""
+    def release_on(self, generations: dict[int, int], ref: int = 0, call: int = 0) -> None:
+        """Free array ``ref`` or the result of ``call`` on each of its hosts (host ->
+        generation): one hop to the loop thread for all of them, not one per host;
+        thread-safe."""
         ctl = self._ctl
         if ctl._closed:
             return
-        try:
-            ctl._ops.post(functools.partial(self._queue_one, (host, generation, ref, call)))
-        except (RuntimeError, ColobusError):
-            pass
-
-    def release_call(self, call: int, generations: dict[int, int]) -> None:
-        """Free the result slot of ``call`` on each of its hosts (host -> generation):
-        one hop to the loop thread for the whole call, not one per host; thread-safe."""
-        ctl = self._ctl
-        if ctl._closed:
-            return
-        entries = [(host, gen, 0, call) for host, gen in generations.items()]
+        entries = [(host, gen, ref, call) for host, gen in generations.items()]
         try:
             ctl._ops.post(functools.partial(self._queue_many, entries))
         except (RuntimeError, ColobusError):
@@ -56,13 +47,6 @@ class Frees:
 
     def _queue_many(self, entries: list[tuple[int, int, int, int]]) -> None:
         self._queue.extend(entries)
-        loop = self._ctl._loop
-        if not self._timer_set and loop is not None:
-            self._timer_set = True
-            loop.call_later(RELEASE_DELAY_S, self._timer)
-
-    def _queue_one(self, entry: tuple[int, int, int, int]) -> None:
-        self._queue.append(entry)
         loop = self._ctl._loop
         if not self._timer_set and loop is not None:
             self._timer_set = True

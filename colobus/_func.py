@@ -324,7 +324,7 @@ def _release_results(ref: weakref.ref[Future[Any]]) -> None:
     op = _result_refs.pop(ref, None)
     if op is None:
         return
-    op.ctl._frees.release_call(op.call_id, op.gens)
+    op.ctl._frees.release_on(op.gens, call=op.call_id)
 
 
 # -- the decorator ---------------------------------------------------------------------------------
