@@ -155,7 +155,7 @@ async def test_futures_chain_in_a_burst(ctl: cb.Controller) -> None:
     x = cb.device_put(np.zeros(3, np.float32), dev)
     y: Any = x
     side = []
-    for i in range(40):
+    for _i in range(40):
         y = inc(y)  # each waits for the previous call's result on the host
         side.append(inc(x))  # ready at once: batched around the chain
     assert np.asarray(await cb.device_get(await y)).tolist() == [40.0] * 3
