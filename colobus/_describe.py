@@ -140,6 +140,8 @@ def describe_outputs(treedef: Any, leaves: list[P.OutLeaf]) -> bytes:
         ValueError: the output tree holds a node that cannot be described
             (a pytree node whose auxiliary data is not plain data).
     """
+    if not leaves and treedef == _NONE_TREEDEF:
+        return _NONE_DESCRIPTION  # a function that returns None: the common case, packed once
     return _pack({"v": VERSION, "tree": _tree_to_wire(treedef, 0),
                   "leaves": [_leaf_to_wire(m) for m in leaves]})
 
@@ -199,6 +201,8 @@ def read_outputs(payload: Any, count: int) -> Any:
     Raises:
         BadReply: the payload does not describe ``count`` outputs.
     """
+    if count == 0 and bytes(payload) == _NONE_DESCRIPTION:
+        return None  # the common no-op reply, read without parsing
     desc = _unpack(payload)
     if not isinstance(desc, dict) or desc.get("v") != VERSION:
         raise BadReply("bad output description")
@@ -211,6 +215,16 @@ def read_outputs(payload: Any, count: int) -> Any:
     if reader.next != len(leaves):
         raise BadReply("output tree does not use every leaf")
     return tree
+
+
+def _none_description() -> tuple[Any, bytes]:
+    import jax
+
+    treedef = jax.tree_util.tree_structure(None)
+    return treedef, _pack({"v": VERSION, "tree": _tree_to_wire(treedef, 0), "leaves": []})
+
+
+_NONE_TREEDEF, _NONE_DESCRIPTION = _none_description()
 
 
 def _leaf_from_wire(i: int, raw: Any) -> P.OutLeaf:

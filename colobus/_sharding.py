@@ -219,10 +219,11 @@ class Sharding:
     per device; everything else (index maps, shard shapes, equality) follows.
     """
 
-    __slots__ = ("_layout",)
+    __slots__ = ("_hash", "_layout")
 
     def __init__(self) -> None:
         self._layout: _LayoutKey | None = None
+        self._hash: int | None = None
 
     # -- what subclasses provide
 
@@ -339,7 +340,10 @@ class Sharding:
         return self is other or self._layout_key() == other._layout_key()
 
     def __hash__(self) -> int:
-        return hash(self._layout_key())
+        h = self._hash
+        if h is None:  # hashed per call (signatures, plans): a frozenset's hash is not cached
+            h = self._hash = hash(self._layout_key())
+        return h
 
 
 def _spec_entries(spec: PartitionSpec) -> tuple[tuple[str, ...], ...]:
