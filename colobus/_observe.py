@@ -10,6 +10,7 @@ call sites costs one attribute check.
 from __future__ import annotations
 
 import bisect
+import collections
 import logging
 import os
 import threading
@@ -28,6 +29,8 @@ if TYPE_CHECKING:
 __all__ = ["BUCKETS", "FunctionStats", "Histogram", "Observer", "host_health", "observing"]
 
 log = logging.getLogger("colobus.observe")
+
+_FINISHED, _FAILED, _CANCELLED = range(3)
 
 # Upper bounds (seconds) of the latency and run-time histograms' buckets; +Inf follows.
 BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
@@ -57,15 +60,44 @@ class Histogram:
 
 
 class FunctionStats:
-    """One function's calls: how many started and how each ended, and how long they took."""
+    """One function's calls: how many started and how each ended, and how long they took.
 
-    __slots__ = ("cancelled", "failed", "finished", "latency", "queue", "run", "started")
+    The call path only appends to ``ends`` and ``host_times`` (a deque append is
+    atomic, so no lock and no bucket search per call); :meth:`fold` moves them
+    into the counters and histograms when someone reads them (a scrape).
+    """
+
+    __slots__ = ("cancelled", "ends", "failed", "finished", "host_times", "latency", "queue",
+                 "run", "started")
 
     def __init__(self) -> None:
         self.started = self.finished = self.failed = self.cancelled = 0
         self.latency = Histogram()  # call made -> future settled (controller)
         self.run = Histogram()  # ran on a host, one entry per host per call
         self.queue = Histogram()  # waited on a host before running, likewise
+        # Samples as flat deques of numbers: a tuple per sample would be one more
+        # object per call for the garbage collector to count and scan.
+        self.ends: collections.deque[float] = collections.deque()  # outcome, seconds, ...
+        self.host_times: collections.deque[int] = collections.deque()  # queued ns, ran ns, ...
+
+    def fold(self) -> None:
+        """Move the samples the call path appended into the counters (under the lock)."""
+        ends, host_times = self.ends, self.host_times
+        while len(ends) >= 2:  # pairs are appended outcome first: a lone outcome waits
+            outcome = ends.popleft()
+            seconds = ends.popleft()
+            if outcome == _FINISHED:
+                self.finished += 1
+            elif outcome == _FAILED:
+                self.failed += 1
+            else:
+                self.cancelled += 1
+            self.latency.add(seconds)
+        while len(host_times) >= 2:
+            queued = host_times.popleft()
+            ran = host_times.popleft()
+            self.queue.add(queued / 1e9)
+            self.run.add(ran / 1e9)
 
     def copy(self) -> FunctionStats:
         out = FunctionStats()
@@ -143,9 +175,7 @@ class Observer:
             queued, ran = max(0, times[0]), max(0, times[1])
         rec.replies[host] = (time.perf_counter(), queued, ran)
         if len(times) == 2:
-            with self._lock:
-                rec.stats.queue.add(queued / 1e9)
-                rec.stats.run.add(ran / 1e9)
+            rec.stats.host_times.extend((queued, ran))  # one call: the pair stays together
 
     def _on_settled(self, fut: Future[Any]) -> None:
         rec = fut._timing
@@ -158,16 +188,10 @@ class Observer:
             rec.outcome = "failed"
         else:
             rec.outcome = "finished"
-        stats = rec.stats
-        with self._lock:
-            self._calls.pop(rec.call_id, None)
-            if rec.outcome == "finished":
-                stats.finished += 1
-            elif rec.outcome == "failed":
-                stats.failed += 1
-            else:
-                stats.cancelled += 1
-            stats.latency.add(rec.settled - rec.submitted)
+        self._calls.pop(rec.call_id, None)
+        outcome = (_FINISHED if rec.outcome == "finished" else
+                   _FAILED if rec.outcome == "failed" else _CANCELLED)
+        rec.stats.ends.extend((outcome, rec.settled - rec.submitted))
         if self.trace is not None:
             self.trace.add(rec)
         if self.otel is not None:
@@ -181,6 +205,8 @@ class Observer:
     def functions(self) -> dict[str, FunctionStats]:
         """A consistent copy of every function's counters (any thread)."""
         with self._lock:
+            for stats in self._functions.values():
+                stats.fold()
             return {name: s.copy() for name, s in self._functions.items()}
 
     def in_flight(self) -> int:
