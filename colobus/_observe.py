@@ -173,7 +173,7 @@ class Observer:
         queued = ran = 0
         if len(times) == 2 and type(times[0]) is int and type(times[1]) is int:
             queued, ran = max(0, times[0]), max(0, times[1])
-        rec.replies[host] = (time.perf_counter(), queued, ran)
+        rec.add_reply(host, time.perf_counter(), queued, ran)
         if len(times) == 2:
             rec.stats.host_times.extend((queued, ran))  # one call: the pair stays together
 

@@ -391,7 +391,10 @@ class Operations:
             if self.queued >= self.max_backlog:
                 return
             self._capacity.notify()
-            waiters, self._capacity_waiters = self._capacity_waiters, []
+            waiters = self._capacity_waiters
+            if not waiters:
+                return
+            self._capacity_waiters = []
         for w in waiters:
             w.set_result(None)
 

@@ -78,7 +78,7 @@ class CallTimings:
 class CallRecord:
     """One call's timestamps, filled in on the caller's thread and the loop thread."""
 
-    __slots__ = ("call_id", "go", "hosts", "name", "outcome", "replies", "sent", "settled",
+    __slots__ = ("_replies", "call_id", "go", "hosts", "name", "outcome", "sent", "settled",
                  "stats", "submitted")
 
     def __init__(self, call_id: int, name: str, hosts: tuple[int, ...], stats: Any,
@@ -89,9 +89,23 @@ class CallRecord:
         self.stats = stats  # the function's counters (``_observe.FunctionStats``)
         self.submitted = submitted
         self.go = self.sent = self.settled = 0.0
-        # host -> (RESULT read at, ns queued on the host, ns it ran there)
-        self.replies: dict[int, tuple[float, int, int]] = {}
+        # flat [host, RESULT read at, ns queued on the host, ns it ran there, host, ...]:
+        # one object per call in flight, not a dict and a tuple per host
+        self._replies: list[float] | None = None
         self.outcome = ""
+
+    def add_reply(self, host: int, received: float, queued: int, ran: int) -> None:
+        """A host's RESULT was read at ``received`` (loop thread)."""
+        if self._replies is None:
+            self._replies = [host, received, queued, ran]
+        else:
+            self._replies.extend((host, received, queued, ran))
+
+    @property
+    def replies(self) -> dict[int, tuple[float, int, int]]:
+        """host -> (RESULT read at, ns queued on the host, ns it ran there)."""
+        r = self._replies or []
+        return {int(r[i]): (r[i + 1], int(r[i + 2]), int(r[i + 3])) for i in range(0, len(r), 4)}
 
     def timings(self) -> CallTimings:
         """The breakdown of a settled call (stages it never reached count as 0)."""
@@ -99,15 +113,16 @@ class CallRecord:
         sent = self.sent or go
         hosts = []
         last = sent
-        for h in sorted(self.replies):
-            received, queued, ran = self.replies[h]
+        replies = self.replies
+        for h in sorted(replies):
+            received, queued, ran = replies[h]
             last = max(last, received)
             q, r = queued / 1e9, ran / 1e9
             hosts.append(HostTimings(h, q, r, max(0.0, received - sent - q - r)))
         return CallTimings(
             function=self.name, outcome=self.outcome,
             controller_queue=max(0.0, go - self.submitted), send=max(0.0, sent - go),
-            hosts=tuple(hosts), assembly=max(0.0, self.settled - last) if self.replies else 0.0,
+            hosts=tuple(hosts), assembly=max(0.0, self.settled - last) if replies else 0.0,
             total=max(0.0, self.settled - self.submitted))
 
 
