@@ -221,9 +221,11 @@ def _close_from_callback() -> None:
             f"close() from a done-callback took {took} s (errors {errors})")
         if errors:
             assert isinstance(errors[0], RuntimeError), repr(errors[0])
-        else:  # it closed: new calls are refused
+        else:  # it closed (or is closing): new operations on it are refused.
+            # Asked of ``ctl`` itself: a colocated call goes to the *default*
+            # controller, which is the session's shared cluster once ``ctl`` is gone.
             with pytest.raises(cb.ColobusError):
-                hs.nap.specialize(devices=ctl.devices())(0.0, 2).result(10)
+                ctl.refresh_stats().result(10)
 
 
 def _run_sync_on_loop_thread() -> None:
