@@ -1,9 +1,11 @@
 """The docker-compose simulation, for real: a driver and three worker containers.
 
 Builds the image (offline where needed: a base image from Debian's packages,
-wheels from the host; see docker/), then runs docker-compose.yml with Compose
-v2 (``docker compose``) or v1 (``docker-compose``), whichever is here, and
-breaks it: a worker container killed mid-training, another cut off the
+wheels from the host; see docker/), then trains with docker-compose.yml under
+Compose v2 (``docker compose``) and under v1 (``docker-compose``, Debian's
+1.29: no top-level ``name:``, ``deploy.replicas`` ignored), each where it is
+installed (``.ci/docker-engine`` installs both), and breaks it under v2 (v1
+where v2 is missing): a worker container killed mid-training, another cut off the
 network and put back. Skipped, with the reason, where no Docker engine runs
 (``.ci/run`` starts one where it can). All traffic stays between containers on
 this machine.
@@ -50,18 +52,22 @@ def _engine_missing() -> str | None:
                           capture_output=True, text=True, timeout=30)
     if info.returncode != 0:
         return f"no Docker engine answers: {info.stderr.strip()[-200:]}"
-    if _compose_command() is None:
+    if not _compose_commands():
         return "neither `docker compose` (v2) nor `docker-compose` (v1) is installed"
     return None
 
 
-def _compose_command() -> list[str] | None:
-    if subprocess.run(["docker", "compose", "version"], capture_output=True,
-                      timeout=30).returncode == 0:
-        return ["docker", "compose"]
-    if shutil.which("docker-compose"):
-        return ["docker-compose"]
-    return None
+def _compose_commands() -> dict[str, list[str]]:
+    """The Compose versions installed here, v2 first: ``{"v2": argv, "v1": argv}``."""
+    found: dict[str, list[str]] = {}
+    for version, argv in (("v2", ["docker", "compose"]), ("v1", ["docker-compose"])):
+        if shutil.which(argv[0]) is None:
+            continue
+        proc = subprocess.run([*argv, "version", "--short"], capture_output=True, text=True,
+                              timeout=30)
+        if proc.returncode == 0 and proc.stdout.strip().lstrip("v").startswith(version[1]):
+            found[version] = argv
+    return found
 
 
 def _base_image() -> str:
@@ -92,9 +98,7 @@ def image() -> str:
 class Compose:
     """One compose project of the repository's file, torn down in finally."""
 
-    def __init__(self, tmp: Path, base: str) -> None:
-        compose = _compose_command()
-        assert compose is not None
+    def __init__(self, tmp: Path, base: str, compose: list[str]) -> None:
         self.project = f"colobusci{os.getpid()}"
         key = tmp / "colobus.key"
         write_key(key)
@@ -126,13 +130,28 @@ class Compose:
         self("down", "-t", "2", "--remove-orphans", check=False, timeout=120)
 
 
-@pytest.fixture
-def compose(image: str, tmp_path: Path) -> collections.abc.Iterator[Compose]:
-    c = Compose(tmp_path, image)
+def _compose(image: str, tmp: Path, version: str | None) -> collections.abc.Iterator[Compose]:
+    commands = _compose_commands()
+    if version is not None and version not in commands:
+        pytest.skip(f"Compose {version} is not installed (.ci/docker-engine installs it)")
+    c = Compose(tmp, image, commands[version or next(iter(commands))])
     try:
         yield c
     finally:
         c.down()
+
+
+@pytest.fixture
+def compose(image: str, tmp_path: Path) -> collections.abc.Iterator[Compose]:
+    """The compose project under the preferred Compose (v2, else v1)."""
+    yield from _compose(image, tmp_path, None)
+
+
+@pytest.fixture(params=["v2", "v1"])
+def each_compose(request: pytest.FixtureRequest, image: str,
+                 tmp_path: Path) -> collections.abc.Iterator[Compose]:
+    """The compose project under each Compose version in turn."""
+    yield from _compose(image, tmp_path, request.param)
 
 
 def _logs(container: str) -> str:
@@ -155,7 +174,8 @@ def _wait_exit(container: str, timeout: float) -> int:
     return int(_run("docker", "wait", container, timeout=timeout).stdout.strip())
 
 
-def test_compose_trains_on_three_worker_containers(compose: Compose) -> None:
+def test_compose_trains_on_three_worker_containers(each_compose: Compose) -> None:
+    compose = each_compose
     t0 = time.monotonic()
     proc = compose("up", "--no-build", "--scale", "worker=3", "--abort-on-container-exit",
                    "--exit-code-from", "driver", steps=20, timeout=600, check=False)
