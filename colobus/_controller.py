@@ -39,6 +39,7 @@ from ._channel import Channel
 from ._errors import ControllerClosedError, NoControllerError
 from ._frees import Frees
 from ._future import Future
+from ._hangups import Hangups
 from ._hosts import Host, HostInfo, HostRegistry
 from ._joinorder import JoinOrder
 from ._joinwait import JoinProgress, key_words
@@ -162,6 +163,10 @@ class Controller:
         self._exit_workers = exit_workers_on_close
         # A message unacknowledged this long is sent again (a dropped connection).
         self._resend_after = max(2 * heartbeat_interval, liveness_timeout / 3)
+        # A host whose connection closed must be heard from sooner (see _hangups).
+        self._hangup_grace = min(liveness_timeout, max(liveness_timeout / 2,
+                                                       2 * heartbeat_interval))
+        self._hangups: Hangups | None = None
         self._curve: tuple[bytes, bytes] | None = None  # (public, secret), Z85
         self._curve_allow: set[bytes] | None = None
         self._auth: Any = None  # zmq.auth.thread.ThreadAuthenticator while running
@@ -345,6 +350,7 @@ class Controller:
         self._address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._chan = Channel(sock, self._key, self._loop, self._sessions.on_frames,
                              before_flush=self._frees.move_to_outboxes)
+        self._hangups = Hangups(sock, self._loop, self._hangup_grace, self._sessions.lose)
         self._tasks.append(self._loop.create_task(self._liveness_loop()))
         self.state = State.RUNNING
         log.info("controller listening on %s (%s)", self._address, key_words(self._key))
@@ -415,6 +421,8 @@ class Controller:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._hangups is not None:
+            self._hangups.close()
         chan.close(linger_ms=200)  # a moment for the SHUTDOWN messages to leave
         self._stop_curve()
         self._ctx.term()

@@ -71,6 +71,8 @@ class Host:
     health: P.Heartbeat | None = None  # the worker's last heartbeat
     rtt: float | None = None  # the last heartbeat round trip, seconds
     generation: int = 0  # bumps on every (re)join; handles remember the one they saw
+    conn_fd: int = -1  # the connection it was last heard on (see _hangups)
+    hung_up: float = 0.0  # when that connection closed, until it is heard from again
 
     @property
     def session(self) -> bytes:

@@ -122,6 +122,8 @@ class Sessions:
                 self.drop(refused, identity)
                 return
             host.last_seen = time.monotonic()
+            if ctl._hangups is not None:
+                ctl._hangups.heard(host, frames[0])
             if env.kind != Kind.BATCH:
                 self._dispatch(host, identity, env)
                 return

@@ -56,6 +56,10 @@ log = logging.getLogger("colobus.worker")
 
 BACKOFF_MIN_S = 0.1
 BACKOFF_MAX_S = 5.0
+# ZeroMQ's TCP reconnects back off to at most this: a connection that dropped is
+# back within a second of the network (the controller gives a host whose
+# connection closed half the liveness timeout to be heard from again).
+RECONNECT_MAX_S = 1.0
 
 
 class _Exit(Exception):
@@ -251,7 +255,7 @@ class Worker:
         # the controller's SHUTDOWN) when the connection goes. JOINs queued while
         # the controller is away get one CHALLENGE each; only the first is answered.
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, int(BACKOFF_MAX_S * 1000))
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, int(RECONNECT_MAX_S * 1000))
         if self._curve is not None:
             (public, secret), server = self._curve
             sock.setsockopt(zmq.CURVE_PUBLICKEY, public)

@@ -157,6 +157,29 @@ async def test_defect7_blip_through_proxy_costs_nothing(tmp_path: Any) -> None:
                 await proxy.close()
 
 
+async def test_remote_worker_that_dies_is_lost_when_its_connection_closes(tmp_path: Any) -> None:
+    """A closed TCP connection shortens the host's deadline to half the liveness timeout."""
+    key_file = str(tmp_path / "key")
+    key = write_key(key_file)
+    live = 4 * LIVE  # the silence rule alone would take 20 s; the closed connection, 10
+    with workers(key_file) as w:
+        async with cb.Controller("tcp://127.0.0.1:*", hosts=0, key=key, heartbeat_interval=HB,
+                                 liveness_timeout=live, join_timeout=60) as ctl:
+            proc = w.start(ctl.address, "dies")
+            await ctl.wait_for_hosts(1, timeout=60)
+            dev = ctl.devices()[0]
+            assert int(np.asarray(await _value(hs.value.specialize(devices=[dev])(3)))[0]) == 3
+            pending = hs.nap.specialize(devices=[dev])(60.0, 1)
+            await asyncio.sleep(0.5)
+            w.kill(proc)
+            with pytest.raises(cb.HostLostError) as info:
+                await bounded(pending, live - 2, "the call on the dead host")
+            assert info.value.host == 0
+            assert (f"Host 0 ('dies') was lost: its connection closed and it did not come "
+                    f"back within {live / 2:.1f} s") in str(info.value)
+            assert ctl.hosts()[0].state == "lost"
+
+
 @pytest.fixture
 def bed() -> collections.abc.Iterator[NetBed]:
     """A fresh 1-namespace bed, always torn down (also when the test fails)."""
