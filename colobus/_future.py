@@ -16,6 +16,7 @@ from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 if TYPE_CHECKING:
+    from ._observe import FunctionStats
     from ._trace import CallRecord, CallTimings
 
 import numpy as np
@@ -51,6 +52,8 @@ class Future(Generic[T]):
         "_loop_thread",
         "_result",
         "_state",
+        "_stats",
+        "_submitted",
         "_timing",
         "call_id",
         "info",
@@ -66,7 +69,10 @@ class Future(Generic[T]):
         self._canceller: Callable[[Future[T]], object] | None = None
         self.call_id = call_id
         self.info: Any = None  # what produced it (a colocated call's device list, ...)
-        self._timing: CallRecord | None = None  # set when the controller records timings
+        # Set by the controller for colocated calls while metrics or tracing is on:
+        self._stats: FunctionStats | None = None  # the function's counters
+        self._submitted = 0.0  # when the call was made (perf_counter)
+        self._timing: CallRecord | None = None  # its timings (tracing only)
 
     def __repr__(self) -> str:
         state = ("pending", "cancelled", "finished")[self._state]
@@ -134,6 +140,14 @@ class Future(Generic[T]):
 
     def _finish(self) -> None:
         self._canceller = None
+        stats = self._stats
+        if stats is not None:  # metrics or tracing is on
+            outcome = (2 if self._state == _CANCELLED else
+                       1 if self._exception is not None else 0)
+            stats.settle(outcome, self._submitted)
+            rec = self._timing
+            if rec is not None and rec.observer is not None:
+                rec.observer.settled(rec, outcome)
         event = self._event
         if event is not None:
             event.set()

@@ -9,7 +9,6 @@ call sites costs one attribute check.
 
 from __future__ import annotations
 
-import bisect
 import collections
 import logging
 import os
@@ -17,6 +16,8 @@ import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from ._trace import CallRecord, ChromeTrace, OtelSpans
 
@@ -30,11 +31,14 @@ __all__ = ["BUCKETS", "FunctionStats", "Histogram", "Observer", "host_health", "
 
 log = logging.getLogger("colobus.observe")
 
-_FINISHED, _FAILED, _CANCELLED = range(3)
+_FINISHED, _FAILED, _CANCELLED = range(3)  # CallRecord.code
+_OUTCOMES = ("finished", "failed", "cancelled")
+FOLD_AT = 8192  # samples a function keeps before folding them without a scrape
 
 # Upper bounds (seconds) of the latency and run-time histograms' buckets; +Inf follows.
 BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
            1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_BOUNDS = np.array(BUCKETS)
 
 
 class Histogram:
@@ -46,9 +50,14 @@ class Histogram:
         self.counts = [0] * (len(BUCKETS) + 1)
         self.total = 0.0
 
-    def add(self, seconds: float) -> None:
-        self.counts[bisect.bisect_left(BUCKETS, seconds)] += 1
-        self.total += seconds
+    def add_all(self, values: np.ndarray[Any, Any]) -> None:
+        """Count ``values`` (seconds), each in the first bucket whose bound it does not pass."""
+        if not len(values):
+            return
+        where = np.searchsorted(_BOUNDS, values, side="left")  # == bisect_left, vectorised
+        for i, n in enumerate(np.bincount(where, minlength=len(self.counts)).tolist()):
+            self.counts[i] += n
+        self.total += float(values.sum())
 
     def cumulative(self) -> list[tuple[str, int]]:
         """``(le, count of values <= le)`` pairs, as a Prometheus histogram has them."""
@@ -62,42 +71,55 @@ class Histogram:
 class FunctionStats:
     """One function's calls: how many started and how each ended, and how long they took.
 
-    The call path only appends to ``ends`` and ``host_times`` (a deque append is
-    atomic, so no lock and no bucket search per call); :meth:`fold` moves them
-    into the counters and histograms when someone reads them (a scrape).
+    The call path only appends numbers (a deque append is atomic, so no lock and
+    no bucket search per call): the loop thread counts a call started and
+    appends each host's queued and run nanoseconds as the host sent them; the
+    thread that settles the call's Future appends its latency to the deque of
+    its outcome. :meth:`fold` moves them into the counters and histograms when
+    someone reads them (a scrape), or when :data:`FOLD_AT` samples wait.
     """
 
-    __slots__ = ("cancelled", "ends", "failed", "finished", "host_times", "latency", "queue",
-                 "run", "started")
+    __slots__ = ("cancelled", "ends", "failed", "finished", "host_times", "latency", "lock",
+                 "queue", "run", "started")
 
     def __init__(self) -> None:
+        self.lock = threading.Lock()  # held by fold (and copy)
         self.started = self.finished = self.failed = self.cancelled = 0
         self.latency = Histogram()  # call made -> future settled (controller)
         self.run = Histogram()  # ran on a host, one entry per host per call
         self.queue = Histogram()  # waited on a host before running, likewise
-        # Samples as flat deques of numbers: a tuple per sample would be one more
-        # object per call for the garbage collector to count and scan.
-        self.ends: collections.deque[float] = collections.deque()  # outcome, seconds, ...
-        self.host_times: collections.deque[int] = collections.deque()  # queued ns, ran ns, ...
+        # Latencies (seconds) of calls that finished, failed, were cancelled; and
+        # host times flat (queued ns, ran ns, ...): numbers, no object per call.
+        self.ends: tuple[collections.deque[float], ...] = (
+            collections.deque(), collections.deque(), collections.deque())
+        self.host_times: collections.deque[Any] = collections.deque()
+
+    def settle(self, outcome: int, submitted: float) -> None:
+        """A call's Future settled (any thread): 0 finished, 1 failed, 2 cancelled."""
+        latencies = self.ends[outcome]
+        latencies.append(time.perf_counter() - submitted)
+        if len(latencies) >= FOLD_AT:  # nobody scrapes: keep the samples few
+            with self.lock:
+                self.fold()
 
     def fold(self) -> None:
-        """Move the samples the call path appended into the counters (under the lock)."""
-        ends, host_times = self.ends, self.host_times
-        while len(ends) >= 2:  # pairs are appended outcome first: a lone outcome waits
-            outcome = ends.popleft()
-            seconds = ends.popleft()
-            if outcome == _FINISHED:
-                self.finished += 1
-            elif outcome == _FAILED:
-                self.failed += 1
-            else:
-                self.cancelled += 1
-            self.latency.add(seconds)
-        while len(host_times) >= 2:
-            queued = host_times.popleft()
-            ran = host_times.popleft()
-            self.queue.add(queued / 1e9)
-            self.run.add(ran / 1e9)
+        """Move the samples into the counters and histograms (holding :attr:`lock`)."""
+        latencies: list[float] = []
+        counts = [0, 0, 0]
+        for outcome, samples in enumerate(self.ends):
+            n = len(samples)  # popped one by one: appends may go on meanwhile
+            latencies.extend([samples.popleft() for _ in range(n)])
+            counts[outcome] = n
+        self.finished += counts[_FINISHED]
+        self.failed += counts[_FAILED]
+        self.cancelled += counts[_CANCELLED]
+        self.latency.add_all(np.array(latencies, dtype=np.float64))
+        host_times = self.host_times
+        n = len(host_times) // 2 * 2  # pairs are appended whole: an odd one is coming
+        if n:
+            pairs = _host_pairs([host_times.popleft() for _ in range(n)])
+            self.queue.add_all(pairs[:, 0] / 1e9)
+            self.run.add_all(pairs[:, 1] / 1e9)
 
     def copy(self) -> FunctionStats:
         out = FunctionStats()
@@ -109,89 +131,60 @@ class FunctionStats:
         return out
 
 
+def _host_pairs(raw: list[Any]) -> np.ndarray[Any, Any]:
+    """``[queued ns, ran ns, ...]`` as hosts sent them -> an (n, 2) array; others dropped."""
+    try:
+        flat = np.array(raw, dtype=np.int64)
+    except (TypeError, ValueError, OverflowError):  # not all ints: keep the pairs that are
+        flat = np.array([v for q, r in zip(raw[0::2], raw[1::2], strict=True)
+                         if type(q) is int and type(r) is int and max(q, r) < 1 << 62
+                         for v in (q, r)], dtype=np.int64)
+    return np.maximum(flat.reshape(-1, 2), 0)
+
+
 class Observer:
-    """Per-function counters and per-call records of one controller.
+    """Per-function counters of one controller, and per-call records where traced.
 
     Args:
         trace: the Chrome trace to add settled calls to, or None.
         otel: emit OpenTelemetry spans (``opentelemetry`` must be importable).
+        records: keep a :class:`CallRecord` per call (``fut.timings()``): on
+            with ``trace=``; metrics alone need only the counters.
     """
 
-    def __init__(self, trace: ChromeTrace | None = None, otel: bool = False) -> None:
-        self._lock = threading.Lock()
+    def __init__(self, trace: ChromeTrace | None = None, otel: bool = False,
+                 records: bool = False) -> None:
+        self._lock = threading.Lock()  # adding a function
         self._functions: dict[str, FunctionStats] = {}
-        self._calls: dict[int, CallRecord] = {}
         self.trace = trace
         self.otel = OtelSpans() if otel else None
-        self._settled = self._on_settled  # one bound method, not one per call
+        self.records = records or trace is not None or otel
 
     # -- the call sites ------------------------------------------------------------------
 
     def submit(self, ctl: Controller, hosts: tuple[int, ...], op: Any, decode: Any,
                name: str) -> Future[Any]:
-        """Caller's thread: ``ctl.submit`` a colocated call (``op``), recording it."""
-        rec = self.call_made(op.call_id, name, hosts)
-        try:
-            fut = ctl._ops.submit(hosts, op.send, decode, op, call_id=op.call_id,
-                                  cancellable=True)
-        except BaseException:
+        """Caller's thread: ``ctl.submit`` a colocated call (``op``), observed.
+
+        The function's counters (and, where traced, the call's record) ride on
+        the Future, set before the loop sees the call: the loop counts it
+        started and adds each host's times (``Operations._start``,
+        ``Operations.on_result``), and the Future settles it (``Future._finish``),
+        so a call costs no table entry and no done-callback.
+        """
+        stats = self._functions.get(name)
+        if stats is None:
             with self._lock:
-                self._calls.pop(op.call_id, None)
-                rec.stats.started -= 1
-            raise
-        self.watch(fut, rec)
-        return fut
+                stats = self._functions.setdefault(name, FunctionStats())
+        rec = (CallRecord(op.call_id, name, hosts, time.perf_counter(), self)
+               if self.records else None)
+        return ctl._ops.submit(hosts, op.send, decode, op, call_id=op.call_id,
+                               cancellable=True, stats=stats, timing=rec)
 
-    def call_made(self, call_id: int, name: str, hosts: tuple[int, ...]) -> CallRecord:
-        """Caller's thread, before the call is submitted."""
-        with self._lock:
-            stats = self._functions.get(name)
-            if stats is None:
-                stats = self._functions[name] = FunctionStats()
-            stats.started += 1
-            rec = CallRecord(call_id, name, hosts, stats, time.perf_counter())
-            self._calls[call_id] = rec
-        return rec
-
-    def watch(self, fut: Future[Any], rec: CallRecord) -> None:
-        """Caller's thread: settle ``rec`` with ``fut`` (which may be done already)."""
-        fut._timing = rec
-        fut.add_done_callback(self._settled)
-
-    def sending(self, call_id: int, go: float) -> None:
-        """Loop thread: the call's messages are queued; ``go`` is when sending began."""
-        rec = self._calls.get(call_id)
-        if rec is not None:
-            rec.go, rec.sent = go, time.perf_counter()
-
-    def result(self, host: int, body: P.Result) -> None:
-        """Loop thread: a host's RESULT was read."""
-        rec = self._calls.get(body.call_id)
-        if rec is None:
-            return
-        times = body.times
-        queued = ran = 0
-        if len(times) == 2 and type(times[0]) is int and type(times[1]) is int:
-            queued, ran = max(0, times[0]), max(0, times[1])
-        rec.add_reply(host, time.perf_counter(), queued, ran)
-        if len(times) == 2:
-            rec.stats.host_times.extend((queued, ran))  # one call: the pair stays together
-
-    def _on_settled(self, fut: Future[Any]) -> None:
-        rec = fut._timing
-        if rec is None:
-            return
+    def settled(self, rec: CallRecord, outcome: int) -> None:
+        """A traced call's Future settled (the resolving thread): trace it."""
         rec.settled = time.perf_counter()
-        if fut.cancelled():
-            rec.outcome = "cancelled"
-        elif fut.exception() is not None:
-            rec.outcome = "failed"
-        else:
-            rec.outcome = "finished"
-        self._calls.pop(rec.call_id, None)
-        outcome = (_FINISHED if rec.outcome == "finished" else
-                   _FAILED if rec.outcome == "failed" else _CANCELLED)
-        rec.stats.ends.extend((outcome, rec.settled - rec.submitted))
+        rec.outcome = _OUTCOMES[outcome]
         if self.trace is not None:
             self.trace.add(rec)
         if self.otel is not None:
@@ -203,15 +196,20 @@ class Observer:
     # -- reading -----------------------------------------------------------------------
 
     def functions(self) -> dict[str, FunctionStats]:
-        """A consistent copy of every function's counters (any thread)."""
-        with self._lock:
-            for stats in self._functions.values():
+        """A copy of every function's counters (any thread)."""
+        out = {}
+        for name, stats in list(self._functions.items()):
+            with stats.lock:
                 stats.fold()
-            return {name: s.copy() for name, s in self._functions.items()}
+                out[name] = stats.copy()
+        return out
 
     def in_flight(self) -> int:
-        """Colocated calls made and not settled yet."""
-        return len(self._calls)
+        """Colocated calls started and not settled yet."""
+        total = 0
+        for s in self.functions().values():
+            total += max(0, s.started - s.finished - s.failed - s.cancelled)
+        return total
 
 
 def observing(metrics: str | None, public: bool, trace: bool | str | os.PathLike[str] | None,

@@ -35,6 +35,8 @@ from ._wire import Envelope
 if TYPE_CHECKING:
     from ._controller import Controller
     from ._hosts import Host
+    from ._observe import FunctionStats
+    from ._trace import CallRecord
 
 __all__ = ["Combiner", "Decoder", "Operation", "Operations"]
 
@@ -187,7 +189,8 @@ class Operations:
 
     def submit(self, hosts: Sequence[int], send: Sender, decode: Decoder, combine: Combiner, *,
                call_id: int | None = None, backpressure: bool = True,
-               cancellable: bool = False) -> Future[Any]:
+               cancellable: bool = False, stats: FunctionStats | None = None,
+               timing: CallRecord | None = None) -> Future[Any]:
         """Start one remote operation on ``hosts``; thread-safe.
 
         ``send(call_id)`` runs on the loop thread and sends the messages (it may
@@ -201,6 +204,8 @@ class Operations:
             self._take_slot()
         call_id = self.next_id() if call_id is None else call_id
         fut = self.new_future(call_id)
+        if stats is not None:  # observed (before the loop can settle it)
+            fut._stats, fut._submitted, fut._timing = stats, time.perf_counter(), timing
         if cancellable:
             fut._set_canceller(self._canceller)
         op = Operation(call_id, fut, tuple(hosts), send, decode, combine, backpressure)
@@ -218,6 +223,9 @@ class Operations:
             fn()
 
     def _start(self, op: Operation) -> None:
+        stats = op.future._stats
+        if stats is not None:
+            stats.started += 1  # only this thread writes it
         if op.future.done():  # cancelled before it reached the loop
             if op.backpressure:
                 self._give_slot()
@@ -253,15 +261,15 @@ class Operations:
             hosts[i].awaiting.add(op.call_id)
         send, op.send = op.send, None
         assert send is not None
-        obs = self.ctl.observer
-        go = time.perf_counter() if obs is not None else 0.0
+        rec = fut._timing
+        go = time.perf_counter() if rec is not None else 0.0
         try:
             send(op.call_id)
         except BaseException as exc:
             op.end(self, exc)
             return
-        if obs is not None:
-            obs.sending(op.call_id, go)
+        if rec is not None:
+            rec.go, rec.sent = go, time.perf_counter()
         if not op.hosts:
             op.end(self)
 
@@ -292,8 +300,6 @@ class Operations:
 
     def on_result(self, host: Host, body: P.Result, env: Envelope) -> None:
         """A host's RESULT (loop thread)."""
-        if self.ctl.observer is not None:
-            self.ctl.observer.result(host.index, body)
         call_id = body.call_id
         ctl = self.ctl
         if call_id not in host.awaiting:  # never sent to this host, or answered already
@@ -312,6 +318,14 @@ class Operations:
             if body.status == P.Status.OK and type(body.meta) is int:
                 self.free_outputs(host.index, call_id, body.meta)
         else:
+            stats = op.future._stats
+            if stats is not None:
+                times = body.times
+                if len(times) == 2:
+                    stats.host_times.extend(times)  # checked when folded
+                rec = op.future._timing
+                if rec is not None:
+                    rec.add_reply(host.index, time.perf_counter(), times)
             bad = op.answered(host, body, env)
             if not op.remaining:
                 op.end(self)

@@ -20,7 +20,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CallRecord", "CallTimings", "ChromeTrace", "HostTimings", "OtelSpans"]
+__all__ = ["CallRecord", "CallTimings", "ChromeTrace", "HostTimings", "OtelSpans",
+           "host_times"]
 
 log = logging.getLogger("colobus.trace")
 
@@ -76,36 +77,57 @@ class CallTimings:
 
 
 class CallRecord:
-    """One call's timestamps, filled in on the caller's thread and the loop thread."""
+    """One call's timestamps, filled in on the caller's thread and the loop thread.
 
-    __slots__ = ("_replies", "call_id", "go", "hosts", "name", "outcome", "sent", "settled",
-                 "stats", "submitted")
+    The Future holds it (``fut._timing``); the Operation's send and each host's
+    RESULT write into it, and the Future settles it: no table of calls, no
+    done-callback, one object per call (two for a call on several hosts). A
+    reply's host times are kept as they came and checked when read.
+    """
 
-    def __init__(self, call_id: int, name: str, hosts: tuple[int, ...], stats: Any,
-                 submitted: float) -> None:
+    __slots__ = ("_first", "_more", "call_id", "go", "hosts", "name", "observer", "outcome",
+                 "sent", "settled", "submitted")
+
+    def __init__(self, call_id: int, name: str, hosts: tuple[int, ...], submitted: float,
+                 observer: Any = None) -> None:
         self.call_id = call_id
         self.name = name
         self.hosts = hosts
-        self.stats = stats  # the function's counters (``_observe.FunctionStats``)
+        self.observer = observer  # settles it (``_observe.Observer``), or None
         self.submitted = submitted
         self.go = self.sent = self.settled = 0.0
-        # flat [host, RESULT read at, ns queued on the host, ns it ran there, host, ...]:
-        # one object per call in flight, not a dict and a tuple per host
-        self._replies: list[float] | None = None
+        # The first reply (host, RESULT read at, the host's [ns queued, ns ran]) as
+        # a tuple, the others flat in a list: nothing more per call.
+        self._first: tuple[int, float, Any] | None = None
+        self._more: list[Any] | None = None
         self.outcome = ""
 
-    def add_reply(self, host: int, received: float, queued: int, ran: int) -> None:
-        """A host's RESULT was read at ``received`` (loop thread)."""
-        if self._replies is None:
-            self._replies = [host, received, queued, ran]
+    def add_reply(self, host: int, received: float, times: Any) -> None:
+        """A host's RESULT was read at ``received`` (loop thread); ``times`` unchecked."""
+        if self._first is None:
+            self._first = (host, received, times)
+        elif self._more is None:
+            self._more = [host, received, times]
         else:
-            self._replies.extend((host, received, queued, ran))
+            self._more.extend((host, received, times))
+
+    def raw_replies(self) -> list[tuple[int, float, Any]]:
+        """``(host, RESULT read at, times as the host sent them)`` per reply."""
+        if self._first is None:
+            return []
+        out = [self._first]
+        r = self._more or []
+        out.extend((r[i], r[i + 1], r[i + 2]) for i in range(0, len(r), 3))
+        return out
 
     @property
     def replies(self) -> dict[int, tuple[float, int, int]]:
         """host -> (RESULT read at, ns queued on the host, ns it ran there)."""
-        r = self._replies or []
-        return {int(r[i]): (r[i + 1], int(r[i + 2]), int(r[i + 3])) for i in range(0, len(r), 4)}
+        out: dict[int, tuple[float, int, int]] = {}
+        for host, received, times in self.raw_replies():
+            queued, ran = host_times(times) or (0, 0)
+            out[int(host)] = (received, queued, ran)
+        return out
 
     def timings(self) -> CallTimings:
         """The breakdown of a settled call (stages it never reached count as 0)."""
@@ -124,6 +146,14 @@ class CallRecord:
             controller_queue=max(0.0, go - self.submitted), send=max(0.0, sent - go),
             hosts=tuple(hosts), assembly=max(0.0, self.settled - last) if replies else 0.0,
             total=max(0.0, self.settled - self.submitted))
+
+
+def host_times(times: Any) -> tuple[int, int] | None:
+    """A RESULT's ``[ns queued, ns ran]``, or None where a host sent none (or nonsense)."""
+    if (type(times) is list and len(times) == 2 and type(times[0]) is int
+            and type(times[1]) is int):
+        return max(0, times[0]), max(0, times[1])
+    return None
 
 
 class ChromeTrace:
