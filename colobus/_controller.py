@@ -410,6 +410,8 @@ class Controller:
         chan = self._chan
         assert chan is not None and self._ctx is not None
         reason = "exit" if self._exit_workers else "controller closed"
+        if self._hangups is not None:  # the hosts are told to go: their closes are no news
+            self._hangups.close()
         for h in self._hosts.alive():
             self._send(h, P.Shutdown(reason))
         chan.flush()
@@ -421,8 +423,6 @@ class Controller:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._hangups is not None:
-            self._hangups.close()
         chan.close(linger_ms=200)  # a moment for the SHUTDOWN messages to leave
         self._stop_curve()
         self._ctx.term()

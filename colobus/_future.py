@@ -171,7 +171,7 @@ class Future(Generic[T]):
         """Where this call spent its time, once it is done.
 
         Recorded for colocated calls (functions and methods) while the
-        controller runs with ``metrics=`` or ``trace=`` on; see
+        controller runs with ``trace=`` on (``metrics=`` alone keeps only counters); see
         ``docs/observability.md``.
 
         Returns:

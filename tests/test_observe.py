@@ -302,3 +302,35 @@ async def test_trace_path_is_written_on_close(tmp_path: Path) -> None:
     doc = json.loads(path.read_text())
     assert doc["traceEvents"][0]["ph"] == "M"  # no calls: the process name alone
     assert [e for e in doc["traceEvents"] if e["ph"] == "X"] == []
+
+
+def test_metrics_alone_count_every_call_and_keep_no_record_per_call() -> None:
+    with cb.local_cluster(hosts=1, devices_per_host=1, metrics="127.0.0.1:0") as ctl:
+        x = cb.device_put(np.arange(4, dtype=np.float32), ctl.devices()[0])
+        futs = [obs_inc(x) for _ in range(50)]
+        futs[-1].cancel()  # cancelled (or finished, if it was too late to cancel)
+        for f in futs[:-1]:
+            f.result(timeout=60)
+        _eventually(lambda: futs[-1].done(), "the cancelled call to settle")
+        assert futs[0].timings() is None  # no per-call record without trace=
+        s = _scrape(ctl)
+        ended = sum(_value(s, f"colobus_calls_{what}_total", function="obs_inc")
+                    for what in ("finished", "failed", "cancelled"))
+        assert _value(s, "colobus_calls_started_total", function="obs_inc") == 50 == ended
+        assert _value(s, "colobus_call_latency_seconds_count", function="obs_inc") == 50
+        assert _value(s, "colobus_calls_in_flight") == 0
+
+
+def test_host_times_that_are_not_integers_are_dropped_when_folded() -> None:
+    from colobus._observe import FunctionStats
+
+    stats = FunctionStats()
+    stats.host_times.extend([1_000, 2_000, "x", 3, -5, 7, 1.5, 2])
+    for outcome, latency in ((0, 0.0002), (1, 0.02), (2, 3.0)):
+        stats.ends[outcome].append(latency)
+    stats.fold()
+    assert (stats.finished, stats.failed, stats.cancelled) == (1, 1, 1)
+    assert sum(stats.latency.counts) == 3 and stats.latency.total == pytest.approx(3.0202)
+    assert sum(stats.queue.counts) == 2 and stats.queue.total == pytest.approx(1e-6)
+    assert stats.run.total == pytest.approx(2.007e-6)  # the two good pairs' run times
+    assert not stats.host_times and not any(stats.ends)
