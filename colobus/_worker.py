@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
-import gc
 import logging
 import os
 import random
@@ -36,6 +35,7 @@ from . import _protocol as P
 from ._channel import Channel, Peer
 from ._describe import describe_error
 from ._endpoint import parse_connect
+from ._gcfreeze import freeze_once
 from ._hostarrays import HostArrays
 from ._hostvalues import (
     HostValues,
@@ -176,7 +176,7 @@ class Worker:
         self._discover_devices()
         # Everything imported so far (JAX: ~100k objects) lives as long as the process:
         # keep it out of the collector's scans, which otherwise cost every call.
-        gc.freeze()
+        freeze_once()
         # User code that spins in pure Python holds the GIL for a whole switch
         # interval each time the loop thread lets go of it (the convoy effect): a
         # short interval keeps heartbeats and fetches flowing past such code.

@@ -136,3 +136,40 @@ async def test_large_put_64bit_stays_exact_and_is_seen_as_jax_would(
     is_jax, _, _ = await block_info(x)
     assert bool(np.asarray(await cb.device_get(is_jax)))
     assert np.array_equal(np.asarray(await cb.device_get(x)), data)  # exact bytes back
+
+
+_FREEZE_PROBE = """
+import asyncio, gc, sys
+import colobus as cb
+
+async def main(freeze: bool) -> None:
+    before = gc.get_freeze_count()
+    async with cb.local_cluster(hosts=1, freeze_gc=freeze) as ctl:
+        frozen = gc.get_freeze_count()
+        worker_frozen = await cb.device_get(await probe_worker.specialize(devices=ctl.devices())())
+    print(before, frozen, int(worker_frozen))
+
+@cb.colocated_python
+def probe_worker():
+    import gc
+    import numpy as np
+    return np.asarray(gc.get_freeze_count())
+
+asyncio.run(main(sys.argv[1] == "1"))
+"""
+
+
+@pytest.mark.parametrize("freeze", [True, False])
+def test_the_startup_objects_leave_the_collectors_scans(freeze: bool, tmp_path: Any) -> None:
+    import subprocess
+
+    script = tmp_path / "probe.py"
+    script.write_text(_FREEZE_PROBE)
+    out = subprocess.run([sys.executable, str(script), "1" if freeze else "0"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    before, frozen, worker_frozen = map(int, out.stdout.split())
+    assert before == 0
+    # JAX alone is tens of thousands of objects; the worker always freezes its own.
+    assert (frozen > 10_000) if freeze else (frozen == 0)
+    assert worker_frozen > 10_000
