@@ -215,7 +215,10 @@ class HostValues:
                 elif is_string(leaf.dtype):  # JAX cannot replicate string arrays
                     value = np.asarray(leaf)
                 else:
-                    value = jax.device_put(leaf, self.sharding(mesh, jax.sharding.PartitionSpec()))
+                    replicated = self.sharding(mesh, jax.sharding.PartitionSpec())
+                    # Already there (``return x`` on one device): device_put would hand
+                    # back the same array after ~13 us of dispatch.
+                    value = leaf if sh == replicated else jax.device_put(leaf, replicated)
             elif isinstance(leaf, np.ndarray | np.generic | bool | int | float | complex):
                 arr = np.asarray(leaf)
                 if arr.dtype.hasobject and not isinstance(arr.dtype, np.dtypes.StringDType):
