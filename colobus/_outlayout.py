@@ -40,6 +40,7 @@ from . import _hostside
 from ._blocks import host_blocks, host_sub_mesh
 from ._codec import is_key_array
 from ._sharding import (
+    Device,
     Mesh,
     NamedSharding,
     PartitionSpec,
@@ -198,6 +199,9 @@ def global_sharding(index: int, plan: Any, metas: Mapping[int, Any],
     Raises:
         ValueError: the hosts' layouts do not form one global sharding.
     """
+    single = _on_the_one_device(plan, metas, ref_shardings)
+    if single is not None:
+        return single
     reports = _reports(plan, metas)
     candidates: list[Sharding] = []
     refs = {r[0] for r in reports.values() if r is not None}
@@ -225,6 +229,26 @@ def global_sharding(index: int, plan: Any, metas: Mapping[int, Any],
         f"output {index}: the hosts returned layouts that do not form one global sharding "
         f"({shown}). Return it laid out like an argument (e.g. jax.device_put(v, x.sharding)) "
         "or on the call's mesh, or replicated over the host's devices of the call.")
+
+
+def _on_the_one_device(plan: Any, metas: Mapping[int, Any],
+                       ref_shardings: Sequence[Sharding | None]) -> Sharding | None:
+    """The common case, decided without the general search: a call on one device
+    whose host kept the output there; the argument's own sharding where the
+    output names one. None: not this case (the general search decides)."""
+    if len(metas) != 1 or not isinstance(plan.mesh, Device):
+        return None
+    (m,) = metas.values()
+    layout = m.layout
+    if layout is None or layout[0] != "single" or list(layout[1]) != [plan.mesh.id]:
+        return None
+    if m.ref == -1:
+        return SingleDeviceSharding(plan.mesh)
+    if 0 <= m.ref < len(ref_shardings):
+        named = ref_shardings[m.ref]
+        if isinstance(named, SingleDeviceSharding) and named.device == plan.mesh:
+            return named
+    return None
 
 
 @functools.lru_cache(maxsize=256)

@@ -345,6 +345,22 @@ def test_output_keeps_the_sharding_it_was_made_with(ctl: cb.Controller) -> None:
     np.testing.assert_array_equal(in_cb[3], [2 + 4, 0 + 8])
 
 
+@cb.colocated_python
+def same_or_fresh(x: jax.Array) -> Any:
+    return x, jax.device_put(np.arange(3, dtype=np.int32), x.sharding) + 1
+
+
+def test_one_device_outputs_keep_their_device(ctl: cb.Controller) -> None:
+    """The one-device fast path: ``return x`` keeps x's sharding object, like JAX."""
+    d = ctl.devices()[1]
+    x = cb.device_put(np.arange(4, dtype=np.float32), d)
+    same, fresh = same_or_fresh(x).result(timeout=60)
+    assert same.sharding is x.sharding
+    assert fresh.sharding == cb.SingleDeviceSharding(d) and fresh.shape == (3,)
+    np.testing.assert_array_equal(np.asarray(same), np.arange(4, dtype=np.float32))
+    np.testing.assert_array_equal(np.asarray(fresh), np.arange(3) + 1)
+
+
 def _array_answers(arr: Any, fetch: Any) -> dict[str, Any]:
     return {
         "shape": arr.shape, "ndim": arr.ndim, "size": arr.size, "nbytes": arr.nbytes,
