@@ -41,10 +41,12 @@ optional for readers)::
 from __future__ import annotations
 
 import collections
+import functools
 import math
 import sys
 import traceback
 import types
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -201,20 +203,35 @@ def read_outputs(payload: Any, count: int) -> Any:
     Raises:
         BadReply: the payload does not describe ``count`` outputs.
     """
-    if count == 0 and bytes(payload) == _NONE_DESCRIPTION:
+    raw = bytes(payload)
+    if count == 0 and raw == _NONE_DESCRIPTION:
         return None  # the common no-op reply, read without parsing
-    desc = _unpack(payload)
+    # A function returns the same description call after call (shapes, dtypes,
+    # layouts): parsed and checked once, then only the tree is rebuilt.
+    leaves, raw_tree = (_parsed(raw, count) if len(raw) <= PARSED_CACHE_MAX_BYTES
+                        else _parse(raw, count))
+    reader = _TreeReader(leaves)
+    tree = reader.read(raw_tree, 0)
+    if reader.next != len(leaves):
+        raise BadReply("output tree does not use every leaf")
+    return tree
+
+
+PARSED_CACHE_MAX_BYTES = 4096  # descriptions up to this size are remembered (512 of them)
+
+
+def _parse(raw: bytes, count: int) -> tuple[tuple[P.OutLeaf, ...], Any]:
+    """The checked leaves and the raw tree description of an output description."""
+    desc = _unpack(raw)
     if not isinstance(desc, dict) or desc.get("v") != VERSION:
         raise BadReply("bad output description")
     raw_leaves = desc.get("leaves")
     if not isinstance(raw_leaves, list) or len(raw_leaves) != count:
         raise BadReply("output description does not match its leaf count")
-    leaves = [_leaf_from_wire(i, raw) for i, raw in enumerate(raw_leaves)]
-    reader = _TreeReader(leaves)
-    tree = reader.read(desc.get("tree"), 0)
-    if reader.next != len(leaves):
-        raise BadReply("output tree does not use every leaf")
-    return tree
+    return tuple(_leaf_from_wire(i, leaf) for i, leaf in enumerate(raw_leaves)), desc.get("tree")
+
+
+_parsed = functools.lru_cache(maxsize=512)(_parse)
 
 
 def _none_description() -> tuple[Any, bytes]:
@@ -270,7 +287,7 @@ def _layout(raw: Any) -> list[Any] | None:
 class _TreeReader:
     """Rebuilds a tree description depth-first, handing out leaves in order."""
 
-    def __init__(self, leaves: list[P.OutLeaf]) -> None:
+    def __init__(self, leaves: Sequence[P.OutLeaf]) -> None:
         self.leaves = leaves
         self.next = 0
         self.nodes = 0

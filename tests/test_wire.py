@@ -224,3 +224,30 @@ def test_batch_body_packed_once_encodes_the_same_bytes() -> None:
     assert [bytes(f) for f in encode(key, env)] == [bytes(f) for f in encode(key, again)]
     subs = unpack_batch(decode(key, encode(key, env)))
     assert [s.kind for s in subs] == [6, 11] and subs[0].payload == b"pay"
+
+
+def test_an_output_description_is_parsed_once_and_checked_every_time() -> None:
+    """Repeated descriptions come from a cache of checked leaves; the tree is rebuilt."""
+    import jax
+
+    from colobus import _describe
+    from colobus import _protocol as P
+
+    tree = ({"w": 1}, [2, 3])
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    metas = [P.OutLeaf(i, (2, 3), np.dtype(np.float32), None, None, None, None, -1)
+             for i in range(len(leaves))]
+    payload = _describe.describe_outputs(treedef, metas)
+    _describe._parsed.cache_clear()
+    first = _describe.read_outputs(payload, len(leaves))
+    second = _describe.read_outputs(memoryview(payload), len(leaves))
+    assert _describe._parsed.cache_info().hits == 1
+    assert first == second and first is not second  # equal trees, built anew
+    assert type(first) is tuple and first[0]["w"] == metas[0]
+    first[1].append("mutated")  # a caller changing its tree changes no later call's
+    assert _describe.read_outputs(payload, len(leaves))[1] == [metas[1], metas[2]]
+    for _ in range(2):  # a bad one fails every time: failures are not remembered
+        with pytest.raises(_describe.BadReply):
+            _describe.read_outputs(payload, len(leaves) + 1)
+        with pytest.raises(_describe.BadReply):
+            _describe.read_outputs(b"\xc1garbage", 1)
