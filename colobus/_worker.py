@@ -57,9 +57,9 @@ log = logging.getLogger("colobus.worker")
 BACKOFF_MIN_S = 0.1
 BACKOFF_MAX_S = 5.0
 # ZeroMQ's TCP reconnects back off to at most this: a connection that dropped is
-# back within a second of the network (the controller gives a host whose
+# back within half a second of the network (the controller gives a host whose
 # connection closed half the liveness timeout to be heard from again).
-RECONNECT_MAX_S = 1.0
+RECONNECT_MAX_S = 0.5
 
 
 class _Exit(Exception):
