@@ -73,13 +73,14 @@ class Array:
                  ready: bool = False, owns_ref: bool = True) -> None:
         self._ctl = ctl
         self.ref = ref
-        self.shape = tuple(int(n) for n in shape)
+        self.shape = tuple(map(int, shape))
         self.dtype = dtype
         self.sharding = sharding
         self._key_impl = key_impl
         self._ready = ready
         self._deleted = False
-        hosts = sorted({d.host for d in sharding.device_set})
+        hosts = ((sharding.device.host,) if type(sharding) is SingleDeviceSharding
+                 else sorted({d.host for d in sharding.device_list}))
         self._gens = {h: ctl._hosts[h].generation for h in hosts}
         self._finalizer = (weakref.finalize(self, _release_all, ctl, dict(self._gens), ref)
                            if owns_ref else None)
