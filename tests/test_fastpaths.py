@@ -173,3 +173,21 @@ def test_the_startup_objects_leave_the_collectors_scans(freeze: bool, tmp_path: 
     # JAX alone is tens of thousands of objects; the worker always freezes its own.
     assert (frozen > 10_000) if freeze else (frozen == 0)
     assert worker_frozen > 10_000
+
+
+def test_array_only_arguments_reuse_one_payload(ctl: cb.Controller) -> None:
+    """``f(x, y)`` of arrays skips the pickler: same bytes and refs as pickling them."""
+    from colobus import _serialization as S
+
+    x = cb.device_put(np.zeros(4, np.float32), ctl.devices()[0])
+    y = cb.device_put(np.ones(4, np.float32), ctl.devices()[1])
+    for args in ((x,), (x, y), (x, y, x), ()):
+        f = io.BytesIO()
+        real = S._FastArgsPickler(f, [])
+        real.dump((args, {}))
+        fast = S.pickle_args((args, {}), "f")
+        assert fast.payload == f.getvalue() and fast.refs == real.refs
+        assert fast.keep == list(args) and not fast.buffers and not fast.objects
+    x.delete()
+    with pytest.raises(RuntimeError, match="deleted"):
+        S.pickle_args(((x, y), {}), "f")
