@@ -69,6 +69,14 @@ def _is_handle(x: Any) -> bool:
     return isinstance(x, Array | Future | ColocatedObjectBase)
 
 
+@functools.lru_cache(maxsize=64)
+def _positional_treedef(n: int) -> Any:
+    """The tree of ``(args, kwargs)`` for ``n`` positional handles and no keywords."""
+    import jax
+
+    return jax.tree_util.tree_structure((tuple(range(n)), {}))
+
+
 def _check_specs(actual: Any, expected: Any, what: str, *, inputs: bool = False) -> None:
     import jax
 
@@ -225,7 +233,10 @@ def invoke(target: Target, args: tuple[Any, ...], kwargs: dict[str, Any], *,
 
     ctl = default_controller()
     tree = (args, kwargs)
-    leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=_is_handle)
+    if not kwargs and all(type(a) is Array for a in args):  # f(x, y): the common call
+        leaves, treedef = list(args), _positional_treedef(len(args))
+    else:
+        leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=_is_handle)
     plan = make_plan(leaves, devices)
     if target.signatures is not None:
         target.signatures.note(treedef, leaves, plan)
