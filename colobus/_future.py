@@ -12,14 +12,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+import numpy as np
+
+from ._observe import FOLD_AT
 
 if TYPE_CHECKING:
     from ._observe import FunctionStats
     from ._trace import CallRecord, CallTimings
-
-import numpy as np
 
 __all__ = ["Future"]
 
@@ -141,10 +144,13 @@ class Future(Generic[T]):
     def _finish(self) -> None:
         self._canceller = None
         stats = self._stats
-        if stats is not None:  # metrics or tracing is on
+        if stats is not None:  # metrics or tracing is on: FunctionStats.settle, inlined
             outcome = (2 if self._state == _CANCELLED else
                        1 if self._exception is not None else 0)
-            stats.settle(outcome, self._submitted)
+            latencies = stats.ends[outcome]
+            latencies.append(time.perf_counter() - self._submitted)
+            if len(latencies) >= FOLD_AT:
+                stats.fold_locked()
             rec = self._timing
             if rec is not None and rec.observer is not None:
                 rec.observer.settled(rec, outcome)

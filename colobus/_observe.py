@@ -95,12 +95,19 @@ class FunctionStats:
         self.host_times: collections.deque[Any] = collections.deque()
 
     def settle(self, outcome: int, submitted: float) -> None:
-        """A call's Future settled (any thread): 0 finished, 1 failed, 2 cancelled."""
+        """A call's Future settled (any thread): 0 finished, 1 failed, 2 cancelled.
+
+        ``Future._finish`` does the same inline (one call less per call).
+        """
         latencies = self.ends[outcome]
         latencies.append(time.perf_counter() - submitted)
-        if len(latencies) >= FOLD_AT:  # nobody scrapes: keep the samples few
-            with self.lock:
-                self.fold()
+        if len(latencies) >= FOLD_AT:
+            self.fold_locked()
+
+    def fold_locked(self) -> None:
+        """:meth:`fold` under :attr:`lock` (nobody scrapes: keep the samples few)."""
+        with self.lock:
+            self.fold()
 
     def fold(self) -> None:
         """Move the samples into the counters and histograms (holding :attr:`lock`)."""
@@ -172,14 +179,15 @@ class Observer:
         ``Operations.on_result``), and the Future settles it (``Future._finish``),
         so a call costs no table entry and no done-callback.
         """
-        stats = self._functions.get(name)
-        if stats is None:
-            with self._lock:
-                stats = self._functions.setdefault(name, FunctionStats())
-        rec = (CallRecord(op.call_id, name, hosts, time.perf_counter(), self)
-               if self.records else None)
+        stats = self._functions.get(name) or self._add_function(name)
         return ctl._ops.submit(hosts, op.send, decode, op, call_id=op.call_id,
-                               cancellable=True, stats=stats, timing=rec)
+                               cancellable=True, stats=stats,
+                               timing=CallRecord(op.call_id, name, hosts, time.perf_counter(),
+                                                 self) if self.records else None)
+
+    def _add_function(self, name: str) -> FunctionStats:
+        with self._lock:
+            return self._functions.setdefault(name, FunctionStats())
 
     def settled(self, rec: CallRecord, outcome: int) -> None:
         """A traced call's Future settled (the resolving thread): trace it."""
