@@ -262,7 +262,12 @@ def invoke(target: Target, args: tuple[Any, ...], kwargs: dict[str, Any], *,
         fut = ctl._ops.submit(plan.hosts, op.send, _decode_result, op, call_id=op.call_id,
                               cancellable=True)
     else:
-        fut = obs.submit(ctl, plan.hosts, op, _decode_result, target.name)
+        fut = ctl._ops.submit(plan.hosts, op.send, _decode_result, op, call_id=op.call_id,
+                              cancellable=True,
+                              stats=obs.functions_by_name.get(target.name)
+                              or obs.function(target.name),
+                              timing=obs.record(op.call_id, target.name, plan.hosts)
+                              if obs.records else None)
     fut.info = plan
     # When the Future goes, so does each host's result slot (kept for Futures as
     # arguments). A weakref callback: several times cheaper than weakref.finalize.

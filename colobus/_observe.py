@@ -9,7 +9,7 @@ call sites costs one attribute check.
 
 from __future__ import annotations
 
-import collections
+import array
 import logging
 import os
 import threading
@@ -23,8 +23,6 @@ from ._trace import CallRecord, ChromeTrace, OtelSpans
 
 if TYPE_CHECKING:
     from . import _protocol as P
-    from ._controller import Controller
-    from ._future import Future
     from ._metrics import MetricsServer
 
 __all__ = ["BUCKETS", "FunctionStats", "Histogram", "Observer", "host_health", "observing"]
@@ -71,12 +69,19 @@ class Histogram:
 class FunctionStats:
     """One function's calls: how many started and how each ended, and how long they took.
 
-    The call path only appends numbers (a deque append is atomic, so no lock and
-    no bucket search per call): the loop thread counts a call started and
-    appends each host's queued and run nanoseconds as the host sent them; the
-    thread that settles the call's Future appends its latency to the deque of
-    its outcome. :meth:`fold` moves them into the counters and histograms when
-    someone reads them (a scrape), or when :data:`FOLD_AT` samples wait.
+    The call path only appends numbers (an append is one step under the GIL, so
+    no lock and no bucket search per call): the loop thread counts a call
+    started and appends each host's queued and run nanoseconds (whole pairs of
+    int64s, ``Operations.on_result``); the thread that settles the call's Future appends
+    its latency to the array of its outcome. :meth:`fold` moves them into the
+    counters and histograms when someone reads them (a scrape), or when
+    :data:`FOLD_AT` samples wait.
+
+    The samples wait in arrays (``array.array``), as raw doubles and int64s, not in
+    lists or deques of Python numbers: thousands of floats and ints kept alive
+    until a fold made every call allocate fresh memory instead of reusing what
+    the last call freed, which cost pipelined calls about 10 % (see
+    docs/observability.md).
     """
 
     __slots__ = ("cancelled", "ends", "failed", "finished", "host_times", "latency", "lock",
@@ -89,20 +94,10 @@ class FunctionStats:
         self.run = Histogram()  # ran on a host, one entry per host per call
         self.queue = Histogram()  # waited on a host before running, likewise
         # Latencies (seconds) of calls that finished, failed, were cancelled; and
-        # host times flat (queued ns, ran ns, ...): numbers, no object per call.
-        self.ends: tuple[collections.deque[float], ...] = (
-            collections.deque(), collections.deque(), collections.deque())
-        self.host_times: collections.deque[Any] = collections.deque()
-
-    def settle(self, outcome: int, submitted: float) -> None:
-        """A call's Future settled (any thread): 0 finished, 1 failed, 2 cancelled.
-
-        ``Future._finish`` does the same inline (one call less per call).
-        """
-        latencies = self.ends[outcome]
-        latencies.append(time.perf_counter() - submitted)
-        if len(latencies) >= FOLD_AT:
-            self.fold_locked()
+        # host times flat (queued ns, ran ns, ...), whole pairs only.
+        self.ends: tuple[array.array[float], ...] = (
+            array.array("d"), array.array("d"), array.array("d"))
+        self.host_times: array.array[int] = array.array("q")
 
     def fold_locked(self) -> None:
         """:meth:`fold` under :attr:`lock` (nobody scrapes: keep the samples few)."""
@@ -114,8 +109,9 @@ class FunctionStats:
         latencies: list[float] = []
         counts = [0, 0, 0]
         for outcome, samples in enumerate(self.ends):
-            n = len(samples)  # popped one by one: appends may go on meanwhile
-            latencies.extend([samples.popleft() for _ in range(n)])
+            n = len(samples)  # appends may go on meanwhile: take and drop just these
+            latencies.extend(samples[:n])
+            del samples[:n]
             counts[outcome] = n
         self.finished += counts[_FINISHED]
         self.failed += counts[_FAILED]
@@ -124,7 +120,8 @@ class FunctionStats:
         host_times = self.host_times
         n = len(host_times) // 2 * 2  # pairs are appended whole: an odd one is coming
         if n:
-            pairs = _host_pairs([host_times.popleft() for _ in range(n)])
+            pairs = np.maximum(np.array(host_times[:n], dtype=np.int64).reshape(-1, 2), 0)
+            del host_times[:n]
             self.queue.add_all(pairs[:, 0] / 1e9)
             self.run.add_all(pairs[:, 1] / 1e9)
 
@@ -136,17 +133,6 @@ class FunctionStats:
             src, dst = getattr(self, name), getattr(out, name)
             dst.counts, dst.total = list(src.counts), src.total
         return out
-
-
-def _host_pairs(raw: list[Any]) -> np.ndarray[Any, Any]:
-    """``[queued ns, ran ns, ...]`` as hosts sent them -> an (n, 2) array; others dropped."""
-    try:
-        flat = np.array(raw, dtype=np.int64)
-    except (TypeError, ValueError, OverflowError):  # not all ints: keep the pairs that are
-        flat = np.array([v for q, r in zip(raw[0::2], raw[1::2], strict=True)
-                         if type(q) is int and type(r) is int and max(q, r) < 1 << 62
-                         for v in (q, r)], dtype=np.int64)
-    return np.maximum(flat.reshape(-1, 2), 0)
 
 
 class Observer:
@@ -162,32 +148,31 @@ class Observer:
     def __init__(self, trace: ChromeTrace | None = None, otel: bool = False,
                  records: bool = False) -> None:
         self._lock = threading.Lock()  # adding a function
-        self._functions: dict[str, FunctionStats] = {}
+        self.functions_by_name: dict[str, FunctionStats] = {}
         self.trace = trace
         self.otel = OtelSpans() if otel else None
         self.records = records or trace is not None or otel
 
     # -- the call sites ------------------------------------------------------------------
 
-    def submit(self, ctl: Controller, hosts: tuple[int, ...], op: Any, decode: Any,
-               name: str) -> Future[Any]:
-        """Caller's thread: ``ctl.submit`` a colocated call (``op``), observed.
+    def function(self, name: str) -> FunctionStats:
+        """The counters of the function called ``name`` (any thread; made on first use).
 
-        The function's counters (and, where traced, the call's record) ride on
-        the Future, set before the loop sees the call: the loop counts it
-        started and adds each host's times (``Operations._start``,
-        ``Operations.on_result``), and the Future settles it (``Future._finish``),
-        so a call costs no table entry and no done-callback.
+        A colocated call's Future carries them (``Operations.submit(stats=)``),
+        set before the loop sees the call: the loop counts it started and adds
+        each host's times (``Operations._start``, ``Operations.on_result``), and
+        the Future settles it (``Future._finish``), so a call costs no table
+        entry, no done-callback and no call through the observer.
         """
-        stats = self._functions.get(name) or self._add_function(name)
-        return ctl._ops.submit(hosts, op.send, decode, op, call_id=op.call_id,
-                               cancellable=True, stats=stats,
-                               timing=CallRecord(op.call_id, name, hosts, time.perf_counter(),
-                                                 self) if self.records else None)
+        return self.functions_by_name.get(name) or self._add_function(name)
+
+    def record(self, call_id: int, name: str, hosts: tuple[int, ...]) -> CallRecord | None:
+        """A new call's timing record where calls keep one (``trace=``), else None."""
+        return CallRecord(call_id, name, hosts, time.perf_counter(), self) if self.records else None
 
     def _add_function(self, name: str) -> FunctionStats:
         with self._lock:
-            return self._functions.setdefault(name, FunctionStats())
+            return self.functions_by_name.setdefault(name, FunctionStats())
 
     def settled(self, rec: CallRecord, outcome: int) -> None:
         """A traced call's Future settled (the resolving thread): trace it."""
@@ -206,7 +191,7 @@ class Observer:
     def functions(self) -> dict[str, FunctionStats]:
         """A copy of every function's counters (any thread)."""
         out = {}
-        for name, stats in list(self._functions.items()):
+        for name, stats in list(self.functions_by_name.items()):
             with stats.lock:
                 stats.fold()
                 out[name] = stats.copy()

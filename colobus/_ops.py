@@ -40,6 +40,8 @@ if TYPE_CHECKING:
 
 __all__ = ["Combiner", "Decoder", "Operation", "Operations"]
 
+_clock = time.perf_counter  # read per observed call: one global, not an attribute of one
+
 # What a reply from one host turns into; runs on the loop thread on receipt.
 Decoder = Callable[["Host", P.Result, Envelope], Any]
 # Combines the per-host values (by host index) into the future's result.
@@ -205,7 +207,7 @@ class Operations:
         call_id = self.next_id() if call_id is None else call_id
         fut = self.new_future(call_id)
         if stats is not None:  # observed (before the loop can settle it)
-            fut._stats, fut._submitted, fut._timing = stats, time.perf_counter(), timing
+            fut._stats, fut._submitted, fut._timing = stats, _clock(), timing
         if cancellable:
             fut._set_canceller(self._canceller)
         op = Operation(call_id, fut, tuple(hosts), send, decode, combine, backpressure)
@@ -318,12 +320,18 @@ class Operations:
             if body.status == P.Status.OK and type(body.meta) is int:
                 self.free_outputs(host.index, call_id, body.meta)
         else:
-            stats = op.future._stats
+            fut = op.future
+            stats = fut._stats
             if stats is not None:
-                times = body.times
+                times = body.times  # as the host sent them: whole pairs of int64s only
                 if len(times) == 2:
-                    stats.host_times.extend(times)  # checked when folded
-                rec = op.future._timing
+                    host_times = stats.host_times
+                    try:
+                        host_times.extend(times)
+                    except (TypeError, OverflowError):
+                        if len(host_times) % 2:  # half a pair went in: a fold takes even
+                            host_times.pop()  # counts from the front, so it is the last
+                rec = fut._timing
                 if rec is not None:
                     rec.add_reply(host.index, time.perf_counter(), times)
             bad = op.answered(host, body, env)

@@ -401,3 +401,36 @@ def test_reply_over_the_limit_fails_its_call_with_a_clear_error(
         cb.device_get(big).result(60)
     assert mctl.hosts()[0].state == "alive"
     _real_host_still_works(mctl)
+
+
+def test_hostile_host_times_never_skew_metrics() -> None:
+    """Times a host sends with its RESULTs feed the metrics only as whole int64 pairs."""
+    from colobus._controller import _pop_current, _push_current
+
+    key = secrets.token_bytes(32)
+    ctl = cb.Controller("tcp://127.0.0.1:*", hosts=0, key=key, metrics="127.0.0.1:0", **FAST)
+    ctl.start_in_thread()
+    zctx: zmq.Context[Any] = zmq.Context()
+    fake = FakeWorker(zctx, ctl.address, key, "times")
+    _push_current(ctl)
+    try:
+        fake.join()
+        dev = [d for d in ctl.devices() if d.host == fake.index]
+        hostile: list[Any] = [[1_000, 2_000], ["x", 3], [3, "x"], [2, 1 << 63], [1.5, 2],
+                              [1, 2, 3], [4], [], [None, None], [-5, 7_000]]
+        for times in hostile:
+            fut = make_one.specialize(devices=dev)()
+            call = fake.expect(Kind.CALL)
+            fake.send(Kind.RESULT, [call.body[0], Status.CANCELLED, None, times])
+            _wait_until(fut.done, "the call to end")
+            assert fut.cancelled()
+        stats = ctl.observer.functions()["make_one"] if ctl.observer else None
+        assert stats is not None and stats.cancelled == len(hostile)
+        assert sum(stats.run.counts) == sum(stats.queue.counts) == 2  # the two good pairs
+        assert stats.run.total == pytest.approx(9e-6) and stats.queue.total == pytest.approx(1e-6)
+        assert ctl.hosts()[fake.index].state == "alive"
+    finally:
+        _pop_current(ctl)
+        fake.close()
+        ctl.close()
+        zctx.term()
