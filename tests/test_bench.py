@@ -76,3 +76,18 @@ def test_one_group_to_stdout(name: str) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(proc.stdout)
     assert set(doc["benchmarks"]) == {"object_first_call"}
+
+
+def test_ab_pairs_alternate_and_report_the_ratio() -> None:
+    """benchmarks/ab.py: A/B pairs of one row, each side with its own options."""
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "ab.py"
+    proc = subprocess.run([sys.executable, str(script), "object", "--row", "object_first_call",
+                           "--pairs", "2", "--quick", "--b=--metrics"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    pairs = [line for line in proc.stdout.splitlines() if line.startswith("pair ")]
+    assert len(pairs) == 2 and all(" B/A " in line for line in pairs)
+    assert "B/A per pair: median" in proc.stdout and "(2 pairs)" in proc.stdout
+    bad = subprocess.run([sys.executable, str(script), "object", "--pairs", "1", "--quick",
+                          "--b-env", "nonsense"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "NAME=VALUE" in bad.stderr
