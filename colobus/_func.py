@@ -27,6 +27,7 @@ from ._controller import Controller, default_controller
 from ._describe import read_outputs
 from ._future import Future
 from ._hosts import Host
+from ._observe import FunctionStats, Observer
 from ._plan import CallPlan, make_plan
 from ._serialization import Code, ColocatedObjectBase, PickledArgs, arg_path, pickle_args
 from ._sharding import (
@@ -201,9 +202,14 @@ class Target:
     obj_id: int = 0
     method: str = ""
     signatures: Signatures | None = None  # counted where cache_info() reports them
+    observed: tuple[Observer, FunctionStats] | None = None  # its counters, and whose
 
     def digest(self) -> bytes:
         return b""
+
+    def stats_key(self, digest: bytes) -> tuple[bytes, str]:
+        """What hosts call this target when they report its run times (its call's digest)."""
+        return (digest, self.method)
 
     def check(self, ctl: Controller, plan: CallPlan) -> None:
         """Raise at the call if this target cannot run on ``plan`` (caller's thread)."""
@@ -262,10 +268,14 @@ def invoke(target: Target, args: tuple[Any, ...], kwargs: dict[str, Any], *,
         fut = ctl._ops.submit(plan.hosts, op.send, _decode_result, op, call_id=op.call_id,
                               cancellable=True)
     else:
+        seen = target.observed
+        if seen is not None and seen[0] is obs:
+            stats = seen[1]
+        else:
+            stats = obs.function(target.name, target.stats_key(digest))
+            target.observed = (obs, stats)
         fut = ctl._ops.submit(plan.hosts, op.send, _decode_result, op, call_id=op.call_id,
-                              cancellable=True,
-                              stats=obs.functions_by_name.get(target.name)
-                              or obs.function(target.name),
+                              cancellable=True, stats=stats,
                               timing=obs.record(op.call_id, target.name, plan.hosts)
                               if obs.records else None)
     fut.info = plan

@@ -146,8 +146,8 @@ class Future(Generic[T]):
         self._canceller = None
         stats = self._stats
         if stats is not None:  # metrics or tracing is on: the latency joins its outcome
-            outcome = (0 if self._exception is None and self._state != _CANCELLED else
-                       2 if self._state == _CANCELLED else 1)
+            outcome = (2 if self._state == _CANCELLED else
+                       0 if self._exception is None else 1)
             latencies = stats.ends[outcome]
             latencies.append(_clock() - self._submitted)
             if len(latencies) >= FOLD_AT:

@@ -150,6 +150,9 @@ class MethodTarget(Target):
         self.method = method
         self.name = f"{state.cls_name}.{method}"
 
+    def stats_key(self, digest: bytes) -> tuple[bytes, str]:
+        return (self.state.code.get()[0], self.method)  # hosts know the object's class
+
     def check(self, ctl: Controller, plan: CallPlan) -> None:
         self.state.check_plan(ctl, plan)
 

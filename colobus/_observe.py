@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ._calltimes import BUCKETS, bucket_counts, read_entries
 from ._trace import CallRecord, ChromeTrace, OtelSpans
 
 if TYPE_CHECKING:
@@ -33,12 +34,6 @@ _FINISHED, _FAILED, _CANCELLED = range(3)  # CallRecord.code
 _OUTCOMES = ("finished", "failed", "cancelled")
 FOLD_AT = 8192  # samples a function keeps before folding them without a scrape
 
-# Upper bounds (seconds) of the latency and run-time histograms' buckets; +Inf follows.
-BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
-           1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-_BOUNDS = np.array(BUCKETS)
-
-
 class Histogram:
     """Counts per bucket of :data:`BUCKETS` (the last: above them all) and their sum."""
 
@@ -52,10 +47,13 @@ class Histogram:
         """Count ``values`` (seconds), each in the first bucket whose bound it does not pass."""
         if not len(values):
             return
-        where = np.searchsorted(_BOUNDS, values, side="left")  # == bisect_left, vectorised
-        for i, n in enumerate(np.bincount(where, minlength=len(self.counts)).tolist()):
+        self.add_counts(bucket_counts(values), float(values.sum()))
+
+    def add_counts(self, counts: list[int], total: float) -> None:
+        """Add counts already bucketed (one per bucket, as :attr:`counts`) and their sum."""
+        for i, n in enumerate(counts):
             self.counts[i] += n
-        self.total += float(values.sum())
+        self.total += total
 
     def cumulative(self) -> list[tuple[str, int]]:
         """``(le, count of values <= le)`` pairs, as a Prometheus histogram has them."""
@@ -71,11 +69,12 @@ class FunctionStats:
 
     The call path only appends numbers (an append is one step under the GIL, so
     no lock and no bucket search per call): the loop thread counts a call
-    started and appends each host's queued and run nanoseconds (whole pairs of
-    int64s, ``Operations.on_result``); the thread that settles the call's Future appends
-    its latency to the array of its outcome. :meth:`fold` moves them into the
-    counters and histograms when someone reads them (a scrape), or when
-    :data:`FOLD_AT` samples wait.
+    started, and the thread that settles the call's Future appends its latency
+    to the array of its outcome. :meth:`fold` moves them into the counters and
+    the latency histogram when someone reads them (a scrape), or when
+    :data:`FOLD_AT` samples wait. How long calls waited and ran on the hosts
+    is counted by the hosts and arrives with their heartbeats, already
+    bucketed (:mod:`colobus._calltimes`, :meth:`Observer.add_host_calls`).
 
     The samples wait in arrays (``array.array``), as raw doubles and int64s, not in
     lists or deques of Python numbers: thousands of floats and ints kept alive
@@ -84,20 +83,18 @@ class FunctionStats:
     docs/observability.md).
     """
 
-    __slots__ = ("cancelled", "ends", "failed", "finished", "host_times", "latency", "lock",
-                 "queue", "run", "started")
+    __slots__ = ("cancelled", "ends", "failed", "finished", "latency", "lock", "queue", "run",
+                 "started")
 
     def __init__(self) -> None:
         self.lock = threading.Lock()  # held by fold (and copy)
         self.started = self.finished = self.failed = self.cancelled = 0
         self.latency = Histogram()  # call made -> future settled (controller)
-        self.run = Histogram()  # ran on a host, one entry per host per call
+        self.run = Histogram()  # ran on a host, one entry per host per call (from heartbeats)
         self.queue = Histogram()  # waited on a host before running, likewise
-        # Latencies (seconds) of calls that finished, failed, were cancelled; and
-        # host times flat (queued ns, ran ns, ...), whole pairs only.
+        # Latencies (seconds) of calls that finished, failed, were cancelled.
         self.ends: tuple[array.array[float], ...] = (
             array.array("d"), array.array("d"), array.array("d"))
-        self.host_times: array.array[int] = array.array("q")
 
     def fold_locked(self) -> None:
         """:meth:`fold` under :attr:`lock` (nobody scrapes: keep the samples few)."""
@@ -117,13 +114,6 @@ class FunctionStats:
         self.failed += counts[_FAILED]
         self.cancelled += counts[_CANCELLED]
         self.latency.add_all(np.array(latencies, dtype=np.float64))
-        host_times = self.host_times
-        n = len(host_times) // 2 * 2  # pairs are appended whole: an odd one is coming
-        if n:
-            pairs = np.maximum(np.array(host_times[:n], dtype=np.int64).reshape(-1, 2), 0)
-            del host_times[:n]
-            self.queue.add_all(pairs[:, 0] / 1e9)
-            self.run.add_all(pairs[:, 1] / 1e9)
 
     def copy(self) -> FunctionStats:
         out = FunctionStats()
@@ -149,30 +139,55 @@ class Observer:
                  records: bool = False) -> None:
         self._lock = threading.Lock()  # adding a function
         self.functions_by_name: dict[str, FunctionStats] = {}
+        # The same counters by what hosts call a function: (code digest, method).
+        self.functions_by_key: dict[tuple[bytes, str], FunctionStats] = {}
         self.trace = trace
         self.otel = OtelSpans() if otel else None
         self.records = records or trace is not None or otel
 
     # -- the call sites ------------------------------------------------------------------
 
-    def function(self, name: str) -> FunctionStats:
+    def function(self, name: str, key: tuple[bytes, str] = (b"", "")) -> FunctionStats:
         """The counters of the function called ``name`` (any thread; made on first use).
 
-        A colocated call's Future carries them (``Operations.submit(stats=)``),
-        set before the loop sees the call: the loop counts it started and adds
-        each host's times (``Operations._start``, ``Operations.on_result``), and
-        the Future settles it (``Future._finish``), so a call costs no table
-        entry, no done-callback and no call through the observer.
+        ``key`` is what hosts call it when they report its run times: its code
+        digest and method name (:mod:`colobus._calltimes`). A colocated call's
+        Future carries the counters (``Operations.submit(stats=)``), set before
+        the loop sees the call: the loop counts it started
+        (``Operations._start``) and the Future settles it (``Future._finish``),
+        so a call costs no table entry, no done-callback and no call through
+        the observer.
         """
-        return self.functions_by_name.get(name) or self._add_function(name)
+        return self.functions_by_key.get(key) or self._add_function(name, key)
 
     def record(self, call_id: int, name: str, hosts: tuple[int, ...]) -> CallRecord | None:
         """A new call's timing record where calls keep one (``trace=``), else None."""
         return CallRecord(call_id, name, hosts, time.perf_counter(), self) if self.records else None
 
-    def _add_function(self, name: str) -> FunctionStats:
+    def _add_function(self, name: str, key: tuple[bytes, str]) -> FunctionStats:
         with self._lock:
-            return self.functions_by_name.setdefault(name, FunctionStats())
+            stats = self.functions_by_name.setdefault(name, FunctionStats())
+            if key != (b"", ""):
+                self.functions_by_key.setdefault(key, stats)
+            return stats
+
+    def add_host_calls(self, entries: list[Any]) -> int:
+        """A host's heartbeat reported how long calls waited and ran (loop thread).
+
+        Adds the well-formed entries of known functions to their queue and run
+        histograms; returns how many entries were dropped (malformed, or naming
+        a function never called).
+        """
+        good, bad = read_entries(entries)
+        for key, queued, queued_ns, ran, ran_ns in good:
+            stats = self.functions_by_key.get(key)
+            if stats is None:
+                bad += 1
+                continue
+            with stats.lock:
+                stats.queue.add_counts(queued, queued_ns / 1e9)
+                stats.run.add_counts(ran, ran_ns / 1e9)
+        return bad
 
     def settled(self, rec: CallRecord, outcome: int) -> None:
         """A traced call's Future settled (the resolving thread): trace it."""

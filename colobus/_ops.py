@@ -320,20 +320,9 @@ class Operations:
             if body.status == P.Status.OK and type(body.meta) is int:
                 self.free_outputs(host.index, call_id, body.meta)
         else:
-            fut = op.future
-            stats = fut._stats
-            if stats is not None:
-                times = body.times  # as the host sent them: whole pairs of int64s only
-                if len(times) == 2:
-                    host_times = stats.host_times
-                    try:
-                        host_times.extend(times)
-                    except (TypeError, OverflowError):
-                        if len(host_times) % 2:  # half a pair went in: a fold takes even
-                            host_times.pop()  # counts from the front, so it is the last
-                rec = fut._timing
-                if rec is not None:
-                    rec.add_reply(host.index, time.perf_counter(), times)
+            rec = op.future._timing  # traced: the host's times go in the call's record
+            if rec is not None:  # (metrics count them on the host: colobus._calltimes)
+                rec.add_reply(host.index, time.perf_counter(), body.times)
             bad = op.answered(host, body, env)
             if not op.remaining:
                 op.end(self)

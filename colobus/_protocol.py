@@ -114,13 +114,15 @@ class Hello(Body):
 @dataclass(frozen=True, slots=True)
 class Welcome(Body):
     kind = Kind.WELCOME
-    types = (int, list, _num, _num, bool, int)
+    types = (int, list, _num, _num, bool, int, bool)
+    required = 6
     host: int
     device_ids: list[int]
     heartbeat: float
     liveness: float
     exit_with_controller: bool
     max_message_bytes: int  # the controller drops larger messages; replies stay under it
+    host_stats: bool = False  # count calls' queued and run times; send them in heartbeats
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,11 +153,13 @@ class Heartbeat(Body):
     last ping it got and ``held``, the ns between receiving that ping and sending
     this, so the controller reads the round trip without a message of its own.
     The other fields are the worker's: what its store holds, its process's
-    resident memory and CPU time, and the messages it dropped, by reason.
+    resident memory and CPU time, the messages it dropped, by reason, and, when
+    the WELCOME asked for them, how long its calls waited and ran since its last
+    heartbeat, bucketed per function (``calls``, :mod:`colobus._calltimes`).
     """
 
     kind = Kind.HEARTBEAT
-    types = (int, int, int, int, int, int, int, int, dict)
+    types = (int, int, int, int, int, int, int, int, dict, list)
     required = 4
     arrays: int
     nbytes: int
@@ -166,6 +170,7 @@ class Heartbeat(Body):
     rss: int = 0  # bytes
     cpu: int = 0  # ns of CPU time, user + system
     dropped: dict[str, int] = field(default_factory=dict)
+    calls: list[Any] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)

@@ -449,6 +449,10 @@ class Scheduler:
         if call.state == _RUNNING:
             call.state = _DONE
             self._forget(call)
+            call_times = w.call_times
+            if call_times is not None:  # metrics on: this host counts its calls' times
+                call_times.add((w.store.classes.get(body.obj, b"") if body.obj else body.digest,
+                                body.method), call.started - call.arrived, call.ran)
             outcome, call.outcome = call.outcome, None
             if call.ok:
                 values, treedef, payload, bufs = outcome
@@ -512,6 +516,7 @@ class Scheduler:
                     await asyncio.wait({fut})
                 if epoch == self._w.epoch and store.objects.get(item.obj) is fut:
                     del store.objects[item.obj]
+                    store.classes.pop(item.obj, None)
                 del fut  # the last reference: the instance's __del__ runs here
         finally:
             item.calls = set()

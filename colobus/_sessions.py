@@ -250,7 +250,8 @@ class Sessions:
         host = hosts.join(identity, hello, env.sender, ctl._session, env.seq)
         ctl._send(host, P.Welcome(host.index, [d.id for d in host.devices],
                                   ctl.heartbeat_interval, ctl.liveness_timeout,
-                                  ctl._exit_workers, ctl.max_message_bytes))
+                                  ctl._exit_workers, ctl.max_message_bytes,
+                                  ctl.observer is not None))
         log.info("%s", hosts.describe(host, old is not None, ctl._expected_hosts))
         ctl._joined()
 
@@ -259,6 +260,12 @@ class Sessions:
         host.health = body
         if body.ping:  # it echoes our ping: the round trip, less the time it held it
             host.rtt = max(0, time.monotonic_ns() - body.ping - body.held) / 1e9
+        if body.calls:  # its calls' queued and run times, since its last heartbeat
+            obs = self._ctl.observer
+            bad = len(body.calls) if obs is None else obs.add_host_calls(body.calls)
+            if bad:  # the rest of the heartbeat stands: a bad entry says nothing of liveness
+                self.dropped["malformed"] += bad
+                log.debug("host %d: %d call-time entries dropped", host.index, bad)
 
     # -- liveness ------------------------------------------------------------------------
 

@@ -46,6 +46,7 @@ class Store:
         self.results: dict[int, asyncio.Future[Any] | CallResult] = {}
         self.objects: dict[int, asyncio.Future[Any]] = {}
         self.obj_calls: dict[int, set[asyncio.Future[Any]]] = {}  # obj -> its calls' results
+        self.classes: dict[int, bytes] = {}  # obj -> its class's code digest
 
     def clear(self) -> None:
         self.code.clear()
@@ -53,6 +54,7 @@ class Store:
         self.results.clear()
         self.objects.clear()
         self.obj_calls.clear()
+        self.classes.clear()
 
     def counts(self) -> tuple[int, int, int, int]:
         """Arrays, their bytes, objects, and call results held."""

@@ -32,6 +32,7 @@ import zmq
 
 from . import _hostside
 from . import _protocol as P
+from ._calltimes import HostCallTimes
 from ._channel import Channel, Peer
 from ._describe import describe_error
 from ._endpoint import parse_connect
@@ -118,6 +119,8 @@ class Worker:
         self.host_index = -1
         self.loop: asyncio.AbstractEventLoop | None = None  # set in serve()
         self.dropped: dict[str, int] = {}
+        # Calls' queued and run times per function, when the controller asked (WELCOME).
+        self.call_times: HostCallTimes | None = None
         self._ping = 0  # the controller's last heartbeat ping, to echo in ours
         self._ping_at = 0  # monotonic ns when it arrived
         # session state
@@ -324,8 +327,9 @@ class Worker:
         """Our heartbeat: store counters, the ping echo, process memory, CPU, drops."""
         ping, self._ping = self._ping, 0
         held = time.monotonic_ns() - self._ping_at if ping else 0
+        calls = self.call_times.take() if self.call_times is not None else []
         return P.Heartbeat(*self.store.counts(), ping, held, rss_bytes(), cpu_ns(),
-                           dict(self.dropped))
+                           dict(self.dropped), calls)
 
     def _end(self, outcome: str) -> None:
         if self._ended is not None and not self._ended.done():
@@ -339,6 +343,7 @@ class Worker:
         self.sched.clear()
         self.store.clear()
         self.values.clear()
+        self.call_times = None
 
     # -- socket I/O (used by the scheduler) --------------------------------------------------
 
@@ -443,6 +448,7 @@ class Worker:
         self._liveness = float(body.liveness)
         self._exit_with_controller = bool(body.exit_with_controller)
         self._max_message = body.max_message_bytes
+        self.call_times = HostCallTimes() if body.host_stats else None
         if self._welcome is not None and not self._welcome.done():
             self._welcome.set_result(None)
 
@@ -485,6 +491,7 @@ class Worker:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
         self.store.objects[body.obj] = fut
+        self.store.classes[body.obj] = body.digest
         pins = [self.store.pin(r, self.host_index) for r in body.refs]
         self._spawn(self._construct(body, env, pins, fut))
 

@@ -404,7 +404,8 @@ def test_reply_over_the_limit_fails_its_call_with_a_clear_error(
 
 
 def test_hostile_host_times_never_skew_metrics() -> None:
-    """Times a host sends with its RESULTs feed the metrics only as whole int64 pairs."""
+    """Run times reach the metrics only from heartbeats, as whole well-formed entries."""
+    from colobus._calltimes import BUCKETS
     from colobus._controller import _pop_current, _push_current
 
     key = secrets.token_bytes(32)
@@ -416,18 +417,46 @@ def test_hostile_host_times_never_skew_metrics() -> None:
     try:
         fake.join()
         dev = [d for d in ctl.devices() if d.host == fake.index]
-        hostile: list[Any] = [[1_000, 2_000], ["x", 3], [3, "x"], [2, 1 << 63], [1.5, 2],
-                              [1, 2, 3], [4], [], [None, None], [-5, 7_000]]
+        # The times a RESULT carries are for traces only: hostile ones end the call, no more.
+        hostile: list[Any] = [[1_000, 2_000], ["x", 3], [2, 1 << 63], [1, 2, 3], [None, None]]
+        digest = b""
         for times in hostile:
             fut = make_one.specialize(devices=dev)()
             call = fake.expect(Kind.CALL)
+            digest = call.body[2]
             fake.send(Kind.RESULT, [call.body[0], Status.CANCELLED, None, times])
             _wait_until(fut.done, "the call to end")
             assert fut.cancelled()
+
+        def counts(bucket: int, n: int) -> list[Any]:
+            out: list[Any] = [0] * (len(BUCKETS) + 1)
+            out[bucket] = n
+            return out
+
+        good = [digest, "", counts(0, 2), 1_000, counts(1, 2), 300_000]
+        bad: list[Any] = [
+            "x", [digest, ""], [digest.hex(), "", *good[2:]], [digest, 3, *good[2:]],
+            [digest, "", counts(0, 2)[:-1], 1_000, counts(1, 2), 300_000],  # a bucket short
+            [digest, "", counts(0, -2), 1_000, counts(1, -2), 300_000],  # negative counts
+            [digest, "", counts(0, 1 << 63), 1_000, counts(1, 1 << 63), 300_000],
+            [digest, "", counts(0, 2), -1, counts(1, 2), 300_000],  # a negative sum
+            [digest, "", counts(0, 2), 1.5, counts(1, 2), 300_000],  # not an int
+            [digest, "", counts(0, 2), 1_000, counts(1, 3), 300_000],  # 2 queued, 3 ran
+            [digest, "", [*counts(0, 1)[:-1], "x"], 1_000, counts(1, 1), 300_000],
+            [b"never called", "", *good[2:]], [digest, "no_such_method", *good[2:]],
+        ]
+        dropped = ctl.stats()["dropped"].get("malformed", 0)
+        fake.send(Kind.HEARTBEAT, [0, 0, 0, 0, 0, 0, 0, 0, {}, [*bad[:6], good, *bad[6:]]])
+
+        def counted() -> bool:
+            return ctl.stats()["dropped"].get("malformed", 0) == dropped + len(bad)
+
+        _wait_until(counted, "the heartbeat's bad entries to be counted")
         stats = ctl.observer.functions()["make_one"] if ctl.observer else None
         assert stats is not None and stats.cancelled == len(hostile)
-        assert sum(stats.run.counts) == sum(stats.queue.counts) == 2  # the two good pairs
-        assert stats.run.total == pytest.approx(9e-6) and stats.queue.total == pytest.approx(1e-6)
+        assert sum(stats.run.counts) == sum(stats.queue.counts) == 2  # the good entry only
+        assert stats.queue.counts[0] == 2 and stats.run.counts[1] == 2
+        assert stats.run.total == pytest.approx(3e-4) and stats.queue.total == pytest.approx(1e-6)
         assert ctl.hosts()[fake.index].state == "alive"
     finally:
         _pop_current(ctl)

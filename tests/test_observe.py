@@ -124,11 +124,14 @@ def test_scrape_counts_known_work(octl: cb.Controller) -> None:
     np.testing.assert_array_equal(cb.device_get(outs[-1]).result(timeout=60),
                                   np.arange(floats, dtype=np.float32) + 1)
 
-    # The workers' figures travel in their heartbeats (one a second).
+    # The workers' figures travel in their heartbeats (one a second): what they
+    # hold, and how long each call waited and ran there.
     def reported() -> bool:
         s = _scrape(octl)
         return all(_value(s, "colobus_host_held_bytes", host=str(h)) >= floats * 4 // 2
-                   for h in (0, 1))
+                   for h in (0, 1)) and _value(
+            s, "colobus_call_run_seconds_count", function="obs_fail") == 2 and _value(
+            s, "colobus_call_run_seconds_count", function="obs_inc") >= 2 * n_calls
 
     _eventually(reported, "the hosts' heartbeats to report the data they hold")
     after = _scrape(octl)
@@ -141,6 +144,10 @@ def test_scrape_counts_known_work(octl: cb.Controller) -> None:
                   le="+Inf") == n_calls
     # Host-side run time: one observation per host per call.
     assert _value(after, "colobus_call_run_seconds_count", function="obs_inc") == 2 * n_calls
+    assert _value(after, "colobus_call_host_queue_seconds_count",
+                  function="obs_inc") == 2 * n_calls
+    assert _value(after, "colobus_call_run_seconds_bucket", function="obs_inc",
+                  le="+Inf") == 2 * n_calls
     assert 0 < _value(after, "colobus_call_run_seconds_sum", function="obs_inc") < _value(
         after, "colobus_call_latency_seconds_sum", function="obs_inc") * 2
     put = (_value(after, "colobus_put_bytes_total")
@@ -325,12 +332,31 @@ def test_fold_moves_samples_into_counters_and_histograms() -> None:
     from colobus._observe import FunctionStats
 
     stats = FunctionStats()
-    stats.host_times.extend([1_000, 2_000, -5, 7])
     for outcome, latency in ((0, 0.0002), (1, 0.02), (2, 3.0)):
         stats.ends[outcome].append(latency)
     stats.fold()
     assert (stats.finished, stats.failed, stats.cancelled) == (1, 1, 1)
     assert sum(stats.latency.counts) == 3 and stats.latency.total == pytest.approx(3.0202)
-    assert sum(stats.queue.counts) == 2 and stats.queue.total == pytest.approx(1e-6)
-    assert stats.run.total == pytest.approx(2.007e-6)  # a negative time counts as 0
-    assert not stats.host_times and not any(stats.ends)
+    assert stats.latency.counts[1] == stats.latency.counts[7] == stats.latency.counts[14] == 1
+    assert not any(stats.ends)
+
+
+def test_host_call_times_reach_the_function_they_belong_to() -> None:
+    """What a host counts (queued, ran ns) arrives bucketed in seconds, per function."""
+    from colobus._calltimes import HostCallTimes
+    from colobus._observe import Observer
+
+    host = HostCallTimes()
+    for queued, ran in ((1_000, 2_000), (-5, 7), (30_000, 3_000_000_000)):
+        host.add((b"f", ""), queued, ran)
+    host.add((b"cls", "step"), 0, 400_000)
+    entries = host.take()
+    assert len(entries) == 2 and host.take() == []  # each sample is sent once
+    obs = Observer()
+    f, step = obs.function("f", (b"f", "")), obs.function("Model.step", (b"cls", "step"))
+    assert obs.add_host_calls(entries) == 0
+    assert sum(f.queue.counts) == sum(f.run.counts) == 3 and sum(step.run.counts) == 1
+    assert f.queue.total == pytest.approx(31e-6)  # a negative time counts as 0
+    assert f.run.total == pytest.approx(3.000002007)
+    assert f.run.counts[0] == 2 and f.run.counts[14] == 1 and step.run.counts[2] == 1
+    assert obs.add_host_calls([[b"g", "", *entries[0][2:]]]) == 1  # a function never called
