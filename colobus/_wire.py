@@ -62,9 +62,10 @@ __all__ = [
     "unpack_batch",
 ]
 
-PROTOCOL_VERSION = 5  # 2: BATCH envelopes; 3: acknowledgements (ack) in every header;
+PROTOCOL_VERSION = 6  # 2: BATCH envelopes; 3: acknowledgements (ack) in every header;
 # 4: timings in RESULT, health in HEARTBEAT
 # 5: challenged joins (JOIN, CHALLENGE), no pickles from workers
+# 6: hosts count calls' queued and run times (asked in WELCOME, sent in HEARTBEAT)
 BATCH_KIND = 17  # _protocol.Kind.BATCH (this module does not import the kinds)
 MAC_SIZE = 32
 MAX_HEADER_BYTES = 1 << 20

@@ -63,6 +63,16 @@ def obs_otel(x: Any) -> Any:
     return x + 4
 
 
+@cb.colocated_python_class
+class ObsCounter:
+    def __init__(self) -> None:
+        self.n = 0
+
+    def bump(self, x: Any) -> Any:
+        self.n += 1
+        return x
+
+
 @pytest.fixture(scope="module")
 def watched(tmp_path_factory: pytest.TempPathFactory) -> collections.abc.Iterator[cb.Controller]:
     trace = tmp_path_factory.mktemp("trace") / "calls.json"
@@ -171,6 +181,27 @@ def test_scrape_counts_known_work(octl: cb.Controller) -> None:
     assert all(h.run > 0 and h.queue >= 0 and h.reply >= 0 for h in t.hosts)
     assert t.total >= t.controller_queue + t.send + max(h.queue + h.run for h in t.hosts)
     assert cb.device_get(x).timings() is None  # only colocated calls are timed
+
+
+def test_host_times_of_method_calls_count_per_class_and_method(octl: cb.Controller) -> None:
+    """Hosts name a method's calls by its class: every object's calls count, even one
+    destroyed before the host's next heartbeat."""
+    x = _sharded(octl, 8)  # on both hosts: each call runs, and is timed, on two
+    first, second = ObsCounter(), ObsCounter()
+    futs = [first.bump(x) for _ in range(3)] + [second.bump(x) for _ in range(2)]
+    for f in futs:
+        f.result(timeout=60)
+    ObsCounter().bump(x).result(timeout=60)  # a temporary object, destroyed after its call
+
+    def reported() -> bool:
+        return _value(_scrape(octl), "colobus_call_run_seconds_count",
+                      function="ObsCounter.bump") >= 2 * 6
+
+    _eventually(reported, "the hosts' heartbeats to report the method's run times")
+    s = _scrape(octl)
+    assert _value(s, "colobus_calls_finished_total", function="ObsCounter.bump") == 6
+    assert _value(s, "colobus_call_run_seconds_count", function="ObsCounter.bump") == 12
+    assert _value(s, "colobus_call_host_queue_seconds_count", function="ObsCounter.bump") == 12
 
 
 def test_trace_has_one_event_per_host_per_call(octl: cb.Controller, tmp_path: Path) -> None:
