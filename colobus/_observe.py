@@ -1,10 +1,12 @@
 """What colocated calls did, counted per function, for metrics, timings and traces.
 
 A controller owns one :class:`Observer` when metrics or tracing is on, and feeds
-it from four call sites: a call is made (the caller's thread), the loop sends
-it, each host's RESULT is read (the loop thread), and its future settles (the
-thread that resolves it). With both off there is no Observer, and each of those
-call sites costs one attribute check.
+it from three call sites: a call is made (the caller's thread), the loop sends
+it, and its future settles (the thread that resolves it); a traced call also
+records each host's RESULT as it is read. How long calls waited and ran on the
+hosts arrives with the hosts' heartbeats (:meth:`Observer.add_host_calls`).
+With both off there is no Observer, and each of those call sites costs one
+attribute check.
 """
 
 from __future__ import annotations
