@@ -25,6 +25,7 @@ from ._errors import RemoteError as RemoteError
 from ._errors import SerializationError as SerializationError
 from ._func import colocated_python as colocated_python
 from ._future import Future as Future
+from ._gather import gather as gather
 from ._keys import load_key as load_key
 from ._obj import colocated_python_class as colocated_python_class
 from ._sharding import Device as Device
@@ -68,6 +69,7 @@ __all__ = [
     "device_get",
     "device_put",
     "devices",
+    "gather",
     "init",
     "load_key",
     "local_cluster",

@@ -154,25 +154,30 @@ async def _pipelined_rows(bench: Bench, x: Any, raw: RawEcho, total: int) -> Non
         await asyncio.gather(*[asyncio.create_task(one()) for _ in range(n)])
         return n / (time.perf_counter() - t)
 
-    async def gathered(n: int) -> float:
+    async def gathered(n: int, gather: Any = asyncio.gather) -> float:
         batches = max(1, round(n / window))
         t = time.perf_counter()
         for _ in range(batches):
-            await asyncio.gather(*[bench_ident(x) for _ in range(window)])
+            await gather(*[bench_ident(x) for _ in range(window)])
         return batches * window / (time.perf_counter() - t)
 
     await tasks(window)
     await gathered(window)
-    rates_t, rates_g = [], []
+    await gathered(window, cb.gather)
+    rates_t, rates_g, rates_c = [], [], []
     for _ in range(3):  # alternating
         rates_t.append(await tasks(total // 3))
         rates_g.append(await gathered(total // 3))
+        rates_c.append(await gathered(total // 3, cb.gather))
     base = raw.pipelined(total, window)
     bench.add(Row("ident_pipelined_tasks", "calls/s", statistics.median(rates_t), base,
                   "higher", f"`return x`, {window} in flight: one task per call, a semaphore; "
                   "baseline: raw pipelined round trips"))
     bench.add(Row("ident_pipelined_gather", "calls/s", statistics.median(rates_g), base,
                   "higher", f"`return x`, asyncio.gather over {window} futures at a time; "
+                  "baseline: raw pipelined round trips"))
+    bench.add(Row("ident_pipelined_cbgather", "calls/s", statistics.median(rates_c), base,
+                  "higher", f"`return x`, cb.gather over {window} futures at a time; "
                   "baseline: raw pipelined round trips"))
 
 
