@@ -27,7 +27,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["BUCKETS", "MAX_ENTRIES", "HostCallTimes", "bucket_counts", "read_entries"]
+__all__ = ["BUCKETS", "HEARTBEAT_BUDGET", "MAX_ENTRIES", "HostCallTimes", "bucket_counts",
+           "read_entries"]
 
 # Upper bounds (seconds) of the latency and run-time histograms' buckets; +Inf follows.
 BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
@@ -35,6 +36,8 @@ BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1
 _BOUNDS = np.array(BUCKETS)
 _BOUNDS_NS = np.array([round(b * 1e9) for b in BUCKETS], dtype=np.int64)
 MAX_ENTRIES = 4096  # functions one heartbeat may report; the rest wait for the next
+HEARTBEAT_BUDGET = 256 << 10  # bytes of entries one heartbeat carries at most
+_ENTRY_BYTES = 400  # an entry's msgpack size at most, besides its digest and method
 _INT64 = 1 << 63
 
 Key = tuple[bytes, str]  # (code digest, method name or "")
@@ -65,11 +68,23 @@ class HostCallTimes:
         samples.append(queued_ns)
         samples.append(ran_ns)
 
-    def take(self) -> list[list[Any]]:
-        """What came since the last take, as heartbeat entries (at most :data:`MAX_ENTRIES`)."""
+    def take(self, budget: int = HEARTBEAT_BUDGET) -> list[list[Any]]:
+        """What came since the last take, as heartbeat entries.
+
+        At most :data:`MAX_ENTRIES` of them, and about ``budget`` bytes: a
+        heartbeat must stay far below the controller's ``max_message_bytes``
+        (a larger one would cost the host its connection). What does not fit
+        waits for the next heartbeat; at least one entry always goes.
+        """
         out: list[list[Any]] = []
+        left = budget
         while self._samples and len(out) < MAX_ENTRIES:
-            (digest, method), samples = self._samples.popitem()
+            (digest, method), samples = next(iter(self._samples.items()))
+            size = _ENTRY_BYTES + len(digest) + len(method.encode())
+            if out and size > left:
+                break
+            left -= size
+            del self._samples[(digest, method)]
             pairs = np.maximum(np.frombuffer(samples, dtype=np.int64).reshape(-1, 2), 0)
             queued, ran = pairs[:, 0], pairs[:, 1]
             out.append([digest, method, bucket_counts(queued, _BOUNDS_NS), int(queued.sum()),

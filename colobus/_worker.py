@@ -32,7 +32,7 @@ import zmq
 
 from . import _hostside
 from . import _protocol as P
-from ._calltimes import HostCallTimes
+from ._calltimes import HEARTBEAT_BUDGET, HostCallTimes
 from ._channel import Channel, Peer
 from ._describe import describe_error
 from ._endpoint import parse_connect
@@ -327,7 +327,8 @@ class Worker:
         """Our heartbeat: store counters, the ping echo, process memory, CPU, drops."""
         ping, self._ping = self._ping, 0
         held = time.monotonic_ns() - self._ping_at if ping else 0
-        calls = self.call_times.take() if self.call_times is not None else []
+        calls = ([] if self.call_times is None else
+                 self.call_times.take(min(HEARTBEAT_BUDGET, self._max_message // 16)))
         return P.Heartbeat(*self.store.counts(), ping, held, rss_bytes(), cpu_ns(),
                            dict(self.dropped), calls)
 

@@ -391,3 +391,22 @@ def test_host_call_times_reach_the_function_they_belong_to() -> None:
     assert f.run.total == pytest.approx(3.000002007)
     assert f.run.counts[0] == 2 and f.run.counts[14] == 1 and step.run.counts[2] == 1
     assert obs.add_host_calls([[b"g", "", *entries[0][2:]]]) == 1  # a function never called
+
+
+def test_a_heartbeat_carries_call_times_within_its_byte_budget() -> None:
+    """Many functions' times go out over several heartbeats, each far below any
+    message limit, and none is lost or sent twice."""
+    import msgpack
+
+    from colobus._calltimes import HostCallTimes
+
+    host = HostCallTimes()
+    for i in range(50):
+        host.add((i.to_bytes(32, "big"), "m" * 100), 1, 2)
+    budget, sent = 8 << 10, []
+    while batch := host.take(budget):
+        assert len(msgpack.packb(batch)) <= budget
+        sent.extend(batch)
+    assert sorted(e[0] for e in sent) == [i.to_bytes(32, "big") for i in range(50)]
+    host.add((b"x" * 32, "y" * 10_000), 1, 2)
+    assert len(host.take(100)) == 1  # one entry always goes, whatever the budget
