@@ -55,6 +55,7 @@ __all__ = ["Controller", "HostInfo", "State", "current_controller"]
 
 log = logging.getLogger("colobus.controller")
 
+SCRAPE_REFRESH_S = 1.0  # a metrics scrape waits this long for the hosts' fresh figures
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 31  # 2 GiB: raise with Controller(max_message_bytes=...)
 
 
@@ -190,7 +191,7 @@ class Controller:
         self.state = State.NEW
         # Metrics and traces (None when both are off: one check per call site).
         self.observer, self._metrics, self._trace = observing(
-            metrics, metrics_public, trace, self.stats)
+            metrics, metrics_public, trace, self._scrape_stats)
         self._session = secrets.token_bytes(16)
         self._ctx: zmq.Context[Any] | None = None
         self._chan: Channel | None = None
@@ -295,7 +296,12 @@ class Controller:
         }
 
     def refresh_stats(self) -> Future[dict[str, Any]]:
-        """Ask every live host for its store counters now; resolves to :meth:`stats`."""
+        """Ask every live host for its store counters now; resolves to :meth:`stats`.
+
+        With metrics or tracing on, each host first sends the call times it
+        counted since its last heartbeat, so the run and queue histograms are
+        exact once this resolves (a metrics scrape does this itself).
+        """
         hosts = tuple(h.index for h in self._hosts.alive())
 
         def decode(host: Host, body: P.Result, env: Envelope) -> None:
@@ -307,6 +313,17 @@ class Controller:
 
         return self._ops.submit(hosts, send, decode, lambda _: self.stats(),
                                 backpressure=False)
+
+    def _scrape_stats(self) -> dict[str, Any]:
+        """:meth:`stats` for a metrics scrape (its HTTP thread): fresh from every live
+        host, with the call times they counted, if all answer within
+        :data:`SCRAPE_REFRESH_S`; else as last reported by their heartbeats."""
+        if self.state is State.RUNNING and not self._on_loop_thread():
+            try:
+                return self.refresh_stats().result(timeout=SCRAPE_REFRESH_S)
+            except Exception as exc:  # a slow or lost host, a closing controller
+                log.debug("scrape: hosts' figures as last reported (%r)", exc)
+        return self.stats()
 
     async def wait_capacity(self) -> None:
         """Wait until a new call would not queue beyond ``max_backlog``.

@@ -473,6 +473,8 @@ class Worker:
         self._end("exit" if body.reason == "exit" else "closed")
 
     def _on_stats(self, body: P.Stats, env: Envelope) -> None:
+        if self.call_times is not None:  # what it counted so far arrives first
+            self.send(self._health())
         self.send(P.Result(body.call_id, Status.OK, list(self.store.counts())))
 
     def _on_code(self, body: P.Code, env: Envelope) -> None:

@@ -63,6 +63,11 @@ def obs_otel(x: Any) -> Any:
     return x + 4
 
 
+@cb.colocated_python
+def obs_now(x: Any) -> Any:
+    return x * 3
+
+
 @cb.colocated_python_class
 class ObsCounter:
     def __init__(self) -> None:
@@ -134,16 +139,14 @@ def test_scrape_counts_known_work(octl: cb.Controller) -> None:
     np.testing.assert_array_equal(cb.device_get(outs[-1]).result(timeout=60),
                                   np.arange(floats, dtype=np.float32) + 1)
 
-    # The workers' figures travel in their heartbeats (one a second): what they
-    # hold, and how long each call waited and ran there.
+    # A scrape asks the hosts for what they hold and how long each call waited
+    # and ran there; the heartbeat round trip needs a heartbeat (one a second).
     def reported() -> bool:
         s = _scrape(octl)
-        return all(_value(s, "colobus_host_held_bytes", host=str(h)) >= floats * 4 // 2
-                   for h in (0, 1)) and _value(
-            s, "colobus_call_run_seconds_count", function="obs_fail") == 2 and _value(
-            s, "colobus_call_run_seconds_count", function="obs_inc") >= 2 * n_calls
+        return all(("colobus_host_heartbeat_rtt_seconds", (("host", str(h)), ("name", n)))
+                   in s for h, n in ((0, "local-0"), (1, "local-1")))
 
-    _eventually(reported, "the hosts' heartbeats to report the data they hold")
+    _eventually(reported, "the hosts' first heartbeat round trips")
     after = _scrape(octl)
     assert _value(after, "colobus_calls_started_total", function="obs_inc") == n_calls
     assert _value(after, "colobus_calls_finished_total", function="obs_inc") == n_calls
@@ -181,6 +184,18 @@ def test_scrape_counts_known_work(octl: cb.Controller) -> None:
     assert all(h.run > 0 and h.queue >= 0 and h.reply >= 0 for h in t.hosts)
     assert t.total >= t.controller_queue + t.send + max(h.queue + h.run for h in t.hosts)
     assert cb.device_get(x).timings() is None  # only colocated calls are timed
+
+
+def test_a_scrape_right_after_calls_counts_their_host_times(octl: cb.Controller) -> None:
+    """A scrape asks the hosts for what they counted since their last heartbeat."""
+    x = _sharded(octl, 16)
+    for _ in range(5):
+        obs_now(x).result(timeout=60)
+    s = _scrape(octl)  # no waiting for a heartbeat
+    assert _value(s, "colobus_call_run_seconds_count", function="obs_now") == 2 * 5
+    assert _value(s, "colobus_call_host_queue_seconds_count", function="obs_now") == 2 * 5
+    for h in (0, 1):
+        assert _value(s, "colobus_host_arrays", host=str(h)) >= 1
 
 
 def test_host_times_of_method_calls_count_per_class_and_method(octl: cb.Controller) -> None:
