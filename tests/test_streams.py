@@ -140,6 +140,10 @@ async def test_cancel_a_call_inside_a_running_batch(ctl: cb.Controller) -> None:
     with pytest.raises(asyncio.CancelledError):
         await c
     assert not d.done()
+    # The host reads its messages in order: once a later call (its own task, so its
+    # own stream) has answered, the CANCEL was handled there. Opening the gate
+    # before that let c run on a loaded machine, where the CANCEL was still on its way.
+    await asyncio.create_task(_call(events))
     hs.open_gate(g2)
     await b
     assert int(np.asarray(await cb.device_get(await d))) == after
