@@ -576,15 +576,17 @@ class Controller:
         """
         self._sessions.join_order = JoinOrder(names)
 
-    def _host_process_ended(self, name: str, pid: int, why: str) -> None:
+    def _host_process_ended(self, name: str, pid: int | None, why: str) -> None:
         """The process of host ``name`` (pid ``pid``) is gone: declare it lost now.
 
-        Called from any thread by whoever owns the process (``local_cluster``),
-        so the host is lost at once rather than after ``liveness_timeout``.
+        Called from any thread by whoever owns the process (``local_cluster``, a
+        launcher), so the host is lost at once rather than after
+        ``liveness_timeout``. ``pid`` None: the worker ran on another machine
+        (its ssh session ended), whatever pid it reported.
         """
         def lose() -> None:
             host = self._hosts.by_name.get(name)
-            if host is not None and host.pid == pid:
+            if host is not None and (pid is None or host.pid == pid):
                 self._sessions.lose(host, why)
 
         if self.state is State.RUNNING:
