@@ -27,6 +27,7 @@ from ._func import colocated_python as colocated_python
 from ._future import Future as Future
 from ._gather import gather as gather
 from ._keys import load_key as load_key
+from ._launch.ssh import ssh_cluster as ssh_cluster
 from ._obj import colocated_python_class as colocated_python_class
 from ._sharding import Device as Device
 from ._sharding import Mesh as Mesh
@@ -74,4 +75,5 @@ __all__ = [
     "load_key",
     "local_cluster",
     "shutdown",
+    "ssh_cluster",
 ]

@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--key-file", default=None,
                    help="key file from `colobus keygen` ('-' reads the key from stdin); "
                         "default: $COLOBUS_KEY_FILE")
+    w.add_argument("--exit-on-stdin-eof", action="store_true",
+                   help="exit when stdin closes (launchers keep it open: a worker whose ssh "
+                        "or srun session ends stops by itself)")
     w.add_argument("--curve-key-file", default=None, metavar="PATH",
                    help="CurveZMQ: this worker's secret key file from `colobus keygen --curve` "
                         "(turns on encryption; needs --server-key)")
@@ -215,6 +218,10 @@ def _worker(args: argparse.Namespace) -> int:
         except (OSError, AuthenticationError) as exc:
             raise _UserError(str(exc)) from None
     key = _worker_key(args.key_file)
+    if args.exit_on_stdin_eof:
+        from ._launch.remote import exit_on_stdin_eof
+
+        exit_on_stdin_eof()
     return main_worker(args.connect, args.name, key, args.devices,
                        int(parent) if parent else None, curve_keypair, server_key)
 

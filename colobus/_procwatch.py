@@ -26,16 +26,17 @@ Emit = Callable[[int, str, str], None]  # (host number, "stdout" | "stderr", lin
 STDERR_TAIL_LINES = 20
 
 
-def describe_exit(code: int) -> str:
-    """A process's end in words, from ``Popen.returncode``."""
+def describe_exit(code: int, hint: bool = True) -> str:
+    """A process's end in words, from ``Popen.returncode`` (``hint``: say a SIGKILL
+    may mean out of memory)."""
     if code >= 0:
         return f"exited with status {code}"
     try:
         name = signal.Signals(-code).name
     except ValueError:
         name = f"signal {-code}"
-    hint = " (out of memory?)" if -code == signal.SIGKILL else ""
-    return f"was killed by {name}{hint}"
+    said = " (out of memory?)" if hint and -code == signal.SIGKILL else ""
+    return f"was killed by {name}{said}"
 
 
 class HostProcess:
@@ -91,4 +92,5 @@ class HostProcess:
     def join(self, timeout: float) -> None:
         """Wait (up to ``timeout`` each) for the relays to copy the last lines."""
         for t in self._threads:
-            t.join(timeout)
+            if t is not threading.current_thread():  # on_exit runs on the stdout relay
+                t.join(timeout)

@@ -81,6 +81,14 @@ class Launcher(abc.ABC):
         """Where the workers' lines go (None: this process's stdout/stderr, labelled)."""
         return log_emit(logging.getLogger(f"colobus.launch.{self.kind}"))
 
+    def ended(self, code: int, stderr: Sequence[str]) -> str:
+        """How a worker process ended, in words for logs and ``HostLostError``."""
+        return describe_exit(code)
+
+    def lost_because(self, how: str) -> str:
+        """The reason a host is lost when its process ended ``how``."""
+        return f"its process {how}"
+
     def reported_pid(self, proc: subprocess.Popen[bytes]) -> int | None:
         """The pid the worker reports when that is ``proc``'s (None: another machine's)."""
         return None
@@ -156,12 +164,18 @@ class Workers:
         with self._lock:
             if self.closing or hp.index >= len(self.current) or self.current[hp.index] is not hp:
                 return
+        code = hp.proc.poll()
+        if code is not None:
+            hp.join(1.0)  # the last stderr lines say why (ssh's message)
+            how = self.launcher.ended(code, list(hp.stderr_tail))
+        with self._lock:
             self.ended[hp.index] = how
         what = self.launcher.describe(hp.index)
         self.launcher.log.warning("%s host %d (%r, pid %d) %s", self.launcher.kind, hp.index,
                                   hp.name, hp.proc.pid, how)
         if self._on_ended is not None:
-            self._on_ended(hp.name, self.launcher.reported_pid(hp.proc), f"its process {how}")
+            self._on_ended(hp.name, self.launcher.reported_pid(hp.proc),
+                           self.launcher.lost_because(how))
         if not self.joined or self.restarts[hp.index] >= self.restart:
             return
         self.restarts[hp.index] += 1
