@@ -27,6 +27,7 @@ from ._func import colocated_python as colocated_python
 from ._future import Future as Future
 from ._gather import gather as gather
 from ._keys import load_key as load_key
+from ._launch.slurm import slurm_cluster as slurm_cluster
 from ._launch.ssh import ssh_cluster as ssh_cluster
 from ._obj import colocated_python_class as colocated_python_class
 from ._sharding import Device as Device
@@ -75,5 +76,6 @@ __all__ = [
     "load_key",
     "local_cluster",
     "shutdown",
+    "slurm_cluster",
     "ssh_cluster",
 ]

@@ -13,7 +13,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from ._controller import Controller, _pop_current
+from ._controller import ADDRESS_ENV, Controller, _pop_current
 from ._hugepages import with_huge_pages
 from ._keys import generate_key
 from ._launch.base import LaunchedCluster, Launcher
@@ -30,15 +30,17 @@ class _LocalLauncher(Launcher):
     kind = "local"
     log = log
 
-    def __init__(self, hosts: int, devices_per_host: int) -> None:
+    def __init__(self, hosts: int, devices_per_host: int,
+                 paths: Sequence[str] | None = None) -> None:
         super().__init__([f"local-{i}" for i in range(hosts)])
         self.devices_per_host = devices_per_host
+        self._paths = list(sys.path if paths is None else paths)
         self._env: dict[str, str] | None = None
 
     def env(self) -> dict[str, str]:
         if self._env is None:
             env = with_huge_pages(dict(os.environ))  # the workers receive the large PUTs
-            paths = [p if p else os.getcwd() for p in sys.path]
+            paths = [p if p else os.getcwd() for p in self._paths]
             env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
             env["COLOBUS_PARENT_PID"] = str(os.getpid())
             # Local workers share the user's terminal: only warnings and errors.
@@ -136,12 +138,17 @@ def local_cluster(hosts: int = 2, devices_per_host: int = 1, *, transport: str =
                         **options)
 
 
-_default_cluster: LocalCluster | None = None
+_default_cluster: LocalCluster | Controller | None = None
 _default_lock = threading.Lock()
 
 
 def init(hosts: int = 2, devices_per_host: int = 1, **options: Any) -> Controller:
     """Start a local cluster for a plain script and make it the default controller.
+
+    Under ``colobus launch`` (``$COLOBUS_ADDRESS`` set) it starts no workers:
+    it binds that address and waits for the launched ones instead
+    (``$COLOBUS_HOSTS`` of them; ``hosts`` and ``devices_per_host`` are the
+    launcher's to choose then).
 
     :func:`shutdown` stops it; it is also registered with ``atexit``.
     """
@@ -149,9 +156,14 @@ def init(hosts: int = 2, devices_per_host: int = 1, **options: Any) -> Controlle
     with _default_lock:
         if _default_cluster is not None:
             raise RuntimeError("colobus.init() was already called; call colobus.shutdown() first")
-        cluster = LocalCluster(hosts, devices_per_host, **options)
-        ctl = cluster.__enter__()
-        _default_cluster = cluster
+        if os.environ.get(ADDRESS_ENV):
+            launched = Controller(**options)
+            ctl = launched.__enter__()
+            _default_cluster = launched
+        else:
+            cluster = LocalCluster(hosts, devices_per_host, **options)
+            ctl = cluster.__enter__()
+            _default_cluster = cluster
     atexit.register(shutdown)
     return ctl
 
@@ -161,6 +173,9 @@ def shutdown() -> None:
     global _default_cluster
     with _default_lock:
         cluster, _default_cluster = _default_cluster, None
-    if cluster is not None:
+    if isinstance(cluster, Controller):
+        cluster.close()
+        _pop_current(cluster)
+    elif cluster is not None:
         cluster.close()
         _pop_current(cluster.controller)

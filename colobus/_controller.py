@@ -84,10 +84,15 @@ class Controller:
     Args:
         bind: ZeroMQ endpoint to bind, e.g. ``"tcp://0.0.0.0:5555"``,
             ``"tcp://127.0.0.1:*"`` (random port) or ``"ipc:///tmp/x.sock"``.
-        hosts: how many workers to wait for on entry.
+            None: ``$COLOBUS_ADDRESS`` (set by ``colobus launch``), else
+            ``"tcp://127.0.0.1:*"``.
+        hosts: how many workers to wait for on entry. None: ``$COLOBUS_HOSTS``
+            (set by ``colobus launch``), else 1.
         key: shared secret of at least 32 bytes (``cb.load_key``). None: the
-            controller makes a fresh one on start and writes it to a private
-            0600 file, :attr:`key_file`, for ``colobus worker --key-file``.
+            key in the file ``$COLOBUS_KEY_FILE`` names (``colobus launch``
+            sets it), else the controller makes a fresh one on start and
+            writes it to a private 0600 file, :attr:`key_file`, for
+            ``colobus worker --key-file``.
         heartbeat_interval: seconds between heartbeats, both directions.
         liveness_timeout: a host silent this long is declared lost.
         join_timeout: how long entry waits for ``hosts`` workers.
@@ -136,9 +141,9 @@ class Controller:
 
     def __init__(
         self,
-        bind: str = "tcp://127.0.0.1:*",
+        bind: str | None = None,
         *,
-        hosts: int = 1,
+        hosts: int | None = None,
         key: bytes | None = None,
         heartbeat_interval: float = 1.0,
         liveness_timeout: float = 5.0,
@@ -155,6 +160,7 @@ class Controller:
         trace: bool | str | os.PathLike[str] | None = None,
         freeze_gc: bool = True,
     ) -> None:
+        bind, hosts, key = _from_environment(bind, hosts, key)
         if key is not None:
             key = _keys.check_key(key, "Controller(key=...)")
         if hosts < 0:
@@ -604,6 +610,31 @@ class Controller:
         while True:
             await asyncio.sleep(self.heartbeat_interval)
             self._sessions.tick()
+
+
+ADDRESS_ENV = "COLOBUS_ADDRESS"
+HOSTS_ENV = "COLOBUS_HOSTS"
+
+
+def _from_environment(bind: str | None, hosts: int | None, key: bytes | None
+                      ) -> tuple[str, int, bytes | None]:
+    """The arguments not given, from ``colobus launch``'s environment variables.
+
+    Raises:
+        ValueError: ``$COLOBUS_HOSTS`` is not a whole number.
+        AuthenticationError, OSError: ``$COLOBUS_KEY_FILE`` is not a readable key.
+    """
+    if bind is None:
+        bind = os.environ.get(ADDRESS_ENV) or "tcp://127.0.0.1:*"
+    if hosts is None:
+        text = os.environ.get(HOSTS_ENV, "")
+        try:
+            hosts = int(text) if text else 1
+        except ValueError:
+            raise ValueError(f"${HOSTS_ENV} is {text!r}, not a number of hosts") from None
+    if key is None and os.environ.get(_keys.KEY_ENV):
+        key = _keys.load_key(os.environ[_keys.KEY_ENV])  # a path in the environment, never a key
+    return bind, hosts, key
 
 
 def _push_current(ctl: Controller) -> None:

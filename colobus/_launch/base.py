@@ -139,6 +139,8 @@ class Workers:
         self.restarts = [0] * len(launcher.names)
         self.ended: dict[int, str] = {}  # host -> how its last process ended
         self.joined = False  # set once all joined: from then on a death means restart
+        self.gone: dict[int, int] = {}  # host -> exit status of a process not restarted
+        self.changed = threading.Event()  # set when a host is gone for good
         self.closing = False  # our own stop: workers ending now is no news
 
     @property
@@ -177,6 +179,9 @@ class Workers:
             self._on_ended(hp.name, self.launcher.reported_pid(hp.proc),
                            self.launcher.lost_because(how))
         if not self.joined or self.restarts[hp.index] >= self.restart:
+            with self._lock:
+                self.gone[hp.index] = -1 if code is None else code
+            self.changed.set()
             return
         self.restarts[hp.index] += 1
         self.launcher.log.warning("restarting %s (restart %d of %d); it rejoins under its name",
@@ -280,10 +285,15 @@ class LaunchedCluster:
         """Each host's current worker process (the local end: ssh, srun, or the worker)."""
         return self.workers.procs if self.workers is not None else []
 
+    def connect_address(self) -> str:
+        """The endpoint the workers join (after the controller started)."""
+        address = self.controller.address
+        return self._connect(address) if self._connect else address
+
     def _spawn(self) -> None:
         ctl = self.controller
-        connect = self._connect(ctl.address) if self._connect else ctl.address
-        self.workers = Workers(self.launcher, connect, self._key, restart=self.restart,
+        self.workers = Workers(self.launcher, self.connect_address(), self._key,
+                               restart=self.restart,
                                on_ended=ctl._host_process_ended)
         ctl._number_hosts_by_name(self.launcher.names)  # names[0] is host 0
         self.workers.start_all()

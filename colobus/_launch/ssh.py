@@ -22,7 +22,7 @@ import logging
 import shlex
 import socket
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .._controller import Controller
@@ -30,8 +30,8 @@ from .._keys import generate_key
 from .._procwatch import describe_exit
 from .base import LaunchedCluster, Launcher
 
-__all__ = ["SshCluster", "SshLauncher", "route_source", "ssh_cluster", "ssh_hostname",
-           "worker_command"]
+__all__ = ["SshCluster", "SshLauncher", "concrete_address", "route_source", "ssh_cluster",
+           "ssh_hostname", "worker_command"]
 
 log = logging.getLogger("colobus.launch.ssh")
 
@@ -164,8 +164,9 @@ class SshLauncher(Launcher):
             f"joining" + (f": {said}" if said else ""))
 
 
-def _connect_address(address: str, first_host: str, ssh_args: Sequence[str]) -> str:
-    """The endpoint workers join: the bound one, with a wildcard host made concrete."""
+def concrete_address(address: str, source: Callable[[], str]) -> str:
+    """The endpoint workers join: the bound ``address``, a wildcard host (``0.0.0.0``)
+    replaced by ``source()`` (this machine's address toward the workers)."""
     rest = address.split("://", 1)[1]
     host, _, port = rest.rpartition(":")
     host = host.strip("[]")
@@ -173,9 +174,7 @@ def _connect_address(address: str, first_host: str, ssh_args: Sequence[str]) -> 
         wildcard = host in ("*", "") or ipaddress.ip_address(host).is_unspecified
     except ValueError:
         wildcard = False
-    if not wildcard:
-        return address
-    return f"tcp://{route_source(ssh_hostname(first_host, ssh_args))}:{port}"
+    return f"tcp://{source()}:{port}" if wildcard else address
 
 
 class SshCluster(LaunchedCluster):
@@ -202,7 +201,8 @@ class SshCluster(LaunchedCluster):
         controller = Controller(bind, hosts=len(launcher.names), key=key, **options)
         first, args = launcher.destinations[0], launcher.ssh_args
         super().__init__(launcher, controller, key, restart=restart,
-                         connect=lambda address: _connect_address(address, first, args))
+                         connect=lambda address: concrete_address(
+                             address, lambda: route_source(ssh_hostname(first, args))))
 
 
 def ssh_cluster(hosts: Sequence[str], devices_per_host: int = 1, *, python: str = "python3",
