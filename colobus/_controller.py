@@ -160,6 +160,7 @@ class Controller:
         trace: bool | str | os.PathLike[str] | None = None,
         freeze_gc: bool = True,
     ) -> None:
+        launched = bind is None and bool(os.environ.get(ADDRESS_ENV))
         bind, hosts, key = _from_environment(bind, hosts, key)
         if key is not None:
             key = _keys.check_key(key, "Controller(key=...)")
@@ -214,6 +215,9 @@ class Controller:
         self._tasks: list[asyncio.Task[None]] = []
         self._closing: asyncio.Task[None] | None = None  # a close begun on the loop thread
         self._sessions = Sessions(self)
+        names = os.environ.get(HOST_NAMES_ENV, "") if launched else ""
+        if names:  # colobus launch: its [host N] lines and our host numbers agree
+            self._number_hosts_by_name(names.split(","))
 
     # -- public surface -------------------------------------------------------------
 
@@ -614,6 +618,7 @@ class Controller:
 
 ADDRESS_ENV = "COLOBUS_ADDRESS"
 HOSTS_ENV = "COLOBUS_HOSTS"
+HOST_NAMES_ENV = "COLOBUS_HOST_NAMES"  # the launched workers' names, host 0 first
 
 
 def _from_environment(bind: str | None, hosts: int | None, key: bytes | None

@@ -8,6 +8,8 @@ keep trying until the driver binds), and runs ``COMMAND`` with
 - ``COLOBUS_ADDRESS``: the endpoint to bind (``tcp://IP:PORT`` or ``ipc://PATH``),
 - ``COLOBUS_KEY_FILE``: the key file's path (a path, never the key),
 - ``COLOBUS_HOSTS``: how many workers were started,
+- ``COLOBUS_HOST_NAMES``: their names, host 0 first (so the controller numbers
+  them as the ``[host N]`` lines here do),
 
 which ``cb.Controller()`` with no arguments (and ``cb.init()``) reads. When the
 driver exits, the workers are stopped and the key file removed; the exit
@@ -285,7 +287,8 @@ def _run(args: argparse.Namespace, command: list[str]) -> int:
         workers.joined = True  # the driver's controller waits for them: restarts apply now
         env = dict(os.environ)
         env.update({"COLOBUS_ADDRESS": address, KEY_ENV: key_file,
-                    "COLOBUS_HOSTS": str(len(launcher.names))})
+                    "COLOBUS_HOSTS": str(len(launcher.names)),
+                    "COLOBUS_HOST_NAMES": ",".join(launcher.names)})
         log.info("starting %d %s worker(s) for %s; the driver binds %s",
                  len(launcher.names), launcher.kind, command[0], address)
         with _Signals() as signals:
