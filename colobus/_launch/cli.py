@@ -69,7 +69,7 @@ def add_launch_parsers(sub: Any, positive_int: Any) -> None:
                     "and COLOBUS_HOSTS set (cb.Controller() reads them). Usage: colobus "
                     "launch KIND [options] -- COMMAND...")
     kinds = launch.add_subparsers(dest="kind", metavar="KIND", required=True,
-                                  parser_class=type(launch))
+                                  parser_class=type(launch), help="where the workers run")
 
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument("--devices", type=positive_int, default=1,

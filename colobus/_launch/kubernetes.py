@@ -190,7 +190,7 @@ def add_manifest_parser(sub: Any, positive_int: Any) -> None:
     """Add ``colobus manifest kubernetes`` to the ``colobus`` subcommands."""
     m = sub.add_parser("manifest", help="print deployment manifests for a cluster")
     kinds = m.add_subparsers(dest="kind", metavar="KIND", required=True,
-                             parser_class=type(m))
+                             parser_class=type(m), help="the kind of cluster")
     k = kinds.add_parser("kubernetes", help="a headless Service for the driver and the "
                                             "workers as a StatefulSet (YAML on stdout)")
     k.add_argument("--workers", type=positive_int, required=True, help="worker pods (hosts)")
