@@ -76,10 +76,31 @@ def test_launch_local_runs_the_driver_on_all_hosts_and_passes_its_status(
     assert processes_with("colobus", "worker", address) == []
 
 
-def test_launch_local_status_zero_and_no_command(tmp_path: Path) -> None:
+INIT_DRIVER = textwrap.dedent("""
+    import os, sys
+    import numpy as np
+    import colobus as cb
+
+    @cb.colocated_python
+    def pid(x):
+        return x * 0 + os.getpid()
+
+    ctl = cb.init(hosts=5)  # under colobus launch: the launched workers, not 5 local ones
+    (h,) = ctl.hosts()
+    got = cb.device_get(pid(cb.device_put(np.zeros(1), h.devices[0])).result(60)).result(60)
+    assert got.tolist() == [h.pid], (got, h)
+    print("DRIVER", ctl.address, [h.name], [h.pid], flush=True)
+    sys.exit(int(sys.argv[1]))
+""")
+
+
+def test_launch_local_init_joins_the_launched_workers_and_no_command(tmp_path: Path) -> None:
     driver = tmp_path / "drv.py"
-    driver.write_text(DRIVER)
-    assert launch(["local", "--hosts", "1"], driver, 0).returncode == 0
+    driver.write_text(INIT_DRIVER)
+    out = launch(["local", "--hosts", "1"], driver, 0)
+    assert out.returncode == 0, out.stderr[-3000:]
+    _, address, rest = driver_line(out.stdout)
+    assert address.startswith("ipc://") and rest.startswith("['local-0']")
     none = subprocess.run([sys.executable, "-m", "colobus", "launch", "local"],
                           capture_output=True, text=True, timeout=60)
     assert none.returncode == 2 and "no driver command" in none.stderr

@@ -205,3 +205,47 @@ def test_ssh_cluster_checks_its_arguments() -> None:
         cb.ssh_cluster([], bind="tcp://127.0.0.1:*")
     with pytest.raises(ValueError, match="not an environment variable name"):
         cb.ssh_cluster(["node1"], bind="tcp://127.0.0.1:*", env={"A B": "1"})
+
+
+HOLDER = """
+import json, sys, time
+import colobus as cb
+args = json.loads(sys.argv[1])
+with cb.ssh_cluster(args["hosts"], python=sys.executable, ssh_args=args["ssh_args"]) as ctl:
+    print("READY", json.dumps([h.pid for h in ctl.hosts()], separators=(",", ":")),
+          ctl.address, flush=True)
+    time.sleep(300)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "sigkill"])
+def test_the_controller_process_interrupted_or_killed_leaves_no_worker(
+        bed: SshBed, tmp_path: Any, sig: int) -> None:
+    import json
+    import subprocess
+
+    script = tmp_path / "holder.py"
+    script.write_text(HOLDER)
+    args = json.dumps({"hosts": bed.addresses, "ssh_args": bed.ssh_args()})
+    proc = subprocess.Popen([sys.executable, str(script), args], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # blocks until the cluster is up (or the script died)
+        assert line.startswith("READY "), line
+        _, pids_text, address = line.split()
+        pids = json.loads(pids_text)
+        assert len(pids) == 2 and all(alive(p) for p in pids)
+        assert len(processes_with("BatchMode=yes", address)) == 2  # the local ssh clients
+        proc.send_signal(sig)
+        proc.wait(30)
+        wait_until(lambda: not any(alive(p) for p in pids), 20, "the remote workers to exit")
+        wait_until(lambda: not processes_with("BatchMode=yes", address), 20,
+                   "the ssh clients to exit")
+        assert processes_with("colobus", "worker", address) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
