@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -175,12 +176,20 @@ class SshBed:
                 time.sleep(0.05)
 
     def close(self) -> None:
-        """Stop the sshds (their sessions' processes go with the namespaces' users), then
+        """Kill what runs in the bed's namespaces (sshds, sessions, workers), then close
         the NetBed; idempotent."""
         if self._closed:
             return
         self._closed = True
         try:
+            # Whatever still runs in the bed's namespaces (an sshd session, a worker a
+            # failed test left) was started through this bed: it goes first.
+            for h in self.net.hosts:
+                pids = subprocess.run(["ip", "netns", "pids", h.ns], capture_output=True,
+                                      text=True, timeout=30).stdout.split()
+                for pid in pids:
+                    with contextlib.suppress(ProcessLookupError, ValueError):
+                        os.kill(int(pid), signal.SIGKILL)
             for p in self._sshds:
                 if p.poll() is None:
                     p.kill()
