@@ -46,6 +46,7 @@ __all__ = ["SlurmJobCluster", "SrunLauncher", "batch_script", "node_names", "par
 log = logging.getLogger("colobus.launch.slurm")
 
 POLL_S = 2.0  # how often squeue is asked while the job waits
+NOTE_S = 30.0  # how often a job that keeps its state is logged again
 FINISHED = {"COMPLETED", "CANCELLED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
             "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "SPECIAL_EXIT", "REVOKED"}
 
@@ -61,6 +62,10 @@ def parse_squeue(text: str) -> tuple[str, str] | None:
         if words:
             return words[0], (words[1].strip() if len(words) > 1 else "")
     return None
+
+
+def _why(state: tuple[str, str]) -> str:
+    return f" ({state[1]})" if state[1] and state[1] != "None" else ""
 
 
 def parse_label_line(line: str) -> tuple[int | None, str]:
@@ -238,16 +243,23 @@ class SlurmJobCluster(LaunchedCluster):
         ctl = self.controller
         loop = asyncio.get_running_loop()
         deadline = time.monotonic() + ctl.join_timeout
+        started = time.monotonic()
         next_poll = 0.0
+        next_note = started + NOTE_S
         while True:
             if time.monotonic() >= next_poll:
                 state = await loop.run_in_executor(None, self.poll_state)
                 next_poll = time.monotonic() + POLL_S
                 if state != self.state:
                     if state is not None:
-                        log.info("slurm job %s: %s%s", self.job_id, state[0],
-                                 f" ({state[1]})" if state[1] and state[1] != "None" else "")
+                        log.info("slurm job %s: %s%s", self.job_id, state[0], _why(state))
                     self.state = state
+                elif state is not None and time.monotonic() >= next_note:
+                    log.info("slurm job %s still %s%s after %.0f s; waiting for its %d "
+                             "worker(s) to join (timeout %.0f s)", self.job_id, state[0],
+                             _why(state), time.monotonic() - started,
+                             len(self.launcher.names), ctl.join_timeout)
+                    next_note = time.monotonic() + NOTE_S
                 if state is None or state[0] in FINISHED:
                     raise RuntimeError(
                         f"slurm job {self.job_id} ended ({state[0] if state else 'gone'}) "
