@@ -125,7 +125,8 @@ async def test_a_killed_ssh_client_leaves_no_worker_on_the_far_side(bed: SshBed)
         hosts = ctl.hosts()
         x = per_host(ctl)
         await source_octet(x, bed.controller_ip)  # the hosts run calls
-        pending = nap(x)
+        on1 = cb.device_put(np.zeros(1, np.int64), hosts[1].devices[0])
+        pending = nap(on1)  # a call held by host 1 (host 0 stays free for the calls below)
         ssh1 = cluster.procs[1]
         os.kill(ssh1.pid, signal.SIGKILL)  # the ssh client of host 1, mid-run
         with pytest.raises(cb.HostLostError, match=r"Host 1 .*lost its ssh session: "
