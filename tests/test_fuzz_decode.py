@@ -18,8 +18,8 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from colobus import _protocol as P
-from colobus._wire import MAC_SIZE, Dropped, Envelope, decode, encode, mac
+from colobus._wire import protocol as P
+from colobus._wire.envelope import MAC_SIZE, Dropped, Envelope, decode, encode, mac
 
 KEY = b"k" * 32
 OTHER_KEY = b"x" * 32

@@ -537,7 +537,7 @@ def _format_row(row: Row) -> str:
 
 
 def _huge_pages_line() -> str:
-    from .._hugepages import with_huge_pages
+    from .._process import with_huge_pages
 
     here = "hugetlb=1" in os.environ.get("GLIBC_TUNABLES", "")
     workers = "hugetlb=1" in with_huge_pages(dict(os.environ)).get("GLIBC_TUNABLES", "")
