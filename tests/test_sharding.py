@@ -1,4 +1,4 @@
-"""Tests for colobus._sharding: layouts must match JAX's, host blocks must be exact."""
+"""Tests for colobus._model.sharding: layouts must match JAX's, host blocks must be exact."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 ``asyncio.gather`` wraps every awaitable that is not an ``asyncio.Future`` in a
 Task of its own, and a colobus Future is not one (it belongs to no loop: see
-:mod:`colobus._future`). So gathering a thousand calls costs a thousand Tasks,
+:mod:`colobus._controller.future`). So gathering a thousand calls costs a thousand Tasks,
 each with its own waiter and two steps on the loop, about as much controller
 CPU as the calls' own sending and settling. :func:`gather` instead gives every
 future one done-callback that counts it off, and wakes the awaiting task once,

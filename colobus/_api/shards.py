@@ -7,7 +7,7 @@ numpy value: fetching it reads only the block of the host that holds it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -18,11 +18,28 @@ from .._wire import protocol as P
 from .._wire.codec import from_buffer
 
 if TYPE_CHECKING:
+    from .._controller.controller import Controller
     from .._controller.hosts import Host
+    from .._model.sharding import Sharding
     from .._wire.envelope import Envelope
-    from .array import Array
 
-__all__ = ["Shard", "addressable_shards"]
+__all__ = ["ShardedArray", "Shard", "addressable_shards"]
+
+
+class ShardedArray(Protocol):
+    """What a shard reads of the ``cb.Array`` it belongs to."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    @property
+    def sharding(self) -> Sharding: ...
+    @property
+    def ref(self) -> int: ...
+    @property
+    def _ctl(self) -> Controller: ...
+    @property
+    def _key_impl(self) -> str | None: ...
+    def check_usable(self) -> None: ...
 
 
 class Shard:
@@ -36,7 +53,7 @@ class Shard:
 
     __slots__ = ("_array", "device", "index", "replica_id")
 
-    def __init__(self, array: Array, device: Device, index: tuple[slice, ...],
+    def __init__(self, array: ShardedArray, device: Device, index: tuple[slice, ...],
                  replica_id: int) -> None:
         self._array = array
         self.device = device
@@ -53,7 +70,7 @@ class Shard:
                 f"replica_id={self.replica_id})")
 
 
-def addressable_shards(array: Array) -> list[Shard]:
+def addressable_shards(array: ShardedArray) -> list[Shard]:
     """Every shard, in the sharding's device order (``mesh.devices.flat``), as JAX lists them."""
     index_map = array.sharding.devices_indices_map(array.shape)
     seen: dict[tuple[tuple[Any, Any], ...], int] = {}
@@ -67,7 +84,7 @@ def addressable_shards(array: Array) -> list[Shard]:
     return shards
 
 
-def _fetch_shard(array: Array, host: int, index: tuple[slice, ...]) -> Future[Any]:
+def _fetch_shard(array: ShardedArray, host: int, index: tuple[slice, ...]) -> Future[Any]:
     array.check_usable()
     block = host_blocks(array.sharding, array.shape)[host]
     local = []

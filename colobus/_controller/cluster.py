@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import logging
 import os
 import secrets
@@ -12,12 +13,15 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
 
+from .._errors import ControllerClosedError
 from .._process import with_huge_pages
 from .._wire.keys import generate_key
-from .controller import Controller, _pop_current, _push_current
+from .controller import Controller, State, _pop_current, _push_current
+from .joinwait import JoinOrder
 from .procwatch import HostProcess, describe_exit
 
 __all__ = ["LocalCluster", "init", "local_cluster", "shutdown"]
@@ -73,7 +77,7 @@ class LocalCluster:
         env.pop("COLOBUS_KEY_FILE", None)
         env["PYTHONUNBUFFERED"] = "1"  # host code's prints reach us line by line
         names = [f"local-{i}" for i in range(self.hosts)]
-        self.controller._number_hosts_by_name(names)  # local-0 is host 0
+        _number_hosts_by_name(self.controller, names)  # local-0 is host 0
         for i, name in enumerate(names):
             cmd = [sys.executable, "-m", "colobus", "worker",
                    "--connect", self.controller.address,
@@ -94,7 +98,7 @@ class LocalCluster:
             return
         self._ended[hp.index] = how
         log.warning("local host %d (%r, pid %d) %s", hp.index, hp.name, hp.proc.pid, how)
-        self.controller._host_process_ended(hp.name, hp.proc.pid, f"its process {how}")
+        _host_process_ended(self.controller, hp.name, hp.proc.pid, f"its process {how}")
 
     def _check_procs(self) -> None:
         for i, p in enumerate(self.procs):
@@ -257,3 +261,28 @@ def shutdown() -> None:
     if cluster is not None:
         cluster.close()
         _pop_current(cluster.controller)
+
+
+def _number_hosts_by_name(ctl: Controller, names: Sequence[str]) -> None:
+    """Give the first hosts to join these names the numbers 0, 1, ... in this order.
+
+    For ``local_cluster``, before its workers start: HELLOs wait until all
+    of ``names`` said HELLO (see :mod:`colobus._controller.joinwait`).
+    """
+    ctl._sessions.join_order = JoinOrder(names)
+
+
+def _host_process_ended(ctl: Controller, name: str, pid: int, why: str) -> None:
+    """The process of host ``name`` (pid ``pid``) is gone: declare it lost now.
+
+    Called from any thread by whoever owns the process (``local_cluster``),
+    so the host is lost at once rather than after ``liveness_timeout``.
+    """
+    def lose() -> None:
+        host = ctl._hosts.by_name.get(name)
+        if host is not None and host.pid == pid:
+            ctl._sessions.lose(host, why)
+
+    if ctl.state is State.RUNNING:
+        with contextlib.suppress(RuntimeError, ControllerClosedError):  # closed meanwhile
+            ctl._call_soon(lose)

@@ -2,14 +2,14 @@
 
 :class:`Controller` is a small facade over the parts that do the work:
 
-- :class:`~colobus._channel.Channel`: the socket, batching, acknowledgements;
-- :class:`~colobus._hosts.HostRegistry`: who joined, indices, devices, generations;
-- :class:`~colobus._ops.Operations`: every operation in flight, the backlog,
+- :class:`~colobus._wire.channel.Channel`: the socket, batching, acknowledgements;
+- :class:`~colobus._controller.hosts.HostRegistry`: who joined, indices, devices, generations;
+- :class:`~colobus._controller.ops.Operations`: every operation in flight, the backlog,
   back-pressure, and the single way each operation ends;
 - the frees queue (here): array and result frees ride along with other messages;
-- :class:`~colobus._sessions.Sessions`: joins, authentication, dispatch by kind,
+- :class:`~colobus._controller.sessions.Sessions`: joins, authentication, dispatch by kind,
   liveness (heartbeats, lost hosts, resends);
-- :class:`~colobus._syncface.LoopThread`: the sync face's loop thread.
+- :class:`~colobus._controller.syncface.LoopThread`: the sync face's loop thread.
 
 Everything that touches the socket or the registry runs on the controller's
 event-loop thread; callers on other threads hop there with
@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import enum
 import logging
 import os
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Any
 
@@ -35,7 +34,7 @@ import zmq
 
 from .._errors import ControllerClosedError, NoControllerError
 from .._model.devices import Device
-from .._observe.observer import host_health, observing
+from .._observe.metrics import observing
 from .._process import freeze_once
 from .._wire import describe as _describe
 from .._wire import keys as _keys
@@ -47,9 +46,10 @@ from .frees import Frees
 from .future import Future
 from .hangups import Hangups
 from .hosts import Host, HostInfo, HostRegistry
-from .joinwait import JoinOrder, JoinProgress, key_words
+from .joinwait import JoinProgress, key_words
 from .ops import Operations
 from .sessions import Sessions
+from .stats import collect_stats
 from .syncface import LoopThread
 
 __all__ = ["Controller", "HostInfo", "State", "current_controller"]
@@ -262,39 +262,7 @@ class Controller:
         heartbeats only, ``rtt`` (heartbeat round trip, s), ``rss`` (bytes),
         ``cpu`` (s) and ``dropped`` (None or empty until the first one).
         """
-        chan = self._chan
-        ops = self._ops
-        return {
-            "dropped": dict(self._sessions.dropped),
-            "dropped_total": sum(self._sessions.dropped.values()),
-            "hosts_dropped": self._sessions.hosts_dropped,
-            "join_challenges": len(self._sessions.challenges),
-            "code_sent": self._counters["code_sent"],
-            "code_bytes": self._counters["code_bytes"],
-            "bytes_put": self._counters["bytes_put"],
-            "bytes_fetched": self._counters["bytes_fetched"],
-            "calls": self._counters["calls"],
-            "batches": chan.batches_sent if chan is not None else 0,
-            "batches_received": self._sessions.batches_received,
-            "resent": chan.resent if chan is not None else 0,
-            "backlog": len(ops.backlog),
-            "queued": ops.queued,
-            "pending": len(ops.pending),
-            "hosts": {
-                h.index: {
-                    "name": h.name,
-                    "state": "alive" if h.alive else "lost",
-                    "arrays": h.store[0],
-                    "bytes": h.store[1],
-                    "objects": h.store[2],
-                    "results": h.store[3],
-                    "code_sent": len(h.code_sent),
-                    "inflight": len(h.inflight),
-                    **host_health(h),
-                }
-                for h in list(self._hosts.hosts)
-            },
-        }
+        return collect_stats(self._sessions, self._counters, self._chan, self._ops, self._hosts)
 
     def refresh_stats(self) -> Future[dict[str, Any]]:
         """Ask every live host for its store counters now; resolves to :meth:`stats`.
@@ -475,7 +443,7 @@ class Controller:
     ) -> None:
         await self.aclose()
 
-    # -- sync face (colobus._syncface) ------------------------------------------------------
+    # -- sync face (colobus._controller.syncface) ----------------------------------
 
     def start_in_thread(self, timeout: float = 30.0) -> None:
         """Start the controller on a private event-loop thread (the sync face)."""
@@ -568,29 +536,6 @@ class Controller:
     def _declare_lost(self, index: int, why: str = "declared lost by the controller") -> None:
         """Declare a host lost now (a local cluster whose worker process died; tests)."""
         self._call_soon(self._sessions.lose, self._hosts[index], why)
-
-    def _number_hosts_by_name(self, names: Sequence[str]) -> None:
-        """Give the first hosts to join these names the numbers 0, 1, ... in this order.
-
-        For ``local_cluster``, before its workers start: HELLOs wait until all
-        of ``names`` said HELLO (see :mod:`colobus._joinorder`).
-        """
-        self._sessions.join_order = JoinOrder(names)
-
-    def _host_process_ended(self, name: str, pid: int, why: str) -> None:
-        """The process of host ``name`` (pid ``pid``) is gone: declare it lost now.
-
-        Called from any thread by whoever owns the process (``local_cluster``),
-        so the host is lost at once rather than after ``liveness_timeout``.
-        """
-        def lose() -> None:
-            host = self._hosts.by_name.get(name)
-            if host is not None and host.pid == pid:
-                self._sessions.lose(host, why)
-
-        if self.state is State.RUNNING:
-            with contextlib.suppress(RuntimeError, ControllerClosedError):  # closed meanwhile
-                self._call_soon(lose)
 
     def _joined(self) -> None:
         """A host joined: wake those waiting for hosts."""

@@ -11,23 +11,42 @@ from __future__ import annotations
 
 import collections
 import functools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from .._errors import ColobusError
 from .._wire import protocol as P
 
 if TYPE_CHECKING:
-    from .controller import Controller
+    import asyncio
 
-__all__ = ["Frees"]
+    from .._wire.channel import Channel
+    from .hosts import HostRegistry
+    from .ops import Operations
+
+__all__ = ["Frees", "FreesOwner"]
 
 RELEASE_DELAY_S = 0.002  # frees wait this long for a message to ride along with
+
+
+class FreesOwner(Protocol):
+    """What :class:`Frees` uses of the controller that owns it."""
+
+    @property
+    def _hosts(self) -> HostRegistry: ...
+    @property
+    def _ops(self) -> Operations: ...
+    @property
+    def _chan(self) -> Channel | None: ...
+    @property
+    def _loop(self) -> asyncio.AbstractEventLoop | None: ...
+    @property
+    def _closed(self) -> bool: ...
 
 
 class Frees:
     """The controller's queue of frees (see the module docstring)."""
 
-    def __init__(self, ctl: Controller) -> None:
+    def __init__(self, ctl: FreesOwner) -> None:
         self._ctl = ctl
         self._queue: collections.deque[tuple[int, int, int, int]] = collections.deque()
         self._timer_set = False

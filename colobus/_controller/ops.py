@@ -23,21 +23,52 @@ import itertools
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .._errors import ControllerClosedError, HostLostError, ProtocolError
 from .._wire import protocol as P
-from .._wire.describe import BadReply, read_error, rebuild_error
+from .._wire.describe import BadReply
 from .._wire.envelope import Envelope
+from .._wire.failures import read_error, rebuild_error
 from .future import Future
 
 if TYPE_CHECKING:
     from .._observe.observer import FunctionStats
     from .._observe.trace import CallRecord
-    from .controller import Controller
-    from .hosts import Host
+    from .._wire.channel import Channel
+    from .._wire.envelope import Buffer
+    from .hosts import Host, HostRegistry
 
-__all__ = ["Combiner", "Decoder", "Operation", "Operations", "rebuild_exception"]
+__all__ = [
+    "Combiner", "Decoder", "Operation", "Operations", "OpsOwner", "ProtocolJudge",
+    "rebuild_exception",
+]
+
+class ProtocolJudge(Protocol):
+    """What judges a host that broke the protocol (the controller's sessions)."""
+
+    def violation(self, host: Host, reason: str, detail: str) -> None: ...
+
+
+class OpsOwner(Protocol):
+    """What :class:`Operations` uses of the controller that owns it."""
+
+    @property
+    def _hosts(self) -> HostRegistry: ...
+    @property
+    def _sessions(self) -> ProtocolJudge: ...
+    @property
+    def _chan(self) -> Channel | None: ...
+    @property
+    def _loop_thread_id(self) -> int | None: ...
+    @property
+    def _closed(self) -> bool: ...
+    def _check_open(self) -> None: ...
+    def _on_loop_thread(self) -> bool: ...
+    def _call_soon(self, fn: Callable[..., Any], *args: Any) -> None: ...
+    def _send(self, host: Host, body: P.Body, payload: Buffer = b"",
+              buffers: Any = (), pbufs: int = 0) -> None: ...
+
 
 _clock = time.perf_counter  # read per observed call: one global, not an attribute of one
 
@@ -167,7 +198,7 @@ class Operation:
 class Operations:
     """The operation table, the backlog and back-pressure of one controller."""
 
-    def __init__(self, ctl: Controller, max_inflight: int, max_backlog: int) -> None:
+    def __init__(self, ctl: OpsOwner, max_inflight: int, max_backlog: int) -> None:
         self.ctl = ctl
         self.max_inflight = max_inflight
         self.max_backlog = max_backlog
@@ -320,7 +351,7 @@ class Operations:
                 self.free_outputs(host.index, call_id, body.meta)
         else:
             rec = op.future._timing  # traced: the host's times go in the call's record
-            if rec is not None:  # (metrics count them on the host: colobus._calltimes)
+            if rec is not None:  # (metrics count them on the host: colobus._wire.calltimes)
                 rec.add_reply(host.index, time.perf_counter(), body.times)
             bad = op.answered(host, body, env)
             if not op.remaining:

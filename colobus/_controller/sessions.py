@@ -18,7 +18,7 @@ import collections
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .._wire import protocol as P
 from .._wire.envelope import PROTOCOL_VERSION, Dropped, Envelope, decode, unpack_batch
@@ -28,9 +28,14 @@ from .hosts import Host
 from .joinwait import JoinOrder
 
 if TYPE_CHECKING:
-    from .controller import Controller
+    from .._observe.observer import Observer
+    from .._wire.channel import Channel
+    from .._wire.envelope import Buffer
+    from .hangups import Hangups
+    from .hosts import HostRegistry
+    from .ops import Operations
 
-__all__ = ["Sessions"]
+__all__ = ["Sessions", "SessionsOwner"]
 
 log = logging.getLogger("colobus.controller")
 
@@ -40,10 +45,46 @@ MAX_NAME = 256  # characters of a host name or address
 RESET_SEQ = 1 << 62  # sequence number of a RESET: above any a session reaches
 
 
+class SessionsOwner(Protocol):
+    """What :class:`Sessions` uses of the controller that owns it."""
+
+    @property
+    def _hosts(self) -> HostRegistry: ...
+    @property
+    def _ops(self) -> Operations: ...
+    @property
+    def _chan(self) -> Channel | None: ...
+    @property
+    def _hangups(self) -> Hangups | None: ...
+    @property
+    def observer(self) -> Observer | None: ...
+    @property
+    def _session(self) -> bytes: ...
+    @property
+    def _key(self) -> bytes: ...
+    @property
+    def _expected_hosts(self) -> int: ...
+    @property
+    def _exit_workers(self) -> bool: ...
+    @property
+    def _resend_after(self) -> float: ...
+    @property
+    def heartbeat_interval(self) -> float: ...
+    @property
+    def liveness_timeout(self) -> float: ...
+    @property
+    def max_message_bytes(self) -> int: ...
+    @property
+    def _closed(self) -> bool: ...
+    def _joined(self) -> None: ...
+    def _send(self, host: Host, body: P.Body, payload: Buffer = b"",
+              buffers: Any = (), pbufs: int = 0) -> None: ...
+
+
 class Sessions:
     """Joins workers, checks each envelope against its session, dispatches, judges silence."""
 
-    def __init__(self, ctl: Controller) -> None:
+    def __init__(self, ctl: SessionsOwner) -> None:
         self._ctl = ctl
         self.dropped: collections.Counter[str] = collections.Counter()
         self.batches_received = 0

@@ -13,12 +13,12 @@ import logging
 import os
 import threading
 from collections.abc import Coroutine
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
-if TYPE_CHECKING:
-    from .controller import Controller
-
-__all__ = ["LoopThread", "close", "new_event_loop", "run_sync", "start_in_thread", "uvloop_in_use"]
+__all__ = [
+    "LoopThread", "SyncOwner", "close", "new_event_loop", "run_sync", "start_in_thread",
+    "uvloop_in_use",
+]
 
 log = logging.getLogger("colobus.controller")
 
@@ -76,7 +76,23 @@ class LoopThread:
             self._thread.join(timeout)
 
 
-def start_in_thread(ctl: Controller, timeout: float) -> None:
+class SyncOwner(Protocol):
+    """What the sync face uses of the controller it runs."""
+
+    _own_thread: LoopThread | None
+    _closing: asyncio.Task[None] | None
+
+    @property
+    def _loop(self) -> asyncio.AbstractEventLoop | None: ...
+    @property
+    def _closed(self) -> bool: ...
+    def _set_closed(self) -> None: ...
+    def _on_loop_thread(self) -> bool: ...
+    async def start(self) -> None: ...
+    async def aclose(self) -> None: ...
+
+
+def start_in_thread(ctl: SyncOwner, timeout: float) -> None:
     """Start ``ctl`` on a private event-loop thread; no thread outlives a failed start."""
     thread = LoopThread()
     thread.start(timeout)
@@ -89,7 +105,7 @@ def start_in_thread(ctl: Controller, timeout: float) -> None:
         raise
 
 
-def run_sync(ctl: Controller, coro: Coroutine[Any, Any, T], timeout: float | None) -> T:
+def run_sync(ctl: SyncOwner, coro: Coroutine[Any, Any, T], timeout: float | None) -> T:
     """Run ``coro`` on ``ctl``'s loop and wait for it; refused on that loop's thread."""
     if ctl._own_thread is not None:
         return ctl._own_thread.run(coro, timeout)
@@ -100,7 +116,7 @@ def run_sync(ctl: Controller, coro: Coroutine[Any, Any, T], timeout: float | Non
     return asyncio.run_coroutine_threadsafe(coro, ctl._loop).result(timeout)
 
 
-def close(ctl: Controller) -> None:
+def close(ctl: SyncOwner) -> None:
     """Close ``ctl`` from plain code or any other thread.
 
     On the controller's own loop thread (a done-callback), closing starts at once

@@ -23,7 +23,7 @@ from .._wire.protocol import Status
 from .values import LAZY_PUT_BYTES, NumpyBlock, jax_exact, numpy_block, present
 
 if TYPE_CHECKING:
-    from .worker import Worker
+    from .sched import WorkerServices
 
 __all__ = ["REPLY_MARGIN", "HostArrays"]
 
@@ -33,7 +33,7 @@ REPLY_MARGIN = 1 << 20  # room for a reply's header, MAC and batch around a fetc
 class HostArrays:
     """The PUT and FETCH handlers of one worker, and how stored values are presented."""
 
-    def __init__(self, worker: Worker) -> None:
+    def __init__(self, worker: WorkerServices) -> None:
         self._w = worker
 
     def on_put(self, body: P.Put, env: Envelope) -> None:

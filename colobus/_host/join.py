@@ -100,7 +100,7 @@ class JoinDiagnosis:
 
     Args:
         endpoint: where the worker connects.
-        key: the worker's key (only its :func:`~colobus._keys.key_id` is shown).
+        key: the worker's key (only its :func:`~colobus._wire.keys.key_id` is shown).
         curve: CurveZMQ is on (a wrong server key is then one more cause).
         quiet: log at INFO, not WARNING (the worker joined a driver before).
     """

@@ -16,24 +16,25 @@ import asyncio
 import collections
 import functools
 import inspect
-import io
 import logging
-import pickle
-import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .._wire import protocol as P
 from .._wire.envelope import Buffer, Envelope
 from .._wire.protocol import Status
-from .store import CallResult
+from .pool import ArgsUnpickler, CallPool
+from .store import CallResult, Store
 
 if TYPE_CHECKING:
-    from .worker import Worker
+    import concurrent.futures
 
-__all__ = ["Scheduler"]
+    from .._wire.calltimes import HostCallTimes
+    from .values import HostValues
+
+__all__ = ["Scheduler", "WorkerServices"]
 
 log = logging.getLogger("colobus.worker")
 
@@ -44,51 +45,27 @@ BRIEF_WAIT_NS = int(BRIEF_WAIT_S * 1e9)
 _QUEUED, _RUNNING, _CANCELLED, _DONE = range(4)
 
 
-class CallPool:
-    """The threads plain functions run on: one job per ready run of a stream's calls.
+class WorkerServices(Protocol):
+    """What the scheduler and the host's arrays use of the worker that owns them."""
 
-    ``ThreadPoolExecutor`` makes a ``concurrent.futures.Future`` (a condition
-    variable and its lock) and a work item per job and takes a semaphore on each
-    submit; the runs of calls need none of that. Threads start on demand, up to
-    ``max_threads``; a job waits in the queue while all are busy.
-    """
+    epoch: int
+    host_index: int
+    loop: asyncio.AbstractEventLoop | None
+    store: Store
+    values: HostValues
+    call_times: HostCallTimes | None
+    _jax: Any
+    _max_message: int
+    _pool: concurrent.futures.ThreadPoolExecutor
 
-    def __init__(self, max_threads: int, name: str) -> None:
-        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._idle = 0
-        self._threads: list[threading.Thread] = []
-        self._max = max_threads
-        self._name = name
-
-    def submit(self, job: Callable[[], None]) -> None:
-        with self._lock:
-            if self._idle:
-                self._idle -= 1  # that thread takes this job
-            elif len(self._threads) < self._max:
-                t = threading.Thread(target=self._serve, daemon=True,
-                                     name=f"{self._name}_{len(self._threads)}")
-                self._threads.append(t)
-                t.start()
-        self._queue.put(job)
-
-    def _serve(self) -> None:
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            try:
-                job()
-            except BaseException:  # a job reports its own errors; this is a bug
-                log.exception("a call-pool job failed")
-            del job
-            with self._lock:
-                self._idle += 1
-
-    def shutdown(self) -> None:
-        """Let the threads go once their jobs end (daemons: they never hold up exit)."""
-        for _ in self._threads:
-            self._queue.put(None)
+    def _spawn(self, coro: Any) -> None: ...
+    def send(self, body: P.Body, payload: Buffer = b"", buffers: Sequence[Buffer] = (),
+             pbufs: int = 0) -> None: ...
+    def cork(self) -> bool: ...
+    def uncork(self, corked: bool) -> None: ...
+    def reply_error(self, call_id: int, exc: BaseException, times: list[int] | None = None
+                    ) -> None: ...
+    def present(self, value: Any) -> Any: ...
 
 
 class _Stream:
@@ -152,24 +129,10 @@ class _Call:
         return None
 
 
-class ArgsUnpickler(pickle.Unpickler):
-    """Unpickles call arguments; persistent ids name values resolved on this host."""
-
-    def __init__(self, data: Buffer, values: Sequence[Any], buffers: Sequence[Buffer]) -> None:
-        super().__init__(io.BytesIO(data), buffers=buffers)
-        self._values = values
-
-    def persistent_load(self, pid: Any) -> Any:
-        try:
-            return self._values[pid]
-        except (IndexError, TypeError):
-            raise pickle.UnpicklingError(f"bad persistent id {pid!r}") from None
-
-
 class Scheduler:
     """Runs the CALLs and DESTROYs of one worker, stream by stream."""
 
-    def __init__(self, worker: Worker, max_threads: int) -> None:
+    def __init__(self, worker: WorkerServices, max_threads: int) -> None:
         self._w = worker
         self.pool = CallPool(max_threads, "colobus-call")
         self._streams: dict[int, _Stream] = {}

@@ -25,8 +25,7 @@ from .._wire.envelope import Buffer
 
 __all__ = [
     "LAZY_PUT_BYTES", "HostValues", "NumpyBlock", "is_string", "jax_exact", "numpy_block",
-    "present", "setup_jax",
-]
+    "present", "setup_jax", "local_devices"]
 
 LAZY_PUT_BYTES = 1 << 20  # PUT blocks this large become jax.Arrays on first use
 
@@ -183,7 +182,7 @@ class HostValues:
     def outputs(self, out: Any, mesh: Any, pins: Sequence[asyncio.Future[Any]] = (),
                 ) -> tuple[list[Any], Any, bytes, list[Buffer]]:
         """A call's return value as the values the host stores, their tree, and the
-        reply's pickled description (one :class:`~colobus._protocol.OutLeaf` per leaf).
+        reply's pickled description (one :class:`~colobus._wire.protocol.OutLeaf` per leaf).
 
         ``pins`` are the call's host-resident arguments (for ``OutLeaf.ref``, see
         ``_outlayout``)."""
@@ -250,3 +249,15 @@ def _pinned_values(pins: Sequence[asyncio.Future[Any]]) -> list[Any]:
         value = p.result() if p.done() and not p.cancelled() and p.exception() is None else None
         values.append(value.jax_value if isinstance(value, NumpyBlock) else value)
     return values
+
+
+def local_devices(jax: Any) -> list[Any]:
+    """This host's JAX devices: its accelerators (if any), then its CPU devices."""
+    devices: list[Any] = []
+    try:
+        if jax.default_backend() != "cpu":
+            devices.extend(jax.devices())
+    except RuntimeError:
+        pass
+    devices.extend(jax.devices("cpu"))
+    return devices

@@ -1,14 +1,11 @@
 """The worker: one DEALER socket, one controller session at a time.
 
-A worker joins a controller (HELLO -> WELCOME), then serves until the
-controller closes, goes silent, or declares the worker lost; then it drops the
-session's store and joins again, with back-off. What it keeps lives in
-:class:`~colobus._store.Store`; calls run through
-:class:`~colobus._sched.Scheduler`; values are converted by
-:class:`~colobus._hostvalues.HostValues`. Its DEALER keeps one routing id for a
-whole session, so a dropped TCP connection that ZeroMQ re-establishes within
-the liveness timeout continues the same session (unacknowledged messages are
-sent again, see :mod:`colobus._channel`).
+It joins a controller (HELLO -> WELCOME) and serves until the controller closes,
+goes silent or declares it lost; then it drops the session's
+:class:`~colobus._host.store.Store` and joins again, with back-off. Calls run
+through :class:`~colobus._host.sched.Scheduler`. Its DEALER keeps one routing id
+per session, so a TCP connection that ZeroMQ re-establishes within the liveness
+timeout continues the session (see :mod:`colobus._wire.channel`).
 """
 
 from __future__ import annotations
@@ -19,7 +16,6 @@ import functools
 import logging
 import os
 import random
-import resource
 import secrets
 import signal
 import socket
@@ -36,19 +32,21 @@ from .._process import freeze_once
 from .._wire import protocol as P
 from .._wire.calltimes import HEARTBEAT_BUDGET, HostCallTimes
 from .._wire.channel import Channel, Peer
-from .._wire.describe import describe_error
 from .._wire.endpoint import parse_connect
 from .._wire.envelope import Buffer, Dropped, Envelope, decode, loads, unpack_batch
+from .._wire.failures import describe_error
 from .._wire.keys import check_key
 from .._wire.protocol import Kind, Status
 from .._wire.sockio import NOBLOCK
 from .arrays import HostArrays
 from .join import JoinDiagnosis
-from .sched import ArgsUnpickler, Scheduler
+from .pool import ArgsUnpickler
+from .process import cpu_ns, end_context, rss_bytes
+from .sched import Scheduler
 from .store import Store
-from .values import HostValues, setup_jax
+from .values import HostValues, local_devices, setup_jax
 
-__all__ = ["Worker", "cpu_ns", "main_worker", "rss_bytes", "setup_jax"]
+__all__ = ["Worker", "setup_jax"]
 
 log = logging.getLogger("colobus.worker")
 
@@ -206,7 +204,7 @@ class Worker:
             watchdog.cancel()
             self.sched.pool.shutdown()
             self._pool.shutdown(wait=False, cancel_futures=True)
-            _end_context(self._ctx)
+            end_context(self._ctx)
 
     def _on_sigterm(self) -> None:
         log.info("host %s: SIGTERM; worker exits", self.name)
@@ -223,16 +221,8 @@ class Worker:
                 os._exit(0)
 
     def _discover_devices(self) -> None:
-        jax = self._jax
-        devices: list[Any] = []
-        try:
-            if jax.default_backend() != "cpu":
-                devices.extend(jax.devices())
-        except RuntimeError:
-            pass
-        devices.extend(jax.devices("cpu"))
-        self._jax_devices = devices
-        self.values = HostValues(jax, {(d.platform, d.id): d for d in devices})
+        self._jax_devices = devices = local_devices(self._jax)
+        self.values = HostValues(self._jax, {(d.platform, d.id): d for d in devices})
 
     def _device_report(self) -> list[list[Any]]:
         return [[d.platform, d.device_kind, d.id] for d in self._jax_devices]
@@ -509,50 +499,3 @@ class Worker:
             return
         fut.set_result(inst)
 
-
-def _end_context(ctx: zmq.Context[Any], timeout: float = 0.5) -> None:
-    """Close ``ctx``'s sockets and terminate it, waiting at most ``timeout``.
-
-    ZeroMQ resolves a ``tcp://NAME:PORT`` endpoint on its I/O thread, and
-    termination waits for that thread: with the driver's name gone (its
-    container stopped) and DNS timing out, that can take many seconds. The
-    worker is exiting, so it does not wait for more than ``timeout``.
-    """
-    ender = threading.Thread(target=ctx.destroy, kwargs={"linger": 0},
-                             name="colobus-zmq-term", daemon=True)
-    ender.start()
-    ender.join(timeout)
-    if ender.is_alive():
-        log.debug("ZeroMQ context still terminating after %.1f s (a name lookup?); "
-                  "exiting without it", timeout)
-
-
-def main_worker(connect: str, name: str | None, key: bytes, cpu_devices: int | None,
-                parent_pid: int | None, curve_keypair: tuple[bytes, bytes] | None = None,
-                curve_server_key: bytes | None = None) -> int:
-    """Entry point used by ``colobus worker``."""
-    worker = Worker(connect, name=name, key=key, cpu_devices=cpu_devices, parent_pid=parent_pid,
-                    curve_keypair=curve_keypair, curve_server_key=curve_server_key)
-    try:
-        return worker.run()
-    except KeyboardInterrupt:
-        return 130
-
-
-# This process's resident memory and CPU time, as a worker reports them in heartbeats.
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
-def rss_bytes() -> int:
-    """Resident set size now (Linux ``/proc``); elsewhere the peak, from ``getrusage``."""
-    try:
-        with open("/proc/self/statm", "rb") as f:
-            return int(f.read().split()[1]) * _PAGE
-    except (OSError, ValueError, IndexError):
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return peak if sys.platform == "darwin" else peak * 1024  # macOS: bytes; else KiB
-
-
-def cpu_ns() -> int:
-    """CPU time of this process so far (user + system, all threads), in ns."""
-    return time.process_time_ns()

@@ -1,6 +1,6 @@
 """Host blocks: which rectangular block of a global array each host holds, and back.
 
-Pure layout math on top of :mod:`colobus._sharding`: :func:`host_blocks` gives
+Pure layout math on top of :mod:`colobus._model.sharding`: :func:`host_blocks` gives
 each host's block and its local sharding, :func:`global_shape_from_host` is its
 inverse, and :func:`assemble` puts a global array together from host blocks.
 """

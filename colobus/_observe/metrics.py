@@ -3,7 +3,7 @@
 Nothing is counted for Prometheus on the hot path: a private
 ``CollectorRegistry`` holds one collector that, at each scrape (on the HTTP
 server's thread), reads the controller's :meth:`~Controller.stats` and its
-:class:`~colobus._observe.Observer`'s per-function counters and builds the
+:class:`~colobus._observe.observer.Observer`'s per-function counters and builds the
 metric families then. Several controllers in one process each have their own
 registry and port. Metric names and meanings: ``docs/observability.md``.
 """
@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import os
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from .observer import Observer
+from .observer import Observer
+from .trace import ChromeTrace, OtelSpans
 
-__all__ = ["MetricsServer", "parse_address"]
+__all__ = ["MetricsServer", "observing", "parse_address"]
 
 log = logging.getLogger("colobus.metrics")
 
@@ -207,3 +208,22 @@ class MetricsServer:
             self._server.server_close()
             self._thread.join(5)
             self._server = self._thread = None
+
+
+def observing(metrics: str | None, public: bool, trace: bool | str | os.PathLike[str] | None,
+              stats: Callable[[], dict[str, Any]]
+              ) -> tuple[Observer | None, MetricsServer | None, ChromeTrace | None]:
+    """A controller's ``(observer, metrics server, Chrome trace)``; Nones when off.
+
+    Raises:
+        ValueError: a malformed ``metrics`` address, or one not loopback
+            without ``public``.
+        ImportError: ``metrics`` given without ``prometheus_client``.
+    """
+    if metrics is None and not trace:
+        return None, None, None
+    server_at = parse_address(metrics, public) if metrics is not None else None
+    chrome = ChromeTrace(None if trace is True else trace) if trace else None
+    observer = Observer(chrome, otel=bool(trace) and OtelSpans.available())
+    server = MetricsServer(*server_at, stats, observer) if server_at is not None else None
+    return observer, server, chrome

@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import array
 import logging
-import os
 import threading
 import time
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -25,10 +23,9 @@ from .._wire.calltimes import BUCKETS, bucket_counts, read_entries
 from .trace import CallRecord, ChromeTrace, OtelSpans
 
 if TYPE_CHECKING:
-    from .._wire import protocol as P
-    from .metrics import MetricsServer
+    pass
 
-__all__ = ["BUCKETS", "FunctionStats", "Histogram", "Observer", "host_health", "observing"]
+__all__ = ["BUCKETS", "FunctionStats", "Histogram", "Observer"]
 
 log = logging.getLogger("colobus.observe")
 
@@ -76,7 +73,7 @@ class FunctionStats:
     the latency histogram when someone reads them (a scrape), or when
     :data:`FOLD_AT` samples wait. How long calls waited and ran on the hosts
     is counted by the hosts and arrives with their heartbeats, already
-    bucketed (:mod:`colobus._calltimes`, :meth:`Observer.add_host_calls`).
+    bucketed (:mod:`colobus._wire.calltimes`, :meth:`Observer.add_host_calls`).
 
     The samples wait in arrays (``array.array``), as raw doubles and int64s, not in
     lists or deques of Python numbers: thousands of floats and ints kept alive
@@ -153,7 +150,7 @@ class Observer:
         """The counters of the function called ``name`` (any thread; made on first use).
 
         ``key`` is what hosts call it when they report its run times: its code
-        digest and method name (:mod:`colobus._calltimes`). A colocated call's
+        digest and method name (:mod:`colobus._wire.calltimes`). A colocated call's
         Future carries the counters (``Operations.submit(stats=)``), set before
         the loop sees the call: the loop counts it started
         (``Operations._start``) and the Future settles it (``Future._finish``),
@@ -222,43 +219,3 @@ class Observer:
         return total
 
 
-def observing(metrics: str | None, public: bool, trace: bool | str | os.PathLike[str] | None,
-              stats: Callable[[], dict[str, Any]]
-              ) -> tuple[Observer | None, MetricsServer | None, ChromeTrace | None]:
-    """A controller's ``(observer, metrics server, Chrome trace)``; Nones when off.
-
-    Raises:
-        ValueError: a malformed ``metrics`` address, or one not loopback
-            without ``public``.
-        ImportError: ``metrics`` given without ``prometheus_client``.
-    """
-    if metrics is None and not trace:
-        return None, None, None
-    from .metrics import MetricsServer, parse_address
-
-    server_at = parse_address(metrics, public) if metrics is not None else None
-    chrome = ChromeTrace(None if trace is True else trace) if trace else None
-    observer = Observer(chrome, otel=bool(trace) and OtelSpans.available())
-    server = MetricsServer(*server_at, stats, observer) if server_at is not None else None
-    return observer, server, chrome
-
-
-def host_health(host: Any) -> dict[str, Any]:
-    """A host's figures from its last heartbeat, for ``Controller.stats()``.
-
-    The heartbeat was read off the wire: only ``str -> int`` drop counters are
-    kept, a few at most.
-    """
-    beat: P.Heartbeat | None = host.health
-    dropped: dict[str, int] = {}
-    if beat is not None:
-        items = [(k, v) for k, v in beat.dropped.items()
-                 if isinstance(k, str) and type(v) is int][:32]
-        dropped = {k[:64]: v for k, v in items}
-    return {
-        "devices": len(host.devices),
-        "rtt": host.rtt,
-        "rss": beat.rss if beat is not None else None,
-        "cpu": beat.cpu / 1e9 if beat is not None else None,
-        "dropped": dropped,
-    }

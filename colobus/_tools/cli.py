@@ -12,29 +12,13 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any, NoReturn
 
 from .._errors import AuthenticationError
 from .._wire.endpoint import parse_connect
+from .args import USAGE_ERROR, CliParser, positive_int
 
 __all__ = ["CliParser", "build_parser", "main", "positive_int"]
 
-USAGE_ERROR = 2
-
-
-class CliParser(argparse.ArgumentParser):
-    """argparse without abbreviations, whose errors are one line on stderr."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("allow_abbrev", False)
-        super().__init__(*args, **kwargs)
-
-    def error(self, message: str) -> NoReturn:
-        prefix = "unrecognized arguments: "
-        if message.startswith(prefix):  # name the options, never echo values (a secret?)
-            words = message[len(prefix):].split()
-            message = prefix + " ".join(w if w.startswith("-") else "..." for w in words)
-        self.exit(USAGE_ERROR, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
 class _UserError(Exception):
@@ -43,16 +27,6 @@ class _UserError(Exception):
     def __init__(self, message: str, status: int = USAGE_ERROR) -> None:
         super().__init__(message)
         self.status = status
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be 1 or more, got {value}")
-    return value
 
 
 def _endpoint(text: str) -> str:
@@ -200,7 +174,7 @@ def _keygen(path: str, curve: bool, force: bool) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from .._host.worker import main_worker
+    from .._host.worker import Worker
 
     parent = os.environ.get("COLOBUS_PARENT_PID")
     curve_keypair, server_key = None, None
@@ -215,8 +189,13 @@ def _worker(args: argparse.Namespace) -> int:
         except (OSError, AuthenticationError) as exc:
             raise _UserError(str(exc)) from None
     key = _worker_key(args.key_file)
-    return main_worker(args.connect, args.name, key, args.devices,
-                       int(parent) if parent else None, curve_keypair, server_key)
+    worker = Worker(args.connect, name=args.name, key=key, cpu_devices=args.devices,
+                    parent_pid=int(parent) if parent else None, curve_keypair=curve_keypair,
+                    curve_server_key=server_key)
+    try:
+        return worker.run()
+    except KeyboardInterrupt:
+        return 130
 
 
 def main(argv: Sequence[str] | None = None) -> int:

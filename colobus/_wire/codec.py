@@ -141,7 +141,7 @@ def _view(buf: Any, dtype: np.dtype[Any], shape: tuple[int, ...]) -> np.ndarray[
 
 def dtype_to_wire(dtype: Any) -> Any:
     """A msgpack description of any dtype an array travels with (no pickle):
-    :func:`colobus._wire.encode_dtype`, or ``["T", na code]`` for ``StringDType``."""
+    :func:`colobus._wire.envelope.encode_dtype`, or ``["T", na code]`` for ``StringDType``."""
     if isinstance(dtype, np.dtypes.StringDType):
         return ["T", _na_code(dtype)]
     return encode_dtype(np.dtype(dtype))

@@ -28,11 +28,7 @@ optional for readers)::
               | ["o", [key, ...], [TREE, ...]]   collections.OrderedDict
               | ["n", module, qualname, [TREE, ...]]         a namedtuple class
               | ["c", module, qualname, aux, [TREE, ...]]    a registered pytree node
-        DTYPE = :func:`colobus._codec.dtype_to_wire`: numpy descr, ml_dtypes name, or ["T", na]
-
-    error (RESULT payload, status ERROR)
-        {"v": 1, "module": str, "qualname": str, "args": [plain, ...] | None,
-         "message": str, "notes": [str, ...], "traceback": str, "host": str}
+        DTYPE = :func:`colobus._wire.codec.dtype_to_wire`: numpy descr, ml_dtypes name, or ["T", na]
 
     fetched block (RESULT meta of a FETCH; the data is buffer 0, raw bytes)
         [shape, DTYPE, PRNG impl name | None]
@@ -44,31 +40,24 @@ import collections
 import functools
 import math
 import sys
-import traceback
 import types
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 import numpy as np
 
-from .._errors import RemoteError
 from . import codec as _codec
 from . import protocol as P
 
 __all__ = [
     "BadReply",
-    "RemoteFailure",
-    "describe_error",
     "describe_outputs",
     "dtype_from_wire",
     "lookup_class",
-    "read_error",
     "read_fetched",
     "read_outputs",
     "read_store_counts",
-    "rebuild_error",
 ]
 
 VERSION = 1
@@ -92,7 +81,7 @@ class BadReply(ValueError):
     """A worker's reply does not follow the formats above (the host broke the protocol)."""
 
 
-def _unpack(raw: Any) -> Any:
+def unpack(raw: Any) -> Any:
     try:
         return msgpack.unpackb(bytes(raw), raw=False, strict_map_key=False, use_list=True,
                                **_UNPACK_LIMITS)
@@ -100,7 +89,7 @@ def _unpack(raw: Any) -> Any:
         raise BadReply(f"not a msgpack description: {type(exc).__name__}") from None
 
 
-def _pack(obj: Any) -> bytes:
+def pack(obj: Any) -> bytes:
     out: bytes = msgpack.packb(obj, use_bin_type=True)
     return out
 
@@ -144,7 +133,7 @@ def describe_outputs(treedef: Any, leaves: list[P.OutLeaf]) -> bytes:
     """
     if not leaves and treedef == _NONE_TREEDEF:
         return _NONE_DESCRIPTION  # a function that returns None: the common case, packed once
-    return _pack({"v": VERSION, "tree": _tree_to_wire(treedef, 0),
+    return pack({"v": VERSION, "tree": _tree_to_wire(treedef, 0),
                   "leaves": [_leaf_to_wire(m) for m in leaves]})
 
 
@@ -182,7 +171,7 @@ def _tree_to_wire(t: Any, depth: int) -> Any:
     name = [cls.__module__, cls.__qualname__]
     if issubclass(cls, tuple) and hasattr(cls, "_fields"):
         return ["n", *name, kids]
-    if not _is_plain(aux, 0):
+    if not is_plain(aux, 0):
         raise ValueError(
             f"output pytree node {cls.__qualname__} has auxiliary data that is not plain "
             "data (numbers, strings, lists, dicts), so it cannot be described to the "
@@ -198,7 +187,7 @@ def _plain_keys(keys: Any) -> list[Any]:
 
 
 def read_outputs(payload: Any, count: int) -> Any:
-    """Controller side: the output tree with :class:`~colobus._protocol.OutLeaf` leaves.
+    """Controller side: the output tree with :class:`~colobus._wire.protocol.OutLeaf` leaves.
 
     Raises:
         BadReply: the payload does not describe ``count`` outputs.
@@ -222,7 +211,7 @@ PARSED_CACHE_MAX_BYTES = 4096  # descriptions up to this size are remembered (51
 
 def _parse(raw: bytes, count: int) -> tuple[tuple[P.OutLeaf, ...], Any]:
     """The checked leaves and the raw tree description of an output description."""
-    desc = _unpack(raw)
+    desc = unpack(raw)
     if not isinstance(desc, dict) or desc.get("v") != VERSION:
         raise BadReply("bad output description")
     raw_leaves = desc.get("leaves")
@@ -238,7 +227,7 @@ def _none_description() -> tuple[Any, bytes]:
     import jax
 
     treedef = jax.tree_util.tree_structure(None)
-    return treedef, _pack({"v": VERSION, "tree": _tree_to_wire(treedef, 0), "leaves": []})
+    return treedef, pack({"v": VERSION, "tree": _tree_to_wire(treedef, 0), "leaves": []})
 
 
 _NONE_TREEDEF, _NONE_DESCRIPTION = _none_description()
@@ -363,7 +352,7 @@ def _tuples(x: Any) -> Any:
     return tuple(_tuples(v) for v in x) if isinstance(x, list) else x
 
 
-def _is_plain(x: Any, depth: int) -> bool:
+def is_plain(x: Any, depth: int) -> bool:
     if depth > MAX_ARGS_DEPTH:
         return False
     if x is None or isinstance(x, bool | str | bytes | float):
@@ -371,10 +360,11 @@ def _is_plain(x: Any, depth: int) -> bool:
     if isinstance(x, int):
         return -(1 << 63) <= x < (1 << 64)
     if type(x) in (list, tuple):
-        return all(_is_plain(v, depth + 1) for v in x)
+        return all(is_plain(v, depth + 1) for v in x)
     if type(x) is dict:
-        return all(isinstance(k, str) and _is_plain(v, depth + 1) for k, v in x.items())
+        return all(isinstance(k, str) and is_plain(v, depth + 1) for k, v in x.items())
     return False
+
 
 
 def lookup_class(module: Any, qualname: Any) -> Any:
@@ -404,100 +394,6 @@ def lookup_class(module: Any, qualname: Any) -> Any:
 
 _MODULE_DICT: Any = vars(types.ModuleType)["__dict__"]
 _TYPE_DICT: Any = vars(type)["__dict__"]
-
-
-# -- errors ------------------------------------------------------------------------------
-
-
-def describe_error(exc: BaseException, hostname: str) -> bytes:
-    """Worker side: the RESULT payload for an exception raised on this host."""
-    cls = type(exc)
-    args = list(exc.args) if _is_plain(list(exc.args), 0) else None
-    notes = [str(n)[:MAX_TEXT] for n in getattr(exc, "__notes__", [])[:MAX_NOTES]]
-    tb = "".join(traceback.format_exception(exc))
-    if len(tb) > MAX_TEXT:
-        tb = "...\n" + tb[-MAX_TEXT:]
-    desc = {"v": VERSION, "module": cls.__module__, "qualname": cls.__qualname__,
-            "args": args, "message": _text(exc), "notes": notes, "traceback": tb,
-            "host": hostname}
-    try:
-        return _pack(desc)
-    except Exception:  # an int arg out of msgpack's range, say: send it without args
-        desc["args"] = None
-        return _pack(desc)
-
-
-def _text(exc: BaseException) -> str:
-    try:
-        return str(exc)[:MAX_TEXT]
-    except Exception:
-        return f"<{type(exc).__name__}: str() failed>"
-
-
-@dataclass(frozen=True, slots=True)
-class RemoteFailure:
-    """An error description as read off the wire (strings bounded)."""
-
-    module: str
-    qualname: str
-    args: list[Any] | None
-    message: str
-    notes: list[str]
-    traceback: str
-    hostname: str
-
-    @property
-    def type_name(self) -> str:
-        return f"{self.module}.{self.qualname}"
-
-
-def _str(raw: Any, limit: int = MAX_TEXT) -> str:
-    if not isinstance(raw, str):
-        raise BadReply("bad error description field")
-    return raw[:limit]
-
-
-def read_error(payload: Any) -> RemoteFailure:
-    """Controller side: the error description in a RESULT payload.
-
-    Raises:
-        BadReply: not an error description.
-    """
-    desc = _unpack(payload)
-    if not isinstance(desc, dict) or desc.get("v") != VERSION:
-        raise BadReply("bad error description")
-    args = desc.get("args")
-    if args is not None and not (isinstance(args, list) and _is_plain(args, 0)):
-        raise BadReply("bad error arguments")
-    notes = desc.get("notes", [])
-    if not isinstance(notes, list):
-        raise BadReply("bad error notes")
-    return RemoteFailure(
-        _str(desc.get("module"), MAX_NAME), _str(desc.get("qualname"), MAX_NAME), args,
-        _str(desc.get("message")), [_str(n) for n in notes[:MAX_NOTES]],
-        _str(desc.get("traceback", "")), _str(desc.get("host", ""), MAX_NAME))
-
-
-def rebuild_error(failure: RemoteFailure, host: int | None) -> BaseException:
-    """The exception a future raises for ``failure``.
-
-    Its original type when the type's module is already imported here and the
-    class is an ``Exception`` subclass that accepts the plain arguments that
-    travelled; otherwise :class:`~colobus.RemoteError`. The remote notes follow.
-    """
-    exc: BaseException | None = None
-    cls = lookup_class(failure.module, failure.qualname)
-    if (isinstance(cls, type) and issubclass(cls, Exception)
-            and failure.args is not None):
-        try:
-            exc = cls(*failure.args)
-        except Exception:
-            exc = None
-    if exc is None:
-        exc = RemoteError(failure.type_name, failure.message, failure.traceback, host)
-    for note in failure.notes:
-        exc.add_note(note)
-    return exc
 
 
 # -- fetched blocks and counters ---------------------------------------------------------

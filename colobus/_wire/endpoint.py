@@ -3,7 +3,7 @@
 ZeroMQ answers a malformed endpoint with a bare "Invalid argument" (and a worker
 that went on would then hang in context termination); this says what is wrong
 in words, and splits a good ``tcp://`` endpoint into host and port for the
-worker's join diagnosis (:mod:`colobus._join`).
+worker's join diagnosis (:mod:`colobus._host.join`).
 """
 
 from __future__ import annotations

@@ -155,7 +155,7 @@ class Heartbeat(Body):
     The other fields are the worker's: what its store holds, its process's
     resident memory and CPU time, the messages it dropped, by reason, and, when
     the WELCOME asked for them, how long its calls waited and ran since its last
-    heartbeat, bucketed per function (``calls``, :mod:`colobus._calltimes`).
+    heartbeat, bucketed per function (``calls``, :mod:`colobus._wire.calltimes`).
     """
 
     kind = Kind.HEARTBEAT
