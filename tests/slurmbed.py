@@ -78,8 +78,8 @@ HOLD_PARTITION = "hold"  # State=DOWN: jobs sent there stay PENDING
 HOLD_REASON = "PartitionDown"  # what squeue's %r shows for them
 TMP_PREFIX = "colobus-slurmbed-"
 SLURMD_PORT = 6818  # the same in every namespace: each has its own port space
-BINARIES = ("nsenter", "munged", "munge", "unmunge", "slurmctld", "slurmd", "slurmstepd", "sbatch", "srun", "salloc",
-            "squeue", "scancel", "sinfo", "scontrol")
+BINARIES = ("nsenter", "munged", "munge", "unmunge", "slurmctld", "slurmd", "slurmstepd",
+            "sbatch", "srun", "salloc", "squeue", "scancel", "sinfo", "scontrol")
 SLURM_CLI_TIMEOUT = 30.0
 
 _probe_result: list[str | None] = []
@@ -221,11 +221,14 @@ class SlurmBed:
         nodes: how many nodes (namespaces), n0..n{nodes-1}.
         cpus_per_node: CPUs each node offers to Slurm (not tied to the machine's).
         start_timeout: seconds for the whole start, until every node is idle.
-        min_job_age: ``MinJobAge``: seconds a finished job stays visible to squeue.
+        min_job_age: ``MinJobAge``: seconds a finished job's record is kept (``scontrol
+            show job``; squeue without ``-t all`` no longer lists a finished job).
+        extra_conf: more ``slurm.conf`` lines, after the bed's own (a later line wins).
     """
 
     def __init__(self, nodes: int = 2, cpus_per_node: int = 4, *, start_timeout: float = 60.0,
-                 min_job_age: int = 30) -> None:
+                 min_job_age: int = 30, extra_conf: Sequence[str] = ()) -> None:
+        self.extra_conf = list(extra_conf)
         self.net = NetBed(nodes)
         self.partition = DEFAULT_PARTITION
         self.hold_partition = HOLD_PARTITION
@@ -351,6 +354,7 @@ class SlurmBed:
             f"MinJobAge={self.min_job_age}",
             "UnkillableStepTimeout=30",
             "HealthCheckInterval=0",
+            "MailProg=/bin/true",
         ]
         for n in self.nodes:
             lines.append(f"NodeName={n.name} NodeAddr={n.ip} NodeHostname={n.name} "
@@ -362,6 +366,7 @@ class SlurmBed:
             f"PartitionName={self.hold_partition} Nodes={names} Default=NO MaxTime=INFINITE "
             "State=DOWN",
         ]
+        lines += self.extra_conf
         with open(os.path.join(d, "plugstack.conf"), "w") as f:
             f.write("# no SPANK plugins\n")
         return "\n".join(lines) + "\n"
@@ -527,7 +532,9 @@ class SlurmBed:
             path = os.path.join(self.dir, "log", name)
             if os.path.getsize(path):
                 parts.append(f"--- {name} (last {lines} lines) ---\n{_tail(path, lines)}")
-        return "\n".join(parts) or "(the daemons' logs are empty)"
+            else:
+                parts.append(f"--- {name} (empty) ---")
+        return "\n".join(parts) or "(no daemon started yet)"
 
     # -- stopping -------------------------------------------------------------------------
 
