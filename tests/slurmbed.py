@@ -434,7 +434,7 @@ class SlurmBed:
             return all(states.get(n.name) == "idle" for n in self.nodes)
 
         self._wait(idle, time.monotonic() + timeout, "every node to be idle",
-                   lambda: f"node states: {states}")
+                   lambda: f"node states: {states}", step=0.2)
 
     def _wait(self, pred: Callable[[], bool], deadline: float, what: str,
               detail: Callable[[], str] = lambda: "", step: float = 0.1) -> None:
@@ -475,13 +475,30 @@ class SlurmBed:
         return proc
 
     def sbatch(self, script: str, *args: str) -> str:
-        """Submit ``script`` (its text, starting with ``#!``) with ``sbatch --parsable``; job id."""
+        """Submit ``script`` (its text, starting with ``#!``) with ``sbatch --parsable``; job id.
+
+        Without ``-o``/``--output`` in ``args`` the job's output goes to
+        :meth:`job_output_path` (in the bed's dir), not to ``slurm-ID.out`` in the cwd.
+        """
+        if not any(a == "-o" or a.startswith(("-o", "--output")) for a in args):
+            args = (f"--output={self.dir}/slurm-%j.out", *args)
         out = self.slurm("sbatch", "--parsable", *args, input=script).stdout.strip()
         return out.split(";")[0]
 
-    def job_state(self, job_id: str) -> tuple[str, str] | None:
-        """``(state, reason)`` as squeue prints them (``%T %r``), None once squeue has none."""
-        proc = self.slurm("squeue", "-h", "-j", job_id, "-o", "%T %r", check=False)
+    def job_output_path(self, job_id: str) -> str:
+        """Where a job submitted with :meth:`sbatch` (no ``-o``) writes its output."""
+        return os.path.join(self.dir, f"slurm-{job_id}.out")
+
+    def job_state(self, job_id: str, *, finished: bool = False) -> tuple[str, str] | None:
+        """``(state, reason)`` as squeue prints them (``%T %r``); None when squeue lists none.
+
+        squeue lists a job only while it is pending, running or completing; with
+        ``finished=True`` (``squeue -t all``) also afterwards, for ``min_job_age``
+        seconds: ``("COMPLETED", "None")``, ``("FAILED", "NonZeroExitCode")``,
+        ``("CANCELLED", ...)``.
+        """
+        states = ["-t", "all"] if finished else []
+        proc = self.slurm("squeue", "-h", *states, "-j", job_id, "-o", "%T %r", check=False)
         words = proc.stdout.split(None, 1)
         if proc.returncode != 0 or not words:
             return None
@@ -498,7 +515,8 @@ class SlurmBed:
                 seen[0] is not None and seen[0][0] in states)
 
         what = f"job {job_id} to be " + ("gone from squeue" if states is None else "/".join(states))
-        self._wait(reached, time.monotonic() + timeout, what, lambda: f"last seen: {seen[0]}")
+        self._wait(reached, time.monotonic() + timeout, what, lambda: f"last seen: {seen[0]}",
+                   step=0.2)
         return seen[0]
 
     def node_states(self) -> dict[str, str]:
@@ -510,15 +528,14 @@ class SlurmBed:
 
     def scancel_all(self, timeout: float = 15.0) -> None:
         """Cancel every job of the bed's cluster and wait until squeue lists none running."""
-        self.slurm("scancel", "--full", "-u", "root", check=False, timeout=10)
-        self.slurm("scancel", "--full", "-p", self.hold_partition, check=False, timeout=10)
+        self.slurm("scancel", "-u", "root", check=False, timeout=10)  # every job here is root's
 
         def none_left() -> bool:
             out = self.slurm("squeue", "-h", "-o", "%i %T", check=False, timeout=10).stdout
             return not any(w in out for w in ("RUNNING", "PENDING", "COMPLETING", "CONFIGURING"))
 
         with contextlib.suppress(SlurmBedError):
-            self._wait(none_left, time.monotonic() + timeout, "every job to end")
+            self._wait(none_left, time.monotonic() + timeout, "every job to end", step=0.2)
 
     def log_tail(self, lines: int = 25) -> str:
         """The last ``lines`` lines of each daemon's log files, for error messages."""

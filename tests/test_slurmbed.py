@@ -40,10 +40,12 @@ def _read_lines(path: str) -> list[str]:
 
 def test_sbatch_job_runs_on_a_node_inside_its_namespace(slurm: SlurmBed) -> None:
     out = os.path.join(slurm.dir, "sbatch-one.txt")
-    job = slurm.sbatch(f"#!/bin/sh\necho \"$SLURMD_NODENAME $(hostname -I)\" > {out}\n",
-                       "-N1", "-o", "/dev/null")
+    job = slurm.sbatch(f"#!/bin/sh\necho \"$SLURMD_NODENAME $(hostname -I)\" > {out}\n"
+                       "echo done in $(pwd)\n", "-N1")
     assert job.isdigit(), job
     assert slurm.wait_job(job, None, timeout=30) is None  # finished: squeue lists it no more
+    assert slurm.job_state(job, finished=True) == ("COMPLETED", "None")
+    assert _read_lines(slurm.job_output_path(job)) == [f"done in {os.getcwd()}"]
     [line] = _read_lines(out)
     node, *addrs = line.split()
     ips = {n.name: n.ip for n in slurm.nodes}
@@ -86,6 +88,22 @@ def test_srun_inside_salloc_runs_on_two_nodes_and_several_tasks_per_node(slurm: 
     tasks = sorted(line.split(":", 1)[1].split() for line in lines[1:])
     ips = {n.name: n.ip for n in slurm.nodes}
     assert tasks == sorted([[name, ip] for name, ip in ips.items()] * 3), proc.stdout
+
+
+def test_srun_gives_its_stdin_to_every_task(slurm: SlurmBed) -> None:
+    # how a launcher can hand each worker its key without a file or the command line
+    proc = slurm.slurm("srun", "-N2", "--ntasks-per-node=1", "-l", "sh", "-c",
+                       "read line; echo \"$SLURMD_NODENAME got $line\"", input="k3y\n",
+                       timeout=60)
+    assert sorted(proc.stdout.splitlines()) == ["0: n0 got k3y", "1: n1 got k3y"], proc.stdout
+
+
+def test_a_failing_batch_job_is_reported_failed(slurm: SlurmBed) -> None:
+    job = slurm.sbatch("#!/bin/sh\necho about to fail\nexit 3\n")
+    slurm.wait_job(job, None, timeout=30)
+    assert slurm.job_state(job, finished=True) == ("FAILED", "NonZeroExitCode")
+    assert "ExitCode=3:0" in slurm.slurm("scontrol", "show", "job", job).stdout
+    assert _read_lines(slurm.job_output_path(job)) == ["about to fail"]
 
 
 def test_a_job_in_the_hold_partition_stays_pending_until_scancel(slurm: SlurmBed) -> None:
