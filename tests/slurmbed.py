@@ -54,6 +54,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import re
+import select
 import shutil
 import signal
 import socket
@@ -62,7 +64,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import netbed
@@ -245,6 +247,7 @@ class SlurmBed:
         self.ctld_port = 0
         self.start_seconds = 0.0  # how long create() took
         self._procs: list[tuple[str, subprocess.Popen[bytes], str]] = []  # (what, proc, log)
+        self._extra_procs: list[subprocess.Popen[bytes]] = []  # salloc of allocation()
         self._old_conf: str | None = None
         self._env_set = False
         self._closed = False
@@ -519,6 +522,79 @@ class SlurmBed:
                    step=0.2)
         return seen[0]
 
+    @contextlib.contextmanager
+    def allocation(self, nodes: int = 1, *args: str, timeout: float = 30.0,
+                   apply_env: bool = True) -> Iterator[dict[str, str]]:
+        """``with bed.allocation(2) as env:`` the test process is "inside an allocation".
+
+        A real ``salloc -N nodes ARGS`` holds the allocation (its shell runs here, in
+        the root namespace, like an salloc shell on a login node); ``env`` is the
+        ``SLURM_*`` environment salloc gave that shell (``SLURM_JOB_ID``,
+        ``SLURM_JOB_NODELIST``, ``SLURM_JOB_NUM_NODES``, ...). With ``apply_env``
+        those variables are also set in ``os.environ`` inside the block (so ``srun``
+        and ``cb.slurm_cluster`` see an allocation) and removed after it. On exit the
+        job is cancelled and salloc ends.
+        """
+        marker = b"__colobus_slurmbed_env_end__"
+        err_path = os.path.join(self.dir, "log", f"salloc-{time.monotonic_ns()}.err")
+        main = threading.current_thread() is threading.main_thread()
+        with open(err_path, "wb") as err:
+            proc = subprocess.Popen(
+                ["salloc", f"--nodes={nodes}", *args, "sh", "-c",
+                 f"env -0; printf '{marker.decode()}'; exec cat >/dev/null"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=self.env(),
+                preexec_fn=_die_with_parent if main else os.setsid)
+        self._extra_procs.append(proc)
+        assert proc.stdout is not None and proc.stdin is not None
+        saved: dict[str, str | None] = {}
+        job_id = ""
+        try:
+            data = b""
+            deadline = time.monotonic() + timeout
+            while marker not in data:
+                left = deadline - time.monotonic()
+                if proc.poll() is not None or left <= 0:
+                    why = (f"salloc exited ({proc.returncode})" if proc.returncode is not None
+                           else f"no allocation within {timeout} s")
+                    raise SlurmBedError(f"Slurm bed: {why}: {_tail(err_path, 10)}\n"
+                                        f"{self.log_tail()}")
+                ready, _, _ = select.select([proc.stdout], [], [], min(left, 0.5))
+                if ready:
+                    chunk = os.read(proc.stdout.fileno(), 65536)
+                    data += chunk
+            entries = data.split(marker)[0].split(b"\0")
+            env = dict(e.decode(errors="replace").split("=", 1) for e in entries if b"=" in e)
+            env = {k: v for k, v in env.items() if k.startswith("SLURM_") and k != "SLURM_CONF"}
+            job_id = env["SLURM_JOB_ID"]
+            if apply_env:
+                for k, v in env.items():
+                    saved[k] = os.environ.get(k)
+                    os.environ[k] = v
+            yield env
+        finally:
+            for k, old in saved.items():
+                if old is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = old
+            if not job_id:  # not granted (yet): salloc names the job it waits for
+                found = re.search(r"job allocation (\d+)", _tail(err_path, 50))
+                job_id = found.group(1) if found else ""
+                if job_id:
+                    self.slurm("scancel", job_id, check=False, timeout=10)
+            proc.stdin.close()  # its shell's `cat` ends, so salloc relinquishes the allocation
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                if job_id:
+                    self.slurm("scancel", job_id, check=False, timeout=10)
+                proc.kill()
+                proc.wait(10)
+            proc.stdout.close()
+            if job_id:
+                with contextlib.suppress(SlurmBedError):
+                    self.wait_job(job_id, None, timeout=15)
+
     def node_states(self) -> dict[str, str]:
         """``{node: state}`` as ``sinfo -N`` prints them (``idle``, ``alloc``, ``down*`` ...)."""
         proc = self.slurm("sinfo", "-h", "-N", "-p", self.partition, "-o", "%N %t", check=False,
@@ -568,6 +644,10 @@ class SlurmBed:
             try:
                 for n in self.nodes:  # slurmd, slurmstepd and the steps: all in the namespaces
                     _kill_ns_processes(n.ns)
+                for proc in self._extra_procs:
+                    if proc.poll() is None:
+                        proc.kill()
+                    proc.wait(10)
                 for _, proc, _ in reversed(self._procs):
                     if proc.poll() is None:
                         proc.terminate()

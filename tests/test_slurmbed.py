@@ -106,6 +106,32 @@ def test_a_failing_batch_job_is_reported_failed(slurm: SlurmBed) -> None:
     assert _read_lines(slurm.job_output_path(job)) == ["about to fail"]
 
 
+def test_inside_an_allocation_srun_runs_a_step_of_that_job(slurm: SlurmBed) -> None:
+    assert "SLURM_JOB_ID" not in os.environ
+    with slurm.allocation(2) as env:
+        job = env["SLURM_JOB_ID"]
+        assert os.environ["SLURM_JOB_ID"] == job
+        assert env["SLURM_JOB_NUM_NODES"] == "2" and env["SLURM_JOB_NODELIST"] == "n[0-1]"
+        assert slurm.job_state(job) == ("RUNNING", "None")
+        # a plain srun (default environment) runs in the allocation, on its two nodes
+        out = subprocess.run(["srun", "sh", "-c", "echo $SLURM_JOB_ID $(hostname -I)"],
+                             capture_output=True, text=True, timeout=60, check=True).stdout
+        assert sorted(out.splitlines()) == [f"{job} {n.ip}" for n in slurm.nodes]
+    assert "SLURM_JOB_ID" not in os.environ
+    assert slurm.job_state(job) is None  # cancelled with the block
+
+
+def test_an_allocation_that_is_not_granted_in_time_fails_and_leaves_no_job(
+        slurm: SlurmBed) -> None:
+    t0 = time.monotonic()
+    with pytest.raises(SlurmBedError, match="no allocation within 2"), \
+            slurm.allocation(1, f"--partition={HOLD_PARTITION}", timeout=2):
+        pass
+    assert time.monotonic() - t0 < 15
+    assert slurm.slurm("squeue", "-h", "-o", "%i %T").stdout == ""
+    assert "SLURM_JOB_ID" not in os.environ
+
+
 def test_a_job_in_the_hold_partition_stays_pending_until_scancel(slurm: SlurmBed) -> None:
     job = slurm.sbatch("#!/bin/sh\nsleep 300\n", f"--partition={HOLD_PARTITION}",
                        "-o", "/dev/null")
