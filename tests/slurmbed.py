@@ -1,4 +1,4 @@
-"""A real Slurm cluster on this machine, for tests: slurmctld, one slurmd per netns, munge.
+r"""A real Slurm cluster on this machine, for tests: slurmctld, one slurmd per netns, munge.
 
 Layout (built on :class:`netbed.NetBed`; ``X`` is the bed's free third octet)::
 
@@ -30,11 +30,28 @@ Partitions:
 
 Environment: the config is found through ``SLURM_CONF`` only (the munge socket
 is named in it, ``AuthInfo=socket=...``). While a bed is open it sets
-``os.environ["SLURM_CONF"]`` (the previous value comes back on close), so
+``os.environ["SLURM_CONF"]`` and removes other inherited ``SLURM_*`` variables
+(the previous values come back on close), so
 subprocesses started with the default environment use the bed; one started
 with an explicit ``env=`` needs ``env={**os.environ, ...}`` or
 ``bed.env(...)``. Jobs inherit it (sbatch/srun export the whole environment
 by default), so ``srun`` inside a batch job finds the same cluster.
+
+Use (fixtures ``slurm_bed``/``slurm`` in ``tests/slurm_fixtures.py``)::
+
+    with SlurmBed(nodes=2) as bed:                  # about a second to start
+        job = bed.sbatch("#!/bin/sh\nhostname -I\n", "-N1")    # job id (str)
+        bed.wait_job(job, None)                     # until squeue lists it no more
+        bed.job_state(job, finished=True)           # ("COMPLETED", "None")
+        open(bed.job_output_path(job)).read()       # "10.211.X.10 \n"
+        bed.slurm("srun", "-N2", "hostname")        # any Slurm command, checked
+        with bed.allocation(2) as env:              # inside a real salloc allocation:
+            ...                                     #   SLURM_JOB_ID etc. in os.environ
+
+Job ids restart at 1 in every bed (each has its own state); finished jobs
+leave squeue at once (``squeue -t all`` shows them for ``min_job_age`` s).
+Without ``-o``, a job's output file is ``slurm-ID.out`` in the submitter's cwd
+(Slurm's default): :meth:`SlurmBed.sbatch` puts it in the bed's dir instead.
 
 Everything the bed starts or writes is removed by :meth:`SlurmBed.close`
 (idempotent; also after a failed start): jobs are cancelled, every process left
@@ -248,7 +265,7 @@ class SlurmBed:
         self.start_seconds = 0.0  # how long create() took
         self._procs: list[tuple[str, subprocess.Popen[bytes], str]] = []  # (what, proc, log)
         self._extra_procs: list[subprocess.Popen[bytes]] = []  # salloc of allocation()
-        self._old_conf: str | None = None
+        self._saved_env: dict[str, str] = {}
         self._env_set = False
         self._closed = False
         self._created = False
@@ -304,7 +321,11 @@ class SlurmBed:
         self.conf = os.path.join(self.dir, "slurm.conf")
         with open(self.conf, "w") as f:
             f.write(self._slurm_conf())
-        self._old_conf = os.environ.get("SLURM_CONF")
+        # SLURM_CONF names the bed's config; SLURM_* inherited from a real job around the
+        # test run (SLURM_JOB_ID ...) would point srun at a job the bed does not have
+        self._saved_env = {k: v for k, v in os.environ.items() if k.startswith("SLURM_")}
+        for k in self._saved_env:
+            del os.environ[k]
         os.environ["SLURM_CONF"] = self.conf
         self._env_set = True
 
@@ -658,10 +679,8 @@ class SlurmBed:
                         proc.wait(10)
             finally:
                 if self._env_set:
-                    if self._old_conf is None:
-                        os.environ.pop("SLURM_CONF", None)
-                    else:
-                        os.environ["SLURM_CONF"] = self._old_conf
+                    os.environ.pop("SLURM_CONF", None)
+                    os.environ.update(self._saved_env)
                     self._env_set = False
                 self.net.close()
                 if self.dir:

@@ -222,11 +222,14 @@ def _leftovers(bed: SlurmBed, pids: list[int]) -> list[str]:
     return left
 
 
-def test_close_removes_every_daemon_job_namespace_and_file() -> None:
+def test_close_removes_every_daemon_job_namespace_and_file(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SLURM_JOB_ID", "424242")  # as in a test run inside a real job
     before = os.environ.get("SLURM_CONF")
     bed = SlurmBed(nodes=1, cpus_per_node=2)
     with bed:
         assert os.environ["SLURM_CONF"] == bed.conf
+        assert "SLURM_JOB_ID" not in os.environ
         assert bed.start_seconds < 30, bed.start_seconds
         job = bed.sbatch("#!/bin/sh\nexec sleep 300\n", "-o", "/dev/null")
         bed.wait_job(job, ["RUNNING"], timeout=30)
@@ -236,6 +239,7 @@ def test_close_removes_every_daemon_job_namespace_and_file() -> None:
                                                 timeout=30).stdout.split()]
         assert len(pids) >= 4  # munged, slurmctld, slurmd, slurmstepd (+ the job)
     assert os.environ.get("SLURM_CONF") == before
+    assert os.environ["SLURM_JOB_ID"] == "424242"
     assert _leftovers(bed, pids) == []
     bed.close()  # idempotent
 
