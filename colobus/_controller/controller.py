@@ -48,8 +48,6 @@ log = logging.getLogger("colobus.controller")
 SCRAPE_REFRESH_S = 1.0  # a metrics scrape waits this long for the hosts' fresh figures
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 31  # 2 GiB: raise with Controller(max_message_bytes=...)
 
-
-
 _current: Current[Controller] = Current()
 
 
