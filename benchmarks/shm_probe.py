@@ -2,7 +2,8 @@
 
 A fresh segment per transfer against one reused segment whose pages stay
 mapped on both sides. Run: ``python benchmarks/shm_probe.py``. Findings and
-what they mean for colobus: docs/performance.md ("Not done").
+what they mean for colobus: docs/performance.md ("Shared memory for hosts on
+the controller's machine").
 """
 
 from __future__ import annotations
