@@ -1,4 +1,4 @@
-"""Probe (issue 7): 256 MiB from one process to another through shared memory.
+"""Probe: 256 MiB from one process to another through shared memory.
 
 A fresh segment per transfer against one reused segment whose pages stay
 mapped on both sides. Run: ``python benchmarks/shm_probe.py``. Findings and
