@@ -2,7 +2,7 @@
 
 import sys
 
-from colobus._cli import main
+from colobus._tools.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["bench", *sys.argv[1:]]))

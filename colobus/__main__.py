@@ -1,5 +1,5 @@
 """``python -m colobus`` is the ``colobus`` command."""
 
-from ._cli import main
+from ._tools.cli import main
 
 raise SystemExit(main())

@@ -58,7 +58,7 @@ def cluster() -> collections.abc.Iterator[cb.Controller]:
 @pytest.fixture
 def ctl(cluster: cb.Controller) -> collections.abc.Iterator[cb.Controller]:
     """The shared cluster, made the default controller for this test."""
-    from colobus._controller import _pop_current, _push_current
+    from colobus._controller.controller import _pop_current, _push_current
 
     _push_current(cluster)
     try:
@@ -80,3 +80,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+# The real Slurm cluster (tests/slurmbed.py): fixtures `slurm_bed` (session) and `slurm`.
+from slurm_fixtures import slurm, slurm_bed  # noqa: E402, F401

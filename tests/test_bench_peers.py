@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from colobus._cli import build_parser
 from colobus._tools import bench_peers as peers
 from colobus._tools.bench import BENCHMARKS, Row, Sizes, run_bench
+from colobus._tools.cli import build_parser
 
 MISSING = {"ray": "colobus_test_no_such_ray", "ipyparallel": "colobus_test_no_such_ipp"}
 

@@ -23,7 +23,7 @@ from lifecycle import bounded, workers
 from netbed import NetBed, unavailable_reason
 
 import colobus as cb
-from colobus._keys import write_key
+from colobus._wire.keys import write_key
 
 HB, LIVE = 0.25, 6.0  # the blips below last well under LIVE (and half of it)
 BLIP_S = 1.0

@@ -42,7 +42,7 @@ def test_no_arguments_prints_help_and_version_works() -> None:
 
 
 def test_every_option_has_help_text() -> None:
-    from colobus._cli import build_parser
+    from colobus._tools.cli import build_parser
 
     parser = build_parser()
     parsers = [parser]

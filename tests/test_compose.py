@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from colobus._keys import write_key
+from colobus._wire.keys import write_key
 
 ROOT = Path(__file__).resolve().parent.parent
 IMAGE = "colobus:local"  # what docker-compose.yml runs

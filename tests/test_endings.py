@@ -38,7 +38,7 @@ from lifecycle import (
 )
 
 import colobus as cb
-from colobus._keys import write_key
+from colobus._wire.keys import write_key
 
 HB, LIVE = 0.25, 3.0  # heartbeat and liveness timeout of the clusters that lose a host
 FAST: dict[str, Any] = {"heartbeat_interval": HB, "liveness_timeout": LIVE}

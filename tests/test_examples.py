@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import yaml
 
-from colobus._cli import build_parser as cli_parser
+from colobus._tools.cli import build_parser as cli_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"

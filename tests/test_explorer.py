@@ -44,7 +44,7 @@ from hypothesis.stateful import (
 from lifecycle import STORE_KEYS, Workers
 
 import colobus as cb
-from colobus._keys import write_key
+from colobus._wire.keys import write_key
 
 BOUND = 20.0  # seconds within which any operation must settle, beyond its own run time
 SLOW_S = 0.4

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import colobus as cb
-from colobus._wire import ByValue, StdPickler, dumps, loads
+from colobus._wire.envelope import ByValue, StdPickler, dumps, loads
 
 
 @cb.colocated_python
@@ -177,7 +177,7 @@ def test_the_startup_objects_leave_the_collectors_scans(freeze: bool, tmp_path: 
 
 def test_array_only_arguments_reuse_one_payload(ctl: cb.Controller) -> None:
     """``f(x, y)`` of arrays skips the pickler: same bytes and refs as pickling them."""
-    from colobus import _serialization as S
+    from colobus._api import serialization as S
 
     x = cb.device_put(np.zeros(4, np.float32), ctl.devices()[0])
     y = cb.device_put(np.ones(4, np.float32), ctl.devices()[1])

@@ -1,7 +1,7 @@
 """Property-based fuzzing of the pure envelope decoder and the body parser.
 
-``colobus._wire.decode`` must only ever raise ``Dropped`` and
-``colobus._protocol.parse`` only ``ValueError``, whatever the bytes; nothing is
+``colobus._wire.envelope.decode`` must only ever raise ``Dropped`` and
+``colobus._wire.protocol.parse`` only ``ValueError``, whatever the bytes; nothing is
 unpickled by either (a payload whose unpickling would create a file proves it).
 Example counts are bounded so this runs in a few seconds in CI.
 """
@@ -18,8 +18,8 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from colobus import _protocol as P
-from colobus._wire import MAC_SIZE, Dropped, Envelope, decode, encode, mac
+from colobus._wire import protocol as P
+from colobus._wire.envelope import MAC_SIZE, Dropped, Envelope, decode, encode, mac
 
 KEY = b"k" * 32
 OTHER_KEY = b"x" * 32

@@ -27,9 +27,9 @@ import pytest
 import zmq
 
 import colobus as cb
-from colobus import _protocol as P
-from colobus._protocol import Kind
-from colobus._wire import Envelope, decode, encode
+from colobus._wire import protocol as P
+from colobus._wire.envelope import Envelope, decode, encode
+from colobus._wire.protocol import Kind
 
 N_RANDOM = 1500
 

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from colobus._guard import BoundedDict, Challenges, PeerWarnings
+from colobus._wire.guard import BoundedDict, Challenges, PeerWarnings
 
 
 def test_challenges_are_single_use_bound_to_connection_and_session() -> None:

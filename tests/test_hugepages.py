@@ -11,7 +11,7 @@ import time
 import pytest
 
 import colobus as cb
-from colobus import _hugepages as H
+from colobus import _process as H
 
 needs_thp = pytest.mark.skipif(not H.available(),
                                reason="needs Linux, glibc 2.35+ and transparent huge pages")

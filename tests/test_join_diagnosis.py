@@ -23,7 +23,7 @@ from typing import IO
 import pytest
 
 import colobus as cb
-from colobus._keys import key_id, write_key
+from colobus._wire.keys import key_id, write_key
 
 SCRIPT = Path(sys.executable).parent / "colobus"
 
@@ -143,7 +143,7 @@ def test_wrong_key_both_sides_say_so_without_logging_setup(
 
 async def test_version_mismatch_is_refused_and_the_worker_exits_2(
         procs: Procs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import colobus._sessions as sessions_module
+    import colobus._controller.sessions as sessions_module
 
     key_file = tmp_path / "k"
     key = write_key(key_file)
@@ -161,7 +161,7 @@ async def test_version_mismatch_is_refused_and_the_worker_exits_2(
 
 
 def test_join_order_releases_every_expected_name_in_order() -> None:
-    from colobus._joinorder import JoinOrder
+    from colobus._controller.joinwait import JoinOrder
 
     order: JoinOrder[str] = JoinOrder(["local-0", "local-1", "local-2"])
     assert order.offer("local-2", "hello 2") == []
@@ -172,7 +172,7 @@ def test_join_order_releases_every_expected_name_in_order() -> None:
 
 
 def test_worker_refuses_a_malformed_endpoint_before_zeromq() -> None:
-    from colobus._worker import Worker
+    from colobus._host.worker import Worker
 
     KEY = b"k" * 32
     for bad in ("localhost:5555", "tcp://localhost", "tcp://:5555", "ipc://"):

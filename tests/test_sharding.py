@@ -1,4 +1,4 @@
-"""Tests for colobus._sharding: layouts must match JAX's, host blocks must be exact."""
+"""Tests for colobus._model.sharding: layouts must match JAX's, host blocks must be exact."""
 
 from __future__ import annotations
 
@@ -17,16 +17,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from colobus._blocks import HostBlock, assemble, global_shape_from_host, host_blocks
-from colobus._sharding import (
-    Device,
-    Mesh,
+from colobus._model.blocks import HostBlock, assemble, global_shape_from_host, host_blocks
+from colobus._model.devices import Device, Mesh, colocated_cpu_devices_from
+from colobus._model.sharding import (
     NamedSharding,
     PartitionSpec,
     ShapeDtypeStruct,
     Sharding,
     SingleDeviceSharding,
-    colocated_cpu_devices_from,
 )
 
 P = PartitionSpec

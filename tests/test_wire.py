@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from colobus import _protocol as P
-from colobus._codec import from_buffer, to_buffer
-from colobus._wire import (
+from colobus._wire import protocol as P
+from colobus._wire.codec import from_buffer, to_buffer
+from colobus._wire.envelope import (
     BATCH_MAX_ITEMS,
     BATCH_MAX_PAYLOAD,
     Dropped,
@@ -211,7 +211,14 @@ def test_pack_batch_concatenates_payloads() -> None:
 def test_batch_body_packed_once_encodes_the_same_bytes() -> None:
     """A BATCH carries its body packed once (for the size check); the header spliced
     from those bytes is byte for byte the one packing the body again would make."""
-    from colobus._wire import BATCH_KIND, Envelope, batched, decode, encode, unpack_batch
+    from colobus._wire.envelope import (
+        BATCH_KIND,
+        Envelope,
+        batched,
+        decode,
+        encode,
+        unpack_batch,
+    )
 
     key = b"k" * 32
     items: list[Any] = [(6, [1, 2, b"d" * 16, -1, "", [], [[0], [1], ["x"]]], b"pay", [], 0),
@@ -230,8 +237,8 @@ def test_an_output_description_is_parsed_once_and_checked_every_time() -> None:
     """Repeated descriptions come from a cache of checked leaves; the tree is rebuilt."""
     import jax
 
-    from colobus import _describe
-    from colobus import _protocol as P
+    from colobus._wire import describe as _describe
+    from colobus._wire import protocol as P
 
     tree = ({"w": 1}, [2, 3])
     leaves, treedef = jax.tree_util.tree_flatten(tree)

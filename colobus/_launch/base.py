@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import functools
 import logging
 import subprocess
 import threading
@@ -28,8 +29,9 @@ import time
 from collections.abc import Callable, Sequence
 from types import TracebackType
 
-from .._controller import Controller, _pop_current, _push_current
-from .._procwatch import Emit, HostProcess, describe_exit
+from .._controller.cluster import host_process_ended, number_hosts_by_name
+from .._controller.controller import Controller, _pop_current, _push_current
+from .._controller.procwatch import Emit, HostProcess, describe_exit
 
 __all__ = ["LaunchedCluster", "Launcher", "Workers", "log_emit"]
 
@@ -294,8 +296,8 @@ class LaunchedCluster:
         ctl = self.controller
         self.workers = Workers(self.launcher, self.connect_address(), self._key,
                                restart=self.restart,
-                               on_ended=ctl._host_process_ended)
-        ctl._number_hosts_by_name(self.launcher.names)  # names[0] is host 0
+                               on_ended=functools.partial(host_process_ended, ctl))
+        number_hosts_by_name(ctl, self.launcher.names)  # names[0] is host 0
         self.workers.start_all()
 
     async def _wait_joined(self) -> None:

@@ -34,8 +34,8 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import Any
 
-from .._keys import KEY_ENV, write_key
-from .._procwatch import Emit
+from .._controller.procwatch import Emit
+from .._wire.keys import KEY_ENV, write_key
 from .base import Launcher, Workers, log_emit
 
 __all__ = ["LAUNCH_KINDS", "add_launch_parsers", "run_launch", "split_command"]
@@ -141,7 +141,7 @@ def _tcp_address(bind: str | None, toward: str) -> str:
 
 def _local_launcher(hosts: int, devices: int) -> Launcher:
     """``launch local``: local workers whose lines go to logging as ``[host N]``."""
-    from .._cluster import _LocalLauncher
+    from .local import _LocalLauncher
 
     class Local(_LocalLauncher):
         def emit(self) -> Emit | None:

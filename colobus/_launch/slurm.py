@@ -34,9 +34,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .._controller import Controller
-from .._keys import generate_key, write_key
-from .._procwatch import describe_exit
+from .._controller.cluster import number_hosts_by_name
+from .._controller.controller import Controller
+from .._controller.procwatch import describe_exit
+from .._wire.keys import generate_key, write_key
 from .base import LaunchedCluster, Launcher
 from .ssh import concrete_address, route_source
 
@@ -216,7 +217,7 @@ class SlurmJobCluster(LaunchedCluster):
 
     def _spawn(self) -> None:
         ctl = self.controller
-        ctl._number_hosts_by_name(self.launcher.names)
+        number_hosts_by_name(ctl, self.launcher.names)
         self.key_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         write_key(self.key_file, self._key)
         out = subprocess.run(["sbatch", "--parsable", *self.sbatch_args],

@@ -25,9 +25,9 @@ import subprocess
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .._controller import Controller
-from .._keys import generate_key
-from .._procwatch import describe_exit
+from .._controller.controller import Controller
+from .._controller.procwatch import describe_exit
+from .._wire.keys import generate_key
 from .base import LaunchedCluster, Launcher
 
 __all__ = ["SshCluster", "SshLauncher", "concrete_address", "route_source", "ssh_cluster",

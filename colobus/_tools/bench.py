@@ -21,11 +21,8 @@ import logging
 import os
 import platform
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -34,6 +31,21 @@ import zmq
 import colobus as cb
 
 from . import bench_calls
+from .bench_base import (
+    FULL,
+    QUICK,
+    BenchObject,
+    PeakMemory,
+    RawEcho,
+    Row,
+    Sizes,
+    _fanout_array,
+    _format_row,
+    _median_us,
+    _one_device_array,
+    bench_inc,
+    bench_noop,
+)
 
 __all__ = ["BENCHMARKS", "run_bench"]
 
@@ -42,257 +54,7 @@ log = logging.getLogger("colobus.bench")
 MiB = 1 << 20
 
 
-# -- code that runs on the hosts (importable, so it travels by reference) -------------
-
-
-@cb.colocated_python
-def bench_noop(x: Any) -> None:
-    """The no-op call: returns nothing, so no output is stored."""
-    return None
-
-
-@cb.colocated_python
-def bench_inc(x: Any) -> Any:
-    """One link of the dependent-call chain."""
-    return x + 1
-
-
-@cb.colocated_python_class
-class BenchObject:
-    """A trivial colocated object: construct plus first call."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def ping(self, x: Any) -> None:
-        return None
-
-
-# -- results -------------------------------------------------------------------------------
-
-
-@dataclass
-class Row:
-    """One benchmark figure: colobus, the raw baseline, and their ratio."""
-
-    name: str
-    unit: str
-    colobus: float
-    baseline: float
-    better: str  # "lower" or "higher"
-    note: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
-    peers: dict[str, dict[str, Any]] = field(default_factory=dict)  # see bench_peers
-
-    @property
-    def ratio(self) -> float:
-        return self.colobus / self.baseline if self.baseline else float("nan")
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"unit": self.unit, "colobus": self.colobus, "baseline": self.baseline,
-                "ratio": self.ratio, "better": self.better, "note": self.note, **self.extra,
-                "peers": self.peers}
-
-
-@dataclass(frozen=True)
-class Sizes:
-    latency_calls: int
-    pipelined_calls: int
-    window: int
-    object_reps: int
-    transfer: tuple[tuple[str, int, int], ...]  # (label, bytes, reps)
-    chain_reps: int
-    chain_len: int = 100
-
-
-FULL = Sizes(latency_calls=2000, pipelined_calls=20000, window=1000, object_reps=40,
-             transfer=(("small", 1 * MiB, 20), ("medium", 64 * MiB, 7), ("large", 256 * MiB, 5)),
-             chain_reps=5)
-QUICK = Sizes(latency_calls=200, pipelined_calls=3000, window=1000, object_reps=8,
-              transfer=(("small", 1 * MiB, 5), ("medium", 8 * MiB, 3), ("large", 32 * MiB, 2)),
-              chain_reps=2)
-
-
-# -- /proc memory --------------------------------------------------------------------------
-
-
-def _status_kib(pid: int, field_name: str) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(field_name + ":"):
-                return int(line.split()[1])
-    raise KeyError(field_name)
-
-
-def rss_mib(pid: int | str = "self") -> float:
-    """Resident set size of ``pid`` (default: this process) in MiB, from /proc."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-class PeakMemory:
-    """Peak RSS growth of some processes over a block (``VmHWM`` after a reset).
-
-    Writing ``5`` to ``/proc/PID/clear_refs`` resets ``VmHWM`` to the current
-    RSS, so the peak covers only the measured block. Where the kernel refuses,
-    the lifetime peak is used (then the figure may overstate).
-    """
-
-    def __init__(self, pids: dict[str, int]) -> None:
-        self.pids = pids
-        self.before: dict[str, int] = {}
-        self.peak: dict[str, int] = {}
-        self.exact = True
-
-    def __enter__(self) -> PeakMemory:
-        for name, pid in self.pids.items():
-            try:
-                with open(f"/proc/{pid}/clear_refs", "w") as f:
-                    f.write("5")
-            except OSError:
-                self.exact = False
-            self.before[name] = _status_kib(pid, "VmRSS")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for name, pid in self.pids.items():
-            self.peak[name] = max(0, _status_kib(pid, "VmHWM") - self.before[name]) * 1024
-
-
-# -- the raw pyzmq baseline ---------------------------------------------------------------
-
-
-def _echo_main(address: str, identity: str) -> None:
-    """A raw DEALER echo server (runs in a subprocess; blocking socket).
-
-    Ops (first frame): ``e`` echo the frames back; ``p`` keep the second frame
-    (zero-copy) and ack; ``g`` send the kept frame back (zero-copy); ``q`` quit.
-    """
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, identity.encode())
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDHWM, 0)
-    sock.setsockopt(zmq.RCVHWM, 0)
-    sock.connect(address)
-    sock.send(b"hello")
-    kept: Any = None
-    while True:
-        frames = sock.recv_multipart(copy=False)
-        op = frames[0].bytes
-        if op == b"e":
-            sock.send_multipart(frames, copy=False)
-        elif op == b"p":
-            kept = frames[1]
-            sock.send(b"k")
-        elif op == b"g":
-            sock.send_multipart([b"d", kept], copy=False)
-        elif op == b"q":
-            break
-    sock.close(0)
-    ctx.term()
-
-
-class RawEcho:
-    """A ROUTER here and ``n`` DEALER echo servers in subprocesses, over ipc."""
-
-    def __init__(self, n: int = 1) -> None:
-        self.n = n
-        self.path = os.path.join(tempfile.gettempdir(), f"colobus-bench-{os.getpid()}.sock")
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.SNDHWM, 0)
-        self.sock.setsockopt(zmq.RCVHWM, 0)
-        self.sock.bind(f"ipc://{self.path}")
-        self.ids = [f"s{i}".encode() for i in range(n)]
-        code = "import sys; from colobus._tools.bench import _echo_main; _echo_main(*sys.argv[1:])"
-        self.procs = [subprocess.Popen([sys.executable, "-c", code, f"ipc://{self.path}",
-                                        i.decode()]) for i in self.ids]
-        self.sock.setsockopt(zmq.RCVTIMEO, 60_000)
-        for _ in range(n):
-            self.sock.recv_multipart()  # hello
-        self.sock.setsockopt(zmq.RCVTIMEO, -1)
-
-    @property
-    def pids(self) -> list[int]:
-        return [p.pid for p in self.procs]
-
-    def close(self) -> None:
-        for i in self.ids:
-            self.sock.send_multipart([i, b"q"])
-        for p in self.procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-        self.sock.close(0)
-        self.ctx.term()
-        with contextlib.suppress(OSError):
-            os.unlink(self.path)
-
-    def __enter__(self) -> RawEcho:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def round_trips(self, n: int, hosts: int = 1) -> list[float]:
-        """``n`` blocking round trips (to ``hosts`` servers at once); seconds each."""
-        sock, ids, payload = self.sock, self.ids[:hosts], b"x" * 200
-        out = []
-        for _ in range(n + n // 10):
-            t = time.perf_counter()
-            for i in ids:
-                sock.send_multipart([i, b"e", payload])
-            for _ in ids:
-                sock.recv_multipart()
-            out.append(time.perf_counter() - t)
-        return out[n // 10:]
-
-    def pipelined(self, total: int, window: int, hosts: int = 1) -> float:
-        """Round trips per second with ``window`` in flight per server."""
-        sock, ids, payload = self.sock, self.ids[:hosts], b"x" * 200
-        t = time.perf_counter()
-        sent = recv = 0
-        for _ in range(min(window, total)):
-            for i in ids:
-                sock.send_multipart([i, b"e", payload])
-            sent += 1
-        while recv < total * len(ids):
-            sock.recv_multipart()
-            recv += 1
-            if sent < total and recv % len(ids) == 0:
-                for i in ids:
-                    sock.send_multipart([i, b"e", payload])
-                sent += 1
-        return total / (time.perf_counter() - t)
-
-    def put(self, buf: np.ndarray[Any, Any]) -> float:
-        """Send ``buf`` zero-copy to server 0 and wait for its ack; seconds."""
-        t = time.perf_counter()
-        self.sock.send_multipart([self.ids[0], b"p", buf.data], copy=False)
-        self.sock.recv_multipart()
-        return time.perf_counter() - t
-
-    def get(self) -> tuple[float, Any]:
-        """Fetch the kept buffer from server 0 (zero-copy); seconds and the data."""
-        t = time.perf_counter()
-        self.sock.send_multipart([self.ids[0], b"g"])
-        frames = self.sock.recv_multipart(copy=False)
-        data = np.frombuffer(frames[2].buffer, np.uint8)
-        return time.perf_counter() - t, data
-
-
 # -- benchmarks --------------------------------------------------------------------------
-
-
-def _median_us(xs: list[float]) -> float:
-    return statistics.median(xs) * 1e6
 
 
 async def _latency_async(x: Any, n: int) -> list[float]:
@@ -337,18 +99,6 @@ async def _pipelined(x: Any, total: int, window: int) -> float:
         bench_noop(x).add_done_callback(finished)
     await done
     return total / (time.perf_counter() - t)
-
-
-def _one_device_array(ctl: cb.Controller, host: int = 0) -> Any:
-    dev = next(d for d in ctl.devices() if d.host == host)
-    return cb.device_put(np.zeros(4, np.float32), dev)
-
-
-def _fanout_array(ctl: cb.Controller, hosts: int) -> Any:
-    devs = [next(d for d in ctl.devices() if d.host == h) for h in range(hosts)]
-    mesh = cb.Mesh(np.array(devs, dtype=object), ("hosts",))
-    return cb.device_put(np.zeros(hosts, np.float32),
-                         cb.NamedSharding(mesh, cb.PartitionSpec("hosts")))
 
 
 class Bench:
@@ -529,15 +279,8 @@ def _run_sync(bench: Bench, options: dict[str, Any]) -> None:
                       "trip"))
 
 
-def _format_row(row: Row) -> str:
-    fmt = "{:>12,.1f}" if row.unit != "GB/s" else "{:>12.2f}"
-    worse = row.ratio if row.better == "lower" else 1 / row.ratio
-    return (f"{row.name:<26} {fmt.format(row.colobus)} {fmt.format(row.baseline)} "
-            f"{row.unit:<8} ratio {row.ratio:6.2f}  ({worse:.2f}x raw's cost)")
-
-
 def _huge_pages_line() -> str:
-    from .._hugepages import with_huge_pages
+    from .._process import with_huge_pages
 
     here = "hugetlb=1" in os.environ.get("GLIBC_TUNABLES", "")
     workers = "hugetlb=1" in with_huge_pages(dict(os.environ)).get("GLIBC_TUNABLES", "")

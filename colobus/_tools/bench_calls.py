@@ -26,14 +26,13 @@ import threading
 import time
 import tracemalloc
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 import colobus as cb
 
-if TYPE_CHECKING:
-    from .bench import Bench, RawEcho
+from .bench_base import BenchRun, RawEcho
 
 __all__ = ["GROUPS", "run_groups"]
 
@@ -117,8 +116,8 @@ def _rss_kib(pid: int | str = "self") -> int:
     return 0
 
 
-async def _calls(bench: Bench, ctl: cb.Controller, raw: RawEcho) -> None:
-    from .bench import Row, _median_us, _one_device_array, bench_noop
+async def _calls(bench: BenchRun, ctl: cb.Controller, raw: RawEcho) -> None:
+    from .bench_base import Row, _median_us, _one_device_array, bench_noop
 
     z = _sizes(bench.sizes.latency_calls < 1000)
     x = _one_device_array(ctl)
@@ -139,8 +138,8 @@ async def _calls(bench: Bench, ctl: cb.Controller, raw: RawEcho) -> None:
     await _pipelined_rows(bench, x, raw, z["pipelined"])
 
 
-async def _pipelined_rows(bench: Bench, x: Any, raw: RawEcho, total: int) -> None:
-    from .bench import Row
+async def _pipelined_rows(bench: BenchRun, x: Any, raw: RawEcho, total: int) -> None:
+    from .bench_base import Row
 
     window = bench.sizes.window
     sem = asyncio.Semaphore(window)
@@ -181,14 +180,14 @@ async def _pipelined_rows(bench: Bench, x: Any, raw: RawEcho, total: int) -> Non
                   "baseline: raw pipelined round trips"))
 
 
-async def _inflight_memory(bench: Bench, ctl: cb.Controller, x: Any, n: int) -> None:
+async def _inflight_memory(bench: BenchRun, ctl: cb.Controller, x: Any, n: int) -> None:
     """Memory per call while ``n`` calls wait on the host behind a held stream, then per
     finished call whose future (and its output) is still alive.
 
     The controller's figure is its Python heap (``tracemalloc``, exact); the
     worker's is its RSS growth (run first, before other rows grow its heap).
     """
-    from .bench import Row
+    from .bench_base import Row
 
     worker = ctl.hosts()[0].pid
     gc.collect()
@@ -219,8 +218,8 @@ async def _inflight_memory(bench: Bench, ctl: cb.Controller, x: Any, n: int) -> 
                          else "; worker: RSS growth") + "; baseline: 1 KiB", {"calls": n}))
 
 
-async def _scaling(bench: Bench, ctl: cb.Controller, raw: RawEcho) -> None:
-    from .bench import Row, _fanout_array, _median_us, bench_noop
+async def _scaling(bench: BenchRun, ctl: cb.Controller, raw: RawEcho) -> None:
+    from .bench_base import Row, _fanout_array, _median_us, bench_noop
 
     z = _sizes(bench.sizes.latency_calls < 1000)
     per_k: dict[int, dict[str, tuple[float, float]]] = {}
@@ -251,8 +250,8 @@ async def _scaling(bench: Bench, ctl: cb.Controller, raw: RawEcho) -> None:
                       {"hosts": [lo, hi]}))
 
 
-async def _bigout(bench: Bench, ctl: cb.Controller, raw: RawEcho) -> None:
-    from .bench import PeakMemory, Row
+async def _bigout(bench: BenchRun, ctl: cb.Controller, raw: RawEcho) -> None:
+    from .bench_base import PeakMemory, Row
 
     z = _sizes(bench.sizes.latency_calls < 1000)
     n = z["bigout"]
@@ -280,7 +279,7 @@ async def _bigout(bench: Bench, ctl: cb.Controller, raw: RawEcho) -> None:
                       {"bytes": n, "seconds": dt, "exact": peak.exact}))
 
 
-def run_groups(bench: Bench, groups: list[str], options: dict[str, Any]) -> None:
+def run_groups(bench: BenchRun, groups: list[str], options: dict[str, Any]) -> None:
     """Run the groups of :data:`GROUPS` among ``groups``, each on a cluster of its shape."""
     quick = bench.sizes.latency_calls < 1000
     if "calls" in groups:
@@ -293,9 +292,9 @@ def run_groups(bench: Bench, groups: list[str], options: dict[str, Any]) -> None
         asyncio.run(_on_cluster(bench, _bigout, 1, 4, options))
 
 
-async def _on_cluster(bench: Bench, fn: Callable[[Bench, cb.Controller, RawEcho], Awaitable[None]],
+async def _on_cluster(bench: BenchRun,
+                      fn: Callable[[BenchRun, cb.Controller, RawEcho], Awaitable[None]],
                       hosts: int, devices: int, options: dict[str, Any]) -> None:
-    from .bench import RawEcho
 
     # The echo servers first: starting them blocks, and the controller's loop must not
     # miss its heartbeats meanwhile.
@@ -304,9 +303,9 @@ async def _on_cluster(bench: Bench, fn: Callable[[Bench, cb.Controller, RawEcho]
             await fn(bench, ctl, raw)
 
 
-def _sync_rows(bench: Bench, options: dict[str, Any]) -> None:
+def _sync_rows(bench: BenchRun, options: dict[str, Any]) -> None:
     """``.result()`` from a plain thread: no-op and ``return x``, alternating chunks."""
-    from .bench import RawEcho, Row, _median_us, _one_device_array, bench_noop
+    from .bench_base import RawEcho, Row, _median_us, _one_device_array, bench_noop
 
     z = _sizes(bench.sizes.latency_calls < 1000)
     with cb.local_cluster(hosts=1, devices_per_host=1, **options) as ctl, RawEcho(1) as raw:

@@ -2,7 +2,7 @@
 
 After colobus's own rows are measured, each peer that is installed (the
 optional ``bench`` extra: ``pip install 'colobus[bench]'``) runs the workloads
-it has an equivalent for, with the same :class:`~colobus._tools.bench.Sizes`, and
+it has an equivalent for, with the same :class:`~colobus._tools.bench_base.Sizes`, and
 each figure is attached to colobus's row of the same name with the ratio
 ``colobus / peer``. A peer that is not installed is skipped with one line; a
 peer that fails to start or run is reported and skipped, never fatal.
@@ -37,171 +37,39 @@ import importlib.util
 import logging
 import statistics
 import time
-from collections import deque
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .peer_sampling import (
+    CAP_S,
+    PeerFigure,
+    PeerRun,
+    cut_note,
+    latency_figure,
+    median_us,
+    pipelined_figure,
+    sample,
+    sample_async,
+    transfer_rows,
+)
+
 if TYPE_CHECKING:
-    from .bench import Row, Sizes
+    from .bench_base import Row, Sizes
 
 __all__ = ["CAP_S", "INSTALL_HINT", "PEERS", "PeerFigure", "PeerRun", "attach",
            "format_peer_line", "peer_lines", "run_ipyparallel", "run_peers", "run_ray"]
 
 log = logging.getLogger("colobus.bench_peers")
 
-MiB = 1 << 20
-
 #: Peer name -> the module that must be importable for it to run.
 PEERS: dict[str, str] = {"ray": "ray", "ipyparallel": "ipyparallel"}
 INSTALL_HINT = "pip install 'colobus[bench]'"
-#: Seconds after which one measurement stops early (it keeps what it has).
-CAP_S = 10.0
-#: A measurement cut short by :data:`CAP_S` still has at least this many samples.
-MIN_SAMPLES = 20
 #: Workers (actors / engines) for the fan-out rows, as colobus's 4 hosts.
 FANOUT_HOSTS = 4
 #: Ray's object store: a small fixed footprint (256 MiB transfers fit twice).
 RAY_OBJECT_STORE = 1 << 30
-
-T = TypeVar("T")
-
-
-@dataclass
-class PeerFigure:
-    """One peer's figure for the colobus row of the same name."""
-
-    value: float
-    note: str
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class PeerRun:
-    """What happened with one peer: its status, version and figures by row name."""
-
-    peer: str
-    status: str  # "measured", "not installed", "skipped", "failed"
-    version: str = ""
-    detail: str = ""
-    seconds: float = 0.0
-    figures: dict[str, PeerFigure] = field(default_factory=dict)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"status": self.status, "version": self.version, "detail": self.detail,
-                "seconds": self.seconds, "rows": sorted(self.figures)}
-
-
-# -- measuring loops -----------------------------------------------------------------------
-
-
-def _median_us(xs: Sequence[float]) -> float:
-    return statistics.median(xs) * 1e6
-
-
-def _sample(fn: Callable[[], object], n: int, cap_s: float) -> list[float]:
-    """Seconds of each of up to ``n`` sequential calls of ``fn`` (after ``n // 10`` warm-ups)."""
-    for _ in range(n // 10):
-        fn()
-    out: list[float] = []
-    deadline = time.perf_counter() + cap_s
-    while len(out) < n:
-        t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
-        if t > deadline and len(out) >= MIN_SAMPLES:
-            break
-    return out
-
-
-async def _sample_async(fn: Callable[[], Awaitable[object]], n: int,
-                        cap_s: float) -> list[float]:
-    """:func:`_sample` awaiting ``fn()`` from an event loop."""
-    for _ in range(n // 10):
-        await fn()
-    out: list[float] = []
-    deadline = time.perf_counter() + cap_s
-    while len(out) < n:
-        t = time.perf_counter()
-        await fn()
-        out.append(time.perf_counter() - t)
-        if t > deadline and len(out) >= MIN_SAMPLES:
-            break
-    return out
-
-
-def _window(submit: Callable[[], T], wait: Callable[[T], object], total: int, window: int,
-            cap_s: float) -> tuple[float, int]:
-    """Calls per second with ``window`` calls in flight; waits on the oldest first.
-
-    Returns:
-        The rate and the number of calls it measured (fewer than ``total`` when
-        ``cap_s`` ran out first).
-    """
-    pending: deque[T] = deque()
-    sent = done = 0
-    t0 = time.perf_counter()
-    deadline = t0 + cap_s
-    while sent < total:
-        if len(pending) >= window:
-            wait(pending.popleft())
-            done += 1
-            if done >= MIN_SAMPLES and time.perf_counter() > deadline:
-                break
-        pending.append(submit())
-        sent += 1
-    while pending:
-        wait(pending.popleft())
-        done += 1
-    return done / (time.perf_counter() - t0), done
-
-
-def _pipelined_figure(submit: Callable[[], T], wait: Callable[[T], object], total: int,
-                      window: int, note: str) -> PeerFigure:
-    _window(submit, wait, max(total // 10, 1), window, CAP_S / 4)  # warm-up
-    rate, done = _window(submit, wait, total, window, CAP_S)
-    return PeerFigure(rate, note + _cut(done, total), {"calls": done})
-
-
-def _cut(done: int, planned: int) -> str:
-    return f" (stopped after {done:,} of {planned:,} calls: {CAP_S:.0f} s cap)" \
-        if done < planned else ""
-
-
-def _latency_figure(samples: list[float], planned: int, note: str) -> PeerFigure:
-    return PeerFigure(_median_us(samples), note + _cut(len(samples), planned),
-                      {"calls": len(samples)})
-
-
-def _transfer_rows(sizes: Sizes, put: Callable[[np.ndarray[Any, Any]], object],
-                   get: Callable[[], np.ndarray[Any, Any]], release: Callable[[], object],
-                   put_note: str, get_note: str) -> dict[str, PeerFigure]:
-    figures: dict[str, PeerFigure] = {}
-    for label, nbytes, reps in sizes.transfer:
-        data = np.ones(nbytes, np.uint8)  # touched: no page faults inside the timing
-        put_t: list[float] = []
-        get_t: list[float] = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            put(data)
-            put_t.append(time.perf_counter() - t)
-            t = time.perf_counter()
-            back = get()
-            get_t.append(time.perf_counter() - t)
-            if back.nbytes != nbytes:
-                raise RuntimeError(f"got {back.nbytes} bytes back, sent {nbytes}")
-            del back
-            release()
-        gbs = nbytes / 1e9
-        size = f"{nbytes // MiB} MiB" if nbytes >= MiB else f"{nbytes // 1024} KiB"
-        figures[f"put_{label}"] = PeerFigure(gbs / statistics.median(put_t),
-                                             put_note.format(size=size), {"bytes": nbytes})
-        figures[f"get_{label}"] = PeerFigure(gbs / statistics.median(get_t),
-                                             get_note.format(size=size), {"bytes": nbytes})
-    return figures
-
 
 # -- Ray -----------------------------------------------------------------------------------
 
@@ -280,17 +148,17 @@ def run_ray(sizes: Sizes, groups: Iterable[str], hosts: int = FANOUT_HOSTS,
             async def one_async() -> None:
                 await a.noop.remote()
 
-            figures["latency_async"] = _latency_figure(
-                asyncio.run(_sample_async(one_async, n, CAP_S)), n,
+            figures["latency_async"] = latency_figure(
+                asyncio.run(sample_async(one_async, n, CAP_S)), n,
                 f"`await actor.noop.remote()`, {held}")
-            ref_arg = _sample(lambda: ray.get(a.noop_arg.remote(x)), n, CAP_S)
-            figures["latency_sync"] = _latency_figure(
-                _sample(lambda: ray.get(a.noop.remote()), n, CAP_S), n,
+            ref_arg = sample(lambda: ray.get(a.noop_arg.remote(x)), n, CAP_S)
+            figures["latency_sync"] = latency_figure(
+                sample(lambda: ray.get(a.noop.remote()), n, CAP_S), n,
                 f"`ray.get(actor.noop.remote())`, {held}; passing an ObjectRef of the "
                 "array `ray.put` before instead: objectref_arg_us")
-            figures["latency_sync"].extra["objectref_arg_us"] = _median_us(ref_arg)
+            figures["latency_sync"].extra["objectref_arg_us"] = median_us(ref_arg)
         if "pipelined" in groups:
-            figures["pipelined"] = _pipelined_figure(
+            figures["pipelined"] = pipelined_figure(
                 a.noop.remote, ray.get, sizes.pipelined_calls, sizes.window,
                 f"actor method calls, {sizes.window} ObjectRefs in flight, `ray.get` of the "
                 f"oldest, {held}")
@@ -299,10 +167,10 @@ def run_ray(sizes: Sizes, groups: Iterable[str], hosts: int = FANOUT_HOSTS,
                 return [b.noop.remote() for b in actors]
 
             n = sizes.latency_calls
-            figures[f"fanout{hosts}_latency"] = _latency_figure(
-                _sample(lambda: ray.get(fan()), n, CAP_S), n,
+            figures[f"fanout{hosts}_latency"] = latency_figure(
+                sample(lambda: ray.get(fan()), n, CAP_S), n,
                 f"`ray.get` of one no-op method call on each of {hosts} actors")
-            figures[f"fanout{hosts}_pipelined"] = _pipelined_figure(
+            figures[f"fanout{hosts}_pipelined"] = pipelined_figure(
                 fan, ray.get, sizes.pipelined_calls // 2, sizes.window,
                 f"one no-op call on each of {hosts} actors, {sizes.window} such calls in "
                 "flight")
@@ -318,11 +186,11 @@ def run_ray(sizes: Sizes, groups: Iterable[str], hosts: int = FANOUT_HOSTS,
                 if time.perf_counter() > deadline and len(times) >= 4:
                     break
             figures["object_first_call"] = PeerFigure(
-                _median_us(times[2:]),
+                median_us(times[2:]),
                 "create an actor + its first method call (a new worker process)"
-                + _cut(len(times) - 2, sizes.object_reps), {"reps": len(times) - 2})
+                + cut_note(len(times) - 2, sizes.object_reps), {"reps": len(times) - 2})
         if "transfer" in groups:
-            figures.update(_transfer_rows(
+            figures.update(transfer_rows(
                 sizes, lambda d: ray.get(a.keep.remote(d)), lambda: ray.get(a.give.remote()),
                 lambda: ray.get(a.keep.remote(None)),
                 "`ray.get(actor.keep.remote(array))` of {size} (into the object store, "
@@ -383,30 +251,30 @@ def run_ipyparallel(sizes: Sizes, groups: Iterable[str], hosts: int = FANOUT_HOS
                 async def one_async() -> None:
                     await asyncio.wrap_future(v0.apply_async(_ipp_noop, ref))
 
-                figures["latency_async"] = _latency_figure(
-                    asyncio.run(_sample_async(one_async, n, CAP_S)), n,
+                figures["latency_async"] = latency_figure(
+                    asyncio.run(sample_async(one_async, n, CAP_S)), n,
                     f"`await asyncio.wrap_future(view.apply_async(noop, x))`, 1 engine, {pushed}")
-                figures["latency_sync"] = _latency_figure(
-                    _sample(lambda: v0.apply_sync(_ipp_noop, ref), n, CAP_S), n,
+                figures["latency_sync"] = latency_figure(
+                    sample(lambda: v0.apply_sync(_ipp_noop, ref), n, CAP_S), n,
                     f"`view.apply_sync(noop, x)`, 1 engine, {pushed}")
             if "pipelined" in groups:
-                figures["pipelined"] = _pipelined_figure(
+                figures["pipelined"] = pipelined_figure(
                     lambda: v0.apply_async(_ipp_noop, ref), lambda r: r.get(),
                     sizes.pipelined_calls, sizes.window,
                     f"`view.apply_async`, 1 engine, {sizes.window} in flight, `.get()` of the "
                     "oldest")
             if "fanout" in groups:
                 n = sizes.latency_calls
-                figures[f"fanout{hosts}_latency"] = _latency_figure(
-                    _sample(lambda: dv.apply_sync(_ipp_noop, ref), n, CAP_S), n,
+                figures[f"fanout{hosts}_latency"] = latency_figure(
+                    sample(lambda: dv.apply_sync(_ipp_noop, ref), n, CAP_S), n,
                     f"`apply_sync` on a DirectView of {hosts} engines")
-                figures[f"fanout{hosts}_pipelined"] = _pipelined_figure(
+                figures[f"fanout{hosts}_pipelined"] = pipelined_figure(
                     lambda: dv.apply_async(_ipp_noop, ref), lambda r: r.get(),
                     sizes.pipelined_calls // 2, sizes.window,
                     f"`apply_async` on a DirectView of {hosts} engines, {sizes.window} in "
                     "flight")
             if "transfer" in groups:
-                figures.update(_transfer_rows(
+                figures.update(transfer_rows(
                     sizes, lambda d: v0.push({"a": d}, block=True),
                     lambda: v0.pull("a", block=True),
                     lambda: v0.execute("a = None", block=True),

@@ -321,7 +321,7 @@ def format_report(r: Report) -> str:
 
 def build_parser(prog: str = "async_training_loop.py") -> argparse.ArgumentParser:
     """The options of ``examples/async_training_loop.py`` (``colobus demo`` has a subset)."""
-    from .._cli import CliParser, positive_int
+    from .args import CliParser, positive_int
 
     p = CliParser(
         prog=prog, description="Async data-parallel training driven from one colobus controller.")

@@ -1,0 +1,1 @@
+"""The caller's side: decorators, handles, arguments and what the API returns."""

@@ -1,0 +1,443 @@
+"""Array handles: data that lives on hosts, and moving it there and back.
+
+A :class:`Array` names one array ref on each host of its sharding; each host
+holds only its own block. Dropping the handle (or ``delete()``) frees the data
+on the hosts, batched.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from .._controller.controller import Controller, default_controller
+from .._controller.future import Future
+from .._controller.hosts import Host
+from .._model.blocks import HostBlock, assemble, host_blocks
+from .._model.devices import Device
+from .._model.jaxside import is_key_array
+from .._model.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
+from .._wire import protocol as P
+from .._wire.codec import key_impl_name, to_buffer
+from .._wire.describe import read_fetched
+from .._wire.envelope import Envelope
+from .shards import Shard, addressable_shards
+
+__all__ = [
+    "Array",
+    "block_until_ready",
+    "device_get",
+    "device_put",
+    "mesh_message",
+]
+
+
+def mesh_message(block: HostBlock) -> list[Any]:
+    """A host's part of a layout as a message: ``[[[platform, local id]...], shape, names]``."""
+    devs = [[d.platform, d.local_id] for d in block.local_devices.flat]
+    sh = block.local_sharding
+    if isinstance(sh, NamedSharding):
+        return [devs, list(block.local_devices.shape), list(sh.mesh.axis_names)]
+    return [devs, [], []]
+
+
+def _spec_of(sharding: Sharding) -> PartitionSpec:
+    return sharding.spec if isinstance(sharding, NamedSharding) else PartitionSpec()
+
+
+class Array:
+    """A handle to an array whose blocks live on hosts.
+
+    Attributes:
+        shape, dtype, sharding: the global array's layout.
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "_ctl",
+        "_deleted",
+        "_finalizer",
+        "_gens",
+        "_key_impl",
+        "_ready",
+        "dtype",
+        "ref",
+        "shape",
+        "sharding",
+    )
+
+    def __init__(self, ctl: Controller, ref: int, shape: tuple[int, ...], dtype: Any,
+                 sharding: Sharding, *, key_impl: str | None = None,
+                 ready: bool = False, owns_ref: bool = True) -> None:
+        self._ctl = ctl
+        self.ref = ref
+        self.shape = tuple(map(int, shape))
+        self.dtype = dtype
+        self.sharding = sharding
+        self._key_impl = key_impl
+        self._ready = ready
+        self._deleted = False
+        hosts = ((sharding.device.host,) if type(sharding) is SingleDeviceSharding
+                 else sorted({d.host for d in sharding.device_list}))
+        self._gens = {h: ctl._hosts[h].generation for h in hosts}
+        self._finalizer = (weakref.finalize(self, _release_all, ctl, dict(self._gens), ref)
+                           if owns_ref else None)
+
+    # -- metadata -------------------------------------------------------------------------
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * int(self.dtype.itemsize)
+
+    @property
+    def itemsize(self) -> int:
+        return int(self.dtype.itemsize)
+
+    def __len__(self) -> int:
+        if not self.shape:
+            raise TypeError("len() of unsized object")
+        return self.shape[0]
+
+    @property
+    def hosts(self) -> tuple[int, ...]:
+        return tuple(self._gens)
+
+    def devices(self) -> set[Device]:
+        return set(self.sharding.device_set)
+
+    @property
+    def is_fully_replicated(self) -> bool:
+        """Whether every device holds the whole array."""
+        return self.sharding.is_fully_replicated
+
+    @property
+    def is_fully_addressable(self) -> bool:
+        """Always True: the controller addresses every host (a single-controller view)."""
+        return True
+
+    @property
+    def addressable_shards(self) -> list[Shard]:
+        """Every device's shard, in the sharding's device order; ``.data`` is a Future."""
+        return addressable_shards(self)
+
+    def is_deleted(self) -> bool:
+        return self._deleted
+
+    def delete(self) -> None:
+        """Free the data on the hosts now; using the handle afterwards raises."""
+        if self._deleted:
+            return
+        self._deleted = True
+        if self._finalizer is not None:
+            self._finalizer()
+
+    def __repr__(self) -> str:
+        state = ", deleted" if self._deleted else ""
+        return (f"colobus.Array(shape={self.shape}, dtype={self.dtype}, "
+                f"sharding={self.sharding}, hosts={list(self._gens)}, "
+                f"devices={[d.id for d in self.sharding.device_list]}{state})")
+
+    def check_usable(self) -> None:
+        """Raise if deleted or if a host holding its data was lost."""
+        if self._deleted:
+            raise RuntimeError(f"{self!r} was deleted; it cannot be used any more")
+        self._ctl._hosts.check(self._gens, self._gens, "array data")
+
+    # -- fetching -----------------------------------------------------------------------------
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray[Any, Any]:
+        if self._ctl._on_loop_thread():
+            raise RuntimeError(
+                "np.asarray(colobus.Array) blocks, which would stall the controller's event "
+                "loop; use `await cb.device_get(arr)` in async code.")
+        out = device_get(self).result()
+        if is_key_array(out):
+            raise TypeError("typed PRNG key arrays do not convert to numpy; use cb.device_get")
+        return np.asarray(out, dtype=dtype)
+
+    def _fetch_block_hosts(self) -> dict[int, HostBlock]:
+        """One host per distinct block: replicas are fetched once."""
+        blocks = host_blocks(self.sharding, self.shape)
+        chosen: dict[int, HostBlock] = {}
+        seen: set[tuple[tuple[int, int], ...]] = set()
+        for h, b in blocks.items():
+            key = tuple((s.start, s.stop) for s in b.index)
+            if key not in seen:
+                seen.add(key)
+                chosen[h] = b
+        return chosen
+
+
+def _release_all(ctl: Controller, gens: dict[int, int], ref: int) -> None:
+    ctl._frees.release_on(gens, ref=ref)
+
+
+# -- device_put -----------------------------------------------------------------------------
+
+
+def _to_sharding(ctl: Controller, target: Any) -> Sharding:
+    if isinstance(target, Sharding):
+        return target
+    if isinstance(target, Device):
+        return SingleDeviceSharding(target)
+    raise TypeError(
+        f"device_put needs a colobus Device or Sharding, got {type(target).__name__}; "
+        "use cb.devices() or cb.NamedSharding(cb.Mesh(...), cb.PartitionSpec(...))")
+
+
+def _check_devices(ctl: Controller, sharding: Sharding) -> None:
+    known = {d.id: d for h in ctl.hosts() for d in h.devices}
+    for d in sharding.device_set:
+        if d.id not in known or known[d.id] != d or known[d.id].host != d.host:
+            raise ValueError(f"{d!r} is not a device of this controller; use ctl.devices()")
+    ctl._hosts.check(sorted({d.host for d in sharding.device_set}), None, "devices")
+
+
+def _host_array(x: Any) -> tuple[np.ndarray[Any, Any], Any, str | None]:
+    """numpy data, the dtype the handle reports, and the PRNG impl for key arrays."""
+    if is_key_array(x):
+        import jax
+
+        return np.asarray(jax.random.key_data(x)), x.dtype, key_impl_name(x)
+    arr = np.asarray(x)
+    # numpy 2's StringDType reports hasobject, but travels (as UTF-8, see _codec)
+    if arr.dtype.hasobject and not isinstance(arr.dtype, np.dtypes.StringDType):
+        raise ValueError(
+            "device_put cannot send arrays of dtype object; convert to a numeric, string "
+            "or structured dtype first")
+    return arr, arr.dtype, None
+
+
+class _PreparedPut:
+    """One leaf of a ``device_put``, checked and cut into host blocks, not yet sent."""
+
+    __slots__ = ("dtype", "impl", "msgs", "ref", "shape", "sharding")
+
+    def __init__(self, ctl: Controller, x: Any, sharding: Sharding) -> None:
+        data, self.dtype, self.impl = _host_array(x)
+        impl = self.impl
+        self.shape = tuple(data.shape[: data.ndim - 1]) if impl else tuple(data.shape)
+        self.sharding = sharding
+        blocks = host_blocks(sharding, self.shape)  # validates rank and divisibility
+        _check_devices(ctl, sharding)
+        self.ref = ctl._ops.next_id() << 16
+        spec = P.encode_spec(_spec_of(sharding))
+        self.msgs: list[tuple[int, P.Put, memoryview]] = []
+        for h, b in blocks.items():
+            block = data[b.index] if data.ndim else data  # 0-d StringDType indexes to a str
+            descr, buf = to_buffer(block)
+            self.msgs.append(
+                (h, P.Put(self.ref, list(block.shape), descr, mesh_message(b), spec, impl), buf))
+
+    def handle(self, ctl: Controller) -> Array:
+        return Array(ctl, self.ref, self.shape, self.dtype, self.sharding, key_impl=self.impl)
+
+
+def _prepare(ctl: Controller, x: Any, sharding: Sharding) -> Array | _PreparedPut:
+    if isinstance(x, Array):
+        if x.sharding == sharding and x.sharding.device_list == sharding.device_list:
+            return x
+        raise ValueError(
+            "device_put of a colobus.Array onto another sharding is not supported; "
+            "fetch it with cb.device_get first")
+    return _PreparedPut(ctl, x, sharding)
+
+
+def device_put(x: Any, device_or_sharding: Any) -> Any:
+    """Place ``x`` (numpy or JAX arrays, scalars, or a pytree of them) on hosts.
+
+    Returns ``cb.Array`` handles at once; the upload runs in the background and
+    the arrays can be used in calls immediately. Each host receives only its own
+    block. Every leaf is checked before anything is sent: a bad leaf raises and
+    no part of the tree leaves this process. Large inputs are sent without
+    copying: do not modify a numpy input until ``cb.block_until_ready`` on the
+    result returned.
+
+    Args:
+        x: the data.
+        device_or_sharding: a ``cb.Device``, a ``cb.Sharding``, or a pytree of
+            them matching ``x``.
+
+    Raises:
+        ValueError: a shape the sharding cannot divide, a spec naming an unknown
+            axis, an object-dtype array, a device not in this cluster.
+        HostLostError: the sharding uses devices of a lost host.
+    """
+    import jax
+
+    ctl = default_controller()
+    if isinstance(device_or_sharding, Device | Sharding):
+        sharding = _to_sharding(ctl, device_or_sharding)
+        prepared = jax.tree_util.tree_map(lambda leaf: _prepare(ctl, leaf, sharding), x,
+                                          is_leaf=_is_array_leaf)
+    else:
+        prepared = jax.tree_util.tree_map(
+            lambda leaf, target: _prepare(ctl, leaf, _to_sharding(ctl, target)), x,
+            device_or_sharding, is_leaf=_is_array_leaf)
+    sends: list[tuple[Array, _PreparedPut]] = []
+
+    def finish(p: Array | _PreparedPut) -> Array:
+        if isinstance(p, Array):
+            return p
+        arr = p.handle(ctl)
+        sends.append((arr, p))
+        return arr
+
+    out = jax.tree_util.tree_map(finish, prepared, is_leaf=_is_prepared_leaf)
+    if sends:
+        def send() -> None:
+            for arr, p in sends:
+                for h, body, buf in p.msgs:
+                    host = ctl._hosts[h]
+                    if host.alive and host.generation == arr._gens[h]:
+                        ctl._send(host, body, b"", [buf])
+                        ctl._count("bytes_put", buf.nbytes)
+
+        ctl._ops.post(send)
+    return out
+
+
+def _is_prepared_leaf(x: Any) -> bool:
+    return isinstance(x, Array | _PreparedPut)
+
+
+def _is_array_leaf(x: Any) -> bool:
+    return isinstance(x, Array)
+
+
+# -- device_get / block_until_ready ------------------------------------------------------
+
+
+def _ctl_of(leaves: list[Array]) -> Controller:
+    return leaves[0]._ctl if leaves else default_controller()
+
+
+def _fetch_many(arrays: list[Array], data: bool,
+                finish: Callable[[list[Any]], Any]) -> Future[Any]:
+    """One operation fetching (or only awaiting) every array's blocks."""
+    ctl = _ctl_of(arrays)
+    plan: list[tuple[int, int, Array, HostBlock | None]] = []  # (host, array idx, arr, block)
+    for i, a in enumerate(arrays):
+        a.check_usable()
+        if data:
+            for h, blk in a._fetch_block_hosts().items():
+                plan.append((h, i, a, blk))
+        elif not a._ready:
+            for h in a.hosts:
+                plan.append((h, i, a, None))
+    by_host: dict[int, list[tuple[int, Array, HostBlock | None]]] = {}
+    for h, i, a, b in plan:
+        by_host.setdefault(h, []).append((i, a, b))
+    # One sub-call id per (host, block); the op completes when all replied.
+    sub_ids: dict[int, tuple[int, int, Array, HostBlock | None]] = {}
+    for h, items in by_host.items():
+        for i, a, b in items:
+            sub_ids[ctl._ops.next_id()] = (h, i, a, b)
+    if not sub_ids:
+        fut: Future[Any] = ctl._ops.new_future()
+        fut.set_result(finish([None] * len(arrays)))
+        return fut
+    results: list[dict[int, np.ndarray[Any, Any]]] = [{} for _ in arrays]
+    outer = ctl._ops.new_future()
+    remaining = [len(sub_ids)]
+
+    def on_one(sub: int, f: Future[Any]) -> None:
+        h, i, _, _ = sub_ids[sub]
+        if outer.done():
+            return
+        exc = f.exception() if not f.cancelled() else None
+        if exc is not None:
+            outer.set_exception(exc)
+            return
+        if data:
+            results[i][h] = f.result()
+        remaining[0] -= 1
+        if remaining[0] == 0:
+            try:
+                outer.set_result(finish(results))
+            except BaseException as e:
+                outer.set_exception(e)
+
+    def decode(host: Host, body: P.Result, env: Envelope) -> Any:
+        if not data:
+            return None
+        block = read_fetched(body.meta, env.buffers)
+        ctl._count("bytes_fetched", block.nbytes)
+        return block
+
+    for sub, (h, _, a, _) in sub_ids.items():
+        def send(call_id: int, h: int = h, a: Array = a) -> None:
+            ctl._send(ctl._hosts[h], P.Fetch(call_id, a.ref, data))
+
+        f = ctl._ops.submit((h,), send, decode, functools.partial(_value_of, h), call_id=sub,
+                       backpressure=False)
+        f.add_done_callback(functools.partial(on_one, sub))
+    return outer
+
+
+def _value_of(host: int, values: dict[int, Any]) -> Any:
+    return values[host]
+
+
+def _assemble(a: Array, blocks: dict[int, np.ndarray[Any, Any]]) -> Any:
+    hb = host_blocks(a.sharding, a.shape)
+    if a._key_impl:
+        import jax
+
+        sample = next(iter(blocks.values()))
+        extra = sample.shape[len(a.shape):]
+        data_hb = {h: hb[h] for h in blocks}
+        full = _assemble_blocks(a.shape + extra, sample.dtype, blocks, data_hb, len(extra))
+        return jax.random.wrap_key_data(full, impl=a._key_impl)  # type: ignore[arg-type]
+    return assemble(a.shape, a.dtype, blocks, {h: hb[h] for h in blocks})
+
+
+def _assemble_blocks(shape: tuple[int, ...], dtype: Any, blocks: dict[int, Any],
+                     hb: dict[int, HostBlock], extra: int) -> np.ndarray[Any, Any]:
+    out = np.empty(shape, dtype)
+    for h, blk in blocks.items():
+        out[hb[h].index + (slice(None),) * extra] = blk
+    return out
+
+
+def device_get(tree: Any) -> Future[Any]:
+    """Fetch every ``cb.Array`` in ``tree``; a Future of the same tree with numpy leaves.
+
+    Non-array leaves pass through. Typed PRNG key arrays come back as JAX key arrays.
+    """
+    import jax
+
+    leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=_is_array_leaf)
+    arrays = [x for x in leaves if isinstance(x, Array)]
+    tdef: Any = treedef
+
+    def finish(results: list[Any]) -> Any:
+        it = iter(_assemble(a, r) for a, r in zip(arrays, results, strict=True))
+        return tdef.unflatten([next(it) if isinstance(x, Array) else x for x in leaves])
+
+    return _fetch_many(arrays, True, finish)
+
+
+def block_until_ready(tree: Any) -> Future[Any]:
+    """A Future that resolves to ``tree`` once every ``cb.Array`` in it is stored on its hosts."""
+    import jax
+
+    arrays = [x for x in jax.tree_util.tree_leaves(tree, is_leaf=_is_array_leaf)
+              if isinstance(x, Array)]
+
+    def finish(_: list[Any]) -> Any:
+        return tree
+
+    return _fetch_many(arrays, False, finish)

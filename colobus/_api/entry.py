@@ -1,0 +1,35 @@
+"""Small public entry points that read the default controller."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, overload
+
+from .._controller.controller import default_controller
+from .._model.devices import Device, Mesh, colocated_cpu_devices_from
+
+__all__ = ["colocated_cpu_devices", "devices"]
+
+
+def devices() -> list[Device]:
+    """The default controller's devices (live hosts), sorted by id."""
+    return default_controller().devices()
+
+
+@overload
+def colocated_cpu_devices(devices_or_mesh: Mesh) -> Mesh: ...
+@overload
+def colocated_cpu_devices(devices_or_mesh: Sequence[Device]) -> list[Device]: ...
+
+
+def colocated_cpu_devices(devices_or_mesh: Any) -> Any:
+    """The CPU device on the same host for each given device (order kept).
+
+    A CPU device maps to itself; a mesh maps to a mesh of the same shape.
+
+    Raises:
+        ValueError: ``Process {h} does not have enough local CPU devices``.
+    """
+    ctl = default_controller()
+    all_devices = [d for h in ctl.hosts() for d in h.devices]
+    return colocated_cpu_devices_from(devices_or_mesh, all_devices)

@@ -1,0 +1,416 @@
+"""Controller side of colocated calls: the decorator, specs, dispatch, outputs.
+
+One call runs its function once on each host of its device set (``_plan``).
+The caller pickles the arguments once (``_serialization``), the loop thread
+sends one CALL per host, and the per-host output descriptions are combined
+into global ``cb.Array`` handles that stay on the hosts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import itertools
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from .._controller.controller import Controller, default_controller
+from .._controller.future import Future
+from .._controller.hosts import Host
+from .._model import outlayout as _outlayout
+from .._model.blocks import global_shape_from_host, host_blocks
+from .._model.devices import Device, Mesh
+from .._model.sharding import NamedSharding, PartitionSpec, ShapeDtypeStruct, SingleDeviceSharding
+from .._observe.observer import FunctionStats, Observer
+from .._wire import protocol as P
+from .._wire.describe import read_outputs
+from .._wire.envelope import Envelope
+from .array import Array
+from .cacheinfo import CacheInfo, Signatures
+from .plan import CallPlan, make_plan
+from .serialization import Code, ColocatedObjectBase, PickledArgs, arg_path, pickle_args
+
+__all__ = [
+    "CallPlan", "Code", "ColocatedFunction", "ColocatedObjectBase", "PickledArgs",
+    "colocated_python", "invoke", "pickle_args",
+]
+
+
+# -- specs -------------------------------------------------------------------------------------
+
+
+def _as_seen_on_hosts(dtype: Any) -> Any:
+    """The dtype user code on a host sees: JAX's canonical one (int64 -> int32 unless x64)."""
+    if isinstance(dtype, np.dtype) and dtype.kind in "biufc":
+        import jax
+
+        return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
+    return dtype
+
+
+def _spec_of_leaf(x: Any) -> Any:
+    if isinstance(x, Array):
+        return ShapeDtypeStruct(x.shape, _as_seen_on_hosts(x.dtype), x.sharding)
+    if isinstance(x, np.ndarray | np.generic):
+        return ShapeDtypeStruct(x.shape, x.dtype)
+    return x
+
+
+def _is_handle(x: Any) -> bool:
+    return isinstance(x, Array | Future | ColocatedObjectBase)
+
+
+@functools.lru_cache(maxsize=64)
+def _positional_treedef(n: int) -> Any:
+    """The tree of ``(args, kwargs)`` for ``n`` positional handles and no keywords."""
+    import jax
+
+    return jax.tree_util.tree_structure((tuple(range(n)), {}))
+
+
+def _check_specs(actual: Any, expected: Any, what: str, *, inputs: bool = False) -> None:
+    import jax
+
+    a_leaves, a_tree = jax.tree_util.tree_flatten_with_path(actual, is_leaf=_is_handle)
+    e_leaves, e_tree = jax.tree_util.tree_flatten(expected)
+    a_struct: Any = jax.tree_util.tree_structure(actual, is_leaf=_is_handle)
+    if a_struct != e_tree:
+        raise ValueError(
+            f"{what} do not match the specs: expected structure {e_tree}, got {a_tree}")
+    for (path, a), e in zip(a_leaves, e_leaves, strict=True):
+        if not isinstance(e, ShapeDtypeStruct) or isinstance(a, Future):
+            continue
+        shape = getattr(a, "shape", None)
+        dtype = getattr(a, "dtype", None)
+        where = arg_path(path) if inputs else "output" + jax.tree_util.keystr(tuple(path))
+        if shape is None or tuple(shape) != tuple(e.shape):
+            raise ValueError(f"{what}: {where}: expected shape {tuple(e.shape)}, got "
+                             f"{None if shape is None else tuple(shape)}")
+        if _as_seen_on_hosts(dtype) != _as_seen_on_hosts(e.dtype):
+            raise ValueError(f"{what}: {where}: expected dtype {e.dtype}, got {dtype}")
+
+
+# -- outputs -------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=16)
+def _key_dtype(impl: str) -> Any:
+    import jax
+
+    return jax.eval_shape(lambda: jax.random.key(0, impl=impl)).dtype
+
+
+def _build_outputs(ctl: Controller, call_id: int, plan: CallPlan,
+                   per_host: dict[int, Any], ref_shardings: Sequence[Any] = ()) -> Any:
+    import jax
+
+    hosts = sorted(per_host)
+    flat: dict[int, tuple[list[Any], Any]] = {
+        h: jax.tree_util.tree_flatten(per_host[h]) for h in hosts}
+    leaves0, tree0 = flat[hosts[0]]
+    for h in hosts[1:]:
+        if flat[h][1] != tree0:
+            raise ValueError(
+                f"hosts returned different output structures: host {hosts[0]} returned "
+                f"{tree0}, host {h} returned {flat[h][1]}")
+    outs: list[Array] = []
+    for i, leaf0 in enumerate(leaves0):
+        metas: dict[int, P.OutLeaf] = {h: flat[h][0][i] for h in hosts}
+        dtype = _key_dtype(leaf0.key_impl) if leaf0.key_impl else leaf0.dtype
+        specs = {m.spec for m in metas.values()}
+        kept = None  # the function's own layout, where the hosts kept one (_outlayout)
+        has_layout = any(m.layout is not None for m in metas.values()) or (
+            leaf0.ref >= 0 and _outlayout.names_other_layout(plan, leaf0, ref_shardings))
+        if has_layout:
+            kept = _outlayout.global_sharding(i, plan, metas, ref_shardings)
+        if isinstance(kept, SingleDeviceSharding):
+            sharding: Any = kept
+            shape = tuple(leaf0.shape)
+        elif kept is not None or (not has_layout and isinstance(plan.mesh, Mesh)
+                                  and None not in specs and len(specs) == 1):
+            sharding = kept if kept is not None else NamedSharding(
+                plan.mesh, leaf0.spec)  # type: ignore[arg-type]
+            shape = global_shape_from_host(sharding, hosts[0], leaf0.shape)
+            blocks = host_blocks(sharding, shape)
+            for h, m in metas.items():
+                if tuple(blocks[h].shape) != tuple(m.shape):
+                    raise ValueError(
+                        f"output {i}: host {h} returned a block of shape {m.shape}, but the "
+                        f"global shape {shape} needs {blocks[h].shape} there")
+        else:
+            for h, m in metas.items():
+                if tuple(m.shape) != tuple(leaf0.shape) or m.dtype != leaf0.dtype or (
+                        m.key_impl != leaf0.key_impl):
+                    raise ValueError(
+                        f"output {i} is replicated, so all hosts must agree on its shape and "
+                        f"dtype, but host {hosts[0]} returned {leaf0.shape} {dtype} and host "
+                        f"{h} returned {m.shape} {m.dtype}")
+            shape = tuple(leaf0.shape)
+            sharding = (SingleDeviceSharding(plan.mesh) if isinstance(plan.mesh, Device)
+                        else NamedSharding(plan.mesh, PartitionSpec()))
+        if leaf0.digest is not None and len(hosts) > 1:
+            _outlayout.check_replicas(i, sharding, shape, metas)
+        outs.append(Array(ctl, P.output_ref(call_id, i), shape, dtype, sharding,
+                          key_impl=leaf0.key_impl, ready=True))
+    return tree0.unflatten(outs)
+
+
+# -- the call -------------------------------------------------------------------------------------
+
+
+_stream_counter = itertools.count(1)
+_task_streams: weakref.WeakKeyDictionary[asyncio.Task[Any], int] = weakref.WeakKeyDictionary()
+_thread_streams = threading.local()
+
+
+def _stream_id() -> int:
+    """The calling task's (else thread's) stream: unique for this process's lifetime.
+
+    Not ``id(task)`` or the thread ident: those are reused once a task or thread
+    ends, which would queue a new caller's calls behind an old caller's calls
+    still running on the hosts (ordering is per stream).
+    """
+    try:
+        task = asyncio.current_task()
+    except RuntimeError:
+        task = None
+    if task is not None:
+        sid = _task_streams.get(task)
+        if sid is None:
+            sid = _task_streams[task] = next(_stream_counter)
+        return sid
+    sid = getattr(_thread_streams, "sid", None)
+    if sid is None:
+        sid = _thread_streams.sid = next(_stream_counter)
+    return int(sid)
+
+
+class Target:
+    """What a call runs: a function (by digest) or a method of a colocated object."""
+
+    name: str = ""
+    obj_id: int = 0
+    method: str = ""
+    signatures: Signatures | None = None  # counted where cache_info() reports them
+    observed: tuple[Observer, FunctionStats] | None = None  # its counters, and whose
+
+    def digest(self) -> bytes:
+        return b""
+
+    def stats_key(self, digest: bytes) -> tuple[bytes, str]:
+        """What hosts call this target when they report its run times (its call's digest)."""
+        return (digest, self.method)
+
+    def check(self, ctl: Controller, plan: CallPlan) -> None:
+        """Raise at the call if this target cannot run on ``plan`` (caller's thread)."""
+
+    def prepare(self, ctl: Controller, host: Host) -> None:
+        """Loop thread, before the CALL: make sure the host has what it needs."""
+
+
+class FunctionTarget(Target):
+    def __init__(self, code: Code, name: str) -> None:
+        self.code = code
+        self.name = name
+        self.signatures = Signatures()
+
+    def digest(self) -> bytes:
+        return self.code.get()[0]
+
+    def prepare(self, ctl: Controller, host: Host) -> None:
+        self.code.ship(ctl, host)
+
+
+def invoke(target: Target, args: tuple[Any, ...], kwargs: dict[str, Any], *,
+           in_specs: Any = None, out_specs_fn: Callable[..., Any] | None = None,
+           devices: Sequence[Device] | None = None) -> Future[Any]:
+    """Run ``target`` on every host of the call's device set; a Future of its outputs."""
+    import jax
+
+    ctl = default_controller()
+    tree = (args, kwargs)
+    if not kwargs and all(type(a) is Array for a in args):  # f(x, y): the common call
+        leaves, treedef = list(args), _positional_treedef(len(args))
+    else:
+        leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=_is_handle)
+    plan = make_plan(leaves, devices)
+    if target.signatures is not None:
+        target.signatures.note(treedef, leaves, plan)
+    if in_specs is not None:
+        _check_specs(tree, in_specs, f"inputs of {target.name}", inputs=True)
+    out_specs = None
+    if out_specs_fn is not None:
+        in_tree = jax.tree_util.tree_map(_spec_of_leaf, tree, is_leaf=_is_handle)
+        out_specs = out_specs_fn(*in_tree[0], **in_tree[1])
+    target.check(ctl, plan)
+    for leaf in leaves:
+        if isinstance(leaf, Array):
+            leaf.check_usable()
+    digest = target.digest()  # pickles the code now: SerializationError at the call
+    pickled = pickle_args(tree, target.name)
+    for state in pickled.objects:  # colocated objects passed as arguments
+        state.bind(ctl)
+    gens = {h: ctl._hosts[h].generation for h in plan.hosts}
+    op = _CallOp(ctl, target, plan, pickled, _stream_id(), digest, gens, ctl._ops.next_id(),
+                 out_specs)
+    obs = ctl.observer  # None unless metrics or tracing is on
+    if obs is None:
+        fut = ctl._ops.submit(plan.hosts, op.send, _decode_result, op, call_id=op.call_id,
+                              cancellable=True)
+    else:
+        seen = target.observed
+        if seen is not None and seen[0] is obs:
+            stats = seen[1]
+        else:
+            stats = obs.function(target.name, target.stats_key(digest))
+            target.observed = (obs, stats)
+        fut = ctl._ops.submit(plan.hosts, op.send, _decode_result, op, call_id=op.call_id,
+                              cancellable=True, stats=stats,
+                              timing=obs.record(op.call_id, target.name, plan.hosts)
+                              if obs.records else None)
+    fut.info = plan
+    # When the Future goes, so does each host's result slot (kept for Futures as
+    # arguments). A weakref callback: several times cheaper than weakref.finalize.
+    _result_refs[weakref.ref(fut, _release_results)] = op
+    return fut
+
+
+class _CallOp:
+    """One call's sending and output building (a class, not closures: fewer objects
+    per call for the collector to track while calls are in flight)."""
+
+    __slots__ = ("call_id", "ctl", "digest", "gens", "out_specs", "pickled", "plan",
+                 "ref_shardings", "stream", "target")
+
+    def __init__(self, ctl: Controller, target: Target, plan: CallPlan, pickled: PickledArgs,
+                 stream: int, digest: bytes, gens: dict[int, int], call_id: int,
+                 out_specs: Any) -> None:
+        self.ctl = ctl
+        self.target = target
+        self.plan = plan
+        self.pickled: PickledArgs | None = pickled
+        self.stream = stream
+        self.digest = digest
+        self.gens = gens
+        self.call_id = call_id
+        self.out_specs = out_specs
+        self.ref_shardings: tuple[Any, ...] = ()
+
+    def send(self, call_id: int) -> None:
+        """Loop thread: one CALL per host; drops the pickled arguments once sent."""
+        ctl, target, plan, pickled = self.ctl, self.target, self.plan, self.pickled
+        assert pickled is not None
+        self.pickled = None  # argument handles live until the call is sent, no longer
+        if pickled.keep:  # an output laid out like an argument gets its global sharding
+            self.ref_shardings = tuple(k.sharding if isinstance(k, Array) else None
+                                       for k in pickled.keep)
+        payload, bufs = pickled.payload, pickled.buffers
+        for h in plan.hosts:
+            host = ctl._hosts[h]
+            if host.generation != self.gens[h]:
+                raise host.lost_error("it rejoined after this call was made")
+            target.prepare(ctl, host)
+            for state in pickled.objects:
+                state.ensure_built(ctl, host)
+            ctl._send(host, P.Call(call_id, self.stream, self.digest, target.obj_id,
+                                  target.method, pickled.refs, plan.host_mesh[h]),
+                     payload, bufs, len(bufs))
+        ctl._count("calls")
+
+    def __call__(self, per_host: dict[int, Any]) -> Any:
+        """The combiner: the call's outputs from each host's reply (loop thread).
+
+        The op itself, not its bound method: one object less per call in flight.
+        """
+        out = _build_outputs(self.ctl, self.call_id, self.plan, per_host, self.ref_shardings)
+        if self.out_specs is not None:
+            _check_specs(out, self.out_specs, f"outputs of {self.target.name}")
+        return out
+
+
+def _decode_result(host: Host, body: P.Result, env: Envelope) -> Any:
+    """A host's output description (msgpack; never a pickle: see ``_describe``)."""
+    return read_outputs(env.payload, body.meta)
+
+
+_result_refs: dict[weakref.ref[Future[Any]], _CallOp] = {}
+
+
+def _release_results(ref: weakref.ref[Future[Any]]) -> None:
+    op = _result_refs.pop(ref, None)
+    if op is None:
+        return
+    op.ctl._frees.release_on(op.gens, call=op.call_id)
+
+
+# -- the decorator ---------------------------------------------------------------------------------
+
+
+class ColocatedFunction:
+    """A function that runs on every host of its device set; calls return ``cb.Future``."""
+
+    def __init__(self, fn: Callable[..., Any], *, in_specs: Any = None,
+                 out_specs_fn: Callable[..., Any] | None = None,
+                 devices: Sequence[Device] | None = None, code: Code | None = None) -> None:
+        functools.update_wrapper(self, fn)
+        self._fn = fn
+        self._code = code if code is not None else Code(fn)
+        self._target = FunctionTarget(self._code, getattr(fn, "__qualname__", repr(fn)))
+        self._in_specs = in_specs
+        self._out_specs_fn = out_specs_fn
+        self._devices = tuple(devices) if devices is not None else None
+
+    def __repr__(self) -> str:
+        return f"<colocated_python {self._target.name}>"
+
+    def specialize(self, in_specs: Any = None, out_specs_fn: Callable[..., Any] | None = None,
+                   devices: Sequence[Device] | None = None) -> ColocatedFunction:
+        """A new callable with fixed input specs, output specs function or devices."""
+        in_specs, out_specs_fn, devices = merge_specialization(
+            (self._in_specs, self._out_specs_fn, self._devices), in_specs, out_specs_fn,
+            devices)
+        return ColocatedFunction(self._fn, in_specs=in_specs, out_specs_fn=out_specs_fn,
+                                 devices=devices, code=self._code)
+
+    def cache_info(self) -> CacheInfo:
+        """Input signatures seen by this (specialized) function, and code shipped per host."""
+        assert self._target.signatures is not None
+        return self._target.signatures.info(self._code.shipped)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Future[Any]:
+        return invoke(self._target, args, kwargs, in_specs=self._in_specs,
+                      out_specs_fn=self._out_specs_fn, devices=self._devices)
+
+
+def merge_specialization(current: tuple[Any, Any, Any], in_specs: Any,
+                         out_specs_fn: Any, devices: Any) -> tuple[Any, Any, Any]:
+    cur_in, cur_out, cur_dev = current
+    if in_specs is not None and cur_in is not None:
+        raise ValueError("in_specs already specified")
+    if out_specs_fn is not None and cur_out is not None:
+        raise ValueError("out_specs_fn already specified")
+    if devices is not None and cur_dev is not None:
+        raise ValueError("devices already specified")
+    if devices is not None:
+        devices = tuple(np.asarray(devices, dtype=object).flat) if isinstance(
+            devices, np.ndarray) else tuple(devices)
+        if not devices or not all(isinstance(d, Device) for d in devices):
+            raise ValueError("devices must be a non-empty sequence of colobus Devices")
+    return (in_specs if in_specs is not None else cur_in,
+            out_specs_fn if out_specs_fn is not None else cur_out,
+            devices if devices is not None else cur_dev)
+
+
+def colocated_python(fn: Callable[..., Any]) -> ColocatedFunction:
+    """Run ``fn`` once on each host of its device set, colocated with the data.
+
+    The device set is the device list of the ``cb.Array`` arguments, or the one
+    given with ``specialize(devices=...)``. Each array argument arrives on a host
+    as a ``jax.Array`` holding that host's block; other arguments arrive as they
+    are. Calls return a ``cb.Future`` of the outputs as ``cb.Array`` handles.
+    """
+    return ColocatedFunction(fn)

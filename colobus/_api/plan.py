@@ -1,0 +1,113 @@
+"""Device sets: which hosts a call runs on, and each host's part of the call's mesh.
+
+The device set comes from the call's ``cb.Array`` arguments (and futures of
+earlier calls), or from ``specialize(devices=...)``, with JAX's error texts
+when they disagree or are missing. Plans are cached by device list and mesh.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .._controller.future import Future
+from .._model.blocks import host_blocks
+from .._model.devices import Device, Mesh
+from .._model.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+from .array import Array, mesh_message
+
+__all__ = ["CallPlan", "make_plan"]
+
+
+@dataclass(frozen=True, slots=True)
+class CallPlan:
+    """Where a call runs: its device list, its mesh, and each host's part of it."""
+
+    devices: tuple[Device, ...]
+    mesh: Mesh | Device
+    hosts: tuple[int, ...]
+    host_mesh: dict[int, list[Any]]
+
+
+_plans: dict[Any, CallPlan] = {}
+
+
+def _plan_for(devices: tuple[Device, ...], mesh: Mesh | Device) -> CallPlan:
+    # Devices compare by id only, and ids repeat across controllers: key on everything.
+    full = tuple((d.id, d.host, d.platform, d.local_id) for d in devices)
+    key = (full, None if isinstance(mesh, Device) else (mesh.axis_names, mesh.devices.shape))
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _make_plan(devices, mesh)
+        if len(_plans) > 1024:
+            _plans.clear()
+        _plans[key] = plan
+    return plan
+
+
+def _make_plan(devices: tuple[Device, ...], mesh: Mesh | Device) -> CallPlan:
+    hosts = tuple(sorted({d.host for d in devices}))
+    if isinstance(mesh, Device):
+        host_mesh = {mesh.host: [[[mesh.platform, mesh.local_id]], [], []]}
+    else:
+        blocks = host_blocks(NamedSharding(mesh, PartitionSpec()), ())
+        host_mesh = {h: mesh_message(b) for h, b in blocks.items()}
+    return CallPlan(devices, mesh, hosts, host_mesh)
+
+
+def _device_list_of(x: Any) -> tuple[tuple[Device, ...], Mesh | Device]:
+    if isinstance(x, Array):
+        sh = x.sharding
+        if isinstance(sh, NamedSharding):
+            return sh.device_list, sh.mesh
+        if isinstance(sh, SingleDeviceSharding):
+            return sh.device_list, sh.device
+        return sh.device_list, Mesh(np.array(sh.device_list, dtype=object), ("devices",))
+    plan: CallPlan = x.info
+    return plan.devices, plan.mesh
+
+
+def _mesh_of_devices(devices: Sequence[Device]) -> Mesh | Device:
+    if len(devices) == 1:
+        return devices[0]
+    return Mesh(np.array(list(devices), dtype=object), ("devices",))
+
+
+def make_plan(leaves: list[Any], devices: Sequence[Device] | None) -> CallPlan:
+    lists: dict[tuple[Device, ...], Mesh | Device] = {}
+    for leaf in leaves:
+        if isinstance(leaf, Array) or (isinstance(leaf, Future) and isinstance(leaf.info,
+                                                                               CallPlan)):
+            dl, mesh = _device_list_of(leaf)
+            lists.setdefault(dl, mesh)
+    if devices is not None:
+        devs = tuple(devices)
+        for dl in lists:
+            if set(dl) != set(devs):
+                raise ValueError(
+                    "All arguments must use the same device list, but got multiple device "
+                    f"lists: {[list(devs), list(dl)]}.")
+        if lists:
+            dl, mesh = next(iter(lists.items()))
+            return _plan_for(dl, mesh)
+        return _plan_for(devs, _mesh_of_devices(devs))
+    if not lists:
+        exc = ValueError(
+            "No devices found. colocated_python function without input arguments must be "
+            "first specialized with devices.")
+        if leaves:
+            exc.add_note(
+                f"colobus: the call has arguments ({type(leaves[0]).__name__} first), but no "
+                "cb.Array among them: put them on the hosts first with "
+                "cb.device_put(x, device_or_sharding), or fix the devices with "
+                "fn.specialize(devices=...).")
+        raise exc
+    if len(lists) > 1:
+        raise ValueError(
+            "All arguments must use the same device list, but got multiple device lists: "
+            f"{[list(dl) for dl in lists]}.")
+    dl, mesh = next(iter(lists.items()))
+    return _plan_for(dl, mesh)

@@ -1,0 +1,275 @@
+"""What the controller pickles for hosts: code (once, by digest) and call arguments.
+
+Trust runs one way: everything here is *sent* to workers, which run it; nothing
+here ever unpickles what a worker sent. Functions and classes of importable
+modules travel by reference (so module state on a host persists), others by
+value with cloudpickle. In arguments, host-resident values (``cb.Array``
+leaves, futures of colocated calls, colocated objects) become persistent ids
+that each host resolves to its own value; device-model objects become the
+host's JAX objects (``_hostside``). Large buffers go out of band, zero-copy.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import hashlib
+import importlib
+import io
+import pickle
+import threading
+from collections import ChainMap
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import cloudpickle
+
+from .._controller.future import Future
+from .._errors import SerializationError
+from .._model.jaxside import HOST_REDUCERS, std_dispatch_table
+from .._wire.envelope import Buffer, StdPickler, oob_callback
+from .array import Array
+from .plan import CallPlan
+
+if TYPE_CHECKING:
+    from .._controller.controller import Controller
+    from .._controller.hosts import Host
+
+__all__ = ["Code", "ColocatedObjectBase", "PickledArgs", "arg_path", "pickle_args"]
+
+
+# -- code, pickled once and named by digest ---------------------------------------------
+
+
+def _load_wrapped(module: str, qualname: str) -> Any:
+    """On a host: the original function or class behind a colobus wrapper in ``module``."""
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return getattr(obj, "__wrapped__", obj)
+
+
+class Code:
+    """A function or class, pickled once (lazily) and named by its digest.
+
+    Functions and classes of importable modules travel by reference, so module
+    state on a host persists between calls; others travel by value (cloudpickle).
+    """
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+        self._lock = threading.Lock()
+        self._blob: tuple[bytes, bytes] | None = None
+        self.shipped: collections.Counter[int] = collections.Counter()  # host -> times sent
+
+    def get(self) -> tuple[bytes, bytes]:
+        """``(digest, pickled code)``; raises ``SerializationError``."""
+        blob = self._blob
+        if blob is None:
+            with self._lock:
+                if self._blob is None:
+                    self._blob = self._pickle()
+                blob = self._blob
+        return blob
+
+    def ship(self, ctl: Controller, host: Host) -> bytes:
+        """Loop thread: send the code to ``host`` unless it has it; returns the digest."""
+        digest, blob = self.get()
+        if ctl._send_code(host, digest, blob):
+            self.shipped[host.index] += 1
+        return digest
+
+    def _pickle(self) -> tuple[bytes, bytes]:
+        obj = self.obj
+        module = getattr(obj, "__module__", None)
+        qualname = getattr(obj, "__qualname__", "")
+        data: bytes | None = None
+        if module and module != "__main__" and "<locals>" not in qualname:
+            try:
+                found = _load_wrapped(module, qualname)
+            except Exception:
+                found = None
+            if found is obj:
+                data = pickle.dumps(_ByRef(module, qualname), protocol=5)
+        if data is None:
+            try:
+                f = io.BytesIO()
+                _CodePickler(f, protocol=5).dump(obj)
+                data = f.getvalue()
+            except Exception as exc:
+                raise SerializationError(
+                    f"{qualname or obj!r} cannot be pickled to send to hosts: {exc}") from exc
+        return hashlib.blake2b(data, digest_size=16).digest(), data
+
+
+class _CodePickler(cloudpickle.Pickler):  # type: ignore[misc]
+    """cloudpickle, with device-model objects made the host's JAX objects (``_hostside``)."""
+
+    dispatch_table: ClassVar[ChainMap[Any, Any]] = ChainMap(
+        HOST_REDUCERS, cloudpickle.Pickler.dispatch_table)
+
+
+class _ByRef:
+    __slots__ = ("module", "qualname")
+
+    def __init__(self, module: str, qualname: str) -> None:
+        self.module = module
+        self.qualname = qualname
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_load_wrapped, (self.module, self.qualname))
+
+
+class ColocatedObjectBase:
+    """Base of the wrappers ``colocated_python_class`` makes (see ``_obj``)."""
+
+    _colobus_state: Any
+
+
+# -- argument pickling ---------------------------------------------------------------------
+
+
+class _HandleIds:
+    """Persistent ids for host-resident values (mixed into both picklers)."""
+
+    refs: list[list[int]]
+    keep: list[Any]
+    objects: list[Any]
+
+    def _reset_ids(self) -> None:
+        self.refs = []
+        self.keep = []  # keeps handles alive until the call is sent
+        self.objects = []
+
+    def persistent_id(self, obj: Any) -> int | None:
+        if isinstance(obj, Array):
+            obj.check_usable()
+            self.refs.append([0, obj.ref])
+        elif isinstance(obj, Future) and isinstance(obj.info, CallPlan):
+            self.refs.append([1, obj.call_id])
+        elif isinstance(obj, ColocatedObjectBase):
+            state = obj._colobus_state
+            state.check_open()
+            self.refs.append([2, state.obj_id])
+            self.objects.append(state)
+        else:
+            return None
+        self.keep.append(obj)
+        return len(self.refs) - 1
+
+
+class _FastArgsPickler(_HandleIds, StdPickler):
+    """The stdlib (C) pickler: most arguments are arrays, numbers and plain containers."""
+
+    def __init__(self, file: io.BytesIO, buffers: list[Buffer]) -> None:
+        self.dispatch_table = std_dispatch_table()  # read by the C pickler's __init__
+        super().__init__(file, protocol=5, buffer_callback=oob_callback(buffers))
+        self._reset_ids()
+
+
+class _ArgsPickler(_HandleIds, cloudpickle.Pickler):  # type: ignore[misc]
+    """Pickles call arguments with cloudpickle; host-resident values become persistent ids."""
+
+    dispatch_table: ClassVar[ChainMap[Any, Any]] = ChainMap(
+        HOST_REDUCERS, cloudpickle.Pickler.dispatch_table)
+
+    def __init__(self, file: io.BytesIO, buffers: list[Buffer]) -> None:
+        super().__init__(file, protocol=5, buffer_callback=oob_callback(buffers))
+        self._reset_ids()
+
+
+@dataclass(slots=True)
+class PickledArgs:
+    payload: bytes
+    buffers: list[Buffer]
+    refs: list[list[int]]
+    keep: list[Any]
+    objects: list[Any]
+
+
+def pickle_args(tree: Any, what: str) -> PickledArgs:
+    """Pickle ``(args, kwargs)`` once for every host; ``SerializationError`` names the leaf."""
+    import jax
+
+    args, kwargs = tree
+    if not kwargs and type(args) is tuple and all(type(a) is Array for a in args):
+        # Only arrays, by position (``f(x)``, ``f(x, y)``): the payload names
+        # persistent ids 0..n-1 and is the same bytes every time.
+        refs = []
+        for a in args:
+            a.check_usable()
+            refs.append([0, a.ref])
+        return PickledArgs(_handles_payload(len(args)), [], refs, list(args), [])
+    f = io.BytesIO()
+    buffers: list[Buffer] = []
+    fast = _FastArgsPickler(f, buffers)
+    try:
+        fast.dump(tree)
+        return PickledArgs(f.getvalue(), buffers, fast.refs, fast.keep, fast.objects)
+    except (SerializationError, RuntimeError) as exc:
+        if isinstance(exc, SerializationError) or "deleted" in str(exc) or (
+                "was closed" in str(exc)):
+            raise
+    except Exception:  # ByValue, or what only cloudpickle can pickle: start over
+        pass
+    f = io.BytesIO()
+    buffers = []
+    pickler = _ArgsPickler(f, buffers)
+    try:
+        pickler.dump(tree)
+    except (SerializationError, RuntimeError) as exc:
+        # a deleted array or a closed object: the caller's misuse, not a pickling problem
+        if isinstance(exc, SerializationError) or "deleted" in str(exc) or (
+                "was closed" in str(exc)):
+            raise
+        raise SerializationError(f"arguments of {what} cannot be pickled: {exc}") from exc
+    except Exception as exc:
+        where = "an argument"
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            if isinstance(leaf, Array | Future):
+                continue
+            try:
+                cloudpickle.dumps(leaf)
+            except Exception:
+                where = f"argument {arg_path(path)} ({type(leaf).__name__})"
+                break
+        raise SerializationError(
+            f"{where} of {what} cannot be pickled, so nothing was sent: {exc}") from exc
+    return PickledArgs(f.getvalue(), buffers, pickler.refs, pickler.keep, pickler.objects)
+
+
+class _Slot:
+    """Stands for the i-th array argument while :func:`_handles_payload` pickles."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+class _SlotPickler(StdPickler):
+    def __init__(self, file: io.BytesIO) -> None:
+        self.dispatch_table = std_dispatch_table()  # as _FastArgsPickler has it
+        super().__init__(file, protocol=5)
+
+    def persistent_id(self, obj: Any) -> int | None:
+        return obj.index if type(obj) is _Slot else None
+
+
+@functools.lru_cache(maxsize=64)
+def _handles_payload(n: int) -> bytes:
+    """What :class:`_FastArgsPickler` writes for ``f(a_0, ..., a_{n-1})`` of arrays."""
+    f = io.BytesIO()
+    _SlotPickler(f).dump((tuple(_Slot(i) for i in range(n)), {}))
+    return f.getvalue()
+
+
+def arg_path(path: Sequence[Any]) -> str:
+    """A leaf's path in ``(args, kwargs)`` as written at the call: ``args[0]['k']``."""
+    import jax
+
+    first = path[0] if path else None
+    if isinstance(first, jax.tree_util.SequenceKey) and first.idx in (0, 1):
+        return ("args", "kwargs")[first.idx] + jax.tree_util.keystr(tuple(path[1:]))
+    return jax.tree_util.keystr(tuple(path))

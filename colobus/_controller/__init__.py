@@ -1,0 +1,1 @@
+"""The controller's parts and its facade."""

@@ -1,0 +1,45 @@
+"""What a cluster that owns its workers' processes tells the controller.
+
+``local_cluster`` and the launchers (:mod:`colobus._launch`) start the worker
+processes themselves, so they can number the hosts by name before the workers
+start, and declare a host lost the moment its process ends instead of after
+the liveness timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+from .._errors import ControllerClosedError
+from .controller import Controller, State
+from .joinwait import JoinOrder
+
+__all__ = ["host_process_ended", "number_hosts_by_name"]
+
+
+def number_hosts_by_name(ctl: Controller, names: Sequence[str]) -> None:
+    """Give the first hosts to join these names the numbers 0, 1, ... in this order.
+
+    Before the workers start: HELLOs wait until all of ``names`` said HELLO
+    (see :mod:`colobus._controller.joinwait`).
+    """
+    ctl._sessions.join_order = JoinOrder(names)
+
+
+def host_process_ended(ctl: Controller, name: str, pid: int | None, why: str) -> None:
+    """The process of host ``name`` (pid ``pid``) is gone: declare it lost now.
+
+    Called from any thread by whoever owns the process, so the host is lost at
+    once rather than after ``liveness_timeout``. ``pid`` None: the worker ran
+    on another machine (its ssh session or srun step ended), whatever pid it
+    reported.
+    """
+    def lose() -> None:
+        host = ctl._hosts.by_name.get(name)
+        if host is not None and (pid is None or host.pid == pid):
+            ctl._sessions.lose(host, why)
+
+    if ctl.state is State.RUNNING:
+        with contextlib.suppress(RuntimeError, ControllerClosedError):  # closed meanwhile
+            ctl._call_soon(lose)

@@ -1,0 +1,500 @@
+"""The controller: binds one ROUTER socket and drives the workers that join it.
+
+:class:`Controller` is the public facade over the parts that do the work (the
+channel, the host registry, the operations, the frees, the sessions, the sync
+face: see ``docs/architecture.md``). Everything that touches the socket or the
+registry runs on the controller's event-loop thread; callers on other threads
+hop there with ``call_soon_threadsafe``. Lifecycle: ``NEW -> RUNNING -> CLOSED``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import os
+import secrets
+import threading
+from collections.abc import Callable, Iterable
+from types import TracebackType
+from typing import Any
+
+import zmq
+
+from .._errors import ControllerClosedError, NoControllerError
+from .._model.devices import Device
+from .._observe.metrics import observing
+from .._process import freeze_once
+from .._wire import keys as _keys
+from .._wire import protocol as P
+from .._wire.channel import Channel, router_socket
+from .._wire.envelope import Buffer
+from . import syncface as _syncface
+from .current import Current, State
+from .environ import from_environment
+from .frees import Frees
+from .future import Future
+from .hangups import Hangups
+from .hosts import Host, HostInfo, HostRegistry
+from .joinwait import JoinOrder, JoinProgress, JoinWaiters, key_words
+from .ops import Operations
+from .sessions import Sessions
+from .stats import collect_stats, refresh_stats
+from .syncface import LoopThread
+
+__all__ = ["Controller", "HostInfo", "State", "current_controller"]
+
+log = logging.getLogger("colobus.controller")
+
+SCRAPE_REFRESH_S = 1.0  # a metrics scrape waits this long for the hosts' fresh figures
+DEFAULT_MAX_MESSAGE_BYTES = 1 << 31  # 2 GiB: raise with Controller(max_message_bytes=...)
+
+_current: Current[Controller] = Current()
+
+
+def current_controller() -> Controller | None:
+    """The default controller: the one most recently entered and not yet closed."""
+    return _current.top()
+
+
+class Controller:
+    """Binds a ROUTER socket and drives the workers that join it.
+
+    Args:
+        bind: ZeroMQ endpoint to bind, e.g. ``"tcp://0.0.0.0:5555"``, ``"ipc:///tmp/x.sock"``.
+            None: ``$COLOBUS_ADDRESS`` (``colobus launch``), else ``"tcp://127.0.0.1:*"``.
+        hosts: how many workers to wait for on entry (None: ``$COLOBUS_HOSTS``, else 1).
+        key: shared secret of at least 32 bytes (``cb.load_key``). None: the file
+            ``$COLOBUS_KEY_FILE`` names, else a fresh one, written on start to a private
+            0600 file, :attr:`key_file`, for ``colobus worker --key-file``.
+        heartbeat_interval: seconds between heartbeats, both directions.
+        liveness_timeout: a host silent this long is declared lost.
+        join_timeout: how long entry waits for ``hosts`` workers.
+        max_inflight: calls in flight per host before new calls queue here.
+        max_backlog: calls queued here (not yet sent) before callers wait: a
+            caller on a plain thread blocks in the call until the queue is
+            shorter; code running on an event loop never blocks there and
+            awaits :meth:`wait_capacity`. Default: ``max_inflight``.
+        max_message_bytes: larger incoming messages (all frames together) are
+            dropped and counted; workers refuse to send larger replies and fail
+            the call instead. Default 2 GiB; raise it to fetch larger host blocks.
+        exit_workers_on_close: tell workers to exit (rather than wait for the
+            next controller) when this controller closes. ``local_cluster`` sets it.
+        curve_secret_key: turn on CurveZMQ encryption with this server key pair:
+            the path of a secret key file from ``colobus keygen --curve PATH``
+            (files only: a secret never travels as a value). Workers then need
+            ``--server-key PATH.pub`` and a key pair of their own (docs/security.md).
+        curve_public_key: the server's Z85 public key (default: derived from the secret key).
+        curve_allow: the workers allowed to connect (CurveZMQ only): Z85 public
+            keys, public key files, or directories of ``*.pub`` files.
+        metrics: serve Prometheus metrics at ``http://HOST:PORT/metrics`` (e.g.
+            ``"127.0.0.1:9464"``; port 0 picks a free one, see
+            :attr:`metrics_url`); needs ``prometheus_client``. Off by default.
+        metrics_public: allow a ``metrics`` address that is not loopback (the
+            endpoint has no authentication). See ``docs/observability.md``.
+        trace: record where each colocated call spends its time
+            (``fut.timings()``): True, or a path to write a Chrome trace
+            (Perfetto) JSON file to on close (and on :meth:`write_trace`).
+            Emits OpenTelemetry spans too where ``opentelemetry`` is importable.
+            ``metrics`` alone keeps counters, not per-call timings.
+        freeze_gc: on the first start in this process, run a full garbage
+            collection and ``gc.freeze()`` what is alive (JAX's ~100k objects,
+            your program's setup), so collections triggered by calls in flight
+            stop walking them: about 15 % of a pipelined call's controller CPU.
+            False leaves the collector alone. See ``docs/performance.md``.
+
+    Raises:
+        ValueError: ``curve_allow`` given without ``curve_secret_key``, or
+            ``metrics`` not loopback without ``metrics_public``.
+        ImportError: ``metrics`` given but ``prometheus_client`` is missing.
+        AuthenticationError: ``key`` is shorter than 32 bytes, or a CurveZMQ key
+            file is not valid.
+    """
+
+    def __init__(
+        self,
+        bind: str | None = None,
+        *,
+        hosts: int | None = None,
+        key: bytes | None = None,
+        heartbeat_interval: float = 1.0,
+        liveness_timeout: float = 5.0,
+        join_timeout: float = 120.0,
+        max_inflight: int = 1024,
+        max_backlog: int | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        exit_workers_on_close: bool = False,
+        curve_secret_key: str | os.PathLike[str] | None = None,
+        curve_public_key: bytes | None = None,
+        curve_allow: Iterable[bytes | str | os.PathLike[str]] | None = None,
+        metrics: str | None = None,
+        metrics_public: bool = False,
+        trace: bool | str | os.PathLike[str] | None = None,
+        freeze_gc: bool = True,
+    ) -> None:
+        bind, hosts, key, names = from_environment(bind, hosts, key)  # colobus launch's
+        if key is not None:
+            key = _keys.check_key(key, "Controller(key=...)")
+        if hosts < 0:
+            raise ValueError(f"hosts must be >= 0, got {hosts}")
+        self._bind = bind
+        self._freeze_gc = freeze_gc
+        self._expected_hosts = hosts
+        self._key = key if key is not None else _keys.generate_key()
+        self._write_key_file = key is None
+        self.key_file: str | None = None  # where a generated key was written (on start)
+        self.heartbeat_interval = heartbeat_interval
+        self.liveness_timeout = liveness_timeout
+        self.join_timeout = join_timeout
+        self.max_message_bytes = max_message_bytes
+        self._exit_workers = exit_workers_on_close
+        # A message unacknowledged this long is sent again (a dropped connection).
+        self._resend_after = max(2 * heartbeat_interval, liveness_timeout / 3)
+        # A host whose connection closed must be heard from sooner (see _hangups).
+        self._hangup_grace = min(liveness_timeout, max(liveness_timeout / 2,
+                                                       2 * heartbeat_interval))
+        self._hangups: Hangups | None = None
+        self._curve: tuple[bytes, bytes] | None = None  # (public, secret), Z85
+        self._curve_allow: set[bytes] | None = None
+        self._auth: Any = None  # zmq.auth.thread.ThreadAuthenticator while running
+        if curve_secret_key is not None:
+            from .._wire.keys import load_curve_allow, load_curve_keypair
+
+            public, secret = load_curve_keypair(curve_secret_key)
+            self._curve = (curve_public_key or public, secret)
+            if curve_allow is not None:
+                self._curve_allow = load_curve_allow(curve_allow)
+        elif curve_allow is not None:
+            raise ValueError("curve_allow needs curve_secret_key (the server's key pair)")
+        self.state = State.NEW
+        # Metrics and traces (None when both are off: one check per call site).
+        self.observer, self._metrics, self._trace = observing(
+            metrics, metrics_public, trace, self._scrape_stats)
+        self._session = secrets.token_bytes(16)
+        self._ctx: zmq.Context[Any] | None = None
+        self._chan: Channel | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread_id: int | None = None
+        self._own_thread: LoopThread | None = None
+        self._address = ""
+        self._hosts = HostRegistry()
+        self._ops = Operations(self, max_inflight,
+                               max_inflight if max_backlog is None else max_backlog)
+        self._counters: collections.Counter[str] = collections.Counter()
+        self._frees = Frees(self)
+        self._join_waiters = JoinWaiters()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._closing: asyncio.Task[None] | None = None  # a close begun on the loop thread
+        self._sessions = Sessions(self)
+        self._sessions.join_order = JoinOrder(names) if names else None  # colobus launch
+
+    # -- public surface -------------------------------------------------------------
+
+    @property
+    def metrics_url(self) -> str | None:
+        """Where the Prometheus metrics are served (after start), or None if off."""
+        return (self._metrics.url or None) if self._metrics is not None else None
+
+    def write_trace(self, path: str | os.PathLike[str] | None = None) -> str:
+        """Write the calls settled so far as Chrome trace JSON; returns the path.
+
+        Args:
+            path: where to write; default the ``trace=`` path.
+
+        Raises:
+            ValueError: tracing is off, or no path was given either way.
+        """
+        if self._trace is None:
+            raise ValueError("tracing is off: start the controller with trace=True or trace=PATH")
+        return self._trace.write(path)
+
+    @property
+    def address(self) -> str:
+        """The endpoint workers connect to (after start)."""
+        return self._address
+
+    @property
+    def max_inflight(self) -> int:
+        return self._ops.max_inflight
+
+    @property
+    def max_backlog(self) -> int:
+        return self._ops.max_backlog
+
+    def devices(self) -> list[Device]:
+        """Devices of the live hosts, sorted by id."""
+        return self._hosts.devices()
+
+    def hosts(self) -> list[HostInfo]:
+        """Every host that ever joined, by index, with its state."""
+        return [h.info() for h in self._hosts.hosts]
+
+    def stats(self) -> dict[str, Any]:
+        """Counters: dropped messages by reason, code blobs and bytes sent, array bytes put and
+        fetched, and per host its store sizes and health.
+
+        Per-host figures are the ones each worker last reported (every heartbeat, or on
+        :meth:`refresh_stats`): ``arrays``, ``bytes`` and ``objects`` it holds, and ``results``,
+        the call results it keeps for futures still alive; from its heartbeats only, ``rtt``
+        (heartbeat round trip, s), ``rss`` (bytes), ``cpu`` (s) and ``dropped``.
+        """
+        return collect_stats(self._sessions, self._counters, self._chan, self._ops, self._hosts)
+
+    def refresh_stats(self) -> Future[dict[str, Any]]:
+        """Ask every live host for its store counters now; resolves to :meth:`stats`.
+
+        With metrics or tracing on, each host first sends the call times it counted since
+        its last heartbeat: the histograms are exact once this resolves.
+        """
+        return refresh_stats(self._ops, self._hosts, self._send, self.stats)
+
+    def _scrape_stats(self) -> dict[str, Any]:
+        """:meth:`stats` for a metrics scrape (its HTTP thread): fresh from every live
+        host, with the call times they counted, if all answer within
+        :data:`SCRAPE_REFRESH_S`; else as last reported by their heartbeats."""
+        if self.state is State.RUNNING and not self._on_loop_thread():
+            try:
+                return self.refresh_stats().result(timeout=SCRAPE_REFRESH_S)
+            except Exception as exc:  # a slow or lost host, a closing controller
+                log.debug("scrape: hosts' figures as last reported (%r)", exc)
+        return self.stats()
+
+    async def wait_capacity(self) -> None:
+        """Wait until a new call would not queue beyond ``max_backlog``.
+
+        The back-pressure point for async code: calls made on an event loop never block,
+        so a loop that fires calls should ``await ctl.wait_capacity()`` before each.
+
+        Raises:
+            ControllerClosedError: the controller closed.
+        """
+        await self._ops.wait_capacity()
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Bind the socket and start serving on the running loop; returns once bound."""
+        if self.state is not State.NEW:
+            raise RuntimeError(f"Controller cannot start: it is {self.state.value}")
+        self._loop = asyncio.get_running_loop()
+        self._loop_thread_id = threading.get_ident()
+        if self._freeze_gc:
+            freeze_once()
+        if self._metrics is not None:
+            self._metrics.start()
+        self._ctx = zmq.Context()
+        sock = router_socket(self._ctx, self.max_message_bytes)
+        if self._curve is not None:
+            from .._wire.keys import start_curve_server
+
+            self._auth = start_curve_server(self._ctx, sock, *self._curve, self._curve_allow)
+        try:
+            sock.bind(self._bind)
+        except zmq.ZMQError as exc:
+            sock.close(0)
+            self._stop_curve()
+            self._ctx.term()
+            self.state = State.CLOSED
+            self._stop_observing()
+            raise OSError(f"colobus controller cannot bind {self._bind!r}: {exc}") from exc
+        self._address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._chan = Channel(sock, self._key, self._loop, self._sessions.on_frames,
+                             before_flush=self._frees.move_to_outboxes)
+        self._hangups = Hangups(sock, self._loop, self._hangup_grace, self._sessions.lose)
+        self._tasks.append(self._loop.create_task(self._liveness_loop()))
+        self.state = State.RUNNING
+        log.info("controller listening on %s (%s)", self._address, key_words(self._key))
+        if self._write_key_file:
+            self.key_file = str(_keys.write_private_key(self._key))
+            _keys.note_key_file(self._key, self.key_file)
+            log.info("no key given: wrote a fresh key to %s; standalone workers join with "
+                     "`colobus worker --connect %s --key-file %s`",
+                     self.key_file, self._address, self.key_file)
+        self._chan.drain()
+
+    def _stop_observing(self) -> None:
+        if self._metrics is not None:
+            self._metrics.close()
+        if self._trace is not None and self._trace.path is not None:
+            try:
+                log.info("trace written to %s", self._trace.write())
+            except OSError as exc:
+                log.warning("could not write the trace to %s: %s", self._trace.path, exc)
+
+    def _stop_curve(self) -> None:
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+
+    async def wait_for_hosts(self, n: int | None = None, timeout: float | None = None) -> None:
+        """Wait until ``n`` hosts (default: ``hosts``) are alive.
+
+        Raises:
+            TimeoutError: fewer joined within ``timeout`` (default ``join_timeout``).
+        """
+        n = self._expected_hosts if n is None else n
+        assert self._loop is not None
+        await self._join_waiters.wait(
+            self._loop, n, self._hosts.alive_count, JoinProgress(self._address, self._key, n),
+            self.join_timeout if timeout is None else timeout, self._check_open)
+
+    async def aclose(self) -> None:
+        """Close: every pending or queued call ends with ``ControllerClosedError``,
+        workers are told, the socket is released. Idempotent."""
+        if self.state is State.CLOSED:
+            return
+        if self.state is State.NEW:
+            self.state = State.CLOSED
+            return
+        chan = self._chan
+        assert chan is not None and self._ctx is not None
+        reason = "exit" if self._exit_workers else "controller closed"
+        if self._hangups is not None:  # the hosts are told to go: their closes are no news
+            self._hangups.close()
+        for h in self._hosts.alive():
+            self._send(h, P.Shutdown(reason))
+        chan.flush()
+        self.state = State.CLOSED
+        self._ops.close()
+        self._join_waiters.wake()
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        chan.close(linger_ms=200)  # a moment for the SHUTDOWN messages to leave
+        self._stop_curve()
+        self._ctx.term()
+        if self.key_file is not None:
+            _keys.remove_private_key(self.key_file)
+        _pop_current(self)
+        self._stop_observing()
+        log.info("controller on %s closed", self._address)
+
+    async def __aenter__(self) -> Controller:
+        await self.start()
+        try:
+            await self.wait_for_hosts()
+        except BaseException:
+            await self.aclose()
+            raise
+        _push_current(self)
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    # -- sync face (colobus._controller.syncface) ----------------------------------
+
+    def start_in_thread(self, timeout: float = 30.0) -> None:
+        """Start the controller on a private event-loop thread (the sync face)."""
+        _syncface.start_in_thread(self, timeout)
+
+    def run_sync(self, coro: Any, timeout: float | None = None) -> Any:
+        """Run a coroutine on the controller's loop and wait for it (not from that loop).
+
+        Raises:
+            RuntimeError: called on the controller's own loop thread (it would
+                deadlock); ``await`` the coroutine there instead.
+        """
+        return _syncface.run_sync(self, coro, timeout)
+
+    def close(self) -> None:
+        """Close the controller from plain code (``with``), or from any other thread.
+
+        On the controller's own loop thread (a done-callback), closing starts at
+        once and finishes in the background: nothing may block that thread.
+        """
+        _syncface.close(self)
+
+    def __enter__(self) -> Controller:
+        self.start_in_thread()
+        try:
+            self.run_sync(self.wait_for_hosts())
+        except BaseException:
+            self.close()
+            raise
+        _push_current(self)
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    # -- internals the API layers use (package-private) -------------------------------------
+
+    @property
+    def _closed(self) -> bool:
+        return self.state is State.CLOSED
+
+    def _set_closed(self) -> None:
+        self.state = State.CLOSED
+
+    def _check_open(self) -> None:
+        if self.state is State.CLOSED:
+            raise ControllerClosedError("the colobus controller is closed")
+
+    def _on_loop_thread(self) -> bool:
+        return threading.get_ident() == self._loop_thread_id
+
+    def _call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` on the loop thread: now if already there, else soon."""
+        if threading.get_ident() == self._loop_thread_id:
+            fn(*args)
+            return
+        self._check_open()
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop closed under us
+            raise ControllerClosedError("the colobus controller is closed") from None
+
+    def _send(self, host: Host, body: P.Body, payload: Buffer = b"",
+              buffers: Any = (), pbufs: int = 0) -> None:
+        """Queue a message to a live host (loop thread); see :meth:`Channel.send`."""
+        chan = self._chan
+        if chan is not None and host.alive:
+            chan.send(host.peer, body, payload, buffers, pbufs)
+
+    def _send_code(self, host: Host, digest: bytes, code: bytes) -> bool:
+        """Send a pickled function or class to ``host`` once; later calls name it.
+
+        Returns:
+            Whether it was sent now (False: the host has it).
+        """
+        if digest in host.code_sent:
+            return False
+        host.code_sent.add(digest)
+        self._counters["code_sent"] += 1
+        self._counters["code_bytes"] += len(code)
+        self._send(host, P.Code(digest), code)
+        return True
+
+    def _count(self, name: str, n: int = 1) -> None:
+        self._counters[name] += n
+
+    def _declare_lost(self, index: int, why: str = "declared lost by the controller") -> None:
+        """Declare a host lost now (a local cluster whose worker process died; tests)."""
+        self._call_soon(self._sessions.lose, self._hosts[index], why)
+
+    def _joined(self) -> None:
+        """A host joined: wake those waiting for hosts."""
+        self._join_waiters.wake()
+
+    async def _liveness_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_interval)
+            self._sessions.tick()
+
+
+_push_current = _current.push
+_pop_current = _current.pop
+
+
+def default_controller() -> Controller:
+    """The default controller, or ``NoControllerError`` saying how to start one."""
+    ctl = current_controller()
+    if ctl is None or ctl.state is not State.RUNNING:
+        raise NoControllerError()
+    return ctl

@@ -1,0 +1,100 @@
+"""Frees of host data (arrays, call results): batched, and never ahead of what they free.
+
+A handle's finalizer may run on any thread, during interpreter shutdown too.
+A free goes through the operation backlog, so it never overtakes the PUT or
+call that makes what it frees (which may still be queued); on the loop thread
+it waits for the next message to its host (one RELEASE per host rides along,
+ahead of it) or leaves on its own after ``RELEASE_DELAY_S``.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+from typing import TYPE_CHECKING, Protocol
+
+from .._errors import ColobusError
+from .._wire import protocol as P
+
+if TYPE_CHECKING:
+    import asyncio
+
+    from .._wire.channel import Channel
+    from .hosts import HostRegistry
+    from .ops import Operations
+
+__all__ = ["Frees", "FreesOwner"]
+
+RELEASE_DELAY_S = 0.002  # frees wait this long for a message to ride along with
+
+
+class FreesOwner(Protocol):
+    """What :class:`Frees` uses of the controller that owns it."""
+
+    @property
+    def _hosts(self) -> HostRegistry: ...
+    @property
+    def _ops(self) -> Operations: ...
+    @property
+    def _chan(self) -> Channel | None: ...
+    @property
+    def _loop(self) -> asyncio.AbstractEventLoop | None: ...
+    @property
+    def _closed(self) -> bool: ...
+
+
+class Frees:
+    """The controller's queue of frees (see the module docstring)."""
+
+    def __init__(self, ctl: FreesOwner) -> None:
+        self._ctl = ctl
+        self._queue: collections.deque[tuple[int, int, int, int]] = collections.deque()
+        self._timer_set = False
+
+    def release_on(self, generations: dict[int, int], ref: int = 0, call: int = 0) -> None:
+        """Free array ``ref`` or the result of ``call`` on each of its hosts (host ->
+        generation): one hop to the loop thread for all of them, not one per host;
+        thread-safe."""
+        ctl = self._ctl
+        if ctl._closed:
+            return
+        entries = [(host, gen, ref, call) for host, gen in generations.items()]
+        try:
+            ctl._ops.post(functools.partial(self._queue_many, entries))
+        except (RuntimeError, ColobusError):
+            pass
+
+    def _queue_many(self, entries: list[tuple[int, int, int, int]]) -> None:
+        self._queue.extend(entries)
+        loop = self._ctl._loop
+        if not self._timer_set and loop is not None:
+            self._timer_set = True
+            loop.call_later(RELEASE_DELAY_S, self._timer)
+
+    def _timer(self) -> None:
+        self._timer_set = False
+        chan = self._ctl._chan
+        if self._queue and chan is not None and chan.open:
+            chan.flush()
+            chan.drain()  # the send may have taken the FD's edge: read what waits
+
+    def move_to_outboxes(self) -> None:
+        """Queue the waiting frees as one RELEASE per host (called before any flush)."""
+        if not self._queue:
+            return
+        hosts = self._ctl._hosts.hosts
+        per_host: dict[int, tuple[list[int], list[int]]] = {}
+        while self._queue:
+            host, gen, ref, call = self._queue.popleft()
+            h = hosts[host]
+            if not h.alive or h.generation != gen:
+                continue
+            refs, calls = per_host.setdefault(host, ([], []))
+            if ref:
+                refs.append(ref)
+            if call:
+                calls.append(call)
+        chan = self._ctl._chan
+        assert chan is not None
+        for host, (refs, calls) in per_host.items():
+            chan.enqueue(hosts[host].peer, P.Release(refs, calls))

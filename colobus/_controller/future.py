@@ -1,0 +1,281 @@
+"""The Future behind every remote operation.
+
+A :class:`Future` is resolved on the controller's event-loop thread and can be
+awaited from any event loop, or waited on with :meth:`Future.result` from any
+other thread. It is deliberately not an ``asyncio.Future``: those belong to one
+loop, and colobus futures are shared between the controller's loop, the
+caller's loop and plain threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable, Generator
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
+
+import numpy as np
+
+from .._observe.observer import FOLD_AT
+
+if TYPE_CHECKING:
+    from .._observe.observer import FunctionStats
+    from .._observe.trace import CallRecord, CallTimings
+
+__all__ = ["Future"]
+
+T = TypeVar("T")
+
+_PENDING, _CANCELLED, _FINISHED = 0, 1, 2
+
+log = logging.getLogger("colobus.future")
+
+# One lock for every Future's state change: the critical sections are a few
+# attribute writes, and a lock per Future would be one more object per call for
+# the garbage collector to track while calls are in flight.
+_LOCK = threading.Lock()
+_clock = time.perf_counter  # read per observed call: one global, not an attribute of one
+
+
+class Future(Generic[T]):
+    """The result of a remote operation, awaitable from any event loop.
+
+    ``await fut`` works in any event loop; ``fut.result(timeout)`` works from any
+    thread except the controller's own loop thread, where it raises a
+    ``RuntimeError`` saying to ``await`` instead.
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "_callbacks",
+        "_canceller",
+        "_event",
+        "_exception",
+        "_loop_thread",
+        "_result",
+        "_state",
+        "_stats",
+        "_submitted",
+        "_timing",
+        "call_id",
+        "info",
+    )
+
+    def __init__(self, loop_thread: int | None = None, call_id: int = 0) -> None:
+        self._state = _PENDING
+        self._result: Any = None
+        self._exception: BaseException | None = None
+        self._callbacks: list[Callable[[Future[T]], object]] | None = None
+        self._event: threading.Event | None = None
+        self._loop_thread = loop_thread
+        self._canceller: Callable[[Future[T]], object] | None = None
+        self.call_id = call_id
+        self.info: Any = None  # what produced it (a colocated call's device list, ...)
+        # Set by the controller for colocated calls while metrics or tracing is on:
+        self._stats: FunctionStats | None = None  # the function's counters
+        self._submitted = 0.0  # when the call was made (perf_counter)
+        self._timing: CallRecord | None = None  # its timings (tracing only)
+
+    def __repr__(self) -> str:
+        state = ("pending", "cancelled", "finished")[self._state]
+        if self._state == _FINISHED and self._exception is not None:
+            state = f"raised {type(self._exception).__name__}"
+        return f"<colobus.Future {state}>"
+
+    # -- state ---------------------------------------------------------------------
+
+    def done(self) -> bool:
+        """True once the future has a result, an exception, or was cancelled."""
+        return self._state != _PENDING
+
+    def cancelled(self) -> bool:
+        return self._state == _CANCELLED
+
+    def cancel(self) -> bool:
+        """Cancel the operation.
+
+        A call that has not started on its hosts is removed there; one already
+        running finishes and its result is dropped.
+
+        Returns:
+            True if the future was pending and is now cancelled.
+        """
+        with _LOCK:
+            if self._state != _PENDING:
+                return False
+            self._state = _CANCELLED
+            canceller, self._canceller = self._canceller, None
+        if canceller is not None:
+            canceller(self)
+        self._finish()
+        return True
+
+    def set_result(self, result: T) -> None:
+        with _LOCK:
+            if self._state != _PENDING:
+                return
+            self._result = result
+            self._state = _FINISHED
+        self._finish()
+
+    def set_exception(self, exc: BaseException) -> None:
+        with _LOCK:
+            if self._state != _PENDING:
+                return
+            self._exception = exc
+            self._state = _FINISHED
+        self._finish()
+
+    def _set_cancelled(self) -> None:
+        """The operation was cancelled elsewhere (on a host): end as cancelled.
+
+        Unlike :meth:`cancel`, nothing is asked of the hosts: they already know.
+        """
+        with _LOCK:
+            if self._state != _PENDING:
+                return
+            self._state = _CANCELLED
+        self._finish()
+
+    def _set_canceller(self, fn: Callable[[Future[T]], object]) -> None:
+        self._canceller = fn
+
+    def _finish(self) -> None:
+        self._canceller = None
+        stats = self._stats
+        if stats is not None:  # metrics or tracing is on: the latency joins its outcome
+            outcome = (2 if self._state == _CANCELLED else
+                       0 if self._exception is None else 1)
+            latencies = stats.ends[outcome]
+            latencies.append(_clock() - self._submitted)
+            if len(latencies) >= FOLD_AT:
+                stats.fold_locked()
+            rec = self._timing
+            if rec is not None and rec.observer is not None:
+                rec.observer.settled(rec, outcome)
+        event = self._event
+        if event is not None:
+            event.set()
+        callbacks, self._callbacks = self._callbacks, None
+        if callbacks:
+            for cb in callbacks:
+                _run_callback(cb, self)
+
+    def add_done_callback(self, fn: Callable[[Future[T]], object]) -> None:
+        """Call ``fn(fut)`` once done (at once if already done), on the resolving thread."""
+        with _LOCK:
+            if self._state == _PENDING:
+                if self._callbacks is None:
+                    self._callbacks = [fn]
+                else:
+                    self._callbacks.append(fn)
+                return
+        _run_callback(fn, self)
+
+    def timings(self) -> CallTimings | None:
+        """Where this call spent its time, once it is done.
+
+        Recorded for colocated calls (functions and methods) while the
+        controller runs with ``trace=`` on (``metrics=`` alone keeps only counters); see
+        ``docs/observability.md``.
+
+        Returns:
+            A ``cb.CallTimings``, or None: not done yet, not a colocated call,
+            or the controller records no timings.
+        """
+        rec = self._timing
+        if rec is None or self._state == _PENDING or not rec.outcome:
+            return None
+        return rec.timings()
+
+    # -- results -------------------------------------------------------------------
+
+    def _get(self) -> T:
+        if self._state == _CANCELLED:
+            raise asyncio.CancelledError()
+        if self._exception is not None:
+            raise self._exception
+        return self._result  # type: ignore[no-any-return]
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The exception the operation raised, or None; waits like :meth:`result`."""
+        self._wait(timeout)
+        if self._state == _CANCELLED:
+            raise asyncio.CancelledError()
+        return self._exception
+
+    def result(self, timeout: float | None = None) -> T:
+        """Block until done and return the result (or raise its exception).
+
+        Raises:
+            TimeoutError: not done within ``timeout`` seconds.
+            RuntimeError: called on the controller's event-loop thread.
+        """
+        self._wait(timeout)
+        return self._get()
+
+    def _wait(self, timeout: float | None) -> None:
+        if self._state != _PENDING:
+            return
+        if self._loop_thread is not None and threading.get_ident() == self._loop_thread:
+            raise RuntimeError(
+                "Future.result() would block the colobus controller's event loop; "
+                "use `await fut` inside async code instead."
+            )
+        with _LOCK:
+            if self._state == _PENDING and self._event is None:
+                self._event = threading.Event()
+            event = self._event
+        if event is not None and not event.wait(timeout):
+            raise TimeoutError(f"colobus operation not done after {timeout} s")
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> Any:
+        """``np.asarray(fut)``: ``np.asarray`` of the value, waiting like :meth:`result`.
+
+        Raises:
+            RuntimeError: called on the controller's event-loop thread.
+        """
+        value = self.result()
+        if copy:
+            return np.array(value, dtype=dtype, copy=True)
+        return np.asarray(value, dtype=dtype)
+
+    def __await__(self) -> Generator[Any, None, T]:
+        if self._state == _PENDING:
+            loop = asyncio.get_running_loop()
+            waiter = loop.create_future()
+            waiter_thread = threading.get_ident()
+
+            def wake(_: Future[T]) -> None:
+                if threading.get_ident() == waiter_thread:
+                    _wake_waiter(waiter)
+                else:
+                    try:
+                        loop.call_soon_threadsafe(_wake_waiter, waiter)
+                    except RuntimeError:  # the awaiting loop is closed
+                        pass
+
+            self.add_done_callback(wake)
+            try:
+                yield from waiter
+            except asyncio.CancelledError:
+                # The awaiting task was cancelled: cancel the operation too, as
+                # asyncio does for a future awaited by a cancelled task.
+                self.cancel()
+                raise
+        return self._get()
+
+
+def _run_callback(fn: Callable[[Future[Any]], object], fut: Future[Any]) -> None:
+    """Run one done-callback; one that raises is logged and the others still run."""
+    try:
+        fn(fut)
+    except Exception:
+        log.exception("a colobus Future done-callback raised (the other callbacks still run)")
+
+
+def _wake_waiter(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)

@@ -1,0 +1,184 @@
+"""The controller's host registry: who joined, under which index, with which devices.
+
+Hosts are numbered in join order. A worker that joins again under the same
+name gets its old index and device ids back, with a new *generation*: handles
+made before remember the generation they saw, so data of the old session is
+known to be gone. Everything here runs on the controller's loop thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._errors import HostLostError
+from .._model.devices import Device
+from .._wire import protocol as P
+from .._wire.channel import Peer
+
+__all__ = ["Host", "HostInfo", "HostRegistry"]
+
+log = logging.getLogger("colobus.controller")
+
+DEAD_SESSIONS_MAX = 4096  # sessions of lost hosts remembered (to answer them RESET)
+
+
+@dataclass(frozen=True, slots=True)
+class HostInfo:
+    """What the controller knows of one host.
+
+    Attributes:
+        index: host index (== ``Device.host`` == process index), in join order.
+        name: the worker's ``--name`` (stable across rejoins).
+        address: the worker's host name as it reported it.
+        pid: the worker process id.
+        devices: the host's devices, sorted by id.
+        state: ``"alive"`` or ``"lost"``.
+    """
+
+    index: int
+    name: str
+    address: str
+    pid: int
+    devices: tuple[Device, ...]
+    state: str
+
+
+@dataclass(slots=True, eq=False)
+class Host:
+    """One joined worker, as the controller tracks it."""
+
+    index: int
+    name: str
+    identity: bytes
+    pid: int
+    address: str
+    devices: tuple[Device, ...]
+    peer: Peer
+    alive: bool = True
+    last_seen: float = 0.0
+    inflight: set[int] = field(default_factory=set)  # operations waiting for this host
+    # Operations sent here whose reply has not come: a RESULT for any other call id
+    # is a protocol violation (an operation that ended early still gets its reply).
+    awaiting: set[int] = field(default_factory=set)
+    code_sent: set[bytes] = field(default_factory=set)
+    objects_built: set[int] = field(default_factory=set)
+    # what the worker last reported holding: arrays, bytes, objects, results
+    store: tuple[int, int, int, int] = (0, 0, 0, 0)
+    health: P.Heartbeat | None = None  # the worker's last heartbeat
+    rtt: float | None = None  # the last heartbeat round trip, seconds
+    generation: int = 0  # bumps on every (re)join; handles remember the one they saw
+    conn_fd: int = -1  # the connection it was last heard on (see _hangups)
+    hung_up: float = 0.0  # when that connection closed, until it is heard from again
+
+    @property
+    def session(self) -> bytes:
+        return self.peer.their_session
+
+    def info(self) -> HostInfo:
+        return HostInfo(self.index, self.name, self.address, self.pid, self.devices,
+                        "alive" if self.alive else "lost")
+
+    def lost_error(self, why: str) -> HostLostError:
+        return HostLostError(f"Host {self.index} ({self.name!r}) was lost: {why}", self.index)
+
+
+class HostRegistry:
+    """Hosts by index, by routing identity and by name; device ids; lost sessions."""
+
+    def __init__(self) -> None:
+        self.hosts: list[Host] = []
+        self.by_identity: dict[bytes, Host] = {}
+        self.by_name: dict[str, Host] = {}
+        # sessions of lost hosts (-> identity), oldest first: bounded
+        self.dead_sessions: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()
+        self._next_device_id = 0
+
+    def __getitem__(self, index: int) -> Host:
+        return self.hosts[index]
+
+    def __len__(self) -> int:
+        return len(self.hosts)
+
+    def alive(self) -> list[Host]:
+        return [h for h in self.hosts if h.alive]
+
+    def alive_count(self) -> int:
+        return sum(1 for h in self.hosts if h.alive)
+
+    def devices(self) -> list[Device]:
+        return sorted(d for h in self.hosts if h.alive for d in h.devices)
+
+    def check(self, hosts: Any, generations: dict[int, int] | None = None,
+              what: str = "data") -> None:
+        """Raise ``HostLostError`` if a host is lost (or rejoined since ``generations``)."""
+        for i in hosts:
+            h = self.hosts[i]
+            if not h.alive:
+                raise h.lost_error(f"its {what} is gone")
+            if generations is not None and generations.get(i, h.generation) != h.generation:
+                raise h.lost_error(f"it rejoined since, and its {what} is gone")
+
+    def join(self, identity: bytes, hello: P.Hello, their_session: bytes, our_session: bytes,
+             seq: int) -> Host:
+        """Register a worker's HELLO: a new host, or the next generation of a named one
+        (which the caller declared lost first)."""
+        devices_raw = hello.devices
+        if not all(isinstance(d, list) and len(d) == 3 for d in devices_raw):
+            raise ValueError("bad device list")
+        old = self.by_name.get(hello.name)
+        if old is not None:
+            index = old.index
+            ids = [d.id for d in old.devices]
+            if len(ids) != len(devices_raw):
+                ids = self._new_device_ids(len(devices_raw))
+            generation = old.generation + 1
+        else:
+            index = len(self.hosts)
+            ids = self._new_device_ids(len(devices_raw))
+            generation = 0
+        devices = tuple(
+            Device(id=gid, host=index, platform=str(p), device_kind=str(k), local_id=int(lid))
+            for gid, (p, k, lid) in zip(ids, devices_raw, strict=True)
+        )
+        host = Host(
+            index=index, name=hello.name, identity=identity, pid=hello.pid,
+            address=hello.hostname, devices=tuple(sorted(devices)),
+            peer=Peer([identity], our_session, their_session, recv_seq=seq),
+            last_seen=time.monotonic(), generation=generation,
+        )
+        if old is not None:
+            self.hosts[index] = host
+        else:
+            self.hosts.append(host)
+        self.by_name[hello.name] = host
+        self.by_identity[identity] = host
+        return host
+
+    def _new_device_ids(self, n: int) -> list[int]:
+        ids = list(range(self._next_device_id, self._next_device_id + n))
+        self._next_device_id += n
+        return ids
+
+    def mark_lost(self, host: Host) -> bool:
+        """Take a host out of service; False if it already was."""
+        if not host.alive:
+            return False
+        host.alive = False
+        host.peer.forget()
+        self.dead_sessions[host.session] = host.identity
+        while len(self.dead_sessions) > DEAD_SESSIONS_MAX:
+            self.dead_sessions.popitem(last=False)
+        if self.by_identity.get(host.identity) is host:
+            del self.by_identity[host.identity]
+        return True
+
+    def describe(self, host: Host, rejoined: bool, expected: int) -> str:
+        kinds = collections.Counter(d.platform for d in host.devices)
+        return (f"host {host.index} {'rejoined' if rejoined else 'joined'}: {host.name!r} "
+                f"(pid {host.pid} on {host.address}) with "
+                f"{', '.join(f'{n} {p}' for p, n in sorted(kinds.items())) or 'no devices'} "
+                f"[{self.alive_count()}/{expected} alive]")

@@ -1,0 +1,147 @@
+"""What the driver says while it waits for hosts: how many joined, and what to run.
+
+:meth:`Controller.wait_for_hosts` logs a progress line at WARNING (so it shows
+with no logging set up at all: Python's last-resort handler prints warnings)
+a few seconds into a wait and then every ``EVERY_S``, and its timeout names the
+key the workers need. Local clusters, whose workers start by themselves, wait
+in short steps and never reach the first line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections.abc import Callable, Sequence
+from typing import Generic, TypeVar
+from urllib.parse import urlsplit
+
+from .._wire.keys import key_file_of, key_id
+
+__all__ = ["JoinOrder", "JoinProgress", "JoinWaiters", "worker_command"]
+
+log = logging.getLogger("colobus.controller")
+
+FIRST_AFTER_S = 5.0
+EVERY_S = 15.0
+
+
+def worker_command(address: str, key: bytes) -> str:
+    """The ``colobus worker`` command line a host runs to join ``address``."""
+    connect = address
+    if address.startswith("tcp://"):
+        host = urlsplit(address).hostname or ""
+        if host in ("0.0.0.0", "::", "*", ""):  # bound to every interface: name this one
+            connect = address.replace(f"//{host}", f"//{socket.gethostname()}", 1)
+            connect = connect.replace("//[::]", f"//{socket.gethostname()}", 1)
+    command = f"colobus worker --connect {connect}"
+    if key:
+        command += f" --key-file {key_file_of(key) or 'KEY_FILE'}"
+    return command
+
+
+def key_words(key: bytes) -> str:
+    """The key as the driver names it: its file (where known) and its id."""
+    if not key:
+        return "no key"
+    path = key_file_of(key)
+    where = f"from {path}, " if path else ""
+    return f"key {where}id {key_id(key)}"
+
+
+class JoinProgress:
+    """Logs, during one wait for ``expected`` hosts, how far the joining got."""
+
+    def __init__(self, address: str, key: bytes, expected: int) -> None:
+        self._address = address
+        self._key = key
+        self._expected = expected
+        self._next = time.monotonic() + FIRST_AFTER_S
+
+    def next_report_in(self) -> float:
+        """Seconds until the next progress line is due."""
+        return max(0.0, self._next - time.monotonic())
+
+    def report(self, alive: int) -> None:
+        """Log the progress line if it is due."""
+        if time.monotonic() < self._next:
+            return
+        self._next = time.monotonic() + EVERY_S
+        log.warning("waiting for hosts: %d of %d joined %s; on each host run: %s (%s)",
+                    alive, self._expected, self._address,
+                    worker_command(self._address, self._key), key_words(self._key))
+
+    def timeout_message(self, alive: int, timeout: float) -> str:
+        """The text of the ``TimeoutError`` that ends a wait."""
+        return (f"only {alive} of {self._expected} colobus hosts joined {self._address} within "
+                f"{timeout:.0f} s; start workers with `{worker_command(self._address, self._key)}` "
+                f"({key_words(self._key)}; a worker with another key is never answered and "
+                f"logs 'wrong key or wrong address?')")
+
+
+# Host numbers that follow names in a local cluster: ``local-0`` is host 0.
+#
+# Workers start together and say HELLO in whatever order the OS runs them.
+# :class:`JoinOrder` holds the first HELLO of each expected name until all of
+# them arrived, then hands them back sorted by that order, so the controller
+# numbers hosts by name at no cost in join time: the last worker to say HELLO
+# sets the time either way. A name it does not expect passes straight through.
+# Used once, for the first join of a local cluster; rejoins keep their number.
+T = TypeVar("T")
+
+
+class JoinOrder(Generic[T]):
+    """Collects one item (a HELLO) per expected name; releases all in name order."""
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self._order = {name: i for i, name in enumerate(names)}
+        self._held: dict[str, T] = {}
+
+    def offer(self, name: str, item: T) -> list[T]:
+        """Hold ``item``; return what may go now (nothing, or every held item in order).
+
+        A later item under a name already held replaces it (a resent HELLO).
+        """
+        if name not in self._order:
+            return [item]
+        self._held[name] = item
+        if len(self._held) < len(self._order):
+            return []
+        ready = [self._held[n] for n in sorted(self._held, key=self._order.__getitem__)]
+        self._held.clear()
+        return ready
+
+
+class JoinWaiters:
+    """Those waiting for hosts to join (``Controller.wait_for_hosts``), woken per join."""
+
+    def __init__(self) -> None:
+        self._waiters: list[asyncio.Future[None]] = []
+
+    def wake(self) -> None:
+        for w in self._waiters:
+            if not w.done():
+                w.set_result(None)
+        self._waiters.clear()
+
+    async def wait(self, loop: asyncio.AbstractEventLoop, n: int, alive: Callable[[], int],
+                   progress: JoinProgress, timeout: float, check_open: Callable[[], None]
+                   ) -> None:
+        """Until ``alive() >= n``, with a progress line now and then.
+
+        Raises:
+            TimeoutError: fewer joined within ``timeout``.
+        """
+        deadline = time.monotonic() + timeout
+        while alive() < n:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(progress.timeout_message(alive(), timeout))
+            waiter = loop.create_future()
+            self._waiters.append(waiter)
+            try:
+                await asyncio.wait_for(waiter, min(left, progress.next_report_in() + 0.01))
+            except TimeoutError:
+                progress.report(alive())
+            check_open()

@@ -1,0 +1,486 @@
+"""Remote operations in flight: one object per operation, one way to end.
+
+An :class:`Operation` spans one or more hosts (a call, a fetch, a stats
+request). It is created by :meth:`Operations.submit` on any thread, waits in
+the backlog while its hosts are at ``max_inflight`` (or behind earlier
+operations: nothing overtakes what a caller asked for before), is sent, and
+collects one RESULT per host. However it ends -- every host answered, a
+combine error, cancelled, a host lost, the controller closed, its send failed
+-- it ends through :meth:`Operation.end`, which frees whatever hosts stored
+for it that nobody will own, and settles its future exactly once.
+
+Back-pressure: operations submitted but not yet sent are counted; a caller on a
+plain thread waits in :meth:`Operations.submit` while ``max_backlog`` are
+queued; code on any event loop never blocks there and awaits
+:meth:`Operations.wait_capacity` instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+from .._errors import ControllerClosedError, HostLostError, ProtocolError
+from .._wire import protocol as P
+from .._wire.describe import BadReply
+from .._wire.envelope import Envelope
+from .._wire.failures import read_error, rebuild_error
+from .future import Future
+
+if TYPE_CHECKING:
+    from .._observe.observer import FunctionStats
+    from .._observe.trace import CallRecord
+    from .._wire.channel import Channel
+    from .._wire.envelope import Buffer
+    from .hosts import Host, HostRegistry
+
+__all__ = [
+    "Combiner", "Decoder", "Operation", "Operations", "OpsOwner", "ProtocolJudge",
+    "rebuild_exception",
+]
+
+class ProtocolJudge(Protocol):
+    """What judges a host that broke the protocol (the controller's sessions)."""
+
+    def violation(self, host: Host, reason: str, detail: str) -> None: ...
+
+
+class OpsOwner(Protocol):
+    """What :class:`Operations` uses of the controller that owns it."""
+
+    @property
+    def _hosts(self) -> HostRegistry: ...
+    @property
+    def _sessions(self) -> ProtocolJudge: ...
+    @property
+    def _chan(self) -> Channel | None: ...
+    @property
+    def _loop_thread_id(self) -> int | None: ...
+    @property
+    def _closed(self) -> bool: ...
+    def _check_open(self) -> None: ...
+    def _on_loop_thread(self) -> bool: ...
+    def _call_soon(self, fn: Callable[..., Any], *args: Any) -> None: ...
+    def _send(self, host: Host, body: P.Body, payload: Buffer = b"",
+              buffers: Any = (), pbufs: int = 0) -> None: ...
+
+
+_clock = time.perf_counter  # read per observed call: one global, not an attribute of one
+
+# What a reply from one host turns into; runs on the loop thread on receipt.
+Decoder = Callable[["Host", P.Result, Envelope], Any]
+# Combines the per-host values (by host index) into the future's result.
+Combiner = Callable[[dict[int, Any]], Any]
+# How an operation's messages leave: called once, on the loop thread, with its id.
+Sender = Callable[[int], None]
+
+
+class Operation:
+    """One remote operation, from submission to its single ending."""
+
+    __slots__ = ("backpressure", "call_id", "combine", "decode", "errors", "future", "hosts",
+                 "outputs", "remaining", "send", "values", "was_cancelled")
+
+    def __init__(self, call_id: int, future: Future[Any], hosts: tuple[int, ...], send: Sender,
+                 decode: Decoder, combine: Combiner, backpressure: bool) -> None:
+        self.call_id = call_id
+        self.future = future
+        self.hosts = hosts
+        self.send: Sender | None = send
+        self.decode = decode
+        self.combine = combine
+        self.backpressure = backpressure
+        # The hosts yet to answer, as a bit mask: an int is not tracked by the
+        # garbage collector, a set would be (one more object per call in flight).
+        remaining = 0
+        for i in hosts:
+            remaining |= 1 << i
+        self.remaining = remaining
+        self.values: dict[int, Any] = {}
+        self.errors: dict[int, BaseException] = {}
+        self.outputs: dict[int, int] = {}  # host -> output leaves it stored for this call
+        self.was_cancelled = False  # a host answered CANCELLED
+
+    def waits_for(self, host: int) -> bool:
+        return bool(self.remaining >> host & 1)
+
+    def waiting_for(self) -> list[int]:
+        """The hosts yet to answer, in index order."""
+        mask, out, i = self.remaining, [], 0
+        while mask:
+            if mask & 1:
+                out.append(i)
+            mask >>= 1
+            i += 1
+        return out
+
+    def answered(self, host: Host, body: P.Result, env: Envelope) -> BadReply | None:
+        """Record one host's RESULT (loop thread); the reply's flaw if it broke the
+        protocol (the operation then fails with a ``ProtocolError``)."""
+        i = host.index
+        self.remaining &= ~(1 << i)
+        status = body.status
+        try:
+            if status == P.Status.OK:
+                if type(body.meta) is int:
+                    self.outputs[i] = body.meta
+                self.values[i] = self.decode(host, body, env)
+            elif status == P.Status.CANCELLED:
+                self.was_cancelled = True
+            else:
+                self.errors[i] = rebuild_exception(host, env, body.meta)
+        except BadReply as exc:
+            err = ProtocolError(f"host {i} ({host.name!r}) sent a malformed reply: {exc}")
+            err.__cause__ = exc
+            self.errors[i] = err
+            return exc
+        except BaseException as exc:
+            self.errors[i] = exc
+        return None
+
+    def end(self, ops: Operations, exc: BaseException | None = None) -> None:
+        """End the operation (loop thread): with ``exc``, else from what hosts answered.
+
+        Frees what hosts stored for it unless its result now owns that; leaves
+        the table; settles the future (a no-op if the caller cancelled it).
+        """
+        ops.pending.pop(self.call_id, None)
+        hosts = ops.ctl._hosts
+        for i in self.waiting_for():
+            if i < len(hosts):
+                hosts[i].inflight.discard(self.call_id)
+        self.send = None
+        fut = self.future
+        if exc is None and self.remaining:
+            return  # not every host answered: not the end yet
+        if exc is None and fut.cancelled():
+            exc = asyncio.CancelledError()
+        result: Any = None
+        if exc is None:
+            exc = self._first_error()
+        if exc is None and self.was_cancelled:
+            self._free_outputs(ops)
+            fut._set_cancelled()
+            return
+        if exc is None:
+            try:
+                result = self.combine(self.values)
+            except BaseException as e:  # a combine error belongs to this operation only
+                exc = e
+        if exc is not None:
+            self._free_outputs(ops)
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
+
+    def _first_error(self) -> BaseException | None:
+        if not self.errors:
+            return None
+        first = min(self.errors)
+        exc = self.errors[first]
+        for other in sorted(self.errors):
+            if other != first:
+                err = self.errors[other]
+                exc.add_note(f"host {other} also failed: {type(err).__name__}: {err}")
+        return exc
+
+    def _free_outputs(self, ops: Operations) -> None:
+        for host, n in self.outputs.items():
+            ops.free_outputs(host, self.call_id, n)
+        self.outputs = {}
+
+
+class Operations:
+    """The operation table, the backlog and back-pressure of one controller."""
+
+    def __init__(self, ctl: OpsOwner, max_inflight: int, max_backlog: int) -> None:
+        self.ctl = ctl
+        self.max_inflight = max_inflight
+        self.max_backlog = max_backlog
+        self.pending: dict[int, Operation] = {}
+        # Operations (and posted functions) waiting to leave, in submission order.
+        self.backlog: collections.deque[Operation | Callable[[], None]] = collections.deque()
+        self._ids = itertools.count(1)  # next() is atomic under the GIL
+        self._capacity = threading.Condition()
+        self.queued = 0  # submitted with back-pressure, not yet sent
+        self._capacity_waiters: list[Future[None]] = []
+        self._canceller = self._cancel_future  # one bound method, not one per call
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    def new_future(self, call_id: int = 0) -> Future[Any]:
+        return Future(self.ctl._loop_thread_id, call_id)
+
+    # -- submitting ---------------------------------------------------------------------
+
+    def submit(self, hosts: Sequence[int], send: Sender, decode: Decoder, combine: Combiner, *,
+               call_id: int | None = None, backpressure: bool = True,
+               cancellable: bool = False, stats: FunctionStats | None = None,
+               timing: CallRecord | None = None) -> Future[Any]:
+        """Start one remote operation on ``hosts``; thread-safe.
+
+        ``send(call_id)`` runs on the loop thread and sends the messages (it may
+        raise, failing only this future); each host's RESULT goes through
+        ``decode`` on receipt; once every host answered, ``combine`` builds the
+        result from the per-host values. The first error by host index wins.
+        """
+        ctl = self.ctl
+        ctl._check_open()
+        if backpressure:
+            self._take_slot()
+        call_id = self.next_id() if call_id is None else call_id
+        fut = self.new_future(call_id)
+        if stats is not None:  # observed (before the loop can settle it)
+            fut._stats, fut._submitted, fut._timing = stats, _clock(), timing
+        if cancellable:
+            fut._set_canceller(self._canceller)
+        op = Operation(call_id, fut, tuple(hosts), send, decode, combine, backpressure)
+        ctl._call_soon(self._start, op)
+        return fut
+
+    def post(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the loop thread after every operation submitted before it left."""
+        self.ctl._call_soon(self._start_posted, fn)
+
+    def _start_posted(self, fn: Callable[[], None]) -> None:
+        if self.backlog:
+            self.backlog.append(fn)
+        else:
+            fn()
+
+    def _start(self, op: Operation) -> None:
+        stats = op.future._stats
+        if stats is not None:
+            stats.started += 1  # only this thread writes it
+        if op.future.done():  # cancelled before it reached the loop
+            if op.backpressure:
+                self._give_slot()
+            return
+        if self.ctl._closed:
+            if op.backpressure:
+                self._give_slot()
+            op.future.set_exception(ControllerClosedError("the colobus controller is closed"))
+            return
+        # Nothing overtakes an earlier operation of any kind: the backlog is FIFO.
+        if self.backlog or (op.backpressure and self._full(op.hosts)):
+            self.backlog.append(op)
+            return
+        self._go(op)
+
+    def _go(self, op: Operation) -> None:
+        """Loop thread: send an operation now."""
+        if op.backpressure:
+            self._give_slot()
+        fut = op.future
+        if fut.done():
+            return
+        hosts = self.ctl._hosts
+        for i in op.hosts:
+            h = hosts[i] if 0 <= i < len(hosts) else None
+            if h is None or not h.alive:
+                fut.set_exception(h.lost_error("it is not alive") if h else HostLostError(
+                    f"Host {i} does not exist", i))
+                return
+        self.pending[op.call_id] = op
+        for i in op.hosts:
+            hosts[i].inflight.add(op.call_id)
+            hosts[i].awaiting.add(op.call_id)
+        send, op.send = op.send, None
+        assert send is not None
+        rec = fut._timing
+        go = time.perf_counter() if rec is not None else 0.0
+        try:
+            send(op.call_id)
+        except BaseException as exc:
+            op.end(self, exc)
+            return
+        if rec is not None:
+            rec.go, rec.sent = go, time.perf_counter()
+        if not op.hosts:
+            op.end(self)
+
+    def pump(self) -> None:
+        """Send what waits in the backlog, in order, while its hosts have room."""
+        backlog = self.backlog
+        while backlog:
+            head = backlog[0]
+            if isinstance(head, Operation):
+                if head.backpressure and not head.future.done() and self._full(head.hosts):
+                    return
+                backlog.popleft()
+                self._go(head)
+            else:
+                backlog.popleft()
+                head()
+
+    def _full(self, hosts: tuple[int, ...]) -> bool:
+        limit = self.max_inflight
+        hs = self.ctl._hosts
+        n = len(hs)
+        for i in hosts:
+            if 0 <= i < n and len(hs[i].inflight) >= limit:
+                return True
+        return False
+
+    # -- replies and endings ---------------------------------------------------------------
+
+    def on_result(self, host: Host, body: P.Result, env: Envelope) -> None:
+        """A host's RESULT (loop thread)."""
+        call_id = body.call_id
+        ctl = self.ctl
+        if call_id not in host.awaiting:  # never sent to this host, or answered already
+            ctl._sessions.violation(host, "unsolicited", f"result for call {call_id}")
+            return
+        host.awaiting.discard(call_id)
+        if (body.status == P.Status.OK and type(body.meta) is int
+                and not 0 <= body.meta < P.MAX_OUTPUTS):
+            ctl._sessions.violation(host, "malformed", f"{body.meta} outputs")
+            return
+        host.inflight.discard(call_id)
+        op = self.pending.get(call_id)
+        bad: BadReply | None = None
+        if op is None or not op.waits_for(host.index):
+            # Ended already (cancelled, failed, a host lost): nobody will own these.
+            if body.status == P.Status.OK and type(body.meta) is int:
+                self.free_outputs(host.index, call_id, body.meta)
+        else:
+            rec = op.future._timing  # traced: the host's times go in the call's record
+            if rec is not None:  # (metrics count them on the host: colobus._wire.calltimes)
+                rec.add_reply(host.index, time.perf_counter(), body.times)
+            bad = op.answered(host, body, env)
+            if not op.remaining:
+                op.end(self)
+        if bad is not None:  # the call failed with a ProtocolError; the host goes
+            ctl._sessions.violation(host, "bad_reply", str(bad))
+        if self.backlog:
+            self.pump()
+
+    def free_outputs(self, host: int, call_id: int, n: int) -> None:
+        """Free the outputs a host stored for a call whose result nobody will own."""
+        h = self.ctl._hosts[host]
+        if h.alive and 0 < n <= P.MAX_OUTPUTS:
+            self.ctl._send(h, P.Release([P.output_ref(call_id, i) for i in range(n)], [call_id]))
+
+    def _cancel_future(self, fut: Future[Any]) -> None:
+        """A cancellable operation's Future was cancelled (any thread)."""
+        try:
+            self.ctl._call_soon(self._cancel, fut.call_id)
+        except ControllerClosedError:
+            pass
+
+    def _cancel(self, call_id: int) -> None:
+        op = self.pending.get(call_id)
+        if op is None:
+            return  # still in the backlog (it is skipped there) or already ended
+        hosts = self.ctl._hosts
+        for i in op.waiting_for():
+            h = hosts[i]
+            if h.alive:
+                self.ctl._send(h, P.Cancel(call_id))
+        chan = self.ctl._chan
+        if chan is not None:
+            chan.flush()  # a CANCEL is urgent: it must reach the host before the call starts
+        op.end(self, asyncio.CancelledError())
+
+    def host_lost(self, host: Host, why: str) -> None:
+        """Fail every operation waiting for ``host``; the others' outputs are freed."""
+        for call_id in sorted(host.inflight):
+            op = self.pending.get(call_id)
+            if op is not None:
+                op.end(self, host.lost_error(why))
+        host.inflight.clear()
+        self.pump()  # queued operations for that host fail as they reach the front
+
+    def close(self) -> None:
+        """The controller closed: every operation, sent or queued, ends with an error."""
+        err = ControllerClosedError("the colobus controller closed before this call finished")
+        for op in list(self.pending.values()):
+            op.outputs = {}  # the hosts drop everything of this session themselves
+            op.end(self, err)
+        backlog, self.backlog = self.backlog, collections.deque()
+        for item in backlog:
+            if isinstance(item, Operation):
+                item.future.set_exception(err)
+        self._wake_all_waiting()
+
+    # -- back-pressure ---------------------------------------------------------------------
+
+    def _take_slot(self) -> None:
+        """Count one operation as queued; a plain thread first waits for room.
+
+        A thread running an event loop never blocks here (the controller's own
+        loop drains the queue; blocking any other would stall its tasks): async
+        code awaits :meth:`wait_capacity` instead.
+        """
+        with self._capacity:
+            if not self.ctl._on_loop_thread() and not _in_event_loop():
+                while self.queued >= self.max_backlog and not self.ctl._closed:
+                    self._capacity.wait()
+                self.ctl._check_open()
+            self.queued += 1
+
+    def _give_slot(self) -> None:
+        """A queued operation left the queue (sent, cancelled or failed); loop thread."""
+        with self._capacity:
+            self.queued = max(0, self.queued - 1)
+            if self.queued >= self.max_backlog:
+                return
+            self._capacity.notify()
+            waiters = self._capacity_waiters
+            if not waiters:
+                return
+            self._capacity_waiters = []
+        for w in waiters:
+            w.set_result(None)
+
+    def _wake_all_waiting(self) -> None:
+        with self._capacity:
+            self.queued = 0
+            self._capacity.notify_all()
+            waiters, self._capacity_waiters = self._capacity_waiters, []
+        for w in waiters:
+            w.set_result(None)
+
+    async def wait_capacity(self) -> None:
+        """Wait until a new operation would not queue beyond ``max_backlog``."""
+        while True:
+            self.ctl._check_open()
+            with self._capacity:
+                if self.queued < self.max_backlog:
+                    return
+                waiter: Future[None] = Future()
+                self._capacity_waiters.append(waiter)
+            await waiter
+
+
+def _in_event_loop() -> bool:
+    """Whether this thread is running an asyncio event loop right now."""
+    return asyncio._get_running_loop() is not None
+
+
+# Exceptions raised on hosts, as the controller re-raises them.
+if TYPE_CHECKING:
+    from .hosts import Host
+
+
+
+def rebuild_exception(host: Host, env: Envelope, meta: Any) -> BaseException:
+    """The exception a host's ERROR reply describes, rebuilt from data (never
+    unpickled: see ``_describe``), with the host and traceback as notes.
+
+    Raises:
+        BadReply: the payload is not an error description.
+    """
+    failure = read_error(env.payload)
+    exc = rebuild_error(failure, host.index)
+    tb = failure.traceback
+    exc.add_note(f"raised on colobus host {host.index} ({host.name!r})")
+    if tb:
+        exc.add_note(f"remote traceback (host {host.index}):\n{tb.rstrip()}")
+    return exc

@@ -1,0 +1,338 @@
+"""The controller's side of every worker session: join, authenticate, dispatch, liveness.
+
+Each incoming message is authenticated (MAC, then its session, then its place
+in the sequence) before anything reads its body; what fails is dropped and
+counted by reason. A worker joins by answering a challenge: JOIN gets a fresh
+nonce (CHALLENGE), and a HELLO carrying it joins the worker (a new host, or
+the next generation of a named one). A joined host's messages go to the
+handler of their kind; a joined host that breaks the protocol is dropped.
+Every ``heartbeat_interval`` the controller reads what waits, declares hosts
+silent beyond the liveness timeout lost (exactly their operations fail), sends
+heartbeats, and resends what a host left unacknowledged (a dropped connection).
+Everything here runs on the controller's loop thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+from .._wire import protocol as P
+from .._wire.envelope import PROTOCOL_VERSION, Dropped, Envelope, decode, unpack_batch
+from .._wire.guard import Challenges, PeerWarnings
+from .._wire.protocol import Kind
+from .hosts import Host
+from .joinwait import JoinOrder
+
+if TYPE_CHECKING:
+    from .._observe.observer import Observer
+    from .._wire.channel import Channel
+    from .._wire.envelope import Buffer
+    from .hangups import Hangups
+    from .hosts import HostRegistry
+    from .ops import Operations
+
+__all__ = ["Sessions", "SessionsOwner"]
+
+log = logging.getLogger("colobus.controller")
+
+MAX_HOSTS = 4096  # distinct host names one controller keeps
+MAX_DEVICES_PER_HOST = 4096
+MAX_NAME = 256  # characters of a host name or address
+RESET_SEQ = 1 << 62  # sequence number of a RESET: above any a session reaches
+
+
+class SessionsOwner(Protocol):
+    """What :class:`Sessions` uses of the controller that owns it."""
+
+    @property
+    def _hosts(self) -> HostRegistry: ...
+    @property
+    def _ops(self) -> Operations: ...
+    @property
+    def _chan(self) -> Channel | None: ...
+    @property
+    def _hangups(self) -> Hangups | None: ...
+    @property
+    def observer(self) -> Observer | None: ...
+    @property
+    def _session(self) -> bytes: ...
+    @property
+    def _key(self) -> bytes: ...
+    @property
+    def _expected_hosts(self) -> int: ...
+    @property
+    def _exit_workers(self) -> bool: ...
+    @property
+    def _resend_after(self) -> float: ...
+    @property
+    def heartbeat_interval(self) -> float: ...
+    @property
+    def liveness_timeout(self) -> float: ...
+    @property
+    def max_message_bytes(self) -> int: ...
+    @property
+    def _closed(self) -> bool: ...
+    def _joined(self) -> None: ...
+    def _send(self, host: Host, body: P.Body, payload: Buffer = b"",
+              buffers: Any = (), pbufs: int = 0) -> None: ...
+
+
+class Sessions:
+    """Joins workers, checks each envelope against its session, dispatches, judges silence."""
+
+    def __init__(self, ctl: SessionsOwner) -> None:
+        self._ctl = ctl
+        self.dropped: collections.Counter[str] = collections.Counter()
+        self.batches_received = 0
+        self.hosts_dropped = 0  # joined hosts dropped for breaking the protocol
+        self.challenges = Challenges()  # join nonces: bounded, expiring
+        self._peer_warnings = PeerWarnings(log)
+        # local_cluster numbers its hosts by name: the first HELLOs wait for each other.
+        self.join_order: JoinOrder[tuple[bytes, Envelope, P.Hello]] | None = None
+        # Keyed by Kind, found by the plain int off the wire (IntEnum hashes as int).
+        self._handlers: dict[int, Callable[[Host, Any, Envelope], None]] = {
+            Kind.HEARTBEAT: self._on_heartbeat,
+            Kind.RESULT: ctl._ops.on_result,
+        }
+
+    # -- receiving ------------------------------------------------------------------------
+
+    def drop(self, reason: str, identity: bytes, detail: str = "") -> None:
+        self.dropped[reason] += 1
+        if reason in ("unauthenticated", "version", "oversized"):
+            self._peer_warnings.note(reason, identity, detail)  # rate-limited
+        else:
+            log.debug("dropped message (%s) %s", reason, detail)
+
+    def violation(self, host: Host, reason: str, detail: str = "") -> None:
+        """``host`` broke the protocol with a valid MAC: count it and drop the host."""
+        self.dropped[reason] += 1
+        if host.alive:
+            self.hosts_dropped += 1
+            self.lose(host, f"it broke the protocol ({reason}: {detail:.200})")
+
+    def on_frames(self, frames: list[Any]) -> None:
+        """One multipart message off the ROUTER: authenticate, then handle or drop."""
+        if len(frames) < 2:
+            self.dropped["malformed"] += 1
+            return
+        ctl = self._ctl
+        identity = frames[0].bytes
+        host: Host | None = None
+        try:
+            # Sizes from the frame lengths first, then the MAC, then the header.
+            env = decode(ctl._key, frames[1:], max_payload=ctl.max_message_bytes,
+                         max_total=ctl.max_message_bytes)
+        except Dropped as d:
+            host = ctl._hosts.by_identity.get(identity)
+            if host is not None and d.reason == "oversized":
+                self.violation(host, d.reason, d.detail)  # its workers stay under the limit
+            else:
+                self.drop(d.reason, identity, d.detail)
+            return
+        try:
+            if env.kind == Kind.JOIN:
+                self._on_join(identity, env)
+                return
+            if env.kind == Kind.HELLO:
+                self._on_hello(identity, env)
+                return
+            host = ctl._hosts.by_identity.get(identity)
+            if host is None or env.sender != host.session:
+                if env.sender in ctl._hosts.dead_sessions:
+                    self.drop("stale", identity)
+                    # The last word of that session: the worker takes a RESET outside
+                    # the session's numbering and joins again.
+                    self._send_raw(identity, env.sender, P.Reset("declared lost; join again"),
+                                   seq=RESET_SEQ)
+                else:
+                    self.drop("unknown_peer", identity)
+                return
+            if env.receiver != ctl._session:
+                self.drop("stale", identity)
+                return
+            if env.version != PROTOCOL_VERSION:
+                self.drop("version", identity)
+                return
+            refused = host.peer.accept(env)
+            if refused is not None:
+                self.drop(refused, identity)
+                return
+            host.last_seen = time.monotonic()
+            if ctl._hangups is not None:
+                ctl._hangups.heard(host, frames[0])
+            if env.kind != Kind.BATCH:
+                self._dispatch(host, identity, env)
+                return
+            subs = unpack_batch(env)
+            self.batches_received += 1
+        except Dropped as d:
+            if host is not None:
+                self.violation(host, d.reason, d.detail)
+            else:
+                self.drop(d.reason, identity, d.detail)
+            return
+        except ValueError as exc:
+            self.drop("malformed", identity, str(exc))
+            return
+        except Exception:  # a bug in a handler must not kill the reader
+            self.dropped["handler_error"] += 1
+            log.exception("error handling a message from %s", identity.hex())
+            return
+        for sub in subs:
+            if not host.alive:
+                return  # dropped for an earlier message of the batch
+            self._dispatch(host, identity, sub)
+
+    def _dispatch(self, host: Host, identity: bytes, env: Envelope) -> None:
+        """Handle one authenticated message of a joined host."""
+        try:
+            body = P.parse(env.kind, env.body)
+            handler = self._handlers.get(env.kind)
+            if env.kind in (Kind.HELLO, Kind.JOIN):  # a join resent by a joined host
+                self.drop("stale", identity, "join of a joined host")
+                return
+            if handler is None:
+                self.violation(host, "unexpected_kind", Kind(env.kind).name)
+                return
+            handler(host, body, env)
+        except ValueError as exc:
+            self.violation(host, "malformed", str(exc))
+        except Exception:  # a bug in a handler must not kill the reader
+            self.dropped["handler_error"] += 1
+            log.exception("error handling a message from %s", identity.hex())
+
+    def _send_raw(self, identity: bytes, receiver: bytes, body: P.Body, seq: int = 1) -> None:
+        chan = self._ctl._chan
+        if chan is not None:
+            chan.send_raw([identity], Envelope(body.kind, self._ctl._session, receiver, seq,
+                                               body.to_wire()))
+
+    # -- handlers ------------------------------------------------------------------------
+
+    def _refuse_version(self, identity: bytes, env: Envelope) -> bool:
+        if env.version == PROTOCOL_VERSION:
+            return False
+        self.drop("version", identity, f"peer speaks protocol {env.version}")
+        self._send_raw(identity, env.sender, P.Reject(
+            f"protocol version mismatch: worker speaks {env.version}, controller speaks "
+            f"{PROTOCOL_VERSION}; install the same colobus version on both sides"))
+        return True
+
+    def _on_join(self, identity: bytes, env: Envelope) -> None:
+        """A worker asks to join: answer with a fresh nonce its HELLO must carry."""
+        if self._refuse_version(identity, env) or self._ctl._closed:
+            return
+        P.parse(env.kind, env.body)  # no fields: ValueError (malformed) otherwise
+        if len(env.sender) != 16 or env.buffers or env.payload:
+            self.drop("malformed", identity, "join")
+            return
+        current = self._ctl._hosts.by_identity.get(identity)
+        if current is not None and current.session == env.sender:
+            # A JOIN the worker sent again before our WELCOME reached it: already
+            # joined. Its number is taken, so the worker's next message follows it.
+            current.peer.recv_seq = max(current.peer.recv_seq, env.seq)
+            return
+        nonce = self.challenges.issue(identity, env.sender)
+        self._send_raw(identity, env.sender, P.Challenge(nonce))
+
+    def _on_hello(self, identity: bytes, env: Envelope) -> None:
+        ctl = self._ctl
+        if self._refuse_version(identity, env):
+            return
+        hello = P.parse(env.kind, env.body)
+        assert isinstance(hello, P.Hello)
+        hosts = ctl._hosts
+        current = hosts.by_identity.get(identity)
+        if current is not None and current.session == env.sender:
+            # A HELLO the worker resent while our WELCOME was on its way: already
+            # joined. Its number is taken, so the worker's next message follows it.
+            current.peer.recv_seq = max(current.peer.recv_seq, env.seq)
+            return
+        # The nonce this controller issued to this connection and session, once:
+        # a recorded HELLO is worthless to any later controller or connection.
+        if not self.challenges.take(identity, env.sender, hello.nonce):
+            self.drop("replay", identity, "hello without a fresh challenge")
+            return
+        if ctl._closed:
+            return
+        if not (len(hello.devices) <= MAX_DEVICES_PER_HOST and all(
+                isinstance(d, list) and len(d) == 3 and isinstance(d[0], str)
+                and isinstance(d[1], str) and type(d[2]) is int for d in hello.devices)):
+            raise ValueError("bad device list")
+        if len(hello.name) > MAX_NAME or len(hello.hostname) > MAX_NAME:
+            raise ValueError("host name too long")
+        if self.join_order is not None:  # local_cluster: number hosts by name
+            ready = self.join_order.offer(hello.name, (identity, env, hello))
+            if not (len(ready) == 1 and ready[0][1] is env):
+                if ready:
+                    self.join_order = None
+                    for held in ready:
+                        self._admit(*held)
+                return
+        self._admit(identity, env, hello)
+
+    def _admit(self, identity: bytes, env: Envelope, hello: P.Hello) -> None:
+        """Join a worker whose HELLO passed every check: a new host, or a rejoin."""
+        ctl = self._ctl
+        hosts = ctl._hosts
+        old = hosts.by_name.get(hello.name)
+        if old is None and len(hosts.hosts) >= MAX_HOSTS:
+            self.drop("too_many_hosts", identity, hello.name[:64])
+            self._send_raw(identity, env.sender, P.Reject(
+                f"this controller already has {MAX_HOSTS} hosts; rejoin under an existing name"))
+            return
+        if old is not None and old.alive:
+            self.lose(old, "it re-registered (the worker restarted)")
+        host = hosts.join(identity, hello, env.sender, ctl._session, env.seq)
+        ctl._send(host, P.Welcome(host.index, [d.id for d in host.devices],
+                                  ctl.heartbeat_interval, ctl.liveness_timeout,
+                                  ctl._exit_workers, ctl.max_message_bytes,
+                                  ctl.observer is not None))
+        log.info("%s", hosts.describe(host, old is not None, ctl._expected_hosts))
+        ctl._joined()
+
+    def _on_heartbeat(self, host: Host, body: P.Heartbeat, env: Envelope) -> None:
+        host.store = (body.arrays, body.nbytes, body.objects, body.results)
+        host.health = body
+        if body.ping:  # it echoes our ping: the round trip, less the time it held it
+            host.rtt = max(0, time.monotonic_ns() - body.ping - body.held) / 1e9
+        if body.calls:  # its calls' queued and run times, since its last heartbeat
+            obs = self._ctl.observer
+            bad = len(body.calls) if obs is None else obs.add_host_calls(body.calls)
+            if bad:  # the rest of the heartbeat stands: a bad entry says nothing of liveness
+                self.dropped["malformed"] += bad
+                log.debug("host %d: %d call-time entries dropped", host.index, bad)
+
+    # -- liveness ------------------------------------------------------------------------
+
+    def tick(self) -> None:
+        """Heartbeats out, silent hosts lost, unacknowledged messages resent."""
+        ctl = self._ctl
+        chan = ctl._chan
+        assert chan is not None
+        # Read what already arrived before judging silence: a loop that was busy
+        # (a large pickle, a GC pause) must not declare live hosts lost.
+        chan.drain()
+        self._peer_warnings.flush()
+        now = time.monotonic()
+        alive = []
+        for h in ctl._hosts.alive():
+            silent = now - h.last_seen
+            if silent > ctl.liveness_timeout:
+                self.lose(h, f"no message for {silent:.1f} s")
+            else:
+                ctl._send(h, P.Heartbeat(0, 0, 0, 0, time.monotonic_ns()))
+                alive.append(h.peer)
+        chan.resend_stale(alive, ctl._resend_after)
+
+    def lose(self, host: Host, why: str) -> None:
+        """A host is gone: exactly the operations waiting for it fail."""
+        if not self._ctl._hosts.mark_lost(host):
+            return
+        log.warning("host %d (%r) lost: %s", host.index, host.name, why)
+        self._ctl._ops.host_lost(host, why)

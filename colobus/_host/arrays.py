@@ -1,0 +1,153 @@
+"""Arrays on a host: PUT blocks stored, FETCH replies sent, values presented to calls.
+
+A PUT block of 1 MiB and more whose dtype JAX holds exactly is kept as the numpy
+view on the received frame (no copy); the first call that needs it makes the
+``jax.Array``, and the store then keeps that alone. A FETCH of one controller
+session never answers into the next one (its call ids would mean something else).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import gc
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .._model.jaxside import is_key_array
+from .._wire import protocol as P
+from .._wire.codec import from_buffer, key_impl_name, to_buffer
+from .._wire.envelope import Envelope
+from .._wire.protocol import Status
+from .values import LAZY_PUT_BYTES, NumpyBlock, jax_exact, numpy_block, present
+
+if TYPE_CHECKING:
+    from .sched import WorkerServices
+
+__all__ = ["REPLY_MARGIN", "HostArrays"]
+
+REPLY_MARGIN = 1 << 20  # room for a reply's header, MAC and batch around a fetched block
+
+
+class HostArrays:
+    """The PUT and FETCH handlers of one worker, and how stored values are presented."""
+
+    def __init__(self, worker: WorkerServices) -> None:
+        self._w = worker
+
+    def on_put(self, body: P.Put, env: Envelope) -> None:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        self._w.store.arrays[body.ref] = fut
+        values = self._w.values
+        try:
+            if len(env.buffers) != 1:
+                raise ValueError("PUT needs one buffer")
+            arr = from_buffer(body.dtype, body.shape, env.buffers[0])
+            mesh = values.local_mesh(body.mesh)
+            spec = P.decode_spec(body.spec)
+            impl = body.key_impl if isinstance(body.key_impl, str) else None
+        except Exception as exc:
+            fut.set_exception(exc)
+            fut.exception()
+            raise ValueError(f"bad PUT: {exc}") from exc
+        if arr.nbytes < LAZY_PUT_BYTES:
+            try:
+                fut.set_result(values.to_host_value(arr, mesh, spec, impl))
+            except Exception as exc:
+                fut.set_exception(exc)
+                fut.exception()
+            return
+        if impl is None and jax_exact(self._w._jax, arr.dtype):
+            # Stored as the numpy view on the received frame: no copy now (the
+            # put is done when the frame is here); a call makes the jax.Array.
+            try:
+                block = numpy_block(arr, values.sharding(mesh, spec))
+            except Exception as exc:
+                fut.set_exception(exc)
+                fut.exception()
+                return
+            block.lazy = True
+            block.put_ref = body.ref
+            fut.set_result(block)
+            return
+        work = loop.run_in_executor(self._w._pool, values.to_host_value_ready, arr, mesh, spec,
+                                    impl)
+        work.add_done_callback(functools.partial(chain_future, fut))
+
+    def present(self, value: Any) -> Any:
+        """What user code receives for a stored value (any thread)."""
+        lazy = isinstance(value, NumpyBlock) and value.lazy and value.jax_value is None
+        out = present(self._w._jax, value)
+        if lazy and self._w.loop is not None:
+            try:
+                self._w.loop.call_soon_threadsafe(self._swap_block, value)
+            except RuntimeError:  # the loop closed: the worker is exiting
+                pass
+        return out
+
+    def _swap_block(self, block: NumpyBlock) -> None:
+        """Loop thread: a lazy PUT block got its jax.Array; store that alone.
+
+        The numpy view (and the received frame under it) lives on only while
+        calls that pinned the old entry still hold it. If JAX aliased the frame
+        (aligned host memory), the jax.Array keeps it: no copy was made.
+        """
+        ref = block.put_ref
+        fut = self._w.store.arrays.get(ref)
+        if fut is None or not fut.done() or fut.cancelled() or fut.exception() is not None:
+            return
+        if fut.result() is not block or block.jax_value is None:
+            return
+        swapped = asyncio.get_running_loop().create_future()
+        swapped.set_result(block.jax_value)
+        self._w.store.arrays[ref] = swapped
+        # jaxlib drops its reference to the copied numpy source from a callback of
+        # the collector (references released off the GIL wait in a queue): run a
+        # young-generation pass now, or the frame waits for the next automatic one.
+        gc.collect(0)
+
+    def on_fetch(self, body: P.Fetch, env: Envelope) -> None:
+        fut = self._w.store.arrays.get(body.ref)
+        self._w._spawn(self._fetch(body.call_id, body.ref, fut, body.data, self._w.epoch))
+
+    async def _fetch(self, call_id: int, ref: int, fut: asyncio.Future[Any] | None,
+                     data: bool, epoch: int) -> None:
+        try:
+            if fut is None:
+                raise KeyError(f"array {ref} is not on host {self._w.host_index} (deleted?)")
+            value = await fut
+            if epoch != self._w.epoch:
+                return  # that controller session is over: its call ids mean nothing now
+            if not data:
+                self._w.send(P.Result(call_id, Status.OK, None))
+                return
+            impl = None
+            if is_key_array(value):
+                impl = key_impl_name(value)
+                value = self._w._jax.random.key_data(value)
+            arr = np.asarray(value)
+            descr, buf = to_buffer(arr)
+            if buf.nbytes + REPLY_MARGIN > self._w._max_message:
+                raise ValueError(
+                    f"a block of {buf.nbytes} bytes is too large to fetch: the controller "
+                    f"accepts messages up to max_message_bytes={self._w._max_message}; raise it "
+                    "with Controller(..., max_message_bytes=N) or local_cluster(..., "
+                    "max_message_bytes=N)")
+        except BaseException as exc:
+            if epoch == self._w.epoch and not isinstance(exc, asyncio.CancelledError):
+                self._w.reply_error(call_id, exc)
+            return
+        self._w.send(P.Result(call_id, Status.OK, [list(arr.shape), descr, impl]), b"", [buf])
+
+
+def chain_future(dst: asyncio.Future[Any], src: asyncio.Future[Any]) -> None:
+    if dst.done():
+        return
+    exc = src.exception()
+    if exc is not None:
+        dst.set_exception(exc)
+        dst.exception()
+    else:
+        dst.set_result(src.result())

@@ -1,0 +1,488 @@
+"""The host's scheduler: calls in per-stream order, on a thread pool or the loop.
+
+A stream is one controller-side caller (a thread or an asyncio task). Its calls
+run in arrival order; different streams run at the same time. When the head of
+a stream's queue is a plain function with its inputs ready, it and the ready
+plain calls queued behind it run back to back in one thread-pool job (one hop,
+not one per call); each call's reply goes out as it finishes. ``async def``
+functions run on the loop, alone. A DESTROY runs in its stream like a call:
+after that caller's earlier calls, before its later ones, once every call of
+the object already received (from any stream) has finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import functools
+import inspect
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+from .._wire import protocol as P
+from .._wire.envelope import Buffer, Envelope
+from .._wire.protocol import Status
+from .pool import ArgsUnpickler, CallPool
+from .store import CallResult, Store
+
+if TYPE_CHECKING:
+    import concurrent.futures
+
+    from .._wire.calltimes import HostCallTimes
+    from .values import HostValues
+
+__all__ = ["Scheduler", "WorkerServices"]
+
+log = logging.getLogger("colobus.worker")
+
+MAX_BATCH = 256  # calls of one stream run in one thread-pool job, at most
+BRIEF_WAIT_S = 0.0005  # after starting quick calls, the loop waits this long for them
+BRIEF_WAIT_NS = int(BRIEF_WAIT_S * 1e9)
+
+_QUEUED, _RUNNING, _CANCELLED, _DONE = range(4)
+
+
+class WorkerServices(Protocol):
+    """What the scheduler and the host's arrays use of the worker that owns them."""
+
+    epoch: int
+    host_index: int
+    loop: asyncio.AbstractEventLoop | None
+    store: Store
+    values: HostValues
+    call_times: HostCallTimes | None
+    _jax: Any
+    _max_message: int
+    _pool: concurrent.futures.ThreadPoolExecutor
+
+    def _spawn(self, coro: Any) -> None: ...
+    def send(self, body: P.Body, payload: Buffer = b"", buffers: Sequence[Buffer] = (),
+             pbufs: int = 0) -> None: ...
+    def cork(self) -> bool: ...
+    def uncork(self, corked: bool) -> None: ...
+    def reply_error(self, call_id: int, exc: BaseException, times: list[int] | None = None
+                    ) -> None: ...
+    def present(self, value: Any) -> Any: ...
+
+
+class _Stream:
+    """The calls of one controller-side stream, which run in arrival order."""
+
+    __slots__ = ("busy", "queue", "sid", "waiting")
+
+    def __init__(self, sid: int) -> None:
+        self.sid = sid
+        self.queue: collections.deque[_Call | _Destroy] = collections.deque()
+        self.busy = False  # a batch, an async call or a destroy of it is running
+        self.waiting: asyncio.Future[Any] | None = None  # the head's unresolved input
+
+
+class _Destroy:
+    """A DESTROY waiting for its turn in a stream."""
+
+    __slots__ = ("calls", "obj")
+
+    def __init__(self, obj: int, calls: set[asyncio.Future[Any]]) -> None:
+        self.obj = obj
+        self.calls = calls
+
+
+class _Call:
+    """One CALL on this host, from arrival to reply."""
+
+    __slots__ = ("arrived", "body", "env", "epoch", "fn", "last", "mesh", "obj", "ok", "outcome",
+                 "pins", "ran", "results", "started", "state", "stream")
+
+    def __init__(self, body: P.Call, env: Envelope, pins: list[asyncio.Future[Any]],
+                 obj: asyncio.Future[Any] | None, results: asyncio.Future[Any],
+                 stream: _Stream, epoch: int) -> None:
+        self.body = body
+        self.env: Envelope | None = env
+        self.pins = pins
+        self.obj = obj
+        self.results = results
+        self.stream = stream
+        self.epoch = epoch
+        self.state = _QUEUED
+        self.fn: Any = None
+        self.mesh: Any = None
+        self.last = False  # the last of its batch: the stream is free once it is done
+        self.ok = False
+        self.outcome: Any = None
+        # perf_counter_ns on arrival and at start, and ns it ran: the reply's times.
+        self.arrived = self.started = self.ran = 0
+
+    def times(self) -> list[int]:
+        """``[queued, ran]`` in ns, as the RESULT reports them (empty: it never started)."""
+        return [self.started - self.arrived, self.ran] if self.started else []
+
+    def unready_input(self) -> asyncio.Future[Any] | None:
+        """An input (argument or object) not resolved yet, if any."""
+        for p in self.pins:
+            if not p.done():
+                return p
+        if self.obj is not None and not self.obj.done():
+            return self.obj
+        return None
+
+
+class Scheduler:
+    """Runs the CALLs and DESTROYs of one worker, stream by stream."""
+
+    def __init__(self, worker: WorkerServices, max_threads: int) -> None:
+        self._w = worker
+        self.pool = CallPool(max_threads, "colobus-call")
+        self._streams: dict[int, _Stream] = {}
+        self._calls: dict[int, _Call] = {}
+        self._async_calls: set[asyncio.Task[None]] = set()
+        self._state_lock = threading.Lock()  # a call's QUEUED -> RUNNING | CANCELLED
+        self._done_lock = threading.Lock()
+        self._done: list[_Call] = []  # finished on pool threads, not yet seen by the loop
+        self._flush_scheduled = False
+        # The brief wait (see wait_briefly): the loop thread waits on this event
+        # while ``_sync_wait``; a pool thread that finishes a call sets it instead of
+        # waking the loop through its self-pipe.
+        self._sync_wait = False
+        self._done_event = threading.Event()
+        self.started = False  # the current drain started a batch on the pool
+        self._quick = True  # the last batch took less than BRIEF_WAIT_S
+
+    def clear(self) -> None:
+        """The session ended: forget its calls (running ones finish into nothing)."""
+        for t in list(self._async_calls):
+            t.cancel()
+        self._calls.clear()
+        self._streams.clear()
+
+    # -- arrivals ------------------------------------------------------------------------
+
+    def on_call(self, body: P.Call, env: Envelope) -> None:
+        w = self._w
+        store = w.store
+        loop = asyncio.get_running_loop()
+        pins = [store.pin(r, w.host_index) for r in body.refs]
+        obj = store.pin((2, body.obj), w.host_index) if body.obj else None
+        results: asyncio.Future[Any] = loop.create_future()
+        store.results[body.call_id] = results
+        stream = self._stream(body.stream)
+        call = _Call(body, env, pins, obj, results, stream, w.epoch)
+        call.arrived = time.perf_counter_ns()
+        self._calls[body.call_id] = call
+        if body.obj:
+            store.obj_calls.setdefault(body.obj, set()).add(results)
+        stream.queue.append(call)
+        self.pump(stream)
+
+    def on_destroy(self, body: P.Destroy) -> None:
+        store = self._w.store
+        calls = store.obj_calls.pop(body.obj, set())
+        if body.obj not in store.objects:
+            return
+        stream = self._stream(body.stream)
+        stream.queue.append(_Destroy(body.obj, calls))
+        self.pump(stream)
+
+    def _stream(self, sid: int) -> _Stream:
+        stream = self._streams.get(sid)
+        if stream is None:
+            stream = self._streams[sid] = _Stream(sid)
+        return stream
+
+    def on_cancel(self, body: P.Cancel) -> None:
+        # A call not started yet never runs: it stays in its stream's queue (or its
+        # batch) and is skipped there, so later calls keep their order. The
+        # controller hears CANCELLED at once.
+        call = self._calls.get(body.call_id)
+        if call is None:
+            return
+        with self._state_lock:
+            if call.state != _QUEUED:
+                return
+            call.state = _CANCELLED
+        if not call.results.done():
+            call.results.set_exception(asyncio.CancelledError())
+            call.results.exception()  # retrieved: no "never retrieved" log when dropped
+        self._w.send(P.Result(body.call_id, Status.CANCELLED, None))
+        stream = call.stream
+        if stream.waiting is not None and stream.queue and stream.queue[0] is call:
+            stream.waiting = None  # it waited for this call's inputs: not any more
+            self.pump(stream)
+
+    # -- running -------------------------------------------------------------------------
+
+    def pump(self, stream: _Stream) -> None:
+        """Start the stream's next calls, unless some are running or it waits for inputs."""
+        if stream.busy or stream.waiting is not None:
+            return
+        if self._streams.get(stream.sid) is not stream:
+            return  # a stream of a finished session
+        queue = stream.queue
+        batch: list[_Call] = []
+        while queue and len(batch) < MAX_BATCH:
+            call = queue[0]
+            if isinstance(call, _Destroy):
+                if batch:
+                    break
+                queue.popleft()
+                stream.busy = True
+                task = asyncio.get_running_loop().create_task(self._destroy(call, stream))
+                self._async_calls.add(task)
+                task.add_done_callback(self._async_calls.discard)
+                return
+            if call.state == _CANCELLED:
+                queue.popleft()
+                self._forget(call)
+                continue
+            wait = call.unready_input()
+            if wait is not None:
+                if batch:
+                    break
+                stream.waiting = wait
+                wait.add_done_callback(functools.partial(self._resume, stream))
+                return
+            try:
+                fn = self._target(call)
+            except Exception as exc:
+                if batch:
+                    break
+                queue.popleft()
+                self._fail(call, exc)
+                continue
+            if inspect.iscoroutinefunction(fn):
+                if batch:
+                    break
+                queue.popleft()
+                call.state = _RUNNING  # no lock: CANCEL also runs on this thread
+                stream.busy = True
+                task = asyncio.get_running_loop().create_task(self._run_async(call, fn))
+                self._async_calls.add(task)
+                task.add_done_callback(self._async_calls.discard)
+                return
+            call.fn = fn
+            queue.popleft()
+            batch.append(call)
+        if batch:
+            batch[-1].last = True
+            stream.busy = True
+            self.started = True
+            self.pool.submit(functools.partial(self._run_batch, batch))
+        elif not queue:
+            del self._streams[stream.sid]  # idle: a later call starts a new one
+
+    def _resume(self, stream: _Stream, fut: asyncio.Future[Any]) -> None:
+        if stream.waiting is fut:
+            stream.waiting = None
+            self.pump(stream)
+
+    def _target(self, call: _Call) -> Any:
+        """The callable a call runs, and its mesh (loop thread; raises for the call)."""
+        body = call.body
+        if call.obj is not None:
+            fn = getattr(call.obj.result(), body.method)
+        else:
+            fn = self._w.store.get_code(body.digest)
+        call.mesh = self._w.values.local_mesh(body.mesh)
+        return fn
+
+    def _forget(self, call: _Call) -> None:
+        """Drop a call from the bookkeeping, and its references to inputs and code."""
+        body = call.body
+        self._calls.pop(body.call_id, None)
+        if body.obj:
+            pending = self._w.store.obj_calls.get(body.obj)
+            if pending is not None:
+                pending.discard(call.results)
+        call.pins = []
+        call.obj = None
+        call.fn = None
+        call.env = None
+
+    def _fail(self, call: _Call, exc: BaseException) -> None:
+        """A call that cannot start: fail it (loop thread)."""
+        call.state = _DONE
+        self._forget(call)
+        if not call.results.done():
+            call.results.set_exception(exc)
+            call.results.exception()
+        self._w.reply_error(call.body.call_id, exc)
+
+    def _run_batch(self, batch: list[_Call]) -> None:
+        """Pool thread: run ready plain calls of one stream back to back."""
+        t0 = start = time.perf_counter_ns()
+        for call in batch:
+            with self._state_lock:
+                runs = call.state == _QUEUED
+                if runs:
+                    call.state = _RUNNING
+            if runs:
+                self._run_plain(call)
+            end = time.perf_counter_ns()
+            call.started, call.ran = start, end - start
+            self._quick = end - t0 < BRIEF_WAIT_NS
+            start = end
+            self._post_done(call)
+
+    def _run_plain(self, call: _Call) -> None:
+        """Pool thread: one call, start to reply bytes; sets ``ok`` and ``outcome``."""
+        try:
+            fn, call.fn = call.fn, None
+            args, kwargs = self._call_args(call)
+            out = fn(*args, **kwargs)
+            call.outcome = self._w.values.outputs(out, call.mesh, call.pins)
+            call.ok = True
+        except BaseException as exc:
+            call.outcome = exc
+
+    def _call_args(self, call: _Call) -> tuple[Any, Any]:
+        present = self._w.present
+        values = []
+        for p in call.pins:
+            v = p.result()
+            values.append(v.tree(present) if isinstance(v, CallResult) else present(v))
+        env = call.env
+        assert env is not None
+        args, kwargs = ArgsUnpickler(env.payload, values, env.buffers[: env.pbufs]).load()
+        return args, kwargs
+
+    def _post_done(self, call: _Call) -> None:
+        """Pool thread: hand a finished call to the loop; one wake-up per burst."""
+        with self._done_lock:
+            self._done.append(call)
+            if self._flush_scheduled:
+                return
+            self._flush_scheduled = True
+            if self._sync_wait:
+                self._done_event.set()  # the loop thread is waiting for it
+                return
+        loop = self._w.loop
+        assert loop is not None
+        try:
+            loop.call_soon_threadsafe(self._flush_done)
+        except RuntimeError:  # the loop closed: the worker is exiting
+            pass
+
+    def drain_starts(self) -> None:
+        """A drain of the socket starts: only the calls it starts are worth a brief wait."""
+        self.started = False
+
+    def wait_briefly(self) -> bool:
+        """Loop thread: wait a moment for the calls this drain started; True if any ended.
+
+        A quick call then costs no wake-up of the loop through its self-pipe, and
+        the GIL passes to the pool thread at once instead of when the loop next
+        blocks. The wait is bounded (``BRIEF_WAIT_S``) and skipped while calls run
+        long, so heartbeats and new messages wait at most that long.
+        """
+        if not (self.started and self._quick):
+            return False
+        self.started = False
+        with self._done_lock:
+            waiting = self._sync_wait = not self._done
+            if waiting:
+                self._done_event.clear()
+        if waiting:
+            self._done_event.wait(BRIEF_WAIT_S)
+            with self._done_lock:
+                self._sync_wait = False
+        if not self._done:
+            return False
+        self._flush_done()
+        return True
+
+    def _flush_done(self) -> None:
+        with self._done_lock:
+            done, self._done = self._done, []
+            self._flush_scheduled = False
+        corked = self._w.cork()  # the replies leave as one batch
+        try:
+            for call in done:
+                self._finish(call)
+        finally:
+            self._w.uncork(corked)
+
+    def _finish(self, call: _Call) -> None:
+        """Loop thread: store a finished call's outputs, reply, start what is next."""
+        w = self._w
+        if call.epoch != w.epoch:
+            return  # the session it belonged to is over
+        body = call.body
+        if call.state == _RUNNING:
+            call.state = _DONE
+            self._forget(call)
+            call_times = w.call_times
+            if call_times is not None:  # metrics on: this host counts its calls' times
+                call_times.add((w.store.classes.get(body.obj, b"") if body.obj else body.digest,
+                                body.method), call.started - call.arrived, call.ran)
+            outcome, call.outcome = call.outcome, None
+            if call.ok:
+                values, treedef, payload, bufs = outcome
+                result = w.store.store_outputs(body.call_id, values, treedef)
+                if not call.results.done():
+                    call.results.set_result(result)
+                w.send(P.Result(body.call_id, Status.OK, len(values), call.times()), payload,
+                       bufs, len(bufs))
+            else:
+                if not call.results.done():
+                    call.results.set_exception(outcome)
+                    call.results.exception()
+                w.reply_error(body.call_id, outcome, call.times())
+        else:
+            self._forget(call)
+        if call.last:
+            call.stream.busy = False
+            self.pump(call.stream)
+
+    async def _run_async(self, call: _Call, fn: Any) -> None:
+        """An ``async def`` call, on the loop."""
+        call.started = time.perf_counter_ns()
+        try:
+            args, kwargs = self._call_args(call)
+            out = await fn(*args, **kwargs)
+            call.outcome = self._w.values.outputs(out, call.mesh, call.pins)
+            call.ok = True
+        except asyncio.CancelledError as exc:
+            if call.epoch != self._w.epoch:
+                raise  # the session ended
+            call.outcome = exc
+        except BaseException as exc:
+            call.outcome = exc
+        call.ran = time.perf_counter_ns() - call.started
+        del fn
+        call.last = True
+        if call.ok or not isinstance(call.outcome, asyncio.CancelledError):
+            self._finish(call)
+            return
+        # The function itself was cancelled (it awaited something cancelled).
+        call.state = _DONE
+        self._forget(call)
+        call.outcome = None
+        if not call.results.done():
+            call.results.set_exception(asyncio.CancelledError())
+            call.results.exception()
+        self._w.send(P.Result(call.body.call_id, Status.CANCELLED, None))
+        call.stream.busy = False
+        self.pump(call.stream)
+
+    async def _destroy(self, item: _Destroy, stream: _Stream) -> None:
+        """Drop an object once its calls finished; its stream waits meanwhile."""
+        store = self._w.store
+        epoch = self._w.epoch
+        try:
+            if item.calls:  # each call's result slot: settled once the call finished
+                await asyncio.wait(item.calls)
+            fut = store.objects.get(item.obj)
+            if fut is not None:
+                if not fut.done():
+                    await asyncio.wait({fut})
+                if epoch == self._w.epoch and store.objects.get(item.obj) is fut:
+                    del store.objects[item.obj]
+                    store.classes.pop(item.obj, None)
+                del fut  # the last reference: the instance's __del__ runs here
+        finally:
+            item.calls = set()
+            stream.busy = False
+            self.pump(stream)
+

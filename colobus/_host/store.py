@@ -1,0 +1,129 @@
+"""What lives on a host for one controller session: arrays, call results, objects, code.
+
+Entries are ``asyncio.Future`` objects on the worker's loop (a PUT or a call may
+still be converting or running when a later call names it). A call result is
+kept while the controller's Future of that call is alive (so it can be passed
+to later calls), but only as the *names* of its output arrays once the call
+ended: deleting an output array frees its memory even while the result is kept.
+Every table counts in :meth:`Store.counts`, which the heartbeat reports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from .._wire import protocol as P
+
+__all__ = ["CallResult", "Store"]
+
+
+class CallResult:
+    """A finished call's outputs: their tree, their array refs, and (while a call
+    that names this result waits for it) their values."""
+
+    __slots__ = ("refs", "treedef", "values")
+
+    def __init__(self, treedef: Any, refs: list[int], values: list[Any] | None) -> None:
+        self.treedef = treedef
+        self.refs = refs
+        self.values = values
+
+    def tree(self, present: Any) -> Any:
+        """The output tree as user code receives it."""
+        assert self.values is not None
+        return self.treedef.unflatten([present(v) for v in self.values])
+
+
+class Store:
+    """The host's tables for one session (loop thread)."""
+
+    def __init__(self) -> None:
+        self.code: dict[bytes, tuple[str, Any]] = {}
+        self.arrays: dict[int, asyncio.Future[Any]] = {}
+        # call id -> the running call's future (of a CallResult), or a finished call's
+        # CallResult without values (names only)
+        self.results: dict[int, asyncio.Future[Any] | CallResult] = {}
+        self.objects: dict[int, asyncio.Future[Any]] = {}
+        self.obj_calls: dict[int, set[asyncio.Future[Any]]] = {}  # obj -> its calls' results
+        self.classes: dict[int, bytes] = {}  # obj -> its class's code digest
+
+    def clear(self) -> None:
+        self.code.clear()
+        self.arrays.clear()
+        self.results.clear()
+        self.objects.clear()
+        self.obj_calls.clear()
+        self.classes.clear()
+
+    def counts(self) -> tuple[int, int, int, int]:
+        """Arrays, their bytes, objects, and call results held."""
+        nbytes = 0
+        for f in self.arrays.values():
+            if f.done() and not f.cancelled() and f.exception() is None:
+                nbytes += int(getattr(f.result(), "nbytes", 0))
+        return len(self.arrays), nbytes, len(self.objects), len(self.results)
+
+    def get_code(self, digest: bytes) -> Any:
+        state, value = self.code.get(digest, ("error", None))
+        if state == "error":
+            if value is None:
+                raise RuntimeError(f"code {digest.hex()[:12]} was never sent to this host")
+            raise value
+        return value
+
+    def release(self, refs: list[int], calls: list[int]) -> None:
+        for ref in refs:
+            self.arrays.pop(ref, None)
+        for call_id in calls:
+            self.results.pop(call_id, None)
+
+    def store_outputs(self, call_id: int, values: list[Any], treedef: Any) -> CallResult:
+        """Keep a finished call's output values as arrays; its result keeps their names."""
+        loop = asyncio.get_running_loop()
+        refs = []
+        for i, value in enumerate(values):
+            fut = loop.create_future()
+            fut.set_result(value)
+            ref = P.output_ref(call_id, i)
+            self.arrays[ref] = fut
+            refs.append(ref)
+        if call_id in self.results:  # not released meanwhile
+            self.results[call_id] = CallResult(treedef, refs, None)
+        return CallResult(treedef, refs, values)
+
+    def pin(self, ref: Any, host_index: int) -> asyncio.Future[Any]:
+        """The store entry a call argument names, taken now (a later RELEASE can't race)."""
+        tag, ident = ref
+        fut: asyncio.Future[Any] | None
+        if tag == 1:
+            fut = self._pin_result(ident, host_index)
+        else:
+            fut = (self.arrays, None, self.objects)[tag].get(ident)  # type: ignore[union-attr]
+        if fut is None:
+            what = ("array", "call result", "object")[tag]
+            fut = _failed(KeyError(f"{what} {ident} is not on host {host_index}"))
+        return fut
+
+    def _pin_result(self, call_id: int, host_index: int) -> asyncio.Future[Any] | None:
+        entry = self.results.get(call_id)
+        if entry is None or isinstance(entry, asyncio.Future):
+            return entry
+        values = []
+        for ref in entry.refs:
+            f = self.arrays.get(ref)
+            if f is None:
+                return _failed(KeyError(
+                    f"an output of call {call_id} was deleted on host {host_index}; "
+                    "a deleted array cannot be used"))
+            values.append(f.result())
+        done = asyncio.get_running_loop().create_future()
+        done.set_result(CallResult(entry.treedef, entry.refs, values))
+        return done
+
+
+def _failed(exc: BaseException) -> asyncio.Future[Any]:
+    fut = asyncio.get_running_loop().create_future()
+    fut.set_exception(exc)
+    fut.exception()  # retrieved: no "never retrieved" log when dropped
+    return fut

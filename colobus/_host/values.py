@@ -1,0 +1,263 @@
+"""What values look like on a host: JAX set-up, stored blocks, and call outputs.
+
+Pure host-side conversions, safe on any thread: a PUT block becomes what the
+store keeps (a ``jax.Array``, or a :class:`NumpyBlock` where JAX cannot hold
+the dtype exactly, or a lazy view on the received frame); a stored value
+becomes what user code receives; a call's return value becomes the values the
+host stores and the description it reports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from .._model import outlayout as _outlayout
+from .._model.jaxside import is_key_array
+from .._wire import protocol as P
+from .._wire.codec import key_impl_name
+from .._wire.describe import describe_outputs
+from .._wire.envelope import Buffer
+
+__all__ = [
+    "LAZY_PUT_BYTES", "HostValues", "NumpyBlock", "is_string", "jax_exact", "numpy_block",
+    "present", "setup_jax", "local_devices"]
+
+LAZY_PUT_BYTES = 1 << 20  # PUT blocks this large become jax.Arrays on first use
+
+
+def setup_jax(cpu_devices: int | None) -> Any:
+    """Import JAX with ``cpu_devices`` host-platform devices; return the module."""
+    if cpu_devices:
+        flags = os.environ.get("XLA_FLAGS", "")
+        flags = " ".join(f for f in flags.split() if "host_platform_device_count" not in f)
+        os.environ["XLA_FLAGS"] = (
+            f"{flags} --xla_force_host_platform_device_count={cpu_devices}".strip()
+        )
+    import jax
+
+    if cpu_devices:
+        try:
+            jax.config.update("jax_num_cpu_devices", cpu_devices)
+        except Exception:  # older JAX: XLA_FLAGS above does it
+            pass
+    # JAX's own default (x64 off) unless the controller side asks otherwise;
+    # local_cluster passes its process's setting (docs/arrays.md, "Dtypes").
+    jax.config.update("jax_enable_x64", os.environ.get("COLOBUS_JAX_X64", "0") == "1")
+    return jax
+
+
+def jax_exact(jax: Any, dtype: Any) -> bool:
+    """Whether JAX holds ``dtype`` without changing it (x64 off narrows int64...)."""
+    if isinstance(dtype, np.dtypes.StringDType):
+        # JAX's string arrays fail on empty and replicated layouts: keep numpy.
+        return False
+    if dtype.fields is not None or dtype.hasobject:
+        return False
+    # ml_dtypes (bfloat16, float8_*, int4...) are kind "V" to numpy, yet JAX's own.
+    ml = dtype.type.__module__.split(".")[0] == "ml_dtypes"
+    if dtype.kind in "VSUMm" and not ml:
+        return False
+    try:
+        return bool(jax.dtypes.canonicalize_dtype(dtype) == dtype)
+    except Exception:
+        return False
+
+
+class NumpyBlock(np.ndarray):
+    """A host block kept as numpy (its exact bytes), with the layout JAX would give it.
+
+    Stored when JAX cannot hold the dtype as is (64-bit types while x64 is off,
+    structured dtypes, some string layouts), so fetching returns exactly what was
+    put. A numeric block is presented to user code as a ``jax.Array``, converted
+    the way ``jax.device_put`` would (int64 -> int32 while x64 is off).
+
+    Large PUT blocks are stored this way too, even where JAX holds the dtype: a
+    numpy view on the received frame, made a ``jax.Array`` only when a call first
+    needs it (``lazy``). That conversion is cached, and the store entry then holds
+    the ``jax.Array`` alone, so the frame is freed once no queued call holds it.
+    """
+
+    jax_sharding: Any = None
+    lazy = False  # JAX holds the dtype exactly: cache the jax.Array once made
+    jax_value: Any = None  # that cached jax.Array
+    put_ref = 0  # the store entry a lazy block was PUT as
+
+
+def numpy_block(arr: Any, sharding: Any) -> NumpyBlock:
+    block = np.asarray(arr).view(NumpyBlock)
+    block.jax_sharding = sharding
+    return block
+
+
+def present(jax: Any, value: Any) -> Any:
+    """What user code receives for a stored value (any thread)."""
+    if not isinstance(value, NumpyBlock):
+        return value
+    cached = value.jax_value
+    if cached is not None:
+        return cached
+    plain = value.view(np.ndarray)
+    if value.lazy:
+        out = jax.device_put(plain, value.jax_sharding)
+        out.block_until_ready()  # the copy is done: the frame can go once unpinned
+        value.jax_value = out
+        return out
+    if plain.dtype.kind in "biufc" and value.jax_sharding is not None:
+        canonical = jax.dtypes.canonicalize_dtype(plain.dtype)
+        return jax.device_put(plain.astype(canonical, copy=False), value.jax_sharding)
+    return plain
+
+
+def is_string(dtype: Any) -> bool:
+    return isinstance(dtype, np.dtypes.StringDType)
+
+
+
+
+class HostValues:
+    """Conversions that need the host's JAX and its devices (thread-safe)."""
+
+    def __init__(self, jax: Any, by_local: dict[tuple[str, int], Any]) -> None:
+        self.jax = jax
+        self._by_local = by_local
+        self._mesh_cache: dict[str, Any] = {}
+
+    def clear(self) -> None:
+        self._mesh_cache.clear()
+
+    def local_mesh(self, raw: list[Any]) -> Any:
+        """A jax ``Mesh`` (or one ``jax.Device``) from ``[[platform, id]...], shape, names]``."""
+        key = repr(raw)
+        mesh = self._mesh_cache.get(key)
+        if mesh is None:
+            ids, shape, names = raw
+            devs = [self._by_local[(str(p), int(i))] for p, i in ids]
+            if not shape:
+                mesh = devs[0]
+            else:
+                mesh = self.jax.sharding.Mesh(
+                    np.array(devs, dtype=object).reshape(shape), tuple(names))
+            self._mesh_cache[key] = mesh
+        return mesh
+
+    def sharding(self, mesh: Any, spec: Any) -> Any:
+        jax = self.jax
+        if isinstance(mesh, jax.sharding.Mesh):
+            return jax.sharding.NamedSharding(mesh, spec)
+        return jax.sharding.SingleDeviceSharding(mesh)
+
+    def to_host_value(self, arr: Any, mesh: Any, spec: Any, key_impl: str | None) -> Any:
+        """What the store keeps for a PUT block."""
+        jax = self.jax
+        if key_impl:
+            keys = jax.random.wrap_key_data(arr, impl=key_impl)
+            return jax.device_put(keys, self.sharding(mesh, spec))
+        if jax_exact(jax, arr.dtype):
+            return jax.device_put(arr, self.sharding(mesh, spec))
+        if is_string(arr.dtype) and arr.size:
+            # A jax.Array where JAX can hold it (one distinct shard per device, as
+            # in JAX's own string examples); numpy where it cannot (replicas).
+            sharding = self.sharding(mesh, spec)
+            if sharding.is_fully_replicated and len(sharding.device_set) > 1:
+                return arr  # JAX puts it, but cannot read it back (jax 0.10)
+            try:
+                return jax.device_put(arr, sharding)
+            except Exception:
+                return arr
+        return numpy_block(arr, self.sharding(mesh, spec))
+
+    def to_host_value_ready(self, arr: Any, mesh: Any, spec: Any, key_impl: str | None) -> Any:
+        # jax.device_put returns before its copy is done: wait here (a pool thread),
+        # so a PUT counts as stored (block_until_ready) only once the data is in place
+        # and the received frame can be freed.
+        value = self.to_host_value(arr, mesh, spec, key_impl)
+        ready = getattr(value, "block_until_ready", None)
+        return ready() if ready is not None else value
+
+    def outputs(self, out: Any, mesh: Any, pins: Sequence[asyncio.Future[Any]] = (),
+                ) -> tuple[list[Any], Any, bytes, list[Buffer]]:
+        """A call's return value as the values the host stores, their tree, and the
+        reply's pickled description (one :class:`~colobus._wire.protocol.OutLeaf` per leaf).
+
+        ``pins`` are the call's host-resident arguments (for ``OutLeaf.ref``, see
+        ``_outlayout``)."""
+        jax = self.jax
+        leaves, treedef = jax.tree_util.tree_flatten(out)
+        if len(leaves) >= P.MAX_OUTPUTS:
+            raise ValueError(f"a call may return at most {P.MAX_OUTPUTS - 1} arrays")
+        metas: list[P.OutLeaf] = []
+        values: list[Any] = []
+        is_mesh = isinstance(mesh, jax.sharding.Mesh)
+        for i, leaf in enumerate(leaves):
+            spec = None
+            layout = None
+            ref = -1
+            if isinstance(leaf, jax.Array):
+                sh = leaf.sharding
+                if (is_mesh and isinstance(sh, jax.sharding.NamedSharding)
+                        and sh.mesh.axis_names == mesh.axis_names
+                        and sh.mesh.devices.shape == mesh.devices.shape
+                        and all(a == b for a, b in zip(sh.mesh.devices.flat, mesh.devices.flat,
+                                                       strict=True))):
+                    spec = sh.spec
+                    value = leaf
+                    if len(pins) > 1:  # which argument's layout, if it is one (_outlayout)
+                        ref = _outlayout.arg_ref(sh, _pinned_values(pins))
+                elif (layout := _outlayout.kept_layout(jax, leaf, mesh)) is not None:
+                    spec = getattr(sh, "spec", None)  # the function's own layout, kept
+                    value = leaf
+                    ref = _outlayout.arg_ref(sh, _pinned_values(pins))
+                elif is_string(leaf.dtype):  # JAX cannot replicate string arrays
+                    value = np.asarray(leaf)
+                else:
+                    replicated = self.sharding(mesh, jax.sharding.PartitionSpec())
+                    # Already there (``return x`` on one device): device_put would hand
+                    # back the same array after ~13 us of dispatch.
+                    value = leaf if sh == replicated else jax.device_put(leaf, replicated)
+            elif isinstance(leaf, np.ndarray | np.generic | bool | int | float | complex):
+                arr = np.asarray(leaf)
+                if arr.dtype.hasobject and not isinstance(arr.dtype, np.dtypes.StringDType):
+                    raise ValueError(
+                        "colocated_python only supports jax.Array as input and output, "
+                        f"but got {type(leaf)}.")
+                replicated = self.sharding(mesh, jax.sharding.PartitionSpec())
+                value = (jax.device_put(arr, replicated) if jax_exact(jax, arr.dtype)
+                         else numpy_block(arr, replicated))
+            else:
+                raise ValueError(
+                    "colocated_python only supports jax.Array as input and output, "
+                    f"but got {type(leaf)}.")
+            impl = key_impl_name(value) if is_key_array(value) else None
+            metas.append(P.OutLeaf(i, tuple(value.shape), value.dtype if impl is None else None,
+                                   spec, impl, layout,
+                                   # one device: no other host can hold a replica
+                                   _outlayout.digest(value) if is_mesh else None, ref))
+            values.append(value)
+        # msgpack, never a pickle: the controller does not unpickle what hosts send.
+        return values, treedef, describe_outputs(treedef, metas), []
+
+
+def _pinned_values(pins: Sequence[asyncio.Future[Any]]) -> list[Any]:
+    """A call's resolved host-resident arguments, as user code saw them (any thread)."""
+    values = []
+    for p in pins:
+        value = p.result() if p.done() and not p.cancelled() and p.exception() is None else None
+        values.append(value.jax_value if isinstance(value, NumpyBlock) else value)
+    return values
+
+
+def local_devices(jax: Any) -> list[Any]:
+    """This host's JAX devices: its accelerators (if any), then its CPU devices."""
+    devices: list[Any] = []
+    try:
+        if jax.default_backend() != "cpu":
+            devices.extend(jax.devices())
+    except RuntimeError:
+        pass
+    devices.extend(jax.devices("cpu"))
+    return devices

@@ -1,0 +1,500 @@
+"""The worker: one DEALER socket, one controller session at a time.
+
+It joins a controller (HELLO -> WELCOME) and serves until the controller closes,
+goes silent or declares it lost; then it drops the session's
+:class:`~colobus._host.store.Store` and joins again, with back-off. Calls run
+through :class:`~colobus._host.sched.Scheduler`. Its DEALER keeps one routing id
+per session, so a TCP connection that ZeroMQ re-establishes within the liveness
+timeout continues the session (see :mod:`colobus._wire.channel`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import functools
+import logging
+import os
+import random
+import secrets
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import zmq
+
+from .._model import jaxside as _hostside
+from .._process import freeze_once
+from .._wire import protocol as P
+from .._wire.calltimes import HEARTBEAT_BUDGET, HostCallTimes
+from .._wire.channel import Channel, Peer
+from .._wire.endpoint import parse_connect
+from .._wire.envelope import Buffer, Dropped, Envelope, decode, loads, unpack_batch
+from .._wire.failures import describe_error
+from .._wire.keys import check_key
+from .._wire.protocol import Kind, Status
+from .._wire.sockio import NOBLOCK
+from .arrays import HostArrays
+from .join import JoinDiagnosis
+from .pool import ArgsUnpickler
+from .process import cpu_ns, end_context, rss_bytes
+from .sched import Scheduler
+from .store import Store
+from .values import HostValues, local_devices, setup_jax
+
+__all__ = ["Worker", "setup_jax"]
+
+log = logging.getLogger("colobus.worker")
+
+BACKOFF_MIN_S = 0.1
+BACKOFF_MAX_S = 5.0
+# ZeroMQ's TCP reconnects back off to at most this: a dropped connection is back well
+# within the half liveness timeout a host whose connection closed has to be heard again.
+RECONNECT_MAX_S = 0.5
+
+
+class _Exit(Exception):
+    def __init__(self, code: int) -> None:
+        self.code = code
+
+
+class Worker:
+    """One host: joins ``connect`` and runs what the controller sends.
+
+    Args:
+        connect: the controller's endpoint, e.g. ``tcp://10.0.0.1:5555``.
+        name: stable name; a worker rejoining under it gets its host index back.
+        key: the shared key, at least 32 bytes (there is no unauthenticated mode).
+        cpu_devices: XLA host-platform device count.
+        parent_pid: exit when this process is no longer our parent (local clusters).
+        curve_keypair: ``(public, secret)`` Z85 CurveZMQ key pair of this worker;
+            with ``curve_server_key`` it turns on encryption.
+        curve_server_key: the controller's Z85 CurveZMQ public key.
+    """
+
+    def __init__(
+        self,
+        connect: str,
+        *,
+        name: str | None = None,
+        key: bytes,
+        cpu_devices: int | None = None,
+        parent_pid: int | None = None,
+        max_threads: int = 64,
+        curve_keypair: tuple[bytes, bytes] | None = None,
+        curve_server_key: bytes | None = None,
+    ) -> None:
+        if (curve_keypair is None) != (curve_server_key is None):
+            raise ValueError("CurveZMQ needs both this worker's key pair and the server's "
+                             "public key (--curve-key-file and --server-key)")
+        self._curve: tuple[tuple[bytes, bytes], bytes] | None = None
+        if curve_keypair is not None and curve_server_key is not None:
+            self._curve = (curve_keypair, curve_server_key)
+        self._endpoint = parse_connect(connect)  # ValueError: says what is wrong with it
+        self.connect = connect
+        self._hostname = socket.gethostname()
+        self.name = name or f"{self._hostname}-{os.getpid()}"
+        self._key = check_key(key, "the worker's key")
+        self._cpu_devices = cpu_devices
+        self._parent_pid = parent_pid
+        self.sched = Scheduler(self, max_threads)
+        # PUT conversions and object construction: run_in_executor needs an Executor.
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_threads, "colobus-work")
+        self._jax: Any = None
+        self._jax_devices: list[Any] = []
+        self.values: HostValues = HostValues(None, {})
+        self.store = Store()
+        self.arrays = HostArrays(self)
+        self.epoch = 0  # bumps when a session's store is dropped
+        self.host_index = -1
+        self.loop: asyncio.AbstractEventLoop | None = None  # set in serve()
+        self.dropped: dict[str, int] = {}
+        # Calls' queued and run times per function, when the controller asked (WELCOME).
+        self.call_times: HostCallTimes | None = None
+        self._ping = 0  # the controller's last heartbeat ping, to echo in ours
+        self._ping_at = 0  # monotonic ns when it arrived
+        # session state
+        self._ctx: zmq.Context[Any] | None = None
+        self._chan: Channel | None = None
+        self._peer: Peer | None = None
+        self._joined = False
+        self._last_heard = 0.0
+        self._heartbeat = 1.0
+        self._liveness = 5.0
+        self._exit_with_controller = False
+        self._max_message = 1 << 62  # the controller's limit, from its WELCOME
+        self._answered = False  # a HELLO answered the CHALLENGE to the last JOIN
+        self._stopping = False  # SIGTERM: no next session
+        self._welcome: asyncio.Future[None] | None = None
+        self._ended: asyncio.Future[str] | None = None
+        self._bg: set[asyncio.Task[None]] = set()
+        self._handlers = {
+            Kind.HEARTBEAT: self._on_heartbeat,
+            Kind.CODE: self._on_code,
+            Kind.CALL: self.sched.on_call,
+            Kind.CANCEL: lambda body, env: self.sched.on_cancel(body),
+            Kind.PUT: self.arrays.on_put,
+            Kind.FETCH: self.arrays.on_fetch,
+            Kind.RELEASE: lambda body, env: self.store.release(body.refs, body.calls),
+            Kind.CONSTRUCT: self._on_construct,
+            Kind.DESTROY: lambda body, env: self.sched.on_destroy(body),
+            Kind.STATS: self._on_stats,
+            Kind.SHUTDOWN: self._on_shutdown,
+            Kind.RESET: lambda body, env: self._end("reset"),
+            Kind.WELCOME: self._on_welcome,
+            Kind.REJECT: self._on_reject,
+            Kind.CHALLENGE: self._on_challenge,
+        }
+
+    def _spawn(self, coro: Any) -> None:
+        """A background task of this session, kept referenced until it ends."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
+
+    # -- top level -----------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Serve until told to exit; returns the process exit code."""
+        return asyncio.run(self.serve())
+
+    async def serve(self) -> int:
+        self.loop = asyncio.get_running_loop()
+        # As PID 1 in a container, SIGTERM without a handler is ignored (docker stop
+        # would wait and SIGKILL); with one, the worker leaves its session and exits.
+        on_main = threading.current_thread() is threading.main_thread()
+        if on_main:
+            self.loop.add_signal_handler(signal.SIGTERM, self._on_sigterm)
+        self._jax = setup_jax(self._cpu_devices)
+        self._discover_devices()
+        # Everything imported so far (JAX: ~100k objects) lives as long as the process:
+        # keep it out of the collector's scans, which otherwise cost every call.
+        freeze_once()
+        # User code that spins in pure Python holds the GIL for a whole switch
+        # interval each time the loop thread lets go of it (the convoy effect): a
+        # short interval keeps heartbeats and fetches flowing past such code.
+        sys.setswitchinterval(0.0005)
+        self._ctx = zmq.Context()
+        watchdog = asyncio.get_running_loop().create_task(self._watch_parent())
+        backoff = BACKOFF_MIN_S
+        try:
+            while True:
+                joined, outcome = await self._one_session(backoff)
+                self._clear_session()
+                if outcome == "exit":
+                    return 0
+                if outcome == "reject":
+                    return 2
+                if self._exit_with_controller and outcome in ("closed", "lost"):
+                    log.info("controller gone; this local worker exits")
+                    return 0
+                backoff = BACKOFF_MIN_S if joined else min(backoff * 2, BACKOFF_MAX_S)
+                log.info("host %s: controller session ended (%s); joining again", self.name,
+                         outcome)
+        except _Exit as e:
+            return e.code
+        finally:
+            if on_main:
+                self.loop.remove_signal_handler(signal.SIGTERM)
+            watchdog.cancel()
+            self.sched.pool.shutdown()
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            end_context(self._ctx)
+
+    def _on_sigterm(self) -> None:
+        log.info("host %s: SIGTERM; worker exits", self.name)
+        self._stopping = True
+        self._end("exit")
+
+    async def _watch_parent(self) -> None:
+        if self._parent_pid is None:
+            return
+        while True:
+            await asyncio.sleep(0.5)
+            if os.getppid() != self._parent_pid:
+                log.warning("parent process %d is gone; worker exits", self._parent_pid)
+                os._exit(0)
+
+    def _discover_devices(self) -> None:
+        self._jax_devices = devices = local_devices(self._jax)
+        self.values = HostValues(self._jax, {(d.platform, d.id): d for d in devices})
+
+    def _device_report(self) -> list[list[Any]]:
+        return [[d.platform, d.device_kind, d.id] for d in self._jax_devices]
+
+    # -- one session: join, serve, end ---------------------------------------------------
+
+    async def _one_session(self, backoff: float) -> tuple[bool, str]:
+        loop = asyncio.get_running_loop()
+        assert self._ctx is not None
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        session = secrets.token_bytes(16)
+        # One routing id for the whole session, random and unrelated to the session
+        # id (which every header shows): after a dropped connection the controller
+        # finds this host by it again.
+        sock.setsockopt(zmq.ROUTING_ID, b"w" + secrets.token_bytes(16))
+        # Not IMMEDIATE: with it, a DEALER drops unread incoming messages (such as
+        # the controller's SHUTDOWN) when the connection goes. JOINs queued while
+        # the controller is away get one CHALLENGE each; only the first is answered.
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, int(RECONNECT_MAX_S * 1000))
+        if self._curve is not None:
+            (public, secret), server = self._curve
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+            sock.setsockopt(zmq.CURVE_SERVERKEY, server)
+        try:
+            sock.connect(self.connect)
+        except zmq.ZMQError as exc:  # an endpoint parse_connect let through
+            sock.close(0)
+            raise ValueError(f"cannot connect to {self.connect!r}: {exc}") from None
+        self._peer = Peer([], session, b"")
+        self._joined = False
+        self._welcome = loop.create_future()
+        self._ended = loop.create_future()
+        if self._stopping:
+            self._ended.set_result("exit")
+        diagnosis = JoinDiagnosis(self._endpoint, self._key, curve=self._curve is not None,
+                                  quiet=self.host_index >= 0)
+        chan = self._chan = Channel(sock, self._key, loop, self._on_frames,
+                                    send_flags=NOBLOCK, after_flush=self.sched.wait_briefly,
+                                    before_drain=self.sched.drain_starts)
+        joined = False
+        try:
+            while not self._welcome.done():
+                # One HELLO per JOIN round: it answers the CHALLENGE (_on_challenge).
+                self._answered = False
+                self._send_join_raw(P.Join())
+                wait = backoff * (0.75 + random.random() / 2)
+                waits: list[asyncio.Future[Any]] = [self._welcome, self._ended]
+                await asyncio.wait(waits, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
+                if self._ended.done():
+                    return False, self._ended.result()
+                backoff = min(backoff * 2, BACKOFF_MAX_S)
+                diagnosis.after_hello()
+            joined = True
+            diagnosis.close()
+            log.info("host %s joined %s as host %d", self.name, self.connect, self.host_index)
+            hb = loop.create_task(self._heartbeats())
+            try:
+                outcome = await self._ended
+            finally:
+                hb.cancel()
+            return joined, outcome
+        finally:
+            diagnosis.close()
+            chan.close()
+            self._chan = None
+            self._peer = None
+
+    async def _heartbeats(self) -> None:
+        assert self._ended is not None and self._chan is not None and self._peer is not None
+        resend_after = max(2 * self._heartbeat, self._liveness / 3)
+        while not self._ended.done():
+            await asyncio.sleep(self._heartbeat)
+            self._chan.drain()  # judge silence only after reading what already arrived
+            if self._ended.done():
+                return
+            if time.monotonic() - self._last_heard > self._liveness:
+                log.warning("controller silent for %.1f s", time.monotonic() - self._last_heard)
+                self._end("lost")
+                return
+            self.send(self._health())
+            self._chan.resend_stale([self._peer], resend_after)
+
+    def _health(self) -> P.Heartbeat:
+        """Our heartbeat: store counters, the ping echo, process memory, CPU, drops."""
+        ping, self._ping = self._ping, 0
+        held = time.monotonic_ns() - self._ping_at if ping else 0
+        calls = ([] if self.call_times is None else
+                 self.call_times.take(min(HEARTBEAT_BUDGET, self._max_message // 16)))
+        return P.Heartbeat(*self.store.counts(), ping, held, rss_bytes(), cpu_ns(),
+                           dict(self.dropped), calls)
+
+    def _end(self, outcome: str) -> None:
+        if self._ended is not None and not self._ended.done():
+            self._ended.set_result(outcome)
+
+    def _clear_session(self) -> None:
+        """Drop everything of the session that ended; its late work sends nothing."""
+        self.epoch += 1
+        for t in list(self._bg):
+            t.cancel()
+        self.sched.clear()
+        self.store.clear()
+        self.values.clear()
+        self.call_times = None
+
+    # -- socket I/O (used by the scheduler) --------------------------------------------------
+
+    def send(self, body: P.Body, payload: Buffer = b"", buffers: Sequence[Buffer] = (),
+             pbufs: int = 0) -> None:
+        """Send a message to this session's controller (batched while corked)."""
+        if self._chan is not None and self._peer is not None:
+            self._chan.send(self._peer, body, payload, buffers, pbufs)
+
+    def cork(self) -> bool:
+        return self._chan.cork() if self._chan is not None else False
+
+    def uncork(self, corked: bool) -> None:
+        if self._chan is not None:
+            self._chan.uncork(corked)
+
+    def reply_error(self, call_id: int, exc: BaseException, times: list[int] | None = None
+                    ) -> None:
+        """Report ``exc`` as data (type name, plain args, message, notes, traceback)."""
+        self.send(P.Result(call_id, Status.ERROR, None, times or []),
+                  describe_error(exc, self._hostname))
+
+    def _send_join_raw(self, body: P.Body) -> None:
+        """JOIN and HELLO: numbered outside the session's acknowledged stream."""
+        assert self._chan is not None and self._peer is not None
+        self._peer.send_seq += 1
+        self._chan.send_raw([], Envelope(body.kind, self._peer.session, b"",
+                                         self._peer.send_seq, body.to_wire()))
+
+    def _drop(self, reason: str, detail: str = "") -> None:
+        self.dropped[reason] = self.dropped.get(reason, 0) + 1
+        log.debug("dropped message (%s) %s", reason, detail)
+
+    def _on_frames(self, frames: list[Any]) -> None:
+        peer = self._peer
+        if peer is None:
+            return
+        try:
+            env = decode(self._key, frames)
+        except Dropped as d:
+            if d.reason == "unauthenticated" and not self._joined:
+                log.warning("a message from %s failed authentication: is the key the same "
+                            "on both sides?", self.connect)
+            self._drop(d.reason, d.detail)
+            return
+        if env.receiver != peer.session:
+            self._drop("stale")
+            return
+        if not self._joined:
+            if env.kind not in (Kind.WELCOME, Kind.REJECT, Kind.CHALLENGE):
+                self._drop("unexpected_kind")
+                return
+            peer.recv_seq = env.seq - 1
+        elif env.sender != peer.their_session:
+            self._drop("stale")
+            return
+        elif env.kind == Kind.RESET:  # the controller's last word, outside the numbering
+            self._end("reset")
+            return
+        refused = peer.accept(env)
+        if refused is not None:
+            self._drop(refused)
+            return
+        self._last_heard = time.monotonic()
+        if env.kind != Kind.BATCH:
+            self._dispatch(env)
+            return
+        try:
+            subs = unpack_batch(env)
+        except Dropped as d:
+            self._drop(d.reason, d.detail)
+            return
+        for sub in subs:
+            self._dispatch(sub)
+
+    def _dispatch(self, env: Envelope) -> None:
+        """Handle one authenticated message of this session's controller."""
+        try:
+            body = P.parse(env.kind, env.body)
+            self._handlers[Kind(env.kind)](body, env)  # type: ignore[operator]
+        except (ValueError, KeyError) as exc:
+            self._drop("malformed", str(exc))
+        except _Exit:
+            raise
+        except Exception:
+            log.exception("error handling %s", env.kind)
+
+    # -- session handlers ---------------------------------------------------------------
+
+    def _on_welcome(self, body: P.Welcome, env: Envelope) -> None:
+        if self._joined:
+            self._drop("unexpected_kind")
+            return
+        if len(body.device_ids) != len(self._jax_devices):
+            raise ValueError("welcome device count mismatch")
+        assert self._peer is not None
+        self._peer.their_session = env.sender
+        self._joined = True
+        self.host_index = body.host
+        _hostside.install(body.host, dict(zip(body.device_ids, self._jax_devices, strict=True)))
+        self._heartbeat = float(body.heartbeat)
+        self._liveness = float(body.liveness)
+        self._exit_with_controller = bool(body.exit_with_controller)
+        self._max_message = body.max_message_bytes
+        self.call_times = HostCallTimes() if body.host_stats else None
+        if self._welcome is not None and not self._welcome.done():
+            self._welcome.set_result(None)
+
+    def _on_challenge(self, body: P.Challenge, env: Envelope) -> None:
+        """The controller's nonce for this session: join with a HELLO that carries it."""
+        if self._joined or self._answered:
+            self._drop("stale")
+            return
+        self._answered = True
+        self._send_join_raw(P.Hello(self.name, os.getpid(), self._hostname,
+                                    self._device_report(), body.nonce))
+
+    def _on_reject(self, body: P.Reject, env: Envelope) -> None:
+        log.error("controller %s refused this worker: %s", self.connect, body.reason)
+        self._end("reject")
+
+    def _on_heartbeat(self, body: P.Heartbeat, env: Envelope) -> None:
+        self._ping, self._ping_at = body.ping, time.monotonic_ns()
+
+    def _on_shutdown(self, body: P.Shutdown, env: Envelope) -> None:
+        self._end("exit" if body.reason == "exit" else "closed")
+
+    def _on_stats(self, body: P.Stats, env: Envelope) -> None:
+        if self.call_times is not None:  # what it counted so far arrives first
+            self.send(self._health())
+        self.send(P.Result(body.call_id, Status.OK, list(self.store.counts())))
+
+    def _on_code(self, body: P.Code, env: Envelope) -> None:
+        try:
+            self.store.code[body.digest] = ("ok", loads(env.payload, env.buffers[: env.pbufs]))
+        except Exception as exc:
+            log.warning("code %s does not unpickle here: %r", body.digest.hex()[:12], exc)
+            self.store.code[body.digest] = ("error", exc)
+
+    def present(self, value: Any) -> Any:
+        """What user code receives for a stored value (any thread)."""
+        return self.arrays.present(value)
+
+    # -- objects ------------------------------------------------------------------------
+
+    def _on_construct(self, body: P.Construct, env: Envelope) -> None:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        self.store.objects[body.obj] = fut
+        self.store.classes[body.obj] = body.digest
+        pins = [self.store.pin(r, self.host_index) for r in body.refs]
+        self._spawn(self._construct(body, env, pins, fut))
+
+    async def _construct(self, body: P.Construct, env: Envelope,
+                         pins: list[asyncio.Future[Any]], fut: asyncio.Future[Any]) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            values = [self.present(await p) for p in pins]
+            args, kwargs = ArgsUnpickler(env.payload, values, env.buffers[: env.pbufs]).load()
+            cls = self.store.get_code(body.digest)
+            inst = await loop.run_in_executor(self._pool, functools.partial(cls, *args, **kwargs))
+        except BaseException as exc:
+            fut.set_exception(exc)
+            fut.exception()
+            return
+        fut.set_result(inst)
+

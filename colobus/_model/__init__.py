@@ -1,0 +1,1 @@
+"""Pure math, no I/O: devices, meshes, shardings, host blocks, output layouts."""

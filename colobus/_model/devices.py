@@ -1,0 +1,233 @@
+"""Devices and meshes: who the cluster's devices are and how they are arranged.
+
+Pure data, no I/O. A :class:`Device` is compared, ordered and hashed by its
+global id; a :class:`Mesh` is an N-dimensional array of them with a name per
+axis. :func:`colocated_cpu_devices_from` follows JAX's
+``colocated_cpu_devices``. Shardings over these are in :mod:`colobus._model.sharding`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, overload
+
+import numpy as np
+
+__all__ = ["Device", "Mesh", "colocated_cpu_devices_from"]
+
+
+# --------------------------------------------------------------------------- devices
+
+
+@dataclass(frozen=True, slots=True, eq=False, repr=False)
+class Device:
+    """One device of the cluster.
+
+    Devices are compared, ordered and hashed by their global ``id`` only.
+
+    Attributes:
+        id: Global id, unique in the cluster.
+        host: Index of the host (worker process) that owns the device.
+        platform: ``"cpu"``, ``"gpu"`` or ``"tpu"``.
+        device_kind: The device kind as the worker's JAX reports it.
+        local_id: Id of the matching ``jax.Device`` inside the worker process.
+    """
+
+    id: int
+    host: int
+    platform: str
+    device_kind: str
+    local_id: int
+
+    @property
+    def process_index(self) -> int:
+        """The host index, under JAX's name."""
+        return self.host
+
+    def __repr__(self) -> str:
+        return f"Device(id={self.id}, host={self.host}, platform={self.platform!r})"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Device):
+            return NotImplemented
+        return self.id == other.id
+
+    def __hash__(self) -> int:
+        return hash(("colobus.Device", self.id))
+
+    def __lt__(self, other: Device) -> bool:
+        if not isinstance(other, Device):
+            return NotImplemented
+        return self.id < other.id
+
+    def __le__(self, other: Device) -> bool:
+        if not isinstance(other, Device):
+            return NotImplemented
+        return self.id <= other.id
+
+    def __gt__(self, other: Device) -> bool:
+        if not isinstance(other, Device):
+            return NotImplemented
+        return self.id > other.id
+
+    def __ge__(self, other: Device) -> bool:
+        if not isinstance(other, Device):
+            return NotImplemented
+        return self.id >= other.id
+
+
+# --------------------------------------------------------------------------- mesh
+
+
+def _object_array(items: Any) -> np.ndarray[Any, np.dtype[Any]]:
+    """A fresh object ndarray from nested sequences (or an ndarray) of Devices."""
+    return np.array(items, dtype=object)
+
+
+class Mesh:
+    """An N-dimensional array of devices with a name for each axis.
+
+    Args:
+        devices: An array-like (nested sequences or ndarray) of :class:`Device`.
+        axis_names: One name per dimension of ``devices`` (a single string for
+            a one-dimensional mesh).
+
+    Raises:
+        ValueError: If the number of axis names is not ``devices.ndim``, the
+            names are not unique, an element is not a ``Device``, a device
+            appears twice, or the mesh is empty.
+    """
+
+    __slots__ = ("_axis_names", "_devices", "_key")
+
+    def __init__(self, devices: Any, axis_names: str | Sequence[str]) -> None:
+        arr = _object_array(devices)
+        names = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names)
+        if arr.ndim != len(names):
+            raise ValueError(
+                "Mesh requires the ndim of its first argument (`devices`) to equal the length "
+                "of its second argument (`axis_names`), but got "
+                f"devices.ndim == {arr.ndim} and len(axis_names) == {len(names)}."
+            )
+        if not all(isinstance(n, str) for n in names):
+            raise TypeError(f"Mesh axis names must be strings, but got {names!r}.")
+        if len(set(names)) != len(names):
+            raise ValueError(f"Mesh axis names must be unique, but got {names!r}.")
+        if arr.size == 0:
+            raise ValueError("Mesh requires at least one device, but got an empty array.")
+        for dev in arr.flat:
+            if not isinstance(dev, Device):
+                raise TypeError(f"Mesh devices must be colobus Devices, but got {dev!r}.")
+        ids = [dev.id for dev in arr.flat]
+        if len(set(ids)) != len(ids):
+            dupes = sorted({i for i in ids if ids.count(i) > 1})
+            raise ValueError(f"Mesh devices must be unique, but device ids {dupes} repeat.")
+        arr.flags.writeable = False
+        self._devices = arr
+        self._axis_names = names
+        self._key = (tuple(ids), arr.shape, names)
+
+    @property
+    def devices(self) -> np.ndarray[Any, np.dtype[Any]]:
+        """The devices, as a read-only object ndarray."""
+        return self._devices
+
+    @property
+    def axis_names(self) -> tuple[str, ...]:
+        """The axis names, one per dimension."""
+        return self._axis_names
+
+    @property
+    def axis_sizes(self) -> tuple[int, ...]:
+        """The size of each axis, in axis order."""
+        return tuple(int(s) for s in self._devices.shape)
+
+    @property
+    def shape(self) -> dict[str, int]:
+        """Axis name to size, in axis order (like ``jax.sharding.Mesh.shape``)."""
+        return dict(zip(self._axis_names, self.axis_sizes, strict=True))
+
+    @property
+    def size(self) -> int:
+        """The number of devices."""
+        return int(self._devices.size)
+
+    @property
+    def device_ids(self) -> np.ndarray[Any, np.dtype[np.int64]]:
+        """The device ids, as an int ndarray shaped like the mesh."""
+        return np.array(self._key[0], dtype=np.int64).reshape(self._devices.shape)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Mesh):
+            return NotImplemented
+        return self._key == other._key
+
+    def __hash__(self) -> int:
+        return hash(self._key)
+
+    def __repr__(self) -> str:
+        return f"Mesh(device_ids={self.device_ids.tolist()!r}, axis_names={self._axis_names!r})"
+
+    def __str__(self) -> str:
+        return "Mesh(" + ", ".join(f"{n!r}: {s}" for n, s in self.shape.items()) + ")"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Mesh, (self._devices, self._axis_names))
+
+
+# --------------------------------------------------------------------------- colocated CPUs
+
+
+@overload
+def colocated_cpu_devices_from(devices: Mesh, all_devices: Sequence[Device]) -> Mesh: ...
+
+
+@overload
+def colocated_cpu_devices_from(
+    devices: Sequence[Device], all_devices: Sequence[Device]
+) -> list[Device]: ...
+
+
+def colocated_cpu_devices_from(
+    devices: Sequence[Device] | Mesh, all_devices: Sequence[Device]
+) -> list[Device] | Mesh:
+    """The CPU device on the same host for each of ``devices``.
+
+    Follows ``jax.experimental.colocated_python.colocated_cpu_devices``: the
+    order is kept; a CPU device maps to itself; the accelerators of host ``h``
+    take host ``h``'s CPU devices (in ``all_devices`` order) one each, in the
+    order given. A mesh maps to a mesh of the same shape and axis names.
+
+    Args:
+        devices: Devices or a Mesh.
+        all_devices: Every device of the cluster.
+
+    Returns:
+        A list of CPU devices, or a Mesh of them.
+
+    Raises:
+        ValueError: ``Process {h} does not have enough local CPU devices`` when
+            host ``h`` runs out of CPU devices.
+    """
+    if isinstance(devices, Mesh):
+        flat = colocated_cpu_devices_from(list(devices.devices.flat), all_devices)
+        arr = np.empty(len(flat), dtype=object)
+        arr[:] = flat
+        return Mesh(arr.reshape(devices.devices.shape), devices.axis_names)
+    pools: dict[int, list[Device]] = {}
+    for dev in all_devices:
+        if dev.platform == "cpu":
+            pools.setdefault(dev.host, []).append(dev)
+    for pool in pools.values():
+        pool.reverse()  # pop() from the end hands them out in order
+    result: list[Device] = []
+    for dev in devices:
+        if dev.platform == "cpu":
+            result.append(dev)
+            continue
+        pool = pools.get(dev.host, [])
+        if not pool:
+            raise ValueError(f"Process {dev.host} does not have enough local CPU devices")
+        result.append(pool.pop())
+    return result

@@ -1,0 +1,1 @@
+"""Observing a running cluster: metrics, call times, traces, `colobus top`."""

@@ -1,0 +1,117 @@
+"""Takes the objects a process starts with out of the garbage collector's way.
+
+A controller or worker imports JAX and numpy before its first call: about
+100,000 objects that live as long as the process. CPython's collector scans
+its oldest generation again whenever enough objects have survived into it, and
+calls in flight keep a steady stream of futures, operations and messages
+surviving long enough to get there, so each full collection walks all of
+JAX's objects too. Measured with 1,000 calls in flight, that was about 6 us of
+controller CPU per call (37 -> 31 us). ``gc.freeze()`` moves every object that
+exists at that moment into a permanent generation the collector never scans;
+objects are still freed by reference counting as usual, and everything made
+later is collected as before. What freezing costs: an object alive at that
+moment that later becomes part of unreachable reference cycles is never
+reclaimed (so colobus freezes once per process, right after a full collection).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import platform
+import sys
+import threading
+
+__all__ = ["available", "freeze_once", "reexec_with_huge_pages", "with_huge_pages"]
+
+log = logging.getLogger("colobus.gc")
+
+_lock = threading.Lock()
+_frozen = False
+
+
+def freeze_once() -> bool:
+    """Collect, then freeze what is alive; only the first call in a process does it.
+
+    Returns:
+        Whether this call froze anything.
+    """
+    global _frozen
+    with _lock:
+        if _frozen:
+            return False
+        _frozen = True
+        gc.collect()
+        gc.freeze()
+    log.debug("froze %d startup objects out of the garbage collector's scans",
+              gc.get_freeze_count())
+    return True
+
+
+# Transparent huge pages for large buffers, through glibc's malloc tunable.
+#
+# Receiving a large message is bound by page faults on its fresh buffer (about
+# 2 GB/s on a small VM): libzmq allocates the buffer with ``malloc`` and the
+# kernel maps it 4 KiB at a time. With ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``
+# glibc (2.35 and later) asks for transparent huge pages on its large mappings,
+# 512 times fewer faults, and the same receive runs at 4-5 GB/s. glibc reads
+# tunables only at process start, so colobus sets the variable in the
+# environment of the processes it starts (``local_cluster`` workers) and re-runs
+# ``colobus worker`` and ``colobus bench`` with it. ``COLOBUS_HUGE_PAGES=0``
+# turns this off; a ``glibc.malloc.hugetlb`` setting of the user's own stands.
+log = logging.getLogger("colobus.hugepages")
+
+TUNABLE = "glibc.malloc.hugetlb=1"
+OFF_ENV = "COLOBUS_HUGE_PAGES"  # "0": leave malloc alone
+_DONE_ENV = "COLOBUS_HUGE_PAGES_EXEC"  # set across the re-exec: never loop
+
+
+def available() -> bool:
+    """Linux with glibc 2.35+ and transparent huge pages not switched off."""
+    if not sys.platform.startswith("linux"):
+        return False
+    lib, version = platform.libc_ver()
+    try:
+        major, minor = (int(p) for p in version.split(".")[:2])
+    except ValueError:
+        return False
+    if lib != "glibc" or (major, minor) < (2, 35):
+        return False
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return "[never]" not in f.read()
+    except OSError:
+        return False
+
+
+def with_huge_pages(env: dict[str, str]) -> dict[str, str]:
+    """A copy of ``env`` that asks glibc's malloc for huge pages (where it helps)."""
+    env = dict(env)
+    if env.get(OFF_ENV, "1") == "0" or not available():
+        return env
+    current = env.get("GLIBC_TUNABLES", "")
+    if "glibc.malloc.hugetlb" in current:
+        return env  # the user's own choice stands
+    env["GLIBC_TUNABLES"] = f"{current}:{TUNABLE}" if current else TUNABLE
+    return env
+
+
+def reexec_with_huge_pages() -> None:
+    """Re-run this command (same process id, arguments and descriptors) with huge
+    pages on, unless they are on already, unavailable or turned off. Call it
+    before reading stdin or starting threads."""
+    if os.environ.get(_DONE_ENV):
+        return
+    env = with_huge_pages(dict(os.environ))
+    if env.get("GLIBC_TUNABLES") == os.environ.get("GLIBC_TUNABLES"):
+        return
+    env[_DONE_ENV] = "1"
+    argv = [sys.executable, *sys.orig_argv[1:]]
+    log.debug("re-running with %s", env["GLIBC_TUNABLES"])
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execve(sys.executable, argv, env)
+    except OSError as exc:  # carry on without: only speed is lost
+        log.warning("could not re-run with huge pages on: %s", exc)

@@ -1,0 +1,262 @@
+"""The ``colobus`` command: ``worker``, ``keygen``, ``launch``, ``manifest``, ``demo``,
+``bench``, ``top``.
+
+A user error (a bad option, a key file that cannot be read, a directory that
+does not exist) ends the command with one line on stderr and a non-zero status
+(2 for usage errors), never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from .._errors import AuthenticationError
+from .._wire.endpoint import parse_connect
+from .args import USAGE_ERROR, CliParser, positive_int
+
+__all__ = ["CliParser", "build_parser", "main", "positive_int"]
+
+
+
+class _UserError(Exception):
+    """A mistake of the user's, reported as one line with this exit status."""
+
+    def __init__(self, message: str, status: int = USAGE_ERROR) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _endpoint(text: str) -> str:
+    try:
+        return parse_connect(text).text
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _version() -> str:
+    from .. import __version__
+
+    return f"colobus {__version__}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``colobus`` command line (no abbreviations: ``--key`` is not ``--key-file``)."""
+    parser = CliParser(
+        prog="colobus", description="Run Python colocated with the devices of many hosts.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=_version(),
+                        help="print the colobus version and exit")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=CliParser)
+
+    w = sub.add_parser("worker", help="run one worker (one host) that joins a controller")
+    w.add_argument("--connect", required=True, type=_endpoint, metavar="ENDPOINT",
+                   help="controller endpoint: tcp://HOST:PORT (e.g. tcp://node0:5555) "
+                        "or ipc://PATH")
+    w.add_argument("--devices", type=positive_int, default=None,
+                   help="number of CPU devices for this host (XLA host-platform device count)")
+    w.add_argument("--name", default=None,
+                   help="stable host name; a worker rejoining under it keeps its host index")
+    w.add_argument("--key-file", default=None,
+                   help="key file from `colobus keygen` ('-' reads the key from stdin); "
+                        "default: $COLOBUS_KEY_FILE")
+    w.add_argument("--exit-on-stdin-eof", action="store_true",
+                   help="exit when stdin closes (launchers keep it open: a worker whose ssh "
+                        "or srun session ends stops by itself)")
+    w.add_argument("--curve-key-file", default=None, metavar="PATH",
+                   help="CurveZMQ: this worker's secret key file from `colobus keygen --curve` "
+                        "(turns on encryption; needs --server-key)")
+    w.add_argument("--server-key", default=None, metavar="PATH",
+                   help="CurveZMQ: the controller's public key file (PATH.pub from "
+                        "`colobus keygen --curve PATH`) or its Z85 public key")
+
+    k = sub.add_parser("keygen", help="write a new random key file (mode 0600)")
+    k.add_argument("path", metavar="PATH", help="the key file to write")
+    k.add_argument("--curve", action="store_true",
+                   help="write a CurveZMQ key pair instead: PATH (secret, mode 0600) and "
+                        "PATH.pub (public)")
+    k.add_argument("--force", action="store_true",
+                   help="replace an existing key file (workers holding the old key can no "
+                        "longer join)")
+
+    d = sub.add_parser("demo", help="run the async training-loop demo on a local cluster")
+    d.add_argument("--hosts", type=positive_int, default=2,
+                   help="worker processes (hosts) to start (default 2)")
+    d.add_argument("--devices", type=positive_int, default=4,
+                   help="CPU devices per host (default 4)")
+    d.add_argument("--steps", type=positive_int, default=40,
+                   help="training steps (default 40)")
+    d.add_argument("--metrics", nargs="?", const="127.0.0.1:9464", default=None,
+                   metavar="HOST:PORT",
+                   help="serve Prometheus metrics during the run (default 127.0.0.1:9464) "
+                        "and print how to watch them with `colobus top`")
+
+    b = sub.add_parser("bench", help="run the benchmarks (colobus against raw pyzmq)")
+    b.add_argument("name", nargs="?", default=None, help="one benchmark (default: all)")
+    b.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
+                   help="write machine-readable results (to PATH, or stdout)")
+    b.add_argument("--quick", action="store_true",
+                   help="small sizes, for CI (skips Ray and IPython Parallel unless --peers)")
+    pg = b.add_mutually_exclusive_group()
+    pg.add_argument("--peers", dest="peers", action="store_true", default=None,
+                    help="also run the workloads on Ray and IPython Parallel where installed "
+                         "(the default without --quick)")
+    pg.add_argument("--no-peers", dest="peers", action="store_false",
+                    help="skip Ray and IPython Parallel")
+    b.add_argument("--metrics", action="store_true",
+                   help="run colobus's clusters with metrics on (to measure their cost)")
+
+    t = sub.add_parser("top", help="watch a running cluster: hosts, calls, memory, live")
+    t.add_argument("--metrics", required=True, metavar="URL",
+                   help="the controller's metrics endpoint, e.g. http://127.0.0.1:9464")
+    t.add_argument("--once", action="store_true", help="print one snapshot and exit")
+    t.add_argument("--interval", type=float, default=1.0, metavar="SECONDS",
+                   help="seconds between refreshes (default 1)")
+
+    from .._launch.cli import add_launch_parsers
+
+    add_launch_parsers(sub, positive_int)
+    return parser
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.WARNING,
+        format="%(asctime)s %(name)s %(levelname)s: %(message)s",
+        datefmt="%H:%M:%S",
+    )
+    level = os.environ.get("COLOBUS_LOG_LEVEL", "INFO").upper()
+    logging.getLogger("colobus").setLevel(logging.DEBUG if verbose else level)
+
+
+def _worker_key(path: str | None) -> bytes:
+    """The worker's key: from ``--key-file`` (``-``: stdin), else ``$COLOBUS_KEY_FILE``.
+
+    Raises:
+        _UserError: no key given, or not a key of at least 32 bytes.
+    """
+    from .._wire.keys import KEY_ENV, load_key, parse_key_text
+
+    path = path or os.environ.get(KEY_ENV)
+    if not path:
+        raise _UserError(
+            "a worker needs the controller's key: give --key-file PATH (or '-' to read it "
+            f"from stdin) or set {KEY_ENV}; a controller started without a key logs the "
+            "file it wrote its key to")
+    try:
+        if path == "-":
+            return parse_key_text(sys.stdin.readline(4096), "the key read from stdin")
+        return load_key(path)
+    except (OSError, AuthenticationError) as exc:
+        raise _UserError(str(exc)) from None
+
+
+def _keygen(path: str, curve: bool, force: bool) -> int:
+    from .._wire.keys import CURVE_PUBLIC_SUFFIX, write_curve_keypair, write_key
+
+    targets = [path, path + CURVE_PUBLIC_SUFFIX] if curve else [path]
+    existing = [t for t in targets if os.path.lexists(t)]
+    if existing and not force:
+        raise _UserError(f"{existing[0]} exists; keygen never writes over a file or through "
+                         "a symlink (workers holding that key could no longer join); pass "
+                         "--force to replace it", 1)
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise _UserError(f"cannot write {path}: there is no directory {folder}")
+    try:
+        for t in existing:  # --force: the old file (or symlink) goes; a new one is made
+            os.unlink(t)
+        if curve:
+            public, _ = write_curve_keypair(path)
+            print(f"wrote a CurveZMQ key pair: {path} (secret, mode 0600) and "
+                  f"{path}{CURVE_PUBLIC_SUFFIX} (public key {public.decode()})")
+        else:
+            write_key(path)
+            print(f"wrote a new key to {path} (mode 0600)")
+    except OSError as exc:
+        raise _UserError(f"cannot write {path}: {exc.strerror or exc}", 1) from None
+    return 0
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from .._host.worker import Worker
+
+    parent = os.environ.get("COLOBUS_PARENT_PID")
+    curve_keypair, server_key = None, None
+    if args.curve_key_file or args.server_key:
+        from .._wire.keys import load_curve_keypair, load_curve_public
+
+        if not (args.curve_key_file and args.server_key):
+            raise _UserError("CurveZMQ needs both --curve-key-file and --server-key")
+        try:
+            curve_keypair = load_curve_keypair(args.curve_key_file)
+            server_key = load_curve_public(args.server_key)
+        except (OSError, AuthenticationError) as exc:
+            raise _UserError(str(exc)) from None
+    key = _worker_key(args.key_file)
+    if args.exit_on_stdin_eof:
+        from .._launch.remote import exit_on_stdin_eof
+
+        exit_on_stdin_eof()
+    worker = Worker(args.connect, name=args.name, key=key, cpu_devices=args.devices,
+                    parent_pid=int(parent) if parent else None, curve_keypair=curve_keypair,
+                    curve_server_key=server_key)
+    try:
+        return worker.run()
+    except KeyboardInterrupt:
+        return 130
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``colobus`` command line; returns the exit status."""
+    parser = build_parser()
+    from .._launch.cli import split_command
+
+    own, driver = split_command(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(own)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    if argv is None and args.command in ("worker", "bench"):
+        from .._process import reexec_with_huge_pages
+
+        reexec_with_huge_pages()  # large receives: huge pages, not 4 KiB page faults
+    _setup_logging(args.verbose)
+    try:
+        if args.command == "worker":
+            return _worker(args)
+        if args.command == "keygen":
+            return _keygen(args.path, args.curve, args.force)
+        if args.command == "demo":
+            from .demo import run_demo
+
+            return run_demo(hosts=args.hosts, devices=args.devices, steps=args.steps,
+                            metrics=args.metrics)
+        if args.command == "bench":
+            from .bench import run_bench
+
+            return run_bench(args.name, json_path=args.json, quick=args.quick, peers=args.peers,
+                             metrics=args.metrics)
+        if args.command == "launch":
+            from .._launch.cli import run_launch
+
+            return run_launch(args, driver, sys.argv[1:] if argv is None else list(argv))
+        if args.command == "manifest":
+            from .._launch.kubernetes import run_manifest
+
+            try:
+                print(run_manifest(args), end="")
+            except ValueError as exc:
+                raise _UserError(str(exc)) from None
+            return 0
+        if args.command == "top":
+            from .._observe.top import run_top
+
+            return run_top(args.metrics, once=args.once, interval=args.interval)
+    except _UserError as exc:
+        print(f"colobus {args.command}: error: {exc}", file=sys.stderr)
+        return exc.status
+    raise AssertionError(args.command)

@@ -1,0 +1,1 @@
+"""What crosses the wire, for both sides: messages, envelopes, codecs, channel, keys."""

@@ -1,0 +1,123 @@
+"""What a worker says of an exception, and the exception the controller rebuilds from it.
+
+Written on the host (:func:`describe_error`), read on the controller
+(:func:`read_error`, bounded like every reader in :mod:`colobus._wire.describe`),
+and turned into the exception a future raises (:func:`rebuild_error`): never a
+pickle. Format (the RESULT payload of a call whose status is ERROR)::
+
+    error (RESULT payload, status ERROR)
+        {"v": 1, "module": str, "qualname": str, "args": [plain, ...] | None,
+         "message": str, "notes": [str, ...], "traceback": str, "host": str}
+"""
+
+from __future__ import annotations
+
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+from .._errors import RemoteError
+from .describe import (
+    MAX_NAME,
+    MAX_NOTES,
+    MAX_TEXT,
+    VERSION,
+    BadReply,
+    is_plain,
+    lookup_class,
+    pack,
+    unpack,
+)
+
+__all__ = ["RemoteFailure", "describe_error", "read_error", "rebuild_error"]
+
+
+def describe_error(exc: BaseException, hostname: str) -> bytes:
+    """Worker side: the RESULT payload for an exception raised on this host."""
+    cls = type(exc)
+    args = list(exc.args) if is_plain(list(exc.args), 0) else None
+    notes = [str(n)[:MAX_TEXT] for n in getattr(exc, "__notes__", [])[:MAX_NOTES]]
+    tb = "".join(traceback.format_exception(exc))
+    if len(tb) > MAX_TEXT:
+        tb = "...\n" + tb[-MAX_TEXT:]
+    desc = {"v": VERSION, "module": cls.__module__, "qualname": cls.__qualname__,
+            "args": args, "message": _text(exc), "notes": notes, "traceback": tb,
+            "host": hostname}
+    try:
+        return pack(desc)
+    except Exception:  # an int arg out of msgpack's range, say: send it without args
+        desc["args"] = None
+        return pack(desc)
+
+
+def _text(exc: BaseException) -> str:
+    try:
+        return str(exc)[:MAX_TEXT]
+    except Exception:
+        return f"<{type(exc).__name__}: str() failed>"
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteFailure:
+    """An error description as read off the wire (strings bounded)."""
+
+    module: str
+    qualname: str
+    args: list[Any] | None
+    message: str
+    notes: list[str]
+    traceback: str
+    hostname: str
+
+    @property
+    def type_name(self) -> str:
+        return f"{self.module}.{self.qualname}"
+
+
+def _str(raw: Any, limit: int = MAX_TEXT) -> str:
+    if not isinstance(raw, str):
+        raise BadReply("bad error description field")
+    return raw[:limit]
+
+
+def read_error(payload: Any) -> RemoteFailure:
+    """Controller side: the error description in a RESULT payload.
+
+    Raises:
+        BadReply: not an error description.
+    """
+    desc = unpack(payload)
+    if not isinstance(desc, dict) or desc.get("v") != VERSION:
+        raise BadReply("bad error description")
+    args = desc.get("args")
+    if args is not None and not (isinstance(args, list) and is_plain(args, 0)):
+        raise BadReply("bad error arguments")
+    notes = desc.get("notes", [])
+    if not isinstance(notes, list):
+        raise BadReply("bad error notes")
+    return RemoteFailure(
+        _str(desc.get("module"), MAX_NAME), _str(desc.get("qualname"), MAX_NAME), args,
+        _str(desc.get("message")), [_str(n) for n in notes[:MAX_NOTES]],
+        _str(desc.get("traceback", "")), _str(desc.get("host", ""), MAX_NAME))
+
+
+def rebuild_error(failure: RemoteFailure, host: int | None) -> BaseException:
+    """The exception a future raises for ``failure``.
+
+    Its original type when the type's module is already imported here and the
+    class is an ``Exception`` subclass that accepts the plain arguments that
+    travelled; otherwise :class:`~colobus.RemoteError`. The remote notes follow.
+    """
+    exc: BaseException | None = None
+    cls = lookup_class(failure.module, failure.qualname)
+    if (isinstance(cls, type) and issubclass(cls, Exception)
+            and failure.args is not None):
+        try:
+            exc = cls(*failure.args)
+        except Exception:
+            exc = None
+    if exc is None:
+        exc = RemoteError(failure.type_name, failure.message, failure.traceback, host)
+    for note in failure.notes:
+        exc.add_note(note)
+    return exc

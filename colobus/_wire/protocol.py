@@ -1,0 +1,364 @@
+"""Every message kind and its typed body, in one place.
+
+A body travels as a msgpack array of its fields in declaration order.
+:func:`parse` turns an authenticated envelope's body into the dataclass of its
+kind, checking field types, or raises ``ValueError`` (counted as malformed).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+__all__ = [
+    "BODIES",
+    "Body",
+    "Call",
+    "Cancel",
+    "Challenge",
+    "Code",
+    "Construct",
+    "Destroy",
+    "Fetch",
+    "Heartbeat",
+    "Hello",
+    "Join",
+    "Kind",
+    "Put",
+    "Reject",
+    "Release",
+    "Reset",
+    "Result",
+    "Shutdown",
+    "Stats",
+    "Status",
+    "MAX_OUTPUTS",
+    "OutLeaf",
+    "Welcome",
+    "decode_spec",
+    "encode_spec",
+    "output_ref",
+    "parse",
+]
+
+
+class Kind(enum.IntEnum):
+    """Message kinds. W: worker to controller; C: controller to worker."""
+
+    HELLO = 1  # W: join request
+    WELCOME = 2  # C: join accepted, host index and device ids
+    REJECT = 3  # C: join refused (protocol version)
+    HEARTBEAT = 4  # both: liveness, and the worker's store counters
+    CODE = 5  # C: a pickled function or class, named by digest
+    CALL = 6  # C: run a function or method on this host
+    RESULT = 7  # W: the outcome of a CALL, FETCH, CONSTRUCT or STATS
+    CANCEL = 8  # C: drop a call that has not started
+    PUT = 9  # C: store a host block of an array
+    FETCH = 10  # C: send back a stored host block
+    RELEASE = 11  # C: free arrays, call results
+    CONSTRUCT = 12  # C: build an object (deferred)
+    DESTROY = 13  # C: drop an object after its pending calls
+    STATS = 14  # C: report store counters now
+    SHUTDOWN = 15  # C: the controller is closing
+    RESET = 16  # C: you were declared lost; join again
+    BATCH = 17  # both: several of the above to one peer, in order, in one envelope
+    JOIN = 18  # W: ask for a join challenge (first message of a session)
+    CHALLENGE = 19  # C: a fresh nonce the worker's HELLO must carry
+
+
+class Status(enum.IntEnum):
+    """Outcome carried by a RESULT."""
+
+    OK = 0
+    ERROR = 1
+    CANCELLED = 2
+
+
+class Body:
+    """Base of the typed bodies: ``to_wire`` and a checked ``from_wire``."""
+
+    kind: ClassVar[Kind]
+    types: ClassVar[tuple[type | tuple[type, ...], ...]]
+    required: ClassVar[int | None] = None  # fields a body must carry (None: all of them)
+
+    def to_wire(self) -> list[Any]:
+        return [getattr(self, name) for name in self.__slots__]  # type: ignore[attr-defined]
+
+    @classmethod
+    def from_wire(cls, raw: Any) -> Body:
+        most = len(cls.types)
+        least = most if cls.required is None else cls.required
+        if not isinstance(raw, list) or not least <= len(raw) <= most:
+            raise ValueError(f"{cls.kind.name}: expected {most} fields")
+        for value, typ in zip(raw, cls.types, strict=False):
+            if not isinstance(value, typ):
+                raise ValueError(f"{cls.kind.name}: bad field {value!r:.40}")
+        return cls(*raw)
+
+
+_num = (int, float)
+
+
+@dataclass(frozen=True, slots=True)
+class Hello(Body):
+    kind = Kind.HELLO
+    types = (str, int, str, list, bytes)
+    name: str
+    pid: int
+    hostname: str
+    devices: list[Any]  # [[platform, device_kind, local_id], ...]
+    nonce: bytes  # the controller's CHALLENGE to this session, inside the MAC
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome(Body):
+    kind = Kind.WELCOME
+    types = (int, list, _num, _num, bool, int, bool)
+    required = 6
+    host: int
+    device_ids: list[int]
+    heartbeat: float
+    liveness: float
+    exit_with_controller: bool
+    max_message_bytes: int  # the controller drops larger messages; replies stay under it
+    host_stats: bool = False  # count calls' queued and run times; send them in heartbeats
+
+
+@dataclass(frozen=True, slots=True)
+class Join(Body):
+    kind = Kind.JOIN
+    types = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Challenge(Body):
+    kind = Kind.CHALLENGE
+    types = (bytes,)
+    nonce: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Reject(Body):
+    kind = Kind.REJECT
+    types = (str,)
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat(Body):
+    """Liveness, both ways, and a worker's health.
+
+    The controller's carries ``ping`` (its own clock, ns). A worker's echoes the
+    last ping it got and ``held``, the ns between receiving that ping and sending
+    this, so the controller reads the round trip without a message of its own.
+    The other fields are the worker's: what its store holds, its process's
+    resident memory and CPU time, the messages it dropped, by reason, and, when
+    the WELCOME asked for them, how long its calls waited and ran since its last
+    heartbeat, bucketed per function (``calls``, :mod:`colobus._wire.calltimes`).
+    """
+
+    kind = Kind.HEARTBEAT
+    types = (int, int, int, int, int, int, int, int, dict, list)
+    required = 4
+    arrays: int
+    nbytes: int
+    objects: int
+    results: int  # call results kept for futures still alive on the controller
+    ping: int = 0
+    held: int = 0
+    rss: int = 0  # bytes
+    cpu: int = 0  # ns of CPU time, user + system
+    dropped: dict[str, int] = field(default_factory=dict)
+    calls: list[Any] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class Code(Body):
+    kind = Kind.CODE
+    types = (bytes,)
+    digest: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Call(Body):
+    """Run ``digest`` (or method ``method`` of object ``obj``) on this host.
+
+    ``refs`` lists the persistent ids of the pickled arguments: ``[tag, id]``
+    with tag 0 an array ref, 1 a call's result tree, 2 an object. ``mesh`` is
+    this host's part of the call's mesh: ``[local ids, shape, axis names]``.
+    """
+
+    kind = Kind.CALL
+    types = (int, int, bytes, int, str, list, list)
+    call_id: int
+    stream: int
+    digest: bytes
+    obj: int
+    method: str
+    refs: list[Any]
+    mesh: list[Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Result(Body):
+    """The outcome of a request. ``times``: for a CALL that ran, ``[queued, ran]``,
+    the ns it waited on the host (arrival to start) and the ns it ran; else empty."""
+
+    kind = Kind.RESULT
+    types = (int, int, object, list)
+    required = 3
+    call_id: int
+    status: int
+    meta: Any
+    times: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel(Body):
+    kind = Kind.CANCEL
+    types = (int,)
+    call_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class Put(Body):
+    """Store buffer 0 as array ``ref``: ``[local ids, shape, axis names]`` and spec."""
+
+    kind = Kind.PUT
+    types = (int, list, object, list, list, object)
+    ref: int
+    shape: list[int]
+    dtype: Any
+    mesh: list[Any]
+    spec: list[Any]
+    key_impl: Any  # None, or the PRNG impl name of a typed key array
+
+
+@dataclass(frozen=True, slots=True)
+class Fetch(Body):
+    kind = Kind.FETCH
+    types = (int, int, bool)
+    call_id: int
+    ref: int
+    data: bool  # False: only answer once the array is stored (block_until_ready)
+
+
+@dataclass(frozen=True, slots=True)
+class Release(Body):
+    kind = Kind.RELEASE
+    types = (list, list)
+    refs: list[int]
+    calls: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Construct(Body):
+    kind = Kind.CONSTRUCT
+    types = (int, bytes, list)
+    obj: int
+    digest: bytes
+    refs: list[Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Destroy(Body):
+    """Drop an object: in ``stream`` (after its earlier calls, before its later
+    ones), once every call of the object already received has finished."""
+
+    kind = Kind.DESTROY
+    types = (int, int)
+    obj: int
+    stream: int
+
+
+@dataclass(frozen=True, slots=True)
+class Stats(Body):
+    kind = Kind.STATS
+    types = (int,)
+    call_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown(Body):
+    kind = Kind.SHUTDOWN
+    types = (str,)
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Reset(Body):
+    kind = Kind.RESET
+    types = (str,)
+    reason: str
+
+
+BODIES: dict[Kind, type[Body]] = {
+    cls.kind: cls
+    for cls in (
+        Hello, Welcome, Reject, Join, Challenge, Heartbeat, Code, Call, Result, Cancel, Put, Fetch,
+        Release, Construct, Destroy, Stats, Shutdown, Reset,
+    )
+}
+
+
+_BY_INT: dict[int, type[Body]] = {int(k): v for k, v in BODIES.items()}  # by wire int
+
+
+def parse(kind: int, raw: Any) -> Body:
+    """The typed body of an authenticated envelope; ``ValueError`` if malformed."""
+    cls = _BY_INT.get(kind)
+    if cls is None:
+        raise ValueError(f"unknown message kind {kind}")
+    return cls.from_wire(raw)
+
+
+@dataclass(frozen=True, slots=True)
+class OutLeaf:
+    """One output leaf of a call, as a host reports it (see ``_describe``).
+
+    The host keeps the value under array ref ``(call_id << 16) | index``.
+    ``spec`` is the ``PartitionSpec`` when the leaf is sharded over the host's
+    part of the call's mesh, else None (replicated over the host's devices).
+    ``layout``, ``digest`` and ``ref`` are described in ``_outlayout``.
+    """
+
+    index: int
+    shape: tuple[int, ...]
+    dtype: Any
+    spec: Any
+    key_impl: str | None
+    # The function's own layout where the host kept it (see ``_outlayout``): plain
+    # ints, strings and lists only, so it ports to a msgpack description as is.
+    layout: list[Any] | None = None
+    digest: bytes | None = None  # of a small output's bytes, to compare replicas
+    ref: int = -1  # the argument (refs position) whose sharding object the output carries
+
+
+MAX_OUTPUTS = 1 << 16
+
+
+def output_ref(call_id: int, index: int) -> int:
+    """The array ref under which a host stores output leaf ``index`` of ``call_id``."""
+    return (call_id << 16) | index
+
+
+def encode_spec(spec: Any) -> list[Any]:
+    """A ``PartitionSpec`` as msgpack: entries None, str, or list of str."""
+    return [list(e) if isinstance(e, tuple) else e for e in spec]
+
+
+def decode_spec(raw: Any) -> Any:
+    from jax.sharding import PartitionSpec
+
+    if not isinstance(raw, list):
+        raise ValueError("bad partition spec")
+    entries: list[Any] = []
+    for e in raw:
+        if e is None or isinstance(e, str):
+            entries.append(e)
+        elif isinstance(e, list) and all(isinstance(x, str) for x in e):
+            entries.append(tuple(e))
+        else:
+            raise ValueError("bad partition spec entry")
+    return PartitionSpec(*entries)
