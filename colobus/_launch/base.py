@@ -309,10 +309,20 @@ class LaunchedCluster:
             try:
                 await ctl.wait_for_hosts(timeout=0.25)
                 break
-            except TimeoutError:
+            except TimeoutError as exc:
                 if time.monotonic() > deadline:
-                    raise
+                    raise self.join_timed_out() from exc
         self.workers.joined = True
+
+    def join_timed_out(self) -> TimeoutError:
+        """The error for workers that had not all joined within ``join_timeout``."""
+        ctl = self.controller
+        n = len(self.launcher.names)
+        joined = ctl._hosts.alive_count()
+        return TimeoutError(
+            f"only {joined} of {n} {self.launcher.kind} workers joined {ctl.address} within "
+            f"{ctl.join_timeout:g} s (they connect to {self.connect_address()}); their "
+            "[host N] log lines say why")
 
     def _reap(self) -> None:
         if self.workers is not None:

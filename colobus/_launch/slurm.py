@@ -275,7 +275,8 @@ class SlurmJobCluster(LaunchedCluster):
                             f"slurm job {self.job_id} is still pending after "
                             f"{ctl.join_timeout:g} s (Slurm's reason: {self.state[1]}); "
                             "it is cancelled") from None
-                    raise
+                    raise TimeoutError(f"slurm job {self.job_id}: {self.join_timed_out()}; "
+                                       "it is cancelled") from None
 
     def _relay_output(self) -> None:
         """Copy the job's output file to logging as ``[host N]`` lines, as it grows."""
@@ -330,18 +331,29 @@ class SlurmJobCluster(LaunchedCluster):
 
 def _own_address() -> str:
     """This machine's address that the nodes can reach: the one toward the Slurm
-    controller (``scontrol ping`` names its host), else this host name's."""
+    controller (``scontrol show config``: ``SlurmctldHost[0] = NAME(ADDRESS)``), else
+    this host name's; a loopback address only where nothing else is found."""
+    found: list[str] = []
     try:
-        out = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=30)
-        found = re.search(r" at (\S+) is ", out.stdout)  # "Slurmctld(primary) at HOST is UP"
-        if found:
-            return route_source(found.group(1))
+        out = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True,
+                             timeout=30)
+        m = re.search(r"^SlurmctldHost\[0\]\s*=\s*([^\s(]+)(?:\(([^)]+)\))?", out.stdout,
+                      re.M)
+        if m:
+            found += [t for t in (m.group(2), m.group(1)) if t]
     except (OSError, subprocess.TimeoutExpired):
         pass
-    try:
-        return route_source(socket.gethostname())
-    except OSError:
-        return socket.gethostname()
+    found.append(socket.gethostname())
+    sources = []
+    for target in found:
+        try:
+            sources.append(route_source(target))
+        except OSError:
+            continue
+    for address in sources:
+        if not address.startswith("127."):
+            return address
+    return sources[0] if sources else socket.gethostname()
 
 
 def slurm_cluster(nodes: int = 1, devices_per_host: int = 1, *, workers_per_node: int = 1,
