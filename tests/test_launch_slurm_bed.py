@@ -127,3 +127,24 @@ def test_inside_an_allocation_workers_are_srun_steps(slurm: SlurmBed, importable
             return not [s for s in out if not s.endswith((".extern", ".interactive"))]
 
         wait_until(no_steps, 30, "the workers' steps to end")
+
+
+@pytest.mark.parametrize("inside", [True, False], ids=["in-allocation", "via-salloc"])
+def test_colobus_launch_slurm_runs_the_driver_on_the_nodes(
+        slurm: SlurmBed, tmp_path: Path, inside: bool) -> None:
+    from test_launch_cli import DRIVER, driver_line, launch
+
+    driver = tmp_path / "drv.py"
+    driver.write_text(DRIVER)
+    if inside:
+        with slurm.allocation(2):
+            out = launch(["slurm", "--nodes", "2", "--python", sys.executable], driver, 5)
+    else:
+        out = launch(["slurm", "--nodes", "2", "--python", sys.executable], driver, 5)
+        assert "salloc" in out.stderr  # it asked for an allocation, and said so
+    assert out.returncode == 5, out.stderr[-3000:]
+    _, address, rest = driver_line(out.stdout)
+    assert address.startswith(f"tcp://{slurm.controller_ip}:")
+    assert rest.startswith("['slurm-n0-0', 'slurm-n1-0']"), rest
+    for i in range(2):
+        assert f"[host {i}] ran on" in out.stderr, out.stderr[-3000:]

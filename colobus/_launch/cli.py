@@ -182,9 +182,10 @@ def _launcher(args: argparse.Namespace, tmp: str) -> tuple[Launcher, str]:
                         python=args.python, srun_args=args.srun_arg)
     try:
         address = _tcp_address(args.bind, names[0])
-    except OSError as exc:
-        raise _LaunchError(f"cannot find this machine's address toward {names[0]}: {exc}; "
-                           "give --bind", 2) from None
+    except OSError:  # node names that do not resolve here: toward slurmctld instead
+        from .slurm import own_address
+
+        address = _free_tcp(own_address())
     return srun, address
 
 

@@ -41,8 +41,8 @@ from .._wire.keys import generate_key, write_key
 from .base import LaunchedCluster, Launcher
 from .ssh import concrete_address, route_source
 
-__all__ = ["SlurmJobCluster", "SrunLauncher", "batch_script", "node_names", "parse_label_line",
-           "parse_squeue", "slurm_cluster"]
+__all__ = ["SlurmJobCluster", "SrunLauncher", "batch_script", "node_names", "own_address",
+           "parse_label_line", "parse_squeue", "slurm_cluster"]
 
 log = logging.getLogger("colobus.launch.slurm")
 
@@ -188,10 +188,10 @@ class SlurmJobCluster(LaunchedCluster):
         count = nodes * workers_per_node
         key = generate_key()
         options.setdefault("exit_workers_on_close", True)
-        bind = bind or f"tcp://{_own_address()}:*"
+        bind = bind or f"tcp://{own_address()}:*"
         super().__init__(_JobNames([f"slurm-{k}" for k in range(count)]),
                          Controller(bind, hosts=count, key=key, **options), key, restart=restart,
-                         connect=lambda address: concrete_address(address, _own_address))
+                         connect=lambda address: concrete_address(address, own_address))
         self.nodes = nodes
         self.devices = devices_per_host
         self.workers_per_node = workers_per_node
@@ -329,7 +329,7 @@ class SlurmJobCluster(LaunchedCluster):
                 pass
 
 
-def _own_address() -> str:
+def own_address() -> str:
     """This machine's address that the nodes can reach: the one toward the Slurm
     controller (``scontrol show config``: ``SlurmctldHost[0] = NAME(ADDRESS)``), else
     this host name's; a loopback address only where nothing else is found."""
@@ -407,6 +407,6 @@ def slurm_cluster(nodes: int = 1, devices_per_host: int = 1, *, workers_per_node
         try:
             bind = f"tcp://{route_source(names[0])}:*"
         except OSError:
-            bind = f"tcp://{_own_address()}:*"
+            bind = f"tcp://{own_address()}:*"
     return LaunchedCluster(launcher, Controller(bind, hosts=len(launcher.names), key=key,
                                                 **options), key, restart=restart)
