@@ -141,9 +141,9 @@ def _tcp_address(bind: str | None, toward: str) -> str:
 
 def _local_launcher(hosts: int, devices: int) -> Launcher:
     """``launch local``: local workers whose lines go to logging as ``[host N]``."""
-    from .local import _LocalLauncher
+    from .local import LocalLauncher
 
-    class Local(_LocalLauncher):
+    class Local(LocalLauncher):
         def emit(self) -> Emit | None:
             return log_emit(logging.getLogger("colobus.launch.local"))
 

@@ -20,12 +20,12 @@ from .._process import with_huge_pages
 from .._wire.keys import generate_key
 from .base import LaunchedCluster, Launcher
 
-__all__ = ["LocalCluster", "init", "local_cluster", "shutdown"]
+__all__ = ["LocalCluster", "LocalLauncher", "init", "local_cluster", "shutdown"]
 
 log = logging.getLogger("colobus.cluster")
 
 
-class _LocalLauncher(Launcher):
+class LocalLauncher(Launcher):
     """Worker subprocesses of this machine, the key on their stdin."""
 
     kind = "local"
@@ -103,7 +103,7 @@ class LocalCluster(LaunchedCluster):
                 "loopback on this machine); use cb.Controller(..., curve_secret_key=...) and "
                 "`colobus worker --curve-key-file ... --server-key ...` (docs/security.md)")
         options.setdefault("exit_workers_on_close", True)
-        super().__init__(_LocalLauncher(hosts, devices_per_host),
+        super().__init__(LocalLauncher(hosts, devices_per_host),
                          Controller(bind, hosts=hosts, key=key, **options), key,
                          restart=restart)
 
