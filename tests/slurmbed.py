@@ -84,7 +84,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import netbed
-from netbed import NetBed
+from netbed import NetBed, pid_alive
 
 __all__ = [
     "DEFAULT_PARTITION", "HOLD_PARTITION", "HOLD_REASON", "SlurmBed", "SlurmBedError",
@@ -123,16 +123,6 @@ def unavailable_reason() -> str | None:
 
 def _which(name: str) -> str | None:
     return shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin:/usr/bin:/bin")
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _ns_pids(ns: str) -> list[int]:
@@ -179,7 +169,7 @@ def cleanup_leftovers() -> list[str]:
         if not name.startswith(netbed.NS_PREFIX):
             continue
         pid_text = name[len(netbed.NS_PREFIX):].split("-")[0]
-        if pid_text.isdigit() and not _pid_alive(int(pid_text)) and _ns_pids(name):
+        if pid_text.isdigit() and not pid_alive(int(pid_text)) and _ns_pids(name):
             _kill_ns_processes(name)
             removed.append(f"processes in {name}")
     tmp = tempfile.gettempdir()
@@ -192,7 +182,7 @@ def cleanup_leftovers() -> list[str]:
                 owner = int(f.read().strip())
         except (OSError, ValueError):
             continue
-        if _pid_alive(owner):
+        if pid_alive(owner):
             continue
         with contextlib.suppress(OSError), open(os.path.join(path, "daemons.pid")) as f:
             for word in f.read().split():
