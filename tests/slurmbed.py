@@ -69,7 +69,6 @@ shows the tail of the daemons' logs (:meth:`SlurmBed.log_tail`).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import re
 import select
@@ -85,7 +84,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import netbed
-from netbed import NetBed
+from netbed import NetBed, pid_alive
 
 __all__ = [
     "DEFAULT_PARTITION", "HOLD_PARTITION", "HOLD_REASON", "SlurmBed", "SlurmBedError",
@@ -124,16 +123,6 @@ def unavailable_reason() -> str | None:
 
 def _which(name: str) -> str | None:
     return shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin:/usr/bin:/bin")
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _ns_pids(ns: str) -> list[int]:
@@ -180,7 +169,7 @@ def cleanup_leftovers() -> list[str]:
         if not name.startswith(netbed.NS_PREFIX):
             continue
         pid_text = name[len(netbed.NS_PREFIX):].split("-")[0]
-        if pid_text.isdigit() and not _pid_alive(int(pid_text)) and _ns_pids(name):
+        if pid_text.isdigit() and not pid_alive(int(pid_text)) and _ns_pids(name):
             _kill_ns_processes(name)
             removed.append(f"processes in {name}")
     tmp = tempfile.gettempdir()
@@ -193,7 +182,7 @@ def cleanup_leftovers() -> list[str]:
                 owner = int(f.read().strip())
         except (OSError, ValueError):
             continue
-        if _pid_alive(owner):
+        if pid_alive(owner):
             continue
         with contextlib.suppress(OSError), open(os.path.join(path, "daemons.pid")) as f:
             for word in f.read().split():
@@ -207,10 +196,17 @@ def cleanup_leftovers() -> list[str]:
     return removed
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-    os.setsid()  # out of the test's process group: a Ctrl-C reaches the test, not the daemons
+def _dying_with_parent(cmd: Sequence[str]) -> list[str]:
+    """``cmd`` run so that it is killed when the thread that starts it ends.
+
+    ``setpriv --pdeathsig`` (util-linux) sets PR_SET_PDEATHSIG and execs the
+    command: no ``preexec_fn``, so no Python code runs between fork and exec (JAX
+    warns from an at-fork hook, and the suite turns warnings into errors). On the
+    main thread only: the signal follows the thread that forked.
+    """
+    if threading.current_thread() is threading.main_thread() and shutil.which("setpriv"):
+        return ["setpriv", "--pdeathsig", "KILL", *cmd]
+    return list(cmd)
 
 
 def _tail(path: str, lines: int = 25) -> str:
@@ -396,11 +392,11 @@ class SlurmBed:
         return "\n".join(lines) + "\n"
 
     def _popen(self, what: str, cmd: Sequence[str], log: str) -> subprocess.Popen[bytes]:
-        main = threading.current_thread() is threading.main_thread()
         with open(log, "ab") as out:
-            proc = subprocess.Popen(list(cmd), stdin=subprocess.DEVNULL, stdout=out,
-                                    stderr=subprocess.STDOUT, env=self.env(),
-                                    preexec_fn=_die_with_parent if main else os.setsid)
+            # A session of its own: a Ctrl-C reaches the test, not the daemons.
+            proc = subprocess.Popen(_dying_with_parent(cmd), stdin=subprocess.DEVNULL,
+                                    stdout=out, stderr=subprocess.STDOUT, env=self.env(),
+                                    start_new_session=True)
         self._procs.append((what, proc, log))
         with open(os.path.join(self.dir, "daemons.pid"), "a") as f:
             f.write(f"{proc.pid}\n")
@@ -558,13 +554,12 @@ class SlurmBed:
         """
         marker = b"__colobus_slurmbed_env_end__"
         err_path = os.path.join(self.dir, "log", f"salloc-{time.monotonic_ns()}.err")
-        main = threading.current_thread() is threading.main_thread()
         with open(err_path, "wb") as err:
             proc = subprocess.Popen(
-                ["salloc", f"--nodes={nodes}", *args, "sh", "-c",
-                 f"env -0; printf '{marker.decode()}'; exec cat >/dev/null"],
+                _dying_with_parent(["salloc", f"--nodes={nodes}", *args, "sh", "-c",
+                                    f"env -0; printf '{marker.decode()}'; exec cat >/dev/null"]),
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=self.env(),
-                preexec_fn=_die_with_parent if main else os.setsid)
+                start_new_session=True)
         self._extra_procs.append(proc)
         assert proc.stdout is not None and proc.stdin is not None
         saved: dict[str, str | None] = {}
