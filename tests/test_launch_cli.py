@@ -155,3 +155,38 @@ def test_launch_ssh_refused_login_ends_the_run_naming_the_host(bed: SshBed,
     assert "Permission denied (publickey)" in out.stderr
     assert "the driver was stopped" in out.stderr
     assert any(f"{ip!r} (ssh host {i})" in out.stderr for i, ip in enumerate(bed.addresses))
+
+
+SLEEPER = textwrap.dedent("""
+    import time
+    import colobus as cb
+    with cb.Controller() as ctl:
+        print("READY", ctl.address, flush=True)
+        time.sleep(300)
+""")
+
+
+def test_sigterm_to_colobus_launch_reaches_the_driver_and_stops_the_workers(
+        tmp_path: Path) -> None:
+    import signal
+
+    driver = tmp_path / "sleeper.py"
+    driver.write_text(SLEEPER)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COLOBUS_")}
+    with subprocess.Popen([sys.executable, "-m", "colobus", "launch", "local", "--hosts", "2",
+                           "--", sys.executable, str(driver)],
+                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                          env=env) as proc:
+        try:
+            assert proc.stdout is not None
+            line = proc.stdout.readline()  # the driver's controller is up, workers joined
+            assert line.startswith("READY "), line
+            address = line.split()[1]
+            assert len(processes_with("colobus", "worker", address)) == 2
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(60) == 128 + signal.SIGTERM  # the driver's end, passed on
+            assert processes_with("colobus", "worker", address) == []
+            assert processes_with(str(driver)) == []
+        finally:
+            if proc.poll() is None:
+                proc.kill()
