@@ -41,6 +41,7 @@ from .._wire import keys as _keys
 from .._wire import protocol as P
 from .._wire.channel import Channel
 from .._wire.envelope import Buffer, Envelope
+from .._wire.tasks import supervise
 from . import syncface as _syncface
 from .frees import Frees
 from .future import Future
@@ -208,6 +209,7 @@ class Controller:
         self._join_waiters: list[asyncio.Future[None]] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._closing: asyncio.Task[None] | None = None  # a close begun on the loop thread
+        self._close_reason: str | None = None  # why it closed, when not by the user
         self._sessions = Sessions(self)
 
     # -- public surface -------------------------------------------------------------
@@ -347,7 +349,8 @@ class Controller:
         self._chan = Channel(sock, self._key, self._loop, self._sessions.on_frames,
                              before_flush=self._frees.move_to_outboxes)
         self._hangups = Hangups(sock, self._loop, self._hangup_grace, self._sessions.lose)
-        self._tasks.append(self._loop.create_task(self._liveness_loop()))
+        self._tasks.append(supervise(self._loop.create_task(self._liveness_loop()),
+                                     "the liveness loop", self._die))
         self.state = State.RUNNING
         log.info("controller listening on %s (%s)", self._address, key_words(self._key))
         if self._write_key_file:
@@ -412,7 +415,7 @@ class Controller:
             self._send(h, P.Shutdown(reason))
         chan.flush()
         self.state = State.CLOSED
-        self._ops.close()
+        self._ops.close(self._close_reason)
         for w in self._join_waiters:
             if not w.done():
                 w.set_result(None)
@@ -492,7 +495,9 @@ class Controller:
 
     def _check_open(self) -> None:
         if self.state is State.CLOSED:
-            raise ControllerClosedError("the colobus controller is closed")
+            why = self._close_reason
+            raise ControllerClosedError("the colobus controller is closed" + (
+                f" ({why})" if why else ""))
 
     def _on_loop_thread(self) -> bool:
         return threading.get_ident() == self._loop_thread_id
@@ -547,7 +552,19 @@ class Controller:
     async def _liveness_loop(self) -> None:
         while True:
             await asyncio.sleep(self.heartbeat_interval)
-            self._sessions.tick()
+            try:  # one bad turn (a bug, a callback's BaseException) must not end liveness
+                self._sessions.tick()
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException:
+                self._counters["tick_errors"] += 1
+                log.exception("the liveness tick raised; it runs again next interval")
+
+    def _die(self, why: str) -> None:
+        """A background task died: close, every call failing with ``why``."""
+        self._close_reason = why
+        if self.state is State.RUNNING and self._loop is not None:
+            self._closing = self._loop.create_task(self.aclose())
 
 
 def _push_current(ctl: Controller) -> None:

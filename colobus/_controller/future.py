@@ -269,11 +269,21 @@ class Future(Generic[T]):
 
 
 def _run_callback(fn: Callable[[Future[Any]], object], fut: Future[Any]) -> None:
-    """Run one done-callback; one that raises is logged and the others still run."""
+    """Run one done-callback; one that raises is logged and the others still run.
+
+    asyncio's rule: any exception a callback raises, ``BaseException`` included
+    (a ``CancelledError`` from ``f.result()`` on a cancelled future), is logged
+    and goes no further -- not into ``cancel()``'s caller, not into the message
+    dispatch or liveness tick that settled the future. Only ``KeyboardInterrupt``
+    and ``SystemExit`` propagate, as they do out of asyncio's callbacks.
+    """
     try:
         fn(fut)
-    except Exception:
-        log.exception("a colobus Future done-callback raised (the other callbacks still run)")
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException:
+        log.exception("a colobus Future done-callback %r raised (the other callbacks still "
+                      "run)", fn)
 
 
 def _wake_waiter(waiter: asyncio.Future[None]) -> None:

@@ -397,9 +397,10 @@ class Operations:
         host.inflight.clear()
         self.pump()  # queued operations for that host fail as they reach the front
 
-    def close(self) -> None:
+    def close(self, why: str | None = None) -> None:
         """The controller closed: every operation, sent or queued, ends with an error."""
-        err = ControllerClosedError("the colobus controller closed before this call finished")
+        err = ControllerClosedError("the colobus controller closed before this call finished"
+                                    + (f" ({why})" if why else ""))
         for op in list(self.pending.values()):
             op.outputs = {}  # the hosts drop everything of this session themselves
             op.end(self, err)

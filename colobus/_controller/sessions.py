@@ -179,7 +179,9 @@ class Sessions:
         except ValueError as exc:
             self.drop("malformed", identity, str(exc))
             return
-        except Exception:  # a bug in a handler must not kill the reader
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException:  # a bug in a handler must not kill the reader
             self.dropped["handler_error"] += 1
             log.exception("error handling a message from %s", identity.hex())
             return
@@ -202,7 +204,10 @@ class Sessions:
             handler(host, body, env)
         except ValueError as exc:
             self.violation(host, "malformed", str(exc))
-        except Exception:  # a bug in a handler must not kill the reader
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException:  # a bug in a handler (a CancelledError too) must not
+            # end the batch it came in: the rest of the batch is still handled
             self.dropped["handler_error"] += 1
             log.exception("error handling a message from %s", identity.hex())
 

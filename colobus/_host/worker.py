@@ -38,6 +38,7 @@ from .._wire.failures import describe_error
 from .._wire.keys import check_key
 from .._wire.protocol import Kind, Status
 from .._wire.sockio import NOBLOCK
+from .._wire.tasks import supervise
 from .arrays import HostArrays
 from .join import JoinDiagnosis
 from .pool import ArgsUnpickler
@@ -153,7 +154,7 @@ class Worker:
 
     def _spawn(self, coro: Any) -> None:
         """A background task of this session, kept referenced until it ends."""
-        task = asyncio.get_running_loop().create_task(coro)
+        task = supervise(asyncio.get_running_loop().create_task(coro), "a session task")
         self._bg.add(task)
         task.add_done_callback(self._bg.discard)
 
@@ -180,7 +181,8 @@ class Worker:
         # short interval keeps heartbeats and fetches flowing past such code.
         sys.setswitchinterval(0.0005)
         self._ctx = zmq.Context()
-        watchdog = asyncio.get_running_loop().create_task(self._watch_parent())
+        watchdog = supervise(asyncio.get_running_loop().create_task(self._watch_parent()),
+                             "the parent watchdog")
         backoff = BACKOFF_MIN_S
         try:
             while True:
@@ -283,7 +285,8 @@ class Worker:
             joined = True
             diagnosis.close()
             log.info("host %s joined %s as host %d", self.name, self.connect, self.host_index)
-            hb = loop.create_task(self._heartbeats())
+            hb = supervise(loop.create_task(self._heartbeats()), "the worker's heartbeats",
+                           lambda why: self._end("error"))  # the next session restarts them
             try:
                 outcome = await self._ended
             finally:
