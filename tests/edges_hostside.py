@@ -36,3 +36,74 @@ def token(n: int) -> Any:
 @cb.colocated_python
 def ident(x: Any) -> Any:
     return x
+
+
+class Box:
+    """A plain object (no pytree node) that carries whatever it is given."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+@cb.colocated_python
+def unbox(box: Box) -> Any:
+    return box.value
+
+
+@cb.colocated_python
+def cast_on(x: Any, pid: int) -> Any:
+    """``x`` (sharded), cast to uint8 on the host with ``pid`` only."""
+    import jax
+
+    if os.getpid() != pid:
+        return x
+    return jax.device_put(x.astype(np.uint8), x.sharding)
+
+
+@cb.colocated_python
+def unbox_beside(x: Any, box: Box) -> Any:
+    """What ``box`` carries (an array on the call's devices, beside the leaf ``x``)."""
+    return box.value
+
+
+@cb.colocated_python_class
+class Holder:
+    """Keeps state built from a sharded input; a method without arguments reads it."""
+
+    def __init__(self) -> None:
+        self.state: Any = None
+
+    def keep(self, x: Any) -> Any:
+        self.state = x * 2
+        return x
+
+    def read(self) -> Any:
+        return self.state
+
+
+def _first_global_id(sharding: Any) -> int:
+    from colobus._model.jaxside import global_id
+
+    return min(int(global_id(d) or 0) for d in sharding.mesh.devices.flat)
+
+
+@cb.colocated_python
+def fill_on(sharding: Any) -> Any:
+    """A (1, 4) block per host on the host's part of a captured (hosts, d) mesh, filled with
+    the host's first global device id."""
+    import jax
+
+    return jax.device_put(np.full((1, 4), _first_global_id(sharding), np.float32), sharding)
+
+
+@cb.colocated_python
+def own_axis_names() -> Any:
+    """Each host lays its output on a mesh of its own devices under an axis name of its
+    own: no global sharding fits."""
+    import jax
+
+    devs = np.array(jax.local_devices())
+    name = f"h{os.getpid()}"
+    mesh = jax.sharding.Mesh(devs, (name,))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(name))
+    return jax.device_put(np.zeros(2 * len(devs), np.float32), sharding)

@@ -29,7 +29,7 @@ from .._controller.future import Future
 from .._errors import SerializationError
 from .._model.jaxside import HOST_REDUCERS, std_dispatch_table
 from .._wire.envelope import Buffer, StdPickler, oob_callback
-from .array import Array
+from .array import Array, MisusedHandle, check_owner
 from .plan import CallPlan
 
 if TYPE_CHECKING:
@@ -136,6 +136,7 @@ class _HandleIds:
     refs: list[list[int]]
     keep: list[Any]
     objects: list[Any]
+    ctl: Controller | None  # whose call: handles of another controller are refused
 
     def _reset_ids(self) -> None:
         self.refs = []
@@ -144,9 +145,13 @@ class _HandleIds:
 
     def persistent_id(self, obj: Any) -> int | None:
         if isinstance(obj, Array):
+            if self.ctl is not None:
+                check_owner(obj, self.ctl)
             obj.check_usable()
             self.refs.append([0, obj.ref])
         elif isinstance(obj, Future) and isinstance(obj.info, CallPlan):
+            if self.ctl is not None:
+                check_owner(obj, self.ctl)
             self.refs.append([1, obj.call_id])
         elif isinstance(obj, ColocatedObjectBase):
             state = obj._colobus_state
@@ -162,10 +167,11 @@ class _HandleIds:
 class _FastArgsPickler(_HandleIds, StdPickler):
     """The stdlib (C) pickler: most arguments are arrays, numbers and plain containers."""
 
-    def __init__(self, file: io.BytesIO, buffers: list[Buffer]) -> None:
+    def __init__(self, file: io.BytesIO, buffers: list[Buffer], ctl: Controller | None) -> None:
         self.dispatch_table = std_dispatch_table()  # read by the C pickler's __init__
         super().__init__(file, protocol=5, buffer_callback=oob_callback(buffers))
         self._reset_ids()
+        self.ctl = ctl
 
 
 class _ArgsPickler(_HandleIds, cloudpickle.Pickler):  # type: ignore[misc]
@@ -174,9 +180,10 @@ class _ArgsPickler(_HandleIds, cloudpickle.Pickler):  # type: ignore[misc]
     dispatch_table: ClassVar[ChainMap[Any, Any]] = ChainMap(
         HOST_REDUCERS, cloudpickle.Pickler.dispatch_table)
 
-    def __init__(self, file: io.BytesIO, buffers: list[Buffer]) -> None:
+    def __init__(self, file: io.BytesIO, buffers: list[Buffer], ctl: Controller | None) -> None:
         super().__init__(file, protocol=5, buffer_callback=oob_callback(buffers))
         self._reset_ids()
+        self.ctl = ctl
 
 
 @dataclass(slots=True)
@@ -188,8 +195,12 @@ class PickledArgs:
     objects: list[Any]
 
 
-def pickle_args(tree: Any, what: str) -> PickledArgs:
-    """Pickle ``(args, kwargs)`` once for every host; ``SerializationError`` names the leaf."""
+def pickle_args(tree: Any, what: str, ctl: Controller | None = None) -> PickledArgs:
+    """Pickle ``(args, kwargs)`` once for every host; ``SerializationError`` names the leaf.
+
+    With ``ctl``, a handle another controller made raises ``ValueError`` (also one
+    inside an object that is no pytree node).
+    """
     import jax
 
     args, kwargs = tree
@@ -198,29 +209,32 @@ def pickle_args(tree: Any, what: str) -> PickledArgs:
         # persistent ids 0..n-1 and is the same bytes every time.
         refs = []
         for a in args:
+            if ctl is not None:
+                check_owner(a, ctl)
             a.check_usable()
             refs.append([0, a.ref])
         return PickledArgs(_handles_payload(len(args)), [], refs, list(args), [])
     f = io.BytesIO()
     buffers: list[Buffer] = []
-    fast = _FastArgsPickler(f, buffers)
+    fast = _FastArgsPickler(f, buffers, ctl)
     try:
         fast.dump(tree)
         return PickledArgs(f.getvalue(), buffers, fast.refs, fast.keep, fast.objects)
-    except (SerializationError, RuntimeError) as exc:
-        if isinstance(exc, SerializationError) or "deleted" in str(exc) or (
+    except (SerializationError, RuntimeError, MisusedHandle) as exc:
+        if isinstance(exc, SerializationError | MisusedHandle) or "deleted" in str(exc) or (
                 "was closed" in str(exc)):
             raise
     except Exception:  # ByValue, or what only cloudpickle can pickle: start over
         pass
     f = io.BytesIO()
     buffers = []
-    pickler = _ArgsPickler(f, buffers)
+    pickler = _ArgsPickler(f, buffers, ctl)
     try:
         pickler.dump(tree)
-    except (SerializationError, RuntimeError) as exc:
-        # a deleted array or a closed object: the caller's misuse, not a pickling problem
-        if isinstance(exc, SerializationError) or "deleted" in str(exc) or (
+    except (SerializationError, RuntimeError, MisusedHandle) as exc:
+        # a deleted array, a closed object, a handle of another controller: the
+        # caller's misuse, not a pickling problem
+        if isinstance(exc, SerializationError | MisusedHandle) or "deleted" in str(exc) or (
                 "was closed" in str(exc)):
             raise
         raise SerializationError(f"arguments of {what} cannot be pickled: {exc}") from exc

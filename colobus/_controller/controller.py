@@ -212,6 +212,9 @@ class Controller:
         self._close_reason: str | None = None  # why it closed, when not by the user
         self._sessions = Sessions(self)
 
+    def __repr__(self) -> str:
+        return f"<colobus.Controller {self._address or self._bind} {self.state.value}>"
+
     # -- public surface -------------------------------------------------------------
 
     @property

@@ -54,6 +54,7 @@ class Future(Generic[T]):
         "_event",
         "_exception",
         "_loop_thread",
+        "_owner",
         "_result",
         "_state",
         "_stats",
@@ -63,8 +64,10 @@ class Future(Generic[T]):
         "info",
     )
 
-    def __init__(self, loop_thread: int | None = None, call_id: int = 0) -> None:
+    def __init__(self, loop_thread: int | None = None, call_id: int = 0,
+                 owner: object = None) -> None:
         self._state = _PENDING
+        self._owner = owner  # the controller that made it (None: made by colobus itself)
         self._result: Any = None
         self._exception: BaseException | None = None
         self._callbacks: list[Callable[[Future[T]], object]] | None = None

@@ -215,7 +215,7 @@ class Operations:
         return next(self._ids)
 
     def new_future(self, call_id: int = 0) -> Future[Any]:
-        return Future(self.ctl._loop_thread_id, call_id)
+        return Future(self.ctl._loop_thread_id, call_id, self.ctl)
 
     # -- submitting ---------------------------------------------------------------------
 
