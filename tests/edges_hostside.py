@@ -107,3 +107,13 @@ def own_axis_names() -> Any:
     mesh = jax.sharding.Mesh(devs, (name,))
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(name))
     return jax.device_put(np.zeros(2 * len(devs), np.float32), sharding)
+
+
+@cb.colocated_python
+def raise_named(which: str) -> Any:
+    """Raise an exception a worker must not have rebuilt in the caller, or a fine one."""
+    if which == "host_lost":
+        raise cb.HostLostError("forged by host code", 0)
+    if which == "stop":
+        raise StopIteration("forged")
+    raise KeyError("fine")

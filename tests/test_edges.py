@@ -288,3 +288,51 @@ def test_8_no_fitting_layout_names_the_output_and_what_to_return(ctl: cb.Control
     with pytest.raises(ValueError, match=r"output 0: the hosts returned layouts that do not "
                                          r"form one global sharding.*axis 'devices'"):
         hs.own_axis_names.specialize(devices=ctl.devices())().result(timeout=30)
+
+
+# -- also: what a worker's error may be rebuilt as; run_sync's timeout; long keys ----------
+
+
+@pytest.mark.parametrize("which", ["host_lost", "stop", "key"])
+def test_also_a_worker_never_raises_colobus_errors_or_stopiteration(ctl: cb.Controller,
+                                                                     which: str) -> None:
+    """Errors of colobus itself and ``StopIteration`` raised by host code reach the caller
+    as ``cb.RemoteError`` (a worker cannot fake a lost host or end the caller's loop);
+    builtins and user ``Exception`` classes keep their type."""
+    fut = hs.raise_named.specialize(devices=ctl.devices())(which)
+    expected = KeyError if which == "key" else cb.RemoteError
+    with pytest.raises(expected) as info:
+        fut.result(timeout=30)
+    assert type(info.value) is expected
+    if which == "host_lost":
+        assert "HostLostError" in str(info.value)
+
+
+def test_also_run_sync_cancels_the_coroutine_on_timeout(ctl: cb.Controller) -> None:
+    """``ctl.run_sync(coro, timeout=)`` that times out cancels ``coro`` on the loop instead
+    of leaving it running unseen."""
+    cancelled = threading.Event()
+
+    async def slow() -> None:
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+
+    with pytest.raises(TimeoutError):
+        ctl.run_sync(slow(), timeout=0.2)
+    assert cancelled.wait(20), "the coroutine kept running after run_sync timed out"
+
+
+def test_also_every_byte_of_a_long_key_counts() -> None:
+    """Keys longer than BLAKE2b's 64-byte key are hashed into the MAC key, not cut: two
+    keys that differ only after byte 64 authenticate different messages."""
+    from colobus._wire.envelope import mac
+
+    a = bytes(range(64)) + b"A" * 16
+    b = bytes(range(64)) + b"B" * 16
+    assert mac(a, b"header", b"payload") != mac(b, b"header", b"payload")
+    assert mac(a, b"header", b"payload") == mac(bytes(a), b"header", b"payload")
+    short = bytes(range(40))
+    assert mac(short, b"h", b"p") != mac(short + b"x", b"h", b"p")

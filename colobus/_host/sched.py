@@ -129,6 +129,15 @@ class _Call:
         return None
 
 
+def _settable(exc: BaseException) -> BaseException:
+    """``exc``, or what stands for it where asyncio futures refuse it (StopIteration)."""
+    if isinstance(exc, StopIteration | StopAsyncIteration):
+        err = RuntimeError(f"a colocated call raised {type(exc).__name__}: {exc}")
+        err.__cause__ = exc
+        return err
+    return exc
+
+
 class Scheduler:
     """Runs the CALLs and DESTROYs of one worker, stream by stream."""
 
@@ -305,7 +314,7 @@ class Scheduler:
         call.state = _DONE
         self._forget(call)
         if not call.results.done():
-            call.results.set_exception(exc)
+            call.results.set_exception(_settable(exc))
             call.results.exception()
         self._w.reply_error(call.body.call_id, exc)
 
@@ -426,7 +435,7 @@ class Scheduler:
                        bufs, len(bufs))
             else:
                 if not call.results.done():
-                    call.results.set_exception(outcome)
+                    call.results.set_exception(_settable(outcome))
                     call.results.exception()
                 w.reply_error(body.call_id, outcome, call.times())
         else:
