@@ -15,10 +15,10 @@ import numpy as np
 import colobus as cb
 
 
-def _wait_for_file(path: str, limit: float = 60.0) -> None:
+def _wait_for_file(path: str, limit: float = 60.0, poll: float = 0.005) -> None:
     deadline = time.monotonic() + limit
     while not os.path.exists(path) and time.monotonic() < deadline:
-        time.sleep(0.005)
+        time.sleep(poll)
 
 
 @cb.colocated_python
@@ -117,3 +117,12 @@ def raise_named(which: str) -> Any:
     if which == "stop":
         raise StopIteration("forged")
     raise KeyError("fine")
+
+
+@cb.colocated_python
+def block_marked(gate: str, started: str) -> Any:
+    """Say it started (create ``started``), then block until ``gate`` exists."""
+    with open(started, "w"):
+        pass
+    _wait_for_file(gate, poll=0.05)  # many of these wait at once: poll gently
+    return np.int32(1)

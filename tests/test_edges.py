@@ -17,7 +17,7 @@ from typing import Any
 import edges_hostside as hs
 import numpy as np
 import pytest
-from lifecycle import bounded, outcome
+from lifecycle import bounded, eventually, outcome
 
 import colobus as cb
 
@@ -336,3 +336,110 @@ def test_also_every_byte_of_a_long_key_counts() -> None:
     assert mac(a, b"header", b"payload") == mac(bytes(a), b"header", b"payload")
     short = bytes(range(40))
     assert mac(short, b"h", b"p") != mac(short + b"x", b"h", b"p")
+
+
+# -- 5: calls stuck in an ended session cost the next session nothing ----------------------
+
+
+async def _in_task(fn: Any, *args: Any) -> cb.Future[Any]:
+    """Call ``fn`` from a task of its own: its own stream, so its own pool job on the host."""
+    return fn(*args)  # type: ignore[no-any-return]
+
+
+async def test_5_stuck_calls_never_poison_a_standalone_worker(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A standalone worker left with calls still running from a controller that went (blocked
+    for good, then the driver left) serves the next controller: its call pool grows past the
+    stuck threads, ``ctl.stats()`` reports them, and a plain call that finds every thread
+    busy fails with a ``TimeoutError`` after the documented time instead of waiting forever."""
+    from lifecycle import workers
+
+    from colobus._wire.keys import write_key
+
+    n = 64  # the pool's threads (the default): a driver left that many calls behind
+    monkeypatch.setenv("COLOBUS_CALL_START_TIMEOUT", "3")
+    key_file = str(tmp_path / "key")
+    key = write_key(key_file)
+    never = str(tmp_path / "never")  # no test opens it: those calls stay stuck
+    gate = str(tmp_path / "gate")
+    with workers(key_file) as w:
+        async with cb.Controller("tcp://127.0.0.1:*", hosts=0, key=key, join_timeout=60) as a:
+            bind = a.address
+            w.start(bind, "stay")
+            await a.wait_for_hosts(1, timeout=60)
+            block = hs.block_marked.specialize(devices=a.devices())
+            started = [str(tmp_path / f"started{i}") for i in range(n)]
+            stuck = [await asyncio.create_task(_in_task(block, never, s)) for s in started]
+            await eventually(lambda: all(os.path.exists(s) for s in started), 60,
+                             "every call running on the host")
+        for f in stuck:
+            assert isinstance(await outcome(f, 20), cb.ControllerClosedError)
+        async with cb.Controller(bind, hosts=1, key=key, join_timeout=60) as b:
+            dev = b.devices()
+            out = await bounded(hs.token.specialize(devices=dev)(7), 20,
+                                "a plain call on a worker with stuck threads")
+            assert int(np.asarray(await bounded(cb.device_get(out)))) == 7
+            host = (await bounded(b.refresh_stats()))["hosts"][0]
+            assert host["stuck"] == n and host["threads"] >= n + 1, host
+            # Every thread this session may use busy: the next call fails, clearly.
+            block = hs.block_marked.specialize(devices=dev)
+            started = [str(tmp_path / f"busy{i}") for i in range(n)]
+            busy = [await asyncio.create_task(_in_task(block, gate, s)) for s in started]
+            await eventually(lambda: all(os.path.exists(s) for s in started), 60,
+                             "this session's calls running on the host")
+            try:
+                late = await asyncio.create_task(_in_task(hs.token.specialize(devices=dev), 2))
+                err = await outcome(late, 30, "a call that cannot start")
+                assert isinstance(err, TimeoutError), repr(err)
+                assert "could not start within 3 s" in str(err) and f"{n} of them stuck" in str(
+                    err), str(err)
+            finally:
+                _touch(gate)
+            for f in busy:
+                await bounded(f)
+            out = await bounded(hs.token.specialize(devices=dev)(8))  # the host serves on
+            assert int(np.asarray(await bounded(cb.device_get(out)))) == 8
+
+
+# -- 7: code is freed on hosts when its function goes --------------------------------------
+
+
+def _closure(i: int) -> Any:
+    data = np.full(1 << 18, i, np.float32)  # 1 MiB, captured: pickled with the code
+
+    @cb.colocated_python
+    def first() -> Any:
+        return np.float32(data[0])
+
+    return first
+
+
+def test_7_code_is_freed_on_hosts_when_its_function_goes(ctl: cb.Controller) -> None:
+    """Closures pickled by value (with what they captured) stay on hosts only while the
+    controller holds their function (or a call made with it); ``ctl.stats()`` counts the
+    code each host holds (objects and bytes)."""
+    import gc
+
+    def held() -> dict[int, tuple[int, int]]:
+        hosts = ctl.refresh_stats().result(timeout=30)["hosts"]
+        return {i: (h["code"], h["code_bytes"]) for i, h in hosts.items() if h["state"] == "alive"}
+
+    base = held()
+    devs = ctl.devices()
+    fns = [_closure(i) for i in range(5)]
+    for i, f in enumerate(fns):
+        out = f.specialize(devices=devs)().result(timeout=30)
+        assert float(np.asarray(cb.device_get(out).result(timeout=30))) == i
+    grown = held()
+    for i, (n, nbytes) in grown.items():
+        assert n >= base[i][0] + 5 and nbytes >= base[i][1] + 5 * (1 << 20), (base, grown)
+    del fns, f, out
+    deadline = time.monotonic() + 30
+    while True:
+        gc.collect()
+        now = held()
+        if all(now[i][1] < base[i][1] + (1 << 20) for i in now):
+            break
+        assert time.monotonic() < deadline, f"code not freed on hosts: {base} -> {now}"
+        time.sleep(0.1)
+    assert all(now[i][0] <= base[i][0] for i in now), (base, now)

@@ -18,6 +18,7 @@ import importlib
 import io
 import pickle
 import threading
+import weakref
 from collections import ChainMap
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ import cloudpickle
 from .._controller.future import Future
 from .._errors import SerializationError
 from .._model.jaxside import HOST_REDUCERS, std_dispatch_table
+from .._wire import protocol as P
 from .._wire.envelope import Buffer, StdPickler, oob_callback
 from .array import Array, MisusedHandle, check_owner
 from .plan import CallPlan
@@ -70,6 +72,7 @@ class Code:
             with self._lock:
                 if self._blob is None:
                     self._blob = self._pickle()
+                    _code_born(self, self._blob[0])
                 blob = self._blob
         return blob
 
@@ -78,7 +81,10 @@ class Code:
         digest, blob = self.get()
         if ctl._send_code(host, digest, blob):
             self.shipped[host.index] += 1
+            with _code_lock:
+                _code_where.setdefault(digest, set()).add((weakref.ref(ctl), host.index))
         return digest
+
 
     def _pickle(self) -> tuple[bytes, bytes]:
         obj = self.obj
@@ -102,6 +108,50 @@ class Code:
                     f"{qualname or obj!r} cannot be pickled to send to hosts: {exc}") from exc
         return hashlib.blake2b(data, digest_size=16).digest(), data
 
+
+# Code lives on a host as long as some Code object with its digest lives here: a
+# function's wrappers (and specializations) hold it, and so does every call made
+# with it until its Future is gone. Then every host it was sent to drops it.
+_code_lock = threading.Lock()
+_code_live: collections.Counter[bytes] = collections.Counter()  # digest -> live Code objects
+_code_where: dict[bytes, set[tuple[weakref.ref[Controller], int]]] = {}  # sent to (ctl, host)
+
+
+def _code_born(code: Code, digest: bytes) -> None:
+    with _code_lock:
+        _code_live[digest] += 1
+    weakref.finalize(code, _code_gone, digest)
+
+
+def _code_gone(digest: bytes) -> None:
+    """The last Code object of ``digest`` went (any thread): hosts may drop it."""
+    with _code_lock:
+        _code_live[digest] -= 1
+        if _code_live[digest] > 0:
+            return
+        del _code_live[digest]
+        places = _code_where.pop(digest, set())
+    for ctl_ref, host in places:
+        ctl = ctl_ref()
+        if ctl is None or ctl._closed:
+            continue
+        try:  # after every operation submitted before (never ahead of a CALL using it)
+            ctl._ops.post(functools.partial(_forget_code, ctl, host, digest))
+        except Exception:  # the controller closed meanwhile: its hosts dropped everything
+            pass
+
+
+def _forget_code(ctl: Controller, index: int, digest: bytes) -> None:
+    """Loop thread: tell host ``index`` to drop ``digest``, unless it came back to life."""
+    with _code_lock:
+        if _code_live.get(digest):  # a new Code of the same digest uses the host's copy
+            _code_where.setdefault(digest, set()).add((weakref.ref(ctl), index))
+            return
+    host = ctl._hosts[index]
+    if digest in host.code_sent:
+        host.code_sent.discard(digest)
+        ctl._count("code_freed")
+        ctl._send(host, P.Release([], [], [digest]))
 
 class _CodePickler(cloudpickle.Pickler):  # type: ignore[misc]
     """cloudpickle, with device-model objects made the host's JAX objects (``_hostside``)."""

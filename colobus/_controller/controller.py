@@ -265,16 +265,20 @@ class Controller:
         holds, and ``results``, the call results it keeps for futures that are
         still alive (each frees when its future is garbage-collected); from its
         heartbeats only, ``rtt`` (heartbeat round trip, s), ``rss`` (bytes),
-        ``cpu`` (s) and ``dropped`` (None or empty until the first one).
+        ``cpu`` (s), ``dropped``, ``threads`` and ``stuck`` (its call pool's
+        threads, and those busy with calls of an ended session), ``code`` and
+        ``code_bytes`` (the functions and classes it holds, and their pickled
+        size) (None or empty until the first one).
         """
         return collect_stats(self._sessions, self._counters, self._chan, self._ops, self._hosts)
 
     def refresh_stats(self) -> Future[dict[str, Any]]:
         """Ask every live host for its store counters now; resolves to :meth:`stats`.
 
-        With metrics or tracing on, each host first sends the call times it
-        counted since its last heartbeat, so the run and queue histograms are
-        exact once this resolves (a metrics scrape does this itself).
+        Each host first sends a heartbeat (its pool and code figures, and with
+        metrics or tracing on the call times it counted since its last one), so
+        those and the run and queue histograms are exact once this resolves (a
+        metrics scrape does this itself).
         """
         hosts = tuple(h.index for h in self._hosts.alive())
 

@@ -33,7 +33,7 @@ from .._wire import protocol as P
 from .._wire.calltimes import HEARTBEAT_BUDGET, HostCallTimes
 from .._wire.channel import Channel, Peer
 from .._wire.endpoint import parse_connect
-from .._wire.envelope import Buffer, Dropped, Envelope, decode, loads, unpack_batch
+from .._wire.envelope import Buffer, Dropped, Envelope, decode, unpack_batch
 from .._wire.failures import describe_error
 from .._wire.keys import check_key
 from .._wire.protocol import Kind, Status
@@ -136,12 +136,12 @@ class Worker:
         self._bg: set[asyncio.Task[None]] = set()
         self._handlers = {
             Kind.HEARTBEAT: self._on_heartbeat,
-            Kind.CODE: self._on_code,
+            Kind.CODE: lambda body, env: self.store.add_code(body.digest, env),
             Kind.CALL: self.sched.on_call,
             Kind.CANCEL: lambda body, env: self.sched.on_cancel(body),
             Kind.PUT: self.arrays.on_put,
             Kind.FETCH: self.arrays.on_fetch,
-            Kind.RELEASE: lambda body, env: self.store.release(body.refs, body.calls),
+            Kind.RELEASE: lambda body, env: self.store.release(body.refs, body.calls, body.code),
             Kind.CONSTRUCT: self._on_construct,
             Kind.DESTROY: lambda body, env: self.sched.on_destroy(body),
             Kind.STATS: self._on_stats,
@@ -320,7 +320,8 @@ class Worker:
         calls = ([] if self.call_times is None else
                  self.call_times.take(min(HEARTBEAT_BUDGET, self._max_message // 16)))
         return P.Heartbeat(*self.store.counts(), ping, held, rss_bytes(), cpu_ns(),
-                           dict(self.dropped), calls)
+                           dict(self.dropped), calls, *self.sched.pool.figures(),
+                           *self.store.code_figures())
 
     def _end(self, outcome: str) -> None:
         if self._ended is not None and not self._ended.done():
@@ -414,7 +415,7 @@ class Worker:
         """Handle one authenticated message of this session's controller."""
         try:
             body = P.parse(env.kind, env.body)
-            self._handlers[Kind(env.kind)](body, env)  # type: ignore[operator]
+            self._handlers[Kind(env.kind)](body, env)
         except (ValueError, KeyError) as exc:
             self._drop("malformed", str(exc))
         except _Exit:
@@ -463,16 +464,8 @@ class Worker:
         self._end("exit" if body.reason == "exit" else "closed")
 
     def _on_stats(self, body: P.Stats, env: Envelope) -> None:
-        if self.call_times is not None:  # what it counted so far arrives first
-            self.send(self._health())
+        self.send(self._health())  # its figures (and call times) are current with the reply
         self.send(P.Result(body.call_id, Status.OK, list(self.store.counts())))
-
-    def _on_code(self, body: P.Code, env: Envelope) -> None:
-        try:
-            self.store.code[body.digest] = ("ok", loads(env.payload, env.buffers[: env.pbufs]))
-        except Exception as exc:
-            log.warning("code %s does not unpickle here: %r", body.digest.hex()[:12], exc)
-            self.store.code[body.digest] = ("error", exc)
 
     def present(self, value: Any) -> Any:
         """What user code receives for a stored value (any thread)."""
