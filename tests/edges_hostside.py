@@ -126,3 +126,23 @@ def block_marked(gate: str, started: str) -> Any:
         pass
     _wait_for_file(gate, poll=0.05)  # many of these wait at once: poll gently
     return np.int32(1)
+
+
+@cb.colocated_python
+async def break_heartbeats_once() -> Any:
+    """Make the worker's heartbeats task raise once (runs on the worker's loop)."""
+    import asyncio
+
+    for task in asyncio.all_tasks():
+        coro = task.get_coro()
+        if getattr(coro, "__qualname__", "") == "Worker._heartbeats":
+            worker = coro.cr_frame.f_locals["self"]  # type: ignore[union-attr]
+            health = worker._health
+
+            def once(worker: Any = worker, health: Any = health) -> Any:
+                worker._health = health
+                raise RuntimeError("injected: the heartbeats task dies here")
+
+            worker._health = once
+            return np.int32(1)
+    return np.int32(0)

@@ -379,7 +379,9 @@ async def test_5_stuck_calls_never_poison_a_standalone_worker(
             out = await bounded(hs.token.specialize(devices=dev)(7), 20,
                                 "a plain call on a worker with stuck threads")
             assert int(np.asarray(await bounded(cb.device_get(out)))) == 7
-            host = (await bounded(b.refresh_stats()))["hosts"][0]
+            await eventually(lambda: b.stats()["hosts"][0]["stuck"] == n, 20,
+                             "the host's heartbeat reporting its stuck threads")
+            host = b.stats()["hosts"][0]
             assert host["stuck"] == n and host["threads"] >= n + 1, host
             # Every thread this session may use busy: the next call fails, clearly.
             block = hs.block_marked.specialize(devices=dev)
@@ -421,15 +423,27 @@ def test_7_code_is_freed_on_hosts_when_its_function_goes(ctl: cb.Controller) -> 
     import gc
 
     def held() -> dict[int, tuple[int, int]]:
-        hosts = ctl.refresh_stats().result(timeout=30)["hosts"]
+        """What each host reported holding in its latest heartbeat (one a second)."""
+        hosts = ctl.stats()["hosts"]
         return {i: (h["code"], h["code_bytes"]) for i, h in hosts.items() if h["state"] == "alive"}
 
+    def beat() -> None:
+        """Wait for every host's next heartbeat: its figures are current after it."""
+        before = {i: id(h.health) for i, h in enumerate(ctl._hosts.hosts)}
+        deadline = time.monotonic() + 20
+        while any(id(h.health) == before[i] for i, h in enumerate(ctl._hosts.hosts)
+                  if h.alive):
+            assert time.monotonic() < deadline, "no heartbeat from the hosts"
+            time.sleep(0.05)
+
+    beat()
     base = held()
     devs = ctl.devices()
     fns = [_closure(i) for i in range(5)]
     for i, f in enumerate(fns):
         out = f.specialize(devices=devs)().result(timeout=30)
         assert float(np.asarray(cb.device_get(out).result(timeout=30))) == i
+    beat()
     grown = held()
     for i, (n, nbytes) in grown.items():
         assert n >= base[i][0] + 5 and nbytes >= base[i][1] + 5 * (1 << 20), (base, grown)
@@ -443,3 +457,20 @@ def test_7_code_is_freed_on_hosts_when_its_function_goes(ctl: cb.Controller) -> 
         assert time.monotonic() < deadline, f"code not freed on hosts: {base} -> {now}"
         time.sleep(0.1)
     assert all(now[i][0] <= base[i][0] for i in now), (base, now)
+
+
+async def test_1_a_dead_heartbeats_task_of_a_worker_is_restarted() -> None:
+    """A worker's heartbeats task that dies unexpectedly is logged and started again: the
+    host keeps its session (it used to fall silent and be declared lost)."""
+    live = 1.5
+    async with cb.local_cluster(hosts=1, heartbeat_interval=0.2, liveness_timeout=live) as ctl:
+        dev = ctl.devices()
+        out = await bounded(hs.break_heartbeats_once.specialize(devices=dev)())
+        assert int(np.asarray(await bounded(cb.device_get(out)))) == 1
+        deadline = time.monotonic() + 3 * live
+        while time.monotonic() < deadline:  # time for a silent host to be declared lost
+            assert ctl.hosts()[0].state == "alive"
+            await asyncio.sleep(0.1)
+        out = await bounded(hs.token.specialize(devices=ctl.devices())(3))
+        assert int(np.asarray(await bounded(cb.device_get(out)))) == 3
+        assert len(ctl.hosts()) == 1 and ctl.hosts()[0].state == "alive"

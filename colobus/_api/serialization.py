@@ -217,7 +217,8 @@ class _HandleIds:
 class _FastArgsPickler(_HandleIds, StdPickler):
     """The stdlib (C) pickler: most arguments are arrays, numbers and plain containers."""
 
-    def __init__(self, file: io.BytesIO, buffers: list[Buffer], ctl: Controller | None) -> None:
+    def __init__(self, file: io.BytesIO, buffers: list[Buffer],
+                 ctl: Controller | None = None) -> None:
         self.dispatch_table = std_dispatch_table()  # read by the C pickler's __init__
         super().__init__(file, protocol=5, buffer_callback=oob_callback(buffers))
         self._reset_ids()
@@ -230,7 +231,8 @@ class _ArgsPickler(_HandleIds, cloudpickle.Pickler):  # type: ignore[misc]
     dispatch_table: ClassVar[ChainMap[Any, Any]] = ChainMap(
         HOST_REDUCERS, cloudpickle.Pickler.dispatch_table)
 
-    def __init__(self, file: io.BytesIO, buffers: list[Buffer], ctl: Controller | None) -> None:
+    def __init__(self, file: io.BytesIO, buffers: list[Buffer],
+                 ctl: Controller | None = None) -> None:
         super().__init__(file, protocol=5, buffer_callback=oob_callback(buffers))
         self._reset_ids()
         self.ctl = ctl

@@ -275,10 +275,9 @@ class Controller:
     def refresh_stats(self) -> Future[dict[str, Any]]:
         """Ask every live host for its store counters now; resolves to :meth:`stats`.
 
-        Each host first sends a heartbeat (its pool and code figures, and with
-        metrics or tracing on the call times it counted since its last one), so
-        those and the run and queue histograms are exact once this resolves (a
-        metrics scrape does this itself).
+        With metrics or tracing on, each host first sends the call times it
+        counted since its last heartbeat, so the run and queue histograms are
+        exact once this resolves (a metrics scrape does this itself).
         """
         hosts = tuple(h.index for h in self._hosts.alive())
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import functools
 import logging
 import os
 import random
@@ -40,8 +39,8 @@ from .._wire.protocol import Kind, Status
 from .._wire.sockio import NOBLOCK
 from .._wire.tasks import supervise
 from .arrays import HostArrays
+from .construct import on_construct
 from .join import JoinDiagnosis
-from .pool import ArgsUnpickler
 from .process import cpu_ns, end_context, rss_bytes
 from .sched import Scheduler
 from .store import Store
@@ -57,6 +56,7 @@ BACKOFF_MAX_S = 5.0
 # back within half a second of the network (the controller gives a host whose
 # connection closed half the liveness timeout to be heard from again).
 RECONNECT_MAX_S = 0.5
+MAX_HEARTBEAT_RESTARTS = 3  # per session; then the worker leaves it and joins afresh
 
 
 class _Exit(Exception):
@@ -133,6 +133,8 @@ class Worker:
         self._stopping = False  # SIGTERM: no next session
         self._welcome: asyncio.Future[None] | None = None
         self._ended: asyncio.Future[str] | None = None
+        self._hb: asyncio.Task[None] | None = None  # this session's heartbeats
+        self._hb_restarts = 0  # times they died this session (and were started again)
         self._bg: set[asyncio.Task[None]] = set()
         self._handlers = {
             Kind.HEARTBEAT: self._on_heartbeat,
@@ -142,7 +144,7 @@ class Worker:
             Kind.PUT: self.arrays.on_put,
             Kind.FETCH: self.arrays.on_fetch,
             Kind.RELEASE: lambda body, env: self.store.release(body.refs, body.calls, body.code),
-            Kind.CONSTRUCT: self._on_construct,
+            Kind.CONSTRUCT: lambda body, env: on_construct(self, body, env),
             Kind.DESTROY: lambda body, env: self.sched.on_destroy(body),
             Kind.STATS: self._on_stats,
             Kind.SHUTDOWN: self._on_shutdown,
@@ -285,18 +287,30 @@ class Worker:
             joined = True
             diagnosis.close()
             log.info("host %s joined %s as host %d", self.name, self.connect, self.host_index)
-            hb = supervise(loop.create_task(self._heartbeats()), "the worker's heartbeats",
-                           lambda why: self._end("error"))  # the next session restarts them
+            self._hb_restarts = 0
+            self._hb = self._start_heartbeats()
             try:
                 outcome = await self._ended
             finally:
-                hb.cancel()
+                self._hb.cancel()
             return joined, outcome
         finally:
             diagnosis.close()
             chan.close()
             self._chan = None
             self._peer = None
+
+    def _start_heartbeats(self) -> asyncio.Task[None]:
+        return supervise(asyncio.get_running_loop().create_task(self._heartbeats()),
+                         "the worker's heartbeats", self._heartbeats_died)
+
+    def _heartbeats_died(self, why: str) -> None:
+        """Restart them, a few times a session; then leave it (and join afresh)."""
+        self._hb_restarts += 1
+        if self._hb_restarts > MAX_HEARTBEAT_RESTARTS:
+            self._end("error")
+        elif self._ended is not None and not self._ended.done():
+            self._hb = self._start_heartbeats()
 
     async def _heartbeats(self) -> None:
         assert self._ended is not None and self._chan is not None and self._peer is not None
@@ -464,34 +478,11 @@ class Worker:
         self._end("exit" if body.reason == "exit" else "closed")
 
     def _on_stats(self, body: P.Stats, env: Envelope) -> None:
-        self.send(self._health())  # its figures (and call times) are current with the reply
+        if self.call_times is not None:  # what it counted so far arrives first
+            self.send(self._health())
         self.send(P.Result(body.call_id, Status.OK, list(self.store.counts())))
 
     def present(self, value: Any) -> Any:
         """What user code receives for a stored value (any thread)."""
         return self.arrays.present(value)
-
-    # -- objects ------------------------------------------------------------------------
-
-    def _on_construct(self, body: P.Construct, env: Envelope) -> None:
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[Any] = loop.create_future()
-        self.store.objects[body.obj] = fut
-        self.store.classes[body.obj] = body.digest
-        pins = [self.store.pin(r, self.host_index) for r in body.refs]
-        self._spawn(self._construct(body, env, pins, fut))
-
-    async def _construct(self, body: P.Construct, env: Envelope,
-                         pins: list[asyncio.Future[Any]], fut: asyncio.Future[Any]) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            values = [self.present(await p) for p in pins]
-            args, kwargs = ArgsUnpickler(env.payload, values, env.buffers[: env.pbufs]).load()
-            cls = self.store.get_code(body.digest)
-            inst = await loop.run_in_executor(self._pool, functools.partial(cls, *args, **kwargs))
-        except BaseException as exc:
-            fut.set_exception(exc)
-            fut.exception()
-            return
-        fut.set_result(inst)
 
