@@ -90,6 +90,11 @@ def _driver_argv(command: list[str]) -> list[str]:
     return [re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", c) for c in command[2:]]
 
 
+def _replicas(worker: dict[str, Any]) -> int:
+    """The workers' replicas, with ``${VAR:-default}`` expanded as Compose does (VAR unset)."""
+    return int(re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", str(worker["deploy"]["replicas"])))
+
+
 def test_compose_worker_command_uses_real_cli_options() -> None:
     worker = _compose()["services"]["worker"]
     command = [str(c) for c in worker["command"]]
@@ -99,7 +104,7 @@ def test_compose_worker_command_uses_real_cli_options() -> None:
     assert args.connect == "tcp://driver:5555"
     assert args.devices == 4
     assert args.key_file == SECRET_PATH
-    assert worker["deploy"]["replicas"] >= 2
+    assert _replicas(worker) >= 2
 
 
 def test_compose_driver_runs_the_training_example() -> None:
@@ -109,8 +114,12 @@ def test_compose_driver_runs_the_training_example() -> None:
     args = _parse(example.build_parser(), _driver_argv([str(c) for c in driver["command"]]))
     assert args.bind == "tcp://0.0.0.0:5555"
     assert args.key_file == SECRET_PATH
-    # The driver waits for exactly the workers compose starts.
-    assert args.hosts == compose["services"]["worker"]["deploy"]["replicas"]
+    # The driver waits for exactly the workers compose starts: one variable sets both.
+    assert args.hosts == _replicas(compose["services"]["worker"])
+    hosts = [str(c) for c in driver["command"]]
+    hosts_arg = hosts[hosts.index("--hosts") + 1]
+    assert hosts_arg == str(compose["services"]["worker"]["deploy"]["replicas"]), hosts_arg
+    assert hosts_arg.startswith("${COLOBUS_HOSTS:-"), hosts_arg
     # Workers reach the driver by its service name on the bound port.
     port = args.bind.rsplit(":", 1)[1]
     worker_connect = compose["services"]["worker"]["command"]

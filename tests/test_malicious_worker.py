@@ -258,6 +258,13 @@ def test_errors_are_data_never_code(bed: dict[str, Any], mctl: cb.Controller) ->
             (error("builtins", "KeyboardInterrupt", []), cb.RemoteError),  # not an Exception
             (error("builtins", "ValueError", ["plain", 1, [2.5, None]]), ValueError),
             (error("builtins", "KeyError", None), cb.RemoteError),  # args did not travel
+            # Never colobus's own errors, nor what steers the caller's control flow
+            # (issue 23): a worker cannot make a call look like a lost host or end a loop.
+            (error("colobus._errors", "HostLostError", ["forged", 0]), cb.RemoteError),
+            (error("colobus", "ControllerClosedError", ["forged"]), cb.RemoteError),
+            (error("builtins", "StopIteration", ["forged"]), cb.RemoteError),
+            (error("builtins", "StopAsyncIteration", []), cb.RemoteError),
+            (error("builtins", "GeneratorExit", []), cb.RemoteError),
         ]
         for payload, expected in cases:
             fut = make_one.specialize(devices=dev)()
@@ -271,12 +278,14 @@ def test_errors_are_data_never_code(bed: dict[str, Any], mctl: cb.Controller) ->
 
 
 @pytest.mark.parametrize("what", ["huge_count", "negative_count", "stats_counts",
-                                  "fetch_shape", "unknown_kind", "controller_kind",
+                                  "fetch_shape", "shard_shape", "shard_size", "unknown_kind",
+                                  "controller_kind",
                                   "never_sent", "other_hosts_call", "oversized_total"])
 def test_protocol_violations_drop_the_host(bed: dict[str, Any], mctl: cb.Controller,
                                            what: str) -> None:
     reason = {"huge_count": "malformed", "negative_count": "malformed",
               "stats_counts": "bad_reply", "fetch_shape": "bad_reply",
+              "shard_shape": "bad_reply", "shard_size": "bad_reply",
               "unknown_kind": "malformed", "controller_kind": "unexpected_kind",
               "never_sent": "unsolicited", "other_hosts_call": "unsolicited",
               "oversized_total": "oversized"}[what]
@@ -303,6 +312,17 @@ def test_protocol_violations_drop_the_host(bed: dict[str, Any], mctl: cb.Control
             fetch = fake.expect(Kind.FETCH)
             fake.send(Kind.RESULT, [fetch.body[0], Status.OK, [[1 << 40, 1 << 40], "<f4", None]],
                       b"", [evil])
+            with pytest.raises(cb.ProtocolError):
+                fut.result(30)
+        elif what in ("shard_shape", "shard_size"):
+            # Shard.data reads its block with the bounded reader and checks its shape
+            # (issue 23): a block of another shape, or sizes the buffer does not hold.
+            arr = cb.device_put(np.zeros(2, np.float32), dev[0])
+            fut = arr.addressable_shards[0].data
+            fetch = fake.expect(Kind.FETCH)
+            shape = [3] if what == "shard_shape" else [1 << 40]
+            fake.send(Kind.RESULT, [fetch.body[0], Status.OK, [shape, "<f4", None]],
+                      b"", [np.zeros(3, np.float32).tobytes()])
             with pytest.raises(cb.ProtocolError):
                 fut.result(30)
         elif what == "unknown_kind":

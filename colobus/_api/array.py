@@ -32,6 +32,8 @@ __all__ = [
     "block_until_ready",
     "device_get",
     "device_put",
+    "MisusedHandle",
+    "check_owner",
     "mesh_message",
 ]
 
@@ -43,6 +45,23 @@ def mesh_message(block: HostBlock) -> list[Any]:
     if isinstance(sh, NamedSharding):
         return [devs, list(block.local_devices.shape), list(sh.mesh.axis_names)]
     return [devs, [], []]
+
+
+class MisusedHandle(ValueError):
+    """A handle used where it does not belong (never a pickling problem)."""
+
+
+def check_owner(handle: Any, ctl: Controller) -> None:
+    """Raise ``ValueError`` unless ``handle`` (an Array or Future) was made by ``ctl``.
+
+    Ids restart per controller, so a handle of another controller would name
+    whatever the hosts of ``ctl`` hold under the same number.
+    """
+    owner = handle._ctl if isinstance(handle, Array) else getattr(handle, "_owner", None)
+    if owner is not None and owner is not ctl:
+        kind = "cb.Array" if isinstance(handle, Array) else "cb.Future"
+        raise MisusedHandle(f"this {kind} belongs to the controller that made it, {owner!r}; it "
+                         f"cannot be used with another controller, {ctl!r}")
 
 
 def _spec_of(sharding: Sharding) -> PartitionSpec:
@@ -321,7 +340,10 @@ def _is_array_leaf(x: Any) -> bool:
 
 
 def _ctl_of(leaves: list[Array]) -> Controller:
-    return leaves[0]._ctl if leaves else default_controller()
+    ctl = leaves[0]._ctl if leaves else default_controller()
+    for a in leaves:
+        check_owner(a, ctl)
+    return ctl
 
 
 def _fetch_many(arrays: list[Array], data: bool,

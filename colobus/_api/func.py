@@ -29,7 +29,7 @@ from .._observe.observer import FunctionStats, Observer
 from .._wire import protocol as P
 from .._wire.describe import read_outputs
 from .._wire.envelope import Envelope
-from .array import Array
+from .array import Array, check_owner
 from .cacheinfo import CacheInfo, Signatures
 from .plan import CallPlan, make_plan
 from .serialization import Code, ColocatedObjectBase, PickledArgs, arg_path, pickle_args
@@ -137,6 +137,11 @@ def _build_outputs(ctl: Controller, call_id: int, plan: CallPlan,
             shape = global_shape_from_host(sharding, hosts[0], leaf0.shape)
             blocks = host_blocks(sharding, shape)
             for h, m in metas.items():
+                if m.dtype != leaf0.dtype or m.key_impl != leaf0.key_impl:
+                    other = _key_dtype(m.key_impl) if m.key_impl else m.dtype
+                    raise ValueError(
+                        f"output {i} is sharded, so all hosts must agree on its dtype, but "
+                        f"host {hosts[0]} returned {dtype} and host {h} returned {other}")
                 if tuple(blocks[h].shape) != tuple(m.shape):
                     raise ValueError(
                         f"output {i}: host {h} returned a block of shape {m.shape}, but the "
@@ -237,6 +242,9 @@ def invoke(target: Target, args: tuple[Any, ...], kwargs: dict[str, Any], *,
         leaves, treedef = list(args), _positional_treedef(len(args))
     else:
         leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=_is_handle)
+    for leaf in leaves:
+        if isinstance(leaf, Array | Future):
+            check_owner(leaf, ctl)
     plan = make_plan(leaves, devices)
     if target.signatures is not None:
         target.signatures.note(treedef, leaves, plan)
@@ -251,9 +259,15 @@ def invoke(target: Target, args: tuple[Any, ...], kwargs: dict[str, Any], *,
         if isinstance(leaf, Array):
             leaf.check_usable()
     digest = target.digest()  # pickles the code now: SerializationError at the call
-    pickled = pickle_args(tree, target.name)
+    pickled = pickle_args(tree, target.name, ctl)
+    inputs = _check_buried(pickled.keep, leaves, plan, target.name)
     for state in pickled.objects:  # colocated objects passed as arguments
         state.bind(ctl)
+    if inputs and any(f.cancelled() for f in inputs):  # nothing to run it on: never sent
+        fut = ctl._ops.new_future(ctl._ops.next_id())
+        fut.info = plan
+        fut._set_cancelled()
+        return fut
     gens = {h: ctl._hosts[h].generation for h in plan.hosts}
     op = _CallOp(ctl, target, plan, pickled, _stream_id(), digest, gens, ctl._ops.next_id(),
                  out_specs)
@@ -273,10 +287,55 @@ def invoke(target: Target, args: tuple[Any, ...], kwargs: dict[str, Any], *,
                               timing=obs.record(op.call_id, target.name, plan.hosts)
                               if obs.records else None)
     fut.info = plan
+    if inputs:
+        _cancel_with(fut, inputs)
     # When the Future goes, so does each host's result slot (kept for Futures as
     # arguments). A weakref callback: several times cheaper than weakref.finalize.
     _result_refs[weakref.ref(fut, _release_results)] = op
     return fut
+
+
+def _check_buried(keep: list[Any], leaves: list[Any], plan: CallPlan,
+                  name: str) -> list[Future[Any]]:
+    """Check the handles the pickle found that are no pytree leaf; the input futures.
+
+    A ``cb.Array`` (or call future) inside a plain object still reaches each
+    host as its block there, so its devices must be the call's own: else a host
+    would take its block for the whole. Returns every future among the inputs.
+    """
+    inputs: list[Future[Any]] = []
+    all_leaves = len(keep) == len(leaves) and all(
+        a is b for a, b in zip(keep, leaves, strict=True))
+    leaf_ids = set() if all_leaves else {id(x) for x in leaves}
+    for h in keep:
+        if isinstance(h, Future):
+            inputs.append(h)
+        if all_leaves or id(h) in leaf_ids or not isinstance(h, Array | Future):
+            continue
+        devs = h.sharding.device_set if isinstance(h, Array) else set(h.info.devices)
+        if set(devs) != set(plan.devices):
+            kind = "cb.Array" if isinstance(h, Array) else "cb.Future"
+            raise ValueError(
+                f"an argument of {name} holds a {kind} inside an object that is not a pytree "
+                f"node, on devices {sorted(d.id for d in devs)}, but the call runs on devices "
+                f"{sorted(d.id for d in plan.devices)}: pass it as a pytree leaf (directly, "
+                "or in a tuple, list, dict or registered pytree node) so that it takes part "
+                "in the call's device set")
+    return inputs
+
+
+def _cancel_with(fut: Future[Any], inputs: list[Future[Any]]) -> None:
+    """``fut`` ends cancelled as soon as one of its input futures is cancelled."""
+    ref = weakref.ref(fut)
+
+    def on_input(f: Future[Any]) -> None:
+        if f.cancelled():
+            dependent = ref()
+            if dependent is not None:
+                dependent.cancel()
+
+    for f in inputs:
+        f.add_done_callback(on_input)
 
 
 class _CallOp:

@@ -24,6 +24,7 @@ from .._controller.future import Future
 from .._controller.hosts import Host
 from .._model.devices import Device
 from .._wire import protocol as P
+from .array import check_owner
 from .func import (
     CallPlan,
     Code,
@@ -73,11 +74,15 @@ class ObjectState:
             if self.ctl is None:
                 self.ctl = ctl
             elif self.ctl is not ctl:
-                raise RuntimeError(
-                    f"this {self.cls_name} object belongs to another (closed?) controller")
+                raise ValueError(
+                    f"this {self.cls_name} object belongs to the controller that first used "
+                    f"it, {self.ctl!r}; it cannot be used with another controller, {ctl!r}")
 
     def check_plan(self, ctl: Controller, plan: CallPlan) -> None:
         self.bind(ctl)
+        for handle in self.init.keep:  # arrays and futures given to __init__
+            if not isinstance(handle, ColocatedObjectBase):
+                check_owner(handle, ctl)
         for state in self.init.objects:  # objects given to __init__ are built with it
             if state.ctl is None:
                 state.bind(ctl)

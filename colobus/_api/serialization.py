@@ -18,6 +18,7 @@ import importlib
 import io
 import pickle
 import threading
+import weakref
 from collections import ChainMap
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -28,8 +29,9 @@ import cloudpickle
 from .._controller.future import Future
 from .._errors import SerializationError
 from .._model.jaxside import HOST_REDUCERS, std_dispatch_table
+from .._wire import protocol as P
 from .._wire.envelope import Buffer, StdPickler, oob_callback
-from .array import Array
+from .array import Array, MisusedHandle, check_owner
 from .plan import CallPlan
 
 if TYPE_CHECKING:
@@ -70,6 +72,7 @@ class Code:
             with self._lock:
                 if self._blob is None:
                     self._blob = self._pickle()
+                    _code_born(self, self._blob[0])
                 blob = self._blob
         return blob
 
@@ -78,7 +81,10 @@ class Code:
         digest, blob = self.get()
         if ctl._send_code(host, digest, blob):
             self.shipped[host.index] += 1
+            with _code_lock:
+                _code_where.setdefault(digest, set()).add((weakref.ref(ctl), host.index))
         return digest
+
 
     def _pickle(self) -> tuple[bytes, bytes]:
         obj = self.obj
@@ -102,6 +108,50 @@ class Code:
                     f"{qualname or obj!r} cannot be pickled to send to hosts: {exc}") from exc
         return hashlib.blake2b(data, digest_size=16).digest(), data
 
+
+# Code lives on a host as long as some Code object with its digest lives here: a
+# function's wrappers (and specializations) hold it, and so does every call made
+# with it until its Future is gone. Then every host it was sent to drops it.
+_code_lock = threading.Lock()
+_code_live: collections.Counter[bytes] = collections.Counter()  # digest -> live Code objects
+_code_where: dict[bytes, set[tuple[weakref.ref[Controller], int]]] = {}  # sent to (ctl, host)
+
+
+def _code_born(code: Code, digest: bytes) -> None:
+    with _code_lock:
+        _code_live[digest] += 1
+    weakref.finalize(code, _code_gone, digest)
+
+
+def _code_gone(digest: bytes) -> None:
+    """The last Code object of ``digest`` went (any thread): hosts may drop it."""
+    with _code_lock:
+        _code_live[digest] -= 1
+        if _code_live[digest] > 0:
+            return
+        del _code_live[digest]
+        places = _code_where.pop(digest, set())
+    for ctl_ref, host in places:
+        ctl = ctl_ref()
+        if ctl is None or ctl._closed:
+            continue
+        try:  # after every operation submitted before (never ahead of a CALL using it)
+            ctl._ops.post(functools.partial(_forget_code, ctl, host, digest))
+        except Exception:  # the controller closed meanwhile: its hosts dropped everything
+            pass
+
+
+def _forget_code(ctl: Controller, index: int, digest: bytes) -> None:
+    """Loop thread: tell host ``index`` to drop ``digest``, unless it came back to life."""
+    with _code_lock:
+        if _code_live.get(digest):  # a new Code of the same digest uses the host's copy
+            _code_where.setdefault(digest, set()).add((weakref.ref(ctl), index))
+            return
+    host = ctl._hosts[index]
+    if digest in host.code_sent:
+        host.code_sent.discard(digest)
+        ctl._count("code_freed")
+        ctl._send(host, P.Release([], [], [digest]))
 
 class _CodePickler(cloudpickle.Pickler):  # type: ignore[misc]
     """cloudpickle, with device-model objects made the host's JAX objects (``_hostside``)."""
@@ -136,6 +186,7 @@ class _HandleIds:
     refs: list[list[int]]
     keep: list[Any]
     objects: list[Any]
+    ctl: Controller | None  # whose call: handles of another controller are refused
 
     def _reset_ids(self) -> None:
         self.refs = []
@@ -144,9 +195,13 @@ class _HandleIds:
 
     def persistent_id(self, obj: Any) -> int | None:
         if isinstance(obj, Array):
+            if self.ctl is not None:
+                check_owner(obj, self.ctl)
             obj.check_usable()
             self.refs.append([0, obj.ref])
         elif isinstance(obj, Future) and isinstance(obj.info, CallPlan):
+            if self.ctl is not None:
+                check_owner(obj, self.ctl)
             self.refs.append([1, obj.call_id])
         elif isinstance(obj, ColocatedObjectBase):
             state = obj._colobus_state
@@ -162,10 +217,12 @@ class _HandleIds:
 class _FastArgsPickler(_HandleIds, StdPickler):
     """The stdlib (C) pickler: most arguments are arrays, numbers and plain containers."""
 
-    def __init__(self, file: io.BytesIO, buffers: list[Buffer]) -> None:
+    def __init__(self, file: io.BytesIO, buffers: list[Buffer],
+                 ctl: Controller | None = None) -> None:
         self.dispatch_table = std_dispatch_table()  # read by the C pickler's __init__
         super().__init__(file, protocol=5, buffer_callback=oob_callback(buffers))
         self._reset_ids()
+        self.ctl = ctl
 
 
 class _ArgsPickler(_HandleIds, cloudpickle.Pickler):  # type: ignore[misc]
@@ -174,9 +231,11 @@ class _ArgsPickler(_HandleIds, cloudpickle.Pickler):  # type: ignore[misc]
     dispatch_table: ClassVar[ChainMap[Any, Any]] = ChainMap(
         HOST_REDUCERS, cloudpickle.Pickler.dispatch_table)
 
-    def __init__(self, file: io.BytesIO, buffers: list[Buffer]) -> None:
+    def __init__(self, file: io.BytesIO, buffers: list[Buffer],
+                 ctl: Controller | None = None) -> None:
         super().__init__(file, protocol=5, buffer_callback=oob_callback(buffers))
         self._reset_ids()
+        self.ctl = ctl
 
 
 @dataclass(slots=True)
@@ -188,8 +247,12 @@ class PickledArgs:
     objects: list[Any]
 
 
-def pickle_args(tree: Any, what: str) -> PickledArgs:
-    """Pickle ``(args, kwargs)`` once for every host; ``SerializationError`` names the leaf."""
+def pickle_args(tree: Any, what: str, ctl: Controller | None = None) -> PickledArgs:
+    """Pickle ``(args, kwargs)`` once for every host; ``SerializationError`` names the leaf.
+
+    With ``ctl``, a handle another controller made raises ``ValueError`` (also one
+    inside an object that is no pytree node).
+    """
     import jax
 
     args, kwargs = tree
@@ -198,29 +261,32 @@ def pickle_args(tree: Any, what: str) -> PickledArgs:
         # persistent ids 0..n-1 and is the same bytes every time.
         refs = []
         for a in args:
+            if ctl is not None:
+                check_owner(a, ctl)
             a.check_usable()
             refs.append([0, a.ref])
         return PickledArgs(_handles_payload(len(args)), [], refs, list(args), [])
     f = io.BytesIO()
     buffers: list[Buffer] = []
-    fast = _FastArgsPickler(f, buffers)
+    fast = _FastArgsPickler(f, buffers, ctl)
     try:
         fast.dump(tree)
         return PickledArgs(f.getvalue(), buffers, fast.refs, fast.keep, fast.objects)
-    except (SerializationError, RuntimeError) as exc:
-        if isinstance(exc, SerializationError) or "deleted" in str(exc) or (
+    except (SerializationError, RuntimeError, MisusedHandle) as exc:
+        if isinstance(exc, SerializationError | MisusedHandle) or "deleted" in str(exc) or (
                 "was closed" in str(exc)):
             raise
     except Exception:  # ByValue, or what only cloudpickle can pickle: start over
         pass
     f = io.BytesIO()
     buffers = []
-    pickler = _ArgsPickler(f, buffers)
+    pickler = _ArgsPickler(f, buffers, ctl)
     try:
         pickler.dump(tree)
-    except (SerializationError, RuntimeError) as exc:
-        # a deleted array or a closed object: the caller's misuse, not a pickling problem
-        if isinstance(exc, SerializationError) or "deleted" in str(exc) or (
+    except (SerializationError, RuntimeError, MisusedHandle) as exc:
+        # a deleted array, a closed object, a handle of another controller: the
+        # caller's misuse, not a pickling problem
+        if isinstance(exc, SerializationError | MisusedHandle) or "deleted" in str(exc) or (
                 "was closed" in str(exc)):
             raise
         raise SerializationError(f"arguments of {what} cannot be pickled: {exc}") from exc

@@ -15,7 +15,7 @@ from .._controller.future import Future
 from .._model.blocks import host_blocks
 from .._model.devices import Device
 from .._wire import protocol as P
-from .._wire.codec import from_buffer
+from .._wire.describe import BadReply, read_fetched
 
 if TYPE_CHECKING:
     from .._controller.controller import Controller
@@ -99,8 +99,12 @@ def _fetch_shard(array: ShardedArray, host: int, index: tuple[slice, ...]) -> Fu
         ctl._send(ctl._hosts[host], P.Fetch(call_id, ref, True))
 
     def decode(h: Host, body: P.Result, env: Envelope) -> Any:
-        shape, descr, _impl = body.meta
-        return from_buffer(descr, shape, env.buffers[0])
+        # The bounded reader (never the host's word for sizes), then the block's shape.
+        data = read_fetched(body.meta, env.buffers)
+        if tuple(data.shape) != tuple(block.shape):
+            raise BadReply(f"fetched a block of shape {tuple(data.shape)} for a shard whose "
+                           f"host holds {tuple(block.shape)}")
+        return data
 
     def combine(values: dict[int, Any]) -> Any:
         data: np.ndarray[Any, Any] = values[host][tuple(local)]

@@ -29,6 +29,7 @@ from .._wire import keys as _keys
 from .._wire import protocol as P
 from .._wire.channel import Channel, router_socket
 from .._wire.envelope import Buffer
+from .._wire.tasks import supervise
 from . import syncface as _syncface
 from .current import Current, State
 from .environ import from_environment
@@ -154,18 +155,10 @@ class Controller:
         self._hangup_grace = min(liveness_timeout, max(liveness_timeout / 2,
                                                        2 * heartbeat_interval))
         self._hangups: Hangups | None = None
-        self._curve: tuple[bytes, bytes] | None = None  # (public, secret), Z85
-        self._curve_allow: set[bytes] | None = None
+        # (public, secret) Z85 and the allowed workers' keys, when CurveZMQ is on
+        self._curve, self._curve_allow = _keys.curve_server_config(
+            curve_secret_key, curve_public_key, curve_allow)
         self._auth: Any = None  # zmq.auth.thread.ThreadAuthenticator while running
-        if curve_secret_key is not None:
-            from .._wire.keys import load_curve_allow, load_curve_keypair
-
-            public, secret = load_curve_keypair(curve_secret_key)
-            self._curve = (curve_public_key or public, secret)
-            if curve_allow is not None:
-                self._curve_allow = load_curve_allow(curve_allow)
-        elif curve_allow is not None:
-            raise ValueError("curve_allow needs curve_secret_key (the server's key pair)")
         self.state = State.NEW
         # Metrics and traces (None when both are off: one check per call site).
         self.observer, self._metrics, self._trace = observing(
@@ -183,10 +176,15 @@ class Controller:
         self._counters: collections.Counter[str] = collections.Counter()
         self._frees = Frees(self)
         self._join_waiters = JoinWaiters()
+        self._joined = self._join_waiters.wake  # a host joined: wake those waiting
         self._tasks: list[asyncio.Task[None]] = []
         self._closing: asyncio.Task[None] | None = None  # a close begun on the loop thread
+        self._close_reason: str | None = None  # why it closed, when not by the user
         self._sessions = Sessions(self)
         self._sessions.join_order = JoinOrder(names) if names else None  # colobus launch
+
+    def __repr__(self) -> str:
+        return f"<colobus.Controller {self._address or self._bind} {self.state.value}>"
 
     # -- public surface -------------------------------------------------------------
 
@@ -236,7 +234,9 @@ class Controller:
         Per-host figures are the ones each worker last reported (every heartbeat, or on
         :meth:`refresh_stats`): ``arrays``, ``bytes`` and ``objects`` it holds, and ``results``,
         the call results it keeps for futures still alive; from its heartbeats only, ``rtt``
-        (heartbeat round trip, s), ``rss`` (bytes), ``cpu`` (s) and ``dropped``.
+        (heartbeat round trip, s), ``rss`` (bytes), ``cpu`` (s), ``dropped``, ``threads`` and
+        ``stuck`` (its call pool's threads, and those busy with calls of an ended session),
+        ``code`` and ``code_bytes`` (the functions and classes it holds, and their size).
         """
         return collect_stats(self._sessions, self._counters, self._chan, self._ops, self._hosts)
 
@@ -301,7 +301,8 @@ class Controller:
         self._chan = Channel(sock, self._key, self._loop, self._sessions.on_frames,
                              before_flush=self._frees.move_to_outboxes)
         self._hangups = Hangups(sock, self._loop, self._hangup_grace, self._sessions.lose)
-        self._tasks.append(self._loop.create_task(self._liveness_loop()))
+        self._tasks.append(supervise(self._loop.create_task(self._sessions.liveness()),
+                                     "the liveness loop", self._die))
         self.state = State.RUNNING
         log.info("controller listening on %s (%s)", self._address, key_words(self._key))
         if self._write_key_file:
@@ -355,7 +356,7 @@ class Controller:
             self._send(h, P.Shutdown(reason))
         chan.flush()
         self.state = State.CLOSED
-        self._ops.close()
+        self._ops.close(self._close_reason)
         self._join_waiters.wake()
         for t in self._tasks:
             t.cancel()
@@ -433,7 +434,9 @@ class Controller:
 
     def _check_open(self) -> None:
         if self.state is State.CLOSED:
-            raise ControllerClosedError("the colobus controller is closed")
+            why = self._close_reason
+            raise ControllerClosedError("the colobus controller is closed" + (
+                f" ({why})" if why else ""))
 
     def _on_loop_thread(self) -> bool:
         return threading.get_ident() == self._loop_thread_id
@@ -478,14 +481,11 @@ class Controller:
         """Declare a host lost now (a local cluster whose worker process died; tests)."""
         self._call_soon(self._sessions.lose, self._hosts[index], why)
 
-    def _joined(self) -> None:
-        """A host joined: wake those waiting for hosts."""
-        self._join_waiters.wake()
-
-    async def _liveness_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.heartbeat_interval)
-            self._sessions.tick()
+    def _die(self, why: str) -> None:
+        """A background task died: close, every call failing with ``why``."""
+        self._close_reason = why
+        if self.state is State.RUNNING and self._loop is not None:
+            self._closing = self._loop.create_task(self.aclose())
 
 
 _push_current = _current.push

@@ -54,6 +54,7 @@ class Future(Generic[T]):
         "_event",
         "_exception",
         "_loop_thread",
+        "_owner",
         "_result",
         "_state",
         "_stats",
@@ -63,8 +64,10 @@ class Future(Generic[T]):
         "info",
     )
 
-    def __init__(self, loop_thread: int | None = None, call_id: int = 0) -> None:
+    def __init__(self, loop_thread: int | None = None, call_id: int = 0,
+                 owner: object = None) -> None:
         self._state = _PENDING
+        self._owner = owner  # the controller that made it (None: made by colobus itself)
         self._result: Any = None
         self._exception: BaseException | None = None
         self._callbacks: list[Callable[[Future[T]], object]] | None = None
@@ -269,11 +272,21 @@ class Future(Generic[T]):
 
 
 def _run_callback(fn: Callable[[Future[Any]], object], fut: Future[Any]) -> None:
-    """Run one done-callback; one that raises is logged and the others still run."""
+    """Run one done-callback; one that raises is logged and the others still run.
+
+    asyncio's rule: any exception a callback raises, ``BaseException`` included
+    (a ``CancelledError`` from ``f.result()`` on a cancelled future), is logged
+    and goes no further -- not into ``cancel()``'s caller, not into the message
+    dispatch or liveness tick that settled the future. Only ``KeyboardInterrupt``
+    and ``SystemExit`` propagate, as they do out of asyncio's callbacks.
+    """
     try:
         fn(fut)
-    except Exception:
-        log.exception("a colobus Future done-callback raised (the other callbacks still run)")
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException:
+        log.exception("a colobus Future done-callback %r raised (the other callbacks still "
+                      "run)", fn)
 
 
 def _wake_waiter(waiter: asyncio.Future[None]) -> None:

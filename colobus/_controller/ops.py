@@ -220,7 +220,7 @@ class Operations:
         return next(self._ids)
 
     def new_future(self, call_id: int = 0) -> Future[Any]:
-        return Future(self.ctl._loop_thread_id, call_id)
+        return Future(self.ctl._loop_thread_id, call_id, self.ctl)
 
     # -- submitting ---------------------------------------------------------------------
 
@@ -402,9 +402,10 @@ class Operations:
         host.inflight.clear()
         self.pump()  # queued operations for that host fail as they reach the front
 
-    def close(self) -> None:
+    def close(self, why: str | None = None) -> None:
         """The controller closed: every operation, sent or queued, ends with an error."""
-        err = ControllerClosedError("the colobus controller closed before this call finished")
+        err = ControllerClosedError("the colobus controller closed before this call finished"
+                                    + (f" ({why})" if why else ""))
         for op in list(self.pending.values()):
             op.outputs = {}  # the hosts drop everything of this session themselves
             op.end(self, err)

@@ -14,6 +14,7 @@ Everything here runs on the controller's loop thread.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
 import time
@@ -81,6 +82,7 @@ class Sessions:
         self._ctl = ctl
         self.dropped: collections.Counter[str] = collections.Counter()
         self.batches_received = 0
+        self.tick_errors = 0  # liveness ticks that raised (logged)
         self.hosts_dropped = 0  # joined hosts dropped for breaking the protocol
         self.challenges = Challenges()  # join nonces: bounded, expiring
         self._peer_warnings = PeerWarnings(log)
@@ -172,7 +174,9 @@ class Sessions:
         except ValueError as exc:
             self.drop("malformed", identity, str(exc))
             return
-        except Exception:  # a bug in a handler must not kill the reader
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException:  # a bug in a handler must not kill the reader
             self.dropped["handler_error"] += 1
             log.exception("error handling a message from %s", identity.hex())
             return
@@ -195,7 +199,10 @@ class Sessions:
             handler(host, body, env)
         except ValueError as exc:
             self.violation(host, "malformed", str(exc))
-        except Exception:  # a bug in a handler must not kill the reader
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException:  # a bug in a handler (a CancelledError too) must not
+            # end the batch it came in: the rest of the batch is still handled
             self.dropped["handler_error"] += 1
             log.exception("error handling a message from %s", identity.hex())
 
@@ -302,6 +309,19 @@ class Sessions:
                 log.debug("host %d: %d call-time entries dropped", host.index, bad)
 
     # -- liveness ------------------------------------------------------------------------
+
+    async def liveness(self) -> None:
+        """Tick every ``heartbeat_interval``; one bad turn (a bug, a callback's
+        BaseException) is logged and counted, and never ends liveness."""
+        while True:
+            await asyncio.sleep(self._ctl.heartbeat_interval)
+            try:
+                self.tick()
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException:
+                self.tick_errors += 1
+                log.exception("the liveness tick raised; it runs again next interval")
 
     def tick(self) -> None:
         """Heartbeats out, silent hosts lost, unacknowledged messages resent."""

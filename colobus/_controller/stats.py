@@ -27,6 +27,7 @@ def collect_stats(sessions: Sessions, counters: collections.Counter[str], chan: 
         "dropped": dict(sessions.dropped),
         "dropped_total": sum(sessions.dropped.values()),
         "hosts_dropped": sessions.hosts_dropped,
+        "tick_errors": sessions.tick_errors,
         "join_challenges": len(sessions.challenges),
         "code_sent": counters["code_sent"],
         "code_bytes": counters["code_bytes"],
@@ -74,6 +75,12 @@ def host_health(host: Any) -> dict[str, Any]:
         "rss": beat.rss if beat is not None else None,
         "cpu": beat.cpu / 1e9 if beat is not None else None,
         "dropped": dropped,
+        # its call pool's threads, and those stuck in calls of an ended session
+        "threads": beat.threads if beat is not None else None,
+        "stuck": beat.stuck if beat is not None else None,
+        # the code it holds: functions and classes, and their pickled bytes
+        "code": beat.code if beat is not None else None,
+        "code_bytes": beat.code_bytes if beat is not None else None,
     }
 
 

@@ -9,6 +9,7 @@ would deadlock (on that loop thread itself).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 import threading
@@ -62,7 +63,7 @@ class LoopThread:
             raise RuntimeError(
                 "this blocking colobus call would deadlock on the controller's own event-loop "
                 "thread (e.g. inside a done-callback); use the async form (`await ...`) there")
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+        return wait_or_cancel(asyncio.run_coroutine_threadsafe(coro, self.loop), timeout)
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stop the loop and join the thread; from the thread itself, only ask it to stop."""
@@ -113,7 +114,16 @@ def run_sync(ctl: SyncOwner, coro: Coroutine[Any, Any, T], timeout: float | None
         coro.close()
         raise RuntimeError("run_sync cannot run on the controller's own event loop; "
                            "await the coroutine there instead")
-    return asyncio.run_coroutine_threadsafe(coro, ctl._loop).result(timeout)
+    return wait_or_cancel(asyncio.run_coroutine_threadsafe(coro, ctl._loop), timeout)
+
+
+def wait_or_cancel(fut: concurrent.futures.Future[T], timeout: float | None) -> T:
+    """``fut.result(timeout)``; on the timeout the coroutine behind it is cancelled."""
+    try:
+        return fut.result(timeout)
+    except TimeoutError:
+        fut.cancel()  # cancels the task on the loop: nothing keeps running unseen
+        raise
 
 
 def close(ctl: SyncOwner) -> None:

@@ -29,38 +29,89 @@ class CallPool:
     variable and its lock) and a work item per job and takes a semaphore on each
     submit; the runs of calls need none of that. Threads start on demand, up to
     ``max_threads``; a job waits in the queue while all are busy.
+
+    A job still running when its session ended (:meth:`new_session`) is *stuck*:
+    nobody waits for it, and it may never end (a call blocked on a dead peer).
+    The pool grows past stuck threads, so they cost the next session no
+    capacity, up to ``hard_max`` threads in all (default four times
+    ``max_threads``), with a warning; surplus threads leave once idle.
     """
 
-    def __init__(self, max_threads: int, name: str) -> None:
+    def __init__(self, max_threads: int, name: str, hard_max: int | None = None) -> None:
         self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._idle = 0
         self._threads: list[threading.Thread] = []
         self._max = max_threads
+        self._hard_max = max(max_threads, hard_max if hard_max is not None else 4 * max_threads)
         self._name = name
+        self._made = 0
+        self._epoch = 0  # sessions begun; a job started in an older one is stuck
+        self._running: dict[int, int] = {}  # thread ident -> the epoch its job started in
+        self._warned = False
 
-    def submit(self, job: Callable[[], None]) -> None:
+    def _stuck(self) -> int:
+        epoch = self._epoch
+        return sum(1 for e in self._running.values() if e < epoch)
+
+    def _limit(self) -> int:
+        return min(self._max + self._stuck(), self._hard_max)
+
+    def submit(self, job: Callable[[], None]) -> bool:
+        """Queue ``job``; whether a thread takes it now (False: all are busy)."""
         with self._lock:
+            now = True
             if self._idle:
                 self._idle -= 1  # that thread takes this job
-            elif len(self._threads) < self._max:
+            elif len(self._threads) < self._limit():
+                self._made += 1
                 t = threading.Thread(target=self._serve, daemon=True,
-                                     name=f"{self._name}_{len(self._threads)}")
+                                     name=f"{self._name}_{self._made}")
                 self._threads.append(t)
                 t.start()
+            else:
+                now = False
+                if self._stuck() and not self._warned:
+                    self._warned = True
+                    log.warning("the call pool is at its bound of %d threads, %d of them stuck "
+                                "in calls of ended sessions: new calls wait", self._hard_max,
+                                self._stuck())
         self._queue.put(job)
+        return now
+
+    def new_session(self) -> None:
+        """A session ended: what still runs is stuck; the pool grows past it."""
+        with self._lock:
+            self._epoch += 1
+            self._warned = False
+            stuck = self._stuck()
+        if stuck:
+            log.warning("%d calls of the ended session still run on this host's call pool; "
+                        "it grows past them (at most %d threads)", stuck, self._hard_max)
+
+    def figures(self) -> tuple[int, int]:
+        """(threads, stuck threads): for the heartbeat and ``ctl.stats()``."""
+        with self._lock:
+            return len(self._threads), self._stuck()
 
     def _serve(self) -> None:
+        me = threading.get_ident()
         while True:
             job = self._queue.get()
             if job is None:
                 return
+            with self._lock:
+                self._running[me] = self._epoch
             try:
                 job()
             except BaseException:  # a job reports its own errors; this is a bug
                 log.exception("a call-pool job failed")
             del job
             with self._lock:
+                del self._running[me]
+                if len(self._threads) > self._limit() and self._queue.empty():
+                    self._threads.remove(threading.current_thread())
+                    return  # a surplus thread (grown past stuck ones) leaves
                 self._idle += 1
 
     def shutdown(self) -> None:

@@ -13,10 +13,10 @@ the object already received (from any stream) has finished.
 from __future__ import annotations
 
 import asyncio
-import collections
 import functools
 import inspect
 import logging
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from .._wire import protocol as P
 from .._wire.envelope import Buffer, Envelope
 from .._wire.protocol import Status
+from .calls import _CANCELLED, _DONE, _QUEUED, _RUNNING, _Call, _Destroy, _settable, _Stream
 from .pool import ArgsUnpickler, CallPool
 from .store import CallResult, Store
 
@@ -39,11 +40,12 @@ __all__ = ["Scheduler", "WorkerServices"]
 log = logging.getLogger("colobus.worker")
 
 MAX_BATCH = 256  # calls of one stream run in one thread-pool job, at most
+# A plain call that no pool thread takes this long after it was ready fails
+# (TimeoutError) instead of waiting forever; COLOBUS_CALL_START_TIMEOUT overrides.
+CALL_START_TIMEOUT_S = 60.0
+_WAITING, _TAKEN, _EXPIRED = range(3)  # a pool job's claim: taken by a thread, or expired
 BRIEF_WAIT_S = 0.0005  # after starting quick calls, the loop waits this long for them
 BRIEF_WAIT_NS = int(BRIEF_WAIT_S * 1e9)
-
-_QUEUED, _RUNNING, _CANCELLED, _DONE = range(4)
-
 
 class WorkerServices(Protocol):
     """What the scheduler and the host's arrays use of the worker that owns them."""
@@ -68,72 +70,14 @@ class WorkerServices(Protocol):
     def present(self, value: Any) -> Any: ...
 
 
-class _Stream:
-    """The calls of one controller-side stream, which run in arrival order."""
-
-    __slots__ = ("busy", "queue", "sid", "waiting")
-
-    def __init__(self, sid: int) -> None:
-        self.sid = sid
-        self.queue: collections.deque[_Call | _Destroy] = collections.deque()
-        self.busy = False  # a batch, an async call or a destroy of it is running
-        self.waiting: asyncio.Future[Any] | None = None  # the head's unresolved input
-
-
-class _Destroy:
-    """A DESTROY waiting for its turn in a stream."""
-
-    __slots__ = ("calls", "obj")
-
-    def __init__(self, obj: int, calls: set[asyncio.Future[Any]]) -> None:
-        self.obj = obj
-        self.calls = calls
-
-
-class _Call:
-    """One CALL on this host, from arrival to reply."""
-
-    __slots__ = ("arrived", "body", "env", "epoch", "fn", "last", "mesh", "obj", "ok", "outcome",
-                 "pins", "ran", "results", "started", "state", "stream")
-
-    def __init__(self, body: P.Call, env: Envelope, pins: list[asyncio.Future[Any]],
-                 obj: asyncio.Future[Any] | None, results: asyncio.Future[Any],
-                 stream: _Stream, epoch: int) -> None:
-        self.body = body
-        self.env: Envelope | None = env
-        self.pins = pins
-        self.obj = obj
-        self.results = results
-        self.stream = stream
-        self.epoch = epoch
-        self.state = _QUEUED
-        self.fn: Any = None
-        self.mesh: Any = None
-        self.last = False  # the last of its batch: the stream is free once it is done
-        self.ok = False
-        self.outcome: Any = None
-        # perf_counter_ns on arrival and at start, and ns it ran: the reply's times.
-        self.arrived = self.started = self.ran = 0
-
-    def times(self) -> list[int]:
-        """``[queued, ran]`` in ns, as the RESULT reports them (empty: it never started)."""
-        return [self.started - self.arrived, self.ran] if self.started else []
-
-    def unready_input(self) -> asyncio.Future[Any] | None:
-        """An input (argument or object) not resolved yet, if any."""
-        for p in self.pins:
-            if not p.done():
-                return p
-        if self.obj is not None and not self.obj.done():
-            return self.obj
-        return None
-
-
 class Scheduler:
     """Runs the CALLs and DESTROYs of one worker, stream by stream."""
 
     def __init__(self, worker: WorkerServices, max_threads: int) -> None:
         self._w = worker
+        max_threads = int(os.environ.get("COLOBUS_CALL_THREADS", max_threads))
+        self.start_timeout = float(os.environ.get("COLOBUS_CALL_START_TIMEOUT",
+                                                  CALL_START_TIMEOUT_S))
         self.pool = CallPool(max_threads, "colobus-call")
         self._streams: dict[int, _Stream] = {}
         self._calls: dict[int, _Call] = {}
@@ -152,6 +96,7 @@ class Scheduler:
 
     def clear(self) -> None:
         """The session ended: forget its calls (running ones finish into nothing)."""
+        self.pool.new_session()
         for t in list(self._async_calls):
             t.cancel()
         self._calls.clear()
@@ -170,6 +115,9 @@ class Scheduler:
         stream = self._stream(body.stream)
         call = _Call(body, env, pins, obj, results, stream, w.epoch)
         call.arrived = time.perf_counter_ns()
+        code = None if body.obj else store.code.get(body.digest)
+        if code is not None and code[0] == "ok":
+            call.fn = code[1]  # held from now on: a RELEASE of the code cannot strand it
         self._calls[body.call_id] = call
         if body.obj:
             store.obj_calls.setdefault(body.obj, set()).add(results)
@@ -268,7 +216,10 @@ class Scheduler:
             batch[-1].last = True
             stream.busy = True
             self.started = True
-            self.pool.submit(functools.partial(self._run_batch, batch))
+            claim = [_WAITING]
+            if not self.pool.submit(functools.partial(self._run_batch, batch, claim)):
+                asyncio.get_running_loop().call_later(  # every thread is busy
+                    self.start_timeout, self._expire, batch, claim, self._w.epoch)
         elif not queue:
             del self._streams[stream.sid]  # idle: a later call starts a new one
 
@@ -283,7 +234,7 @@ class Scheduler:
         if call.obj is not None:
             fn = getattr(call.obj.result(), body.method)
         else:
-            fn = self._w.store.get_code(body.digest)
+            fn = call.fn if call.fn is not None else self._w.store.get_code(body.digest)
         call.mesh = self._w.values.local_mesh(body.mesh)
         return fn
 
@@ -305,12 +256,39 @@ class Scheduler:
         call.state = _DONE
         self._forget(call)
         if not call.results.done():
-            call.results.set_exception(exc)
+            call.results.set_exception(_settable(exc))
             call.results.exception()
         self._w.reply_error(call.body.call_id, exc)
 
-    def _run_batch(self, batch: list[_Call]) -> None:
+    def _expire(self, batch: list[_Call], claim: list[int], epoch: int) -> None:
+        """Loop thread: a batch no pool thread took in time fails, and its stream moves on."""
+        with self._state_lock:
+            if claim[0] != _WAITING or epoch != self._w.epoch:
+                return
+            claim[0] = _EXPIRED
+        threads, stuck = self.pool.figures()
+        err = TimeoutError(
+            f"this call could not start within {self.start_timeout:g} s: all {threads} call "
+            f"threads of host {self._w.host_index} are busy ({stuck} of them stuck in calls "
+            "of an ended controller session)")
+        for call in batch:
+            with self._state_lock:
+                queued = call.state == _QUEUED
+                call.state = _DONE
+            if queued:
+                self._fail(call, err)
+            else:
+                self._forget(call)
+        stream = batch[-1].stream
+        stream.busy = False
+        self.pump(stream)
+
+    def _run_batch(self, batch: list[_Call], claim: list[int]) -> None:
         """Pool thread: run ready plain calls of one stream back to back."""
+        with self._state_lock:
+            if claim[0] == _EXPIRED:
+                return  # failed meanwhile: waited too long for a thread
+            claim[0] = _TAKEN
         t0 = start = time.perf_counter_ns()
         for call in batch:
             with self._state_lock:
@@ -426,7 +404,7 @@ class Scheduler:
                        bufs, len(bufs))
             else:
                 if not call.results.done():
-                    call.results.set_exception(outcome)
+                    call.results.set_exception(_settable(outcome))
                     call.results.exception()
                 w.reply_error(body.call_id, outcome, call.times())
         else:

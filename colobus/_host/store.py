@@ -11,9 +11,14 @@ Every table counts in :meth:`Store.counts`, which the heartbeat reports.
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import Sequence
 from typing import Any
 
 from .._wire import protocol as P
+from .._wire.envelope import Envelope, loads
+
+log = logging.getLogger("colobus.worker")
 
 __all__ = ["CallResult", "Store"]
 
@@ -40,6 +45,7 @@ class Store:
 
     def __init__(self) -> None:
         self.code: dict[bytes, tuple[str, Any]] = {}
+        self.code_bytes: dict[bytes, int] = {}  # digest -> its pickle's size
         self.arrays: dict[int, asyncio.Future[Any]] = {}
         # call id -> the running call's future (of a CallResult), or a finished call's
         # CallResult without values (names only)
@@ -50,6 +56,7 @@ class Store:
 
     def clear(self) -> None:
         self.code.clear()
+        self.code_bytes.clear()
         self.arrays.clear()
         self.results.clear()
         self.objects.clear()
@@ -72,11 +79,27 @@ class Store:
             raise value
         return value
 
-    def release(self, refs: list[int], calls: list[int]) -> None:
+    def release(self, refs: list[int], calls: list[int], code: Sequence[bytes] = ()) -> None:
         for ref in refs:
             self.arrays.pop(ref, None)
         for call_id in calls:
             self.results.pop(call_id, None)
+        for digest in code:  # calls queued with it hold the function itself (_Call.code)
+            self.code.pop(digest, None)
+            self.code_bytes.pop(digest, None)
+
+    def add_code(self, digest: bytes, env: Envelope) -> None:
+        """A CODE message: the function or class, or why it does not unpickle here."""
+        try:
+            self.code[digest] = ("ok", loads(env.payload, env.buffers[: env.pbufs]))
+            self.code_bytes[digest] = len(env.payload)
+        except Exception as exc:
+            log.warning("code %s does not unpickle here: %r", digest.hex()[:12], exc)
+            self.code[digest] = ("error", exc)
+
+    def code_figures(self) -> tuple[int, int]:
+        """Code held: (functions and classes, bytes of their pickles)."""
+        return len(self.code), sum(self.code_bytes.values())
 
     def store_outputs(self, call_id: int, values: list[Any], treedef: Any) -> CallResult:
         """Keep a finished call's output values as arrays; its result keeps their names."""

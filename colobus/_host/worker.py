@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import functools
 import logging
 import os
 import random
@@ -33,14 +32,15 @@ from .._wire import protocol as P
 from .._wire.calltimes import HEARTBEAT_BUDGET, HostCallTimes
 from .._wire.channel import Channel, Peer
 from .._wire.endpoint import parse_connect
-from .._wire.envelope import Buffer, Dropped, Envelope, decode, loads, unpack_batch
+from .._wire.envelope import Buffer, Dropped, Envelope, decode, unpack_batch
 from .._wire.failures import describe_error
 from .._wire.keys import check_key
 from .._wire.protocol import Kind, Status
 from .._wire.sockio import NOBLOCK
+from .._wire.tasks import supervise
 from .arrays import HostArrays
+from .construct import on_construct
 from .join import JoinDiagnosis
-from .pool import ArgsUnpickler
 from .process import cpu_ns, end_context, rss_bytes
 from .sched import Scheduler
 from .store import Store
@@ -55,6 +55,7 @@ BACKOFF_MAX_S = 5.0
 # ZeroMQ's TCP reconnects back off to at most this: a dropped connection is back well
 # within the half liveness timeout a host whose connection closed has to be heard again.
 RECONNECT_MAX_S = 0.5
+MAX_HEARTBEAT_RESTARTS = 3  # per session; then the worker leaves it and joins afresh
 
 
 class _Exit(Exception):
@@ -131,16 +132,18 @@ class Worker:
         self._stopping = False  # SIGTERM: no next session
         self._welcome: asyncio.Future[None] | None = None
         self._ended: asyncio.Future[str] | None = None
+        self._hb: asyncio.Task[None] | None = None  # this session's heartbeats
+        self._hb_restarts = 0  # times they died this session (and were started again)
         self._bg: set[asyncio.Task[None]] = set()
         self._handlers = {
             Kind.HEARTBEAT: self._on_heartbeat,
-            Kind.CODE: self._on_code,
+            Kind.CODE: lambda body, env: self.store.add_code(body.digest, env),
             Kind.CALL: self.sched.on_call,
             Kind.CANCEL: lambda body, env: self.sched.on_cancel(body),
             Kind.PUT: self.arrays.on_put,
             Kind.FETCH: self.arrays.on_fetch,
-            Kind.RELEASE: lambda body, env: self.store.release(body.refs, body.calls),
-            Kind.CONSTRUCT: self._on_construct,
+            Kind.RELEASE: lambda body, env: self.store.release(body.refs, body.calls, body.code),
+            Kind.CONSTRUCT: lambda body, env: on_construct(self, body, env),
             Kind.DESTROY: lambda body, env: self.sched.on_destroy(body),
             Kind.STATS: self._on_stats,
             Kind.SHUTDOWN: self._on_shutdown,
@@ -152,7 +155,7 @@ class Worker:
 
     def _spawn(self, coro: Any) -> None:
         """A background task of this session, kept referenced until it ends."""
-        task = asyncio.get_running_loop().create_task(coro)
+        task = supervise(asyncio.get_running_loop().create_task(coro), "a session task")
         self._bg.add(task)
         task.add_done_callback(self._bg.discard)
 
@@ -179,7 +182,8 @@ class Worker:
         # short interval keeps heartbeats and fetches flowing past such code.
         sys.setswitchinterval(0.0005)
         self._ctx = zmq.Context()
-        watchdog = asyncio.get_running_loop().create_task(self._watch_parent())
+        watchdog = supervise(asyncio.get_running_loop().create_task(self._watch_parent()),
+                             "the parent watchdog")
         backoff = BACKOFF_MIN_S
         try:
             while True:
@@ -282,17 +286,30 @@ class Worker:
             joined = True
             diagnosis.close()
             log.info("host %s joined %s as host %d", self.name, self.connect, self.host_index)
-            hb = loop.create_task(self._heartbeats())
+            self._hb_restarts = 0
+            self._hb = self._start_heartbeats()
             try:
                 outcome = await self._ended
             finally:
-                hb.cancel()
+                self._hb.cancel()
             return joined, outcome
         finally:
             diagnosis.close()
             chan.close()
             self._chan = None
             self._peer = None
+
+    def _start_heartbeats(self) -> asyncio.Task[None]:
+        return supervise(asyncio.get_running_loop().create_task(self._heartbeats()),
+                         "the worker's heartbeats", self._heartbeats_died)
+
+    def _heartbeats_died(self, why: str) -> None:
+        """Restart them, a few times a session; then leave it (and join afresh)."""
+        self._hb_restarts += 1
+        if self._hb_restarts > MAX_HEARTBEAT_RESTARTS:
+            self._end("error")
+        elif self._ended is not None and not self._ended.done():
+            self._hb = self._start_heartbeats()
 
     async def _heartbeats(self) -> None:
         assert self._ended is not None and self._chan is not None and self._peer is not None
@@ -316,7 +333,8 @@ class Worker:
         calls = ([] if self.call_times is None else
                  self.call_times.take(min(HEARTBEAT_BUDGET, self._max_message // 16)))
         return P.Heartbeat(*self.store.counts(), ping, held, rss_bytes(), cpu_ns(),
-                           dict(self.dropped), calls)
+                           dict(self.dropped), calls, *self.sched.pool.figures(),
+                           *self.store.code_figures())
 
     def _end(self, outcome: str) -> None:
         if self._ended is not None and not self._ended.done():
@@ -410,7 +428,7 @@ class Worker:
         """Handle one authenticated message of this session's controller."""
         try:
             body = P.parse(env.kind, env.body)
-            self._handlers[Kind(env.kind)](body, env)  # type: ignore[operator]
+            self._handlers[Kind(env.kind)](body, env)
         except (ValueError, KeyError) as exc:
             self._drop("malformed", str(exc))
         except _Exit:
@@ -463,38 +481,7 @@ class Worker:
             self.send(self._health())
         self.send(P.Result(body.call_id, Status.OK, list(self.store.counts())))
 
-    def _on_code(self, body: P.Code, env: Envelope) -> None:
-        try:
-            self.store.code[body.digest] = ("ok", loads(env.payload, env.buffers[: env.pbufs]))
-        except Exception as exc:
-            log.warning("code %s does not unpickle here: %r", body.digest.hex()[:12], exc)
-            self.store.code[body.digest] = ("error", exc)
-
     def present(self, value: Any) -> Any:
         """What user code receives for a stored value (any thread)."""
         return self.arrays.present(value)
-
-    # -- objects ------------------------------------------------------------------------
-
-    def _on_construct(self, body: P.Construct, env: Envelope) -> None:
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[Any] = loop.create_future()
-        self.store.objects[body.obj] = fut
-        self.store.classes[body.obj] = body.digest
-        pins = [self.store.pin(r, self.host_index) for r in body.refs]
-        self._spawn(self._construct(body, env, pins, fut))
-
-    async def _construct(self, body: P.Construct, env: Envelope,
-                         pins: list[asyncio.Future[Any]], fut: asyncio.Future[Any]) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            values = [self.present(await p) for p in pins]
-            args, kwargs = ArgsUnpickler(env.payload, values, env.buffers[: env.pbufs]).load()
-            cls = self.store.get_code(body.digest)
-            inst = await loop.run_in_executor(self._pool, functools.partial(cls, *args, **kwargs))
-        except BaseException as exc:
-            fut.set_exception(exc)
-            fut.exception()
-            return
-        fut.set_result(inst)
 

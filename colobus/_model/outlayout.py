@@ -207,7 +207,11 @@ def global_sharding(index: int, plan: Any, metas: Mapping[int, Any],
     if len(locals_) == len(reports) and all(isinstance(s, NamedSharding) for s in locals_):
         spec = locals_[0].spec  # type: ignore[attr-defined]
         meshes = [plan.mesh] + [s.mesh for s in ref_shardings if isinstance(s, NamedSharding)]
-        candidates += [NamedSharding(m, spec) for m in meshes if isinstance(m, Mesh)]
+        meshes += _joined_meshes(reports)  # the hosts' own meshes, side by side
+        for m in meshes:
+            named = _named(m, spec)
+            if named is not None:
+                candidates.append(named)
     if len(reports) == 1 and locals_:
         candidates.append(locals_[0])
     for c in candidates:
@@ -219,10 +223,48 @@ def global_sharding(index: int, plan: Any, metas: Mapping[int, Any],
     if all(r is None or r[2] for r in reports.values()):
         return None
     shown = "; ".join(f"host {h}: {r[1] if r else 'the call mesh'}" for h, r in reports.items())
+    call_mesh = (f"axes {plan.mesh.axis_names} of shape {plan.mesh.devices.shape}"
+                 if isinstance(plan.mesh, Mesh) else "one device")
     raise ValueError(
         f"output {index}: the hosts returned layouts that do not form one global sharding "
-        f"({shown}). Return it laid out like an argument (e.g. jax.device_put(v, x.sharding)) "
-        "or on the call's mesh, or replicated over the host's devices of the call.")
+        f"({shown}). Return it laid out like an argument (e.g. jax.device_put(v, x.sharding)), "
+        f"or on the call's mesh ({call_mesh}; a call without array arguments gets a 1-D mesh "
+        "with axis 'devices'), or on the host's part of one mesh whose hosts' parts lie side "
+        "by side along one axis, or replicated over the host's devices of the call.")
+
+
+def _named(mesh: Any, spec: Any) -> NamedSharding | None:
+    """``NamedSharding(mesh, spec)``, or None where the spec names an axis the mesh lacks."""
+    if not isinstance(mesh, Mesh):
+        return None
+    try:
+        return NamedSharding(mesh, spec)
+    except ValueError:
+        return None
+
+
+def _joined_meshes(reports: Mapping[int, _Report]) -> list[Mesh]:
+    """The hosts' own meshes (same axis names) laid side by side along one axis, in
+    host order: the global mesh a host-local layout was cut from, when the call's
+    mesh is not it (a call without array arguments, a mesh captured by the function)."""
+    local = [reports[h] for h in sorted(reports)]
+    shardings = [r[1] for r in local if r is not None]
+    if len(shardings) < 2 or len(shardings) != len(local) or not all(
+            isinstance(s, NamedSharding) for s in shardings):
+        return []
+    names = shardings[0].mesh.axis_names  # type: ignore[attr-defined]
+    if any(s.mesh.axis_names != names for s in shardings):  # type: ignore[attr-defined]
+        return []
+    out = []
+    for axis in range(len(names)):
+        try:
+            devs = np.concatenate([s.mesh.devices for s in shardings],  # type: ignore[attr-defined]
+                                  axis=axis)
+        except ValueError:  # the parts do not line up along this axis
+            continue
+        if len({d.id for d in devs.flat}) == devs.size:
+            out.append(Mesh(devs, names))
+    return out
 
 
 def _on_the_one_device(plan: Any, metas: Mapping[int, Any],

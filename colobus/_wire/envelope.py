@@ -112,6 +112,14 @@ _KEYED: dict[bytes, Any] = {}  # key -> BLAKE2b state after the key block (a few
 _KEYED_MAX = 16
 
 
+def mac_key(key: bytes) -> bytes:
+    """The BLAKE2b key for ``key``: itself up to 64 bytes (BLAKE2b's limit), else a
+    digest of all of it, so every byte of a longer key counts (never cut to 64)."""
+    if len(key) <= 64:
+        return key
+    return hashlib.blake2b(key, digest_size=64, person=b"colobus-mac-key").digest()
+
+
 def mac(key: bytes, header: Buffer, payload: Buffer) -> bytes:
     """Keyed BLAKE2b over the header and the payload, each with its length.
 
@@ -122,7 +130,7 @@ def mac(key: bytes, header: Buffer, payload: Buffer) -> bytes:
     if keyed is None:
         if len(_KEYED) >= _KEYED_MAX:
             _KEYED.clear()
-        keyed = _KEYED[key] = hashlib.blake2b(key=key[:64], digest_size=MAC_SIZE)
+        keyed = _KEYED[key] = hashlib.blake2b(key=mac_key(key), digest_size=MAC_SIZE)
     h = keyed.copy()
     h.update(_LEN.pack(len(header)))
     h.update(header)

@@ -29,7 +29,7 @@ from .describe import (
     unpack,
 )
 
-__all__ = ["RemoteFailure", "describe_error", "read_error", "rebuild_error"]
+__all__ = ["RemoteFailure", "describe_error", "read_error", "rebuild_error", "rebuildable"]
 
 
 def describe_error(exc: BaseException, hostname: str) -> bytes:
@@ -101,16 +101,32 @@ def read_error(payload: Any) -> RemoteFailure:
         _str(desc.get("traceback", "")), _str(desc.get("host", ""), MAX_NAME))
 
 
+# Exceptions that mean something to the caller's control flow or to colobus itself:
+# a worker must not be able to raise them in the caller (a StopIteration ends the
+# caller's loop, a HostLostError says a host is gone when it is not).
+_NEVER_REBUILT = (StopIteration, StopAsyncIteration)
+
+
+def rebuildable(cls: type[BaseException]) -> bool:
+    """Whether a worker may have ``cls`` rebuilt in the caller: an ``Exception``
+    subclass, neither colobus's own (``colobus.*``) nor StopIteration-like."""
+    module = getattr(cls, "__module__", "") or ""
+    return (issubclass(cls, Exception) and not issubclass(cls, _NEVER_REBUILT)
+            and module != "colobus" and not module.startswith("colobus."))
+
+
 def rebuild_error(failure: RemoteFailure, host: int | None) -> BaseException:
     """The exception a future raises for ``failure``.
 
     Its original type when the type's module is already imported here and the
     class is an ``Exception`` subclass that accepts the plain arguments that
-    travelled; otherwise :class:`~colobus.RemoteError`. The remote notes follow.
+    travelled, and is :func:`rebuildable` (never colobus's own errors, never
+    ``StopIteration``/``StopAsyncIteration``); otherwise
+    :class:`~colobus.RemoteError`. The remote notes follow.
     """
     exc: BaseException | None = None
     cls = lookup_class(failure.module, failure.qualname)
-    if (isinstance(cls, type) and issubclass(cls, Exception)
+    if (isinstance(cls, type) and issubclass(cls, Exception) and rebuildable(cls)
             and failure.args is not None):
         try:
             exc = cls(*failure.args)

@@ -23,6 +23,7 @@ import zmq
 from .._errors import AuthenticationError
 
 __all__ = [
+    "curve_server_config",
     "KEY_ENV", "MIN_KEY_BYTES", "check_key", "generate_key", "key_file_of", "key_id",
     "load_curve_allow", "load_curve_keypair", "load_curve_public", "load_key", "note_key_file",
     "parse_key_text", "remove_private_key", "start_curve_server", "write_curve_keypair",
@@ -332,3 +333,20 @@ def start_curve_server(ctx: zmq.Context[Any], sock: zmq.Socket[Any], public: byt
     log.info("CurveZMQ on: server key %s, %s", public.decode(),
              "any client key" if allowed is None else f"{len(allowed)} allowed client keys")
     return auth
+
+
+def curve_server_config(secret_key: str | os.PathLike[str] | None, public_key: bytes | None,
+                        allow: Iterable[bytes | str | os.PathLike[str]] | None
+                        ) -> tuple[tuple[bytes, bytes] | None, set[bytes] | None]:
+    """A controller's CurveZMQ set-up from its options: ``((public, secret), allowed)``.
+
+    Raises:
+        ValueError: ``allow`` without ``secret_key``.
+        AuthenticationError: a key file is not valid.
+    """
+    if secret_key is None:
+        if allow is not None:
+            raise ValueError("curve_allow needs curve_secret_key (the server's key pair)")
+        return None, None
+    public, secret = load_curve_keypair(secret_key)
+    return (public_key or public, secret), (load_curve_allow(allow) if allow is not None else None)

@@ -159,7 +159,7 @@ class Heartbeat(Body):
     """
 
     kind = Kind.HEARTBEAT
-    types = (int, int, int, int, int, int, int, int, dict, list)
+    types = (int, int, int, int, int, int, int, int, dict, list, int, int, int, int)
     required = 4
     arrays: int
     nbytes: int
@@ -171,6 +171,10 @@ class Heartbeat(Body):
     cpu: int = 0  # ns of CPU time, user + system
     dropped: dict[str, int] = field(default_factory=dict)
     calls: list[Any] = field(default_factory=list)
+    threads: int = 0  # threads of its call pool
+    stuck: int = 0  # of them, busy with calls of an ended session
+    code: int = 0  # functions and classes it holds (pickled code received)
+    code_bytes: int = 0  # their pickled size
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,9 +251,11 @@ class Fetch(Body):
 @dataclass(frozen=True, slots=True)
 class Release(Body):
     kind = Kind.RELEASE
-    types = (list, list)
+    types = (list, list, list)
+    required = 2
     refs: list[int]
     calls: list[int]
+    code: list[bytes] = field(default_factory=list)  # digests of code nobody calls any more
 
 
 @dataclass(frozen=True, slots=True)

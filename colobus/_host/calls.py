@@ -1,0 +1,89 @@
+"""A host's calls in flight: one CALL from arrival to reply, the streams they queue in.
+
+The scheduler (:mod:`colobus._host.sched`) moves each :class:`_Call` through its
+states (queued, running, cancelled, done) under its state lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from typing import Any
+
+from .._wire import protocol as P
+from .._wire.envelope import Envelope
+
+__all__ = ["_CANCELLED", "_DONE", "_QUEUED", "_RUNNING", "_Call", "_Destroy", "_Stream",
+           "_settable"]
+
+_QUEUED, _RUNNING, _CANCELLED, _DONE = range(4)
+
+
+class _Stream:
+    """The calls of one controller-side stream, which run in arrival order."""
+
+    __slots__ = ("busy", "queue", "sid", "waiting")
+
+    def __init__(self, sid: int) -> None:
+        self.sid = sid
+        self.queue: collections.deque[_Call | _Destroy] = collections.deque()
+        self.busy = False  # a batch, an async call or a destroy of it is running
+        self.waiting: asyncio.Future[Any] | None = None  # the head's unresolved input
+
+
+class _Destroy:
+    """A DESTROY waiting for its turn in a stream."""
+
+    __slots__ = ("calls", "obj")
+
+    def __init__(self, obj: int, calls: set[asyncio.Future[Any]]) -> None:
+        self.obj = obj
+        self.calls = calls
+
+
+class _Call:
+    """One CALL on this host, from arrival to reply."""
+
+    __slots__ = ("arrived", "body", "env", "epoch", "fn", "last", "mesh", "obj", "ok", "outcome",
+                 "pins", "ran", "results", "started", "state", "stream")
+
+    def __init__(self, body: P.Call, env: Envelope, pins: list[asyncio.Future[Any]],
+                 obj: asyncio.Future[Any] | None, results: asyncio.Future[Any],
+                 stream: _Stream, epoch: int) -> None:
+        self.body = body
+        self.env: Envelope | None = env
+        self.pins = pins
+        self.obj = obj
+        self.results = results
+        self.stream = stream
+        self.epoch = epoch
+        self.state = _QUEUED
+        self.fn: Any = None
+        self.mesh: Any = None
+        self.last = False  # the last of its batch: the stream is free once it is done
+        self.ok = False
+        self.outcome: Any = None
+        # perf_counter_ns on arrival and at start, and ns it ran: the reply's times.
+        self.arrived = self.started = self.ran = 0
+
+    def times(self) -> list[int]:
+        """``[queued, ran]`` in ns, as the RESULT reports them (empty: it never started)."""
+        return [self.started - self.arrived, self.ran] if self.started else []
+
+    def unready_input(self) -> asyncio.Future[Any] | None:
+        """An input (argument or object) not resolved yet, if any."""
+        for p in self.pins:
+            if not p.done():
+                return p
+        if self.obj is not None and not self.obj.done():
+            return self.obj
+        return None
+
+
+def _settable(exc: BaseException) -> BaseException:
+    """``exc``, or what stands for it where asyncio futures refuse it (StopIteration)."""
+    if isinstance(exc, StopIteration | StopAsyncIteration):
+        err = RuntimeError(f"a colocated call raised {type(exc).__name__}: {exc}")
+        err.__cause__ = exc
+        return err
+    return exc

@@ -1,0 +1,47 @@
+"""CONSTRUCT on a host: build a colocated object once its inputs are resolved.
+
+The instance is made on the worker's conversion pool (an ``__init__`` may take
+its time); until then, and if it raised, the object's future says so to every
+call that uses it (the store keeps it under the object's id).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from typing import TYPE_CHECKING, Any
+
+from .calls import _settable
+from .pool import ArgsUnpickler
+
+if TYPE_CHECKING:
+    from .._wire import protocol as P
+    from .._wire.envelope import Envelope
+    from .sched import WorkerServices
+
+__all__ = ["on_construct"]
+
+
+def on_construct(w: WorkerServices, body: P.Construct, env: Envelope) -> None:
+    """Loop thread: the object's future now, its instance once built."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[Any] = loop.create_future()
+    w.store.objects[body.obj] = fut
+    w.store.classes[body.obj] = body.digest
+    pins = [w.store.pin(r, w.host_index) for r in body.refs]
+    w._spawn(_construct(w, body, env, pins, fut))
+
+
+async def _construct(w: WorkerServices, body: P.Construct, env: Envelope,
+                     pins: list[asyncio.Future[Any]], fut: asyncio.Future[Any]) -> None:
+    loop = asyncio.get_running_loop()
+    try:
+        values = [w.present(await p) for p in pins]
+        args, kwargs = ArgsUnpickler(env.payload, values, env.buffers[: env.pbufs]).load()
+        cls = w.store.get_code(body.digest)
+        inst = await loop.run_in_executor(w._pool, functools.partial(cls, *args, **kwargs))
+    except BaseException as exc:
+        fut.set_exception(_settable(exc))  # an __init__ that raised StopIteration, too
+        fut.exception()
+        return
+    fut.set_result(inst)
