@@ -287,7 +287,29 @@ class Sessions:
                 f"this controller already has {MAX_HOSTS} hosts; rejoin under an existing name"))
             return
         if old is not None and old.alive:
-            self.lose(old, "it re-registered (the worker restarted)")
+            # A second worker under a live host's name waits until the first is
+            # proven gone: swapping would destroy the live host's data each time.
+            gone = self._gone(old)
+            if gone is None:
+                self.dropped["name_in_use"] += 1
+                self._send_raw(identity, env.sender, P.Reject(
+                    f"host {old.index} ({hello.name!r}) is alive under this name (pid "
+                    f"{old.pid} on {old.address}); a second worker with the same --name is "
+                    f"refused while the first is alive (retrying)", retry=True))
+                return
+            self.lose(old, gone)
+        limit = ctl._expected_hosts
+        if limit and (old is None or not old.alive) and hosts.alive_count() >= limit:
+            # hosts=N is the cluster's size: a new name beyond it is refused for good;
+            # a returning one waits for a place.
+            self.dropped["too_many_hosts"] += 1
+            self._send_raw(identity, env.sender, P.Reject(
+                f"the controller runs hosts={limit} and {limit} hosts are alive: "
+                + ("this worker waits for a place (retrying)" if old is not None else
+                   f"a worker under a new name ({hello.name!r}) is refused; start the "
+                   f"controller with a larger hosts= or rejoin under a lost host's name"),
+                retry=old is not None))
+            return
         host = hosts.join(identity, hello, env.sender, ctl._session, env.seq)
         ctl._send(host, P.Welcome(host.index, [d.id for d in host.devices],
                                   ctl.heartbeat_interval, ctl.liveness_timeout,
@@ -295,6 +317,20 @@ class Sessions:
                                   ctl.observer is not None))
         log.info("%s", hosts.describe(host, old is not None, ctl._expected_hosts))
         ctl._joined()
+
+    def _gone(self, host: Host) -> str | None:
+        """Why a live host's session is over (silent past the liveness timeout, or its
+        connection closed and it stayed silent past the grace), or None: it may live."""
+        ctl = self._ctl
+        now = time.monotonic()
+        silent = now - host.last_seen
+        if silent > ctl.liveness_timeout:
+            return f"no message for {silent:.1f} s"
+        hangups = ctl._hangups
+        if host.hung_up and hangups is not None and now - host.hung_up >= hangups.grace:
+            return (f"its connection closed and it did not come back within "
+                    f"{hangups.grace:.1f} s; a new worker took its name")
+        return None
 
     def _on_heartbeat(self, host: Host, body: P.Heartbeat, env: Envelope) -> None:
         host.store = (body.arrays, body.nbytes, body.objects, body.results)

@@ -450,6 +450,10 @@ class Worker:
                                     self._device_report(), body.nonce))
 
     def _on_reject(self, body: P.Reject, env: Envelope) -> None:
+        if body.retry:  # the name is in use, or the cluster full, for now: join again later
+            log.warning("controller %s refused this worker for now: %s", self.connect,
+                        body.reason)
+            return
         log.error("controller %s refused this worker: %s", self.connect, body.reason)
         self._end("reject")
 
