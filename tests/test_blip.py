@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 import endings_hostside as hs
 import numpy as np
 import pytest
-from colobus._wire.keys import write_key
+from colobus._wire.envelope.keys import write_key
 from lifecycle import bounded, workers
 from netbed import NetBed, unavailable_reason
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from colobus._wire.keys import write_key
+from colobus._wire.envelope.keys import write_key
 
 import colobus as cb
 from colobus._tools.cli import build_parser

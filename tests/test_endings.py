@@ -27,7 +27,7 @@ from typing import Any
 import endings_hostside as hs
 import numpy as np
 import pytest
-from colobus._wire.keys import write_key
+from colobus._wire.envelope.keys import write_key
 from lifecycle import (
     assert_store_empty,
     bounded,

@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 import endings_hostside as hs
 import numpy as np
 import pytest
-from colobus._wire.keys import write_key
+from colobus._wire.envelope.keys import write_key
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from colobus._wire.envelope import ByValue, StdPickler, dumps, loads
+from colobus._wire.envelope.envelope import ByValue, StdPickler, dumps, loads
 
 import colobus as cb
 

@@ -281,7 +281,7 @@ async def test_mesh_over_hosts_becomes_the_hosts_sub_mesh(ctl: cb.Controller) ->
 def test_localize_rules(monkeypatch: pytest.MonkeyPatch) -> None:
     """``_hostside`` as host 1 of a 2 x 2 cluster, on this process's JAX devices."""
     from colobus._api.entry.func import pickle_args
-    from colobus._wire.envelope import loads
+    from colobus._wire.envelope.envelope import loads
 
     from colobus._model import jaxside as _hostside
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import IO
 
 import pytest
-from colobus._wire.keys import key_id, write_key
+from colobus._wire.envelope.keys import key_id, write_key
 
 import colobus as cb
 

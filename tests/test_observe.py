@@ -389,7 +389,7 @@ def test_fold_moves_samples_into_counters_and_histograms() -> None:
 def test_host_call_times_reach_the_function_they_belong_to() -> None:
     """What a host counts (queued, ran ns) arrives bucketed in seconds, per function."""
     from colobus._observe.observer.observer import Observer
-    from colobus._wire.calltimes import HostCallTimes
+    from colobus._wire.envelope.calltimes import HostCallTimes
 
     host = HostCallTimes()
     for queued, ran in ((1_000, 2_000), (-5, 7), (30_000, 3_000_000_000)):
@@ -411,7 +411,7 @@ def test_a_heartbeat_carries_call_times_within_its_byte_budget() -> None:
     """Many functions' times go out over several heartbeats, each far below any
     message limit, and none is lost or sent twice."""
     import msgpack
-    from colobus._wire.calltimes import HostCallTimes
+    from colobus._wire.envelope.calltimes import HostCallTimes
 
     host = HostCallTimes()
     for i in range(50):

@@ -6,8 +6,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from colobus._wire.codec import from_buffer, to_buffer
-from colobus._wire.envelope import (
+from colobus._wire.envelope.codec import from_buffer, to_buffer
+from colobus._wire.envelope.envelope import (
     BATCH_MAX_ITEMS,
     BATCH_MAX_PAYLOAD,
     Dropped,
@@ -23,7 +23,7 @@ from colobus._wire.envelope import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from colobus._wire import protocol as P
+from colobus._wire.envelope import protocol as P
 
 KEY = b"k" * 32
 
@@ -211,7 +211,7 @@ def test_pack_batch_concatenates_payloads() -> None:
 def test_batch_body_packed_once_encodes_the_same_bytes() -> None:
     """A BATCH carries its body packed once (for the size check); the header spliced
     from those bytes is byte for byte the one packing the body again would make."""
-    from colobus._wire.envelope import (
+    from colobus._wire.envelope.envelope import (
         BATCH_KIND,
         Envelope,
         batched,
@@ -238,7 +238,7 @@ def test_an_output_description_is_parsed_once_and_checked_every_time() -> None:
     import jax
 
     from colobus._wire.envelope import describe as _describe
-    from colobus._wire import protocol as P
+    from colobus._wire.envelope import protocol as P
 
     tree = ({"w": 1}, [2, 3])
     leaves, treedef = jax.tree_util.tree_flatten(tree)
