@@ -70,7 +70,7 @@ class LightHost:
                  loop: asyncio.AbstractEventLoop) -> None:
         import zmq
 
-        from colobus._wire.envelope.channel import Channel, Peer
+        from colobus._wire.channel import Channel, Peer
 
         sock = zctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
@@ -91,28 +91,28 @@ class LightHost:
         self.calls = 0
 
     def send_join(self) -> None:
-        from colobus._wire.envelope import protocol as P
+        from colobus._wire import protocol as P
 
         self.answered = False
         self._raw(P.Join())
 
     def _raw(self, body: Any) -> None:
-        from colobus._wire.envelope.envelope import Envelope
+        from colobus._wire.envelope import Envelope
 
         self.peer.send_seq += 1
         self.chan.send_raw([], Envelope(body.kind, self.peer.session, b"",
                                         self.peer.send_seq, body.to_wire()))
 
     def heartbeat(self) -> None:
-        from colobus._wire.envelope import protocol as P
+        from colobus._wire import protocol as P
 
         ping, self.ping = self.ping, 0
         held = time.monotonic_ns() - self.ping_at if ping else 0
         self.chan.send(self.peer, P.Heartbeat(0, 0, 0, 0, ping, held, 0, 0, {}))
 
     def on_frames(self, frames: list[Any]) -> None:
-        from colobus._wire.envelope.envelope import BATCH_KIND, Dropped, decode, unpack_batch
-        from colobus._wire.envelope.protocol import Kind
+        from colobus._wire.envelope import BATCH_KIND, Dropped, decode, unpack_batch
+        from colobus._wire.protocol import Kind
 
         peer = self.peer
         try:
@@ -136,8 +136,8 @@ class LightHost:
             self.dispatch(sub)
 
     def dispatch(self, env: Any) -> None:
-        from colobus._wire.envelope import protocol as P
-        from colobus._wire.envelope.protocol import Kind, Status
+        from colobus._wire import protocol as P
+        from colobus._wire.protocol import Kind, Status
 
         kind, body = env.kind, env.body
         if kind == Kind.CALL:

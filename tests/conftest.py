@@ -58,7 +58,7 @@ def cluster() -> collections.abc.Iterator[cb.Controller]:
 @pytest.fixture
 def ctl(cluster: cb.Controller) -> collections.abc.Iterator[cb.Controller]:
     """The shared cluster, made the default controller for this test."""
-    from colobus._controller.controller.controller import _pop_current, _push_current
+    from colobus._controller.controller import _pop_current, _push_current
 
     _push_current(cluster)
     try:

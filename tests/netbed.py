@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from colobus._wire.envelope.keys import write_key
+from colobus._wire.keys import write_key
 
 __all__ = [
     "NetBed", "NetHost", "cleanup_leftovers", "cpu_seconds", "eventually", "unavailable_reason",

@@ -626,7 +626,7 @@ def test_ml_dtypes_keep_their_type(ctl: cb.Controller) -> None:
 
 def test_string_buffer_checks() -> None:
     """String buffers come off the wire unauthenticated: bad lengths are rejected."""
-    from colobus._wire.envelope.codec import from_buffer, to_buffer
+    from colobus._wire.codec import from_buffer, to_buffer
 
     x = np.array(["ab", "", "cde"], dtype=np.dtypes.StringDType())
     descr, buf = to_buffer(x)

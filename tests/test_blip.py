@@ -19,11 +19,11 @@ from urllib.parse import urlsplit
 import endings_hostside as hs
 import numpy as np
 import pytest
-from colobus._wire.envelope.keys import write_key
 from lifecycle import bounded, workers
 from netbed import NetBed, unavailable_reason
 
 import colobus as cb
+from colobus._wire.keys import write_key
 
 HB, LIVE = 0.25, 6.0  # the blips below last well under LIVE (and half of it)
 BLIP_S = 1.0

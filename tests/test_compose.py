@@ -22,7 +22,8 @@ import time
 from pathlib import Path
 
 import pytest
-from colobus._wire.envelope.keys import write_key
+
+from colobus._wire.keys import write_key
 
 ROOT = Path(__file__).resolve().parent.parent
 IMAGE = "colobus:local"  # what docker-compose.yml runs

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from colobus._wire.envelope.keys import write_key
 
 import colobus as cb
 from colobus._tools.cli import build_parser
+from colobus._wire.keys import write_key
 
 
 @cb.colocated_python
@@ -117,7 +117,7 @@ async def test_controller_without_key_makes_one_in_a_private_file() -> None:
 
 
 def test_no_controller_error_says_how_to_start_one() -> None:
-    from colobus._controller.controller.controller import _current
+    from colobus._controller.controller import _current
 
     saved = list(_current)
     _current.clear()
@@ -198,7 +198,7 @@ def test_workers_exit_when_the_controller_process_dies(tmp_path: Path) -> None:
 
 
 def test_init_and_shutdown() -> None:
-    from colobus._controller.controller.controller import _current
+    from colobus._controller.controller import _current
 
     saved = list(_current)
     _current.clear()
@@ -288,7 +288,7 @@ def test_a_worker_with_another_key_never_joins(tmp_path: Path) -> None:
 
 
 def test_local_cluster_key_is_fresh_and_never_on_a_command_line(ctl: cb.Controller) -> None:
-    from colobus._controller.controller.cluster import LocalCluster
+    from colobus._controller.cluster import LocalCluster
 
     assert LocalCluster(hosts=1)._key != LocalCluster(hosts=1)._key  # one per cluster
     secret = ctl._key.hex().encode()

@@ -27,7 +27,6 @@ from typing import Any
 import endings_hostside as hs
 import numpy as np
 import pytest
-from colobus._wire.envelope.keys import write_key
 from lifecycle import (
     assert_store_empty,
     bounded,
@@ -39,6 +38,7 @@ from lifecycle import (
 )
 
 import colobus as cb
+from colobus._wire.keys import write_key
 
 HB, LIVE = 0.25, 3.0  # heartbeat and liveness timeout of the clusters that lose a host
 FAST: dict[str, Any] = {"heartbeat_interval": HB, "liveness_timeout": LIVE}

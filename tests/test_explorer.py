@@ -33,7 +33,6 @@ from typing import Any, TypeVar
 import endings_hostside as hs
 import numpy as np
 import pytest
-from colobus._wire.envelope.keys import write_key
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -45,6 +44,7 @@ from hypothesis.stateful import (
 from lifecycle import STORE_KEYS, Workers
 
 import colobus as cb
+from colobus._wire.keys import write_key
 
 BOUND = 20.0  # seconds within which any operation must settle, beyond its own run time
 SLOW_S = 0.4

@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from colobus._wire.envelope.envelope import ByValue, StdPickler, dumps, loads
 
 import colobus as cb
+from colobus._wire.envelope import ByValue, StdPickler, dumps, loads
 
 
 @cb.colocated_python
@@ -177,7 +177,7 @@ def test_the_startup_objects_leave_the_collectors_scans(freeze: bool, tmp_path: 
 
 def test_array_only_arguments_reuse_one_payload(ctl: cb.Controller) -> None:
     """``f(x, y)`` of arrays skips the pickler: same bytes and refs as pickling them."""
-    from colobus._api.entry import serialization as S
+    from colobus._api import serialization as S
 
     x = cb.device_put(np.zeros(4, np.float32), ctl.devices()[0])
     y = cb.device_put(np.ones(4, np.float32), ctl.devices()[1])

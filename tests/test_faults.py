@@ -25,13 +25,13 @@ import numpy as np
 import pytest
 import zmq
 import zmq.asyncio
-from colobus._wire.envelope.envelope import Envelope, decode, encode
-from colobus._wire.envelope.keys import write_key
-from colobus._wire.envelope.protocol import Kind
 from netbed import NetBed, cpu_seconds, eventually, unavailable_reason
 
 import colobus as cb
-from colobus._wire.envelope import protocol as P
+from colobus._wire import protocol as P
+from colobus._wire.envelope import Envelope, decode, encode
+from colobus._wire.keys import write_key
+from colobus._wire.protocol import Kind
 
 HB = 0.2  # heartbeat interval, both directions
 LIVE = 1.5  # liveness timeout (short, with room for a loaded 2-core CI machine)
@@ -678,7 +678,7 @@ async def test_batches_from_a_joined_peer_are_split_and_bad_ones_dropped_whole()
     """A BATCH is checked (MAC, session, sequence) once, then split: its messages are
     handled in order; a batch whose entries do not match its payload and buffers is
     dropped as malformed, none of its messages handled."""
-    from colobus._wire.envelope.envelope import pack_batch
+    from colobus._wire.envelope import pack_batch
 
     key = secrets.token_bytes(32)
     ctx = zmq.asyncio.Context()

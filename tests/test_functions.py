@@ -844,7 +844,7 @@ async def test_code_shipped_once_per_host(ctl: cb.Controller) -> None:
 
 
 async def test_module_functions_travel_by_reference(ctl: cb.Controller) -> None:
-    from colobus._api.entry.func import Code
+    from colobus._api.func import Code
 
     _, blob = Code(with_metadata.__wrapped__).get()
     assert len(blob) < 200  # a reference (module + name), not the code

@@ -15,11 +15,11 @@ from typing import Any
 
 import msgpack
 import pytest
-from colobus._wire.envelope.envelope import MAC_SIZE, Dropped, Envelope, decode, encode, mac
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from colobus._wire.envelope import protocol as P
+from colobus._wire import protocol as P
+from colobus._wire.envelope import MAC_SIZE, Dropped, Envelope, decode, encode, mac
 
 KEY = b"k" * 32
 OTHER_KEY = b"x" * 32

@@ -25,11 +25,11 @@ from typing import Any
 import numpy as np
 import pytest
 import zmq
-from colobus._wire.envelope.envelope import Envelope, decode, encode
-from colobus._wire.envelope.protocol import Kind
 
 import colobus as cb
-from colobus._wire.envelope import protocol as P
+from colobus._wire import protocol as P
+from colobus._wire.envelope import Envelope, decode, encode
+from colobus._wire.protocol import Kind
 
 N_RANDOM = 1500
 

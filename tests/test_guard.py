@@ -6,7 +6,8 @@ import logging
 import time
 
 import pytest
-from colobus._wire.envelope.guard import BoundedDict, Challenges, PeerWarnings
+
+from colobus._wire.guard import BoundedDict, Challenges, PeerWarnings
 
 
 def test_challenges_are_single_use_bound_to_connection_and_session() -> None:

@@ -20,10 +20,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from colobus._controller.controller.controller import _pop_current, _push_current
 from jax.experimental import colocated_python as cp
 
 import colobus as cb
+from colobus._controller.controller import _pop_current, _push_current
 
 P = cb.PartitionSpec
 
@@ -280,10 +280,9 @@ async def test_mesh_over_hosts_becomes_the_hosts_sub_mesh(ctl: cb.Controller) ->
 
 def test_localize_rules(monkeypatch: pytest.MonkeyPatch) -> None:
     """``_hostside`` as host 1 of a 2 x 2 cluster, on this process's JAX devices."""
-    from colobus._api.entry.func import pickle_args
-    from colobus._wire.envelope.envelope import loads
-
+    from colobus._api.func import pickle_args
     from colobus._model import jaxside as _hostside
+    from colobus._wire.envelope import loads
 
     jdevs = jax.devices()[:2]
     monkeypatch.setattr(_hostside, "_host", 1)

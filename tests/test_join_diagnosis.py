@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import IO
 
 import pytest
-from colobus._wire.envelope.keys import key_id, write_key
 
 import colobus as cb
+from colobus._wire.keys import key_id, write_key
 
 SCRIPT = Path(sys.executable).parent / "colobus"
 
@@ -143,7 +143,7 @@ def test_wrong_key_both_sides_say_so_without_logging_setup(
 
 async def test_version_mismatch_is_refused_and_the_worker_exits_2(
         procs: Procs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import colobus._controller.controller.sessions as sessions_module
+    import colobus._controller.sessions as sessions_module
 
     key_file = tmp_path / "k"
     key = write_key(key_file)
@@ -161,7 +161,7 @@ async def test_version_mismatch_is_refused_and_the_worker_exits_2(
 
 
 def test_join_order_releases_every_expected_name_in_order() -> None:
-    from colobus._controller.controller.joinwait import JoinOrder
+    from colobus._controller.joinwait import JoinOrder
 
     order: JoinOrder[str] = JoinOrder(["local-0", "local-1", "local-2"])
     assert order.offer("local-2", "hello 2") == []

@@ -32,11 +32,11 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
-from colobus._wire.envelope.envelope import BATCH_KIND, Envelope, decode, encode, unpack_batch
-from colobus._wire.envelope.protocol import Kind, Status
 
 import colobus as cb
-from colobus._wire.envelope import protocol as P
+from colobus._wire import protocol as P
+from colobus._wire.envelope import BATCH_KIND, Envelope, decode, encode, unpack_batch
+from colobus._wire.protocol import Kind, Status
 
 FAST: dict[str, Any] = dict(heartbeat_interval=0.5, liveness_timeout=60.0, join_timeout=120.0)
 
@@ -156,7 +156,7 @@ def bed(tmp_path_factory: pytest.TempPathFactory) -> collections.abc.Iterator[di
 
 @pytest.fixture
 def mctl(bed: dict[str, Any]) -> collections.abc.Iterator[cb.Controller]:
-    from colobus._controller.controller.controller import _pop_current, _push_current
+    from colobus._controller.controller import _pop_current, _push_current
 
     ctl: cb.Controller = bed["ctl"]
     _push_current(ctl)
@@ -405,8 +405,8 @@ def test_reply_over_the_limit_fails_its_call_with_a_clear_error(
 
 def test_hostile_host_times_never_skew_metrics() -> None:
     """Run times reach the metrics only from heartbeats, as whole well-formed entries."""
-    from colobus._controller.controller.controller import _pop_current, _push_current
-    from colobus._wire.envelope.calltimes import BUCKETS
+    from colobus._controller.controller import _pop_current, _push_current
+    from colobus._wire.calltimes import BUCKETS
 
     key = secrets.token_bytes(32)
     ctl = cb.Controller("tcp://127.0.0.1:*", hosts=0, key=key, metrics="127.0.0.1:0", **FAST)

@@ -26,8 +26,9 @@ import colobus as cb
 pytest.importorskip("prometheus_client", reason="prometheus_client is in the [test] extra")
 pytest.importorskip("rich", reason="rich is in the [test] extra")
 
-from colobus._observe.observer.top import quantile
 from prometheus_client.parser import text_string_to_metric_families
+
+from colobus._observe.top import quantile
 
 COLOBUS = Path(sys.executable).parent / "colobus"  # the installed console script
 
@@ -87,7 +88,7 @@ def watched(tmp_path_factory: pytest.TempPathFactory) -> collections.abc.Iterato
 
 @pytest.fixture
 def octl(watched: cb.Controller) -> collections.abc.Iterator[cb.Controller]:
-    from colobus._controller.controller.controller import _pop_current, _push_current
+    from colobus._controller.controller import _pop_current, _push_current
 
     _push_current(watched)
     try:
@@ -374,7 +375,7 @@ def test_metrics_alone_count_every_call_and_keep_no_record_per_call() -> None:
 
 
 def test_fold_moves_samples_into_counters_and_histograms() -> None:
-    from colobus._observe.observer.observer import FunctionStats
+    from colobus._observe.observer import FunctionStats
 
     stats = FunctionStats()
     for outcome, latency in ((0, 0.0002), (1, 0.02), (2, 3.0)):
@@ -388,8 +389,8 @@ def test_fold_moves_samples_into_counters_and_histograms() -> None:
 
 def test_host_call_times_reach_the_function_they_belong_to() -> None:
     """What a host counts (queued, ran ns) arrives bucketed in seconds, per function."""
-    from colobus._observe.observer.observer import Observer
-    from colobus._wire.envelope.calltimes import HostCallTimes
+    from colobus._observe.observer import Observer
+    from colobus._wire.calltimes import HostCallTimes
 
     host = HostCallTimes()
     for queued, ran in ((1_000, 2_000), (-5, 7), (30_000, 3_000_000_000)):
@@ -411,7 +412,8 @@ def test_a_heartbeat_carries_call_times_within_its_byte_budget() -> None:
     """Many functions' times go out over several heartbeats, each far below any
     message limit, and none is lost or sent twice."""
     import msgpack
-    from colobus._wire.envelope.calltimes import HostCallTimes
+
+    from colobus._wire.calltimes import HostCallTimes
 
     host = HostCallTimes()
     for i in range(50):

@@ -6,8 +6,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-from colobus._wire.envelope.codec import from_buffer, to_buffer
-from colobus._wire.envelope.envelope import (
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from colobus._wire import protocol as P
+from colobus._wire.codec import from_buffer, to_buffer
+from colobus._wire.envelope import (
     BATCH_MAX_ITEMS,
     BATCH_MAX_PAYLOAD,
     Dropped,
@@ -20,10 +24,6 @@ from colobus._wire.envelope.envelope import (
     pack_batch,
     unpack_batch,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-from colobus._wire.envelope import protocol as P
 
 KEY = b"k" * 32
 
@@ -211,7 +211,7 @@ def test_pack_batch_concatenates_payloads() -> None:
 def test_batch_body_packed_once_encodes_the_same_bytes() -> None:
     """A BATCH carries its body packed once (for the size check); the header spliced
     from those bytes is byte for byte the one packing the body again would make."""
-    from colobus._wire.envelope.envelope import (
+    from colobus._wire.envelope import (
         BATCH_KIND,
         Envelope,
         batched,
@@ -237,8 +237,8 @@ def test_an_output_description_is_parsed_once_and_checked_every_time() -> None:
     """Repeated descriptions come from a cache of checked leaves; the tree is rebuilt."""
     import jax
 
-    from colobus._wire.envelope import describe as _describe
-    from colobus._wire.envelope import protocol as P
+    from colobus._wire import describe as _describe
+    from colobus._wire import protocol as P
 
     tree = ({"w": 1}, [2, 3])
     leaves, treedef = jax.tree_util.tree_flatten(tree)

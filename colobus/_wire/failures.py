@@ -1,7 +1,7 @@
 """What a worker says of an exception, and the exception the controller rebuilds from it.
 
 Written on the host (:func:`describe_error`), read on the controller
-(:func:`read_error`, bounded like every reader in :mod:`colobus._wire.envelope.describe`),
+(:func:`read_error`, bounded like every reader in :mod:`colobus._wire.describe`),
 and turned into the exception a future raises (:func:`rebuild_error`): never a
 pickle. Format (the RESULT payload of a call whose status is ERROR)::
 
