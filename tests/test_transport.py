@@ -127,3 +127,96 @@ async def test_a_live_hosts_name_is_refused_and_hosts_n_bounds_the_cluster(
     finally:
         _pop_current(ctl)
         await ctl.aclose()
+
+
+# -- 2. send-path failures are the caller's ------------------------------------------------
+
+
+class _Title:
+    """An arbitrary object as a structured dtype's field title: msgpack cannot write it."""
+
+
+@pytest.fixture(scope="module")
+def big_cluster() -> collections.abc.Iterator[cb.Controller]:
+    """One host, 64 MiB max_message_bytes (the issue's fetch case)."""
+    with cb.local_cluster(hosts=1, devices_per_host=1, max_message_bytes=64 << 20) as ctl:
+        yield ctl
+
+
+@pytest.fixture
+def bctl(big_cluster: cb.Controller) -> collections.abc.Iterator[cb.Controller]:
+    _push_current(big_cluster)
+    try:
+        yield big_cluster
+    finally:
+        _pop_current(big_cluster)
+    assert [h.state for h in big_cluster.hosts()] == ["alive"]
+    assert big_cluster.stats()["hosts_dropped"] == 0
+
+
+def _host_drops(ctl: cb.Controller) -> dict[str, int]:
+    """What the worker dropped, from a heartbeat that is current."""
+    ctl.refresh_stats().result(30)
+    return dict(ctl.stats()["hosts"][0].get("dropped") or {})
+
+
+def test_an_unencodable_put_fails_at_the_call_and_spends_nothing(bctl: cb.Controller) -> None:
+    dev = bctl.devices()[0]
+    bad = np.zeros(3, np.dtype([((_Title(), "a"), "<f4"), ("b", "<i4")]))
+
+    def one_step() -> tuple[cb.Array, cb.Array, BaseException | None]:
+        """On the controller's loop: the three puts are queued in one step (one batch)."""
+        first = cb.device_put(np.arange(3.0), dev)
+        err: BaseException | None = None
+        try:
+            cb.device_put(bad, dev)
+        except BaseException as exc:
+            err = exc
+        second = cb.device_put(np.arange(3.0) + 10, dev)
+        return first, second, err
+
+    async def on_loop() -> tuple[cb.Array, cb.Array, BaseException | None]:
+        return one_step()
+
+    first, second, err = bctl.run_sync(on_loop())
+    assert isinstance(err, cb.SerializationError), repr(err)
+    np.testing.assert_array_equal(np.asarray(plus_one(first).result(30)), np.arange(3.0) + 1)
+    np.testing.assert_array_equal(cb.device_get(second).result(30), np.arange(3.0) + 10)
+    assert not {"gap", "oversized", "malformed"} & set(_host_drops(bctl))
+
+
+# -- 3. no legal operation makes a message its receiver refuses -------------------------
+
+
+def test_six_large_fetch_replies_are_never_one_oversized_batch(bctl: cb.Controller) -> None:
+    dev = bctl.devices()[0]
+    n = (24 << 20) // 8
+    arrays = [cb.device_put(np.full(n, float(i)), dev) for i in range(6)]
+    got = cb.device_get(arrays).result(120)  # the host answers all six in one loop step
+    assert [float(a[0]) for a in got] == [float(i) for i in range(6)]
+    assert all(a.shape == (n,) for a in got)
+    assert bctl.stats()["dropped"].get("oversized", 0) == 0
+
+
+@cb.colocated_python
+def first_plus_one(xs: Any) -> Any:
+    return xs[0] + 1
+
+
+def test_calls_with_many_handles_and_frees_of_many_arrays_fit(bctl: cb.Controller) -> None:
+    dev = bctl.devices()[0]
+    x = cb.device_put(np.arange(2.0), dev)
+    # A CALL listing 150k handles (1.5 MB of refs): its body travels in the payload.
+    y = first_plus_one([x] * 150_000).result(120)
+    np.testing.assert_array_equal(np.asarray(y), np.arange(2.0) + 1)
+    # 262k frees at once: one RELEASE listing them all, never refused by the worker.
+    gen = bctl._hosts[0].generation
+    ref0 = bctl._ops.next_id() << 16
+
+    def free_all() -> None:
+        bctl._frees._queue_many([(0, gen, ref0 + i, 0) for i in range(262_144)])
+
+    bctl._call_soon(free_all)
+    z = plus_one(x).result(60)  # queued behind the RELEASE: it arrives, in sequence
+    np.testing.assert_array_equal(np.asarray(z), np.arange(2.0) + 1)
+    assert not {"gap", "oversized", "malformed"} & set(_host_drops(bctl))

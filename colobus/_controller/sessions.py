@@ -21,7 +21,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .._wire import protocol as P
-from .._wire.envelope import PROTOCOL_VERSION, Dropped, Envelope, decode, unpack_batch
+from .._wire.envelope import (
+    MAX_HEADER_BYTES,
+    PROTOCOL_VERSION,
+    Dropped,
+    Envelope,
+    decode,
+    unpack_batch,
+)
 from .._wire.guard import Challenges, PeerWarnings
 from .._wire.protocol import Kind
 from .hosts import Host
@@ -126,7 +133,7 @@ class Sessions:
         try:
             # Sizes from the frame lengths first, then the MAC, then the header.
             env = decode(ctl._key, frames[1:], max_payload=ctl.max_message_bytes,
-                         max_total=ctl.max_message_bytes)
+                         max_total=ctl.max_message_bytes, max_body=MAX_HEADER_BYTES)
         except Dropped as d:
             host = ctl._hosts.by_identity.get(identity)
             if host is not None and d.reason == "oversized":

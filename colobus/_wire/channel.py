@@ -29,7 +29,7 @@ from typing import Any
 import zmq
 
 from . import protocol as P
-from .envelope import BATCH_KIND, Buffer, Envelope, Outgoing, batched, encode
+from .envelope import BATCH_KIND, Buffer, Envelope, Outgoing, batched, encode, pack_body
 from .sockio import readable, recv_frames, send_frames, socket_fd
 
 __all__ = ["Channel", "Peer"]
@@ -165,8 +165,13 @@ class Channel:
 
     def enqueue(self, peer: Peer, body: P.Body, payload: Buffer = b"",
                 buffers: Sequence[Buffer] = (), pbufs: int = 0) -> None:
-        """Append to ``peer``'s outbox without arranging a flush."""
-        peer.outbox.append((body.kind, body.to_wire(), payload, buffers, pbufs))
+        """Append to ``peer``'s outbox without arranging a flush.
+
+        Raises:
+            SerializationError: the body cannot be encoded; nothing was queued, no
+                sequence number spent, and the messages queued before it stay.
+        """
+        peer.outbox.append((body.kind, pack_body(body.to_wire()), payload, buffers, pbufs))
         if len(peer.outbox) == 1:
             self._dirty.append(peer)
 
