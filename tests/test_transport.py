@@ -11,18 +11,24 @@ from __future__ import annotations
 import collections.abc
 import os
 import pathlib
+import secrets
 import signal
 import subprocess
 import sys
+import time
 from typing import Any
 
 import numpy as np
 import pytest
+import zmq
 from netbed import eventually
 
 import colobus as cb
 from colobus._controller.controller import _pop_current, _push_current
+from colobus._wire import protocol as P
+from colobus._wire.envelope import BATCH_KIND, Envelope, decode, encode, unpack_batch
 from colobus._wire.keys import write_key
+from colobus._wire.protocol import Kind
 
 HB = 0.2
 LIVE = 2.0
@@ -220,3 +226,167 @@ def test_calls_with_many_handles_and_frees_of_many_arrays_fit(bctl: cb.Controlle
     z = plus_one(x).result(60)  # queued behind the RELEASE: it arrives, in sequence
     np.testing.assert_array_equal(np.asarray(z), np.arange(2.0) + 1)
     assert not {"gap", "oversized", "malformed"} & set(_host_drops(bctl))
+
+
+# -- raw authenticated peers (hostile workers) and a stall probe ----------------------------
+
+
+class FakeWorker:
+    """An authenticated worker that says whatever a test tells it to (raw pyzmq)."""
+
+    def __init__(self, zctx: zmq.Context[Any], address: str, key: bytes, name: str) -> None:
+        self.key, self.name = key, name
+        self.sock = zctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(address)
+        self.session = secrets.token_bytes(16)
+        self.ctl_session = b""
+        self.seq = 0
+        self.ack = 0
+        self.index = -1
+        self._inbox: list[Envelope] = []
+
+    def send(self, kind: int, body: Any, payload: bytes = b"",
+             buffers: list[bytes] | None = None, *, receiver: bytes | None = None,
+             ack: bool = True) -> None:
+        self.seq += 1
+        env = Envelope(int(kind), self.session,
+                       self.ctl_session if receiver is None else receiver, self.seq, body,
+                       payload, list(buffers or []), 0, ack=self.ack if ack else 0)
+        self.sock.send_multipart([bytes(f) for f in encode(self.key, env)])
+
+    def poll_in(self, timeout: float) -> bool:
+        if not self.sock.poll(int(timeout * 1000)):
+            return False
+        env = decode(self.key, self.sock.recv_multipart())
+        if env.seq < 1 << 62:
+            self.ack = max(self.ack, env.seq)
+        self._inbox.extend(unpack_batch(env) if env.kind == BATCH_KIND else [env])
+        return True
+
+    def expect(self, kind: Kind, timeout: float = 30.0) -> Envelope:
+        deadline = time.monotonic() + timeout
+        while True:
+            for i, env in enumerate(self._inbox):
+                if env.kind == kind:
+                    return self._inbox.pop(i)
+            left = deadline - time.monotonic()
+            assert left > 0 and self.poll_in(left), f"no {kind.name} arrived"
+
+    def join(self) -> int:
+        self.send(Kind.JOIN, [], receiver=b"")
+        nonce = self.expect(Kind.CHALLENGE).body[0]
+        self.send(Kind.HELLO, P.Hello(self.name, os.getpid(), "fake", [["cpu", "cpu", 0]],
+                                      nonce).to_wire(), receiver=b"")
+        welcome = self.expect(Kind.WELCOME)
+        self.ctl_session = welcome.sender
+        self.index = welcome.body[0]
+        return self.index
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+class StallProbe:
+    """The longest gap between 5 ms ticks of a controller's loop (its longest stall)."""
+
+    def __init__(self, ctl: cb.Controller) -> None:
+        self.longest = 0.0
+        self._ctl = ctl
+        self._stop = False
+        assert ctl._loop is not None
+        ctl._loop.call_soon_threadsafe(self._tick, time.monotonic())
+
+    def _tick(self, then: float) -> None:
+        now = time.monotonic()
+        self.longest = max(self.longest, now - then - 0.005)
+        if not self._stop and self._ctl._loop is not None:
+            self._ctl._loop.call_later(0.005, self._tick, time.monotonic())
+
+    def reset(self) -> None:
+        self.longest = 0.0
+
+    def stop(self) -> None:
+        self._stop = True
+
+
+@pytest.fixture
+def hostile() -> collections.abc.Iterator[dict[str, Any]]:
+    """A controller on its own loop thread (no hosts needed) and a ZeroMQ context."""
+    key = secrets.token_bytes(32)
+    ctl = cb.Controller("tcp://127.0.0.1:*", hosts=0, key=key, max_message_bytes=64 << 20,
+                        heartbeat_interval=0.5, liveness_timeout=60.0)
+    ctl.start_in_thread()
+    zctx: zmq.Context[Any] = zmq.Context()
+    _push_current(ctl)
+    try:
+        yield {"ctl": ctl, "key": key, "zctx": zctx}
+    finally:
+        _pop_current(ctl)
+        ctl.close()
+        zctx.term()
+
+
+@cb.colocated_python
+def make_one() -> Any:
+    return np.ones(2, np.float32)
+
+
+# -- 4. bounded decoding ----------------------------------------------------------------
+
+
+def _nested_empty_lists(nbytes: int) -> bytes:
+    """msgpack: an array of 2^18 arrays, each of empty arrays: one list per byte."""
+    outer = 1 << 18
+    inner = nbytes // outer - 1
+    return b"\xdd" + outer.to_bytes(4, "big") + (b"\xdc" + inner.to_bytes(2, "big")
+                                                 + b"\x90" * inner) * outer
+
+
+def test_a_hostile_description_costs_a_small_multiple_of_its_size(
+        hostile: dict[str, Any]) -> None:
+    ctl: cb.Controller = hostile["ctl"]
+    fake = FakeWorker(hostile["zctx"], ctl.address, hostile["key"], "nested")
+    try:
+        fake.join()
+        probe = StallProbe(ctl)
+        dev = [d for d in ctl.devices() if d.host == fake.index]
+        bomb = _nested_empty_lists(16 << 20)
+        for status, meta in ((P.Status.ERROR, None), (P.Status.OK, 1)):
+            fut = make_one.specialize(devices=dev)()
+            call = fake.expect(Kind.CALL)
+            probe.reset()
+            fake.send(Kind.RESULT, [call.body[0], int(status), meta], bomb)
+            with pytest.raises(cb.ProtocolError, match="malformed reply"):
+                fut.result(60)
+            assert probe.longest < 0.5, f"the loop stalled {probe.longest:.2f} s"
+            # The host broke the protocol: dropped. A new session for the next round.
+            fake.close()
+            fake = FakeWorker(hostile["zctx"], ctl.address, hostile["key"], f"n{status}")
+            fake.join()
+            dev = [d for d in ctl.devices() if d.host == fake.index]
+        probe.stop()
+    finally:
+        fake.close()
+
+
+def test_bounded_readers_stop_early() -> None:
+    """The readers' own cost: a 16 MiB document of empty lists is refused after at most
+    MAX_NODES + 16 lists (outputs) or at once by its size (errors)."""
+    import tracemalloc
+
+    from colobus._wire import describe, failures
+
+    bomb = _nested_empty_lists(16 << 20)
+    tracemalloc.start()
+    try:
+        t0 = time.perf_counter()
+        for read in (lambda: describe.read_outputs(bomb, 1), lambda: failures.read_error(bomb)):
+            with pytest.raises(describe.BadReply):
+                read()
+        took = time.perf_counter() - t0
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 2 * len(bomb), f"{peak} bytes for a {len(bomb)}-byte document"
+    assert took < 1.0

@@ -51,6 +51,7 @@ __all__ = [
     "Envelope",
     "Outgoing",
     "StdPickler",
+    "TooManyObjects",
     "batched",
     "decode",
     "decode_dtype",
@@ -63,6 +64,7 @@ __all__ = [
     "pack_batch",
     "pack_body",
     "unpack_batch",
+    "unpack_bounded",
 ]
 
 PROTOCOL_VERSION = 6  # 2: BATCH envelopes; 3: acknowledgements (ack) in every header;
@@ -179,6 +181,40 @@ def pack_body(body: Any) -> bytes:
     return out
 
 
+class TooManyObjects(ValueError):
+    """A msgpack document holds more containers than its reader allows."""
+
+
+# Headers and bodies up to this size are read without counting their containers
+# (they cannot hold many); larger ones count them against a budget.
+COUNT_ABOVE = 1 << 12
+MAX_OBJECTS = 1 << 17  # containers (lists, maps) in one header or body, at most
+
+
+def unpack_bounded(data: Buffer, max_objects: int = MAX_OBJECTS, **limits: Any) -> Any:
+    """``msgpack.unpackb`` that stops once ``max_objects`` lists and maps were made.
+
+    msgpack bounds each container's length, not how many there are: a 16 MiB
+    document of nested empty lists is 16 million lists. Counting them (a hook per
+    container) caps what a hostile document costs to a small multiple of the budget.
+
+    Raises:
+        TooManyObjects: more containers than ``max_objects``.
+        ValueError, TypeError, msgpack's exceptions: not msgpack.
+    """
+    left = max_objects
+
+    def count(obj: Any) -> Any:
+        nonlocal left
+        left -= 1
+        if left < 0:
+            raise TooManyObjects(f"more than {max_objects} lists and maps")
+        return obj
+
+    return msgpack.unpackb(data, raw=False, use_list=True, list_hook=count, object_hook=count,
+                           **limits)
+
+
 def _frame_bytes(frame: Any) -> Buffer:
     # zmq.Frame exposes .buffer (a memoryview on the message); plain bytes pass.
     buf = getattr(frame, "buffer", None)
@@ -214,7 +250,8 @@ def decode(
     if not hmac.compare_digest(mac(key, header, payload), bytes(tag)):
         raise Dropped("unauthenticated")
     try:
-        fields = msgpack.unpackb(header, raw=False, use_list=True)
+        fields = (msgpack.unpackb(header, raw=False, use_list=True)
+                  if _nbytes(header) <= COUNT_ABOVE else unpack_bounded(header))
         if isinstance(fields, list) and len(fields) == 8:  # protocol 2: no ack (version check)
             fields.insert(5, 0)
         body_len = fields.pop() if isinstance(fields, list) and len(fields) == 10 else None
@@ -228,7 +265,7 @@ def decode(
             raise Dropped("oversized", f"a {body_len}-byte body")
         view = memoryview(payload)
         try:
-            body = msgpack.unpackb(view[:body_len], raw=False, use_list=True)
+            body = unpack_bounded(view[:body_len])
         except Exception as exc:
             raise Dropped("malformed", f"body: {exc}") from None
         payload = view[body_len:] if body_len < len(view) else b""
