@@ -8,6 +8,7 @@ where a hostile worker is needed. Waits poll with a deadline, never a fixed slee
 
 from __future__ import annotations
 
+import asyncio
 import collections.abc
 import os
 import pathlib
@@ -390,3 +391,127 @@ def test_bounded_readers_stop_early() -> None:
         tracemalloc.stop()
     assert peak < 2 * len(bomb), f"{peak} bytes for a {len(bomb)}-byte document"
     assert took < 1.0
+
+
+# -- 5. a worker that heartbeats but never acknowledges -----------------------------------
+
+
+def test_a_peer_that_never_acknowledges_is_bounded_and_then_lost() -> None:
+    key = secrets.token_bytes(32)
+    window = 4 << 20
+    ctl = cb.Controller("tcp://127.0.0.1:*", hosts=0, key=key, heartbeat_interval=0.2,
+                        liveness_timeout=3.0, send_window_bytes=window)
+    ctl.start_in_thread()
+    zctx: zmq.Context[Any] = zmq.Context()
+    fake = FakeWorker(zctx, ctl.address, key, "deaf")
+    _push_current(ctl)
+    try:
+        fake.join()
+        dev = [d for d in ctl.devices() if d.host == fake.index]
+        arrays = [cb.device_put(np.full(1 << 19, float(i)), dev[0]) for i in range(16)]  # 64 MB
+        del arrays  # dropped by the user: their frees queue behind the puts
+        host = ctl._hosts[fake.index]
+        held = 0
+        deadline = time.monotonic() + 30
+        while ctl.hosts()[fake.index].state == "alive":
+            assert time.monotonic() < deadline, "a peer that never acknowledges stayed alive"
+            fake.send(Kind.HEARTBEAT, P.Heartbeat(0, 0, 0, 0).to_wire(), ack=False)
+            while fake.poll_in(0.05):
+                pass
+            held = max(held, host.peer.inflight)
+        assert held <= window + (1 << 20), f"{held} bytes kept unacknowledged"
+        assert ctl.stats()["resent"] < 40
+        assert not host.peer.unacked and not host.peer.pending  # forgotten once lost
+    finally:
+        _pop_current(ctl)
+        fake.close()
+        ctl.close()
+        zctx.term()
+
+
+# -- 7. liveness never depends on one message's transfer time (shaped links) ---------------
+
+netns = pytest.mark.netns
+
+
+@pytest.fixture
+def shaped() -> collections.abc.Iterator[Any]:
+    from netbed import NetBed, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    bed = NetBed(hosts=1)
+    try:
+        bed.create()
+        yield bed
+    finally:
+        bed.close()
+
+
+@cb.colocated_python
+def total(x: Any) -> Any:
+    return x.sum(keepdims=True)
+
+
+async def _shaped_round_trip(bed: Any, nbytes: int, *, rate: str | None = None,
+                             delay: float = 0.0, loss: float = 0.0,
+                             during: Any = None) -> dict[str, Any]:
+    """``nbytes`` up and down over host 0's shaped link; the controller's stats after.
+
+    ``rate`` shapes the link in the kernel (tbf); ``delay`` (each way) and ``loss``
+    go through a :class:`netbed.Relay` between the worker and the controller."""
+    from netbed import Relay
+
+    relay = None
+    async with cb.Controller(bed.bind(), hosts=0, key=bed.key, join_timeout=60) as ctl:
+        connect = ctl.address
+        if delay or loss:
+            port = int(ctl.address.rsplit(":", 1)[1])
+            relay = Relay(bed.controller_ip, (bed.controller_ip, port), delay=delay, loss=loss)
+            connect = f"tcp://{bed.controller_ip}:{relay.port}"
+        try:
+            if rate:
+                bed.shape(0, rate)
+            bed.start_worker(0, connect, name="slow", devices=1)
+            await ctl.wait_for_hosts(1, timeout=60)
+            dev = ctl.devices()[0]
+            data = np.arange(nbytes // 8, dtype=np.float64)
+            x = cb.device_put(data, dev)
+            if during is not None:
+                await during()
+            np.testing.assert_allclose(await cb.device_get(await total(x)), [data.sum()],
+                                       rtol=1e-4)
+            back = await cb.device_get(x)
+            assert back.nbytes == nbytes and back[-1] == data[-1]
+            assert [h.state for h in ctl.hosts()] == ["alive"]
+            assert ctl.hosts()[0].pid == bed._procs[0].pid  # never rejoined
+            stats = ctl.stats()
+            stats["relay_stalls"] = relay.stalls if relay is not None else 0
+            return stats
+        finally:
+            if relay is not None:
+                relay.close()
+
+
+@netns
+async def test_80_mb_each_way_at_80_mbit_keeps_the_host(shaped: Any) -> None:
+    stats = await _shaped_round_trip(shaped, 80 << 20, rate="80mbit")
+    assert stats["resent"] <= 8, stats["resent"]
+
+
+@netns
+async def test_200_ms_round_trip_with_1_percent_loss_keeps_the_host(shaped: Any) -> None:
+    stats = await _shaped_round_trip(shaped, 40 << 20, rate="80mbit", delay=0.1, loss=0.01)
+    assert stats["resent"] <= 16, stats["resent"]
+
+
+@netns
+async def test_a_1_s_partition_in_the_middle_of_a_transfer_costs_nothing(shaped: Any) -> None:
+    async def partition() -> None:
+        await asyncio.sleep(1.0)  # the upload is under way (40 MB take 4 s at 80 Mbit/s)
+        with shaped.cut_off(0):
+            await asyncio.sleep(1.0)
+
+    stats = await _shaped_round_trip(shaped, 40 << 20, rate="80mbit", during=partition)
+    assert stats["resent"] <= 16, stats["resent"]

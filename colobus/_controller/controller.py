@@ -39,7 +39,7 @@ from .._process import freeze_once
 from .._wire import describe as _describe
 from .._wire import keys as _keys
 from .._wire import protocol as P
-from .._wire.channel import Channel
+from .._wire.channel import DEFAULT_MAX_WINDOW, Channel
 from .._wire.envelope import Buffer, Envelope
 from . import syncface as _syncface
 from .frees import Frees
@@ -100,6 +100,8 @@ class Controller:
         max_message_bytes: larger incoming messages (all frames together) are
             dropped and counted; workers refuse to send larger replies and fail
             the call instead. Default 2 GiB; raise it to fetch larger host blocks.
+        send_window_bytes: the most bytes sent to one host and not yet
+            acknowledged (the window adapts below it to the link); default 16 MiB.
         exit_workers_on_close: tell workers to exit (rather than wait for the
             next controller) when this controller closes. ``local_cluster`` sets it.
         curve_secret_key: turn on CurveZMQ encryption with this server key pair:
@@ -147,6 +149,7 @@ class Controller:
         max_inflight: int = 1024,
         max_backlog: int | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        send_window_bytes: int = DEFAULT_MAX_WINDOW,
         exit_workers_on_close: bool = False,
         curve_secret_key: str | os.PathLike[str] | None = None,
         curve_public_key: bytes | None = None,
@@ -170,6 +173,7 @@ class Controller:
         self.liveness_timeout = liveness_timeout
         self.join_timeout = join_timeout
         self.max_message_bytes = max_message_bytes
+        self.send_window_bytes = send_window_bytes
         self._exit_workers = exit_workers_on_close
         # A message unacknowledged this long is sent again (a dropped connection).
         self._resend_after = max(2 * heartbeat_interval, liveness_timeout / 3)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from .._wire import protocol as P
 from .._wire.envelope import (
     MAX_HEADER_BYTES,
+    MAX_OBJECTS,
     PROTOCOL_VERSION,
     Dropped,
     Envelope,
@@ -82,6 +83,8 @@ class SessionsOwner(Protocol):
     @property
     def max_message_bytes(self) -> int: ...
     @property
+    def send_window_bytes(self) -> int: ...
+    @property
     def _closed(self) -> bool: ...
     def _joined(self) -> None: ...
     def _send(self, host: Host, body: P.Body, payload: Buffer = b"",
@@ -133,7 +136,8 @@ class Sessions:
         try:
             # Sizes from the frame lengths first, then the MAC, then the header.
             env = decode(ctl._key, frames[1:], max_payload=ctl.max_message_bytes,
-                         max_total=ctl.max_message_bytes, max_body=MAX_HEADER_BYTES)
+                         max_total=ctl.max_message_bytes, max_body=MAX_HEADER_BYTES,
+                         max_objects=MAX_OBJECTS)
         except Dropped as d:
             host = ctl._hosts.by_identity.get(identity)
             if host is not None and d.reason == "oversized":
@@ -165,13 +169,29 @@ class Sessions:
             if env.version != PROTOCOL_VERSION:
                 self.drop("version", identity)
                 return
-            refused = host.peer.accept(env)
+            peer = host.peer
+            if env.kind == Kind.ACK:  # outside the numbering: only its ack counts
+                peer.acked(env.ack)
+                host.last_seen = time.monotonic()
+                return
+            refused = peer.accept(env)
             if refused is not None:
                 self.drop(refused, identity)
                 return
             host.last_seen = time.monotonic()
             if ctl._hangups is not None:
                 ctl._hangups.heard(host, frames[0])
+            if env.buffers:
+                chan = ctl._chan
+                assert chan is not None
+                chan.received(peer, env)
+            if env.kind in (Kind.CHUNKED, Kind.PART):
+                whole = peer.deliver(env, ctl.max_message_bytes)
+                if whole is None:
+                    return
+                env = whole
+            elif peer.assembly is not None:
+                peer.deliver(env, ctl.max_message_bytes)  # only a heartbeat may come between
             if env.kind != Kind.BATCH:
                 self._dispatch(host, identity, env)
                 return
@@ -318,6 +338,7 @@ class Sessions:
                 retry=old is not None))
             return
         host = hosts.join(identity, hello, env.sender, ctl._session, env.seq)
+        host.peer.max_window = max(host.peer.window, ctl.send_window_bytes)
         ctl._send(host, P.Welcome(host.index, [d.id for d in host.devices],
                                   ctl.heartbeat_interval, ctl.liveness_timeout,
                                   ctl._exit_workers, ctl.max_message_bytes,
@@ -366,8 +387,13 @@ class Sessions:
         alive = []
         for h in ctl._hosts.alive():
             silent = now - h.last_seen
+            waited = now - h.peer.ack_wait if h.peer.unacked else 0.0
             if silent > ctl.liveness_timeout:
                 self.lose(h, f"no message for {silent:.1f} s")
+            elif waited > ctl.liveness_timeout:
+                # It talks but takes nothing in: as good as silent (what we keep for it
+                # stays bounded by the window meanwhile).
+                self.lose(h, f"it acknowledged nothing for {waited:.1f} s")
             else:
                 ctl._send(h, P.Heartbeat(0, 0, 0, 0, time.monotonic_ns()))
                 alive.append(h.peer)

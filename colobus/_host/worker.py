@@ -391,15 +391,26 @@ class Worker:
         elif env.kind == Kind.RESET:  # the controller's last word, outside the numbering
             self._end("reset")
             return
+        elif env.kind == Kind.ACK:  # outside the numbering: only its ack counts
+            peer.acked(env.ack)
+            self._last_heard = time.monotonic()
+            return
         refused = peer.accept(env)
         if refused is not None:
             self._drop(refused)
             return
         self._last_heard = time.monotonic()
-        if env.kind != Kind.BATCH:
-            self._dispatch(env)
-            return
         try:
+            if env.buffers and self._chan is not None:
+                self._chan.received(peer, env)
+            if env.kind in (Kind.CHUNKED, Kind.PART) or peer.assembly is not None:
+                whole = peer.deliver(env, 1 << 62)
+                if whole is None:
+                    return
+                env = whole
+            if env.kind != Kind.BATCH:
+                self._dispatch(env)
+                return
             subs = unpack_batch(env)
         except Dropped as d:
             self._drop(d.reason, d.detail)

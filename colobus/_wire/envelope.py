@@ -67,10 +67,12 @@ __all__ = [
     "unpack_bounded",
 ]
 
-PROTOCOL_VERSION = 6  # 2: BATCH envelopes; 3: acknowledgements (ack) in every header;
+PROTOCOL_VERSION = 7  # 2: BATCH envelopes; 3: acknowledgements (ack) in every header;
 # 4: timings in RESULT, health in HEARTBEAT
 # 5: challenged joins (JOIN, CHALLENGE), no pickles from workers
 # 6: hosts count calls' queued and run times (asked in WELCOME, sent in HEARTBEAT)
+# 7: bodies in the payload (header field 9), chunked messages (CHUNKED, PART), ACK,
+#    REJECT with retry
 BATCH_KIND = 17  # _protocol.Kind.BATCH (this module does not import the kinds)
 MAC_SIZE = 32
 MAX_HEADER_BYTES = 1 << 20
@@ -224,13 +226,15 @@ def _frame_bytes(frame: Any) -> Buffer:
 def decode(
     key: bytes, frames: Sequence[Any], *, max_payload: int = 1 << 40,
     max_total: int | None = None, max_frames: int = MAX_FRAMES,
-    max_body: int = 1 << 40,
+    max_body: int = 1 << 40, max_objects: int | None = None,
 ) -> Envelope:
     """Authenticate and unpack ``frames``; raise :class:`Dropped` on anything wrong.
 
     Nothing is unpickled here. Sizes are checked from the frame lengths first
     (``max_total``: all frames together), then the MAC, and only then is the
-    header parsed. ``max_body`` bounds a body carried in the payload.
+    header parsed. ``max_body`` bounds a body carried in the payload, ``max_objects``
+    the lists and maps a header or body over 4 KiB may make (None: no bound, for
+    what a controller sends its workers).
     """
     if len(frames) < 3:
         raise Dropped("malformed", f"{len(frames)} frames")
@@ -251,7 +255,8 @@ def decode(
         raise Dropped("unauthenticated")
     try:
         fields = (msgpack.unpackb(header, raw=False, use_list=True)
-                  if _nbytes(header) <= COUNT_ABOVE else unpack_bounded(header))
+                  if max_objects is None or _nbytes(header) <= COUNT_ABOVE
+                  else unpack_bounded(header, max_objects))
         if isinstance(fields, list) and len(fields) == 8:  # protocol 2: no ack (version check)
             fields.insert(5, 0)
         body_len = fields.pop() if isinstance(fields, list) and len(fields) == 10 else None
@@ -265,7 +270,8 @@ def decode(
             raise Dropped("oversized", f"a {body_len}-byte body")
         view = memoryview(payload)
         try:
-            body = unpack_bounded(view[:body_len])
+            body = (msgpack.unpackb(view[:body_len], raw=False, use_list=True)
+                    if max_objects is None else unpack_bounded(view[:body_len], max_objects))
         except Exception as exc:
             raise Dropped("malformed", f"body: {exc}") from None
         payload = view[body_len:] if body_len < len(view) else b""

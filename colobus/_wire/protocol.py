@@ -65,6 +65,9 @@ class Kind(enum.IntEnum):
     BATCH = 17  # both: several of the above to one peer, in order, in one envelope
     JOIN = 18  # W: ask for a join challenge (first message of a session)
     CHALLENGE = 19  # C: a fresh nonce the worker's HELLO must carry
+    CHUNKED = 20  # both: the head of a large message sent in parts (_chunks)
+    PART = 21  # both: the next bytes of that message
+    ACK = 22  # both: acknowledgement only, outside the numbering (sequence number 0)
 
 
 class Status(enum.IntEnum):
