@@ -58,6 +58,7 @@ log = logging.getLogger("colobus.controller")
 
 SCRAPE_REFRESH_S = 1.0  # a metrics scrape waits this long for the hosts' fresh figures
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 31  # 2 GiB: raise with Controller(max_message_bytes=...)
+MAX_FRAME_BYTES = 1 << 22  # one incoming frame, at most (ZMQ_MAXMSGSIZE)
 
 
 
@@ -331,9 +332,10 @@ class Controller:
         # A worker that reconnects after a dropped connection keeps its routing id:
         # its new connection takes over the route even if the old one lingers.
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        # libzmq refuses (and disconnects) a single frame over the limit before
-        # colobus sees it; several smaller frames over it in total are counted there.
-        sock.setsockopt(zmq.MAXMSGSIZE, min(self.max_message_bytes, (1 << 63) - 1))
+        # libzmq refuses (and disconnects) a single frame over the limit before it is
+        # buffered: workers send nothing larger than MAX_FRAME_BYTES in one frame (large
+        # data travels in parts), so neither can anyone else; larger totals are counted.
+        sock.setsockopt(zmq.MAXMSGSIZE, min(self.max_message_bytes, MAX_FRAME_BYTES))
         if self._curve is not None:
             from .._wire.keys import start_curve_server
 

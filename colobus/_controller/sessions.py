@@ -51,6 +51,7 @@ MAX_HOSTS = 4096  # distinct host names one controller keeps
 MAX_DEVICES_PER_HOST = 4096
 MAX_NAME = 256  # characters of a host name or address
 RESET_SEQ = 1 << 62  # sequence number of a RESET: above any a session reaches
+UNKNOWN_PEER_MAX_BYTES = 1 << 18  # a message from a peer that has not joined, at most
 
 
 class SessionsOwner(Protocol):
@@ -133,11 +134,14 @@ class Sessions:
         ctl = self._ctl
         identity = frames[0].bytes
         host: Host | None = None
+        # A peer that has not joined sends small messages only (JOIN, HELLO): anything
+        # larger is dropped from its frame lengths, before any MAC work.
+        limit = (ctl.max_message_bytes if identity in ctl._hosts.by_identity
+                 else UNKNOWN_PEER_MAX_BYTES)
         try:
             # Sizes from the frame lengths first, then the MAC, then the header.
-            env = decode(ctl._key, frames[1:], max_payload=ctl.max_message_bytes,
-                         max_total=ctl.max_message_bytes, max_body=MAX_HEADER_BYTES,
-                         max_objects=MAX_OBJECTS)
+            env = decode(ctl._key, frames[1:], max_payload=limit, max_total=limit,
+                         max_body=MAX_HEADER_BYTES, max_objects=MAX_OBJECTS)
         except Dropped as d:
             host = ctl._hosts.by_identity.get(identity)
             if host is not None and d.reason == "oversized":

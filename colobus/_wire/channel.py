@@ -66,6 +66,7 @@ DEFAULT_MAX_WINDOW = 1 << 24  # 16 MiB: Controller(send_window_bytes=...)
 # the window grow no further; twice this shrinks it.
 TARGET_DELAY_S = 0.25
 ACK_AFTER = CHUNK_BYTES  # a receiver acknowledges at once after this many bytes
+DRAIN_BUDGET_S = 0.01  # one drain reads this long at most, then lets the loop run
 BACKOFF_MAX = 16  # resends back off to 16 x resend_after while nothing is acknowledged
 
 
@@ -445,11 +446,20 @@ class Channel:
         if self._before_drain is not None:
             self._before_drain()
         corked, self._corked = self._corked, True
+        start = time.monotonic()
+        n = 0
         try:
             while True:
                 while readable(sock):
                     self._on_frames(recv_frames(sock))
                     if sock.closed:
+                        return
+                    n += 1
+                    if n % 64 == 0 and time.monotonic() - start > DRAIN_BUDGET_S:
+                        # A flood (or a long burst) must not hold the loop: what else
+                        # waits runs first, then this drain goes on where it stopped.
+                        self.flush()
+                        self._loop.call_soon(self.drain)
                         return
                 sent = self.flush()
                 if self._after_flush is not None and self._after_flush():
