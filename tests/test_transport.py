@@ -27,6 +27,7 @@ from netbed import eventually
 import colobus as cb
 from colobus._controller.controller import _pop_current, _push_current
 from colobus._wire import protocol as P
+from colobus._wire.chunks import CHUNK_BYTES, envelope_bytes, split
 from colobus._wire.envelope import BATCH_KIND, Envelope, decode, encode, unpack_batch
 from colobus._wire.keys import write_key
 from colobus._wire.protocol import Kind
@@ -250,11 +251,15 @@ class FakeWorker:
     def send(self, kind: int, body: Any, payload: bytes = b"",
              buffers: list[bytes] | None = None, *, receiver: bytes | None = None,
              ack: bool = True) -> None:
-        self.seq += 1
         env = Envelope(int(kind), self.session,
-                       self.ctl_session if receiver is None else receiver, self.seq, body,
+                       self.ctl_session if receiver is None else receiver, 0, body,
                        payload, list(buffers or []), 0, ack=self.ack if ack else 0)
-        self.sock.send_multipart([bytes(f) for f in encode(self.key, env)])
+        # What is large travels in parts, as a real worker sends it (the controller
+        # takes no frame over 4 MiB).
+        for e in split(env) if envelope_bytes(env) > CHUNK_BYTES else [env]:
+            self.seq += 1
+            e.seq, e.ack = self.seq, env.ack
+            self.sock.send_multipart([bytes(f) for f in encode(self.key, e)])
 
     def poll_in(self, timeout: float) -> bool:
         if not self.sock.poll(int(timeout * 1000)):

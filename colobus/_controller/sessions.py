@@ -173,29 +173,17 @@ class Sessions:
             if env.version != PROTOCOL_VERSION:
                 self.drop("version", identity)
                 return
-            peer = host.peer
-            if env.kind == Kind.ACK:  # outside the numbering: only its ack counts
-                peer.acked(env.ack)
-                host.last_seen = time.monotonic()
-                return
-            refused = peer.accept(env)
-            if refused is not None:
-                self.drop(refused, identity)
+            assert ctl._chan is not None
+            got = ctl._chan.take(host.peer, env, ctl.max_message_bytes)
+            if isinstance(got, str):
+                self.drop(got, identity)
                 return
             host.last_seen = time.monotonic()
             if ctl._hangups is not None:
                 ctl._hangups.heard(host, frames[0])
-            if env.buffers:
-                chan = ctl._chan
-                assert chan is not None
-                chan.received(peer, env)
-            if env.kind in (Kind.CHUNKED, Kind.PART):
-                whole = peer.deliver(env, ctl.max_message_bytes)
-                if whole is None:
-                    return
-                env = whole
-            elif peer.assembly is not None:
-                peer.deliver(env, ctl.max_message_bytes)  # only a heartbeat may come between
+            if got is None:  # an ACK, or a part of a larger message
+                return
+            env = got
             if env.kind != Kind.BATCH:
                 self._dispatch(host, identity, env)
                 return

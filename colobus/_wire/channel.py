@@ -376,13 +376,27 @@ class Channel:
             # on a DEALER): the message waits in ``unacked`` for a resend.
             log.debug("send failed (%s); resent once the peer is back", exc)
 
-    def received(self, peer: Peer, env: Envelope) -> None:
-        """An accepted envelope of ``env``'s size came from ``peer``: acknowledge large
-        amounts at once (the sender's window waits for it), small ones ride along."""
-        if env.buffers:
+    def take(self, peer: Peer, env: Envelope, max_total: int) -> Envelope | str | None:
+        """An authenticated envelope of ``peer``'s session, in: the message it completes
+        (itself, or a chunked message with its last part), None (an ACK, or a part
+        before the last), or why it was refused (``"replay"``, ``"gap"``).
+
+        Raises:
+            Dropped: a chunked message broke the rules (see :meth:`Peer.deliver`).
+        """
+        if env.kind == ACK_KIND:  # outside the numbering: only its ack counts
+            peer.acked(env.ack)
+            return None
+        refused = peer.accept(env)
+        if refused is not None:
+            return refused
+        if env.buffers:  # large amounts are acknowledged at once (a window waits)
             peer.recv_owed += envelope_bytes(env)
             if peer.recv_owed >= ACK_AFTER:
                 self._owed.add(peer)
+        if env.kind in (CHUNKED_KIND, PART_KIND) or peer.assembly is not None:
+            return peer.deliver(env, max_total)
+        return env
 
     def _send_acks(self) -> None:
         owed, self._owed = self._owed, set()
