@@ -86,7 +86,8 @@ class Controller:
     Args:
         bind: ZeroMQ endpoint to bind, e.g. ``"tcp://0.0.0.0:5555"``,
             ``"tcp://127.0.0.1:*"`` (random port) or ``"ipc:///tmp/x.sock"``.
-        hosts: how many workers to wait for on entry.
+        hosts: the cluster's size: entry waits for this many workers, and no more are
+            alive at once (a new name beyond it is refused; 0: no bound).
         key: shared secret of at least 32 bytes (``cb.load_key``). None: the
             controller makes a fresh one on start and writes it to a private
             0600 file, :attr:`key_file`, for ``colobus worker --key-file``.
