@@ -11,7 +11,10 @@ Layout (``T`` is a short random tag per bed, ``X`` a free third octet)::
 The /24 exists only on the bridge and inside our namespaces; no route leads
 out of it, so all traffic stays between the bed's own interfaces. Cutting a
 host (:meth:`NetBed.cut`) sets the root-side end of its veth down; restoring it
-sets it up again. Workers run as ``ip netns exec NS python -m colobus worker
+sets it up again. :meth:`NetBed.shape` limits a host's link to a rate (``tc`` tbf on
+both ends of its veth); a :class:`Relay` between a worker and the controller adds
+a delay each way and loss as the application sees it (netem and packet filters
+are missing from some kernels). Workers run as ``ip netns exec NS python -m colobus worker
 ...`` with the key in a 0600 file (never on a command line).
 
 Everything the bed creates is removed by :meth:`NetBed.close` (idempotent;
@@ -40,7 +43,7 @@ from dataclasses import dataclass
 from colobus._wire.keys import write_key
 
 __all__ = [
-    "NetBed", "NetHost", "cleanup_leftovers", "cpu_seconds", "eventually", "pid_alive",
+    "NetBed", "NetHost", "Relay", "cleanup_leftovers", "cpu_seconds", "eventually", "pid_alive",
     "unavailable_reason",
 ]
 
@@ -304,6 +307,27 @@ class NetBed:
         """Bring host ``i`` back onto the bridge."""
         _ip("link", "set", self.hosts[i].host_if, "up")
 
+    def shape(self, i: int, rate: str, *, burst: str = "64kb", latency: str = "200ms") -> None:
+        """Limit host ``i``'s link to ``rate`` (e.g. ``"80mbit"``) both ways (``tc``
+        tbf on both ends of its veth); again to change it, :meth:`unshape` to clear it.
+        For delay and loss (netem is not in every kernel) see :class:`Relay`."""
+        h = self.hosts[i]
+        args = ["tbf", "rate", rate, "burst", burst, "latency", latency]
+        for prefix in ([], ["ip", "netns", "exec", h.ns]):
+            dev = h.ns_if if prefix else h.host_if
+            proc = subprocess.run([*prefix, "tc", "qdisc", "replace", "dev", dev, "root", *args],
+                                  capture_output=True, text=True, timeout=30)
+            if proc.returncode != 0:
+                raise RuntimeError(f"tc on {dev} failed: {proc.stderr.strip()}")
+
+    def unshape(self, i: int) -> None:
+        """Remove what :meth:`shape` set on host ``i``'s link."""
+        h = self.hosts[i]
+        for prefix in ([], ["ip", "netns", "exec", h.ns]):
+            dev = h.ns_if if prefix else h.host_if
+            subprocess.run([*prefix, "tc", "qdisc", "del", "dev", dev, "root"],
+                           capture_output=True, text=True, timeout=30)
+
     @contextlib.contextmanager
     def cut_off(self, i: int) -> Iterator[None]:
         """``with bed.cut_off(i):`` host ``i`` is unreachable inside the block."""
@@ -312,6 +336,101 @@ class NetBed:
             yield
         finally:
             self.restore(i)
+
+
+class Relay:
+    """A TCP relay that delays every byte by ``delay`` seconds each way, and holds a
+    read for ``stall`` more seconds with probability ``loss`` (what a lost segment
+    costs the application: TCP delivers nothing past it until it is sent again).
+
+    It listens on ``listen_ip`` (a free port: :attr:`port`) and forwards to
+    ``target`` (host, port); a thread of its own runs it, so a busy test loop does
+    not shape the link. :meth:`close` stops it and closes every connection.
+    """
+
+    def __init__(self, listen_ip: str, target: tuple[str, int], *, delay: float = 0.0,
+                 loss: float = 0.0, stall: float = 0.2, seed: int = 7) -> None:
+        import random
+        import threading
+
+        self.target, self.delay, self.loss, self.stall = target, delay, loss, stall
+        self._rng = random.Random(seed)
+        self._sock = socket.socket()
+        self._sock.bind((listen_ip, 0))
+        self._sock.listen(16)
+        self.port = int(self._sock.getsockname()[1])
+        self.stalls = 0
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name="relay", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        loop = self._loop
+        asyncio.set_event_loop(loop)
+        try:
+            loop.run_until_complete(self._serve())
+            loop.run_until_complete(asyncio.gather(*asyncio.all_tasks(loop),
+                                                   return_exceptions=True))
+        finally:
+            loop.close()
+
+    async def _serve(self) -> None:
+        self._server = await asyncio.start_server(self._conn, sock=self._sock)
+        async with self._server:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._server.serve_forever()
+
+    async def _conn(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        writers = [w]
+        try:
+            tr, tw = await asyncio.open_connection(*self.target)
+            writers.append(tw)
+            await asyncio.gather(self._pipe(r, tw), self._pipe(tr, w))
+        except (OSError, asyncio.CancelledError):
+            pass
+        finally:
+            for x in writers:
+                x.close()
+                with contextlib.suppress(Exception):
+                    await x.wait_closed()
+
+    async def _pipe(self, r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
+
+        async def deliver() -> None:
+            while True:
+                due, data = await queue.get()
+                if not data:
+                    w.close()
+                    return
+                wait = due - loop.time()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                w.write(data)
+                await w.drain()
+
+        sender = loop.create_task(deliver())
+        held = 0.0  # a stall delays this read and every later one (in order)
+        try:
+            while data := await r.read(1 << 16):
+                if self.loss and self._rng.random() < self.loss:
+                    self.stalls += 1
+                    held = max(held, loop.time()) + self.stall
+                queue.put_nowait((max(loop.time() + self.delay, held), data))
+        finally:
+            queue.put_nowait((0.0, b""))
+            await asyncio.gather(sender, return_exceptions=True)
+
+    def close(self) -> None:
+        def stop() -> None:
+            self._server.close()
+            for t in asyncio.all_tasks(self._loop):
+                t.cancel()
+
+        if self._thread.is_alive():
+            self._loop.call_soon_threadsafe(stop)
+            self._thread.join(10)
 
 
 async def eventually(pred: Callable[[], object], timeout: float, what: str,

@@ -163,7 +163,7 @@ def test_lone_and_large_messages_travel_as_themselves_and_long_runs_split() -> N
 
 
 def test_a_batch_whose_header_would_be_too_large_goes_as_its_messages() -> None:
-    huge = [(int(P.Kind.RESULT), [i, 1, ["T", "m", "t" * 200_000]], b"", [], 0)
+    huge = [(int(P.Kind.RESULT), [i, 1, ["T", "m", "t" * 300_000]], b"", [], 0)
             for i in range(4)]
     envs = batched(huge, S, R)
     assert [e.kind for e in envs] == [P.Kind.RESULT] * 4
@@ -217,6 +217,7 @@ def test_batch_body_packed_once_encodes_the_same_bytes() -> None:
         batched,
         decode,
         encode,
+        pack_batch,
         unpack_batch,
     )
 
@@ -226,8 +227,8 @@ def test_batch_body_packed_once_encodes_the_same_bytes() -> None:
     (env,) = batched(items, b"s" * 16, b"r" * 16)
     assert env.kind == BATCH_KIND and env.packed_body is not None
     env.seq, env.ack = 5, 3
-    again = Envelope(env.kind, env.sender, env.receiver, 5, env.body, env.payload, env.buffers,
-                     env.pbufs, env.version, 3)
+    again = Envelope(env.kind, env.sender, env.receiver, 5, pack_batch(items)[0], env.payload,
+                     env.buffers, env.pbufs, env.version, 3)
     assert [bytes(f) for f in encode(key, env)] == [bytes(f) for f in encode(key, again)]
     subs = unpack_batch(decode(key, encode(key, env)))
     assert [s.kind for s in subs] == [6, 11] and subs[0].payload == b"pay"

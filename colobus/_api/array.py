@@ -24,7 +24,7 @@ from .._model.sharding import NamedSharding, PartitionSpec, Sharding, SingleDevi
 from .._wire import protocol as P
 from .._wire.codec import key_impl_name, to_buffer
 from .._wire.describe import read_fetched
-from .._wire.envelope import Envelope
+from .._wire.envelope import Envelope, pack_body
 from .shards import Shard, addressable_shards
 
 __all__ = [
@@ -257,8 +257,9 @@ class _PreparedPut:
         for h, b in blocks.items():
             block = data[b.index] if data.ndim else data  # 0-d StringDType indexes to a str
             descr, buf = to_buffer(block)
-            self.msgs.append(
-                (h, P.Put(self.ref, list(block.shape), descr, mesh_message(b), spec, impl), buf))
+            body = P.Put(self.ref, list(block.shape), descr, mesh_message(b), spec, impl)
+            pack_body(body.to_wire())  # SerializationError here, at the call, not when sent
+            self.msgs.append((h, body, buf))
 
     def handle(self, ctl: Controller) -> Array:
         return Array(ctl, self.ref, self.shape, self.dtype, self.sharding, key_impl=self.impl)

@@ -27,8 +27,9 @@ from .._observe.metrics import observing
 from .._process import freeze_once
 from .._wire import keys as _keys
 from .._wire import protocol as P
-from .._wire.channel import Channel, router_socket
+from .._wire.channel import DEFAULT_MAX_WINDOW, Channel
 from .._wire.envelope import Buffer
+from .._wire.sockio import router_socket
 from .._wire.tasks import supervise
 from . import syncface as _syncface
 from .current import Current, State
@@ -64,7 +65,9 @@ class Controller:
     Args:
         bind: ZeroMQ endpoint to bind, e.g. ``"tcp://0.0.0.0:5555"``, ``"ipc:///tmp/x.sock"``.
             None: ``$COLOBUS_ADDRESS`` (``colobus launch``), else ``"tcp://127.0.0.1:*"``.
-        hosts: how many workers to wait for on entry (None: ``$COLOBUS_HOSTS``, else 1).
+        hosts: the cluster's size: entry waits for this many workers, and no more are
+            alive at once (a new name beyond it is refused; 0: no bound). None:
+            ``$COLOBUS_HOSTS``, else 1.
         key: shared secret of at least 32 bytes (``cb.load_key``). None: the file
             ``$COLOBUS_KEY_FILE`` names, else a fresh one, written on start to a private
             0600 file, :attr:`key_file`, for ``colobus worker --key-file``.
@@ -72,13 +75,14 @@ class Controller:
         liveness_timeout: a host silent this long is declared lost.
         join_timeout: how long entry waits for ``hosts`` workers.
         max_inflight: calls in flight per host before new calls queue here.
-        max_backlog: calls queued here (not yet sent) before callers wait: a
-            caller on a plain thread blocks in the call until the queue is
-            shorter; code running on an event loop never blocks there and
-            awaits :meth:`wait_capacity`. Default: ``max_inflight``.
+        max_backlog: calls queued here (not yet sent) before callers wait: a plain thread
+            blocks in the call; code on an event loop awaits :meth:`wait_capacity`.
+            Default: ``max_inflight``.
         max_message_bytes: larger incoming messages (all frames together) are
             dropped and counted; workers refuse to send larger replies and fail
             the call instead. Default 2 GiB; raise it to fetch larger host blocks.
+        send_window_bytes: the most bytes sent to one host and not yet
+            acknowledged (the window adapts below it to the link); default 16 MiB.
         exit_workers_on_close: tell workers to exit (rather than wait for the
             next controller) when this controller closes. ``local_cluster`` sets it.
         curve_secret_key: turn on CurveZMQ encryption with this server key pair:
@@ -86,23 +90,17 @@ class Controller:
             (files only: a secret never travels as a value). Workers then need
             ``--server-key PATH.pub`` and a key pair of their own (docs/security.md).
         curve_public_key: the server's Z85 public key (default: derived from the secret key).
-        curve_allow: the workers allowed to connect (CurveZMQ only): Z85 public
-            keys, public key files, or directories of ``*.pub`` files.
-        metrics: serve Prometheus metrics at ``http://HOST:PORT/metrics`` (e.g.
-            ``"127.0.0.1:9464"``; port 0 picks a free one, see
-            :attr:`metrics_url`); needs ``prometheus_client``. Off by default.
+        curve_allow: the workers allowed (CurveZMQ): Z85 public keys, key files, or dirs of them.
+        metrics: serve Prometheus metrics at ``http://HOST:PORT/metrics`` (``"127.0.0.1:9464"``;
+            port 0 picks a free one, see :attr:`metrics_url`); needs ``prometheus_client``.
         metrics_public: allow a ``metrics`` address that is not loopback (the
             endpoint has no authentication). See ``docs/observability.md``.
-        trace: record where each colocated call spends its time
-            (``fut.timings()``): True, or a path to write a Chrome trace
-            (Perfetto) JSON file to on close (and on :meth:`write_trace`).
-            Emits OpenTelemetry spans too where ``opentelemetry`` is importable.
-            ``metrics`` alone keeps counters, not per-call timings.
-        freeze_gc: on the first start in this process, run a full garbage
-            collection and ``gc.freeze()`` what is alive (JAX's ~100k objects,
-            your program's setup), so collections triggered by calls in flight
-            stop walking them: about 15 % of a pipelined call's controller CPU.
-            False leaves the collector alone. See ``docs/performance.md``.
+        trace: record where each colocated call spends its time (``fut.timings()``): True,
+            or a path to write a Chrome trace (Perfetto) JSON file to on close (and on
+            :meth:`write_trace`); OpenTelemetry spans too where it is importable.
+        freeze_gc: on the first start in this process, a full garbage collection and
+            ``gc.freeze()`` of what is alive (JAX's ~100k objects), so collections during
+            calls stop walking them (about 15 % of a pipelined call's controller CPU).
 
     Raises:
         ValueError: ``curve_allow`` given without ``curve_secret_key``, or
@@ -124,6 +122,7 @@ class Controller:
         max_inflight: int = 1024,
         max_backlog: int | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        send_window_bytes: int = DEFAULT_MAX_WINDOW,
         exit_workers_on_close: bool = False,
         curve_secret_key: str | os.PathLike[str] | None = None,
         curve_public_key: bytes | None = None,
@@ -148,6 +147,7 @@ class Controller:
         self.liveness_timeout = liveness_timeout
         self.join_timeout = join_timeout
         self.max_message_bytes = max_message_bytes
+        self.send_window_bytes = send_window_bytes
         self._exit_workers = exit_workers_on_close
         # A message unacknowledged this long is sent again (a dropped connection).
         self._resend_after = max(2 * heartbeat_interval, liveness_timeout / 3)

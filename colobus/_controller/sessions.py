@@ -22,7 +22,15 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .._wire import protocol as P
-from .._wire.envelope import PROTOCOL_VERSION, Dropped, Envelope, decode, unpack_batch
+from .._wire.envelope import (
+    MAX_HEADER_BYTES,
+    MAX_OBJECTS,
+    PROTOCOL_VERSION,
+    Dropped,
+    Envelope,
+    decode,
+    unpack_batch,
+)
 from .._wire.guard import Challenges, PeerWarnings
 from .._wire.protocol import Kind
 from .hosts import Host
@@ -43,6 +51,7 @@ MAX_HOSTS = 4096  # distinct host names one controller keeps
 MAX_DEVICES_PER_HOST = 4096
 MAX_NAME = 256  # characters of a host name or address
 RESET_SEQ = 1 << 62  # sequence number of a RESET: above any a session reaches
+UNKNOWN_PEER_MAX_BYTES = 1 << 18  # a message from a peer that has not joined, at most
 
 
 class SessionsOwner(Parts, Protocol):
@@ -70,6 +79,8 @@ class SessionsOwner(Parts, Protocol):
     def liveness_timeout(self) -> float: ...
     @property
     def max_message_bytes(self) -> int: ...
+    @property
+    def send_window_bytes(self) -> int: ...
     def _joined(self) -> None: ...
     def _send(self, host: Host, body: P.Body, payload: Buffer = b"",
               buffers: Any = (), pbufs: int = 0) -> None: ...
@@ -118,10 +129,14 @@ class Sessions:
         ctl = self._ctl
         identity = frames[0].bytes
         host: Host | None = None
+        # A peer that has not joined sends small messages only (JOIN, HELLO): anything
+        # larger is dropped from its frame lengths, before any MAC work.
+        limit = (ctl.max_message_bytes if identity in ctl._hosts.by_identity
+                 else UNKNOWN_PEER_MAX_BYTES)
         try:
             # Sizes from the frame lengths first, then the MAC, then the header.
-            env = decode(ctl._key, frames[1:], max_payload=ctl.max_message_bytes,
-                         max_total=ctl.max_message_bytes)
+            env = decode(ctl._key, frames[1:], max_payload=limit, max_total=limit,
+                         max_body=MAX_HEADER_BYTES, max_objects=MAX_OBJECTS)
         except Dropped as d:
             host = ctl._hosts.by_identity.get(identity)
             if host is not None and d.reason == "oversized":
@@ -153,13 +168,17 @@ class Sessions:
             if env.version != PROTOCOL_VERSION:
                 self.drop("version", identity)
                 return
-            refused = host.peer.accept(env)
-            if refused is not None:
-                self.drop(refused, identity)
+            assert ctl._chan is not None
+            got = ctl._chan.take(host.peer, env, ctl.max_message_bytes)
+            if isinstance(got, str):
+                self.drop(got, identity)
                 return
             host.last_seen = time.monotonic()
             if ctl._hangups is not None:
                 ctl._hangups.heard(host, frames[0])
+            if got is None:  # an ACK, or a part of a larger message
+                return
+            env = got
             if env.kind != Kind.BATCH:
                 self._dispatch(host, identity, env)
                 return
@@ -287,14 +306,51 @@ class Sessions:
                 f"this controller already has {MAX_HOSTS} hosts; rejoin under an existing name"))
             return
         if old is not None and old.alive:
-            self.lose(old, "it re-registered (the worker restarted)")
+            # A second worker under a live host's name waits until the first is
+            # proven gone: swapping would destroy the live host's data each time.
+            gone = self._gone(old)
+            if gone is None:
+                self.dropped["name_in_use"] += 1
+                self._send_raw(identity, env.sender, P.Reject(
+                    f"host {old.index} ({hello.name!r}) is alive under this name (pid "
+                    f"{old.pid} on {old.address}); a second worker with the same --name is "
+                    f"refused while the first is alive (retrying)", retry=True))
+                return
+            self.lose(old, gone)
+        limit = ctl._expected_hosts
+        if limit and (old is None or not old.alive) and hosts.alive_count() >= limit:
+            # hosts=N is the cluster's size: a new name beyond it is refused for good;
+            # a returning one waits for a place.
+            self.dropped["too_many_hosts"] += 1
+            self._send_raw(identity, env.sender, P.Reject(
+                f"the controller runs hosts={limit} and {limit} hosts are alive: "
+                + ("this worker waits for a place (retrying)" if old is not None else
+                   f"a worker under a new name ({hello.name!r}) is refused; start the "
+                   f"controller with a larger hosts= or rejoin under a lost host's name"),
+                retry=old is not None))
+            return
         host = hosts.join(identity, hello, env.sender, ctl._session, env.seq)
+        host.peer.max_window = max(host.peer.window, ctl.send_window_bytes)
         ctl._send(host, P.Welcome(host.index, [d.id for d in host.devices],
                                   ctl.heartbeat_interval, ctl.liveness_timeout,
                                   ctl._exit_workers, ctl.max_message_bytes,
                                   ctl.observer is not None))
         log.info("%s", hosts.describe(host, old is not None, ctl._expected_hosts))
         ctl._joined()
+
+    def _gone(self, host: Host) -> str | None:
+        """Why a live host's session is over (silent past the liveness timeout, or its
+        connection closed and it stayed silent past the grace), or None: it may live."""
+        ctl = self._ctl
+        now = time.monotonic()
+        silent = now - host.last_seen
+        if silent > ctl.liveness_timeout:
+            return f"no message for {silent:.1f} s"
+        hangups = ctl._hangups
+        if host.hung_up and hangups is not None and now - host.hung_up >= hangups.grace:
+            return (f"its connection closed and it did not come back within "
+                    f"{hangups.grace:.1f} s; a new worker took its name")
+        return None
 
     def _on_heartbeat(self, host: Host, body: P.Heartbeat, env: Envelope) -> None:
         host.store = (body.arrays, body.nbytes, body.objects, body.results)
@@ -336,8 +392,13 @@ class Sessions:
         alive = []
         for h in ctl._hosts.alive():
             silent = now - h.last_seen
+            waited = now - h.peer.ack_wait if h.peer.unacked else 0.0
             if silent > ctl.liveness_timeout:
                 self.lose(h, f"no message for {silent:.1f} s")
+            elif waited > ctl.liveness_timeout:
+                # It talks but takes nothing in: as good as silent (what we keep for it
+                # stays bounded by the window meanwhile).
+                self.lose(h, f"it acknowledged nothing for {waited:.1f} s")
             else:
                 ctl._send(h, P.Heartbeat(0, 0, 0, 0, time.monotonic_ns()))
                 alive.append(h.peer)

@@ -408,15 +408,18 @@ class Worker:
         elif env.kind == Kind.RESET:  # the controller's last word, outside the numbering
             self._end("reset")
             return
-        refused = peer.accept(env)
-        if refused is not None:
-            self._drop(refused)
-            return
-        self._last_heard = time.monotonic()
-        if env.kind != Kind.BATCH:
-            self._dispatch(env)
-            return
         try:
+            got = self._chan.take(peer, env, 1 << 62) if self._chan is not None else None
+            if isinstance(got, str):
+                self._drop(got)
+                return
+            self._last_heard = time.monotonic()
+            if got is None:  # an ACK, or a part of a larger message
+                return
+            env = got
+            if env.kind != Kind.BATCH:
+                self._dispatch(env)
+                return
             subs = unpack_batch(env)
         except Dropped as d:
             self._drop(d.reason, d.detail)
@@ -467,8 +470,11 @@ class Worker:
                                     self._device_report(), body.nonce))
 
     def _on_reject(self, body: P.Reject, env: Envelope) -> None:
-        log.error("controller %s refused this worker: %s", self.connect, body.reason)
-        self._end("reject")
+        # retry: the name is in use, or the cluster full, for now: the next JOIN round
+        log.log(logging.WARNING if body.retry else logging.ERROR, "controller %s refused "
+                "this worker%s: %s", self.connect, " for now" * body.retry, body.reason)
+        if not body.retry:
+            self._end("reject")
 
     def _on_heartbeat(self, body: P.Heartbeat, env: Envelope) -> None:
         self._ping, self._ping_at = body.ping, time.monotonic_ns()

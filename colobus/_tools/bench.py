@@ -262,8 +262,10 @@ BENCHMARKS = CORE + bench_calls.GROUPS
 
 async def _run_async(bench: Bench, groups: list[str], options: dict[str, Any]) -> None:
     hosts = 4 if "fanout" in groups else 1
-    async with cb.local_cluster(hosts=hosts, devices_per_host=1, **options) as ctl:
-        with RawEcho(hosts) as raw:
+    # The echo servers start (a blocking wait for their hellos) before the cluster:
+    # a wait on the controller's loop would starve its heartbeats.
+    with RawEcho(hosts) as raw:
+        async with cb.local_cluster(hosts=hosts, devices_per_host=1, **options) as ctl:
             for g in groups:
                 await getattr(bench, g)(ctl, raw)
 

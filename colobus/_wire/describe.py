@@ -49,6 +49,7 @@ import numpy as np
 
 from . import codec as _codec
 from . import protocol as P
+from .envelope import TooManyObjects, unpack_bounded
 
 __all__ = [
     "BadReply",
@@ -70,6 +71,10 @@ MAX_ARGS_DEPTH = 8
 MAX_NAME = 512  # a module or qualified name
 MAX_DIM = 1 << 62
 MAX_LAYOUT_DEVICES = 1 << 16
+MAX_DESCRIPTION = 1 << 26  # bytes of an output description
+MAX_ERROR_BYTES = 1 << 20  # bytes of an error description (writers stay below it)
+MAX_ERROR_OBJECTS = 1 << 12  # lists and maps in one (args included)
+LEAF_OBJECTS = 16  # lists and maps an output leaf may use, besides MAX_NODES in all
 
 _UNPACK_LIMITS = dict(
     max_str_len=1 << 20, max_bin_len=1 << 20, max_array_len=1 << 18, max_map_len=1 << 12,
@@ -81,10 +86,16 @@ class BadReply(ValueError):
     """A worker's reply does not follow the formats above (the host broke the protocol)."""
 
 
-def unpack(raw: Any) -> Any:
+def unpack(raw: Any, max_objects: int = MAX_NODES, max_bytes: int = MAX_DESCRIPTION) -> Any:
+    """A description, read with bounds on its size and on how many lists and maps it
+    makes in all (not only per container)."""
+    if len(raw) > max_bytes:
+        raise BadReply(f"a {len(raw)}-byte description (at most {max_bytes})")
     try:
-        return msgpack.unpackb(bytes(raw), raw=False, strict_map_key=False, use_list=True,
-                               **_UNPACK_LIMITS)
+        return unpack_bounded(bytes(raw), max_objects, strict_map_key=False,
+                              **_UNPACK_LIMITS)
+    except TooManyObjects as exc:
+        raise BadReply(f"description too large: {exc}") from None
     except Exception as exc:  # msgpack raises several types on garbage
         raise BadReply(f"not a msgpack description: {type(exc).__name__}") from None
 
@@ -211,7 +222,9 @@ PARSED_CACHE_MAX_BYTES = 4096  # descriptions up to this size are remembered (51
 
 def _parse(raw: bytes, count: int) -> tuple[tuple[P.OutLeaf, ...], Any]:
     """The checked leaves and the raw tree description of an output description."""
-    desc = unpack(raw)
+    if not (type(count) is int and 0 <= count <= P.MAX_OUTPUTS):
+        raise BadReply(f"{count!r:.40} outputs")
+    desc = unpack(raw, MAX_NODES + LEAF_OBJECTS * count)
     if not isinstance(desc, dict) or desc.get("v") != VERSION:
         raise BadReply("bad output description")
     raw_leaves = desc.get("leaves")

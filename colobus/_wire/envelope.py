@@ -28,18 +28,16 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import io
-import pickle
 import struct
-import types
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import cloudpickle
 import msgpack
 import numpy as np
-from cloudpickle.cloudpickle import _should_pickle_by_reference
+
+from .._errors import SerializationError
+from .pickling import ByValue, StdPickler, dumps, loads, oob_callback
 
 __all__ = [
     "MAC_SIZE",
@@ -49,6 +47,7 @@ __all__ = [
     "Envelope",
     "Outgoing",
     "StdPickler",
+    "TooManyObjects",
     "batched",
     "decode",
     "decode_dtype",
@@ -59,20 +58,23 @@ __all__ = [
     "mac",
     "oob_callback",
     "pack_batch",
+    "pack_body",
     "unpack_batch",
+    "unpack_bounded",
 ]
 
-PROTOCOL_VERSION = 6  # 2: BATCH envelopes; 3: acknowledgements (ack) in every header;
+PROTOCOL_VERSION = 7  # 2: BATCH envelopes; 3: acknowledgements (ack) in every header;
 # 4: timings in RESULT, health in HEARTBEAT
 # 5: challenged joins (JOIN, CHALLENGE), no pickles from workers
 # 6: hosts count calls' queued and run times (asked in WELCOME, sent in HEARTBEAT)
+# 7: bodies in the payload (header field 9), chunked messages (CHUNKED, PART), ACK,
+#    REJECT with retry
 BATCH_KIND = 17  # _protocol.Kind.BATCH (this module does not import the kinds)
 MAC_SIZE = 32
 MAX_HEADER_BYTES = 1 << 20
+# A body packed larger than this travels at the head of the payload (see encode).
+BODY_INLINE_MAX = 1 << 16
 MAX_FRAMES = 1 << 16  # frames in one envelope (a batch's buffers included)
-# Out-of-band pickle buffers below this size stay in the pickle (a copy is cheaper
-# than a frame); the same threshold pyzmq uses to decide zero-copy sends.
-OOB_THRESHOLD = 1 << 16
 
 _LEN = struct.Struct("<Q")
 
@@ -108,6 +110,8 @@ class Envelope:
 
 
 _ARRAY9 = b"\x99"  # msgpack: a fixarray of 9 elements (the header's fields)
+_ARRAY10 = b"\x9a"  # ... of 10: the body travels at the head of the payload
+_NIL = b"\xc0"
 _KEYED: dict[bytes, Any] = {}  # key -> BLAKE2b state after the key block (a few keys)
 _KEYED_MAX = 16
 
@@ -144,22 +148,74 @@ def _nbytes(b: Buffer) -> int:
 
 
 def encode(key: bytes, env: Envelope) -> list[Buffer]:
-    """Frames for ``env`` (the caller prepends a routing identity where needed)."""
+    """Frames for ``env`` (the caller prepends a routing identity where needed).
+
+    A body packed larger than :data:`BODY_INLINE_MAX` (a RELEASE of many arrays, a
+    CALL with many handles, a long batch) travels at the head of the payload, inside
+    the MAC, and the header's tenth field gives its length: headers stay small
+    whatever a message lists.
+    """
     buflens = [_nbytes(b) for b in env.buffers]
-    if env.packed_body is None:
-        header = msgpack.packb(
-            [env.version, env.kind, env.sender, env.receiver, env.seq, env.ack, buflens,
-             env.pbufs, env.body],
-            use_bin_type=True,
-        )
-    else:  # the same bytes: a 9-array is an 8-array's fields followed by the ninth
-        head = msgpack.packb(
-            [env.version, env.kind, env.sender, env.receiver, env.seq, env.ack, buflens,
-             env.pbufs],
-            use_bin_type=True,
-        )
-        header = _ARRAY9 + head[1:] + env.packed_body
-    return [header, env.payload, mac(key, header, env.payload), *env.buffers]
+    packed = env.packed_body
+    if packed is None:
+        packed = pack_body(env.body)
+    head = msgpack.packb(
+        [env.version, env.kind, env.sender, env.receiver, env.seq, env.ack, buflens,
+         env.pbufs],
+        use_bin_type=True,
+    )
+    payload = env.payload
+    if len(packed) <= BODY_INLINE_MAX:
+        # the same bytes as packing the 9 fields: an 8-array's fields and the ninth
+        header = _ARRAY9 + head[1:] + packed
+    else:
+        header = _ARRAY10 + head[1:] + _NIL + msgpack.packb(len(packed))
+        payload = packed + bytes(payload) if payload else packed
+    return [header, payload, mac(key, header, payload), *env.buffers]
+
+
+def pack_body(body: Any) -> bytes:
+    """A body's msgpack bytes; raises :class:`~colobus.SerializationError` if it has
+    something msgpack cannot write (before any sequence number is spent on it)."""
+    try:
+        out: bytes = msgpack.packb(body, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise SerializationError(f"cannot encode the message for the host: {exc}") from None
+    return out
+
+
+class TooManyObjects(ValueError):
+    """A msgpack document holds more containers than its reader allows."""
+
+
+# Headers and bodies up to this size are read without counting their containers
+# (they cannot hold many); larger ones count them against a budget.
+COUNT_ABOVE = 1 << 12
+MAX_OBJECTS = 1 << 17  # containers (lists, maps) in one header or body, at most
+
+
+def unpack_bounded(data: Buffer, max_objects: int = MAX_OBJECTS, **limits: Any) -> Any:
+    """``msgpack.unpackb`` that stops once ``max_objects`` lists and maps were made.
+
+    msgpack bounds each container's length, not how many there are: a 16 MiB
+    document of nested empty lists is 16 million lists. Counting them (a hook per
+    container) caps what a hostile document costs to a small multiple of the budget.
+
+    Raises:
+        TooManyObjects: more containers than ``max_objects``.
+        ValueError, TypeError, msgpack's exceptions: not msgpack.
+    """
+    left = max_objects
+
+    def count(obj: Any) -> Any:
+        nonlocal left
+        left -= 1
+        if left < 0:
+            raise TooManyObjects(f"more than {max_objects} lists and maps")
+        return obj
+
+    return msgpack.unpackb(data, raw=False, use_list=True, list_hook=count, object_hook=count,
+                           **limits)
 
 
 def _frame_bytes(frame: Any) -> Buffer:
@@ -171,12 +227,15 @@ def _frame_bytes(frame: Any) -> Buffer:
 def decode(
     key: bytes, frames: Sequence[Any], *, max_payload: int = 1 << 40,
     max_total: int | None = None, max_frames: int = MAX_FRAMES,
+    max_body: int = 1 << 40, max_objects: int | None = None,
 ) -> Envelope:
     """Authenticate and unpack ``frames``; raise :class:`Dropped` on anything wrong.
 
     Nothing is unpickled here. Sizes are checked from the frame lengths first
     (``max_total``: all frames together), then the MAC, and only then is the
-    header parsed.
+    header parsed. ``max_body`` bounds a body carried in the payload, ``max_objects``
+    the lists and maps a header or body over 4 KiB may make (None: no bound, for
+    what a controller sends its workers).
     """
     if len(frames) < 3:
         raise Dropped("malformed", f"{len(frames)} frames")
@@ -196,12 +255,27 @@ def decode(
     if not hmac.compare_digest(mac(key, header, payload), bytes(tag)):
         raise Dropped("unauthenticated")
     try:
-        fields = msgpack.unpackb(header, raw=False, use_list=True)
+        fields = (msgpack.unpackb(header, raw=False, use_list=True)
+                  if max_objects is None or _nbytes(header) <= COUNT_ABOVE
+                  else unpack_bounded(header, max_objects))
         if isinstance(fields, list) and len(fields) == 8:  # protocol 2: no ack (version check)
             fields.insert(5, 0)
+        body_len = fields.pop() if isinstance(fields, list) and len(fields) == 10 else None
         version, kind, sender, receiver, seq, ack, buflens, pbufs, body = fields
     except Exception as exc:  # msgpack raises several types on garbage
         raise Dropped("malformed", f"header: {exc}") from None
+    if body_len is not None:  # the body heads the payload (inside the MAC)
+        if not (type(body_len) is int and body is None and 0 < body_len <= _nbytes(payload)):
+            raise Dropped("malformed", "body length")
+        if body_len > max_body:
+            raise Dropped("oversized", f"a {body_len}-byte body")
+        view = memoryview(payload)
+        try:
+            body = (msgpack.unpackb(view[:body_len], raw=False, use_list=True)
+                    if max_objects is None else unpack_bounded(view[:body_len], max_objects))
+        except Exception as exc:
+            raise Dropped("malformed", f"body: {exc}") from None
+        payload = view[body_len:] if body_len < len(view) else b""
     if not (
         isinstance(version, int)
         and isinstance(kind, int)
@@ -224,7 +298,9 @@ def decode(
 
 # -- batches ----------------------------------------------------------------------------
 
-# One message waiting to be sent: (kind, body as wire list, payload, buffers, pbufs).
+# One message waiting to be sent: (kind, body, payload, buffers, pbufs); the body as
+# packed by :func:`pack_body` (a channel packs it when the message is queued, so what
+# cannot be encoded fails there), or as its wire list.
 Outgoing = tuple[int, Any, Buffer, Sequence[Buffer], int]
 
 
@@ -242,48 +318,76 @@ def pack_batch(items: Sequence[Outgoing]) -> tuple[list[Any], bytes, list[Buffer
 
 
 BATCH_MAX_ITEMS = 256  # messages in one BATCH, at most
-BATCH_MAX_PAYLOAD = 1 << 18  # a payload this large travels alone, not copied into a batch
-BATCH_MAX_HEADER = MAX_HEADER_BYTES // 2  # a larger batch header is sent as its messages
+# A message this large (body, payload and buffers together) travels alone, not copied
+# into a batch; and a batch stops short of BATCH_MAX_BYTES and BATCH_MAX_BUFFERS frames,
+# so it never nears a receiver's limits (max_message_bytes, MAX_FRAMES, max_body).
+BATCH_MAX_PAYLOAD = 1 << 18
+BATCH_MAX_BYTES = 1 << 20
+BATCH_MAX_BUFFERS = 4096
+
+
+def _array_header(n: int) -> bytes:
+    if n < 16:
+        return bytes((0x90 | n,))
+    if n < 1 << 16:
+        return b"\xdc" + n.to_bytes(2, "big")
+    return b"\xdd" + n.to_bytes(4, "big")
+
+
+def _packed(item: Outgoing) -> Outgoing:
+    kind, body, payload, bufs, pbufs = item
+    return item if type(body) is bytes else (kind, pack_body(body), payload, bufs, pbufs)
+
+
+def _size(item: Outgoing) -> int:
+    return len(item[1]) + _nbytes(item[2]) + sum(_nbytes(b) for b in item[3])
 
 
 def batched(items: Sequence[Outgoing], sender: bytes, receiver: bytes) -> list[Envelope]:
     """Envelopes (sequence numbers not set) carrying ``items`` in order, batched where
-    several fit together: a lone message, or one with a large payload, travels as itself."""
+    several fit together: a lone message, or a large one, travels as itself."""
     if len(items) == 1:  # the common case: one message, as itself
-        return [_single(items[0], sender, receiver)]
+        return [_single(_packed(items[0]), sender, receiver)]
     out: list[Envelope] = []
     run: list[Outgoing] = []
+    run_bytes = run_bufs = 0
 
     def close_run() -> None:
         if len(run) == 1:
             out.append(_single(run[0], sender, receiver))
         elif run:
-            body, payload, buffers = pack_batch(run)
-            # Bodies are small but for error replies (tracebacks): a batch whose
-            # header would near the receiver's limit goes as its messages instead.
-            packed = msgpack.packb(body, use_bin_type=True)
-            if len(packed) > BATCH_MAX_HEADER:
-                out.extend(_single(item, sender, receiver) for item in run)
-            else:
-                out.append(Envelope(BATCH_KIND, sender, receiver, 0, body, payload, buffers,
-                                    packed_body=packed))
+            entries, payload, buffers = pack_batch(run)
+            parts = [_array_header(len(run))]
+            for kind, body, p, bufs, pbufs in run:  # the entries, spliced from packed bodies
+                parts += (b"\x95", msgpack.packb(kind), body,
+                          msgpack.packb(_nbytes(p)), msgpack.packb(len(bufs)),
+                          msgpack.packb(pbufs))
+            out.append(Envelope(BATCH_KIND, sender, receiver, 0, entries, payload, buffers,
+                                packed_body=b"".join(parts)))
         run.clear()
 
-    for item in items:
-        if _nbytes(item[2]) >= BATCH_MAX_PAYLOAD:
+    for item in map(_packed, items):
+        size = _size(item)
+        if size >= BATCH_MAX_PAYLOAD:
             close_run()
+            run_bytes = run_bufs = 0
             out.append(_single(item, sender, receiver))
             continue
-        run.append(item)
-        if len(run) >= BATCH_MAX_ITEMS:
+        if run and (len(run) >= BATCH_MAX_ITEMS or run_bytes + size > BATCH_MAX_BYTES
+                    or run_bufs + len(item[3]) > BATCH_MAX_BUFFERS):
             close_run()
+            run_bytes = run_bufs = 0
+        run.append(item)
+        run_bytes += size + 16
+        run_bufs += len(item[3])
     close_run()
     return out
 
 
 def _single(item: Outgoing, sender: bytes, receiver: bytes) -> Envelope:
     kind, body, payload, bufs, pbufs = item
-    return Envelope(kind, sender, receiver, 0, body, payload, list(bufs), pbufs)
+    return Envelope(kind, sender, receiver, 0, None, payload, list(bufs), pbufs,
+                    packed_body=body)
 
 
 def unpack_batch(env: Envelope) -> list[Envelope]:
@@ -317,84 +421,6 @@ def unpack_batch(env: Envelope) -> list[Envelope]:
     if at != len(view) or nb != len(env.buffers):
         raise Dropped("malformed", "batch lengths")
     return out
-
-
-# -- pickling with out-of-band buffers -------------------------------------------------
-
-
-class ByValue(Exception):
-    """The stdlib pickler met a class or function that must travel by value."""
-
-
-_by_reference: dict[Any, bool] = {}  # importable classes and functions seen so far
-
-
-class StdPickler(pickle.Pickler):
-    """The stdlib (C) pickler, refusing what cloudpickle would pickle by value.
-
-    Several times cheaper than cloudpickle's pickler for plain data. It raises
-    :class:`ByValue` on a class or function that cloudpickle pickles by value
-    (defined in ``__main__``, locally, or in a module registered by value): by
-    reference, those would not load on the other side. Callers then fall back to
-    cloudpickle.
-    """
-
-    def reducer_override(self, obj: Any) -> Any:
-        if isinstance(obj, type | types.FunctionType):
-            ok = _by_reference.get(obj)
-            if ok is None:
-                try:
-                    ok = bool(_should_pickle_by_reference(obj))
-                except Exception:
-                    ok = False
-                if ok:
-                    if len(_by_reference) > 4096:
-                        _by_reference.clear()
-                    _by_reference[obj] = True
-            if not ok:
-                raise ByValue(repr(obj))
-        return NotImplemented
-
-
-def oob_callback(buffers: list[Buffer]) -> Callable[[pickle.PickleBuffer], bool]:
-    """A pickle-5 ``buffer_callback``: large contiguous buffers go out of band into
-    ``buffers`` (zero-copy frames); small or non-contiguous ones stay in the pickle."""
-
-    def callback(pb: pickle.PickleBuffer) -> bool:
-        try:
-            raw = pb.raw()
-        except BufferError:  # not contiguous: keep it in band
-            return True
-        if raw.nbytes < OOB_THRESHOLD:
-            return True
-        buffers.append(raw)
-        return False
-
-    return callback
-
-
-def dumps(obj: Any) -> tuple[bytes, list[Buffer]]:
-    """Pickle ``obj``; large contiguous buffers go out of band (zero-copy frames).
-
-    The stdlib pickler first; cloudpickle where that fails or would pickle a class
-    or function by reference that cloudpickle sends by value.
-    """
-    bufs: list[Buffer] = []
-    callback = oob_callback(bufs)
-    f = io.BytesIO()
-    try:
-        StdPickler(f, protocol=5, buffer_callback=callback).dump(obj)
-        return f.getvalue(), bufs
-    except Exception:
-        bufs.clear()
-    data = cloudpickle.dumps(obj, protocol=5, buffer_callback=callback)
-    return data, bufs
-
-
-def loads(payload: Buffer, buffers: Sequence[Buffer] = ()) -> Any:
-    """Unpickle a payload made by :func:`dumps` (workers only, on authenticated envelopes
-    from their controller; the controller never unpickles what a worker sent)."""
-    return pickle.loads(payload, buffers=buffers)
 
 
 # -- dtypes on the wire (no pickle) -----------------------------------------------------

@@ -18,6 +18,8 @@ from typing import Any
 
 from .._errors import RemoteError
 from .describe import (
+    MAX_ERROR_BYTES,
+    MAX_ERROR_OBJECTS,
     MAX_NAME,
     MAX_NOTES,
     MAX_TEXT,
@@ -36,6 +38,8 @@ def describe_error(exc: BaseException, hostname: str) -> bytes:
     """Worker side: the RESULT payload for an exception raised on this host."""
     cls = type(exc)
     args = list(exc.args) if is_plain(list(exc.args), 0) else None
+    if args is not None and _containers(args, MAX_ERROR_OBJECTS // 2) < 0:
+        args = None  # more lists and dicts than a reader takes: the message says enough
     notes = [str(n)[:MAX_TEXT] for n in getattr(exc, "__notes__", [])[:MAX_NOTES]]
     tb = "".join(traceback.format_exception(exc))
     if len(tb) > MAX_TEXT:
@@ -44,10 +48,26 @@ def describe_error(exc: BaseException, hostname: str) -> bytes:
             "args": args, "message": _text(exc), "notes": notes, "traceback": tb,
             "host": hostname}
     try:
-        return pack(desc)
+        out = pack(desc)
     except Exception:  # an int arg out of msgpack's range, say: send it without args
         desc["args"] = None
-        return pack(desc)
+        out = pack(desc)
+    if len(out) > MAX_ERROR_BYTES:  # long notes or args: keep what a reader takes
+        desc["args"] = None
+        desc["notes"] = [n[:MAX_TEXT // 4] for n in notes[:4]]
+        out = pack(desc)
+    return out
+
+
+def _containers(x: Any, left: int) -> int:
+    """``left`` less the lists, tuples and dicts in ``x``; negative once past zero."""
+    if type(x) in (list, tuple, dict):
+        left -= 1
+        for v in (x.values() if type(x) is dict else x):
+            if left < 0:
+                return left
+            left = _containers(v, left)
+    return left
 
 
 def _text(exc: BaseException) -> str:
@@ -86,7 +106,7 @@ def read_error(payload: Any) -> RemoteFailure:
     Raises:
         BadReply: not an error description.
     """
-    desc = unpack(payload)
+    desc = unpack(payload, MAX_ERROR_OBJECTS, MAX_ERROR_BYTES)
     if not isinstance(desc, dict) or desc.get("v") != VERSION:
         raise BadReply("bad error description")
     args = desc.get("args")

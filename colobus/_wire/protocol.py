@@ -48,7 +48,7 @@ class Kind(enum.IntEnum):
 
     HELLO = 1  # W: join request
     WELCOME = 2  # C: join accepted, host index and device ids
-    REJECT = 3  # C: join refused (protocol version)
+    REJECT = 3  # C: join refused (protocol version, cluster full, name in use)
     HEARTBEAT = 4  # both: liveness, and the worker's store counters
     CODE = 5  # C: a pickled function or class, named by digest
     CALL = 6  # C: run a function or method on this host
@@ -65,6 +65,9 @@ class Kind(enum.IntEnum):
     BATCH = 17  # both: several of the above to one peer, in order, in one envelope
     JOIN = 18  # W: ask for a join challenge (first message of a session)
     CHALLENGE = 19  # C: a fresh nonce the worker's HELLO must carry
+    CHUNKED = 20  # both: the head of a large message sent in parts (_chunks)
+    PART = 21  # both: the next bytes of that message
+    ACK = 22  # both: acknowledgement only, outside the numbering (sequence number 0)
 
 
 class Status(enum.IntEnum):
@@ -140,9 +143,19 @@ class Challenge(Body):
 
 @dataclass(frozen=True, slots=True)
 class Reject(Body):
+    """A join refused. ``retry``: the refusal may pass (a live host holds the name,
+    or the cluster is full): the worker logs it and joins again with back-off; else
+    it exits with a non-zero status."""
+
     kind = Kind.REJECT
-    types = (str,)
+    types = (str, bool)
+    required = 1
     reason: str
+    retry: bool = False
+
+    def to_wire(self) -> list[Any]:
+        # A final refusal keeps its one-field form: workers of any version read it.
+        return [self.reason, True] if self.retry else [self.reason]
 
 
 @dataclass(frozen=True, slots=True)

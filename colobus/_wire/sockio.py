@@ -21,6 +21,7 @@ from typing import Any, cast
 import zmq
 
 __all__ = [
+    "MAX_FRAME_BYTES", "router_socket",
     "COPY_BELOW", "EVENTS", "NOBLOCK", "POLLIN", "readable", "recv_frames", "send_frames",
     "socket_fd",
 ]
@@ -63,3 +64,23 @@ def recv_frames(sock: zmq.Socket[Any], flags: int = NOBLOCK) -> list[Any]:
         frame = _recv(sock, flags, False)
         parts.append(frame)
     return parts
+
+
+MAX_FRAME_BYTES = 1 << 22  # one incoming frame at the controller, at most (ZMQ_MAXMSGSIZE)
+
+
+def router_socket(ctx: zmq.Context[Any], max_message_bytes: int) -> zmq.Socket[Any]:
+    """The controller's ROUTER, set up for colobus's channel (not yet bound)."""
+    sock: zmq.Socket[Any] = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    # A worker that reconnects after a dropped connection keeps its routing id:
+    # its new connection takes over the route even if the old one lingers.
+    sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    # libzmq refuses (and disconnects) a single frame over the limit before it is
+    # buffered: workers send nothing larger than MAX_FRAME_BYTES in one frame (large
+    # data travels in parts), so neither can anyone else; larger totals are counted.
+    sock.setsockopt(zmq.MAXMSGSIZE, min(max_message_bytes, MAX_FRAME_BYTES))
+    return sock
