@@ -239,7 +239,8 @@ class _PreparedPut:
             block = data[b.index] if data.ndim else data  # 0-d StringDType indexes to a str
             descr, buf = to_buffer(block)
             self.msgs.append(
-                (h, P.Put(self.ref, list(block.shape), descr, mesh_message(b), spec, impl), buf))
+                (h, P.Put(self.ref, list(block.shape), descr, mesh_message(b), spec, impl,
+                          sharding.memory_kind), buf))
 
     def handle(self, ctl: Controller) -> Array:
         return Array(ctl, self.ref, self.shape, self.dtype, self.sharding, key_impl=self.impl)

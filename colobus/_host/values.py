@@ -145,37 +145,39 @@ class HostValues:
             self._mesh_cache[key] = mesh
         return mesh
 
-    def sharding(self, mesh: Any, spec: Any) -> Any:
+    def sharding(self, mesh: Any, spec: Any, memory_kind: str | None = None) -> Any:
         jax = self.jax
         if isinstance(mesh, jax.sharding.Mesh):
-            return jax.sharding.NamedSharding(mesh, spec)
-        return jax.sharding.SingleDeviceSharding(mesh)
+            return jax.sharding.NamedSharding(mesh, spec, memory_kind=memory_kind)
+        return jax.sharding.SingleDeviceSharding(mesh, memory_kind=memory_kind)
 
-    def to_host_value(self, arr: Any, mesh: Any, spec: Any, key_impl: str | None) -> Any:
+    def to_host_value(self, arr: Any, mesh: Any, spec: Any, key_impl: str | None,
+                      memory_kind: str | None = None) -> Any:
         """What the store keeps for a PUT block."""
         jax = self.jax
+        sharding = self.sharding(mesh, spec, memory_kind)
         if key_impl:
             keys = jax.random.wrap_key_data(arr, impl=key_impl)
-            return jax.device_put(keys, self.sharding(mesh, spec))
+            return jax.device_put(keys, sharding)
         if jax_exact(jax, arr.dtype):
-            return jax.device_put(arr, self.sharding(mesh, spec))
+            return jax.device_put(arr, sharding)
         if is_string(arr.dtype) and arr.size:
             # A jax.Array where JAX can hold it (one distinct shard per device, as
             # in JAX's own string examples); numpy where it cannot (replicas).
-            sharding = self.sharding(mesh, spec)
             if sharding.is_fully_replicated and len(sharding.device_set) > 1:
                 return arr  # JAX puts it, but cannot read it back (jax 0.10)
             try:
                 return jax.device_put(arr, sharding)
             except Exception:
                 return arr
-        return numpy_block(arr, self.sharding(mesh, spec))
+        return numpy_block(arr, sharding)
 
-    def to_host_value_ready(self, arr: Any, mesh: Any, spec: Any, key_impl: str | None) -> Any:
+    def to_host_value_ready(self, arr: Any, mesh: Any, spec: Any, key_impl: str | None,
+                            memory_kind: str | None = None) -> Any:
         # jax.device_put returns before its copy is done: wait here (a pool thread),
         # so a PUT counts as stored (block_until_ready) only once the data is in place
         # and the received frame can be freed.
-        value = self.to_host_value(arr, mesh, spec, key_impl)
+        value = self.to_host_value(arr, mesh, spec, key_impl, memory_kind)
         ready = getattr(value, "block_until_ready", None)
         return ready() if ready is not None else value
 
@@ -233,10 +235,12 @@ class HostValues:
                     "colocated_python only supports jax.Array as input and output, "
                     f"but got {type(leaf)}.")
             impl = key_impl_name(value) if is_key_array(value) else None
+            memory = getattr(getattr(value, "sharding", None), "memory_kind", None)
             metas.append(P.OutLeaf(i, tuple(value.shape), value.dtype if impl is None else None,
                                    spec, impl, layout,
                                    # one device: no other host can hold a replica
-                                   _outlayout.digest(value) if is_mesh else None, ref))
+                                   _outlayout.digest(value) if is_mesh else None, ref,
+                                   None if memory in (None, "device") else memory))
             values.append(value)
         # msgpack, never a pickle: the controller does not unpickle what hosts send.
         return values, treedef, describe_outputs(treedef, metas), []

@@ -138,8 +138,7 @@ class Worker:
             Kind.CODE: self._on_code,
             Kind.CALL: self.sched.on_call,
             Kind.CANCEL: lambda body, env: self.sched.on_cancel(body),
-            Kind.PUT: self.arrays.on_put,
-            Kind.FETCH: self.arrays.on_fetch,
+            **self.arrays.handlers(),  # PUT, FETCH, RESHARD, PIECE
             Kind.RELEASE: lambda body, env: self.store.release(body.refs, body.calls),
             Kind.CONSTRUCT: self._on_construct,
             Kind.DESTROY: lambda body, env: self.sched.on_destroy(body),
@@ -411,7 +410,7 @@ class Worker:
         """Handle one authenticated message of this session's controller."""
         try:
             body = P.parse(env.kind, env.body)
-            self._handlers[Kind(env.kind)](body, env)  # type: ignore[operator]
+            self._handlers[Kind(env.kind)](body, env)
         except (ValueError, KeyError) as exc:
             self._drop("malformed", str(exc))
         except _Exit:
@@ -431,7 +430,8 @@ class Worker:
         self._peer.their_session = env.sender
         self._joined = True
         self.host_index = body.host
-        _hostside.install(body.host, dict(zip(body.device_ids, self._jax_devices, strict=True)))
+        _hostside.install(body.host, dict(zip(body.device_ids, self._jax_devices, strict=True)),
+                          body.host_count)
         self._heartbeat = float(body.heartbeat)
         self._liveness = float(body.liveness)
         self._exit_with_controller = bool(body.exit_with_controller)
