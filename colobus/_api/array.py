@@ -17,14 +17,17 @@ import numpy as np
 from .._controller.controller import Controller, default_controller
 from .._controller.future import Future
 from .._controller.hosts import Host
+from .._errors import HostLostError
 from .._model.blocks import HostBlock, assemble, host_blocks
 from .._model.devices import Device
 from .._model.jaxside import is_key_array
+from .._model.moves import plan_reshard
 from .._model.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 from .._wire import protocol as P
 from .._wire.codec import key_impl_name, to_buffer
 from .._wire.describe import read_fetched
 from .._wire.envelope import Envelope
+from .reshard import Reshard, mesh_message
 from .shards import Shard, addressable_shards
 
 __all__ = [
@@ -34,15 +37,6 @@ __all__ = [
     "device_put",
     "mesh_message",
 ]
-
-
-def mesh_message(block: HostBlock) -> list[Any]:
-    """A host's part of a layout as a message: ``[[[platform, local id]...], shape, names]``."""
-    devs = [[d.platform, d.local_id] for d in block.local_devices.flat]
-    sh = block.local_sharding
-    if isinstance(sh, NamedSharding):
-        return [devs, list(block.local_devices.shape), list(sh.mesh.axis_names)]
-    return [devs, [], []]
 
 
 def _spec_of(sharding: Sharding) -> PartitionSpec:
@@ -60,6 +54,7 @@ class Array:
         "__weakref__",
         "_ctl",
         "_deleted",
+        "_failed",
         "_finalizer",
         "_gens",
         "_key_impl",
@@ -81,6 +76,7 @@ class Array:
         self._key_impl = key_impl
         self._ready = ready
         self._deleted = False
+        self._failed: BaseException | None = None  # the reshard that makes it failed
         hosts = ((sharding.device.host,) if type(sharding) is SingleDeviceSharding
                  else sorted({d.host for d in sharding.device_list}))
         self._gens = {h: ctl._hosts[h].generation for h in hosts}
@@ -153,6 +149,11 @@ class Array:
         """Raise if deleted or if a host holding its data was lost."""
         if self._deleted:
             raise RuntimeError(f"{self!r} was deleted; it cannot be used any more")
+        if (exc := self._failed) is not None:
+            text = f"{self!r} is not stored: the device_put that resharded it failed: {exc}"
+            if isinstance(exc, HostLostError):
+                raise HostLostError(text, exc.host) from exc
+            raise RuntimeError(text) from exc
         self._ctl._hosts.check(self._gens, self._gens, "array data")
 
     # -- fetching -----------------------------------------------------------------------------
@@ -246,13 +247,37 @@ class _PreparedPut:
         return Array(ctl, self.ref, self.shape, self.dtype, self.sharding, key_impl=self.impl)
 
 
-def _prepare(ctl: Controller, x: Any, sharding: Sharding) -> Array | _PreparedPut:
+class _PreparedReshard:
+    """One ``cb.Array`` leaf of a ``device_put`` onto another sharding, checked, planned."""
+
+    __slots__ = ("plan", "sharding", "src")
+
+    def __init__(self, src: Array, sharding: Sharding) -> None:
+        src.check_usable()
+        ctl = src._ctl
+        host_blocks(sharding, src.shape)  # validates rank and divisibility
+        _check_devices(ctl, sharding)
+        # A typed key's dtype has no useful itemsize: its key data is a few words.
+        itemsize = 16 if src._key_impl else src.itemsize
+        self.plan = plan_reshard(src.sharding, sharding, src.shape, itemsize)
+        self.src = src
+        self.sharding = sharding
+
+    def start(self) -> Array:
+        src = self.src
+        ctl = src._ctl
+        new = Array(ctl, ctl._ops.next_id() << 16, src.shape, src.dtype, self.sharding,
+                    key_impl=src._key_impl)
+        Reshard(ctl, src, new, self.sharding, self.plan, src._key_impl).start()
+        return new
+
+
+def _prepare(ctl: Controller, x: Any, sharding: Sharding
+             ) -> Array | _PreparedPut | _PreparedReshard:
     if isinstance(x, Array):
         if x.sharding == sharding and x.sharding.device_list == sharding.device_list:
             return x
-        raise ValueError(
-            "device_put of a colobus.Array onto another sharding is not supported; "
-            "fetch it with cb.device_get first")
+        return _PreparedReshard(x, sharding)  # each host gets the blocks it lacks
     return _PreparedPut(ctl, x, sharding)
 
 
@@ -289,9 +314,11 @@ def device_put(x: Any, device_or_sharding: Any) -> Any:
             device_or_sharding, is_leaf=_is_array_leaf)
     sends: list[tuple[Array, _PreparedPut]] = []
 
-    def finish(p: Array | _PreparedPut) -> Array:
+    def finish(p: Array | _PreparedPut | _PreparedReshard) -> Array:
         if isinstance(p, Array):
             return p
+        if isinstance(p, _PreparedReshard):
+            return p.start()
         arr = p.handle(ctl)
         sends.append((arr, p))
         return arr
@@ -311,7 +338,7 @@ def device_put(x: Any, device_or_sharding: Any) -> Any:
 
 
 def _is_prepared_leaf(x: Any) -> bool:
-    return isinstance(x, Array | _PreparedPut)
+    return isinstance(x, Array | _PreparedPut | _PreparedReshard)
 
 
 def _is_array_leaf(x: Any) -> bool:

@@ -129,7 +129,7 @@ def chunks(box: Box, itemsize: int, chunk_bytes: int = CHUNK_BYTES) -> list[Box]
 
 
 def plan_reshard(old: Sharding, new: Sharding, shape: Sequence[int], itemsize: int,
-                 chunk_bytes: int = CHUNK_BYTES) -> ReshardPlan:
+                 chunk_bytes: int | None = None) -> ReshardPlan:
     """What moves, and from where, to take an array of ``shape`` from ``old`` to ``new``.
 
     A destination keeps what its old block covers of its new block; every other
@@ -139,6 +139,7 @@ def plan_reshard(old: Sharding, new: Sharding, shape: Sequence[int], itemsize: i
     Raises:
         ValueError: as :func:`~colobus._model.blocks.host_blocks` for either layout.
     """
+    chunk = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     src = host_blocks(old, shape)
     dst = host_blocks(new, shape)
     plan = ReshardPlan(dst)
@@ -172,7 +173,7 @@ def plan_reshard(old: Sharding, new: Sharding, shape: Sequence[int], itemsize: i
     for s, cells in sorted(by_source.items()):
         for cell, to in _merge(cells):
             plan.lenders.add(s)
-            for piece in chunks(cell, itemsize, chunk_bytes):
+            for piece in chunks(cell, itemsize, chunk):
                 local = _shift(piece, src_boxes[s])
                 targets = tuple((h, _shift_into(piece, cell, box)) for h, box in to)
                 plan.moves.append(Move(s, local, targets, _size(piece) * itemsize))
