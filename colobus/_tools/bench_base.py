@@ -194,7 +194,8 @@ class RawEcho:
         self.sock.setsockopt(zmq.RCVHWM, 0)
         self.sock.bind(f"ipc://{self.path}")
         self.ids = [f"s{i}".encode() for i in range(n)]
-        code = "import sys; from colobus._tools.bench import _echo_main; _echo_main(*sys.argv[1:])"
+        code = ("import sys; from colobus._tools.bench_base import _echo_main; "
+                "_echo_main(*sys.argv[1:])")
         self.procs = [subprocess.Popen([sys.executable, "-c", code, f"ipc://{self.path}",
                                         i.decode()]) for i in self.ids]
         self.sock.setsockopt(zmq.RCVTIMEO, 60_000)
