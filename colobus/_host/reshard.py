@@ -122,10 +122,16 @@ class HostReshards:
             if whole is not None:
                 block.data = whole  # the old block as it is: no copy here
             else:
+                copies = []
                 for value, src_box, dst_box in parts:
                     data, _ = as_numpy(self._w._jax, value)
                     part = data[box_index(src_box, data.ndim)]
-                    block.target(part)[box_index(dst_box, part.ndim)] = part
+                    # the block is made here, on the loop (PIECEs write into it too)
+                    copies.append((block.target(part), box_index(dst_box, part.ndim), part))
+                # A large copy would hold the loop (heartbeats, PIECEs) too long: a pool
+                # thread does it; PIECEs meanwhile write other boxes of the same block.
+                await asyncio.get_running_loop().run_in_executor(
+                    self._w._pool, _copy_all, copies)
         except Exception as exc:
             self._fail(block, exc)
             return
@@ -220,6 +226,11 @@ class HostReshards:
         if store.arrays.get(ref) is block.fut:
             del store.arrays[ref]
         self._w.reply_error(block.body.call_id, exc)
+
+
+def _copy_all(copies: list[tuple[np.ndarray[Any, Any], tuple[slice, ...], Any]]) -> None:
+    for target, index, part in copies:
+        target[index] = part
 
 
 def full_shape(box: list[list[int]]) -> list[int]:
