@@ -226,6 +226,8 @@ def test_a_mesh_to_its_colocated_cpu_mesh_moves_nothing(four: cb.Controller) -> 
         out = cb.device_put(arr, target)
         np.testing.assert_array_equal(np.asarray(out), x)
     assert _moved(four, before) == 0
+    # host code sees the memory kind the reshard asked for
+    assert _memory_kinds(out, target).result().sharding == target
     assert four.stats()["bytes_put"] == before["bytes_put"]
 
 

@@ -262,8 +262,10 @@ BENCHMARKS = CORE + bench_calls.GROUPS + bench_reshard.GROUPS
 
 async def _run_async(bench: Bench, groups: list[str], options: dict[str, Any]) -> None:
     hosts = 4 if "fanout" in groups else 1
-    async with cb.local_cluster(hosts=hosts, devices_per_host=1, **options) as ctl:
-        with RawEcho(hosts) as raw:
+    # The raw servers start first: their start blocks this thread, which would stall the
+    # controller's loop (and its heartbeats: hosts leave after 5 s) if it ran already.
+    with RawEcho(hosts) as raw:
+        async with cb.local_cluster(hosts=hosts, devices_per_host=1, **options) as ctl:
             for g in groups:
                 await getattr(bench, g)(ctl, raw)
 
