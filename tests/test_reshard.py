@@ -382,3 +382,25 @@ def test_a_checkpoint_dispatcher(ctl: cb.Controller, tmp_path: Path) -> None:
     assert names == ["host-0-of-2.npy", "host-1-of-2.npy"]
     np.testing.assert_array_equal(np.load(tmp_path / "host-1-of-2.npy"), x[4:])
     np.testing.assert_array_equal(np.load(tmp_path / "host-0-of-2.npy"), x[:4])
+
+
+def test_large_blocks_stay_in_their_pieces_until_read(four: cb.Controller,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A large new block is kept as the frames it came in (docs/arrays.md): a fetch, a
+    call and another reshard of it each read it whole, with the right values."""
+    from colobus._model import moves
+
+    monkeypatch.setattr(moves, "CHUNK_BYTES", 256 << 10)
+    mesh = cb.make_mesh((4, 2), ("hosts", "devices"))
+    x = np.random.default_rng(1).standard_normal((512, 1024)).astype(np.float32)  # 2 MiB
+    src = cb.device_put(x, cb.NamedSharding(mesh, P("hosts")))
+    rep = cb.device_put(src, cb.NamedSharding(mesh, P()))
+    cb.block_until_ready(rep).result()
+    hosts = four.refresh_stats().result()["hosts"]
+    assert all(hosts[h]["bytes"] >= x.nbytes for h in range(4))  # counted whole, as pieces
+    back = cb.device_put(rep, cb.NamedSharding(mesh, P(None, "hosts")))  # read by a reshard
+    np.testing.assert_array_equal(np.asarray(_plus_one(rep)), x + 1)  # read by a call
+    np.testing.assert_array_equal(np.asarray(rep), x)  # and by a fetch
+    np.testing.assert_array_equal(np.asarray(back), x)
+    again = cb.device_put(rep, cb.SingleDeviceSharding(cb.devices()[3]))
+    np.testing.assert_array_equal(np.asarray(again), x)

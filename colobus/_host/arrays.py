@@ -18,7 +18,7 @@ from .._wire.codec import from_buffer, to_buffer
 from .._wire.envelope import Envelope
 from .._wire.protocol import Kind, Status
 from .reshard import HostReshards, as_numpy, box_index
-from .values import LAZY_PUT_BYTES, NumpyBlock, jax_exact, numpy_block, present
+from .values import LAZY_PUT_BYTES, NumpyBlock, PiecedBlock, jax_exact, numpy_block, present
 
 if TYPE_CHECKING:
     from .sched import WorkerServices
@@ -83,6 +83,8 @@ class HostArrays:
 
     def present(self, value: Any) -> Any:
         """What user code receives for a stored value (any thread)."""
+        if isinstance(value, PiecedBlock):  # made whole now; the store then keeps that
+            value = self._swap_soon(value, value.materialize())
         lazy = isinstance(value, NumpyBlock) and value.lazy and value.jax_value is None
         out = present(self._w._jax, value)
         if lazy and self._w.loop is not None:
@@ -91,6 +93,25 @@ class HostArrays:
             except RuntimeError:  # the loop closed: the worker is exiting
                 pass
         return out
+
+    def _swap_soon(self, old: PiecedBlock, new: NumpyBlock) -> NumpyBlock:
+        """Any thread: the store entry of ``old`` becomes ``new`` (on the loop, if unchanged)."""
+        loop = self._w.loop
+        if loop is not None:
+            try:
+                loop.call_soon_threadsafe(self._swap_entry, old.ref, old, new)
+            except RuntimeError:  # the loop closed: the worker is exiting
+                pass
+        return new
+
+    def _swap_entry(self, ref: int, old: Any, new: Any) -> None:
+        fut = self._w.store.arrays.get(ref)
+        if fut is None or not fut.done() or fut.cancelled() or fut.exception() is not None:
+            return
+        if fut.result() is old:
+            swapped = asyncio.get_running_loop().create_future()
+            swapped.set_result(new)
+            self._w.store.arrays[ref] = swapped
 
     def _swap_block(self, block: NumpyBlock) -> None:
         """Loop thread: a lazy PUT block got its jax.Array; store that alone.
@@ -124,6 +145,9 @@ class HostArrays:
             if fut is None:
                 raise KeyError(f"array {ref} is not on host {self._w.host_index} (deleted?)")
             value = await fut
+            if isinstance(value, PiecedBlock) and data:  # made whole off the loop
+                value = await asyncio.get_running_loop().run_in_executor(
+                    self._w._pool, value.materialize)
             if epoch != self._w.epoch:
                 return  # that controller session is over: its call ids mean nothing now
             if not data:

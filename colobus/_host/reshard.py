@@ -28,7 +28,7 @@ from .._wire import protocol as P
 from .._wire.codec import from_buffer
 from .._wire.envelope import Envelope
 from .._wire.protocol import Status
-from .values import LAZY_PUT_BYTES, NumpyBlock, jax_exact, numpy_block
+from .values import LAZY_PUT_BYTES, NumpyBlock, PiecedBlock, jax_exact, numpy_block
 
 if TYPE_CHECKING:
     from .sched import WorkerServices
@@ -53,6 +53,8 @@ def as_numpy(jax: Any, value: Any) -> tuple[np.ndarray[Any, Any], str | None]:
     """A stored value's data as numpy (a view where JAX allows it) and its key impl."""
     from .._wire.codec import key_impl_name
 
+    if isinstance(value, PiecedBlock):
+        value = value.materialize()
     if isinstance(value, NumpyBlock):
         return value.view(np.ndarray), None
     if is_key_array(value):
@@ -61,21 +63,16 @@ def as_numpy(jax: Any, value: Any) -> tuple[np.ndarray[Any, Any], str | None]:
 
 
 class _Block:
-    """A block being assembled: its buffer (made on the first data), what is left."""
+    """A block being built: the parts that arrived (views, not copies), what is left."""
 
-    __slots__ = ("body", "data", "fut", "left")
+    __slots__ = ("body", "fut", "left", "parts", "whole")
 
     def __init__(self, body: P.Reshard, fut: asyncio.Future[Any]) -> None:
         self.body = body
         self.fut = fut
-        self.data: np.ndarray[Any, Any] | None = None
+        self.parts: list[tuple[tuple[slice, ...], np.ndarray[Any, Any]]] = []
+        self.whole: np.ndarray[Any, Any] | None = None  # the old block is the new one
         self.left = body.pieces + (1 if body.local else 0)
-
-    def target(self, sample: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-        if self.data is None:
-            shape = tuple(self.body.shape) + tuple(sample.shape[len(self.body.shape):])
-            self.data = np.empty(shape, sample.dtype)
-        return self.data
 
 
 class HostReshards:
@@ -106,46 +103,39 @@ class HostReshards:
         if block.left == 0:  # an empty block: nothing to copy
             self._spawn_finish(block)
         elif pins:
-            self._w._spawn(self._copy_local(block, pins, self._w.epoch))
+            self._w._spawn(self._take_local(block, pins, self._w.epoch))
 
-    async def _copy_local(self, block: _Block, pins: list[Any], epoch: int) -> None:
+    async def _take_local(self, block: _Block, pins: list[Any], epoch: int) -> None:
+        """What the host already holds of its new block: views of its old blocks."""
         try:
-            parts = []
             for fut, src_box, dst_box in pins:
                 if fut is None:
                     raise KeyError(f"the source of array {block.body.ref} is not on host "
                                    f"{self._w.host_index} (deleted?)")
-                parts.append((await fut, src_box, dst_box))
+                value = await fut
+                if isinstance(value, PiecedBlock):  # made whole off the loop
+                    value = await asyncio.get_running_loop().run_in_executor(
+                        self._w._pool, value.materialize)
+                data, _ = as_numpy(self._w._jax, value)
+                part = data[box_index(src_box, data.ndim)]
+                block.parts.append((box_index(dst_box, part.ndim), part))
             if epoch != self._w.epoch or self._blocks.get(block.body.ref) is not block:
                 return
-            whole = self._whole(block, parts)
-            if whole is not None:
-                block.data = whole  # the old block as it is: no copy here
-            else:
-                copies = []
-                for value, src_box, dst_box in parts:
-                    data, _ = as_numpy(self._w._jax, value)
-                    part = data[box_index(src_box, data.ndim)]
-                    # the block is made here, on the loop (PIECEs write into it too)
-                    copies.append((block.target(part), box_index(dst_box, part.ndim), part))
-                # A large copy would hold the loop (heartbeats, PIECEs) too long: a pool
-                # thread does it; PIECEs meanwhile write other boxes of the same block.
-                await asyncio.get_running_loop().run_in_executor(
-                    self._w._pool, _copy_all, copies)
+            block.whole = self._whole(block)
         except Exception as exc:
             self._fail(block, exc)
             return
         self._done_one(block)
 
-    def _whole(self, block: _Block, parts: list[Any]) -> np.ndarray[Any, Any] | None:
-        """The source itself where one local part is the whole new block and no piece comes."""
-        if len(parts) != 1 or block.body.pieces or block.data is not None:
+    def _whole(self, block: _Block) -> np.ndarray[Any, Any] | None:
+        """The old block itself where one local part is the whole new block, no piece coming."""
+        body = block.body
+        if len(block.parts) != 1 or body.pieces or len(body.local) != 1:
             return None
-        value, src_box, dst_box = parts[0]
-        data, _ = as_numpy(self._w._jax, value)
-        full = [[0, n] for n in block.body.shape]
-        if src_box != dst_box or dst_box != full or list(data.shape[:len(full)]) != full_shape(
-                full):
+        dst_box = body.local[0][2]
+        data = block.parts[0][1]
+        full = [[0, n] for n in body.shape]
+        if dst_box != full or list(data.shape[:len(full)]) != list(body.shape):
             return None
         return data
 
@@ -154,7 +144,7 @@ class HostReshards:
         if body.error:
             if block is not None:
                 self._fail(block, HostLostError(body.error))
-            else:  # assembled already, but the array as a whole failed: drop it too
+            else:  # built already, but the array as a whole failed: drop it too
                 self._w.store.arrays.pop(body.ref, None)
             return
         try:
@@ -163,8 +153,8 @@ class HostReshards:
                                f"{self._w.host_index}")
             if len(env.buffers) != 1:
                 raise ValueError("PIECE needs one buffer")
-            part = from_buffer(body.dtype, body.shape, env.buffers[0])
-            block.target(part)[box_index(body.box, part.ndim)] = part
+            part = from_buffer(body.dtype, body.shape, env.buffers[0])  # a view on the frame
+            block.parts.append((box_index(body.box, part.ndim), part))
         except Exception as exc:
             self._w.reply_error(body.call_id, exc)
             if block is not None:
@@ -182,33 +172,48 @@ class HostReshards:
         self._w._spawn(self._finish(block, self._w.epoch))
 
     async def _finish(self, block: _Block, epoch: int) -> None:
-        """Every part is in: store what a PUT of the block would have stored."""
+        """Every part is in: store what a PUT of the block would have stored.
+
+        A large block of a dtype JAX holds as is stays in its pieces (a
+        :class:`PiecedBlock`: made whole when first read, so a reshard copies
+        nothing on arrival); others are assembled now, on a pool thread.
+        """
         body, w = block.body, self._w
         values = w.values
         try:
-            data = block.data
-            if data is None:  # an empty block
-                from .._wire.codec import dtype_from_wire
-
-                data = np.empty(tuple(body.shape), dtype_from_wire(body.dtype))
             mesh = values.local_mesh(body.mesh)
             spec = P.decode_spec(body.spec)
             impl = body.key_impl if isinstance(body.key_impl, str) else None
-            if data.nbytes >= LAZY_PUT_BYTES and impl is None and jax_exact(w._jax, data.dtype):
-                value: Any = numpy_block(data, values.sharding(mesh, spec, body.memory_kind))
-                value.lazy = True  # a call makes the jax.Array (as for a large PUT)
+            sharding = values.sharding(mesh, spec, body.memory_kind)
+            if block.parts:
+                sample = block.parts[0][1]
+                shape = tuple(body.shape) + tuple(sample.shape[len(body.shape):])
+                dtype = sample.dtype
+            else:  # an empty block
+                from .._wire.codec import dtype_from_wire
+
+                shape, dtype = tuple(body.shape), dtype_from_wire(body.dtype)
+            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            big = nbytes >= LAZY_PUT_BYTES and impl is None and jax_exact(w._jax, dtype)
+            value: Any
+            if big and block.whole is not None:
+                value = numpy_block(block.whole, sharding)  # the old block, laid out anew
+                value.lazy = True
                 value.put_ref = body.ref
+            elif big:
+                value = PiecedBlock(shape, dtype, block.parts, sharding, body.ref)
             else:
                 loop = asyncio.get_running_loop()
                 value = await loop.run_in_executor(
-                    w._pool, functools.partial(values.to_host_value_ready, data, mesh, spec,
-                                               impl, body.memory_kind))
+                    w._pool, functools.partial(_assemble_value, values, block, shape, dtype,
+                                               mesh, spec, impl, body.memory_kind))
         except Exception as exc:
             self._fail(block, exc)
             return
         if epoch != w.epoch or self._blocks.get(body.ref) is not block:
             return
         del self._blocks[body.ref]
+        block.parts = []
         block.fut.set_result(value)
         w.send(P.Result(body.call_id, Status.OK, None))
 
@@ -218,7 +223,8 @@ class HostReshards:
         if self._blocks.get(ref) is not block:
             return
         del self._blocks[ref]
-        block.data = None
+        block.parts = []
+        block.whole = None
         if not block.fut.done():
             block.fut.set_exception(exc)
             block.fut.exception()
@@ -228,13 +234,15 @@ class HostReshards:
         self._w.reply_error(block.body.call_id, exc)
 
 
-def _copy_all(copies: list[tuple[np.ndarray[Any, Any], tuple[slice, ...], Any]]) -> None:
-    for target, index, part in copies:
-        target[index] = part
-
-
-def full_shape(box: list[list[int]]) -> list[int]:
-    return [hi - lo for lo, hi in box]
+def _assemble_value(values: Any, block: _Block, shape: tuple[int, ...], dtype: Any, mesh: Any,
+                    spec: Any, impl: str | None, memory_kind: str | None) -> Any:
+    """Pool thread: the block made whole from its parts, as the store keeps a PUT of it."""
+    data = block.whole
+    if data is None:
+        data = np.empty(shape, dtype)
+        for index, part in block.parts:
+            data[index] = part
+    return values.to_host_value_ready(data, mesh, spec, impl, memory_kind)
 
 
 def _failed(exc: BaseException) -> asyncio.Future[Any]:

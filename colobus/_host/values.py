@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,8 +25,8 @@ from .._wire.describe import describe_outputs
 from .._wire.envelope import Buffer
 
 __all__ = [
-    "LAZY_PUT_BYTES", "HostValues", "NumpyBlock", "is_string", "jax_exact", "numpy_block",
-    "present", "setup_jax", "local_devices"]
+    "LAZY_PUT_BYTES", "HostValues", "NumpyBlock", "PiecedBlock", "is_string", "jax_exact",
+    "numpy_block", "present", "setup_jax", "local_devices"]
 
 LAZY_PUT_BYTES = 1 << 20  # PUT blocks this large become jax.Arrays on first use
 
@@ -94,8 +95,51 @@ def numpy_block(arr: Any, sharding: Any) -> NumpyBlock:
     return block
 
 
+class PiecedBlock:
+    """A large block a reshard built, kept as the pieces it arrived in until it is read.
+
+    The pieces are numpy views on the received frames (and on the host's own old
+    block, for what it already held). The first call, fetch or reshard that reads
+    the block makes it whole (:meth:`materialize`: one copy, the one assembling on
+    arrival would have made), as a lazy :class:`NumpyBlock` (a call then makes its
+    ``jax.Array``, as for a large PUT); the pieces go then. Thread-safe.
+    """
+
+    __slots__ = ("_lock", "_parts", "dtype", "ref", "shape", "sharding", "value")
+
+    def __init__(self, shape: tuple[int, ...], dtype: Any,
+                 parts: list[tuple[tuple[slice, ...], Any]], sharding: Any, ref: int) -> None:
+        self.shape = shape
+        self.dtype = dtype
+        self._parts = parts
+        self.sharding = sharding
+        self.ref = ref
+        self.value: NumpyBlock | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * int(self.dtype.itemsize)
+
+    def materialize(self) -> NumpyBlock:
+        """The whole block (made once; later calls return the same)."""
+        with self._lock:
+            if self.value is None:
+                data = np.empty(self.shape, self.dtype)
+                for index, part in self._parts:
+                    data[index] = part
+                block = numpy_block(data, self.sharding)
+                block.lazy = True
+                block.put_ref = self.ref
+                self.value = block
+                self._parts = []
+            return self.value
+
+
 def present(jax: Any, value: Any) -> Any:
     """What user code receives for a stored value (any thread)."""
+    if isinstance(value, PiecedBlock):
+        value = value.materialize()
     if not isinstance(value, NumpyBlock):
         return value
     cached = value.jax_value
@@ -251,6 +295,8 @@ def _pinned_values(pins: Sequence[asyncio.Future[Any]]) -> list[Any]:
     values = []
     for p in pins:
         value = p.result() if p.done() and not p.cancelled() and p.exception() is None else None
+        if isinstance(value, PiecedBlock):  # the call made it whole (present)
+            value = value.value
         values.append(value.jax_value if isinstance(value, NumpyBlock) else value)
     return values
 
