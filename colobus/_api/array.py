@@ -291,6 +291,10 @@ def device_put(x: Any, device_or_sharding: Any) -> Any:
     copying: do not modify a numpy input until ``cb.block_until_ready`` on the
     result returned.
 
+    A ``cb.Array`` leaf onto another sharding is resharded: each host gets the
+    parts of its new block it lacks, through the controller (``docs/arrays.md``,
+    "Resharding"); onto its own sharding it is returned as is.
+
     Args:
         x: the data.
         device_or_sharding: a ``cb.Device``, a ``cb.Sharding``, or a pytree of
@@ -299,7 +303,9 @@ def device_put(x: Any, device_or_sharding: Any) -> Any:
     Raises:
         ValueError: a shape the sharding cannot divide, a spec naming an unknown
             axis, an object-dtype array, a device not in this cluster.
-        HostLostError: the sharding uses devices of a lost host.
+        HostLostError: the sharding uses devices of a lost host, or a ``cb.Array``
+            to reshard has data on one.
+        RuntimeError: a ``cb.Array`` to reshard was deleted.
     """
     import jax
 

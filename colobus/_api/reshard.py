@@ -217,7 +217,7 @@ class Reshard:
         ctl = self.ctl
         for h in self.plan.blocks:
             host = ctl._hosts[h]
-            if host.alive and host.generation == self.gens[h]:
+            if not ctl._closed and host.alive and host.generation == self.gens[h]:
                 ctl._send(host, P.Piece(0, self.new.ref, [], [], None, text))
         self._finish()
 
