@@ -404,3 +404,23 @@ def test_large_blocks_stay_in_their_pieces_until_read(four: cb.Controller,
     np.testing.assert_array_equal(np.asarray(back), x)
     again = cb.device_put(rep, cb.SingleDeviceSharding(cb.devices()[3]))
     np.testing.assert_array_equal(np.asarray(again), x)
+
+
+def test_reshards_chain_and_overlap_without_waiting(four: cb.Controller) -> None:
+    """A reshard of an array still being resharded, and many at once, each see their
+    source complete (the hosts wait for it), with the right values."""
+    mesh = cb.make_mesh((4, 2), ("hosts", "devices"))
+    other = _mesh([7, 6, 5, 4, 3, 2, 1, 0], (2, 4), ("a", "b"))
+    layouts = [cb.NamedSharding(mesh, P("hosts")), cb.NamedSharding(other, P("b", "a")),
+               cb.NamedSharding(mesh, P()), cb.SingleDeviceSharding(cb.devices()[6]),
+               cb.NamedSharding(other, P(None, ("a", "b")))]
+    xs = [np.arange(16 * 8, dtype=np.int32).reshape(16, 8) * (k + 1) for k in range(6)]
+    outs = []
+    for x in xs:
+        y: Any = cb.device_put(x, layouts[0])
+        for s in layouts[1:]:
+            y = cb.device_put(y, s)  # each from the one before, none awaited
+        outs.append(y)
+    got = cb.device_get(outs).result(timeout=120)
+    for x, g in zip(xs, got, strict=True):
+        np.testing.assert_array_equal(g, x)
