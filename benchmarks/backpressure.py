@@ -19,7 +19,7 @@ import threading
 import time
 
 import colobus as cb
-from colobus._tools.bench import rss_mib
+from colobus._tools.bench_base import rss_mib
 
 
 @cb.colocated_python

@@ -1,8 +1,9 @@
-"""Probe (issue 7): 256 MiB from one process to another through shared memory.
+"""Probe: 256 MiB from one process to another through shared memory.
 
 A fresh segment per transfer against one reused segment whose pages stay
 mapped on both sides. Run: ``python benchmarks/shm_probe.py``. Findings and
-what they mean for colobus: docs/performance.md ("Not done").
+what they mean for colobus: docs/performance.md ("Shared memory for hosts on
+the controller's machine").
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 import colobus as cb
-from colobus._tools.bench import rss_mib
+from colobus._tools.bench_base import rss_mib
 
 
 @cb.colocated_python

@@ -14,9 +14,6 @@ from ._api.entry import make_mesh as make_mesh
 from ._api.func import colocated_python as colocated_python
 from ._api.gather import gather as gather
 from ._api.obj import colocated_python_class as colocated_python_class
-from ._controller.cluster import init as init
-from ._controller.cluster import local_cluster as local_cluster
-from ._controller.cluster import shutdown as shutdown
 from ._controller.controller import Controller as Controller
 from ._controller.controller import HostInfo as HostInfo
 from ._controller.future import Future as Future
@@ -28,6 +25,11 @@ from ._errors import NoControllerError as NoControllerError
 from ._errors import ProtocolError as ProtocolError
 from ._errors import RemoteError as RemoteError
 from ._errors import SerializationError as SerializationError
+from ._launch.local import init as init
+from ._launch.local import local_cluster as local_cluster
+from ._launch.local import shutdown as shutdown
+from ._launch.slurm import slurm_cluster as slurm_cluster
+from ._launch.ssh import ssh_cluster as ssh_cluster
 from ._model.devices import Device as Device
 from ._model.devices import Mesh as Mesh
 from ._model.jaxside import host_count as host_count
@@ -80,4 +82,6 @@ __all__ = [
     "local_cluster",
     "make_mesh",
     "shutdown",
+    "slurm_cluster",
+    "ssh_cluster",
 ]

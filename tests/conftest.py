@@ -80,3 +80,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+# The real Slurm cluster (tests/slurmbed.py): fixtures `slurm_bed` (session) and `slurm`.
+from slurm_fixtures import slurm, slurm_bed  # noqa: E402, F401

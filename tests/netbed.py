@@ -40,7 +40,8 @@ from dataclasses import dataclass
 from colobus._wire.keys import write_key
 
 __all__ = [
-    "NetBed", "NetHost", "cleanup_leftovers", "cpu_seconds", "eventually", "unavailable_reason",
+    "NetBed", "NetHost", "cleanup_leftovers", "cpu_seconds", "eventually", "pid_alive",
+    "unavailable_reason",
 ]
 
 IF_PREFIX = "cbn"  # interface names: cbn<tag>br, cbn<tag>h<i>, cbn<tag>w<i> (<= 15 chars)
@@ -80,7 +81,7 @@ def unavailable_reason() -> str | None:
     return reason
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -101,7 +102,7 @@ def cleanup_leftovers() -> list[str]:
         if not name.startswith(NS_PREFIX):
             continue
         pid_text = name[len(NS_PREFIX):].split("-")[0]
-        if pid_text.isdigit() and not _pid_alive(int(pid_text)):
+        if pid_text.isdigit() and not pid_alive(int(pid_text)):
             _ip("netns", "del", name, check=False)
             removed.append(name)
     net = "/sys/class/net"
@@ -115,7 +116,7 @@ def cleanup_leftovers() -> list[str]:
             continue
         if alias.startswith(ALIAS_PREFIX):
             pid_text = alias[len(ALIAS_PREFIX):]
-            if pid_text.isdigit() and not _pid_alive(int(pid_text)):
+            if pid_text.isdigit() and not pid_alive(int(pid_text)):
                 _ip("link", "del", link, check=False)
                 removed.append(link)
     return removed

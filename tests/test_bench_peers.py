@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from colobus._tools import bench_peers as peers
+from colobus._tools import peer_sampling as sampling
 from colobus._tools.bench import BENCHMARKS, Row, Sizes, run_bench
 from colobus._tools.cli import build_parser
 
@@ -88,15 +89,15 @@ def test_attach_ratio_and_line() -> None:
 
 def test_window_stops_at_cap_with_min_samples() -> None:
     calls: list[int] = []
-    rate, done = peers._window(lambda: calls.append(1), lambda _: None, total=10_000,
+    rate, done = sampling._window(lambda: calls.append(1), lambda _: None, total=10_000,
                                window=5, cap_s=0.0)
-    assert peers.MIN_SAMPLES <= done < 10_000
+    assert sampling.MIN_SAMPLES <= done < 10_000
     assert done == len(calls)  # every call sent was waited for
     assert rate > 0
-    rate, done = peers._window(lambda: 1, lambda _: None, total=50, window=5, cap_s=60.0)
+    rate, done = sampling._window(lambda: 1, lambda _: None, total=50, window=5, cap_s=60.0)
     assert done == 50
-    assert "stopped after 3 of 50 calls" in peers._cut(3, 50)
-    assert peers._cut(50, 50) == ""
+    assert "stopped after 3 of 50 calls" in sampling.cut_note(3, 50)
+    assert sampling.cut_note(50, 50) == ""
 
 
 def _check_figures(figures: dict[str, peers.PeerFigure], expected: set[str]) -> None:

@@ -46,10 +46,11 @@ def test_every_option_has_help_text() -> None:
 
     parser = build_parser()
     parsers = [parser]
-    for action in parser._actions:
-        if action.choices and isinstance(action.choices, dict):
-            parsers.extend(action.choices.values())
-    assert len(parsers) == 6
+    for p in parsers:  # grows as it goes: `launch` and `manifest` have subcommands too
+        for action in p._actions:
+            if action.choices and isinstance(action.choices, dict):
+                parsers.extend(action.choices.values())
+    assert len(parsers) == 12
     for p in parsers:
         assert not p.allow_abbrev, p.prog
         for action in p._actions:

@@ -119,15 +119,15 @@ async def test_controller_without_key_makes_one_in_a_private_file() -> None:
 def test_no_controller_error_says_how_to_start_one() -> None:
     from colobus._controller.controller import _current
 
-    saved = list(_current)
-    _current.clear()
+    saved = list(_current._stack)
+    _current._stack.clear()
     try:
         with pytest.raises(cb.NoControllerError, match="local_cluster"):
             cb.devices()
         with pytest.raises(cb.NoControllerError):
             ident(1)
     finally:
-        _current[:] = saved
+        _current._stack[:] = saved
 
 
 @pytest.mark.parametrize("transport", ["ipc", "tcp"])
@@ -200,8 +200,8 @@ def test_workers_exit_when_the_controller_process_dies(tmp_path: Path) -> None:
 def test_init_and_shutdown() -> None:
     from colobus._controller.controller import _current
 
-    saved = list(_current)
-    _current.clear()
+    saved = list(_current._stack)
+    _current._stack.clear()
     try:
         ctl = cb.init(hosts=1)
         assert cb.devices() == ctl.devices()
@@ -212,7 +212,7 @@ def test_init_and_shutdown() -> None:
         with pytest.raises(cb.NoControllerError):
             cb.devices()
     finally:
-        _current[:] = saved
+        _current._stack[:] = saved
 
 
 def test_future_result_timeout_and_loop_thread_guard(ctl: cb.Controller) -> None:
@@ -288,7 +288,7 @@ def test_a_worker_with_another_key_never_joins(tmp_path: Path) -> None:
 
 
 def test_local_cluster_key_is_fresh_and_never_on_a_command_line(ctl: cb.Controller) -> None:
-    from colobus._controller.cluster import LocalCluster
+    from colobus._launch.local import LocalCluster
 
     assert LocalCluster(hosts=1)._key != LocalCluster(hosts=1)._key  # one per cluster
     secret = ctl._key.hex().encode()

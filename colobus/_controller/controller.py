@@ -1,31 +1,20 @@
 """The controller: binds one ROUTER socket and drives the workers that join it.
 
-:class:`Controller` is a small facade over the parts that do the work:
-
-- :class:`~colobus._wire.channel.Channel`: the socket, batching, acknowledgements;
-- :class:`~colobus._controller.hosts.HostRegistry`: who joined, indices, devices, generations;
-- :class:`~colobus._controller.ops.Operations`: every operation in flight, the backlog,
-  back-pressure, and the single way each operation ends;
-- the frees queue (here): array and result frees ride along with other messages;
-- :class:`~colobus._controller.sessions.Sessions`: joins, authentication, dispatch by kind,
-  liveness (heartbeats, lost hosts, resends);
-- :class:`~colobus._controller.syncface.LoopThread`: the sync face's loop thread.
-
-Everything that touches the socket or the registry runs on the controller's
-event-loop thread; callers on other threads hop there with
-``call_soon_threadsafe``. Lifecycle: ``NEW -> RUNNING -> CLOSED`` (:class:`State`).
+:class:`Controller` is the public facade over the parts that do the work (the
+channel, the host registry, the operations, the frees, the sessions, the sync
+face: see ``docs/architecture.md``). Everything that touches the socket or the
+registry runs on the controller's event-loop thread; callers on other threads
+hop there with ``call_soon_threadsafe``. Lifecycle: ``NEW -> RUNNING -> CLOSED``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import enum
 import logging
 import os
 import secrets
 import threading
-import time
 from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Any
@@ -36,20 +25,21 @@ from .._errors import ControllerClosedError, NoControllerError
 from .._model.devices import Device
 from .._observe.metrics import observing
 from .._process import freeze_once
-from .._wire import describe as _describe
 from .._wire import keys as _keys
 from .._wire import protocol as P
-from .._wire.channel import Channel
-from .._wire.envelope import Buffer, Envelope
+from .._wire.channel import Channel, router_socket
+from .._wire.envelope import Buffer
 from . import syncface as _syncface
+from .current import Current, State
+from .environ import from_environment
 from .frees import Frees
 from .future import Future
 from .hangups import Hangups
 from .hosts import Host, HostInfo, HostRegistry
-from .joinwait import JoinProgress, key_words
+from .joinwait import JoinOrder, JoinProgress, JoinWaiters, key_words
 from .ops import Operations
 from .sessions import Sessions
-from .stats import collect_stats
+from .stats import collect_stats, refresh_stats
 from .syncface import LoopThread
 
 __all__ = ["Controller", "HostInfo", "State", "current_controller"]
@@ -59,35 +49,23 @@ log = logging.getLogger("colobus.controller")
 SCRAPE_REFRESH_S = 1.0  # a metrics scrape waits this long for the hosts' fresh figures
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 31  # 2 GiB: raise with Controller(max_message_bytes=...)
 
-
-
-class State(enum.Enum):
-    """Controller lifecycle."""
-
-    NEW = "new"
-    RUNNING = "running"
-    CLOSED = "closed"
-
-
-_current: list[Controller] = []
-_current_lock = threading.Lock()
+_current: Current[Controller] = Current()
 
 
 def current_controller() -> Controller | None:
     """The default controller: the one most recently entered and not yet closed."""
-    with _current_lock:
-        return _current[-1] if _current else None
+    return _current.top()
 
 
 class Controller:
     """Binds a ROUTER socket and drives the workers that join it.
 
     Args:
-        bind: ZeroMQ endpoint to bind, e.g. ``"tcp://0.0.0.0:5555"``,
-            ``"tcp://127.0.0.1:*"`` (random port) or ``"ipc:///tmp/x.sock"``.
-        hosts: how many workers to wait for on entry.
-        key: shared secret of at least 32 bytes (``cb.load_key``). None: the
-            controller makes a fresh one on start and writes it to a private
+        bind: ZeroMQ endpoint to bind, e.g. ``"tcp://0.0.0.0:5555"``, ``"ipc:///tmp/x.sock"``.
+            None: ``$COLOBUS_ADDRESS`` (``colobus launch``), else ``"tcp://127.0.0.1:*"``.
+        hosts: how many workers to wait for on entry (None: ``$COLOBUS_HOSTS``, else 1).
+        key: shared secret of at least 32 bytes (``cb.load_key``). None: the file
+            ``$COLOBUS_KEY_FILE`` names, else a fresh one, written on start to a private
             0600 file, :attr:`key_file`, for ``colobus worker --key-file``.
         heartbeat_interval: seconds between heartbeats, both directions.
         liveness_timeout: a host silent this long is declared lost.
@@ -105,10 +83,8 @@ class Controller:
         curve_secret_key: turn on CurveZMQ encryption with this server key pair:
             the path of a secret key file from ``colobus keygen --curve PATH``
             (files only: a secret never travels as a value). Workers then need
-            ``--server-key PATH.pub`` and a key pair of their own. See
-            ``docs/security.md``.
-        curve_public_key: the server's Z85 public key; by default derived from
-            the secret key.
+            ``--server-key PATH.pub`` and a key pair of their own (docs/security.md).
+        curve_public_key: the server's Z85 public key (default: derived from the secret key).
         curve_allow: the workers allowed to connect (CurveZMQ only): Z85 public
             keys, public key files, or directories of ``*.pub`` files.
         metrics: serve Prometheus metrics at ``http://HOST:PORT/metrics`` (e.g.
@@ -137,9 +113,9 @@ class Controller:
 
     def __init__(
         self,
-        bind: str = "tcp://127.0.0.1:*",
+        bind: str | None = None,
         *,
-        hosts: int = 1,
+        hosts: int | None = None,
         key: bytes | None = None,
         heartbeat_interval: float = 1.0,
         liveness_timeout: float = 5.0,
@@ -156,6 +132,7 @@ class Controller:
         trace: bool | str | os.PathLike[str] | None = None,
         freeze_gc: bool = True,
     ) -> None:
+        bind, hosts, key, names = from_environment(bind, hosts, key)  # colobus launch's
         if key is not None:
             key = _keys.check_key(key, "Controller(key=...)")
         if hosts < 0:
@@ -205,10 +182,11 @@ class Controller:
                                max_inflight if max_backlog is None else max_backlog)
         self._counters: collections.Counter[str] = collections.Counter()
         self._frees = Frees(self)
-        self._join_waiters: list[asyncio.Future[None]] = []
+        self._join_waiters = JoinWaiters()
         self._tasks: list[asyncio.Task[None]] = []
         self._closing: asyncio.Task[None] | None = None  # a close begun on the loop thread
         self._sessions = Sessions(self)
+        self._sessions.join_order = JoinOrder(names) if names else None  # colobus launch
 
     # -- public surface -------------------------------------------------------------
 
@@ -252,36 +230,23 @@ class Controller:
         return [h.info() for h in self._hosts.hosts]
 
     def stats(self) -> dict[str, Any]:
-        """Counters: dropped messages by reason, code blobs and bytes sent, array
-        bytes put and fetched, and per host its store sizes and health.
+        """Counters: dropped messages by reason, code blobs and bytes sent, array bytes put and
+        fetched, and per host its store sizes and health.
 
-        Per-host figures are the ones each worker last reported (every heartbeat,
-        or on :meth:`refresh_stats`): ``arrays``, ``bytes`` and ``objects`` it
-        holds, and ``results``, the call results it keeps for futures that are
-        still alive (each frees when its future is garbage-collected); from its
-        heartbeats only, ``rtt`` (heartbeat round trip, s), ``rss`` (bytes),
-        ``cpu`` (s) and ``dropped`` (None or empty until the first one).
+        Per-host figures are the ones each worker last reported (every heartbeat, or on
+        :meth:`refresh_stats`): ``arrays``, ``bytes`` and ``objects`` it holds, and ``results``,
+        the call results it keeps for futures still alive; from its heartbeats only, ``rtt``
+        (heartbeat round trip, s), ``rss`` (bytes), ``cpu`` (s) and ``dropped``.
         """
         return collect_stats(self._sessions, self._counters, self._chan, self._ops, self._hosts)
 
     def refresh_stats(self) -> Future[dict[str, Any]]:
         """Ask every live host for its store counters now; resolves to :meth:`stats`.
 
-        With metrics or tracing on, each host first sends the call times it
-        counted since its last heartbeat, so the run and queue histograms are
-        exact once this resolves (a metrics scrape does this itself).
+        With metrics or tracing on, each host first sends the call times it counted since
+        its last heartbeat: the histograms are exact once this resolves.
         """
-        hosts = tuple(h.index for h in self._hosts.alive())
-
-        def decode(host: Host, body: P.Result, env: Envelope) -> None:
-            host.store = _describe.read_store_counts(body.meta)
-
-        def send(call_id: int) -> None:
-            for i in hosts:
-                self._send(self._hosts[i], P.Stats(call_id))
-
-        return self._ops.submit(hosts, send, decode, lambda _: self.stats(),
-                                backpressure=False)
+        return refresh_stats(self._ops, self._hosts, self._send, self.stats)
 
     def _scrape_stats(self) -> dict[str, Any]:
         """:meth:`stats` for a metrics scrape (its HTTP thread): fresh from every live
@@ -297,9 +262,8 @@ class Controller:
     async def wait_capacity(self) -> None:
         """Wait until a new call would not queue beyond ``max_backlog``.
 
-        The back-pressure point for async code: calls made on an event loop
-        never block, so a loop that fires calls should ``await
-        ctl.wait_capacity()`` before each. Works from any event loop.
+        The back-pressure point for async code: calls made on an event loop never block,
+        so a loop that fires calls should ``await ctl.wait_capacity()`` before each.
 
         Raises:
             ControllerClosedError: the controller closed.
@@ -319,17 +283,7 @@ class Controller:
         if self._metrics is not None:
             self._metrics.start()
         self._ctx = zmq.Context()
-        sock = self._ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
-        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        # A worker that reconnects after a dropped connection keeps its routing id:
-        # its new connection takes over the route even if the old one lingers.
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        # libzmq refuses (and disconnects) a single frame over the limit before
-        # colobus sees it; several smaller frames over it in total are counted there.
-        sock.setsockopt(zmq.MAXMSGSIZE, min(self.max_message_bytes, (1 << 63) - 1))
+        sock = router_socket(self._ctx, self.max_message_bytes)
         if self._curve is not None:
             from .._wire.keys import start_curve_server
 
@@ -379,21 +333,10 @@ class Controller:
             TimeoutError: fewer joined within ``timeout`` (default ``join_timeout``).
         """
         n = self._expected_hosts if n is None else n
-        timeout = self.join_timeout if timeout is None else timeout
-        deadline = time.monotonic() + timeout
-        progress = JoinProgress(self._address, self._key, n)
-        while self._hosts.alive_count() < n:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(progress.timeout_message(self._hosts.alive_count(), timeout))
-            assert self._loop is not None
-            waiter = self._loop.create_future()
-            self._join_waiters.append(waiter)
-            try:
-                await asyncio.wait_for(waiter, min(left, progress.next_report_in() + 0.01))
-            except TimeoutError:
-                progress.report(self._hosts.alive_count())
-            self._check_open()
+        assert self._loop is not None
+        await self._join_waiters.wait(
+            self._loop, n, self._hosts.alive_count, JoinProgress(self._address, self._key, n),
+            self.join_timeout if timeout is None else timeout, self._check_open)
 
     async def aclose(self) -> None:
         """Close: every pending or queued call ends with ``ControllerClosedError``,
@@ -413,9 +356,7 @@ class Controller:
         chan.flush()
         self.state = State.CLOSED
         self._ops.close()
-        for w in self._join_waiters:
-            if not w.done():
-                w.set_result(None)
+        self._join_waiters.wake()
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -539,10 +480,7 @@ class Controller:
 
     def _joined(self) -> None:
         """A host joined: wake those waiting for hosts."""
-        for w in self._join_waiters:
-            if not w.done():
-                w.set_result(None)
-        self._join_waiters.clear()
+        self._join_waiters.wake()
 
     async def _liveness_loop(self) -> None:
         while True:
@@ -550,15 +488,8 @@ class Controller:
             self._sessions.tick()
 
 
-def _push_current(ctl: Controller) -> None:
-    with _current_lock:
-        _current.append(ctl)
-
-
-def _pop_current(ctl: Controller) -> None:
-    with _current_lock:
-        if ctl in _current:
-            _current.remove(ctl)
+_push_current = _current.push
+_pop_current = _current.pop
 
 
 def default_controller() -> Controller:

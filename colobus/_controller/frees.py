@@ -15,12 +15,11 @@ from typing import TYPE_CHECKING, Protocol
 
 from .._errors import ColobusError
 from .._wire import protocol as P
+from .ops import Parts
 
 if TYPE_CHECKING:
     import asyncio
 
-    from .._wire.channel import Channel
-    from .hosts import HostRegistry
     from .ops import Operations
 
 __all__ = ["Frees", "FreesOwner"]
@@ -28,19 +27,13 @@ __all__ = ["Frees", "FreesOwner"]
 RELEASE_DELAY_S = 0.002  # frees wait this long for a message to ride along with
 
 
-class FreesOwner(Protocol):
+class FreesOwner(Parts, Protocol):
     """What :class:`Frees` uses of the controller that owns it."""
 
     @property
-    def _hosts(self) -> HostRegistry: ...
-    @property
     def _ops(self) -> Operations: ...
     @property
-    def _chan(self) -> Channel | None: ...
-    @property
     def _loop(self) -> asyncio.AbstractEventLoop | None: ...
-    @property
-    def _closed(self) -> bool: ...
 
 
 class Frees:

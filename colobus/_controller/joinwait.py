@@ -9,16 +9,17 @@ in short steps and never reach the first line.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
 from urllib.parse import urlsplit
 
 from .._wire.keys import key_file_of, key_id
 
-__all__ = ["JoinOrder", "JoinProgress", "worker_command"]
+__all__ = ["JoinOrder", "JoinProgress", "JoinWaiters", "worker_command"]
 
 log = logging.getLogger("colobus.controller")
 
@@ -110,3 +111,37 @@ class JoinOrder(Generic[T]):
         ready = [self._held[n] for n in sorted(self._held, key=self._order.__getitem__)]
         self._held.clear()
         return ready
+
+
+class JoinWaiters:
+    """Those waiting for hosts to join (``Controller.wait_for_hosts``), woken per join."""
+
+    def __init__(self) -> None:
+        self._waiters: list[asyncio.Future[None]] = []
+
+    def wake(self) -> None:
+        for w in self._waiters:
+            if not w.done():
+                w.set_result(None)
+        self._waiters.clear()
+
+    async def wait(self, loop: asyncio.AbstractEventLoop, n: int, alive: Callable[[], int],
+                   progress: JoinProgress, timeout: float, check_open: Callable[[], None]
+                   ) -> None:
+        """Until ``alive() >= n``, with a progress line now and then.
+
+        Raises:
+            TimeoutError: fewer joined within ``timeout``.
+        """
+        deadline = time.monotonic() + timeout
+        while alive() < n:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(progress.timeout_message(alive(), timeout))
+            waiter = loop.create_future()
+            self._waiters.append(waiter)
+            try:
+                await asyncio.wait_for(waiter, min(left, progress.next_report_in() + 0.01))
+            except TimeoutError:
+                progress.report(alive())
+            check_open()

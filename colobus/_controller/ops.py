@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from .hosts import Host, HostRegistry
 
 __all__ = [
-    "Combiner", "Decoder", "Operation", "Operations", "OpsOwner", "ProtocolJudge",
+    "Combiner", "Decoder", "Operation", "Operations", "OpsOwner", "Parts", "ProtocolJudge",
     "rebuild_exception",
 ]
 
@@ -50,19 +50,24 @@ class ProtocolJudge(Protocol):
     def violation(self, host: Host, reason: str, detail: str) -> None: ...
 
 
-class OpsOwner(Protocol):
-    """What :class:`Operations` uses of the controller that owns it."""
+class Parts(Protocol):
+    """The controller's parts every other part reads: its hosts and its channel."""
 
     @property
     def _hosts(self) -> HostRegistry: ...
     @property
-    def _sessions(self) -> ProtocolJudge: ...
-    @property
     def _chan(self) -> Channel | None: ...
     @property
-    def _loop_thread_id(self) -> int | None: ...
-    @property
     def _closed(self) -> bool: ...
+
+
+class OpsOwner(Parts, Protocol):
+    """What :class:`Operations` uses of the controller that owns it."""
+
+    @property
+    def _sessions(self) -> ProtocolJudge: ...
+    @property
+    def _loop_thread_id(self) -> int | None: ...
     def _check_open(self) -> None: ...
     def _on_loop_thread(self) -> bool: ...
     def _call_soon(self, fn: Callable[..., Any], *args: Any) -> None: ...

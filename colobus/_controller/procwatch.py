@@ -6,10 +6,13 @@ stdout and stderr on two threads and copies each line to this process's
 ``sys.stdout`` / ``sys.stderr`` behind a label, like IPython Parallel's
 ``[stdout:0]``; when stdout ends it waits for the process and calls
 ``on_exit`` with what ended it (``"killed by SIGKILL (out of memory?)"``).
+Launchers pass ``emit`` to send the lines to logging with a ``[host N]`` prefix
+instead; the last stderr lines are kept either way, for error messages.
 """
 
 from __future__ import annotations
 
+import collections
 import signal
 import subprocess
 import sys
@@ -17,19 +20,23 @@ import threading
 from collections.abc import Callable
 from typing import IO
 
-__all__ = ["HostProcess", "describe_exit"]
+__all__ = ["Emit", "HostProcess", "describe_exit"]
+
+Emit = Callable[[int, str, str], None]  # (host number, "stdout" | "stderr", line)
+STDERR_TAIL_LINES = 20
 
 
-def describe_exit(code: int) -> str:
-    """A process's end in words, from ``Popen.returncode``."""
+def describe_exit(code: int, hint: bool = True) -> str:
+    """A process's end in words, from ``Popen.returncode`` (``hint``: say a SIGKILL
+    may mean out of memory)."""
     if code >= 0:
         return f"exited with status {code}"
     try:
         name = signal.Signals(-code).name
     except ValueError:
         name = f"signal {-code}"
-    hint = " (out of memory?)" if -code == signal.SIGKILL else ""
-    return f"was killed by {name}{hint}"
+    said = " (out of memory?)" if hint and -code == signal.SIGKILL else ""
+    return f"was killed by {name}{said}"
 
 
 class HostProcess:
@@ -41,15 +48,19 @@ class HostProcess:
         proc: the process, started with ``stdout`` and ``stderr`` pipes.
         on_exit: called once, on a reader thread, with this object and
             :func:`describe_exit` of the process's status, when it ends.
+        emit: where each line goes (default: this process's stdout or stderr,
+            behind the label).
     """
 
     def __init__(self, index: int, name: str, proc: subprocess.Popen[bytes],
-                 on_exit: Callable[[HostProcess, str], None]) -> None:
+                 on_exit: Callable[[HostProcess, str], None], emit: Emit | None = None) -> None:
         assert proc.stdout is not None and proc.stderr is not None
         self.index = index
         self.name = name
         self.proc = proc
         self._on_exit = on_exit
+        self._emit = emit
+        self.stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
         self._threads = [
             threading.Thread(target=self._relay, args=(proc.stdout, "stdout", True),
                              name=f"colobus-{name}-stdout", daemon=True),
@@ -63,8 +74,13 @@ class HostProcess:
         label = f"[{stream}:{self.index}] "
         with pipe:
             for raw in iter(pipe.readline, b""):
-                out = sys.stdout if stream == "stdout" else sys.stderr
                 line = raw.decode("utf-8", "replace")
+                if stream == "stderr":
+                    self.stderr_tail.append(line.rstrip("\n"))
+                if self._emit is not None:
+                    self._emit(self.index, stream, line.rstrip("\n"))
+                    continue
+                out = sys.stdout if stream == "stdout" else sys.stderr
                 try:
                     out.write(label + line if line.endswith("\n") else label + line + "\n")
                     out.flush()
@@ -76,4 +92,5 @@ class HostProcess:
     def join(self, timeout: float) -> None:
         """Wait (up to ``timeout`` each) for the relays to copy the last lines."""
         for t in self._threads:
-            t.join(timeout)
+            if t is not threading.current_thread():  # on_exit runs on the stdout relay
+                t.join(timeout)

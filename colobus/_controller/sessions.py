@@ -26,13 +26,12 @@ from .._wire.guard import Challenges, PeerWarnings
 from .._wire.protocol import Kind
 from .hosts import Host
 from .joinwait import JoinOrder
+from .ops import Parts
 
 if TYPE_CHECKING:
     from .._observe.observer import Observer
-    from .._wire.channel import Channel
     from .._wire.envelope import Buffer
     from .hangups import Hangups
-    from .hosts import HostRegistry
     from .ops import Operations
 
 __all__ = ["Sessions", "SessionsOwner"]
@@ -45,15 +44,11 @@ MAX_NAME = 256  # characters of a host name or address
 RESET_SEQ = 1 << 62  # sequence number of a RESET: above any a session reaches
 
 
-class SessionsOwner(Protocol):
+class SessionsOwner(Parts, Protocol):
     """What :class:`Sessions` uses of the controller that owns it."""
 
     @property
-    def _hosts(self) -> HostRegistry: ...
-    @property
     def _ops(self) -> Operations: ...
-    @property
-    def _chan(self) -> Channel | None: ...
     @property
     def _hangups(self) -> Hangups | None: ...
     @property
@@ -74,8 +69,6 @@ class SessionsOwner(Protocol):
     def liveness_timeout(self) -> float: ...
     @property
     def max_message_bytes(self) -> int: ...
-    @property
-    def _closed(self) -> bool: ...
     def _joined(self) -> None: ...
     def _send(self, host: Host, body: P.Body, payload: Buffer = b"",
               buffers: Any = (), pbufs: int = 0) -> None: ...

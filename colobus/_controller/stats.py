@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from .._wire import protocol as P
+from .._wire.describe import read_store_counts
+
 if TYPE_CHECKING:
-    from .._wire import protocol as P
     from .._wire.channel import Channel
-    from .hosts import HostRegistry
+    from .._wire.envelope import Envelope
+    from .future import Future
+    from .hosts import Host, HostRegistry
     from .ops import Operations
     from .sessions import Sessions
 
-__all__ = ["collect_stats", "host_health"]
+__all__ = ["collect_stats", "host_health", "refresh_stats"]
 
 
 def collect_stats(sessions: Sessions, counters: collections.Counter[str], chan: Channel | None,
@@ -71,3 +76,19 @@ def host_health(host: Any) -> dict[str, Any]:
         "cpu": beat.cpu / 1e9 if beat is not None else None,
         "dropped": dropped,
     }
+
+
+def refresh_stats(ops: Operations, hosts: HostRegistry,
+                  send: Callable[[Host, P.Body], None],
+                  stats: Callable[[], dict[str, Any]]) -> Future[dict[str, Any]]:
+    """Ask every live host for its store counters; resolves to ``stats()`` once all answer."""
+    alive = tuple(h.index for h in hosts.alive())
+
+    def decode(host: Host, body: P.Result, env: Envelope) -> None:
+        host.store = read_store_counts(body.meta)
+
+    def send_all(call_id: int) -> None:
+        for i in alive:
+            send(hosts[i], P.Stats(call_id))
+
+    return ops.submit(alive, send_all, decode, lambda _: stats(), backpressure=False)

@@ -52,9 +52,8 @@ log = logging.getLogger("colobus.worker")
 
 BACKOFF_MIN_S = 0.1
 BACKOFF_MAX_S = 5.0
-# ZeroMQ's TCP reconnects back off to at most this: a connection that dropped is
-# back within half a second of the network (the controller gives a host whose
-# connection closed half the liveness timeout to be heard from again).
+# ZeroMQ's TCP reconnects back off to at most this: a dropped connection is back well
+# within the half liveness timeout a host whose connection closed has to be heard again.
 RECONNECT_MAX_S = 0.5
 
 

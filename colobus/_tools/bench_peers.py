@@ -2,7 +2,7 @@
 
 After colobus's own rows are measured, each peer that is installed (the
 optional ``bench`` extra: ``pip install 'colobus[bench]'``) runs the workloads
-it has an equivalent for, with the same :class:`~colobus._tools.bench.Sizes`, and
+it has an equivalent for, with the same :class:`~colobus._tools.bench_base.Sizes`, and
 each figure is attached to colobus's row of the same name with the ratio
 ``colobus / peer``. A peer that is not installed is skipped with one line; a
 peer that fails to start or run is reported and skipped, never fatal.

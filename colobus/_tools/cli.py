@@ -1,4 +1,5 @@
-"""The ``colobus`` command: ``worker``, ``keygen``, ``demo``, ``bench``, ``top``.
+"""The ``colobus`` command: ``worker``, ``keygen``, ``launch``, ``manifest``, ``demo``,
+``bench``, ``top``.
 
 A user error (a bad option, a key file that cannot be read, a directory that
 does not exist) ends the command with one line on stderr and a non-zero status
@@ -62,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--key-file", default=None,
                    help="key file from `colobus keygen` ('-' reads the key from stdin); "
                         "default: $COLOBUS_KEY_FILE")
+    w.add_argument("--exit-on-stdin-eof", action="store_true",
+                   help="exit when stdin closes (launchers keep it open: a worker whose ssh "
+                        "or srun session ends stops by itself)")
     w.add_argument("--curve-key-file", default=None, metavar="PATH",
                    help="CurveZMQ: this worker's secret key file from `colobus keygen --curve` "
                         "(turns on encryption; needs --server-key)")
@@ -111,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--once", action="store_true", help="print one snapshot and exit")
     t.add_argument("--interval", type=float, default=1.0, metavar="SECONDS",
                    help="seconds between refreshes (default 1)")
+
+    from .._launch.cli import add_launch_parsers
+
+    add_launch_parsers(sub, positive_int)
     return parser
 
 
@@ -189,6 +197,10 @@ def _worker(args: argparse.Namespace) -> int:
         except (OSError, AuthenticationError) as exc:
             raise _UserError(str(exc)) from None
     key = _worker_key(args.key_file)
+    if args.exit_on_stdin_eof:
+        from .._launch.remote import exit_on_stdin_eof
+
+        exit_on_stdin_eof()
     worker = Worker(args.connect, name=args.name, key=key, cpu_devices=args.devices,
                     parent_pid=int(parent) if parent else None, curve_keypair=curve_keypair,
                     curve_server_key=server_key)
@@ -201,7 +213,10 @@ def _worker(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``colobus`` command line; returns the exit status."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    from .._launch.cli import split_command
+
+    own, driver = split_command(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(own)
     if args.command is None:
         parser.print_help()
         return 0
@@ -225,6 +240,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_bench(args.name, json_path=args.json, quick=args.quick, peers=args.peers,
                              metrics=args.metrics)
+        if args.command == "launch":
+            from .._launch.cli import run_launch
+
+            return run_launch(args, driver, sys.argv[1:] if argv is None else list(argv))
+        if args.command == "manifest":
+            from .._launch.kubernetes import run_manifest
+
+            try:
+                print(run_manifest(args), end="")
+            except ValueError as exc:
+                raise _UserError(str(exc)) from None
+            return 0
         if args.command == "top":
             from .._observe.top import run_top
 

@@ -32,7 +32,7 @@ from . import protocol as P
 from .envelope import BATCH_KIND, Buffer, Envelope, Outgoing, batched, encode
 from .sockio import readable, recv_frames, send_frames, socket_fd
 
-__all__ = ["Channel", "Peer"]
+__all__ = ["Channel", "Peer", "router_socket"]
 
 log = logging.getLogger("colobus.channel")
 
@@ -281,3 +281,19 @@ class Channel:
                 log.warning("socket error: %s", exc)
         finally:
             self._corked = corked
+
+
+def router_socket(ctx: zmq.Context[Any], max_message_bytes: int) -> zmq.Socket[Any]:
+    """The controller's ROUTER, set up for colobus's channel (not yet bound)."""
+    sock: zmq.Socket[Any] = ctx.socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    # A worker that reconnects after a dropped connection keeps its routing id:
+    # its new connection takes over the route even if the old one lingers.
+    sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    # libzmq refuses (and disconnects) a single frame over the limit before
+    # colobus sees it; several smaller frames over it in total are counted there.
+    sock.setsockopt(zmq.MAXMSGSIZE, min(max_message_bytes, (1 << 63) - 1))
+    return sock

@@ -1,0 +1,182 @@
+"""The embedded default: a controller plus worker subprocesses on this machine."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import secrets
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from .._controller.controller import Controller, _pop_current
+from .._controller.environ import ADDRESS_ENV
+from .._controller.procwatch import Emit, describe_exit
+from .._process import with_huge_pages
+from .._wire.keys import generate_key
+from .base import LaunchedCluster, Launcher
+
+__all__ = ["LocalCluster", "LocalLauncher", "init", "local_cluster", "shutdown"]
+
+log = logging.getLogger("colobus.cluster")
+
+
+class LocalLauncher(Launcher):
+    """Worker subprocesses of this machine, the key on their stdin."""
+
+    kind = "local"
+    log = log
+
+    def __init__(self, hosts: int, devices_per_host: int,
+                 paths: Sequence[str] | None = None) -> None:
+        super().__init__([f"local-{i}" for i in range(hosts)])
+        self.devices_per_host = devices_per_host
+        self._paths = list(sys.path if paths is None else paths)
+        self._env: dict[str, str] | None = None
+
+    def env(self) -> dict[str, str]:
+        if self._env is None:
+            env = with_huge_pages(dict(os.environ))  # the workers receive the large PUTs
+            paths = [p if p else os.getcwd() for p in self._paths]
+            env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+            env["COLOBUS_PARENT_PID"] = str(os.getpid())
+            # Local workers share the user's terminal: only warnings and errors.
+            env.setdefault("COLOBUS_LOG_LEVEL", "WARNING")
+            import jax
+
+            env["COLOBUS_JAX_X64"] = "1" if jax.config.read("jax_enable_x64") else "0"
+            env.pop("COLOBUS_KEY_FILE", None)
+            env["PYTHONUNBUFFERED"] = "1"  # host code's prints reach us line by line
+            self._env = env
+        return self._env
+
+    def start(self, i: int, connect: str, key: bytes) -> subprocess.Popen[bytes]:
+        cmd = [sys.executable, "-m", "colobus", "worker", "--connect", connect,
+               "--devices", str(self.devices_per_host), "--name", self.names[i],
+               "--key-file", "-"]
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, env=self.env(), cwd=os.getcwd())
+        assert proc.stdin is not None
+        # The key travels on the worker's stdin, never on a command line.
+        proc.stdin.write(key.hex().encode() + b"\n")
+        proc.stdin.close()
+        return proc
+
+    def emit(self) -> Emit | None:
+        return None  # local workers share the terminal: ``[stdout:N]`` labels
+
+    def reported_pid(self, proc: subprocess.Popen[bytes]) -> int | None:
+        return proc.pid
+
+    def failure(self, i: int, code: int, stderr: Sequence[str]) -> Exception:
+        return RuntimeError(f"local colobus worker {i} {describe_exit(code)} before joining; "
+                            f"see its [stderr:{i}] lines above")
+
+
+class LocalCluster(LaunchedCluster):
+    """A controller and ``hosts`` worker subprocesses; see :func:`local_cluster`."""
+
+    def __init__(self, hosts: int = 2, devices_per_host: int = 1, *, transport: str = "ipc",
+                 restart: int = 0, **options: Any) -> None:
+        if transport not in ("ipc", "tcp"):
+            raise ValueError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
+        if hosts < 1 or devices_per_host < 1:
+            raise ValueError("local_cluster needs hosts >= 1 and devices_per_host >= 1")
+        self.hosts = hosts
+        self.devices_per_host = devices_per_host
+        self.transport = transport
+        key = generate_key()
+        self._ipc_path: str | None = None
+        if transport == "ipc":
+            self._ipc_path = os.path.join(
+                tempfile.gettempdir(), f"colobus-{os.getpid()}-{secrets.token_hex(4)}.sock")
+            bind = f"ipc://{self._ipc_path}"
+        else:
+            bind = "tcp://127.0.0.1:*"
+        if any(name.startswith("curve_") for name in options):
+            raise ValueError(
+                "local_cluster does not set up CurveZMQ (its workers talk over ipc or "
+                "loopback on this machine); use cb.Controller(..., curve_secret_key=...) and "
+                "`colobus worker --curve-key-file ... --server-key ...` (docs/security.md)")
+        options.setdefault("exit_workers_on_close", True)
+        super().__init__(LocalLauncher(hosts, devices_per_host),
+                         Controller(bind, hosts=hosts, key=key, **options), key,
+                         restart=restart)
+
+    def _cleanup(self) -> None:
+        if self._ipc_path and os.path.exists(self._ipc_path):
+            try:
+                os.unlink(self._ipc_path)
+            except OSError:
+                pass
+
+
+def local_cluster(hosts: int = 2, devices_per_host: int = 1, *, transport: str = "ipc",
+                  restart: int = 0, **options: Any) -> LocalCluster:
+    """A controller plus ``hosts`` worker subprocesses on this machine.
+
+    Use as ``async with`` (the controller runs on your loop) or ``with`` (it runs
+    on a thread of its own). Entry waits until every worker joined; exit stops
+    and reaps them all, also on error or Ctrl-C. Workers get a fresh random key on
+    their stdin, this process's ``sys.path`` and working directory, and exit by
+    themselves if this process dies.
+
+    Args:
+        hosts: number of worker processes (hosts).
+        devices_per_host: CPU devices per host.
+        transport: ``"ipc"`` (Unix socket) or ``"tcp"`` (loopback).
+        restart: how often each host's worker process may be started again after
+            it died; it rejoins under its name (same host index and device ids),
+            and what the dead process held is lost as for any lost host.
+        **options: passed to :class:`Controller` (``heartbeat_interval``, ``metrics``,
+            ``trace``, ...).
+    """
+    return LocalCluster(hosts, devices_per_host, transport=transport, restart=restart,
+                        **options)
+
+
+_default_cluster: LocalCluster | Controller | None = None
+_default_lock = threading.Lock()
+
+
+def init(hosts: int = 2, devices_per_host: int = 1, **options: Any) -> Controller:
+    """Start a local cluster for a plain script and make it the default controller.
+
+    Under ``colobus launch`` (``$COLOBUS_ADDRESS`` set) it starts no workers:
+    it binds that address and waits for the launched ones instead
+    (``$COLOBUS_HOSTS`` of them; ``hosts`` and ``devices_per_host`` are the
+    launcher's to choose then).
+
+    :func:`shutdown` stops it; it is also registered with ``atexit``.
+    """
+    global _default_cluster
+    with _default_lock:
+        if _default_cluster is not None:
+            raise RuntimeError("colobus.init() was already called; call colobus.shutdown() first")
+        if os.environ.get(ADDRESS_ENV):
+            launched = Controller(**options)
+            ctl = launched.__enter__()
+            _default_cluster = launched
+        else:
+            cluster = LocalCluster(hosts, devices_per_host, **options)
+            ctl = cluster.__enter__()
+            _default_cluster = cluster
+    atexit.register(shutdown)
+    return ctl
+
+
+def shutdown() -> None:
+    """Stop the cluster started by :func:`init` (idempotent)."""
+    global _default_cluster
+    with _default_lock:
+        cluster, _default_cluster = _default_cluster, None
+    if isinstance(cluster, Controller):
+        cluster.close()
+        _pop_current(cluster)
+    elif cluster is not None:
+        cluster.close()
+        _pop_current(cluster.controller)
