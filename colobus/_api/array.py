@@ -18,6 +18,7 @@ from .._controller.controller import Controller, default_controller
 from .._controller.future import Future
 from .._controller.hosts import Host
 from .._errors import HostLostError
+from .._model import moves as _moves
 from .._model.blocks import HostBlock, assemble, host_blocks
 from .._model.devices import Device
 from .._model.jaxside import is_key_array
@@ -259,7 +260,9 @@ class _PreparedReshard:
         _check_devices(ctl, sharding)
         # A typed key's dtype has no useful itemsize: its key data is a few words.
         itemsize = 16 if src._key_impl else src.itemsize
-        self.plan = plan_reshard(src.sharding, sharding, src.shape, itemsize)
+        # Each box is one FETCH reply: well under what the controller accepts.
+        chunk = min(_moves.CHUNK_BYTES, max(1 << 16, ctl.max_message_bytes // 4))
+        self.plan = plan_reshard(src.sharding, sharding, src.shape, itemsize, chunk)
         self.src = src
         self.sharding = sharding
 
