@@ -424,3 +424,22 @@ def test_reshards_chain_and_overlap_without_waiting(four: cb.Controller) -> None
     got = cb.device_get(outs).result(timeout=120)
     for x, g in zip(xs, got, strict=True):
         np.testing.assert_array_equal(g, x)
+
+
+@cb.colocated_python
+def _checksum(x: Any) -> Any:
+    return np.asarray(np.asarray(x, dtype=np.float64).sum())
+
+
+async def test_boxes_fit_a_small_max_message_bytes() -> None:
+    """Every box is one FETCH reply: it stays under what the controller accepts."""
+    async with cb.local_cluster(hosts=2, devices_per_host=1, max_message_bytes=4 << 20) as c:
+        mesh = cb.make_mesh((2,), ("x",))
+        x = np.arange(2 << 20, dtype=np.float32).reshape(2048, 1024)  # 8 MiB, 4 per host
+        src = cb.device_put(x, cb.NamedSharding(mesh, P("x")))
+        with pytest.raises(ValueError, match="too large to fetch"):
+            await cb.device_get(src)  # a whole block does not fit in one reply
+        rep = cb.device_put(src, cb.NamedSharding(mesh, P()))
+        sums = await _checksum(rep)  # the hosts hold it whole
+        assert float(np.asarray(await cb.device_get(sums))) == float(x.astype(np.float64).sum())
+        assert c.stats()["bytes_resharded"] == x.nbytes

@@ -260,8 +260,9 @@ class _PreparedReshard:
         _check_devices(ctl, sharding)
         # A typed key's dtype has no useful itemsize: its key data is a few words.
         itemsize = 16 if src._key_impl else src.itemsize
-        # Each box is one FETCH reply: well under what the controller accepts.
-        chunk = min(_moves.CHUNK_BYTES, max(1 << 16, ctl.max_message_bytes // 4))
+        # Each box is one FETCH reply: well under what the controller accepts (a host
+        # keeps REPLY_MARGIN, 1 MiB, for the reply's header and batch).
+        chunk = min(_moves.CHUNK_BYTES, max(1 << 16, (ctl.max_message_bytes - (1 << 20)) // 2))
         self.plan = plan_reshard(src.sharding, sharding, src.shape, itemsize, chunk)
         self.src = src
         self.sharding = sharding

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 from .._controller.controller import Controller
 from .._controller.future import Future
 from .._controller.hosts import Host
+from .._errors import HostLostError
 from .._model.blocks import HostBlock
 from .._model.moves import Box, Move, ReshardPlan
 from .._model.sharding import NamedSharding, PartitionSpec, Sharding
@@ -85,6 +86,10 @@ class Reshard:
         self.moves: collections.deque[Move] = collections.deque(plan.moves)
         self.in_flight = 0
         self.bytes_in_flight = 0
+        # Bytes asked of each source and not answered yet: a host sends the replies of
+        # one loop step as one envelope, which must stay under what the controller takes.
+        self.asked: dict[int, int] = {}
+        self.reply_budget = max(1, ctl.max_message_bytes // 2)
         self.failed: BaseException | None = None
         self.ended = False
 
@@ -131,14 +136,26 @@ class Reshard:
     # -- moves ------------------------------------------------------------------------------
 
     def _pump(self) -> None:
-        """Start moves while the window has room (at least one at a time)."""
+        """Start moves while the window has room (at least one at a time), each from a
+        source whose unanswered fetches leave room for it in one reply envelope."""
         while self.moves and self.failed is None and (
                 self.in_flight == 0 or (self.in_flight < WINDOW_MOVES
                                         and self.bytes_in_flight < WINDOW_BYTES)):
-            move = self.moves.popleft()
+            move = self._next_move()
+            if move is None:
+                return
             self.in_flight += 1
             self.bytes_in_flight += move.nbytes
+            self.asked[move.source] = self.asked.get(move.source, 0) + move.nbytes
             self._fetch(move)
+
+    def _next_move(self) -> Move | None:
+        for i, move in enumerate(self.moves):
+            asked = self.asked.get(move.source, 0)
+            if asked == 0 or asked + move.nbytes <= self.reply_budget:
+                del self.moves[i]
+                return move
+        return None
 
     def _fetch(self, move: Move) -> None:
         ctl = self.ctl
@@ -162,6 +179,7 @@ class Reshard:
         return block
 
     def _fetched(self, move: Move, fut: Future[Any]) -> None:
+        self.asked[move.source] -= move.nbytes
         if self.failed is not None:
             return
         if fut.cancelled() or fut.exception() is not None:
@@ -183,6 +201,7 @@ class Reshard:
             piece = ctl._ops.submit((h,), send, _none, lambda _: None, backpressure=False,
                                     urgent=True)
             piece.add_done_callback(functools.partial(self._placed, move, left))
+        self._pump()  # the source has room for another
 
     def _placed(self, move: Move, left: list[int], fut: Future[Any]) -> None:
         if self.failed is not None:
@@ -218,7 +237,8 @@ class Reshard:
         for h in self.plan.blocks:
             host = ctl._hosts[h]
             if not ctl._closed and host.alive and host.generation == self.gens[h]:
-                ctl._send(host, P.Piece(0, self.new.ref, [], [], None, text))
+                ctl._send(host, P.Piece(0, self.new.ref, [], [], None, text,
+                                        isinstance(exc, HostLostError)))
         self._finish()
 
     def _release_holds(self) -> None:

@@ -143,7 +143,8 @@ class HostReshards:
         block = self._blocks.get(body.ref)
         if body.error:
             if block is not None:
-                self._fail(block, HostLostError(body.error))
+                self._fail(block, HostLostError(body.error) if body.lost
+                           else RuntimeError(body.error))
             else:  # built already, but the array as a whole failed: drop it too
                 self._w.store.arrays.pop(body.ref, None)
             return

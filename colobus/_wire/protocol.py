@@ -283,18 +283,21 @@ class Reshard(Body):
 @dataclass(frozen=True, slots=True)
 class Piece(Body):
     """Buffer 0 (``shape`` and ``dtype`` as a FETCH reply has them) goes into ``box``
-    of RESHARD block ``ref``; answer once it is copied. With ``error`` set (and no
-    buffer): the reshard failed; drop the block, and fail what waits for it with a
-    ``HostLostError`` of that text."""
+    of RESHARD block ``ref``; answer once it is taken. With ``error`` set (and no
+    buffer): the reshard failed; drop the block, and fail what waits for it with
+    that text (a ``HostLostError`` where ``lost``: a host was lost, else a
+    ``RuntimeError``)."""
 
     kind = Kind.PIECE
-    types = (int, int, list, list, object, str)
+    types = (int, int, list, list, object, str, bool)
+    required = 5
     call_id: int
     ref: int
     box: list[Any]
     shape: list[int]
     dtype: Any
     error: str = ""
+    lost: bool = False
 
 
 @dataclass(frozen=True, slots=True)
