@@ -19,6 +19,8 @@ import zmq
 
 import colobus as cb
 
+from . import raw_echo
+
 __all__ = [
     "FULL", "QUICK", "BenchObject", "BenchRun", "PeakMemory", "RawEcho", "Row", "Sizes",
     "bench_inc", "bench_noop", "rss_mib",
@@ -150,37 +152,6 @@ class PeakMemory:
 # -- the raw pyzmq baseline ---------------------------------------------------------------
 
 
-def _echo_main(address: str, identity: str) -> None:
-    """A raw DEALER echo server (runs in a subprocess; blocking socket).
-
-    Ops (first frame): ``e`` echo the frames back; ``p`` keep the second frame
-    (zero-copy) and ack; ``g`` send the kept frame back (zero-copy); ``q`` quit.
-    """
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.IDENTITY, identity.encode())
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.SNDHWM, 0)
-    sock.setsockopt(zmq.RCVHWM, 0)
-    sock.connect(address)
-    sock.send(b"hello")
-    kept: Any = None
-    while True:
-        frames = sock.recv_multipart(copy=False)
-        op = frames[0].bytes
-        if op == b"e":
-            sock.send_multipart(frames, copy=False)
-        elif op == b"p":
-            kept = frames[1]
-            sock.send(b"k")
-        elif op == b"g":
-            sock.send_multipart([b"d", kept], copy=False)
-        elif op == b"q":
-            break
-    sock.close(0)
-    ctx.term()
-
-
 class RawEcho:
     """A ROUTER here and ``n`` DEALER echo servers in subprocesses, over ipc."""
 
@@ -194,9 +165,9 @@ class RawEcho:
         self.sock.setsockopt(zmq.RCVHWM, 0)
         self.sock.bind(f"ipc://{self.path}")
         self.ids = [f"s{i}".encode() for i in range(n)]
-        code = ("import sys; from colobus._tools.bench_base import _echo_main; "
-                "_echo_main(*sys.argv[1:])")
-        self.procs = [subprocess.Popen([sys.executable, "-c", code, f"ipc://{self.path}",
+        # Run by path: the echo server imports pyzmq alone, not colobus (and JAX), so it
+        # is up in a fraction of a second even on a loaded machine.
+        self.procs = [subprocess.Popen([sys.executable, raw_echo.__file__, f"ipc://{self.path}",
                                         i.decode()]) for i in self.ids]
         self.sock.setsockopt(zmq.RCVTIMEO, 60_000)
         for _ in range(n):
