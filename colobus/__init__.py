@@ -10,6 +10,7 @@ from ._api.array import device_get as device_get
 from ._api.array import device_put as device_put
 from ._api.entry import colocated_cpu_devices as colocated_cpu_devices
 from ._api.entry import devices as devices
+from ._api.entry import make_mesh as make_mesh
 from ._api.func import colocated_python as colocated_python
 from ._api.gather import gather as gather
 from ._api.obj import colocated_python_class as colocated_python_class
@@ -31,6 +32,8 @@ from ._launch.slurm import slurm_cluster as slurm_cluster
 from ._launch.ssh import ssh_cluster as ssh_cluster
 from ._model.devices import Device as Device
 from ._model.devices import Mesh as Mesh
+from ._model.jaxside import host_count as host_count
+from ._model.jaxside import host_index as host_index
 from ._model.sharding import NamedSharding as NamedSharding
 from ._model.sharding import PartitionSpec as PartitionSpec
 from ._model.sharding import ShapeDtypeStruct as ShapeDtypeStruct
@@ -72,9 +75,12 @@ __all__ = [
     "device_put",
     "devices",
     "gather",
+    "host_count",
+    "host_index",
     "init",
     "load_key",
     "local_cluster",
+    "make_mesh",
     "shutdown",
     "slurm_cluster",
     "ssh_cluster",

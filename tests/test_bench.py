@@ -24,6 +24,8 @@ EXPECTED = {
     "scaling1_noop", "scaling1_ident", "scaling2_noop", "scaling2_ident", "scaling4_noop",
     "scaling4_ident", "scaling_cpu_per_host_noop", "scaling_cpu_per_host_ident",
     "bigout_first_peak_rss_worker", "bigout_second_peak_rss_worker",
+    # bench_reshard: reshard
+    "reshard_16mib_4hosts",
 }
 
 

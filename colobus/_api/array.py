@@ -1,9 +1,6 @@
-"""Array handles: data that lives on hosts, and moving it there and back.
-
-A :class:`Array` names one array ref on each host of its sharding; each host
-holds only its own block. Dropping the handle (or ``delete()``) frees the data
-on the hosts, batched.
-"""
+"""Array handles: data that lives on hosts (one ref per host of the sharding, each host
+holding only its own block), and moving it there and back; dropping the handle (or
+``delete()``) frees the data on the hosts, batched."""
 
 from __future__ import annotations
 
@@ -17,14 +14,18 @@ import numpy as np
 from .._controller.controller import Controller, default_controller
 from .._controller.future import Future
 from .._controller.hosts import Host
+from .._errors import HostLostError
+from .._model import moves as _moves
 from .._model.blocks import HostBlock, assemble, host_blocks
 from .._model.devices import Device
 from .._model.jaxside import is_key_array
+from .._model.moves import plan_reshard
 from .._model.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 from .._wire import protocol as P
 from .._wire.codec import key_impl_name, to_buffer
 from .._wire.describe import read_fetched
 from .._wire.envelope import Envelope, pack_body
+from .reshard import Reshard, mesh_message
 from .shards import Shard, addressable_shards
 
 __all__ = [
@@ -36,15 +37,6 @@ __all__ = [
     "check_owner",
     "mesh_message",
 ]
-
-
-def mesh_message(block: HostBlock) -> list[Any]:
-    """A host's part of a layout as a message: ``[[[platform, local id]...], shape, names]``."""
-    devs = [[d.platform, d.local_id] for d in block.local_devices.flat]
-    sh = block.local_sharding
-    if isinstance(sh, NamedSharding):
-        return [devs, list(block.local_devices.shape), list(sh.mesh.axis_names)]
-    return [devs, [], []]
 
 
 class MisusedHandle(ValueError):
@@ -79,6 +71,7 @@ class Array:
         "__weakref__",
         "_ctl",
         "_deleted",
+        "_failed",
         "_finalizer",
         "_gens",
         "_key_impl",
@@ -100,6 +93,7 @@ class Array:
         self._key_impl = key_impl
         self._ready = ready
         self._deleted = False
+        self._failed: BaseException | None = None  # the reshard that makes it failed
         hosts = ((sharding.device.host,) if type(sharding) is SingleDeviceSharding
                  else sorted({d.host for d in sharding.device_list}))
         self._gens = {h: ctl._hosts[h].generation for h in hosts}
@@ -172,6 +166,11 @@ class Array:
         """Raise if deleted or if a host holding its data was lost."""
         if self._deleted:
             raise RuntimeError(f"{self!r} was deleted; it cannot be used any more")
+        if (exc := self._failed) is not None:
+            text = f"{self!r} is not stored: the device_put that resharded it failed: {exc}"
+            if isinstance(exc, HostLostError):
+                raise HostLostError(text, exc.host) from exc
+            raise RuntimeError(text) from exc
         self._ctl._hosts.check(self._gens, self._gens, "array data")
 
     # -- fetching -----------------------------------------------------------------------------
@@ -211,9 +210,8 @@ def _to_sharding(ctl: Controller, target: Any) -> Sharding:
         return target
     if isinstance(target, Device):
         return SingleDeviceSharding(target)
-    raise TypeError(
-        f"device_put needs a colobus Device or Sharding, got {type(target).__name__}; "
-        "use cb.devices() or cb.NamedSharding(cb.Mesh(...), cb.PartitionSpec(...))")
+    raise TypeError(f"device_put needs a colobus Device or Sharding, got {type(target).__name__}; "
+                    "use cb.devices() or cb.NamedSharding(cb.Mesh(...), cb.PartitionSpec(...))")
 
 
 def _check_devices(ctl: Controller, sharding: Sharding) -> None:
@@ -257,7 +255,8 @@ class _PreparedPut:
         for h, b in blocks.items():
             block = data[b.index] if data.ndim else data  # 0-d StringDType indexes to a str
             descr, buf = to_buffer(block)
-            body = P.Put(self.ref, list(block.shape), descr, mesh_message(b), spec, impl)
+            body = P.Put(self.ref, list(block.shape), descr, mesh_message(b), spec, impl,
+                         sharding.memory_kind)
             pack_body(body.to_wire())  # SerializationError here, at the call, not when sent
             self.msgs.append((h, body, buf))
 
@@ -265,13 +264,40 @@ class _PreparedPut:
         return Array(ctl, self.ref, self.shape, self.dtype, self.sharding, key_impl=self.impl)
 
 
-def _prepare(ctl: Controller, x: Any, sharding: Sharding) -> Array | _PreparedPut:
+class _PreparedReshard:
+    """One ``cb.Array`` leaf of a ``device_put`` onto another sharding, checked, planned."""
+
+    __slots__ = ("plan", "sharding", "src")
+
+    def __init__(self, src: Array, sharding: Sharding) -> None:
+        src.check_usable()
+        ctl = src._ctl
+        host_blocks(sharding, src.shape)  # validates rank and divisibility
+        _check_devices(ctl, sharding)
+        # A typed key's dtype has no useful itemsize: its key data is a few words.
+        itemsize = 16 if src._key_impl else src.itemsize
+        # Each box is one FETCH reply: well under what the controller accepts (a host
+        # keeps REPLY_MARGIN, 1 MiB, for the reply's header and batch).
+        chunk = min(_moves.CHUNK_BYTES, max(1 << 16, (ctl.max_message_bytes - (1 << 20)) // 2))
+        self.plan = plan_reshard(src.sharding, sharding, src.shape, itemsize, chunk)
+        self.src = src
+        self.sharding = sharding
+
+    def start(self) -> Array:
+        src = self.src
+        ctl = src._ctl
+        new = Array(ctl, ctl._ops.next_id() << 16, src.shape, src.dtype, self.sharding,
+                    key_impl=src._key_impl)
+        Reshard(ctl, src, new, self.sharding, self.plan, src._key_impl).start()
+        return new
+
+
+def _prepare(ctl: Controller, x: Any, sharding: Sharding
+             ) -> Array | _PreparedPut | _PreparedReshard:
     if isinstance(x, Array):
         if x.sharding == sharding and x.sharding.device_list == sharding.device_list:
             return x
-        raise ValueError(
-            "device_put of a colobus.Array onto another sharding is not supported; "
-            "fetch it with cb.device_get first")
+        return _PreparedReshard(x, sharding)  # each host gets the blocks it lacks
     return _PreparedPut(ctl, x, sharding)
 
 
@@ -285,6 +311,10 @@ def device_put(x: Any, device_or_sharding: Any) -> Any:
     copying: do not modify a numpy input until ``cb.block_until_ready`` on the
     result returned.
 
+    A ``cb.Array`` leaf onto another sharding is resharded: each host gets the
+    parts of its new block it lacks, through the controller (``docs/arrays.md``,
+    "Resharding"); onto its own sharding it is returned as is.
+
     Args:
         x: the data.
         device_or_sharding: a ``cb.Device``, a ``cb.Sharding``, or a pytree of
@@ -293,7 +323,9 @@ def device_put(x: Any, device_or_sharding: Any) -> Any:
     Raises:
         ValueError: a shape the sharding cannot divide, a spec naming an unknown
             axis, an object-dtype array, a device not in this cluster.
-        HostLostError: the sharding uses devices of a lost host.
+        HostLostError: the sharding uses devices of a lost host, or a ``cb.Array``
+            to reshard has data on one.
+        RuntimeError: a ``cb.Array`` to reshard was deleted.
     """
     import jax
 
@@ -308,9 +340,11 @@ def device_put(x: Any, device_or_sharding: Any) -> Any:
             device_or_sharding, is_leaf=_is_array_leaf)
     sends: list[tuple[Array, _PreparedPut]] = []
 
-    def finish(p: Array | _PreparedPut) -> Array:
+    def finish(p: Array | _PreparedPut | _PreparedReshard) -> Array:
         if isinstance(p, Array):
             return p
+        if isinstance(p, _PreparedReshard):
+            return p.start()
         arr = p.handle(ctl)
         sends.append((arr, p))
         return arr
@@ -330,7 +364,7 @@ def device_put(x: Any, device_or_sharding: Any) -> Any:
 
 
 def _is_prepared_leaf(x: Any) -> bool:
-    return isinstance(x, Array | _PreparedPut)
+    return isinstance(x, Array | _PreparedPut | _PreparedReshard)
 
 
 def _is_array_leaf(x: Any) -> bool:

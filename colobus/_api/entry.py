@@ -6,9 +6,9 @@ from collections.abc import Sequence
 from typing import Any, overload
 
 from .._controller.controller import default_controller
-from .._model.devices import Device, Mesh, colocated_cpu_devices_from
+from .._model.devices import Device, Mesh, colocated_cpu_devices_from, make_mesh_from
 
-__all__ = ["colocated_cpu_devices", "devices"]
+__all__ = ["colocated_cpu_devices", "devices", "make_mesh"]
 
 
 def devices() -> list[Device]:
@@ -33,3 +33,21 @@ def colocated_cpu_devices(devices_or_mesh: Any) -> Any:
     ctl = default_controller()
     all_devices = [d for h in ctl.hosts() for d in h.devices]
     return colocated_cpu_devices_from(devices_or_mesh, all_devices)
+
+
+def make_mesh(axis_shapes: Sequence[int], axis_names: Sequence[str], *,
+              devices: Sequence[Device] | None = None) -> Mesh:
+    """A mesh of ``axis_shapes`` named ``axis_names``, as ``jax.make_mesh``.
+
+    Args:
+        axis_shapes: The mesh's shape, e.g. ``(2, 4)``.
+        axis_names: One name per axis, e.g. ``("hosts", "devices")``.
+        devices: The devices to use, in order; default ``cb.devices()`` (sorted
+            by id, so host by host). The first ``prod(axis_shapes)`` are taken.
+
+    Raises:
+        ValueError: JAX's texts: ``axis_shapes`` not ints, too few devices for
+            the shape, a number of names other than the number of axes.
+    """
+    return make_mesh_from(axis_shapes, axis_names,
+                          default_controller().devices() if devices is None else devices)

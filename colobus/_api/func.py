@@ -24,7 +24,13 @@ from .._controller.hosts import Host
 from .._model import outlayout as _outlayout
 from .._model.blocks import global_shape_from_host, host_blocks
 from .._model.devices import Device, Mesh
-from .._model.sharding import NamedSharding, PartitionSpec, ShapeDtypeStruct, SingleDeviceSharding
+from .._model.sharding import (
+    NamedSharding,
+    PartitionSpec,
+    ShapeDtypeStruct,
+    SingleDeviceSharding,
+    with_memory_kind,
+)
 from .._observe.observer import FunctionStats, Observer
 from .._wire import protocol as P
 from .._wire.describe import read_outputs
@@ -157,6 +163,8 @@ def _build_outputs(ctl: Controller, call_id: int, plan: CallPlan,
             shape = tuple(leaf0.shape)
             sharding = (SingleDeviceSharding(plan.mesh) if isinstance(plan.mesh, Device)
                         else NamedSharding(plan.mesh, PartitionSpec()))
+        if leaf0.memory_kind is not None:  # the host's own memory kind (JAX's sharding)
+            sharding = with_memory_kind(sharding, leaf0.memory_kind)
         if leaf0.digest is not None and len(hosts) > 1:
             _outlayout.check_replicas(i, sharding, shape, metas)
         outs.append(Array(ctl, P.output_ref(call_id, i), shape, dtype, sharding,
@@ -368,6 +376,7 @@ class _CallOp:
             self.ref_shardings = tuple(k.sharding if isinstance(k, Array) else None
                                        for k in pickled.keep)
         payload, bufs = pickled.payload, pickled.buffers
+        hosts = max(ctl._expected_hosts, len(ctl._hosts))  # cb.host_count() on the hosts
         for h in plan.hosts:
             host = ctl._hosts[h]
             if host.generation != self.gens[h]:
@@ -376,7 +385,7 @@ class _CallOp:
             for state in pickled.objects:
                 state.ensure_built(ctl, host)
             ctl._send(host, P.Call(call_id, self.stream, self.digest, target.obj_id,
-                                  target.method, pickled.refs, plan.host_mesh[h]),
+                                  target.method, pickled.refs, plan.host_mesh[h], hosts),
                      payload, bufs, len(bufs))
         ctl._count("calls")
 

@@ -227,13 +227,16 @@ class Operations:
     def submit(self, hosts: Sequence[int], send: Sender, decode: Decoder, combine: Combiner, *,
                call_id: int | None = None, backpressure: bool = True,
                cancellable: bool = False, stats: FunctionStats | None = None,
-               timing: CallRecord | None = None) -> Future[Any]:
+               timing: CallRecord | None = None, urgent: bool = False) -> Future[Any]:
         """Start one remote operation on ``hosts``; thread-safe.
 
         ``send(call_id)`` runs on the loop thread and sends the messages (it may
         raise, failing only this future); each host's RESULT goes through
         ``decode`` on receipt; once every host answered, ``combine`` builds the
         result from the per-host values. The first error by host index wins.
+        ``urgent``: leaves at once, past the backlog (a step of an operation that
+        already left, such as a reshard's moves: queued behind later calls that
+        wait for it, it would never leave).
         """
         ctl = self.ctl
         ctl._check_open()
@@ -246,7 +249,7 @@ class Operations:
         if cancellable:
             fut._set_canceller(self._canceller)
         op = Operation(call_id, fut, tuple(hosts), send, decode, combine, backpressure)
-        ctl._call_soon(self._start, op)
+        ctl._call_soon(self._start, op, urgent)
         return fut
 
     def post(self, fn: Callable[[], None]) -> None:
@@ -259,7 +262,7 @@ class Operations:
         else:
             fn()
 
-    def _start(self, op: Operation) -> None:
+    def _start(self, op: Operation, urgent: bool = False) -> None:
         stats = op.future._stats
         if stats is not None:
             stats.started += 1  # only this thread writes it
@@ -273,7 +276,7 @@ class Operations:
             op.future.set_exception(ControllerClosedError("the colobus controller is closed"))
             return
         # Nothing overtakes an earlier operation of any kind: the backlog is FIFO.
-        if self.backlog or (op.backpressure and self._full(op.hosts)):
+        if not urgent and (self.backlog or (op.backpressure and self._full(op.hosts))):
             self.backlog.append(op)
             return
         self._go(op)

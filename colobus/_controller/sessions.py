@@ -334,7 +334,8 @@ class Sessions:
         ctl._send(host, P.Welcome(host.index, [d.id for d in host.devices],
                                   ctl.heartbeat_interval, ctl.liveness_timeout,
                                   ctl._exit_workers, ctl.max_message_bytes,
-                                  ctl.observer is not None))
+                                  ctl.observer is not None,
+                                  max(ctl._expected_hosts, len(hosts))))
         log.info("%s", hosts.describe(host, old is not None, ctl._expected_hosts))
         ctl._joined()
 

@@ -33,6 +33,7 @@ def collect_stats(sessions: Sessions, counters: collections.Counter[str], chan: 
         "code_bytes": counters["code_bytes"],
         "bytes_put": counters["bytes_put"],
         "bytes_fetched": counters["bytes_fetched"],
+        "bytes_resharded": counters["bytes_resharded"],
         "calls": counters["calls"],
         "batches": chan.batches_sent if chan is not None else 0,
         "batches_received": sessions.batches_received,

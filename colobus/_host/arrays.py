@@ -13,14 +13,12 @@ import functools
 import gc
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-from .._model.jaxside import is_key_array
 from .._wire import protocol as P
-from .._wire.codec import from_buffer, key_impl_name, to_buffer
+from .._wire.codec import from_buffer, to_buffer
 from .._wire.envelope import Envelope
-from .._wire.protocol import Status
-from .values import LAZY_PUT_BYTES, NumpyBlock, jax_exact, numpy_block, present
+from .._wire.protocol import Kind, Status
+from .reshard import HostReshards, as_numpy, box_index
+from .values import LAZY_PUT_BYTES, NumpyBlock, PiecedBlock, jax_exact, numpy_block, present
 
 if TYPE_CHECKING:
     from .sched import WorkerServices
@@ -35,6 +33,12 @@ class HostArrays:
 
     def __init__(self, worker: WorkerServices) -> None:
         self._w = worker
+        self.reshards = HostReshards(worker)
+
+    def handlers(self) -> dict[Kind, Any]:
+        """The worker's dispatch entries for array messages."""
+        return {Kind.PUT: self.on_put, Kind.FETCH: self.on_fetch,
+                Kind.RESHARD: self.reshards.on_reshard, Kind.PIECE: self.reshards.on_piece}
 
     def on_put(self, body: P.Put, env: Envelope) -> None:
         loop = asyncio.get_running_loop()
@@ -48,13 +52,14 @@ class HostArrays:
             mesh = values.local_mesh(body.mesh)
             spec = P.decode_spec(body.spec)
             impl = body.key_impl if isinstance(body.key_impl, str) else None
+            memory = body.memory_kind
         except Exception as exc:
             fut.set_exception(exc)
             fut.exception()
             raise ValueError(f"bad PUT: {exc}") from exc
         if arr.nbytes < LAZY_PUT_BYTES:
             try:
-                fut.set_result(values.to_host_value(arr, mesh, spec, impl))
+                fut.set_result(values.to_host_value(arr, mesh, spec, impl, memory))
             except Exception as exc:
                 fut.set_exception(exc)
                 fut.exception()
@@ -63,7 +68,7 @@ class HostArrays:
             # Stored as the numpy view on the received frame: no copy now (the
             # put is done when the frame is here); a call makes the jax.Array.
             try:
-                block = numpy_block(arr, values.sharding(mesh, spec))
+                block = numpy_block(arr, values.sharding(mesh, spec, memory))
             except Exception as exc:
                 fut.set_exception(exc)
                 fut.exception()
@@ -73,11 +78,13 @@ class HostArrays:
             fut.set_result(block)
             return
         work = loop.run_in_executor(self._w._pool, values.to_host_value_ready, arr, mesh, spec,
-                                    impl)
+                                    impl, memory)
         work.add_done_callback(functools.partial(chain_future, fut))
 
     def present(self, value: Any) -> Any:
         """What user code receives for a stored value (any thread)."""
+        if isinstance(value, PiecedBlock):  # made whole now; the store then keeps that
+            value = self._swap_soon(value, value.materialize())
         lazy = isinstance(value, NumpyBlock) and value.lazy and value.jax_value is None
         out = present(self._w._jax, value)
         if lazy and self._w.loop is not None:
@@ -86,6 +93,25 @@ class HostArrays:
             except RuntimeError:  # the loop closed: the worker is exiting
                 pass
         return out
+
+    def _swap_soon(self, old: PiecedBlock, new: NumpyBlock) -> NumpyBlock:
+        """Any thread: the store entry of ``old`` becomes ``new`` (on the loop, if unchanged)."""
+        loop = self._w.loop
+        if loop is not None:
+            try:
+                loop.call_soon_threadsafe(self._swap_entry, old.ref, old, new)
+            except RuntimeError:  # the loop closed: the worker is exiting
+                pass
+        return new
+
+    def _swap_entry(self, ref: int, old: Any, new: Any) -> None:
+        fut = self._w.store.arrays.get(ref)
+        if fut is None or not fut.done() or fut.cancelled() or fut.exception() is not None:
+            return
+        if fut.result() is old:
+            swapped = asyncio.get_running_loop().create_future()
+            swapped.set_result(new)
+            self._w.store.arrays[ref] = swapped
 
     def _swap_block(self, block: NumpyBlock) -> None:
         """Loop thread: a lazy PUT block got its jax.Array; store that alone.
@@ -110,24 +136,26 @@ class HostArrays:
 
     def on_fetch(self, body: P.Fetch, env: Envelope) -> None:
         fut = self._w.store.arrays.get(body.ref)
-        self._w._spawn(self._fetch(body.call_id, body.ref, fut, body.data, self._w.epoch))
+        self._w._spawn(self._fetch(body.call_id, body.ref, fut, body.data, self._w.epoch,
+                                   body.box))
 
     async def _fetch(self, call_id: int, ref: int, fut: asyncio.Future[Any] | None,
-                     data: bool, epoch: int) -> None:
+                     data: bool, epoch: int, box: list[Any]) -> None:
         try:
             if fut is None:
                 raise KeyError(f"array {ref} is not on host {self._w.host_index} (deleted?)")
             value = await fut
+            if isinstance(value, PiecedBlock) and data:  # made whole off the loop
+                value = await asyncio.get_running_loop().run_in_executor(
+                    self._w._pool, value.materialize)
             if epoch != self._w.epoch:
                 return  # that controller session is over: its call ids mean nothing now
             if not data:
                 self._w.send(P.Result(call_id, Status.OK, None))
                 return
-            impl = None
-            if is_key_array(value):
-                impl = key_impl_name(value)
-                value = self._w._jax.random.key_data(value)
-            arr = np.asarray(value)
+            arr, impl = as_numpy(self._w._jax, value)
+            if box:  # a box of the block only (a reshard's move)
+                arr = arr[box_index(box, arr.ndim)]
             descr, buf = to_buffer(arr)
             if buf.nbytes + REPLY_MARGIN > self._w._max_message:
                 raise ValueError(

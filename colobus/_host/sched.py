@@ -22,6 +22,7 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
+from .._model.jaxside import set_host_count
 from .._wire import protocol as P
 from .._wire.envelope import Buffer, Envelope
 from .._wire.protocol import Status
@@ -105,6 +106,7 @@ class Scheduler:
     # -- arrivals ------------------------------------------------------------------------
 
     def on_call(self, body: P.Call, env: Envelope) -> None:
+        set_host_count(body.hosts)
         w = self._w
         store = w.store
         loop = asyncio.get_running_loop()

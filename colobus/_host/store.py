@@ -53,6 +53,7 @@ class Store:
         self.objects: dict[int, asyncio.Future[Any]] = {}
         self.obj_calls: dict[int, set[asyncio.Future[Any]]] = {}  # obj -> its calls' results
         self.classes: dict[int, bytes] = {}  # obj -> its class's code digest
+        self.reshards: dict[int, Any] = {}  # new array ref -> its block being assembled
 
     def clear(self) -> None:
         self.code.clear()
@@ -62,6 +63,7 @@ class Store:
         self.objects.clear()
         self.obj_calls.clear()
         self.classes.clear()
+        self.reshards.clear()
 
     def counts(self) -> tuple[int, int, int, int]:
         """Arrays, their bytes, objects, and call results held."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,8 +25,8 @@ from .._wire.describe import describe_outputs
 from .._wire.envelope import Buffer
 
 __all__ = [
-    "LAZY_PUT_BYTES", "HostValues", "NumpyBlock", "is_string", "jax_exact", "numpy_block",
-    "present", "setup_jax", "local_devices"]
+    "LAZY_PUT_BYTES", "HostValues", "NumpyBlock", "PiecedBlock", "is_string", "jax_exact",
+    "numpy_block", "present", "setup_jax", "local_devices"]
 
 LAZY_PUT_BYTES = 1 << 20  # PUT blocks this large become jax.Arrays on first use
 
@@ -94,8 +95,51 @@ def numpy_block(arr: Any, sharding: Any) -> NumpyBlock:
     return block
 
 
+class PiecedBlock:
+    """A large block a reshard built, kept as the pieces it arrived in until it is read.
+
+    The pieces are numpy views on the received frames (and on the host's own old
+    block, for what it already held). The first call, fetch or reshard that reads
+    the block makes it whole (:meth:`materialize`: one copy, the one assembling on
+    arrival would have made), as a lazy :class:`NumpyBlock` (a call then makes its
+    ``jax.Array``, as for a large PUT); the pieces go then. Thread-safe.
+    """
+
+    __slots__ = ("_lock", "_parts", "dtype", "ref", "shape", "sharding", "value")
+
+    def __init__(self, shape: tuple[int, ...], dtype: Any,
+                 parts: list[tuple[tuple[slice, ...], Any]], sharding: Any, ref: int) -> None:
+        self.shape = shape
+        self.dtype = dtype
+        self._parts = parts
+        self.sharding = sharding
+        self.ref = ref
+        self.value: NumpyBlock | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * int(self.dtype.itemsize)
+
+    def materialize(self) -> NumpyBlock:
+        """The whole block (made once; later calls return the same)."""
+        with self._lock:
+            if self.value is None:
+                data = np.empty(self.shape, self.dtype)
+                for index, part in self._parts:
+                    data[index] = part
+                block = numpy_block(data, self.sharding)
+                block.lazy = True
+                block.put_ref = self.ref
+                self.value = block
+                self._parts = []
+            return self.value
+
+
 def present(jax: Any, value: Any) -> Any:
     """What user code receives for a stored value (any thread)."""
+    if isinstance(value, PiecedBlock):
+        value = value.materialize()
     if not isinstance(value, NumpyBlock):
         return value
     cached = value.jax_value
@@ -145,37 +189,39 @@ class HostValues:
             self._mesh_cache[key] = mesh
         return mesh
 
-    def sharding(self, mesh: Any, spec: Any) -> Any:
+    def sharding(self, mesh: Any, spec: Any, memory_kind: str | None = None) -> Any:
         jax = self.jax
         if isinstance(mesh, jax.sharding.Mesh):
-            return jax.sharding.NamedSharding(mesh, spec)
-        return jax.sharding.SingleDeviceSharding(mesh)
+            return jax.sharding.NamedSharding(mesh, spec, memory_kind=memory_kind)
+        return jax.sharding.SingleDeviceSharding(mesh, memory_kind=memory_kind)
 
-    def to_host_value(self, arr: Any, mesh: Any, spec: Any, key_impl: str | None) -> Any:
+    def to_host_value(self, arr: Any, mesh: Any, spec: Any, key_impl: str | None,
+                      memory_kind: str | None = None) -> Any:
         """What the store keeps for a PUT block."""
         jax = self.jax
+        sharding = self.sharding(mesh, spec, memory_kind)
         if key_impl:
             keys = jax.random.wrap_key_data(arr, impl=key_impl)
-            return jax.device_put(keys, self.sharding(mesh, spec))
+            return jax.device_put(keys, sharding)
         if jax_exact(jax, arr.dtype):
-            return jax.device_put(arr, self.sharding(mesh, spec))
+            return jax.device_put(arr, sharding)
         if is_string(arr.dtype) and arr.size:
             # A jax.Array where JAX can hold it (one distinct shard per device, as
             # in JAX's own string examples); numpy where it cannot (replicas).
-            sharding = self.sharding(mesh, spec)
             if sharding.is_fully_replicated and len(sharding.device_set) > 1:
                 return arr  # JAX puts it, but cannot read it back (jax 0.10)
             try:
                 return jax.device_put(arr, sharding)
             except Exception:
                 return arr
-        return numpy_block(arr, self.sharding(mesh, spec))
+        return numpy_block(arr, sharding)
 
-    def to_host_value_ready(self, arr: Any, mesh: Any, spec: Any, key_impl: str | None) -> Any:
+    def to_host_value_ready(self, arr: Any, mesh: Any, spec: Any, key_impl: str | None,
+                            memory_kind: str | None = None) -> Any:
         # jax.device_put returns before its copy is done: wait here (a pool thread),
         # so a PUT counts as stored (block_until_ready) only once the data is in place
         # and the received frame can be freed.
-        value = self.to_host_value(arr, mesh, spec, key_impl)
+        value = self.to_host_value(arr, mesh, spec, key_impl, memory_kind)
         ready = getattr(value, "block_until_ready", None)
         return ready() if ready is not None else value
 
@@ -233,10 +279,12 @@ class HostValues:
                     "colocated_python only supports jax.Array as input and output, "
                     f"but got {type(leaf)}.")
             impl = key_impl_name(value) if is_key_array(value) else None
+            memory = getattr(getattr(value, "sharding", None), "memory_kind", None)
             metas.append(P.OutLeaf(i, tuple(value.shape), value.dtype if impl is None else None,
                                    spec, impl, layout,
                                    # one device: no other host can hold a replica
-                                   _outlayout.digest(value) if is_mesh else None, ref))
+                                   _outlayout.digest(value) if is_mesh else None, ref,
+                                   None if memory in (None, "device") else memory))
             values.append(value)
         # msgpack, never a pickle: the controller does not unpickle what hosts send.
         return values, treedef, describe_outputs(treedef, metas), []
@@ -247,6 +295,8 @@ def _pinned_values(pins: Sequence[asyncio.Future[Any]]) -> list[Any]:
     values = []
     for p in pins:
         value = p.result() if p.done() and not p.cancelled() and p.exception() is None else None
+        if isinstance(value, PiecedBlock):  # the call made it whole (present)
+            value = value.value
         values.append(value.jax_value if isinstance(value, NumpyBlock) else value)
     return values
 

@@ -140,8 +140,7 @@ class Worker:
             Kind.CODE: lambda body, env: self.store.add_code(body.digest, env),
             Kind.CALL: self.sched.on_call,
             Kind.CANCEL: lambda body, env: self.sched.on_cancel(body),
-            Kind.PUT: self.arrays.on_put,
-            Kind.FETCH: self.arrays.on_fetch,
+            **self.arrays.handlers(),  # PUT, FETCH, RESHARD, PIECE
             Kind.RELEASE: lambda body, env: self.store.release(body.refs, body.calls, body.code),
             Kind.CONSTRUCT: lambda body, env: on_construct(self, body, env),
             Kind.DESTROY: lambda body, env: self.sched.on_destroy(body),
@@ -451,7 +450,8 @@ class Worker:
         self._peer.their_session = env.sender
         self._joined = True
         self.host_index = body.host
-        _hostside.install(body.host, dict(zip(body.device_ids, self._jax_devices, strict=True)))
+        _hostside.install(body.host, dict(zip(body.device_ids, self._jax_devices, strict=True)),
+                          body.host_count)
         self._heartbeat = float(body.heartbeat)
         self._liveness = float(body.liveness)
         self._exit_with_controller = bool(body.exit_with_controller)

@@ -136,7 +136,7 @@ def _named_host_block(sharding: NamedSharding, host: int, shape: tuple[int, ...]
             "colobus needs each host's shards to form one rectangular block; choose a mesh "
             "whose host axis is major in the spec entries it appears in."
         )
-    local_sharding = NamedSharding(local_mesh, sharding.spec)
+    local_sharding = NamedSharding(local_mesh, sharding.spec, memory_kind=sharding.memory_kind)
     local_tiles = local_sharding._tiles()
     for dev, tile in host_tiles.items():
         expected = tuple(t - low for t, low in zip(tile, lo, strict=True))
@@ -185,7 +185,7 @@ def host_blocks(sharding: Sharding, shape: Sequence[int]) -> dict[int, HostBlock
         index = tuple(slice(0, s) for s in shape)
         return {dev.host: HostBlock(dev.host, index, shape, devices, sharding)}
     if isinstance(sharding, NamedSharding):
-        key = ("blocks", sharding._entries, shape)
+        key = ("blocks", sharding._entries, shape, sharding.memory_kind)
         blocks = _cached(sharding.mesh, key)
         if blocks is None:
             hosts = sorted({dev.host for dev in sharding.device_list})

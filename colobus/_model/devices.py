@@ -8,13 +8,14 @@ axis. :func:`colocated_cpu_devices_from` follows JAX's
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, overload
 
 import numpy as np
 
-__all__ = ["Device", "Mesh", "colocated_cpu_devices_from"]
+__all__ = ["Device", "Mesh", "colocated_cpu_devices_from", "make_mesh_from"]
 
 
 # --------------------------------------------------------------------------- devices
@@ -231,3 +232,33 @@ def colocated_cpu_devices_from(
             raise ValueError(f"Process {dev.host} does not have enough local CPU devices")
         result.append(pool.pop())
     return result
+
+
+# --------------------------------------------------------------------------- make_mesh
+
+
+def make_mesh_from(axis_shapes: Sequence[int], axis_names: Sequence[str],
+                   devices: Sequence[Device]) -> Mesh:
+    """``jax.make_mesh`` over ``devices``: the first ``prod(axis_shapes)`` of them, in order.
+
+    JAX's own ordering follows the physical topology of TPUs and GPUs; colobus
+    has no such topology across hosts, so the mesh takes the devices in the order
+    given (``cb.devices()`` is sorted by id: host by host). The errors are JAX's.
+
+    Raises:
+        ValueError: ``axis_shapes`` is not a sequence of ints; fewer devices than
+            the product of the shape; a wrong number of axis names (JAX's texts).
+    """
+    try:
+        shape = tuple(int(s) for s in axis_shapes)
+    except (TypeError, ValueError):
+        raise ValueError("`axis_shapes` passed to `make_mesh` should be a sequence of ints."
+                         f" Got {axis_shapes}") from None
+    size = math.prod(shape)
+    devices = list(devices)
+    if size > len(devices):
+        raise ValueError(f"Number of devices {len(devices)} must be >= the product "
+                         f"of mesh_shape {shape}")
+    arr = np.empty(size, dtype=object)
+    arr[:] = devices[:size]
+    return Mesh(arr.reshape(shape), axis_names)

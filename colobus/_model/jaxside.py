@@ -17,7 +17,9 @@ view, where a host addresses only its own devices):
   devices at their mesh positions, with the same axis names (the mesh a host's
   block of an array over this mesh is laid out on).
 * ``NamedSharding(mesh, spec)`` -> ``jax.sharding.NamedSharding`` of the same
-  spec over that sub-mesh; ``SingleDeviceSharding(d)`` -> JAX's, on ``d``.
+  spec over that sub-mesh; ``SingleDeviceSharding(d)`` -> JAX's, on ``d``; both
+  with the same ``memory_kind`` (JAX raises its own ``ValueError`` where the
+  host's devices have no memory of that kind).
 * ``ShapeDtypeStruct(shape, dtype, sharding)`` -> ``jax.ShapeDtypeStruct``
   with the shape of the host's block and the host's sharding (the spec an
   array argument of that layout arrives with).
@@ -48,28 +50,74 @@ from .devices import Device, Mesh
 from .sharding import NamedSharding, ShapeDtypeStruct, SingleDeviceSharding
 
 __all__ = [
-    "HOST_REDUCERS", "global_id", "install", "is_key_array", "localize", "std_dispatch_table",
+    "HOST_REDUCERS", "global_id", "host_count", "host_index", "install", "is_key_array",
+    "localize", "set_host_count", "std_dispatch_table",
 ]
 
 _DeviceRaw = tuple[int, int, str, str, int]
 
 _lock = threading.Lock()
 _host: int | None = None
+_host_count = 0  # the cluster's host count as the last WELCOME or CALL told it
 _devices: dict[int, Any] = {}  # global id -> this host's jax.Device
 _ids: dict[Any, int] = {}  # this host's jax.Device -> global id
 _meshes: dict[Any, Any] = {}  # raw mesh -> jax Mesh (one object per layout: cheap ==)
 
 
-def install(host: int, devices: Mapping[int, Any]) -> None:
-    """Worker, on WELCOME: this host's index and its ``jax.Device`` per global id."""
-    global _host
+def install(host: int, devices: Mapping[int, Any], count: int = 0) -> None:
+    """Worker, on WELCOME: this host's index, its ``jax.Device`` per global id, and the
+    cluster's host count."""
+    global _host, _host_count
     with _lock:
         _host = host
+        _host_count = max(count, host + 1)
         _devices.clear()
         _devices.update(devices)
         _ids.clear()
         _ids.update({d: i for i, d in devices.items()})
         _meshes.clear()
+
+
+def set_host_count(count: int) -> None:
+    """Worker, on each CALL: the cluster's host count as the controller knows it now."""
+    global _host_count
+    if count > 0:
+        _host_count = count
+
+
+def _where() -> str:
+    return ("cb.host_index() and cb.host_count() work in host code (inside a function "
+            "decorated with @cb.colocated_python or a method of a @cb.colocated_python_class), "
+            "not on the controller: there, use the hosts of an array (arr.sharding.device_set, "
+            "Device.host) or len(ctl.hosts())")
+
+
+def host_index() -> int:
+    """In host code, the colobus index of this host (0, 1, ... in join order).
+
+    ``jax.process_index()`` there is the worker's own JAX's, always 0.
+
+    Raises:
+        RuntimeError: outside host code (on the controller).
+    """
+    if _host is None:
+        raise RuntimeError(_where())
+    return _host
+
+
+def host_count() -> int:
+    """In host code, the cluster's host count: the controller's ``hosts=N``, or more
+    where hosts beyond it joined (every host index is below it).
+
+    It reaches the host in its WELCOME and again with every call, so it is current
+    as of the call that runs.
+
+    Raises:
+        RuntimeError: outside host code (on the controller).
+    """
+    if _host is None:
+        raise RuntimeError(_where())
+    return _host_count
 
 
 def global_id(device: Any) -> int | None:
@@ -90,9 +138,9 @@ def _mesh_raw(m: Mesh) -> tuple[Any, ...]:
 
 def _sharding_raw(s: Any) -> tuple[str, Any] | None:
     if isinstance(s, NamedSharding):
-        return ("named", (_mesh_raw(s.mesh), s.spec))
+        return ("named", (_mesh_raw(s.mesh), s.spec, s.memory_kind))
     if isinstance(s, SingleDeviceSharding):
-        return ("single", _device_raw(s.device))
+        return ("single", (*_device_raw(s.device), s.memory_kind))
     return None
 
 
@@ -156,8 +204,8 @@ def _mesh(raw: tuple[Any, ...]) -> Mesh:
 def _sharding(raw: tuple[str, Any]) -> Any:
     kind, body = raw
     if kind == "named":
-        return NamedSharding(_mesh(body[0]), body[1])
-    return SingleDeviceSharding(_device(body))
+        return NamedSharding(_mesh(body[0]), body[1], memory_kind=body[2])
+    return SingleDeviceSharding(_device(body[:5]), memory_kind=body[5])
 
 
 def localize(kind: str, raw: Any) -> Any:
@@ -219,11 +267,12 @@ def _local_sharding(s: Any) -> Any:
 
     if isinstance(s, SingleDeviceSharding):
         local = _mine(s.device)
-        return s if local is None else jax.sharding.SingleDeviceSharding(local)
+        return s if local is None else jax.sharding.SingleDeviceSharding(
+            local, memory_kind=s.memory_kind)
     mesh = _local_mesh(s.mesh)
     if isinstance(mesh, Mesh):
         return s
-    return jax.sharding.NamedSharding(mesh, s.spec)
+    return jax.sharding.NamedSharding(mesh, s.spec, memory_kind=s.memory_kind)
 
 
 def _local_sds(s: ShapeDtypeStruct) -> Any:

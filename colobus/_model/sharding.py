@@ -41,6 +41,7 @@ __all__ = [
     "ShapeDtypeStruct",
     "Sharding",
     "SingleDeviceSharding",
+    "with_memory_kind",
 ]
 
 PartitionSpec = jax.sharding.PartitionSpec
@@ -59,11 +60,20 @@ class Sharding:
     per device; everything else (index maps, shard shapes, equality) follows.
     """
 
-    __slots__ = ("_hash", "_layout")
+    __slots__ = ("_hash", "_layout", "_memory_kind")
 
-    def __init__(self) -> None:
+    def __init__(self, memory_kind: str | None = None) -> None:
+        if memory_kind is not None and not isinstance(memory_kind, str):
+            raise TypeError(f"memory_kind must be a string or None, but got {memory_kind!r}.")
         self._layout: _LayoutKey | None = None
         self._hash: int | None = None
+        self._memory_kind = memory_kind
+
+    @property
+    def memory_kind(self) -> str | None:
+        """The memory kind the array's data lives in on its devices, as given (None: the
+        devices' default, ``"device"`` on every JAX platform)."""
+        return self._memory_kind
 
     # -- what subclasses provide
 
@@ -174,16 +184,25 @@ class Sharding:
             )
         return self._layout
 
+    def _memory_key(self) -> str:
+        # None is the devices' default memory, "device" on every JAX platform (JAX
+        # itself reads None as the default: NamedSharding(m, p) == ...(memory_kind="device")).
+        return "device" if self._memory_kind is None else self._memory_kind
+
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Sharding):
             return NotImplemented
-        return self is other or self._layout_key() == other._layout_key()
+        return self is other or (self._layout_key() == other._layout_key()
+                                 and self._memory_key() == other._memory_key())
 
     def __hash__(self) -> int:
         h = self._hash
         if h is None:  # hashed per call (signatures, plans): a frozenset's hash is not cached
-            h = self._hash = hash(self._layout_key())
+            h = self._hash = hash((self._layout_key(), self._memory_key()))
         return h
+
+    def _memory_repr(self) -> str:
+        return "" if self._memory_kind is None else f", memory_kind={self._memory_kind!r}"
 
 
 def _spec_entries(spec: PartitionSpec) -> tuple[tuple[str, ...], ...]:
@@ -212,6 +231,9 @@ class NamedSharding(Sharding):
         spec: Which mesh axes split each array dimension (``None`` for none;
             a tuple of names splits one dimension over several axes, the first
             name being the major one, as in JAX).
+        memory_kind: The memory the data lives in on each device, as JAX names
+            it (``"device"``, ``"pinned_host"``, ``"unpinned_host"``...); None:
+            the default. Passed to the host's own JAX sharding.
 
     Raises:
         ValueError: For an unknown axis name, an axis used twice, or an
@@ -221,8 +243,9 @@ class NamedSharding(Sharding):
 
     __slots__ = ("_entries", "_mesh", "_spec")
 
-    def __init__(self, mesh: Mesh, spec: PartitionSpec) -> None:
-        super().__init__()
+    def __init__(self, mesh: Mesh, spec: PartitionSpec, *, memory_kind: str | None = None
+                 ) -> None:
+        super().__init__(memory_kind)
         if not isinstance(mesh, Mesh):
             raise TypeError(f"NamedSharding needs a colobus Mesh, but got {type(mesh)}.")
         if not isinstance(spec, PartitionSpec):
@@ -271,10 +294,18 @@ class NamedSharding(Sharding):
         return _mesh_tiles(self._mesh, self._entries)
 
     def __repr__(self) -> str:
-        return f"NamedSharding(mesh={self._mesh}, spec={self._spec!r})"
+        return f"NamedSharding(mesh={self._mesh}, spec={self._spec!r}{self._memory_repr()})"
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (NamedSharding, (self._mesh, self._spec))
+        return (_named, (self._mesh, self._spec, self._memory_kind))
+
+
+def _named(mesh: Mesh, spec: PartitionSpec, memory_kind: str | None) -> NamedSharding:
+    return NamedSharding(mesh, spec, memory_kind=memory_kind)
+
+
+def _single(device: Device, memory_kind: str | None) -> SingleDeviceSharding:
+    return SingleDeviceSharding(device, memory_kind=memory_kind)
 
 
 def _mesh_tiles(mesh: Mesh, entries: tuple[tuple[str, ...], ...]) -> dict[Device, tuple[int, ...]]:
@@ -298,12 +329,13 @@ class SingleDeviceSharding(Sharding):
 
     Args:
         device: The device.
+        memory_kind: As for :class:`NamedSharding`.
     """
 
     __slots__ = ("_device",)
 
-    def __init__(self, device: Device) -> None:
-        super().__init__()
+    def __init__(self, device: Device, *, memory_kind: str | None = None) -> None:
+        super().__init__(memory_kind)
         if not isinstance(device, Device):
             raise TypeError(f"SingleDeviceSharding needs a colobus Device, but got {device!r}.")
         self._device = device
@@ -324,10 +356,19 @@ class SingleDeviceSharding(Sharding):
         return {self._device: ()}
 
     def __repr__(self) -> str:
-        return f"SingleDeviceSharding(device={self._device!r})"
+        return f"SingleDeviceSharding(device={self._device!r}{self._memory_repr()})"
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (SingleDeviceSharding, (self._device,))
+        return (_single, (self._device, self._memory_kind))
+
+
+def with_memory_kind(sharding: Sharding, memory_kind: str | None) -> Sharding:
+    """The same layout with another memory kind."""
+    if isinstance(sharding, NamedSharding):
+        return NamedSharding(sharding.mesh, sharding.spec, memory_kind=memory_kind)
+    if isinstance(sharding, SingleDeviceSharding):
+        return SingleDeviceSharding(sharding.device, memory_kind=memory_kind)
+    raise TypeError(f"Unsupported sharding type: {type(sharding)}.")
 
 
 # --------------------------------------------------------------------------- specs

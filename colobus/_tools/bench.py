@@ -9,7 +9,7 @@ for rates higher is better (a ratio of 0.5 means half the raw rate).
 
 Groups (``colobus bench NAME``): ``latency``, ``pipelined``, ``fanout``,
 ``object``, ``transfer`` (includes peak memory), ``chain``, and those of
-``bench_calls``: ``calls``, ``scaling``, ``bigout``.
+``bench_calls``: ``calls``, ``scaling``, ``bigout``; and ``bench_reshard``: ``reshard``.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import zmq
 
 import colobus as cb
 
-from . import bench_calls
+from . import bench_calls, bench_reshard
 from .bench_base import (
     FULL,
     QUICK,
@@ -257,7 +257,7 @@ class Bench:
 
 
 CORE = ("latency", "pipelined", "fanout", "object", "transfer", "chain")
-BENCHMARKS = CORE + bench_calls.GROUPS
+BENCHMARKS = CORE + bench_calls.GROUPS + bench_reshard.GROUPS
 
 
 async def _run_async(bench: Bench, groups: list[str], options: dict[str, Any]) -> None:
@@ -335,6 +335,7 @@ def run_bench(name: str | None, json_path: str | None, quick: bool,
         if name in (None, "latency"):
             _run_sync(bench, options)
         bench_calls.run_groups(bench, groups, options)
+        bench_reshard.run_groups(bench, groups, options)
         from . import bench_peers as _bench_peers
 
         runs = _bench_peers.run_peers(

@@ -17,7 +17,8 @@ optional for readers)::
         LEAF  = {"shape": [int, ...], "dtype": DTYPE | None,
                  "spec": PartitionSpec entries | None, "key": PRNG impl name | None,
                  "layout": LAYOUT | None, "digest": bytes (<= 64) | None,
-                 "ref": int (-1: none)}          (the last three: see ``_outlayout``)
+                 "ref": int (-1: none),          (these three: see ``_outlayout``)
+                 "mem": memory kind}             (only where not "device")
         LAYOUT = [kind "named" | "single", [device id, ...], mesh shape, axis names,
                   fully replicated]
         TREE  = "*"                          a leaf (the next one of "leaves")
@@ -158,6 +159,8 @@ def _leaf_to_wire(m: P.OutLeaf) -> dict[str, Any]:
         out["digest"] = m.digest
     if m.ref != -1:
         out["ref"] = m.ref
+    if m.memory_kind is not None:
+        out["mem"] = m.memory_kind
     return out
 
 
@@ -263,8 +266,12 @@ def _leaf_from_wire(i: int, raw: Any) -> P.OutLeaf:
     ref = raw.get("ref", -1)
     if not (type(ref) is int and -1 <= ref < P.MAX_OUTPUTS):
         raise BadReply("bad output argument ref")
+    mem = raw.get("mem")
+    if mem is not None and not (isinstance(mem, str) and 0 < len(mem) <= 64
+                                and mem.isprintable()):
+        raise BadReply("bad output memory kind")
     return P.OutLeaf(i, _shape(raw.get("shape")), dtype, spec, key,
-                     _layout(raw.get("layout")), digest, ref)
+                     _layout(raw.get("layout")), digest, ref, mem)
 
 
 def _layout(raw: Any) -> list[Any] | None:

@@ -25,10 +25,12 @@ __all__ = [
     "Hello",
     "Join",
     "Kind",
+    "Piece",
     "Put",
     "Reject",
     "Release",
     "Reset",
+    "Reshard",
     "Result",
     "Shutdown",
     "Stats",
@@ -68,6 +70,8 @@ class Kind(enum.IntEnum):
     CHUNKED = 20  # both: the head of a large message sent in parts (_chunks)
     PART = 21  # both: the next bytes of that message
     ACK = 22  # both: acknowledgement only, outside the numbering (sequence number 0)
+    RESHARD = 23  # C: build a block of a resharded array from local pieces and PIECEs
+    PIECE = 24  # C: one piece of a RESHARD's block, or the RESHARD abandoned
 
 
 class Status(enum.IntEnum):
@@ -117,7 +121,7 @@ class Hello(Body):
 @dataclass(frozen=True, slots=True)
 class Welcome(Body):
     kind = Kind.WELCOME
-    types = (int, list, _num, _num, bool, int, bool)
+    types = (int, list, _num, _num, bool, int, bool, int)
     required = 6
     host: int
     device_ids: list[int]
@@ -126,6 +130,7 @@ class Welcome(Body):
     exit_with_controller: bool
     max_message_bytes: int  # the controller drops larger messages; replies stay under it
     host_stats: bool = False  # count calls' queued and run times; send them in heartbeats
+    host_count: int = 0  # the cluster's host count (cb.host_count() in host code)
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,7 +212,8 @@ class Call(Body):
     """
 
     kind = Kind.CALL
-    types = (int, int, bytes, int, str, list, list)
+    types = (int, int, bytes, int, str, list, list, int)
+    required = 7
     call_id: int
     stream: int
     digest: bytes
@@ -215,6 +221,7 @@ class Call(Body):
     method: str
     refs: list[Any]
     mesh: list[Any]
+    hosts: int = 0  # the cluster's host count now (cb.host_count() in host code)
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,22 +250,71 @@ class Put(Body):
     """Store buffer 0 as array ``ref``: ``[local ids, shape, axis names]`` and spec."""
 
     kind = Kind.PUT
-    types = (int, list, object, list, list, object)
+    types = (int, list, object, list, list, object, (str, type(None)))
+    required = 6
     ref: int
     shape: list[int]
     dtype: Any
     mesh: list[Any]
     spec: list[Any]
     key_impl: Any  # None, or the PRNG impl name of a typed key array
+    memory_kind: str | None = None  # of the host's JAX sharding (None: the default)
 
 
 @dataclass(frozen=True, slots=True)
 class Fetch(Body):
     kind = Kind.FETCH
-    types = (int, int, bool)
+    types = (int, int, bool, list)
+    required = 3
     call_id: int
     ref: int
     data: bool  # False: only answer once the array is stored (block_until_ready)
+    box: list[Any] = field(default_factory=list)  # [[start, stop], ...]: only that box
+
+
+@dataclass(frozen=True, slots=True)
+class Reshard(Body):
+    """Build array ``ref``'s block on this host (``shape``, ``dtype``, laid out on
+    ``mesh`` with ``spec`` and ``memory_kind``) from ``local`` boxes of arrays the host
+    holds (``[[src ref, box in it, box in the block], ...]``) and ``pieces`` PIECE
+    messages; answer once it is stored. ``holds`` (``[[src ref, hold ref], ...]``)
+    keeps source entries under another ref for the reshard's FETCHes, so a release
+    of the source after this message cannot break the move. ``ref`` 0: this host
+    only lends (it answers at once). Boxes are ``[[start, stop], ...]``."""
+
+    kind = Kind.RESHARD
+    types = (int, int, list, object, list, list, object, (str, type(None)), list, int, list)
+    call_id: int
+    ref: int
+    shape: list[int]
+    dtype: Any  # None for a typed key array: the pieces' key data tell
+    mesh: list[Any]
+    spec: list[Any]
+    key_impl: Any
+    memory_kind: str | None
+    local: list[Any]
+    pieces: int
+    holds: list[Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Piece(Body):
+    """Buffer 0 (``shape`` and ``dtype`` as a FETCH reply has them) goes into ``box``
+    of RESHARD block ``ref``; answer once it is taken. With ``error`` set (and no
+    buffer): the reshard failed; drop the block, and fail what waits for it with
+    that text (a ``HostLostError`` where ``lost``: a host was lost, else a
+    ``RuntimeError``)."""
+
+    kind = Kind.PIECE
+    types = (int, int, list, list, object, str, bool)
+    required = 5
+    call_id: int
+    ref: int
+    box: list[Any]
+    shape: list[int]
+    dtype: Any
+    error: str = ""
+    lost: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -316,7 +372,7 @@ BODIES: dict[Kind, type[Body]] = {
     cls.kind: cls
     for cls in (
         Hello, Welcome, Reject, Join, Challenge, Heartbeat, Code, Call, Result, Cancel, Put, Fetch,
-        Release, Construct, Destroy, Stats, Shutdown, Reset,
+        Release, Construct, Destroy, Stats, Shutdown, Reset, Reshard, Piece,
     )
 }
 
@@ -352,6 +408,7 @@ class OutLeaf:
     layout: list[Any] | None = None
     digest: bytes | None = None  # of a small output's bytes, to compare replicas
     ref: int = -1  # the argument (refs position) whose sharding object the output carries
+    memory_kind: str | None = None  # where not the devices' default ("device")
 
 
 MAX_OUTPUTS = 1 << 16
