@@ -73,8 +73,6 @@ def test_api_page_lists_every_public_name() -> None:
 # complete program. docs/index.md says so for writers of docs.
 
 NOT_RUN = "<!-- not run -->"
-# Pages rewritten elsewhere this round: compiled, not run, until they carry markers.
-MARKERS_PENDING = {"architecture.md", "deployment.md", "performance.md", "reliability.md"}
 _FENCE = re.compile(r"^( *)```python\s*$")
 
 
@@ -96,7 +94,7 @@ def _python_blocks() -> list[tuple[str, int, str, bool]]:
                 end += 1
             code = textwrap.dedent("\n".join(lines[i + 1:end]))
             before = [ln.strip() for ln in lines[:i] if ln.strip()]
-            runs = (not before or before[-1] != NOT_RUN) and path.name not in MARKERS_PENDING
+            runs = (not before or before[-1] != NOT_RUN)
             found.append((path.name, i + 1, code, runs))
             i = end + 1
     return found
