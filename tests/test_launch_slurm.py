@@ -86,6 +86,33 @@ def test_the_restart_loop_restarts_a_failing_worker_at_most_restart_times(
     assert out.stderr.count("restarting it") == runs - 1
 
 
+def test_a_worker_that_gave_up_is_not_restarted(tmp_path: Path) -> None:
+    """Status 3 (no controller for --give-up-after seconds) ends the task's loop."""
+    counter = tmp_path / "runs"
+    fake = tmp_path / "fake_python.py"
+    fake.write_text("import pathlib, sys\n"
+                    f"p = pathlib.Path({str(counter)!r})\n"
+                    "p.write_text(p.read_text() + 'x' if p.exists() else 'x')\n"
+                    "sys.exit(3)\n")
+    text = script(python=f"{sys.executable} {fake}", restart=5, give_up_after=42.0)
+    assert "--give-up-after 42" in inner_loop(text)
+    out = subprocess.run(["/bin/sh", "-c", inner_loop(text)], capture_output=True, text=True,
+                         timeout=60, env={**os.environ, "SLURM_PROCID": "0"})
+    assert out.returncode == 3 and counter.read_text() == "x", out.stderr
+
+
+def test_a_worker_without_a_controller_gives_up(tmp_path: Path) -> None:
+    """A real `colobus worker --give-up-after 2` whose controller is gone exits with 3."""
+    key = tmp_path / "k.key"
+    subprocess.run([sys.executable, "-m", "colobus", "keygen", str(key)], check=True,
+                   capture_output=True, timeout=60)
+    out = subprocess.run([sys.executable, "-m", "colobus", "worker", "--connect",
+                          "tcp://127.0.0.1:9", "--key-file", str(key), "--give-up-after", "2"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 3, out.stderr[-2000:]
+    assert "gives up" in out.stderr
+
+
 def test_parse_squeue() -> None:
     assert parse_squeue("PENDING Resources\n") == ("PENDING", "Resources")
     assert parse_squeue("PENDING (ReqNodeNotAvail, UnavailableNodes:n[1-2])\n") == (

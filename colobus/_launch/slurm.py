@@ -93,19 +93,23 @@ def _worker_argv(python: str, connect: str, devices: int) -> list[str]:
 
 def batch_script(*, nodes: int, workers_per_node: int, python: str, connect: str,
                  devices: int, key_file: str, restart: int, output: str,
-                 srun_args: Sequence[str] = (), job_name: str = "colobus-workers") -> str:
+                 srun_args: Sequence[str] = (), job_name: str = "colobus-workers",
+                 give_up_after: float = 300.0) -> str:
     """The batch script that runs every worker of a :func:`slurm_cluster` job.
 
     It names the key file (a path), never the key. Worker ``k`` is Slurm task
     ``k`` (``$SLURM_PROCID``), named ``slurm-k``; a worker that exits with a
-    non-zero status is started again, at most ``restart`` times.
+    non-zero status is started again, at most ``restart`` times, except one that
+    gave up after ``give_up_after`` seconds without a controller (status 3).
     """
     worker = shlex.join(_worker_argv(python, connect, devices)) + \
-        ' --name "slurm-$SLURM_PROCID" --key-file ' + shlex.quote(key_file)
+        ' --name "slurm-$SLURM_PROCID" --key-file ' + shlex.quote(key_file) + \
+        f" --give-up-after {give_up_after:g}"
     loop = "n=0; while :; do " + "; ".join([
         worker,
         "s=$?",
         '[ "$s" -eq 0 ] && exit 0',
+        '[ "$s" -eq 3 ] && exit 3',  # gave up: no controller
         f'[ "$n" -ge {restart} ] && exit "$s"',
         "n=$((n+1))",
         f'echo "colobus: the worker exited with status $s; restarting it ($n of {restart})" >&2',
@@ -200,6 +204,9 @@ class SlurmJobCluster(LaunchedCluster):
         self.python = python
         self.key_dir = Path(key_dir if key_dir is not None
                             else Path.home() / ".colobus" / "jobs").expanduser()
+        # A worker of the job exits after this long without a controller (a driver
+        # killed before it could scancel): the join timeout, and a margin.
+        self.give_up_after = float(options.get("join_timeout", 120.0)) + 60.0
         self.job_id: str | None = None
         self.state: tuple[str, str] | None = None
         self._tag = secrets.token_hex(4)
@@ -213,7 +220,8 @@ class SlurmJobCluster(LaunchedCluster):
         return batch_script(nodes=self.nodes, workers_per_node=self.workers_per_node,
                             python=self.python, connect=connect, devices=self.devices,
                             key_file=str(self.key_file), restart=self.restart,
-                            output=str(self.output), srun_args=self.srun_args)
+                            output=str(self.output), srun_args=self.srun_args,
+                            give_up_after=self.give_up_after)
 
     def _spawn(self) -> None:
         ctl = self.controller

@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--key-file", default=None,
                    help="key file from `colobus keygen` ('-' reads the key from stdin); "
                         "default: $COLOBUS_KEY_FILE")
+    w.add_argument("--give-up-after", type=float, default=None, metavar="SECONDS",
+                   help="exit (status 3) after this long without a controller session "
+                        "(workers of a batch job)")
     w.add_argument("--exit-on-stdin-eof", action="store_true",
                    help="exit when stdin closes (launchers keep it open: a worker whose ssh "
                         "or srun session ends stops by itself)")
@@ -204,6 +207,10 @@ def _worker(args: argparse.Namespace) -> int:
     worker = Worker(args.connect, name=args.name, key=key, cpu_devices=args.devices,
                     parent_pid=int(parent) if parent else None, curve_keypair=curve_keypair,
                     curve_server_key=server_key)
+    if args.give_up_after is not None:
+        from .._launch.remote import give_up_when_alone
+
+        give_up_when_alone(worker, args.give_up_after)
     try:
         return worker.run()
     except KeyboardInterrupt:
