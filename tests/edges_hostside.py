@@ -139,6 +139,10 @@ async def break_heartbeats_once() -> Any:
         coro = task.get_coro()
         if getattr(coro, "__qualname__", "") == "Worker.serve":
             worker = coro.cr_frame.f_locals["self"]  # type: ignore[union-attr]
+            for _ in range(200):  # a call can arrive before the session starts heartbeating
+                if worker._hb is not None:
+                    break
+                await asyncio.sleep(0.01)
             if worker._hb is None or worker._hb.done():
                 return np.int32(0)
             health = worker._health
