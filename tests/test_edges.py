@@ -158,6 +158,8 @@ async def test_2_handles_of_another_controller_are_refused() -> None:
                 hs.unbox.specialize(devices=[dev])(hs.Box(handle))  # inside a plain object
         with pytest.raises(ValueError, match="belongs to the controller"):
             cb.device_get([mine, stale])
+        with pytest.raises(ValueError, match="belongs to the controller"):
+            cb.device_put(stale, cb.SingleDeviceSharding(ctl.devices()[1]))  # a reshard
         out = await bounded(hs.ident(mine))  # the controller's own handles still work
         assert list(np.asarray(await bounded(cb.device_get(out)))) == [7, 7, 7, 7]
 

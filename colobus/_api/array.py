@@ -28,15 +28,8 @@ from .._wire.envelope import Envelope, pack_body
 from .reshard import Reshard, mesh_message
 from .shards import Shard, addressable_shards
 
-__all__ = [
-    "Array",
-    "block_until_ready",
-    "device_get",
-    "device_put",
-    "MisusedHandle",
-    "check_owner",
-    "mesh_message",
-]
+__all__ = ["Array", "MisusedHandle", "block_until_ready", "check_owner", "device_get",
+           "device_put", "mesh_message"]
 
 
 class MisusedHandle(ValueError):
@@ -295,6 +288,7 @@ class _PreparedReshard:
 def _prepare(ctl: Controller, x: Any, sharding: Sharding
              ) -> Array | _PreparedPut | _PreparedReshard:
     if isinstance(x, Array):
+        check_owner(x, ctl)  # a reshard of another controller's array would move wrong data
         if x.sharding == sharding and x.sharding.device_list == sharding.device_list:
             return x
         return _PreparedReshard(x, sharding)  # each host gets the blocks it lacks
