@@ -65,6 +65,10 @@ async def test_cancel_before_start_never_runs_and_order_holds(ctl: cb.Controller
     with pytest.raises(asyncio.CancelledError):
         b.exception()
     assert not c.done()
+    # The host reads its messages in order: once a later call (its own stream) has
+    # answered, the CANCEL was handled there; opening the gate sooner let the cancelled
+    # call run on a loaded machine, where the CANCEL was still on its way.
+    await _events(events)
     hs.open_gate(gate)
     await a
     assert int(np.asarray(await cb.device_get(await c))) == after
@@ -108,6 +112,10 @@ async def test_cancelling_awaiting_task_cancels_call(ctl: cb.Controller) -> None
         await task
     assert calls[1].cancelled()
     assert not calls[0].done()
+    # The host reads its messages in order: once a later call (its own stream) has
+    # answered, the CANCEL was handled there; opening the gate sooner let the cancelled
+    # call run on a loaded machine, where the CANCEL was still on its way.
+    await _events(events)
     hs.open_gate(gate)
     await calls[0]
     await mark(after)
@@ -125,6 +133,10 @@ async def test_wait_for_timeout_cancels_call(ctl: cb.Controller) -> None:
     with pytest.raises(TimeoutError):
         await asyncio.wait_for(_call(lambda: b), 0.05)
     assert b.cancelled()
+    # The host reads its messages in order: once a later call (its own stream) has
+    # answered, the CANCEL was handled there; opening the gate sooner let the cancelled
+    # call run on a loaded machine, where the CANCEL was still on its way.
+    await _events(events)
     hs.open_gate(gate)
     await a
     assert skipped not in await _events(events)
