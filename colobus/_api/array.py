@@ -4,6 +4,7 @@ holding only its own block), and moving it there and back; dropping the handle (
 
 from __future__ import annotations
 
+import collections
 import functools
 import weakref
 from collections.abc import Callable
@@ -60,20 +61,8 @@ class Array:
         shape, dtype, sharding: the global array's layout.
     """
 
-    __slots__ = (
-        "__weakref__",
-        "_ctl",
-        "_deleted",
-        "_failed",
-        "_finalizer",
-        "_gens",
-        "_key_impl",
-        "_ready",
-        "dtype",
-        "ref",
-        "shape",
-        "sharding",
-    )
+    __slots__ = ("__weakref__", "_ctl", "_deleted", "_failed", "_finalizer", "_gens",
+                 "_key_impl", "_ready", "dtype", "ref", "shape", "sharding")
 
     def __init__(self, ctl: Controller, ref: int, shape: tuple[int, ...], dtype: Any,
                  sharding: Sharding, *, key_impl: str | None = None,
@@ -345,6 +334,11 @@ def device_put(x: Any, device_or_sharding: Any) -> Any:
 
     out = jax.tree_util.tree_map(finish, prepared, is_leaf=_is_prepared_leaf)
     if sends:
+        sizes: collections.Counter[int] = collections.Counter()
+        for h, _, buf in (m for _, p in sends for m in p.msgs):
+            sizes[h] += buf.nbytes
+        ctl._uploads.reserve(sizes)  # back-pressure: a plain thread may wait here
+
         def send() -> None:
             for arr, p in sends:
                 for h, body, buf in p.msgs:
@@ -352,6 +346,7 @@ def device_put(x: Any, device_or_sharding: Any) -> Any:
                     if host.alive and host.generation == arr._gens[h]:
                         ctl._send(host, body, b"", [buf])
                         ctl._count("bytes_put", buf.nbytes)
+                    ctl._uploads.handed(h, buf.nbytes)  # the channel counts it now
 
         ctl._ops.post(send)
     return out

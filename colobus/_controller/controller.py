@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import os
 import secrets
@@ -41,14 +42,14 @@ from .hosts import Host, HostInfo, HostRegistry
 from .joinwait import JoinOrder, JoinProgress, JoinWaiters, key_words
 from .ops import Operations
 from .sessions import Sessions
-from .stats import collect_stats, refresh_stats
+from .stats import collect_stats, refresh_stats, scrape_stats
 from .syncface import LoopThread
+from .uploads import DEFAULT_MAX_QUEUED_BYTES, Uploads
 
 __all__ = ["Controller", "HostInfo", "State", "current_controller"]
 
 log = logging.getLogger("colobus.controller")
 
-SCRAPE_REFRESH_S = 1.0  # a metrics scrape waits this long for the hosts' fresh figures
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 31  # 2 GiB: raise with Controller(max_message_bytes=...)
 
 _current: Current[Controller] = Current()
@@ -83,6 +84,8 @@ class Controller:
             the call instead. Default 2 GiB; raise it to fetch larger host blocks.
         send_window_bytes: the most bytes sent to one host and not yet
             acknowledged (the window adapts below it to the link); default 16 MiB.
+        max_queued_bytes: a ``device_put`` to a host the controller holds this many bytes
+            for (queued or unacknowledged) waits like a call at ``max_backlog``; 64 MiB.
         exit_workers_on_close: tell workers to exit (rather than wait for the
             next controller) when this controller closes. ``local_cluster`` sets it.
         curve_secret_key: turn on CurveZMQ encryption with this server key pair:
@@ -123,6 +126,7 @@ class Controller:
         max_backlog: int | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         send_window_bytes: int = DEFAULT_MAX_WINDOW,
+        max_queued_bytes: int = DEFAULT_MAX_QUEUED_BYTES,
         exit_workers_on_close: bool = False,
         curve_secret_key: str | os.PathLike[str] | None = None,
         curve_public_key: bytes | None = None,
@@ -162,7 +166,7 @@ class Controller:
         self.state = State.NEW
         # Metrics and traces (None when both are off: one check per call site).
         self.observer, self._metrics, self._trace = observing(
-            metrics, metrics_public, trace, self._scrape_stats)
+            metrics, metrics_public, trace, functools.partial(scrape_stats, self))
         self._session = secrets.token_bytes(16)
         self._ctx: zmq.Context[Any] | None = None
         self._chan: Channel | None = None
@@ -173,6 +177,7 @@ class Controller:
         self._hosts = HostRegistry()
         self._ops = Operations(self, max_inflight,
                                max_inflight if max_backlog is None else max_backlog)
+        self._uploads = Uploads(self, max_queued_bytes)
         self._counters: collections.Counter[str] = collections.Counter()
         self._frees = Frees(self)
         self._join_waiters = JoinWaiters()
@@ -238,7 +243,8 @@ class Controller:
         ``stuck`` (its call pool's threads, and those busy with calls of an ended session),
         ``code`` and ``code_bytes`` (the functions and classes it holds, and their size).
         """
-        return collect_stats(self._sessions, self._counters, self._chan, self._ops, self._hosts)
+        return collect_stats(self._sessions, self._counters, self._chan, self._ops, self._hosts,
+                             self._uploads)
 
     def refresh_stats(self) -> Future[dict[str, Any]]:
         """Ask every live host for its store counters now; resolves to :meth:`stats`.
@@ -248,27 +254,18 @@ class Controller:
         """
         return refresh_stats(self._ops, self._hosts, self._send, self.stats)
 
-    def _scrape_stats(self) -> dict[str, Any]:
-        """:meth:`stats` for a metrics scrape (its HTTP thread): fresh from every live
-        host, with the call times they counted, if all answer within
-        :data:`SCRAPE_REFRESH_S`; else as last reported by their heartbeats."""
-        if self.state is State.RUNNING and not self._on_loop_thread():
-            try:
-                return self.refresh_stats().result(timeout=SCRAPE_REFRESH_S)
-            except Exception as exc:  # a slow or lost host, a closing controller
-                log.debug("scrape: hosts' figures as last reported (%r)", exc)
-        return self.stats()
-
     async def wait_capacity(self) -> None:
-        """Wait until a new call would not queue beyond ``max_backlog``.
+        """Wait until a new call would not queue beyond ``max_backlog``, and no live host
+        has ``max_queued_bytes`` queued for it.
 
-        The back-pressure point for async code: calls made on an event loop never block,
-        so a loop that fires calls should ``await ctl.wait_capacity()`` before each.
+        The back-pressure point for async code: calls and ``device_put`` on an event loop
+        never block, so a loop that fires them should ``await ctl.wait_capacity()`` first.
 
         Raises:
             ControllerClosedError: the controller closed.
         """
         await self._ops.wait_capacity()
+        await self._uploads.wait_room()
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -299,7 +296,8 @@ class Controller:
             raise OSError(f"colobus controller cannot bind {self._bind!r}: {exc}") from exc
         self._address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._chan = Channel(sock, self._key, self._loop, self._sessions.on_frames,
-                             before_flush=self._frees.move_to_outboxes)
+                             before_flush=self._frees.move_to_outboxes,
+                             on_release=self._uploads.on_release)
         self._hangups = Hangups(sock, self._loop, self._hangup_grace, self._sessions.lose)
         self._tasks.append(supervise(self._loop.create_task(self._sessions.liveness()),
                                      "the liveness loop", self._die))
@@ -357,6 +355,7 @@ class Controller:
         chan.flush()
         self.state = State.CLOSED
         self._ops.close(self._close_reason)
+        self._uploads.on_release()
         self._join_waiters.wake()
         for t in self._tasks:
             t.cancel()

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from .._wire.envelope import Buffer
     from .hangups import Hangups
     from .ops import Operations
+    from .uploads import Uploads
 
 __all__ = ["Sessions", "SessionsOwner"]
 
@@ -61,6 +62,8 @@ class SessionsOwner(Parts, Protocol):
     def _ops(self) -> Operations: ...
     @property
     def _hangups(self) -> Hangups | None: ...
+    @property
+    def _uploads(self) -> Uploads: ...
     @property
     def observer(self) -> Observer | None: ...
     @property
@@ -411,3 +414,4 @@ class Sessions:
             return
         log.warning("host %d (%r) lost: %s", host.index, host.name, why)
         self._ctl._ops.host_lost(host, why)
+        self._ctl._uploads.on_release()  # puts waiting for it go on (and fail)

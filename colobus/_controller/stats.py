@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import collections
+import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .._wire import protocol as P
 from .._wire.describe import read_store_counts
+from .current import State
 
 if TYPE_CHECKING:
     from .._wire.channel import Channel
@@ -16,12 +18,17 @@ if TYPE_CHECKING:
     from .hosts import Host, HostRegistry
     from .ops import Operations
     from .sessions import Sessions
+    from .uploads import Uploads
 
-__all__ = ["collect_stats", "host_health", "refresh_stats"]
+__all__ = ["collect_stats", "host_health", "refresh_stats", "scrape_stats"]
+
+log = logging.getLogger("colobus.controller")
+
+SCRAPE_REFRESH_S = 1.0  # a metrics scrape waits this long for the hosts' fresh figures
 
 
 def collect_stats(sessions: Sessions, counters: collections.Counter[str], chan: Channel | None,
-                  ops: Operations, hosts: HostRegistry) -> dict[str, Any]:
+                  ops: Operations, hosts: HostRegistry, uploads: Uploads) -> dict[str, Any]:
     """See :meth:`colobus.Controller.stats`."""
     return {
         "dropped": dict(sessions.dropped),
@@ -51,6 +58,7 @@ def collect_stats(sessions: Sessions, counters: collections.Counter[str], chan: 
                 "results": h.store[3],
                 "code_sent": len(h.code_sent),
                 "inflight": len(h.inflight),
+                "queued_bytes": uploads.queued(h.index),
                 **host_health(h),
             }
             for h in list(hosts.hosts)
@@ -99,3 +107,25 @@ def refresh_stats(ops: Operations, hosts: HostRegistry,
             send(hosts[i], P.Stats(call_id))
 
     return ops.submit(alive, send_all, decode, lambda _: stats(), backpressure=False)
+
+
+class Scraped(Protocol):
+    """What a metrics scrape reads of the controller."""
+
+    @property
+    def state(self) -> State: ...
+    def _on_loop_thread(self) -> bool: ...
+    def refresh_stats(self) -> Future[dict[str, Any]]: ...
+    def stats(self) -> dict[str, Any]: ...
+
+
+def scrape_stats(ctl: Scraped) -> dict[str, Any]:
+    """``ctl.stats()`` for a metrics scrape (its HTTP thread): fresh from every live
+    host, with the call times they counted, if all answer within
+    :data:`SCRAPE_REFRESH_S`; else as last reported by their heartbeats."""
+    if ctl.state is State.RUNNING and not ctl._on_loop_thread():
+        try:
+            return ctl.refresh_stats().result(timeout=SCRAPE_REFRESH_S)
+        except Exception as exc:  # a slow or lost host, a closing controller
+            log.debug("scrape: hosts' figures as last reported (%r)", exc)
+    return ctl.stats()

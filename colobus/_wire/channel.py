@@ -20,7 +20,6 @@ the first frame); a worker's DEALER has one.
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -29,150 +28,17 @@ from typing import Any
 import zmq
 
 from . import protocol as P
-from .chunks import (
-    ACK_KIND,
-    CHUNK_BYTES,
-    CHUNKED_KIND,
-    PART_KIND,
-    Assembly,
-    envelope_bytes,
-    split,
-)
-from .envelope import (
-    BATCH_KIND,
-    Buffer,
-    Dropped,
-    Envelope,
-    Outgoing,
-    batched,
-    encode,
-    pack_body,
-)
+from .chunks import ACK_KIND, CHUNK_BYTES, CHUNKED_KIND, PART_KIND, envelope_bytes, split
+from .envelope import BATCH_KIND, Buffer, Envelope, batched, encode, pack_body
+from .peer import ACK_AFTER, DEFAULT_MAX_WINDOW, HEARTBEAT_KIND, Peer, data_bytes
 from .sockio import readable, recv_frames, send_frames, socket_fd
 
 __all__ = ["DEFAULT_MAX_WINDOW", "Channel", "Peer"]
 
-HEARTBEAT_KIND = int(P.Kind.HEARTBEAT)
-
 log = logging.getLogger("colobus.channel")
 
-
-# Flow control: what one peer may hold unacknowledged, in bytes. The window starts
-# at one part and grows while acknowledgements come back fast; it shrinks when they
-# are slow, so what waits ahead of a heartbeat on a slow link stays short.
-WINDOW_MIN = CHUNK_BYTES
-DEFAULT_MAX_WINDOW = 1 << 24  # 16 MiB: Controller(send_window_bytes=...)
-# Acknowledgements that come this much later than the shortest round trip seen let
-# the window grow no further; twice this shrinks it.
-TARGET_DELAY_S = 0.25
-ACK_AFTER = CHUNK_BYTES  # a receiver acknowledges at once after this many bytes
 DRAIN_BUDGET_S = 0.01  # one drain reads this long at most, then lets the loop run
 BACKOFF_MAX = 16  # resends back off to 16 x resend_after while nothing is acknowledged
-
-
-class Peer:
-    """The other end of one session: sequence numbers both ways, the outbox, what waits
-    for room in the window, what it has not acknowledged yet, and a chunked message
-    being received."""
-
-    __slots__ = ("ack_wait", "acked_sent", "assembly", "backoff", "base_delay", "inflight",
-                 "last_cut",
-                 "max_window", "outbox", "pending", "recv_owed", "recv_seq", "route",
-                 "send_seq", "session", "their_session", "unacked", "window")
-
-    def __init__(self, route: list[bytes], session: bytes, their_session: bytes,
-                 recv_seq: int = 0, max_window: int = DEFAULT_MAX_WINDOW) -> None:
-        self.route = route  # frames sent before each envelope: [identity] on a ROUTER
-        self.session = session
-        self.their_session = their_session
-        self.send_seq = 0
-        self.recv_seq = recv_seq
-        self.outbox: list[Outgoing] = []
-        # envelopes made from the outbox that wait for room in the window (unnumbered)
-        self.pending: collections.deque[Envelope] = collections.deque()
-        # (seq, time sent, frames, bytes): kept until the peer's ack covers seq
-        self.unacked: collections.deque[tuple[int, float, list[Buffer], int]] = (
-            collections.deque())
-        self.inflight = 0  # bytes in ``unacked``
-        self.max_window = max(WINDOW_MIN, max_window)
-        self.window = WINDOW_MIN
-        self.last_cut = 0.0
-        self.base_delay = float("inf")  # the shortest round trip seen: the link's own
-        self.ack_wait = 0.0  # since when ``unacked`` waits for the peer's next ack
-        self.backoff = 1.0
-        self.acked_sent = recv_seq  # the highest recv_seq we told the peer
-        self.recv_owed = 0  # bytes received since then
-        self.assembly: Assembly | None = None
-
-    def accept(self, env: Envelope) -> str | None:
-        """Take an authenticated envelope of this session, or say why not.
-
-        Envelopes must come in sequence: ``"replay"`` for one already taken (a
-        copy resent after a blip, or a replay), ``"gap"`` for one after a lost
-        one (its sender resends from the gap on, since it is not acknowledged).
-        """
-        seq = env.seq
-        if seq != self.recv_seq + 1:
-            return "replay" if seq <= self.recv_seq else "gap"
-        self.recv_seq = seq
-        if self.unacked and self.unacked[0][0] <= env.ack:
-            self.acked(env.ack)
-        return None
-
-    def acked(self, ack: int) -> None:
-        """The peer has everything up to ``ack``: free it, and size the window."""
-        unacked = self.unacked
-        freed = 0
-        sent = 0.0
-        while unacked and unacked[0][0] <= ack:
-            _, sent, _, n = unacked.popleft()
-            freed += n
-        if not freed:
-            return
-        now = time.monotonic()
-        self.inflight -= freed
-        self.ack_wait = now
-        self.backoff = 1.0
-        delay = now - sent
-        self.base_delay = min(self.base_delay, delay)
-        queued = delay - self.base_delay  # what the window adds to the round trip
-        if queued < TARGET_DELAY_S:
-            self.window = min(self.max_window, self.window + freed)
-        elif queued > 2 * TARGET_DELAY_S and now - self.last_cut > delay:
-            self.window = max(WINDOW_MIN, self.window * 7 // 10)
-            self.last_cut = now
-
-    def deliver(self, env: Envelope, max_total: int) -> Envelope | None:
-        """The message an accepted envelope completes: itself, or a chunked message
-        once its last part is in (None until then).
-
-        Raises:
-            Dropped: a part without a head, a head inside a chunked message, any other
-                message between the parts (a heartbeat may come between them).
-        """
-        kind = env.kind
-        assembly = self.assembly
-        if kind == PART_KIND:
-            if assembly is None:
-                raise Dropped("malformed", "a part without its head")
-            whole = assembly.feed(env)
-            if whole is not None:
-                self.assembly = None
-            return whole
-        if assembly is not None and kind != HEARTBEAT_KIND:
-            raise Dropped("malformed", "a message between the parts of another")
-        if kind == CHUNKED_KIND:
-            self.assembly = Assembly(env, max_total)
-            return None
-        return env
-
-    def forget(self) -> None:
-        """The session is over: drop what waits to be sent or acknowledged."""
-        self.outbox = []
-        self.pending.clear()
-        self.unacked.clear()
-        self.inflight = 0
-        self.assembly = None
 
 
 class Channel:
@@ -192,6 +58,8 @@ class Channel:
             again (the worker's brief wait for calls it just started).
         before_drain: called as each drain starts (the worker forgets the calls
             that earlier drains started: only this drain's are worth waiting for).
+        on_release: called with a peer whose acknowledgement freed some of what this
+            side held for it (:attr:`Peer.held`; the controller's uploads wait on it).
     """
 
     def __init__(
@@ -205,6 +73,7 @@ class Channel:
         before_flush: Callable[[], None] | None = None,
         after_flush: Callable[[], bool] | None = None,
         before_drain: Callable[[], None] | None = None,
+        on_release: Callable[[Peer], None] | None = None,
     ) -> None:
         self.sock = sock
         self._key = key
@@ -214,6 +83,7 @@ class Channel:
         self._before_flush = before_flush
         self._after_flush = after_flush
         self._before_drain = before_drain
+        self._on_release = on_release
         self._dirty: list[Peer] = []  # peers with messages in their outbox
         self._blocked: set[Peer] = set()  # peers with envelopes waiting for the window
         self._owed: set[Peer] = set()  # peers owed an acknowledgement now
@@ -271,6 +141,7 @@ class Channel:
                 sequence number spent, and the messages queued before it stay.
         """
         peer.outbox.append((body.kind, pack_body(body.to_wire()), payload, buffers, pbufs))
+        peer.held += data_bytes(payload, buffers)
         if len(peer.outbox) == 1:
             self._dirty.append(peer)
 
@@ -363,7 +234,7 @@ class Channel:
         size = sum(len(f) if type(f) is bytes else memoryview(f).nbytes for f in frames)
         if not peer.unacked:
             peer.ack_wait = now
-        peer.unacked.append((env.seq, now, frames, size))
+        peer.unacked.append((env.seq, now, frames, size, envelope_bytes(env)))
         peer.inflight += size
         peer.acked_sent = peer.recv_seq
         peer.recv_owed = 0
@@ -384,10 +255,15 @@ class Channel:
         Raises:
             Dropped: a chunked message broke the rules (see :meth:`Peer.deliver`).
         """
+        held = peer.held
         if env.kind == ACK_KIND:  # outside the numbering: only its ack counts
             peer.acked(env.ack)
+            if peer.held < held and self._on_release is not None:
+                self._on_release(peer)
             return None
         refused = peer.accept(env)
+        if peer.held < held and self._on_release is not None:
+            self._on_release(peer)
         if refused is not None:
             return refused
         if env.buffers:  # large amounts are acknowledged at once (a window waits)
@@ -432,10 +308,10 @@ class Channel:
             peer.backoff = min(peer.backoff * 2, BACKOFF_MAX)
             budget = peer.window
             log.debug("resending unacknowledged messages (%d waiting)", len(unacked))
-            for i, (seq, sent, frames, n) in enumerate(unacked):
+            for i, (seq, sent, frames, n, d) in enumerate(unacked):
                 if now - sent < wait or budget <= 0:
                     break
-                unacked[i] = (seq, now, frames, n)
+                unacked[i] = (seq, now, frames, n, d)
                 budget -= n
                 self.resent += 1
                 try:

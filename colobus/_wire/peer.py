@@ -1,0 +1,150 @@
+"""One session's state, the same on both sides of the wire: sequence numbers both
+ways, the outbox, what waits for room in the send window, what the other side has
+not acknowledged yet (and how the window grows and shrinks with it), and a chunked
+message being received. :class:`colobus._wire.channel.Channel` moves it on a socket.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from collections.abc import Sequence
+
+from . import protocol as P
+from .chunks import CHUNK_BYTES, CHUNKED_KIND, PART_KIND, Assembly
+from .envelope import Buffer, Dropped, Envelope, Outgoing
+
+__all__ = ["ACK_AFTER", "DEFAULT_MAX_WINDOW", "HEARTBEAT_KIND", "WINDOW_MIN", "Peer",
+           "data_bytes"]
+
+HEARTBEAT_KIND = int(P.Kind.HEARTBEAT)
+
+# Flow control: what one peer may hold unacknowledged, in bytes. The window starts
+# at one part and grows while acknowledgements come back fast; it shrinks when they
+# are slow, so what waits ahead of a heartbeat on a slow link stays short.
+WINDOW_MIN = CHUNK_BYTES
+DEFAULT_MAX_WINDOW = 1 << 24  # 16 MiB: Controller(send_window_bytes=...)
+# Acknowledgements that come this much later than the shortest round trip seen let
+# the window grow no further; twice this shrinks it.
+TARGET_DELAY_S = 0.25
+ACK_AFTER = CHUNK_BYTES  # a receiver acknowledges at once after this many bytes
+
+
+def data_bytes(payload: Buffer, buffers: Sequence[Buffer]) -> int:
+    """What a message carries besides its body: its payload and buffers, in bytes."""
+    n = len(payload) if type(payload) is bytes else memoryview(payload).nbytes
+    for b in buffers:
+        n += len(b) if type(b) is bytes else memoryview(b).nbytes
+    return n
+
+
+class Peer:
+    """The other end of one session: sequence numbers both ways, the outbox, what waits
+    for room in the window, what it has not acknowledged yet, and a chunked message
+    being received."""
+
+    __slots__ = ("ack_wait", "acked_sent", "assembly", "backoff", "base_delay", "held",
+                 "inflight", "last_cut",
+                 "max_window", "outbox", "pending", "recv_owed", "recv_seq", "route",
+                 "send_seq", "session", "their_session", "unacked", "window")
+
+    def __init__(self, route: list[bytes], session: bytes, their_session: bytes,
+                 recv_seq: int = 0, max_window: int = DEFAULT_MAX_WINDOW) -> None:
+        self.route = route  # frames sent before each envelope: [identity] on a ROUTER
+        self.session = session
+        self.their_session = their_session
+        self.send_seq = 0
+        self.recv_seq = recv_seq
+        self.outbox: list[Outgoing] = []
+        # envelopes made from the outbox that wait for room in the window (unnumbered)
+        self.pending: collections.deque[Envelope] = collections.deque()
+        # (seq, time sent, frames, bytes, data bytes): kept until the peer's ack covers seq
+        self.unacked: collections.deque[tuple[int, float, list[Buffer], int, int]] = (
+            collections.deque())
+        self.inflight = 0  # bytes in ``unacked``
+        # payload and buffer bytes this side holds for the peer: queued in the outbox,
+        # waiting for the window, or sent and not yet acknowledged (uploads wait on it)
+        self.held = 0
+        self.max_window = max(WINDOW_MIN, max_window)
+        self.window = WINDOW_MIN
+        self.last_cut = 0.0
+        self.base_delay = float("inf")  # the shortest round trip seen: the link's own
+        self.ack_wait = 0.0  # since when ``unacked`` waits for the peer's next ack
+        self.backoff = 1.0
+        self.acked_sent = recv_seq  # the highest recv_seq we told the peer
+        self.recv_owed = 0  # bytes received since then
+        self.assembly: Assembly | None = None
+
+    def accept(self, env: Envelope) -> str | None:
+        """Take an authenticated envelope of this session, or say why not.
+
+        Envelopes must come in sequence: ``"replay"`` for one already taken (a
+        copy resent after a blip, or a replay), ``"gap"`` for one after a lost
+        one (its sender resends from the gap on, since it is not acknowledged).
+        """
+        seq = env.seq
+        if seq != self.recv_seq + 1:
+            return "replay" if seq <= self.recv_seq else "gap"
+        self.recv_seq = seq
+        if self.unacked and self.unacked[0][0] <= env.ack:
+            self.acked(env.ack)
+        return None
+
+    def acked(self, ack: int) -> None:
+        """The peer has everything up to ``ack``: free it, and size the window."""
+        unacked = self.unacked
+        freed = data = 0
+        sent = 0.0
+        while unacked and unacked[0][0] <= ack:
+            _, sent, _, n, d = unacked.popleft()
+            freed += n
+            data += d
+        if not freed:
+            return
+        now = time.monotonic()
+        self.inflight -= freed
+        self.held -= data
+        self.ack_wait = now
+        self.backoff = 1.0
+        delay = now - sent
+        self.base_delay = min(self.base_delay, delay)
+        queued = delay - self.base_delay  # what the window adds to the round trip
+        if queued < TARGET_DELAY_S:
+            self.window = min(self.max_window, self.window + freed)
+        elif queued > 2 * TARGET_DELAY_S and now - self.last_cut > delay:
+            self.window = max(WINDOW_MIN, self.window * 7 // 10)
+            self.last_cut = now
+
+    def deliver(self, env: Envelope, max_total: int) -> Envelope | None:
+        """The message an accepted envelope completes: itself, or a chunked message
+        once its last part is in (None until then).
+
+        Raises:
+            Dropped: a part without a head, a head inside a chunked message, any other
+                message between the parts (a heartbeat may come between them).
+        """
+        kind = env.kind
+        assembly = self.assembly
+        if kind == PART_KIND:
+            if assembly is None:
+                raise Dropped("malformed", "a part without its head")
+            whole = assembly.feed(env)
+            if whole is not None:
+                self.assembly = None
+            return whole
+        if assembly is not None and kind != HEARTBEAT_KIND:
+            raise Dropped("malformed", "a message between the parts of another")
+        if kind == CHUNKED_KIND:
+            self.assembly = Assembly(env, max_total)
+            return None
+        return env
+
+    def forget(self) -> None:
+        """The session is over: drop what waits to be sent or acknowledged."""
+        self.outbox = []
+        self.pending.clear()
+        self.unacked.clear()
+        self.inflight = self.held = 0
+        self.assembly = None
+
+
