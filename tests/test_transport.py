@@ -526,6 +526,51 @@ async def test_a_1_s_partition_in_the_middle_of_a_transfer_costs_nothing(shaped:
     assert stats["resent"] <= 16, stats["resent"]
 
 
+@netns
+def test_uploads_faster_than_the_link_wait_with_bounded_bytes_queued(shaped: Any) -> None:
+    """A loop of puts over a 40 Mbit/s link: each waits while the host has
+    ``max_queued_bytes`` queued, on a plain thread (in ``device_put``) and on an
+    event loop (in ``wait_capacity``); what the controller holds stays bounded."""
+    bound, size, n = 2 << 20, 1 << 19, 12
+    ctl = cb.Controller(shaped.bind(), hosts=0, key=shaped.key, max_queued_bytes=bound)
+    ctl.start_in_thread()
+    _push_current(ctl)
+    try:
+        shaped.shape(0, "40mbit")
+        shaped.start_worker(0, ctl.address, name="slow", devices=1)
+        ctl.run_sync(ctl.wait_for_hosts(1, timeout=60))
+        dev = ctl.devices()[0]
+        queued: list[int] = []
+
+        def put(i: int) -> cb.Array:
+            x = cb.device_put(np.full(size // 8, float(i)), dev)
+            queued.append(ctl.stats()["hosts"][0]["queued_bytes"])
+            return x
+
+        arrays = [put(i) for i in range(n)]  # a plain thread: device_put waits
+
+        async def on_loop() -> list[cb.Array]:
+            out = []
+            for i in range(n, 2 * n):
+                await ctl.wait_capacity()  # an event loop never blocks in device_put
+                out.append(put(i))
+            return out
+
+        arrays += ctl.run_sync(on_loop())
+        # Bounded by the bound plus the one put admitted below it (12 MiB without it).
+        assert max(queued) <= bound + size, queued
+        assert max(queued) >= bound // 2, f"the link never held the puts back: {queued}"
+        sums = [total(x).result(120) for x in arrays]
+        assert [float(np.asarray(s)[0]) for s in sums] == [
+            float(i) * (size // 8) for i in range(2 * n)]
+        assert [h.state for h in ctl.hosts()] == ["alive"]
+        assert ctl.hosts()[0].pid == shaped._procs[0].pid  # never rejoined
+        assert ctl.stats()["hosts_dropped"] == 0
+    finally:
+        _pop_current(ctl)
+        ctl.close()
+
+
 # -- 6. unknown peers cost nothing --------------------------------------------------------
 
 
