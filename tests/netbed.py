@@ -12,9 +12,11 @@ The /24 exists only on the bridge and inside our namespaces; no route leads
 out of it, so all traffic stays between the bed's own interfaces. Cutting a
 host (:meth:`NetBed.cut`) sets the root-side end of its veth down; restoring it
 sets it up again. :meth:`NetBed.shape` limits a host's link to a rate (``tc`` tbf on
-both ends of its veth); a :class:`Relay` between a worker and the controller adds
-a delay each way and loss as the application sees it (netem and packet filters
-are missing from some kernels). Workers run as ``ip netns exec NS python -m colobus worker
+both ends of its veth); :meth:`NetBed.lose` drops a share of the packets a host's
+namespace sends and receives, for real (iptables' ``statistic`` match: the kernel
+drops them and TCP resends them; :func:`loss_unavailable_reason` says where it
+cannot); a :class:`Relay` between a worker and the controller adds a delay each
+way (netem, the kernel's delay, is missing from some kernels). Workers run as ``ip netns exec NS python -m colobus worker
 ...`` with the key in a 0600 file (never on a command line).
 
 Everything the bed creates is removed by :meth:`NetBed.close` (idempotent;
@@ -43,8 +45,8 @@ from dataclasses import dataclass
 from colobus._wire.keys import write_key
 
 __all__ = [
-    "NetBed", "NetHost", "Relay", "cleanup_leftovers", "cpu_seconds", "eventually", "pid_alive",
-    "unavailable_reason",
+    "NetBed", "NetHost", "Relay", "cleanup_leftovers", "cpu_seconds", "eventually",
+    "loss_unavailable_reason", "pid_alive", "unavailable_reason",
 ]
 
 IF_PREFIX = "cbn"  # interface names: cbn<tag>br, cbn<tag>h<i>, cbn<tag>w<i> (<= 15 chars)
@@ -82,6 +84,50 @@ def unavailable_reason() -> str | None:
             _ip("netns", "del", probe, check=False)
     _probe_result.append(reason)
     return reason
+
+
+_iptables: list[tuple[str | None, str]] = []  # (the iptables that works, or None; why not)
+
+
+def _iptables_probe() -> tuple[str | None, str]:
+    """The iptables command whose ``statistic`` DROP rule works inside a namespace
+    here (the nft backend first, then legacy), or None and why not."""
+    if _iptables:
+        return _iptables[0]
+    found: tuple[str | None, str] = (None, "")
+    why = []
+    bed = unavailable_reason()
+    if bed is not None:
+        found = (None, bed)
+    else:
+        probe = f"{NS_PREFIX}probe-ipt-{os.getpid()}"
+        _ip("netns", "add", probe)
+        try:
+            for cmd in ("iptables", "iptables-nft", "iptables-legacy"):
+                if shutil.which(cmd) is None:
+                    why.append(f"no `{cmd}`")
+                    continue
+                proc = subprocess.run(
+                    ["ip", "netns", "exec", probe, cmd, "-w", "-A", "INPUT", "-m", "statistic",
+                     "--mode", "random", "--probability", "0.5", "-j", "DROP"],
+                    capture_output=True, text=True, timeout=30)
+                if proc.returncode == 0:
+                    found = (cmd, "")
+                    break
+                why.append(f"`{cmd}`: {proc.stderr.strip()[-200:]}")
+        finally:
+            _ip("netns", "del", probe, check=False)
+        if found[0] is None:
+            found = (None, "real packet loss needs iptables with the statistic match "
+                     "(apt-get install iptables; .ci/run installs it): " + "; ".join(why))
+    _iptables.append(found)
+    return found
+
+
+def loss_unavailable_reason() -> str | None:
+    """Why :meth:`NetBed.lose` cannot drop packets here (a skip reason), or None."""
+    cmd, why = _iptables_probe()
+    return None if cmd is not None else why
 
 
 def pid_alive(pid: int) -> bool:
@@ -310,7 +356,7 @@ class NetBed:
     def shape(self, i: int, rate: str, *, burst: str = "64kb", latency: str = "200ms") -> None:
         """Limit host ``i``'s link to ``rate`` (e.g. ``"80mbit"``) both ways (``tc``
         tbf on both ends of its veth); again to change it, :meth:`unshape` to clear it.
-        For delay and loss (netem is not in every kernel) see :class:`Relay`."""
+        For loss see :meth:`lose`; for delay (netem is not in every kernel), :class:`Relay`."""
         h = self.hosts[i]
         args = ["tbf", "rate", rate, "burst", burst, "latency", latency]
         for prefix in ([], ["ip", "netns", "exec", h.ns]):
@@ -328,6 +374,34 @@ class NetBed:
             subprocess.run([*prefix, "tc", "qdisc", "del", "dev", dev, "root"],
                            capture_output=True, text=True, timeout=30)
 
+    def lose(self, i: int, probability: float) -> None:
+        """Drop ``probability`` of the packets host ``i``'s namespace receives and of
+        those it sends, at random, in the kernel (iptables ``statistic`` rules on
+        INPUT and OUTPUT): real loss, which TCP recovers from by resending."""
+        cmd, why = _iptables_probe()
+        if cmd is None:
+            raise RuntimeError(why)
+        for chain in ("INPUT", "OUTPUT"):
+            subprocess.run(
+                ["ip", "netns", "exec", self.hosts[i].ns, cmd, "-w", "-A", chain, "-m",
+                 "statistic", "--mode", "random", "--probability", str(probability),
+                 "-j", "DROP"], check=True, capture_output=True, timeout=30)
+
+    def dropped(self, i: int) -> dict[str, int]:
+        """Packets the :meth:`lose` rules of host ``i`` dropped so far, by chain (read
+        from the rules' counters: ``iptables -L CHAIN -v -n -x``)."""
+        cmd, why = _iptables_probe()
+        if cmd is None:
+            raise RuntimeError(why)
+        out = {}
+        for chain in ("INPUT", "OUTPUT"):
+            listing = subprocess.run(
+                ["ip", "netns", "exec", self.hosts[i].ns, cmd, "-w", "-L", chain, "-v", "-n",
+                 "-x"], check=True, capture_output=True, text=True, timeout=30).stdout
+            out[chain] = sum(int(line.split()[0]) for line in listing.splitlines()
+                             if "DROP" in line.split()[2:3] and "statistic" in line)
+        return out
+
     @contextlib.contextmanager
     def cut_off(self, i: int) -> Iterator[None]:
         """``with bed.cut_off(i):`` host ``i`` is unreachable inside the block."""
@@ -339,27 +413,22 @@ class NetBed:
 
 
 class Relay:
-    """A TCP relay that delays every byte by ``delay`` seconds each way, and holds a
-    read for ``stall`` more seconds with probability ``loss`` (what a lost segment
-    costs the application: TCP delivers nothing past it until it is sent again).
+    """A TCP relay that delays every byte by ``delay`` seconds each way (loss is the
+    kernel's: :meth:`NetBed.lose`).
 
     It listens on ``listen_ip`` (a free port: :attr:`port`) and forwards to
     ``target`` (host, port); a thread of its own runs it, so a busy test loop does
     not shape the link. :meth:`close` stops it and closes every connection.
     """
 
-    def __init__(self, listen_ip: str, target: tuple[str, int], *, delay: float = 0.0,
-                 loss: float = 0.0, stall: float = 0.2, seed: int = 7) -> None:
-        import random
+    def __init__(self, listen_ip: str, target: tuple[str, int], *, delay: float = 0.0) -> None:
         import threading
 
-        self.target, self.delay, self.loss, self.stall = target, delay, loss, stall
-        self._rng = random.Random(seed)
+        self.target, self.delay = target, delay
         self._sock = socket.socket()
         self._sock.bind((listen_ip, 0))
         self._sock.listen(16)
         self.port = int(self._sock.getsockname()[1])
-        self.stalls = 0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name="relay", daemon=True)
         self._thread.start()
@@ -411,13 +480,9 @@ class Relay:
                 await w.drain()
 
         sender = loop.create_task(deliver())
-        held = 0.0  # a stall delays this read and every later one (in order)
         try:
             while data := await r.read(1 << 16):
-                if self.loss and self._rng.random() < self.loss:
-                    self.stalls += 1
-                    held = max(held, loop.time()) + self.stall
-                queue.put_nowait((max(loop.time() + self.delay, held), data))
+                queue.put_nowait((loop.time() + self.delay, data))
         finally:
             queue.put_nowait((0.0, b""))
             await asyncio.gather(sender, return_exceptions=True)
