@@ -16,8 +16,9 @@ both ends of its veth); :meth:`NetBed.lose` drops a share of the packets a host'
 namespace sends and receives, for real (iptables' ``statistic`` match: the kernel
 drops them and TCP resends them; :func:`loss_unavailable_reason` says where it
 cannot); a :class:`Relay` between a worker and the controller adds a delay each
-way (netem, the kernel's delay, is missing from some kernels). Workers run as ``ip netns exec NS python -m colobus worker
-...`` with the key in a 0600 file (never on a command line).
+way (netem, the kernel's delay, is missing from some kernels). Workers run as
+``ip netns exec NS python -m colobus worker ...`` with the key in a 0600 file
+(never on a command line).
 
 Everything the bed creates is removed by :meth:`NetBed.close` (idempotent;
 called from fixtures' ``finally``). Leftovers of a crashed earlier run (their
