@@ -31,6 +31,7 @@ from .._process import freeze_once
 from .._wire import protocol as P
 from .._wire.calltimes import HEARTBEAT_BUDGET, HostCallTimes
 from .._wire.channel import Channel, Peer
+from .._wire.chunks import CHUNK_BYTES, MAX_PART
 from .._wire.endpoint import parse_connect
 from .._wire.envelope import Buffer, Dropped, Envelope, decode, unpack_batch
 from .._wire.failures import describe_error
@@ -456,6 +457,8 @@ class Worker:
         self._liveness = float(body.liveness)
         self._exit_with_controller = bool(body.exit_with_controller)
         self._max_message = body.max_message_bytes
+        # parts (and messages sent whole) well within the controller's frame limit
+        self._peer.max_part = min(MAX_PART, max(CHUNK_BYTES, self._max_message // 2))
         self.call_times = HostCallTimes() if body.host_stats else None
         if self._welcome is not None and not self._welcome.done():
             self._welcome.set_result(None)

@@ -28,7 +28,7 @@ from typing import Any
 import zmq
 
 from . import protocol as P
-from .chunks import ACK_KIND, CHUNK_BYTES, CHUNKED_KIND, PART_KIND, envelope_bytes, split
+from .chunks import ACK_KIND, CHUNKED_KIND, PART_KIND, Splitter, envelope_bytes, part_size
 from .envelope import BATCH_KIND, Buffer, Envelope, batched, encode, pack_body
 from .peer import ACK_AFTER, DEFAULT_MAX_WINDOW, HEARTBEAT_KIND, Peer, data_bytes
 from .sockio import readable, recv_frames, send_frames, socket_fd
@@ -207,9 +207,14 @@ class Channel:
                 else:
                     rest.append(item)
         if rest:
+            whole = part_size(peer.window, peer.max_part)  # more travels in parts
             for env in batched(rest, peer.session, peer.their_session):
-                if envelope_bytes(env) > CHUNK_BYTES:
-                    pending.extend(split(env))
+                # the body counts (one over 64 KiB shares the payload's frame), but a
+                # message of body alone travels whole: it has nothing to cut
+                n = envelope_bytes(env)
+                body = env.packed_body
+                if n and n + (len(body) if body is not None else 0) > whole:
+                    pending.append(Splitter(env))
                 else:
                     pending.append(env)
         self._pump(peer, now)
@@ -219,7 +224,13 @@ class Channel:
         when nothing is in flight)."""
         pending = peer.pending
         while pending and (peer.inflight < peer.window or not peer.unacked):
-            self._transmit(peer, pending.popleft(), now)
+            head = pending[0]
+            if not isinstance(head, Splitter):
+                self._transmit(peer, pending.popleft(), now)  # type: ignore[arg-type]
+                continue
+            self._transmit(peer, head.next(part_size(peer.window, peer.max_part)), now)
+            if head.done:
+                pending.popleft()
         if pending:
             self._blocked.add(peer)
         else:

@@ -11,7 +11,7 @@ import time
 from collections.abc import Sequence
 
 from . import protocol as P
-from .chunks import CHUNK_BYTES, CHUNKED_KIND, PART_KIND, Assembly
+from .chunks import CHUNK_BYTES, CHUNKED_KIND, MAX_PART, PART_KIND, Assembly, Splitter
 from .envelope import Buffer, Dropped, Envelope, Outgoing
 
 __all__ = ["ACK_AFTER", "DEFAULT_MAX_WINDOW", "HEARTBEAT_KIND", "WINDOW_MIN", "Peer",
@@ -44,9 +44,9 @@ class Peer:
     being received."""
 
     __slots__ = ("ack_wait", "acked_sent", "assembly", "backoff", "base_delay", "held",
-                 "inflight", "last_cut",
-                 "max_window", "outbox", "pending", "recv_owed", "recv_seq", "route",
-                 "send_seq", "session", "their_session", "unacked", "window")
+                 "inflight", "last_cut", "max_part", "max_window", "outbox", "pending",
+                 "recv_owed", "recv_seq", "route", "send_seq", "session", "their_session",
+                 "unacked", "window")
 
     def __init__(self, route: list[bytes], session: bytes, their_session: bytes,
                  recv_seq: int = 0, max_window: int = DEFAULT_MAX_WINDOW) -> None:
@@ -56,8 +56,11 @@ class Peer:
         self.send_seq = 0
         self.recv_seq = recv_seq
         self.outbox: list[Outgoing] = []
-        # envelopes made from the outbox that wait for room in the window (unnumbered)
-        self.pending: collections.deque[Envelope] = collections.deque()
+        # envelopes made from the outbox that wait for room in the window (unnumbered),
+        # and messages leaving in parts, cut as the window makes room
+        self.pending: collections.deque[Envelope | Splitter] = collections.deque()
+        # the largest part (or message sent whole) the peer takes in one frame
+        self.max_part = MAX_PART
         # (seq, time sent, frames, bytes, data bytes): kept until the peer's ack covers seq
         self.unacked: collections.deque[tuple[int, float, list[Buffer], int, int]] = (
             collections.deque())
