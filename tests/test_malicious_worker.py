@@ -1,7 +1,7 @@
 """A malicious worker cannot run code in the controller, wedge it, or grow its memory.
 
-The fake worker here is raw pyzmq plus colobus's own wire module, and it holds
-the key: it joins (JOIN, CHALLENGE, HELLO) like a real worker, then answers the
+The fake worker (``tests/fakeworker.py``) is raw pyzmq plus colobus's own wire
+module, and it holds the key: it joins (JOIN, CHALLENGE, HELLO) like a real worker, then answers the
 controller with hostile replies. Every field that carries bytes gets a pickle
 whose ``__reduce__`` would create a marker file; descriptions name classes and
 functions the controller must never call or import; counts are huge or
@@ -32,10 +32,10 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
+from fakeworker import FakeWorker
 
 import colobus as cb
 from colobus._wire import protocol as P
-from colobus._wire.envelope import BATCH_KIND, Envelope, decode, encode, unpack_batch
 from colobus._wire.protocol import Kind, Status
 
 FAST: dict[str, Any] = dict(heartbeat_interval=0.5, liveness_timeout=60.0, join_timeout=120.0)
@@ -67,58 +67,6 @@ def _wait_until(pred: Any, what: str, timeout: float = 30.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.02)
-
-
-class FakeWorker:
-    """An authenticated worker that says whatever a test tells it to."""
-
-    def __init__(self, zctx: zmq.Context[Any], address: str, key: bytes, name: str) -> None:
-        self.key = key
-        self.name = name
-        self.sock = zctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(address)
-        self.session = secrets.token_bytes(16)
-        self.ctl_session = b""
-        self.seq = 0
-        self.index = -1
-        self.sent_hello: list[bytes] = []
-        self._inbox: list[Envelope] = []
-
-    def send(self, kind: int, body: Any, payload: bytes = b"", buffers: list[bytes] | None = None,
-             *, session: bytes | None = None, receiver: bytes | None = None) -> list[bytes]:
-        self.seq += 1
-        env = Envelope(int(kind), session or self.session,
-                       self.ctl_session if receiver is None else receiver, self.seq, body,
-                       payload, list(buffers or []), 0)
-        frames = [bytes(f) for f in encode(self.key, env)]
-        self.sock.send_multipart(frames)
-        return frames
-
-    def expect(self, kind: Kind, timeout: float = 30.0) -> Envelope:
-        deadline = time.monotonic() + timeout
-        while True:
-            for i, env in enumerate(self._inbox):
-                if env.kind == kind:
-                    return self._inbox.pop(i)
-            left = deadline - time.monotonic()
-            assert left > 0 and self.sock.poll(int(left * 1000)), f"no {kind.name} arrived"
-            env = decode(self.key, self.sock.recv_multipart())
-            self._inbox.extend(unpack_batch(env) if env.kind == BATCH_KIND else [env])
-
-    def join(self, devices: int = 1) -> int:
-        self.send(Kind.JOIN, [], receiver=b"")
-        nonce = self.expect(Kind.CHALLENGE).body[0]
-        hello = P.Hello(self.name, os.getpid(), "fake", [["cpu", "cpu", i] for i in range(devices)],
-                        nonce)
-        self.sent_hello = self.send(Kind.HELLO, hello.to_wire(), receiver=b"")
-        welcome = self.expect(Kind.WELCOME)
-        self.ctl_session = welcome.sender
-        self.index = welcome.body[0]
-        return self.index
-
-    def close(self) -> None:
-        self.sock.close(0)
 
 
 @pytest.fixture(scope="module")

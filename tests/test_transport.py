@@ -22,13 +22,12 @@ from typing import Any
 import numpy as np
 import pytest
 import zmq
+from fakeworker import FakeWorker
 from netbed import eventually
 
 import colobus as cb
 from colobus._controller.controller import _pop_current, _push_current
 from colobus._wire import protocol as P
-from colobus._wire.chunks import CHUNK_BYTES, envelope_bytes, split
-from colobus._wire.envelope import BATCH_KIND, Envelope, decode, encode, unpack_batch
 from colobus._wire.keys import write_key
 from colobus._wire.protocol import Kind
 
@@ -233,66 +232,6 @@ def test_calls_with_many_handles_and_frees_of_many_arrays_fit(bctl: cb.Controlle
 # -- raw authenticated peers (hostile workers) and a stall probe ----------------------------
 
 
-class FakeWorker:
-    """An authenticated worker that says whatever a test tells it to (raw pyzmq)."""
-
-    def __init__(self, zctx: zmq.Context[Any], address: str, key: bytes, name: str) -> None:
-        self.key, self.name = key, name
-        self.sock = zctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(address)
-        self.session = secrets.token_bytes(16)
-        self.ctl_session = b""
-        self.seq = 0
-        self.ack = 0
-        self.index = -1
-        self._inbox: list[Envelope] = []
-
-    def send(self, kind: int, body: Any, payload: bytes = b"",
-             buffers: list[bytes] | None = None, *, receiver: bytes | None = None,
-             ack: bool = True) -> None:
-        env = Envelope(int(kind), self.session,
-                       self.ctl_session if receiver is None else receiver, 0, body,
-                       payload, list(buffers or []), 0, ack=self.ack if ack else 0)
-        # What is large travels in parts, as a real worker sends it (the controller
-        # takes no frame over 4 MiB).
-        for e in split(env) if envelope_bytes(env) > CHUNK_BYTES else [env]:
-            self.seq += 1
-            e.seq, e.ack = self.seq, env.ack
-            self.sock.send_multipart([bytes(f) for f in encode(self.key, e)])
-
-    def poll_in(self, timeout: float) -> bool:
-        if not self.sock.poll(int(timeout * 1000)):
-            return False
-        env = decode(self.key, self.sock.recv_multipart())
-        if env.seq < 1 << 62:
-            self.ack = max(self.ack, env.seq)
-        self._inbox.extend(unpack_batch(env) if env.kind == BATCH_KIND else [env])
-        return True
-
-    def expect(self, kind: Kind, timeout: float = 30.0) -> Envelope:
-        deadline = time.monotonic() + timeout
-        while True:
-            for i, env in enumerate(self._inbox):
-                if env.kind == kind:
-                    return self._inbox.pop(i)
-            left = deadline - time.monotonic()
-            assert left > 0 and self.poll_in(left), f"no {kind.name} arrived"
-
-    def join(self) -> int:
-        self.send(Kind.JOIN, [], receiver=b"")
-        nonce = self.expect(Kind.CHALLENGE).body[0]
-        self.send(Kind.HELLO, P.Hello(self.name, os.getpid(), "fake", [["cpu", "cpu", 0]],
-                                      nonce).to_wire(), receiver=b"")
-        welcome = self.expect(Kind.WELCOME)
-        self.ctl_session = welcome.sender
-        self.index = welcome.body[0]
-        return self.index
-
-    def close(self) -> None:
-        self.sock.close(0)
-
-
 class StallProbe:
     """The longest gap between 5 ms ticks of a controller's loop (its longest stall),
     in wall time and in the loop thread's CPU time (which a loaded machine's
@@ -356,7 +295,7 @@ def _nested_empty_lists(nbytes: int) -> bytes:
 def test_a_hostile_description_costs_a_small_multiple_of_its_size(
         hostile: dict[str, Any]) -> None:
     ctl: cb.Controller = hostile["ctl"]
-    fake = FakeWorker(hostile["zctx"], ctl.address, hostile["key"], "nested")
+    fake = FakeWorker(hostile["zctx"], ctl.address, hostile["key"], "nested", channel=True)
     try:
         fake.join()
         probe = StallProbe(ctl)
@@ -372,7 +311,8 @@ def test_a_hostile_description_costs_a_small_multiple_of_its_size(
             assert probe.longest < 0.5, f"the loop stalled {probe.longest:.2f} s"
             # The host broke the protocol: dropped. A new session for the next round.
             fake.close()
-            fake = FakeWorker(hostile["zctx"], ctl.address, hostile["key"], f"n{status}")
+            fake = FakeWorker(hostile["zctx"], ctl.address, hostile["key"], f"n{status}",
+                              channel=True)
             fake.join()
             dev = [d for d in ctl.devices() if d.host == fake.index]
         probe.stop()
@@ -412,7 +352,7 @@ def test_a_peer_that_never_acknowledges_is_bounded_and_then_lost() -> None:
                         liveness_timeout=3.0, send_window_bytes=window)
     ctl.start_in_thread()
     zctx: zmq.Context[Any] = zmq.Context()
-    fake = FakeWorker(zctx, ctl.address, key, "deaf")
+    fake = FakeWorker(zctx, ctl.address, key, "deaf", channel=True)
     _push_current(ctl)
     try:
         fake.join()
