@@ -84,3 +84,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 # The real Slurm cluster (tests/slurmbed.py): fixtures `slurm_bed` (session) and `slurm`.
 from slurm_fixtures import slurm, slurm_bed  # noqa: E402, F401
+
+# An sshd in each host of a netns bed (tests/sshbed.py): `ssh_bed_session` and `ssh_bed`.
+from sshbed import ssh_bed, ssh_bed_session  # noqa: E402, F401

@@ -18,12 +18,12 @@ import time
 
 import netbed
 import pytest
+from nsprocs import cmdline
 from slurmbed import (
     HOLD_PARTITION,
     HOLD_REASON,
     SlurmBed,
     SlurmBedError,
-    _cmdline,
     unavailable_reason,
 )
 
@@ -155,7 +155,7 @@ def test_scancel_stops_a_running_job_and_its_processes(slurm: SlurmBed) -> None:
     def sleeps() -> list[int]:
         pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True,
                               timeout=30).stdout.split()
-        return [int(p) for p in pids if _cmdline(int(p)) == "sleep 300 "]
+        return [int(p) for p in pids if cmdline(int(p)) == "sleep 300 "]
 
     deadline = time.monotonic() + 15
     while not sleeps():
@@ -211,7 +211,7 @@ def _running(pid: int) -> bool:
 
 
 def _leftovers(bed: SlurmBed, pids: list[int]) -> list[str]:
-    left = [f"pid {p} ({_cmdline(p)})" for p in pids if _running(p)]
+    left = [f"pid {p} ({cmdline(p)})" for p in pids if _running(p)]
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
                            timeout=30).stdout
     left += [n.ns for n in bed.nodes if n.ns in names]

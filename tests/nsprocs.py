@@ -1,0 +1,75 @@
+"""Processes of the test beds: found by command line, listed and killed per network namespace.
+
+Shared by the beds that run daemons inside :mod:`netbed`'s namespaces
+(:mod:`sshbed`'s sshds, :mod:`slurmbed`'s slurmds) and by the tests that check
+no process outlived them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Collection
+
+__all__ = ["alive", "cmdline", "kill_ns_processes", "ns_pids", "processes_with"]
+
+
+def cmdline(pid: int) -> str:
+    """``pid``'s command line, its words joined by spaces ("" when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def processes_with(*words: str) -> list[int]:
+    """Pids of live processes (not zombies) whose command line holds every word."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if not alive(int(entry)):
+            continue
+        text = [a.decode(errors="replace") for a in argv]
+        if all(any(w in a for a in text) for w in words):
+            found.append(int(entry))
+    return found
+
+
+def ns_pids(ns: str) -> list[int]:
+    """Pids of the processes inside network namespace ``ns``."""
+    proc = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True,
+                          timeout=30)
+    return [int(x) for x in proc.stdout.split() if x.isdigit()]
+
+
+def kill_ns_processes(ns: str, keep: Collection[int] = (), deadline_s: float = 10.0) -> None:
+    """SIGKILL every process inside netns ``ns`` but ``keep`` (all were started by a bed),
+    and wait until they are gone (at most ``deadline_s``)."""
+    deadline = time.monotonic() + deadline_s
+    while True:
+        pids = [p for p in ns_pids(ns) if p != os.getpid() and p not in keep and alive(p)]
+        if not pids or time.monotonic() > deadline:
+            return
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.05)
