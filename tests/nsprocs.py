@@ -1,4 +1,5 @@
-"""Processes of the test beds: found by command line, listed and killed per network namespace.
+"""Processes of the test beds: found by command line, listed and killed per network namespace,
+and waited for (:func:`wait_until`).
 
 Shared by the beds that run daemons inside :mod:`netbed`'s namespaces
 (:mod:`sshbed`'s sshds, :mod:`slurmbed`'s slurmds) and by the tests that check
@@ -12,9 +13,9 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
-__all__ = ["alive", "cmdline", "kill_ns_processes", "ns_pids", "processes_with"]
+__all__ = ["alive", "cmdline", "kill_ns_processes", "ns_pids", "processes_with", "wait_until"]
 
 
 def cmdline(pid: int) -> str:
@@ -72,4 +73,13 @@ def kill_ns_processes(ns: str, keep: Collection[int] = (), deadline_s: float = 1
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+        time.sleep(0.05)
+
+
+def wait_until(pred: Callable[[], object], timeout: float, what: str) -> None:
+    """Poll ``pred`` until true; past ``timeout`` seconds fail saying ``what`` was awaited."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(0.05)

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from nsprocs import alive, processes_with
+from nsprocs import alive, processes_with, wait_until
 from sshbed import SshBed
 
 import colobus as cb
@@ -50,14 +50,6 @@ def options(ssh_bed: SshBed, **more: Any) -> dict[str, Any]:
     """ssh_cluster arguments for the bed: its ssh files, this venv's Python, the tests dir."""
     return {"python": sys.executable, "ssh_args": ssh_bed.ssh_args(),
             "env": {"PYTHONPATH": HERE}, "cwd": os.getcwd(), **FAST, **more}
-
-
-def wait_until(pred: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
 
 
 def fetch(fut: cb.Future[Any]) -> Any:
