@@ -10,6 +10,7 @@ the bridge address (as a colobus worker reaches its controller).
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import time
 
 import netbed
 import pytest
-from nsprocs import cmdline
+from nsprocs import cmdline, wait_until
 from slurmbed import (
     HOLD_PARTITION,
     HOLD_REASON,
@@ -132,11 +133,21 @@ def test_an_allocation_that_is_not_granted_in_time_fails_and_leaves_no_job(
     assert "SLURM_JOB_ID" not in os.environ
 
 
+def scheduler_cycles(slurm: SlurmBed) -> int:
+    """How many passes slurmctld's main scheduler has made (``sdiag``)."""
+    found = re.search(r"Main schedule statistics.*?Total cycles: *(\d+)",
+                      slurm.slurm("sdiag").stdout, re.S)
+    assert found is not None
+    return int(found.group(1))
+
+
 def test_a_job_in_the_hold_partition_stays_pending_until_scancel(slurm: SlurmBed) -> None:
+    before = scheduler_cycles(slurm)
     job = slurm.sbatch("#!/bin/sh\nsleep 300\n", f"--partition={HOLD_PARTITION}",
                        "-o", "/dev/null")
     assert slurm.wait_job(job, ["PENDING"], timeout=10) is not None
-    time.sleep(2.5)  # several backfill passes (bf_interval=1): it is still not started
+    # A scheduling pass after the submission has seen the job: it is still not started.
+    wait_until(lambda: scheduler_cycles(slurm) != before, 30, "a scheduling pass")
     line = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T %r"], capture_output=True,
                           text=True, timeout=30, check=True).stdout.strip()
     assert line == f"PENDING {HOLD_REASON}"
