@@ -4,6 +4,9 @@ never hold a key."""
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import os
 import re
 import subprocess
@@ -12,6 +15,8 @@ from typing import Any
 
 import pytest
 import yaml
+
+from colobus._tools import cli
 
 kubernetes_validate = pytest.importorskip(
     "kubernetes_validate", reason="kubernetes-validate (the test extra) is not installed")
@@ -27,10 +32,28 @@ OPTION_SETS = [
 ]
 
 
-def manifest(args: list[str]) -> subprocess.CompletedProcess[str]:
+def manifest_process(args: list[str]) -> subprocess.CompletedProcess[str]:
+    """``colobus manifest kubernetes ARGS`` as a process of its own."""
     env = {k: v for k, v in os.environ.items() if k != "COLOBUS_KEY_FILE"}
     return subprocess.run([sys.executable, "-m", "colobus", "manifest", "kubernetes", *args],
                           capture_output=True, text=True, timeout=60, env=env)
+
+
+def manifest(args: list[str]) -> subprocess.CompletedProcess[str]:
+    """``colobus manifest kubernetes ARGS`` through the command's own entry point, in this
+    process (its output, errors and exit status as a process gives them, without the
+    interpreter's start; the strictness test below runs the real process)."""
+    out, err = io.StringIO(), io.StringIO()
+    colobus_log = logging.getLogger("colobus")
+    level = colobus_log.level
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = cli.main(["manifest", "kubernetes", *args])
+    except SystemExit as exc:  # argparse's own errors (status 2)
+        code = int(exc.code or 0)
+    finally:
+        colobus_log.setLevel(level)
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 def option(args: list[str], name: str) -> str | None:
@@ -82,7 +105,10 @@ def test_manifests_validate_strictly_and_say_what_was_asked(args: list[str]) -> 
 
 def test_the_validator_is_strict_about_what_we_print() -> None:
     """The check above can fail: an unknown field, or a GPU count as a list, is refused."""
-    docs = list(yaml.safe_load_all(manifest(OPTION_SETS[0]).stdout))
+    out = manifest_process(OPTION_SETS[0])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == manifest(OPTION_SETS[0]).stdout  # the process prints the same
+    docs = list(yaml.safe_load_all(out.stdout))
     docs[2]["spec"]["template"]["spec"]["containers"][0]["gpu"] = 1
     with pytest.raises(kubernetes_validate.ValidationError):
         validate(docs[2])
