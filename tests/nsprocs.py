@@ -1,5 +1,6 @@
 """Processes of the test beds: found by command line, listed and killed per network namespace,
-and waited for (:func:`wait_until`).
+and waited for (:func:`wait_until`); a ``colobus`` command run without a process of its own
+(:func:`run_cli`).
 
 Shared by the beds that run daemons inside :mod:`netbed`'s namespaces
 (:mod:`sshbed`'s sshds, :mod:`slurmbed`'s slurmds) and by the tests that check
@@ -9,13 +10,17 @@ no process outlived them.
 from __future__ import annotations
 
 import contextlib
+import io
+import logging
 import os
 import signal
 import subprocess
 import time
 from collections.abc import Callable, Collection
 
-__all__ = ["alive", "cmdline", "kill_ns_processes", "ns_pids", "processes_with", "wait_until"]
+__all__ = [
+    "alive", "cmdline", "kill_ns_processes", "ns_pids", "processes_with", "run_cli", "wait_until",
+]
 
 
 def cmdline(pid: int) -> str:
@@ -83,3 +88,23 @@ def wait_until(pred: Callable[[], object], timeout: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(0.05)
+
+
+def run_cli(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    """``colobus ARGV`` through the command's own entry point, in this process: its output,
+    errors and exit status as a process gives them, without an interpreter's start (about
+    3 s of CPU with jax's import). For commands that start nothing (``manifest``, usage
+    errors); the colobus logger's level, which the command sets, is put back."""
+    from colobus._tools import cli
+
+    out, err = io.StringIO(), io.StringIO()
+    colobus_log = logging.getLogger("colobus")
+    level = colobus_log.level
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = cli.main(argv)
+    except SystemExit as exc:  # argparse's own errors (status 2)
+        code = int(exc.code or 0)
+    finally:
+        colobus_log.setLevel(level)
+    return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())

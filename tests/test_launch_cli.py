@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from nsprocs import processes_with
+from nsprocs import processes_with, run_cli
 from sshbed import SshBed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -93,16 +93,18 @@ INIT_DRIVER = textwrap.dedent("""
 """)
 
 
-def test_launch_local_init_joins_the_launched_workers_and_no_command(tmp_path: Path) -> None:
+def test_launch_local_init_joins_the_launched_workers(tmp_path: Path) -> None:
     driver = tmp_path / "drv.py"
     driver.write_text(INIT_DRIVER)
     out = launch(["local", "--hosts", "1"], driver, 0)
     assert out.returncode == 0, out.stderr[-3000:]
     _, address, rest = driver_line(out.stdout)
     assert address.startswith("ipc://") and rest.startswith("['local-0']")
-    none = subprocess.run([sys.executable, "-m", "colobus", "launch", "local"],
-                          capture_output=True, text=True, timeout=60)
-    assert none.returncode == 2 and "no driver command" in none.stderr
+
+
+def test_launch_without_a_driver_command_is_a_usage_error() -> None:
+    out = run_cli(["launch", "local"])  # the command's entry point, in this process
+    assert out.returncode == 2 and "no driver command" in out.stderr
 
 
 def ssh_options(ssh_bed: SshBed) -> list[str]:

@@ -4,9 +4,6 @@ never hold a key."""
 
 from __future__ import annotations
 
-import contextlib
-import io
-import logging
 import os
 import re
 import subprocess
@@ -15,8 +12,7 @@ from typing import Any
 
 import pytest
 import yaml
-
-from colobus._tools import cli
+from nsprocs import run_cli
 
 kubernetes_validate = pytest.importorskip(
     "kubernetes_validate", reason="kubernetes-validate (the test extra) is not installed")
@@ -40,20 +36,9 @@ def manifest_process(args: list[str]) -> subprocess.CompletedProcess[str]:
 
 
 def manifest(args: list[str]) -> subprocess.CompletedProcess[str]:
-    """``colobus manifest kubernetes ARGS`` through the command's own entry point, in this
-    process (its output, errors and exit status as a process gives them, without the
-    interpreter's start; the strictness test below runs the real process)."""
-    out, err = io.StringIO(), io.StringIO()
-    colobus_log = logging.getLogger("colobus")
-    level = colobus_log.level
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = cli.main(["manifest", "kubernetes", *args])
-    except SystemExit as exc:  # argparse's own errors (status 2)
-        code = int(exc.code or 0)
-    finally:
-        colobus_log.setLevel(level)
-    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+    """The same through the command's entry point in this process (the strictness test
+    below runs the real process too)."""
+    return run_cli(["manifest", "kubernetes", *args])
 
 
 def option(args: list[str], name: str) -> str | None:
