@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Collection
 
@@ -90,21 +91,28 @@ def wait_until(pred: Callable[[], object], timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def run_cli(argv: list[str]) -> subprocess.CompletedProcess[str]:
+def run_cli(argv: list[str], stdin: str = "") -> subprocess.CompletedProcess[str]:
     """``colobus ARGV`` through the command's own entry point, in this process: its output,
     errors and exit status as a process gives them, without an interpreter's start (about
-    3 s of CPU with jax's import). For commands that start nothing (``manifest``, usage
-    errors); the colobus logger's level, which the command sets, is put back."""
+    3 s of CPU with jax's import). For commands that end before starting anything
+    (``manifest``, usage and key errors). ``stdin`` is what the command reads there; its
+    colobus log lines go to its stderr as in a process; the colobus logger's level, which
+    the command sets, is put back."""
     from colobus._tools import cli
 
     out, err = io.StringIO(), io.StringIO()
     colobus_log = logging.getLogger("colobus")
     level = colobus_log.level
+    said = logging.StreamHandler(err)
+    colobus_log.addHandler(said)
+    real_stdin, sys.stdin = sys.stdin, io.StringIO(stdin)
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             code = cli.main(argv)
     except SystemExit as exc:  # argparse's own errors (status 2)
         code = int(exc.code or 0)
     finally:
+        sys.stdin = real_stdin
+        colobus_log.removeHandler(said)
         colobus_log.setLevel(level)
     return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
