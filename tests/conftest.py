@@ -72,6 +72,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      help="also run the tests marked slow (long explorations)")
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The long single-process checks start now, beside the suite (tests/early.py)."""
+    if not os.environ.get("COLOBUS_TEST_FORBID_UNPICKLE"):  # not inside such a check
+        import early
+
+        early.start_collected(item.nodeid for item in session.items)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    import early
+
+    early.stop_all()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked ``slow`` stay out of the default run (and CI) unless ``--run-slow``."""
     if config.getoption("--run-slow"):
