@@ -115,6 +115,16 @@ def test_key_file_errors_are_one_line(tmp_path: Path) -> None:
         assert "ermission" in line
 
 
+def test_curve_keys_read_from_stdin_are_checked_and_not_echoed() -> None:
+    args = ["worker", "--connect", "tcp://127.0.0.1:9", "--key-file", "-",
+            "--curve-key-file", "-", "--server-key", "-"]
+    line = _one_line_error(_cli(*args, stdin="ab" * 32 + "\nnot-a-secret\nnot-a-key\n"))
+    assert "not a Z85 CurveZMQ secret key" in line and "not-a-secret" not in line
+    secret = "x" * 40  # Z85-shaped, but the server's key line is not a key
+    line = _one_line_error(_cli(*args, stdin="ab" * 32 + f"\n{secret}\nnot-a-key\n"))
+    assert "Z85 public key" in line and secret not in line
+
+
 def test_demo_hosts_0_is_a_usage_error() -> None:
     line = _one_line_error(_cli("demo", "--hosts", "0"))
     assert "--hosts" in line and "1 or more" in line

@@ -9,17 +9,19 @@ Skips (saying why) where namespaces or sshd cannot run.
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import signal
 import socket
 import sys
+import tempfile
 import time
 from typing import Any
 
 import numpy as np
 import pytest
-from nsprocs import alive, processes_with, wait_until
+from nsprocs import alive, cmdline, processes_with, wait_until
 from sshbed import SshBed
 
 import colobus as cb
@@ -116,6 +118,27 @@ async def test_a_killed_ssh_client_leaves_no_worker_on_the_far_side(ssh_bed: Ssh
     assert processes_with("colobus", "worker", ctl.address) == []
 
 
+def test_curve_over_ssh_with_keys_made_for_the_cluster_and_sent_on_stdin(
+        ssh_bed: SshBed) -> None:
+    cluster = cb.ssh_cluster(ssh_bed.addresses, curve=True, **options(ssh_bed))
+    with cluster as ctl:
+        assert ctl._curve is not None  # the controller's socket is a CurveZMQ server:
+        # the workers joined and run calls, so each had its key pair and the server's key
+        got = fetch(source_octet(per_host(ctl), ssh_bed.controller_ip))
+        assert got.tolist() == [int(ip.rsplit(".", 1)[1]) for ip in ssh_bed.addresses]
+        assert ctl._curve_allow is not None and len(ctl._curve_allow) == 2  # theirs only
+        assert cluster.launcher.curve is not None  # type: ignore[attr-defined]
+        secrets, _ = cluster.launcher.curve  # type: ignore[attr-defined]
+        # No secret on a command line, here or on the hosts, and no secret file left.
+        for secret in [*secrets, ctl._curve[1], ctl._key.hex().encode()]:
+            assert processes_with(secret.decode()) == []
+        assert not glob.glob(os.path.join(tempfile.gettempdir(), "colobus-curve-*"))
+        workers = processes_with("colobus", "worker", ctl.address)
+        assert len(workers) == 4  # two ssh clients and their workers: keys from stdin
+        assert all("--curve-key-file - --server-key -" in cmdline(p) for p in workers)
+    assert processes_with("colobus", "worker", ctl.address) == []
+
+
 def test_restart_over_ssh_brings_a_killed_worker_back(ssh_bed: SshBed,
                                                      caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, "colobus.launch")
@@ -177,6 +200,8 @@ def test_ssh_cluster_checks_its_arguments() -> None:
         cb.ssh_cluster([], bind="tcp://127.0.0.1:*")
     with pytest.raises(ValueError, match="not an environment variable name"):
         cb.ssh_cluster(["node1"], bind="tcp://127.0.0.1:*", env={"A B": "1"})
+    with pytest.raises(ValueError, match="give curve=True"):
+        cb.ssh_cluster(["node1"], bind="tcp://127.0.0.1:*", curve_secret_key="server.key")
 
 
 HOLDER = """
