@@ -72,6 +72,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      help="also run the tests marked slow (long explorations)")
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The long single-process checks start now, beside the suite (tests/early.py)."""
+    if not os.environ.get("COLOBUS_TEST_FORBID_UNPICKLE"):  # not inside such a check
+        import early
+
+        early.start_collected(item.nodeid for item in session.items)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    import early
+
+    early.stop_all()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked ``slow`` stay out of the default run (and CI) unless ``--run-slow``."""
     if config.getoption("--run-slow"):
@@ -84,3 +98,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 # The real Slurm cluster (tests/slurmbed.py): fixtures `slurm_bed` (session) and `slurm`.
 from slurm_fixtures import slurm, slurm_bed  # noqa: E402, F401
+
+# An sshd in each host of a netns bed (tests/sshbed.py): `ssh_bed_session` and `ssh_bed`.
+from sshbed import ssh_bed, ssh_bed_session  # noqa: E402, F401

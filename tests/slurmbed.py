@@ -85,6 +85,7 @@ from dataclasses import dataclass
 
 import netbed
 from netbed import NetBed, pid_alive
+from nsprocs import cmdline, kill_ns_processes, ns_pids
 
 __all__ = [
     "DEFAULT_PARTITION", "HOLD_PARTITION", "HOLD_REASON", "SlurmBed", "SlurmBedError",
@@ -125,33 +126,6 @@ def _which(name: str) -> str | None:
     return shutil.which(name) or shutil.which(name, path="/usr/sbin:/sbin:/usr/bin:/bin")
 
 
-def _ns_pids(ns: str) -> list[int]:
-    proc = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True,
-                          timeout=30)
-    return [int(x) for x in proc.stdout.split() if x.isdigit()]
-
-
-def _kill_ns_processes(ns: str, deadline_s: float = 10.0) -> None:
-    """SIGKILL every process inside netns ``ns`` (all were started by a bed), and wait."""
-    deadline = time.monotonic() + deadline_s
-    while True:
-        pids = [p for p in _ns_pids(ns) if p != os.getpid()]
-        if not pids or time.monotonic() > deadline:
-            return
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        time.sleep(0.05)
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
 def cleanup_leftovers() -> list[str]:
     """Kill and remove what beds of dead test processes left; returns what was removed.
 
@@ -169,8 +143,8 @@ def cleanup_leftovers() -> list[str]:
         if not name.startswith(netbed.NS_PREFIX):
             continue
         pid_text = name[len(netbed.NS_PREFIX):].split("-")[0]
-        if pid_text.isdigit() and not pid_alive(int(pid_text)) and _ns_pids(name):
-            _kill_ns_processes(name)
+        if pid_text.isdigit() and not pid_alive(int(pid_text)) and ns_pids(name):
+            kill_ns_processes(name)
             removed.append(f"processes in {name}")
     tmp = tempfile.gettempdir()
     for entry in sorted(os.listdir(tmp)):
@@ -186,7 +160,7 @@ def cleanup_leftovers() -> list[str]:
             continue
         with contextlib.suppress(OSError), open(os.path.join(path, "daemons.pid")) as f:
             for word in f.read().split():
-                if word.isdigit() and path in _cmdline(int(word)):
+                if word.isdigit() and path in cmdline(int(word)):
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(int(word), signal.SIGKILL)
         shutil.rmtree(path, ignore_errors=True)
@@ -659,7 +633,7 @@ class SlurmBed:
         finally:
             try:
                 for n in self.nodes:  # slurmd, slurmstepd and the steps: all in the namespaces
-                    _kill_ns_processes(n.ns)
+                    kill_ns_processes(n.ns)
                 for proc in self._extra_procs:
                     if proc.poll() is None:
                         proc.kill()

@@ -17,17 +17,18 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import netbed
+import pytest
 from netbed import NetBed
+from nsprocs import kill_ns_processes
 
-__all__ = ["SSHD", "SshBed", "processes_with", "unavailable_reason"]
+__all__ = ["SSHD", "SshBed", "ssh_bed", "ssh_bed_session", "unavailable_reason"]
 
 SSHD = "/usr/sbin/sshd"
 
@@ -43,27 +44,6 @@ def unavailable_reason() -> str | None:
         if shutil.which(tool) is None:
             return f"the ssh test bed needs `{tool}`"
     return None
-
-
-def processes_with(*words: str) -> list[int]:
-    """Pids of live processes (not zombies) whose command line holds every word."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-            with open(f"/proc/{entry}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state == "Z":
-            continue
-        text = [a.decode(errors="replace") for a in argv]
-        if all(any(w in a for a in text) for w in words):
-            found.append(int(entry))
-    return found
 
 
 def _keygen(path: str) -> None:
@@ -185,11 +165,7 @@ class SshBed:
             # Whatever still runs in the bed's namespaces (an sshd session, a worker a
             # failed test left) was started through this bed: it goes first.
             for h in self.net.hosts:
-                pids = subprocess.run(["ip", "netns", "pids", h.ns], capture_output=True,
-                                      text=True, timeout=30).stdout.split()
-                for pid in pids:
-                    with contextlib.suppress(ProcessLookupError, ValueError):
-                        os.kill(int(pid), signal.SIGKILL)
+                kill_ns_processes(h.ns)
             for p in self._sshds:
                 if p.poll() is None:
                     p.kill()
@@ -201,6 +177,15 @@ class SshBed:
         finally:
             self.net.close()
             self._tmp.cleanup()
+
+    def reset(self) -> None:
+        """Between tests: every link up again, and nothing but the sshds left running in
+        the namespaces (a session or worker a failed test left is killed)."""
+        for i in range(len(self.net.hosts)):
+            self.net.restore(i)
+        sshds = [p.pid for p in self._sshds]
+        for h in self.net.hosts:
+            kill_ns_processes(h.ns, keep=sshds)
 
     def __enter__(self) -> SshBed:
         return self.create()
@@ -217,3 +202,24 @@ class SshBed:
                                self.addresses[i], *command],
                               capture_output=True, text=True, timeout=timeout,
                               stdin=subprocess.DEVNULL)
+
+
+# -- pytest fixtures (conftest imports them) ------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def ssh_bed_session() -> Iterator[SshBed]:
+    """One 2-host bed for the whole run, made on first use; skips (saying why) where none
+    can run here."""
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    with SshBed(hosts=2) as b:
+        yield b
+
+
+@pytest.fixture
+def ssh_bed(ssh_bed_session: SshBed) -> Iterator[SshBed]:
+    """The session's ssh bed for one test, :meth:`SshBed.reset` after it."""
+    yield ssh_bed_session
+    ssh_bed_session.reset()

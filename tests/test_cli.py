@@ -1,4 +1,7 @@
-"""The ``colobus`` command as a user runs it: the installed console script, no tracebacks."""
+"""The ``colobus`` command as a user runs it, no tracebacks: the installed console script
+(help, version, a usage error and a key error), and the other errors through the command's
+entry point in this process (:func:`nsprocs.run_cli`: the same output and status, without
+an interpreter's start each)."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from nsprocs import run_cli
 
 import colobus as cb
 
@@ -20,6 +24,10 @@ def _colobus(*args: str, timeout: float = 60, stdin: str | None = None,
     assert SCRIPT.exists(), f"no console script at {SCRIPT}: pip install -e . first"
     return subprocess.run([str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout,
                           input=stdin, env=env)
+
+
+def _cli(*args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+    return run_cli(list(args), stdin)
 
 
 def _one_line_error(proc: subprocess.CompletedProcess[str], status: int = 2) -> str:
@@ -74,60 +82,70 @@ def test_abbreviations_are_off_and_the_secret_is_not_echoed(tmp_path: Path) -> N
     ("udp://h:1", "not supported"),
 ])
 def test_malformed_connect_is_one_line_and_status_2(endpoint: str, why: str) -> None:
-    line = _one_line_error(_colobus("worker", "--connect", endpoint), 2)
+    line = _one_line_error(_cli("worker", "--connect", endpoint), 2)
     assert why in line and "--connect" in line
 
 
 def test_key_file_errors_are_one_line(tmp_path: Path) -> None:
     missing = tmp_path / "nope.key"
     line = _one_line_error(_colobus("worker", "--connect", "tcp://127.0.0.1:9",
-                                    "--key-file", str(missing)))
+                                    "--key-file", str(missing)))  # the console script
     assert str(missing) in line and "colobus keygen" in line
     bad = tmp_path / "bad.key"
     bad.write_text("not hex\n")
-    line = _one_line_error(_colobus("worker", "--connect", "tcp://127.0.0.1:9",
+    line = _one_line_error(_cli("worker", "--connect", "tcp://127.0.0.1:9",
                                     "--key-file", str(bad)))
     assert "chmod 600" in line  # readable by others: refused before it is read
     bad.chmod(0o600)
-    line = _one_line_error(_colobus("worker", "--connect", "tcp://127.0.0.1:9",
+    line = _one_line_error(_cli("worker", "--connect", "tcp://127.0.0.1:9",
                                     "--key-file", str(bad)))
     assert "not a colobus key (expected hex)" in line
-    line = _one_line_error(_colobus("worker", "--connect", "tcp://127.0.0.1:9",
+    line = _one_line_error(_cli("worker", "--connect", "tcp://127.0.0.1:9",
                                     "--key-file", str(tmp_path)))  # a directory
     assert "colobus keygen" in line
-    line = _one_line_error(_colobus("worker", "--connect", "tcp://127.0.0.1:9",
+    line = _one_line_error(_cli("worker", "--connect", "tcp://127.0.0.1:9",
                                     "--key-file", "-", stdin="zz\n"))
     assert "expected hex" in line
-    line = _one_line_error(_colobus("worker", "--connect", "tcp://127.0.0.1:9"))
+    line = _one_line_error(_cli("worker", "--connect", "tcp://127.0.0.1:9"))
     assert "needs the controller's key" in line
     if os.geteuid() != 0:  # root reads a 0000 file all the same
         bad.chmod(0)
-        line = _one_line_error(_colobus("worker", "--connect", "tcp://127.0.0.1:9",
+        line = _one_line_error(_cli("worker", "--connect", "tcp://127.0.0.1:9",
                                         "--key-file", str(bad)))
         assert "ermission" in line
 
 
+def test_curve_keys_read_from_stdin_are_checked_and_not_echoed() -> None:
+    args = ["worker", "--connect", "tcp://127.0.0.1:9", "--key-file", "-",
+            "--curve-key-file", "-", "--server-key", "-"]
+    line = _one_line_error(_cli(*args, stdin="ab" * 32 + "\nnot-a-secret\nnot-a-key\n"))
+    assert "not a Z85 CurveZMQ secret key" in line and "not-a-secret" not in line
+    secret = "x" * 40  # Z85-shaped, but the server's key line is not a key
+    line = _one_line_error(_cli(*args, stdin="ab" * 32 + f"\n{secret}\nnot-a-key\n"))
+    assert "Z85 public key" in line and secret not in line
+
+
 def test_demo_hosts_0_is_a_usage_error() -> None:
-    line = _one_line_error(_colobus("demo", "--hosts", "0"))
+    line = _one_line_error(_cli("demo", "--hosts", "0"))
     assert "--hosts" in line and "1 or more" in line
 
 
 def test_keygen_refuses_to_overwrite_and_missing_directories(tmp_path: Path) -> None:
     path = tmp_path / "k"
-    assert _colobus("keygen", str(path)).returncode == 0
+    assert _cli("keygen", str(path)).returncode == 0
     first = path.read_text()
-    line = _one_line_error(_colobus("keygen", str(path)), 1)
+    line = _one_line_error(_cli("keygen", str(path)), 1)
     assert "--force" in line and str(path) in line
     assert path.read_text() == first  # untouched
-    forced = _colobus("keygen", "--force", str(path))
+    forced = _cli("keygen", "--force", str(path))
     assert forced.returncode == 0, forced.stderr
     assert path.read_text() != first
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
-    line = _one_line_error(_colobus("keygen", str(tmp_path / "missing" / "k")))
+    line = _one_line_error(_cli("keygen", str(tmp_path / "missing" / "k")))
     assert "no directory" in line
     curve = tmp_path / "c"
-    assert _colobus("keygen", "--curve", str(curve)).returncode == 0
-    line = _one_line_error(_colobus("keygen", "--curve", str(curve)), 1)
+    assert _cli("keygen", "--curve", str(curve)).returncode == 0
+    line = _one_line_error(_cli("keygen", "--curve", str(curve)), 1)
     assert "--force" in line
 
 

@@ -3,7 +3,6 @@ environment; the driver's exit status passes through; nothing outlives the run."
 
 from __future__ import annotations
 
-import collections.abc
 import os
 import subprocess
 import sys
@@ -12,8 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-from sshbed import SshBed, processes_with
-from sshbed import unavailable_reason as ssh_unavailable
+from nsprocs import processes_with, run_cli
+from sshbed import SshBed
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -94,44 +93,33 @@ INIT_DRIVER = textwrap.dedent("""
 """)
 
 
-def test_launch_local_init_joins_the_launched_workers_and_no_command(tmp_path: Path) -> None:
+def test_launch_local_init_joins_the_launched_workers(tmp_path: Path) -> None:
     driver = tmp_path / "drv.py"
     driver.write_text(INIT_DRIVER)
     out = launch(["local", "--hosts", "1"], driver, 0)
     assert out.returncode == 0, out.stderr[-3000:]
     _, address, rest = driver_line(out.stdout)
     assert address.startswith("ipc://") and rest.startswith("['local-0']")
-    none = subprocess.run([sys.executable, "-m", "colobus", "launch", "local"],
-                          capture_output=True, text=True, timeout=60)
-    assert none.returncode == 2 and "no driver command" in none.stderr
 
 
-@pytest.fixture
-def bed() -> collections.abc.Iterator[SshBed]:
-    reason = ssh_unavailable()
-    if reason is not None:
-        pytest.skip(reason)
-    b = SshBed(hosts=2)
-    try:
-        b.create()
-        yield b
-    finally:
-        b.close()
+def test_launch_without_a_driver_command_is_a_usage_error() -> None:
+    out = run_cli(["launch", "local"])  # the command's entry point, in this process
+    assert out.returncode == 2 and "no driver command" in out.stderr
 
 
-def ssh_options(bed: SshBed) -> list[str]:
-    return [*(f"--ssh-arg={a}" for a in bed.ssh_args()), "--python", sys.executable,
+def ssh_options(ssh_bed: SshBed) -> list[str]:
+    return [*(f"--ssh-arg={a}" for a in ssh_bed.ssh_args()), "--python", sys.executable,
             "--env", f"PYTHONPATH={HERE}"]
 
 
 @pytest.mark.netns
-def test_launch_ssh_runs_the_driver_on_the_hosts(bed: SshBed, tmp_path: Path) -> None:
+def test_launch_ssh_runs_the_driver_on_the_hosts(ssh_bed: SshBed, tmp_path: Path) -> None:
     driver = tmp_path / "drv.py"
     driver.write_text(DRIVER)
-    out = launch(["ssh", *bed.addresses, "--devices", "2", *ssh_options(bed)], driver, 3)
+    out = launch(["ssh", *ssh_bed.addresses, "--devices", "2", *ssh_options(ssh_bed)], driver, 3)
     assert out.returncode == 3, out.stderr[-3000:]
     _, address, rest = driver_line(out.stdout)
-    assert address.startswith(f"tcp://{bed.controller_ip}:")
+    assert address.startswith(f"tcp://{ssh_bed.controller_ip}:")
     assert "'sshbed-0', 'sshbed-1'" in rest  # the hosts' names: they ran in the namespaces
     for i in range(2):
         assert f"[host {i}] ran on sshbed-{i}" in out.stderr, out.stderr[-3000:]
@@ -143,18 +131,18 @@ def test_launch_ssh_runs_the_driver_on_the_hosts(bed: SshBed, tmp_path: Path) ->
 
 
 @pytest.mark.netns
-def test_launch_ssh_refused_login_ends_the_run_naming_the_host(bed: SshBed,
+def test_launch_ssh_refused_login_ends_the_run_naming_the_host(ssh_bed: SshBed,
                                                               tmp_path: Path) -> None:
     driver = tmp_path / "drv.py"
     driver.write_text(DRIVER)
-    args = [f"--ssh-arg={a}" for a in bed.ssh_args(identity=bed.other_identity())]
+    args = [f"--ssh-arg={a}" for a in ssh_bed.ssh_args(identity=ssh_bed.other_identity())]
     t0 = time.monotonic()
-    out = launch(["ssh", *bed.addresses, *args, "--python", sys.executable], driver, 0)
+    out = launch(["ssh", *ssh_bed.addresses, *args, "--python", sys.executable], driver, 0)
     assert time.monotonic() - t0 < 60
     assert out.returncode == 1, out.stderr[-3000:]
     assert "Permission denied (publickey)" in out.stderr
     assert "the driver was stopped" in out.stderr
-    assert any(f"{ip!r} (ssh host {i})" in out.stderr for i, ip in enumerate(bed.addresses))
+    assert any(f"{ip!r} (ssh host {i})" in out.stderr for i, ip in enumerate(ssh_bed.addresses))
 
 
 SLEEPER = textwrap.dedent("""

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import yaml
+from nsprocs import run_cli
 
 kubernetes_validate = pytest.importorskip(
     "kubernetes_validate", reason="kubernetes-validate (the test extra) is not installed")
@@ -27,10 +28,17 @@ OPTION_SETS = [
 ]
 
 
-def manifest(args: list[str]) -> subprocess.CompletedProcess[str]:
+def manifest_process(args: list[str]) -> subprocess.CompletedProcess[str]:
+    """``colobus manifest kubernetes ARGS`` as a process of its own."""
     env = {k: v for k, v in os.environ.items() if k != "COLOBUS_KEY_FILE"}
     return subprocess.run([sys.executable, "-m", "colobus", "manifest", "kubernetes", *args],
                           capture_output=True, text=True, timeout=60, env=env)
+
+
+def manifest(args: list[str]) -> subprocess.CompletedProcess[str]:
+    """The same through the command's entry point in this process (the strictness test
+    below runs the real process too)."""
+    return run_cli(["manifest", "kubernetes", *args])
 
 
 def option(args: list[str], name: str) -> str | None:
@@ -82,7 +90,10 @@ def test_manifests_validate_strictly_and_say_what_was_asked(args: list[str]) -> 
 
 def test_the_validator_is_strict_about_what_we_print() -> None:
     """The check above can fail: an unknown field, or a GPU count as a list, is refused."""
-    docs = list(yaml.safe_load_all(manifest(OPTION_SETS[0]).stdout))
+    out = manifest_process(OPTION_SETS[0])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == manifest(OPTION_SETS[0]).stdout  # the process prints the same
+    docs = list(yaml.safe_load_all(out.stdout))
     docs[2]["spec"]["template"]["spec"]["containers"][0]["gpu"] = 1
     with pytest.raises(kubernetes_validate.ValidationError):
         validate(docs[2])

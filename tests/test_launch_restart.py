@@ -6,16 +6,19 @@ import logging
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from nsprocs import wait_until
 
 import colobus as cb
 
 
 @cb.colocated_python
-def nap(x: Any) -> Any:
+def nap(x: Any, started: str) -> Any:
+    open(started, "w").close()  # the call runs on the host now
     time.sleep(60)
     return x
 
@@ -25,31 +28,24 @@ def where(x: Any) -> Any:
     return x * 0 + os.getpid()
 
 
-def _wait(pred: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
-
-
 def test_restart_brings_a_killed_worker_back_under_its_name(
-        caplog: pytest.LogCaptureFixture) -> None:
+        caplog: pytest.LogCaptureFixture, tmp_path: Path) -> None:
     caplog.set_level(logging.WARNING, "colobus")
-    with cb.local_cluster(hosts=2, devices_per_host=2, restart=1,
-                          liveness_timeout=30.0) as ctl:
+    cluster = cb.local_cluster(hosts=2, devices_per_host=2, restart=1, liveness_timeout=30.0)
+    with cluster as ctl:
         before = ctl.hosts()
         ids1 = [d.id for d in before[1].devices]
         d1 = before[1].devices
         held = cb.device_put(np.arange(2.0), cb.NamedSharding(
             cb.Mesh(np.array(d1), ("d",)), cb.PartitionSpec("d")))
-        pending = nap(held)
-        time.sleep(0.3)  # let the call reach the host (the proof is HostLostError below)
+        started = tmp_path / "started"
+        pending = nap(held, str(started))
+        wait_until(started.exists, 30, "the call to run on host 1")
         os.kill(before[1].pid, signal.SIGKILL)
         with pytest.raises(cb.HostLostError, match="killed by SIGKILL"):
             pending.result(timeout=20)
-        _wait(lambda: ctl.hosts()[1].state == "alive" and ctl.hosts()[1].pid != before[1].pid,
-              60, "host 1 to come back")
+        wait_until(lambda: ctl.hosts()[1].state == "alive"
+                   and ctl.hosts()[1].pid != before[1].pid, 60, "host 1 to come back")
         after = ctl.hosts()
         assert [(h.index, h.name) for h in after] == [(0, "local-0"), (1, "local-1")]
         assert [d.id for d in after[1].devices] == ids1
@@ -62,9 +58,12 @@ def test_restart_brings_a_killed_worker_back_under_its_name(
         np.testing.assert_array_equal(got, np.full(2, after[1].pid))
         # Restarts are counted: a second death is final.
         os.kill(after[1].pid, signal.SIGKILL)
-        _wait(lambda: ctl.hosts()[1].state == "lost", 20, "host 1 lost for good")
-        time.sleep(1.0)  # a restart would have begun by now (it starts within ms)
-        assert ctl.hosts()[1].state == "lost"
+        # The launcher decides at the process's end: host 1 is gone for good, not restarted.
+        workers = cluster.workers
+        assert workers is not None
+        wait_until(lambda: 1 in workers.gone, 20, "the launcher to give host 1 up")
+        assert workers.restarts == [0, 1]
+        wait_until(lambda: ctl.hosts()[1].state == "lost", 20, "host 1 lost for good")
         assert ctl.hosts()[0].state == "alive"
     said = [r.getMessage() for r in caplog.records]
     assert sum("restarting local host 1 ('local-1') (restart 1 of 1)" in m for m in said) == 1, said

@@ -22,6 +22,7 @@ from colobus._launch.slurm import (
     parse_label_line,
     parse_squeue,
 )
+from colobus._wire.keys import write_key
 
 
 def script(**kw: object) -> str:
@@ -104,8 +105,7 @@ def test_a_worker_that_gave_up_is_not_restarted(tmp_path: Path) -> None:
 def test_a_worker_without_a_controller_gives_up(tmp_path: Path) -> None:
     """A real `colobus worker --give-up-after 2` whose controller is gone exits with 3."""
     key = tmp_path / "k.key"
-    subprocess.run([sys.executable, "-m", "colobus", "keygen", str(key)], check=True,
-                   capture_output=True, timeout=60)
+    write_key(str(key))
     out = subprocess.run([sys.executable, "-m", "colobus", "worker", "--connect",
                           "tcp://127.0.0.1:9", "--key-file", str(key), "--give-up-after", "2"],
                          capture_output=True, text=True, timeout=120)

@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from nsprocs import wait_until
 from slurmbed import HOLD_REASON, SlurmBed
 
 import colobus as cb
@@ -46,14 +47,6 @@ def fetch_octets(ctl: cb.Controller, controller_ip: str) -> list[int]:
 
 def node_octets(bed: SlurmBed) -> list[int]:
     return [int(h.ip.rsplit(".", 1)[1]) for h in bed.net.hosts]
-
-
-def wait_until(pred: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.1)
 
 
 @pytest.fixture

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import early
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -20,5 +22,6 @@ def test_ruff_clean() -> None:
 
 
 def test_mypy_strict_clean() -> None:
-    out = _run("mypy", "--no-incremental", "colobus")
+    # `mypy --no-incremental colobus`, started with the session (tests/early.py)
+    out = early.result("mypy")
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-2000:]

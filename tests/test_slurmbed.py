@@ -10,6 +10,7 @@ the bridge address (as a colobus worker reaches its controller).
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -18,12 +19,12 @@ import time
 
 import netbed
 import pytest
+from nsprocs import cmdline, wait_until
 from slurmbed import (
     HOLD_PARTITION,
     HOLD_REASON,
     SlurmBed,
     SlurmBedError,
-    _cmdline,
     unavailable_reason,
 )
 
@@ -132,11 +133,21 @@ def test_an_allocation_that_is_not_granted_in_time_fails_and_leaves_no_job(
     assert "SLURM_JOB_ID" not in os.environ
 
 
+def scheduler_cycles(slurm: SlurmBed) -> int:
+    """How many passes slurmctld's main scheduler has made (``sdiag``)."""
+    found = re.search(r"Main schedule statistics.*?Total cycles: *(\d+)",
+                      slurm.slurm("sdiag").stdout, re.S)
+    assert found is not None
+    return int(found.group(1))
+
+
 def test_a_job_in_the_hold_partition_stays_pending_until_scancel(slurm: SlurmBed) -> None:
+    before = scheduler_cycles(slurm)
     job = slurm.sbatch("#!/bin/sh\nsleep 300\n", f"--partition={HOLD_PARTITION}",
                        "-o", "/dev/null")
     assert slurm.wait_job(job, ["PENDING"], timeout=10) is not None
-    time.sleep(2.5)  # several backfill passes (bf_interval=1): it is still not started
+    # A scheduling pass after the submission has seen the job: it is still not started.
+    wait_until(lambda: scheduler_cycles(slurm) != before, 30, "a scheduling pass")
     line = subprocess.run(["squeue", "-h", "-j", job, "-o", "%T %r"], capture_output=True,
                           text=True, timeout=30, check=True).stdout.strip()
     assert line == f"PENDING {HOLD_REASON}"
@@ -155,7 +166,7 @@ def test_scancel_stops_a_running_job_and_its_processes(slurm: SlurmBed) -> None:
     def sleeps() -> list[int]:
         pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True,
                               timeout=30).stdout.split()
-        return [int(p) for p in pids if _cmdline(int(p)) == "sleep 300 "]
+        return [int(p) for p in pids if cmdline(int(p)) == "sleep 300 "]
 
     deadline = time.monotonic() + 15
     while not sleeps():
@@ -211,7 +222,7 @@ def _running(pid: int) -> bool:
 
 
 def _leftovers(bed: SlurmBed, pids: list[int]) -> list[str]:
-    left = [f"pid {p} ({_cmdline(p)})" for p in pids if _running(p)]
+    left = [f"pid {p} ({cmdline(p)})" for p in pids if _running(p)]
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True,
                            timeout=30).stdout
     left += [n.ns for n in bed.nodes if n.ns in names]

@@ -51,6 +51,17 @@ def log_emit(logger: logging.Logger) -> Emit:
     return emit
 
 
+def checked_restart(restart: int) -> int:
+    """``restart`` when valid (how often a host's worker may be started again).
+
+    Raises:
+        ValueError: ``restart`` is negative.
+    """
+    if restart < 0:
+        raise ValueError(f"restart must be >= 0, got {restart}")
+    return restart
+
+
 class Launcher(abc.ABC):
     """How one kind of cluster starts the worker of each host.
 
@@ -128,12 +139,10 @@ class Workers:
 
     def __init__(self, launcher: Launcher, connect: str, key: bytes, *, restart: int = 0,
                  on_ended: Callable[[str, int | None, str], None] | None = None) -> None:
-        if restart < 0:
-            raise ValueError(f"restart must be >= 0, got {restart}")
         self.launcher = launcher
         self.connect = connect
         self._key = key
-        self.restart = restart
+        self.restart = checked_restart(restart)
         self._on_ended = on_ended
         self._lock = threading.Lock()
         self.current: list[HostProcess] = []  # host i's process now
@@ -272,12 +281,10 @@ class LaunchedCluster:
 
     def __init__(self, launcher: Launcher, controller: Controller, key: bytes, *,
                  restart: int = 0, connect: Callable[[str], str] | None = None) -> None:
-        if restart < 0:
-            raise ValueError(f"restart must be >= 0, got {restart}")
         self.launcher = launcher
         self.controller = controller
         self._key = key
-        self.restart = restart
+        self.restart = checked_restart(restart)  # refused now, not after the controller started
         self._connect = connect
         self.workers: Workers | None = None
         self._closed = False
@@ -324,14 +331,19 @@ class LaunchedCluster:
             f"{ctl.join_timeout:g} s (they connect to {self.connect_address()}); their "
             "[host N] log lines say why")
 
-    def _reap(self) -> None:
+    def _closing(self) -> None:
+        """From now on a worker that ends is ours stopping it: no news, no restart."""
         if self.workers is not None:
-            self.workers.reap()
-        self._cleanup()
+            self.workers.closing = True
 
-    def _kill_all(self) -> None:
+    def _stop_workers(self, failed: bool) -> None:
+        """After the controller closed: reap the workers it told to exit, or (``failed``:
+        an entry that did not finish) stop them all now; then clean up."""
         if self.workers is not None:
-            self.workers.kill_all()
+            if failed:
+                self.workers.kill_all()
+            else:
+                self.workers.reap()
         self._cleanup()
 
     def _cleanup(self) -> None:
@@ -345,22 +357,21 @@ class LaunchedCluster:
             self._spawn()
             await self._wait_joined()
         except BaseException:
-            if self.workers is not None:
-                self.workers.closing = True
-            await self.controller.aclose()
-            await asyncio.get_running_loop().run_in_executor(None, self._kill_all)
+            await self._aclose(failed=True)
             raise
         _push_current(self.controller)
         return self.controller
 
     async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
                         tb: TracebackType | None) -> None:
-        if self.workers is not None:
-            self.workers.closing = True
+        await self._aclose(failed=False)
+
+    async def _aclose(self, failed: bool) -> None:
+        self._closing()
         try:
             await self.controller.aclose()
         finally:
-            await asyncio.get_running_loop().run_in_executor(None, self._reap)
+            await asyncio.get_running_loop().run_in_executor(None, self._stop_workers, failed)
 
     # -- with -----------------------------------------------------------------------------
 
@@ -370,10 +381,7 @@ class LaunchedCluster:
             self._spawn()
             self.controller.run_sync(self._wait_joined())
         except BaseException:
-            if self.workers is not None:
-                self.workers.closing = True
-            self.controller.close()
-            self._kill_all()
+            self._close(failed=True)
             raise
         _push_current(self.controller)
         return self.controller
@@ -384,13 +392,14 @@ class LaunchedCluster:
 
     def close(self) -> None:
         """Close the controller and stop every worker (idempotent)."""
-        if self._closed:
-            return
+        if not self._closed:
+            self._close(failed=False)
+
+    def _close(self, failed: bool) -> None:
         self._closed = True
-        if self.workers is not None:
-            self.workers.closing = True
+        self._closing()
         try:
             self.controller.close()
         finally:
             _pop_current(self.controller)
-            self._reap()
+            self._stop_workers(failed)

@@ -319,12 +319,9 @@ class SlurmJobCluster(LaunchedCluster):
             else:
                 log.info("cancelled slurm job %s", self.job_id)
 
-    def _reap(self) -> None:
-        self._cancel()
+    def _stop_workers(self, failed: bool) -> None:
+        self._cancel()  # the job's steps, every worker with them, either way
         self._cleanup()
-
-    def _kill_all(self) -> None:
-        self._reap()
 
     def _cleanup(self) -> None:
         self._stop_tail.set()

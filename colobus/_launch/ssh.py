@@ -10,6 +10,9 @@ Each worker runs as ``ssh [ssh_args] -o BatchMode=yes HOST 'exec env ... PYTHON
 - ``ssh`` reads ``~/.ssh/config``, agents and jump hosts as usual; the
   ``ssh_args`` come first, so options given there win over colobus's defaults
   (``ConnectTimeout=5``, ``ServerAliveInterval=5``);
+- with ``curve=True`` the connections are CurveZMQ-encrypted: each worker
+  reads its own secret key and the controller's public key from the same
+  stdin, after the key, and only those workers' keys may connect;
 - the controller binds by default on the address of the interface that routes
   to the first host (found with ``ssh -G`` and the kernel's routing table), on
   a random port.
@@ -19,19 +22,22 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import os
 import shlex
+import shutil
 import socket
 import subprocess
+import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .._controller.controller import Controller
 from .._controller.procwatch import describe_exit
-from .._wire.keys import generate_key
+from .._wire.keys import generate_key, write_curve_keypair
 from .base import LaunchedCluster, Launcher
 
-__all__ = ["SshCluster", "SshLauncher", "concrete_address", "route_source", "ssh_cluster",
-           "ssh_hostname", "worker_command"]
+__all__ = ["SshCluster", "SshLauncher", "concrete_address", "curve_keys", "route_source",
+           "ssh_cluster", "ssh_hostname", "worker_command"]
 
 log = logging.getLogger("colobus.launch.ssh")
 
@@ -69,8 +75,10 @@ def route_source(host: str) -> str:
 
 
 def worker_command(python: str, connect: str, name: str, devices: int,
-                   env: Mapping[str, str] | None = None, cwd: str | None = None) -> str:
-    """The remote shell command that runs one worker, its key read from stdin."""
+                   env: Mapping[str, str] | None = None, cwd: str | None = None,
+                   curve: bool = False) -> str:
+    """The remote shell command that runs one worker, its key (and with ``curve`` its
+    CurveZMQ secret key and the server's public key) read from stdin."""
     variables = {"PYTHONUNBUFFERED": "1", "COLOBUS_LOG_LEVEL": "WARNING", **(env or {})}
     for k in variables:
         if not k.isidentifier():
@@ -78,6 +86,7 @@ def worker_command(python: str, connect: str, name: str, devices: int,
     cmd = shlex.join(["exec", "env", *(f"{k}={v}" for k, v in variables.items()),
                       *shlex.split(python), "-m", "colobus", "worker", "--connect", connect,
                       "--devices", str(devices), "--name", name, "--key-file", "-",
+                      *(["--curve-key-file", "-", "--server-key", "-"] if curve else []),
                       "--exit-on-stdin-eof"])
     return f"cd {shlex.quote(cwd)} && {cmd}" if cwd else cmd
 
@@ -115,6 +124,8 @@ class SshLauncher(Launcher):
         self.ssh_args = [str(a) for a in ssh_args]
         self.env = dict(env or {})
         self.cwd = cwd
+        # CurveZMQ: host i's Z85 secret key and the server's public key (SshCluster sets)
+        self.curve: tuple[list[bytes], bytes] | None = None
         worker_command(python, "tcp://x:1", "x", 1, self.env, cwd)  # check env names now
 
     def describe(self, i: int) -> str:
@@ -123,7 +134,7 @@ class SshLauncher(Launcher):
     def ssh_command(self, i: int, connect: str) -> list[str]:
         """The local command line for host ``i``'s worker (no secret in it)."""
         remote = worker_command(self.python, connect, self.names[i], self.devices_per_host,
-                                self.env, self.cwd)
+                                self.env, self.cwd, curve=self.curve is not None)
         return ["ssh", *self.ssh_args, *SSH_DEFAULTS, "-T", self.destinations[i], remote]
 
     def start(self, i: int, connect: str, key: bytes) -> subprocess.Popen[bytes]:
@@ -133,8 +144,12 @@ class SshLauncher(Launcher):
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 start_new_session=True)
         assert proc.stdin is not None
-        try:  # the key on the session's stdin, which stays open (see the module docs)
-            proc.stdin.write(key.hex().encode() + b"\n")
+        lines = [key.hex().encode()]
+        if self.curve is not None:  # then the worker's CurveZMQ secret, the server's public key
+            secrets, server_public = self.curve
+            lines += [secrets[i], server_public]
+        try:  # on the session's stdin, which stays open (see the module docs)
+            proc.stdin.write(b"".join(line + b"\n" for line in lines))
             proc.stdin.flush()
         except OSError:  # ssh already gone: its exit and message tell why
             pass
@@ -183,12 +198,12 @@ class SshCluster(LaunchedCluster):
     def __init__(self, hosts: Sequence[str], devices_per_host: int = 1, *,
                  python: str = "python3", ssh_args: Sequence[str] = (), bind: str | None = None,
                  restart: int = 0, env: Mapping[str, str] | None = None,
-                 cwd: str | None = None, **options: Any) -> None:
+                 cwd: str | None = None, curve: bool = False, **options: Any) -> None:
         launcher = SshLauncher(hosts, devices_per_host, python=python, ssh_args=ssh_args,
                                env=env, cwd=cwd)
         if any(name.startswith("curve_") for name in options):
-            raise ValueError("ssh_cluster does not set up CurveZMQ; start the workers "
-                             "yourself with --curve-key-file (docs/security.md)")
+            raise ValueError("ssh_cluster sets up CurveZMQ itself: give curve=True, not "
+                             "curve_* options (docs/security.md)")
         if bind is None:
             first = launcher.destinations[0]
             try:
@@ -198,11 +213,34 @@ class SshCluster(LaunchedCluster):
                               f"{first!r} ({exc}); give bind='tcp://ADDRESS:*'") from exc
         key = generate_key()
         options.setdefault("exit_workers_on_close", True)
-        controller = Controller(bind, hosts=len(launcher.names), key=key, **options)
+        curve_dir = tempfile.mkdtemp(prefix="colobus-curve-") if curve else None  # mode 0700
+        try:
+            if curve_dir is not None:
+                options.update(curve_keys(launcher, curve_dir))
+            controller = Controller(bind, hosts=len(launcher.names), key=key, **options)
+        finally:  # the controller has read its secret key: the file goes at once
+            if curve_dir is not None:
+                shutil.rmtree(curve_dir, ignore_errors=True)
         first, args = launcher.destinations[0], launcher.ssh_args
         super().__init__(launcher, controller, key, restart=restart,
                          connect=lambda address: concrete_address(
                              address, lambda: route_source(ssh_hostname(first, args))))
+
+
+
+
+def curve_keys(launcher: SshLauncher, folder: str) -> dict[str, Any]:
+    """CurveZMQ for one cluster, as :class:`Controller` options: a server key pair (its
+    secret in a 0600 file in ``folder``, for the controller to read) and a key pair per
+    host, whose secret the launcher writes to that host's worker on its stdin; only
+    those hosts' public keys may connect."""
+    import zmq
+
+    server_public, _ = write_curve_keypair(os.path.join(folder, "server"))
+    pairs = [zmq.curve_keypair() for _ in launcher.names]
+    launcher.curve = ([secret for _, secret in pairs], server_public)
+    return {"curve_secret_key": os.path.join(folder, "server"),
+            "curve_allow": [public for public, _ in pairs]}
 
 
 def ssh_cluster(hosts: Sequence[str], devices_per_host: int = 1, *, python: str = "python3",
@@ -228,7 +266,9 @@ def ssh_cluster(hosts: Sequence[str], devices_per_host: int = 1, *, python: str 
         restart: how often each host's worker may be started again after its
             process or ssh session ended; it rejoins under its name.
         **options: ``env`` (variables for the workers), ``cwd`` (their directory
-            there), and :class:`Controller` options (``join_timeout``, ``metrics``, ...).
+            there), ``curve=True`` (CurveZMQ encryption, keys made for this cluster
+            and sent on the workers' stdin), and :class:`Controller` options
+            (``join_timeout``, ``metrics``, ...).
 
     Raises:
         ConnectionError: on entry, ssh could not reach a host or log in.

@@ -71,10 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "or srun session ends stops by itself)")
     w.add_argument("--curve-key-file", default=None, metavar="PATH",
                    help="CurveZMQ: this worker's secret key file from `colobus keygen --curve` "
-                        "(turns on encryption; needs --server-key)")
+                        "('-': a Z85 secret key on the next line of stdin; turns on "
+                        "encryption; needs --server-key)")
     w.add_argument("--server-key", default=None, metavar="PATH",
                    help="CurveZMQ: the controller's public key file (PATH.pub from "
-                        "`colobus keygen --curve PATH`) or its Z85 public key")
+                        "`colobus keygen --curve PATH`) or its Z85 public key ('-': on the "
+                        "next line of stdin)")
 
     k = sub.add_parser("keygen", help="write a new random key file (mode 0600)")
     k.add_argument("path", metavar="PATH", help="the key file to write")
@@ -157,6 +159,31 @@ def _worker_key(path: str | None) -> bytes:
         raise _UserError(str(exc)) from None
 
 
+def _curve_keys(secret_file: str | None, server: str | None
+                ) -> tuple[tuple[bytes, bytes] | None, bytes | None]:
+    """The worker's CurveZMQ key pair and the server's public key (None: no CurveZMQ).
+
+    ``-`` reads a Z85 key from the next line of stdin (after ``--key-file -``'s key):
+    the secret first, then the server's public key. A launcher writes them there.
+
+    Raises:
+        _UserError: a key that cannot be read or is not a CurveZMQ key.
+    """
+    from .._wire.keys import load_curve_keypair, load_curve_public, parse_curve_secret_text
+
+    if secret_file is None or server is None:
+        return None, None
+    try:
+        keypair = (parse_curve_secret_text(sys.stdin.readline(4096), "the CurveZMQ secret "
+                                           "key read from stdin")
+                   if secret_file == "-" else load_curve_keypair(secret_file))
+        server_key = load_curve_public(sys.stdin.readline(4096).strip() if server == "-"
+                                       else server)
+    except (OSError, AuthenticationError) as exc:
+        raise _UserError(str(exc)) from None
+    return keypair, server_key
+
+
 def _keygen(path: str, curve: bool, force: bool) -> int:
     from .._wire.keys import CURVE_PUBLIC_SUFFIX, write_curve_keypair, write_key
 
@@ -188,18 +215,10 @@ def _worker(args: argparse.Namespace) -> int:
     from .._host.worker import Worker
 
     parent = os.environ.get("COLOBUS_PARENT_PID")
-    curve_keypair, server_key = None, None
-    if args.curve_key_file or args.server_key:
-        from .._wire.keys import load_curve_keypair, load_curve_public
-
-        if not (args.curve_key_file and args.server_key):
-            raise _UserError("CurveZMQ needs both --curve-key-file and --server-key")
-        try:
-            curve_keypair = load_curve_keypair(args.curve_key_file)
-            server_key = load_curve_public(args.server_key)
-        except (OSError, AuthenticationError) as exc:
-            raise _UserError(str(exc)) from None
+    if (args.curve_key_file is None) != (args.server_key is None):
+        raise _UserError("CurveZMQ needs both --curve-key-file and --server-key")
     key = _worker_key(args.key_file)
+    curve_keypair, server_key = _curve_keys(args.curve_key_file, args.server_key)
     if args.exit_on_stdin_eof:
         from .._launch.remote import exit_on_stdin_eof
 

@@ -257,6 +257,21 @@ def load_curve_keypair(source: str | os.PathLike[str]) -> tuple[bytes, bytes]:
     return public, secret
 
 
+def parse_curve_secret_text(text: str, source: str) -> tuple[bytes, bytes]:
+    """``(public, secret)`` (Z85) from a Z85 secret key's text (a launcher writes it to a
+    worker's stdin for ``--curve-key-file -``; never a command line).
+
+    Raises:
+        AuthenticationError: not a Z85 CurveZMQ secret key (the text is not echoed).
+    """
+    import zmq
+
+    secret = _z85_key(text.strip())
+    if secret is None:
+        raise AuthenticationError(f"{source} is not a Z85 CurveZMQ secret key")
+    return zmq.curve_public(secret), secret
+
+
 def load_curve_public(source: bytes | str | os.PathLike[str]) -> bytes:
     """A Z85 public key from a key file (public or secret) or a Z85 / raw key.
 

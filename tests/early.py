@@ -1,0 +1,131 @@
+"""Long child processes that a test only waits for, started when the session starts.
+
+Two checks are one long child process each: ``mypy --strict`` over the package
+(``test_lint.py``) and a slice of the suite in a child pytest with unpickling
+forbidden (``test_no_unpickle.py``). Most other tests spend their time waiting
+on sockets, processes and timeouts rather than on the CPU, so these children
+run beside them from the start: ``conftest.py`` calls :func:`start_collected`
+once the session collected its tests, and each of those tests calls
+:func:`result`, which waits for its child (or runs it then, when it was not
+started early: a test run on its own). What each child checks is unchanged;
+only when it runs. :func:`stop_all` ends what an interrupted session leaves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["CHECKS", "NO_UNPICKLE_RECORD", "NO_UNPICKLE_SLICE", "Finished", "result",
+           "start", "start_collected", "stop_all"]
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# tests/test_no_unpickle.py: functions and their outputs and errors, arrays of every
+# dtype, colocated objects.
+NO_UNPICKLE_SLICE = [
+    "tests/test_functions.py",
+    "tests/test_objects.py",
+    "tests/test_arrays.py::test_round_trip_every_dtype",
+    "tests/test_arrays.py::test_round_trip_pytrees",
+    "tests/test_arrays.py::test_round_trip_scalars",
+    "tests/test_arrays.py::test_strings_exact",
+    "tests/test_arrays.py::test_ml_dtypes_keep_their_type",
+    "tests/test_smoke.py",
+]
+NO_UNPICKLE_RECORD = "unpickled-in-controller.txt"  # written by conftest's refusing loads
+
+
+def _mypy(_: Path) -> tuple[list[str], dict[str, str] | None]:
+    return [sys.executable, "-m", "mypy", "--no-incremental", "colobus"], None
+
+
+def _no_unpickle(files: Path) -> tuple[list[str], dict[str, str] | None]:
+    env = dict(os.environ, COLOBUS_TEST_FORBID_UNPICKLE=str(files / NO_UNPICKLE_RECORD))
+    return [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
+            *NO_UNPICKLE_SLICE], env
+
+
+# name -> (the test that waits for it, how to make its command and environment)
+CHECKS: dict[str, tuple[str, Callable[[Path], tuple[list[str], dict[str, str] | None]]]] = {
+    "mypy": ("tests/test_lint.py::test_mypy_strict_clean", _mypy),
+    "no-unpickle": ("tests/test_no_unpickle.py::"
+                    "test_suite_slice_passes_with_unpickling_forbidden_in_the_controller",
+                    _no_unpickle),
+}
+
+
+@dataclass
+class Finished:
+    """A child's end: its status, output, and the files it left in its own directory."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    files: dict[str, str]
+
+
+@dataclass
+class _Running:
+    proc: subprocess.Popen[bytes]
+    dir: tempfile.TemporaryDirectory[str]
+
+
+_running: dict[str, _Running] = {}
+
+
+def start(name: str) -> None:
+    """Start check ``name`` now (once), in the repository root, for :func:`result`."""
+    if name in _running:
+        return
+    tmp = tempfile.TemporaryDirectory(prefix=f"colobus-early-{name}-")
+    base = Path(tmp.name)
+    files = base / "files"
+    files.mkdir()
+    argv, env = CHECKS[name][1](files)
+    with open(base / "stdout", "wb") as out, open(base / "stderr", "wb") as err:
+        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
+                                stdout=out, stderr=err)
+    _running[name] = _Running(proc, tmp)
+
+
+def start_collected(nodeids: Iterable[str]) -> None:
+    """Start the checks whose test is among ``nodeids`` (the session's collected tests)."""
+    wanted = set(nodeids)
+    for name, (test, _) in CHECKS.items():
+        if test in wanted:
+            start(name)
+
+
+def result(name: str, timeout: float = 1200) -> Finished:
+    """Check ``name``'s end (started now if it was not started early)."""
+    start(name)
+    run = _running.pop(name)
+    base = Path(run.dir.name)
+    try:
+        code = run.proc.wait(timeout)
+        files = {p.name: p.read_text(errors="replace") for p in (base / "files").iterdir()}
+        return Finished(code, (base / "stdout").read_text(errors="replace"),
+                        (base / "stderr").read_text(errors="replace"), files)
+    finally:
+        if run.proc.poll() is None:
+            run.proc.kill()
+            run.proc.wait()
+        run.dir.cleanup()
+
+
+def stop_all() -> None:
+    """Kill and remove the checks no test collected (the session ends)."""
+    for run in _running.values():
+        if run.proc.poll() is None:
+            run.proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            run.proc.wait(10)
+        run.dir.cleanup()
+    _running.clear()
