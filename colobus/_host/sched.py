@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     import concurrent.futures
 
     from .._wire.calltimes import HostCallTimes
+    from .leader import LoopBaton
     from .values import HostValues
 
 __all__ = ["Scheduler", "WorkerServices"]
@@ -94,10 +95,16 @@ class Scheduler:
         self._done_event = threading.Event()
         self.started = False  # the current drain started a batch on the pool
         self._quick = True  # the last batch took less than BRIEF_WAIT_S
+        # Inline calls (see colobus._host.leader): a lone quick call runs on the thread
+        # that received it, once the loop's iteration ends, instead of on the pool.
+        self.baton: LoopBaton | None = None
+        self._deferred: tuple[list[_Call], list[int]] | None = None
+        self.inline_always = False  # also after slow calls (COLOBUS_INLINE_CALLS=always)
 
     def clear(self) -> None:
         """The session ended: forget its calls (running ones finish into nothing)."""
         self.pool.new_session()
+        self._deferred = None
         for t in list(self._async_calls):
             t.cancel()
         self._calls.clear()
@@ -217,13 +224,47 @@ class Scheduler:
         if batch:
             batch[-1].last = True
             stream.busy = True
-            self.started = True
             claim = [_WAITING]
-            if not self.pool.submit(functools.partial(self._run_batch, batch, claim)):
-                asyncio.get_running_loop().call_later(  # every thread is busy
-                    self.start_timeout, self._expire, batch, claim, self._w.epoch)
+            deferred = self._deferred
+            if deferred is not None:  # not alone: that one goes to the pool too
+                self._deferred = None
+                self._submit(*deferred)
+            elif (len(batch) == 1 and (self._quick or self.inline_always) and not self.started
+                  and self.baton is not None and not self.baton.busy):
+                self._deferred = (batch, claim)  # inline, unless another joins it
+                asyncio.get_running_loop().call_soon(self._hand_inline)
+                return
+            self._submit(batch, claim)
         elif not queue:
             del self._streams[stream.sid]  # idle: a later call starts a new one
+
+    def _submit(self, batch: list[_Call], claim: list[int]) -> None:
+        """Start a batch on the pool (loop thread)."""
+        self.started = True
+        if not self.pool.submit(functools.partial(self._run_batch, batch, claim)):
+            asyncio.get_running_loop().call_later(  # every thread is busy
+                self.start_timeout, self._expire, batch, claim, self._w.epoch)
+
+    def _hand_inline(self) -> None:
+        """Loop thread: the deferred lone batch runs on this thread once the iteration ends."""
+        deferred, self._deferred = self._deferred, None
+        if deferred is None:
+            return
+        baton = self.baton
+        assert baton is not None
+        with self._done_lock:
+            self._sync_wait = True  # what finishes meanwhile is collected after the job
+        baton.inline(functools.partial(self._run_batch, *deferred))
+
+    def inline_ended(self) -> None:
+        """The loop's new or returning leader: collect what finished while it was stopped."""
+        with self._done_lock:
+            self._sync_wait = False
+            pending = bool(self._done)
+        if pending:
+            loop = self._w.loop
+            assert loop is not None
+            loop.call_soon(self._flush_done)
 
     def _resume(self, stream: _Stream, fut: asyncio.Future[Any]) -> None:
         if stream.waiting is fut:
@@ -356,6 +397,9 @@ class Scheduler:
         blocks. The wait is bounded (``BRIEF_WAIT_S``) and skipped while calls run
         long, so heartbeats and new messages wait at most that long.
         """
+        if self._deferred is not None:  # a lone call: it runs inline instead
+            self._hand_inline()
+            return False
         if not (self.started and self._quick):
             return False
         self.started = False
