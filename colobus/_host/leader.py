@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import threading
 import time
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, Protocol
 
-__all__ = ["LoopBaton"]
+__all__ = ["InlineScheduler", "LoopBaton", "run_serving"]
 
 log = logging.getLogger("colobus.worker")
 
@@ -231,3 +232,25 @@ class LoopBaton:
                     self._made += 1
                     threading.Thread(target=self._serve, args=(True,), daemon=True,
                                      name=f"colobus-loop-{self._made}").start()
+
+
+class InlineScheduler(Protocol):
+    """What :func:`run_serving` sets up in the worker's scheduler."""
+
+    baton: LoopBaton | None
+    inline_always: bool
+
+    def inline_ended(self) -> None: ...
+
+
+def run_serving(serve: Callable[[], Coroutine[Any, Any, int]], sched: InlineScheduler,
+                on_sigterm: Callable[[], None]) -> int:
+    """Run the worker's ``serve()`` to its end, with inline calls unless
+    ``COLOBUS_INLINE_CALLS=0`` (``always``: also right after slow calls)."""
+    inline = os.environ.get("COLOBUS_INLINE_CALLS", "1")
+    if inline == "0":
+        return asyncio.run(serve())
+    sched.inline_always = inline == "always"
+    baton = sched.baton = LoopBaton(sched.inline_ended, sched.inline_ended)
+    on_main = threading.current_thread() is threading.main_thread()
+    return baton.run(serve, on_sigterm if on_main else None)

@@ -15,11 +15,12 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._wire.envelope import Buffer
+from .._wire.envelope import Buffer, Envelope
+from .store import CallResult
 
 log = logging.getLogger("colobus.worker")
 
-__all__ = ["ArgsUnpickler", "CallPool"]
+__all__ = ["ArgsUnpickler", "CallPool", "call_args"]
 
 
 class CallPool:
@@ -132,3 +133,16 @@ class ArgsUnpickler(pickle.Unpickler):
             return self._values[pid]
         except (IndexError, TypeError):
             raise pickle.UnpicklingError(f"bad persistent id {pid!r}") from None
+
+
+def call_args(pins: Sequence[Any], env: Envelope | None,
+              present: Callable[[Any], Any]) -> tuple[Any, Any]:
+    """A call's ``(args, kwargs)``: its pickled arguments, with its inputs (resolved
+    futures ``pins``) as ``present`` shows them to user code."""
+    values = []
+    for p in pins:
+        v = p.result()
+        values.append(v.tree(present) if isinstance(v, CallResult) else present(v))
+    assert env is not None
+    args, kwargs = ArgsUnpickler(env.payload, values, env.buffers[: env.pbufs]).load()
+    return args, kwargs

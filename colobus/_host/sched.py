@@ -4,8 +4,9 @@ A stream is one controller-side caller (a thread or an asyncio task). Its calls
 run in arrival order; different streams run at the same time. When the head of
 a stream's queue is a plain function with its inputs ready, it and the ready
 plain calls queued behind it run back to back in one thread-pool job (one hop,
-not one per call); each call's reply goes out as it finishes. ``async def``
-functions run on the loop, alone. A DESTROY runs in its stream like a call:
+not one per call); each call's reply goes out as it finishes; a lone quick one
+runs inline instead (:mod:`colobus._host.leader`). ``async def`` functions run
+on the loop, alone. A DESTROY runs in its stream like a call:
 after that caller's earlier calls, before its later ones, once every call of
 the object already received (from any stream) has finished.
 """
@@ -27,8 +28,8 @@ from .._wire import protocol as P
 from .._wire.envelope import Buffer, Envelope
 from .._wire.protocol import Status
 from .calls import _CANCELLED, _DONE, _QUEUED, _RUNNING, _Call, _Destroy, _settable, _Stream
-from .pool import ArgsUnpickler, CallPool
-from .store import CallResult, Store
+from .pool import CallPool, call_args
+from .store import Store
 
 if TYPE_CHECKING:
     import concurrent.futures
@@ -95,9 +96,7 @@ class Scheduler:
         self._done_event = threading.Event()
         self.started = False  # the current drain started a batch on the pool
         self._quick = True  # the last batch took less than BRIEF_WAIT_S
-        # Inline calls (see colobus._host.leader): a lone quick call runs on the thread
-        # that received it, once the loop's iteration ends, instead of on the pool.
-        self.baton: LoopBaton | None = None
+        self.baton: LoopBaton | None = None  # inline calls (colobus._host.leader)
         self._deferred: tuple[list[_Call], list[int]] | None = None
         self.inline_always = False  # also after slow calls (COLOBUS_INLINE_CALLS=always)
 
@@ -238,8 +237,7 @@ class Scheduler:
         elif not queue:
             del self._streams[stream.sid]  # idle: a later call starts a new one
 
-    def _submit(self, batch: list[_Call], claim: list[int]) -> None:
-        """Start a batch on the pool (loop thread)."""
+    def _submit(self, batch: list[_Call], claim: list[int]) -> None:  # loop thread
         self.started = True
         if not self.pool.submit(functools.partial(self._run_batch, batch, claim)):
             asyncio.get_running_loop().call_later(  # every thread is busy
@@ -248,23 +246,18 @@ class Scheduler:
     def _hand_inline(self) -> None:
         """Loop thread: the deferred lone batch runs on this thread once the iteration ends."""
         deferred, self._deferred = self._deferred, None
-        if deferred is None:
-            return
-        baton = self.baton
-        assert baton is not None
-        with self._done_lock:
-            self._sync_wait = True  # what finishes meanwhile is collected after the job
-        baton.inline(functools.partial(self._run_batch, *deferred))
+        if deferred is not None and self.baton is not None:
+            with self._done_lock:
+                self._sync_wait = True  # what finishes meanwhile is collected after the job
+            self.baton.inline(functools.partial(self._run_batch, *deferred))
 
     def inline_ended(self) -> None:
         """The loop's new or returning leader: collect what finished while it was stopped."""
         with self._done_lock:
             self._sync_wait = False
             pending = bool(self._done)
-        if pending:
-            loop = self._w.loop
-            assert loop is not None
-            loop.call_soon(self._flush_done)
+        if pending and self._w.loop is not None:
+            self._w.loop.call_soon(self._flush_done)
 
     def _resume(self, stream: _Stream, fut: asyncio.Future[Any]) -> None:
         if stream.waiting is fut:
@@ -350,23 +343,12 @@ class Scheduler:
         """Pool thread: one call, start to reply bytes; sets ``ok`` and ``outcome``."""
         try:
             fn, call.fn = call.fn, None
-            args, kwargs = self._call_args(call)
+            args, kwargs = call_args(call.pins, call.env, self._w.present)
             out = fn(*args, **kwargs)
             call.outcome = self._w.values.outputs(out, call.mesh, call.pins)
             call.ok = True
         except BaseException as exc:
             call.outcome = exc
-
-    def _call_args(self, call: _Call) -> tuple[Any, Any]:
-        present = self._w.present
-        values = []
-        for p in call.pins:
-            v = p.result()
-            values.append(v.tree(present) if isinstance(v, CallResult) else present(v))
-        env = call.env
-        assert env is not None
-        args, kwargs = ArgsUnpickler(env.payload, values, env.buffers[: env.pbufs]).load()
-        return args, kwargs
 
     def _post_done(self, call: _Call) -> None:
         """Pool thread: hand a finished call to the loop; one wake-up per burst."""
@@ -392,10 +374,8 @@ class Scheduler:
     def wait_briefly(self) -> bool:
         """Loop thread: wait a moment for the calls this drain started; True if any ended.
 
-        A quick call then costs no wake-up of the loop through its self-pipe, and
-        the GIL passes to the pool thread at once instead of when the loop next
-        blocks. The wait is bounded (``BRIEF_WAIT_S``) and skipped while calls run
-        long, so heartbeats and new messages wait at most that long.
+        Quick calls then cost no self-pipe wake-up of the loop. Bounded
+        (``BRIEF_WAIT_S``), skipped while calls run long; a lone call runs inline.
         """
         if self._deferred is not None:  # a lone call: it runs inline instead
             self._hand_inline()
@@ -463,7 +443,7 @@ class Scheduler:
         """An ``async def`` call, on the loop."""
         call.started = time.perf_counter_ns()
         try:
-            args, kwargs = self._call_args(call)
+            args, kwargs = call_args(call.pins, call.env, self._w.present)
             out = await fn(*args, **kwargs)
             call.outcome = self._w.values.outputs(out, call.mesh, call.pins)
             call.ok = True

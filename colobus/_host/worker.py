@@ -41,7 +41,7 @@ from .._wire.tasks import supervise
 from .arrays import HostArrays
 from .construct import on_construct
 from .join import JoinDiagnosis
-from .leader import LoopBaton
+from .leader import run_serving
 from .process import cpu_ns, end_context, rss_bytes
 from .sched import Scheduler
 from .store import Store
@@ -162,20 +162,9 @@ class Worker:
     # -- top level -----------------------------------------------------------------------
 
     def run(self) -> int:
-        """Serve until told to exit; returns the process exit code.
-
-        Lone quick plain calls run inline on the thread that received them (see
-        :mod:`colobus._host.leader`) unless ``COLOBUS_INLINE_CALLS=0``; with
-        ``always``, also right after slow calls.
-        """
-        inline = os.environ.get("COLOBUS_INLINE_CALLS", "1")
-        if inline == "0":
-            return asyncio.run(self.serve())
-        sched = self.sched
-        sched.inline_always = inline == "always"
-        baton = sched.baton = LoopBaton(sched.inline_ended, sched.inline_ended)
-        on_main = threading.current_thread() is threading.main_thread()
-        return baton.run(self.serve, self._on_sigterm if on_main else None)
+        """Serve until told to exit; returns the process exit code (inline calls:
+        :func:`colobus._host.leader.run_serving`)."""
+        return run_serving(self.serve, self.sched, self._on_sigterm)
 
     async def serve(self) -> int:
         self.loop = asyncio.get_running_loop()

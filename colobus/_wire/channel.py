@@ -254,12 +254,10 @@ class Channel:
         self.enqueue(peer, body, payload, buffers, pbufs)
         if self._corked or self._step_scheduled:
             return
-        if self._sent_now:  # a message left at once already: the rest wait for the step's end
-            self._step_scheduled = True
+        if self._sent_now:  # one left at once since the last read: the rest wait for the
+            self._step_scheduled = True  # step's end (a lone message costs no iteration)
             self._loop.call_soon(self._end_step)
             return
-        # A lone message costs no loop iteration of its own: it leaves now, and
-        # what follows it before the next read schedules the end of the step.
         self._sent_now = True
         # Only this peer's messages leave now: others queued earlier (frees moved
         # into every host's outbox) wait for the end of the step, and ride along
