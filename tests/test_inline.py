@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,7 +20,7 @@ import pytest
 import colobus as cb
 
 _GATE = threading.Event()  # on each host: set by ``open_gate``
-_WAITING = threading.Event()  # on each host: ``wait_gate`` waits for the gate
+_WAITING: list[str] = []  # on each host: the thread of the ``wait_gate`` waiting now
 
 
 @pytest.fixture(autouse=True)
@@ -40,16 +39,10 @@ def where(x: Any) -> Any:
 
 
 @cb.colocated_python
-def sleep_then_where(x: Any, seconds: float) -> Any:
-    time.sleep(seconds)
-    return np.array([threading.current_thread().name])
-
-
-@cb.colocated_python
 def wait_gate(x: Any) -> Any:
     """Blocks until ``open_gate`` runs on this host (another call, another stream)."""
     name = threading.current_thread().name
-    _WAITING.set()
+    _WAITING.append(name)
     ok = _GATE.wait(60)
     _GATE.clear()
     _WAITING.clear()
@@ -57,8 +50,9 @@ def wait_gate(x: Any) -> Any:
 
 
 @cb.colocated_python
-def is_waiting(x: Any) -> Any:
-    return np.bool_(_WAITING.is_set())
+def waiting_on(x: Any) -> Any:
+    """The thread ``wait_gate`` waits on (empty: none waits)."""
+    return np.array(list(_WAITING[-1:]) or [""])
 
 
 @cb.colocated_python
@@ -86,44 +80,48 @@ async def test_a_lone_quick_call_runs_inline_outside_any_loop(
         assert all(running == "False" for _, running in seen), seen  # no loop under it
 
 
+async def _waiting_inline(x: Any) -> tuple[cb.Future[Any], str]:
+    """Start ``wait_gate`` until it runs inline (a call that arrives in the same read as
+    another goes to the pool: then it is let go and tried again); it and its thread."""
+    for _ in range(10):
+        await _warm(x)
+        waiting = wait_gate(x)
+        name = ""
+        while not name:  # each probe from a task of its own: its own stream
+            (name,) = await _names(await asyncio.create_task(_call(waiting_on, x)))
+        if name.startswith("colobus-loop-"):
+            return waiting, name
+        await asyncio.create_task(_call(open_gate, x))
+        await waiting
+    raise AssertionError("wait_gate never ran inline")
+
+
 async def test_an_inline_call_that_blocks_never_blocks_heartbeats() -> None:
     hb, live = 0.2, 1.5
     async with cb.local_cluster(hosts=1, devices_per_host=1, heartbeat_interval=hb,
                                 liveness_timeout=live) as ctl:
         x = cb.device_put(np.ones(2, np.float32), ctl.devices()[0])
-        await _warm(x)
-        slow = sleep_then_where(x, 2 * live)  # twice the liveness timeout, inline
+        waiting, name = await _waiting_inline(x)
+        await asyncio.sleep(2 * live)  # twice the liveness timeout with that thread blocked
+        assert ctl.hosts()[0].state == "alive"
         # Meanwhile another caller's calls run (the loop went on without that thread).
         others = await asyncio.create_task(_warm(x))
-        assert not slow.done()
-        assert len(others) == 20
-        (name,) = await _names(await slow)
-        assert name.startswith("colobus-loop-"), name
+        assert len(others) == 20 and not waiting.done()
+        await asyncio.create_task(_call(open_gate, x))
+        got, ok = await _names(await waiting)
+        assert (got, ok) == (name, "True")
         assert ctl.hosts()[0].state == "alive"
-        stats = ctl.stats()
-        assert stats["hosts"][0]["state"] == "alive", stats
 
 
 async def test_inline_calls_that_wait_for_each_other_complete() -> None:
     async with cb.local_cluster(hosts=1, devices_per_host=1) as ctl:
         x = cb.device_put(np.ones(2, np.float32), ctl.devices()[0])
-        ran_on = []
-        for _ in range(10):
-            await _warm(x)
-            waiting = wait_gate(x)  # blocks its thread until another call opens the gate
-            while not bool(np.asarray(await cb.device_get(
-                    await asyncio.create_task(_call(is_waiting, x))))):
-                await asyncio.sleep(0.01)
-            # Its own task, so its own stream: it is not queued behind the waiting call.
+        for _ in range(3):
+            waiting, name = await _waiting_inline(x)  # blocks until another call opens it
+            # Its own task, so its own stream: not queued behind the waiting call.
             opened = await _names(await asyncio.create_task(_call(open_gate, x)))
-            name, ok = await _names(await waiting)
-            assert ok == "True"
             assert opened[0].startswith(("colobus-loop-", "colobus-call")), opened
-            ran_on.append(name)
-            if name.startswith("colobus-loop-"):
-                break  # it ran inline, and the call it waited for still ran
-        # Two calls that arrive in one read both go to the pool: retried until inline.
-        assert any(n.startswith("colobus-loop-") for n in ran_on), ran_on
+            assert await _names(await waiting) == [name, "True"]
 
 
 async def _call(fn: Any, *args: Any) -> Any:

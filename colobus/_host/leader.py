@@ -25,6 +25,8 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
+from .pool import CallPool
+
 __all__ = ["InlineScheduler", "LoopBaton", "run_serving"]
 
 log = logging.getLogger("colobus.worker")
@@ -39,11 +41,12 @@ _RUNNING, _DONE, _ABANDONED = range(3)
 class _Inline:
     """One inline job: when it started, and whether its thread still leads."""
 
-    __slots__ = ("started", "state")
+    __slots__ = ("ident", "started", "state")
 
     def __init__(self) -> None:
         self.started = time.monotonic()
         self.state = _RUNNING
+        self.ident = threading.get_ident()
 
 
 class LoopBaton:
@@ -55,13 +58,16 @@ class LoopBaton:
             collects what that job finished so far).
         after_inline: called on the leader after its own inline job ended (loop
             stopped; it may ``call_soon``).
+        pool: the call pool, where an inline job that lost the loop holds a place
+            until it ends (the pool's bound covers it).
         stall_s: how long an inline job may keep the loop stopped.
     """
 
     def __init__(self, on_takeover: Callable[[], None], after_inline: Callable[[], None],
-                 stall_s: float = STALL_S) -> None:
+                 pool: CallPool, stall_s: float = STALL_S) -> None:
         self._on_takeover = on_takeover
         self._after_inline = after_inline
+        self._pool = pool
         self.stall_s = stall_s
         self.loop: asyncio.AbstractEventLoop | None = None
         self._main: asyncio.Task[Any] | None = None
@@ -170,6 +176,7 @@ class LoopBaton:
                 if self._current is rec:
                     self._current = None
             if lost:
+                self._pool.release_adopted()
                 return True
             self._after_inline()
 
@@ -224,6 +231,7 @@ class LoopBaton:
                 # Still in it: the loop goes on without this thread.
                 rec.state = _ABANDONED
                 self._current = None
+                self._pool.adopt(rec.ident)
                 self.takeovers += 1
                 if self._idle:
                     self._wanted = True
@@ -239,6 +247,7 @@ class InlineScheduler(Protocol):
 
     baton: LoopBaton | None
     inline_always: bool
+    pool: CallPool
 
     def inline_ended(self) -> None: ...
 
@@ -251,6 +260,6 @@ def run_serving(serve: Callable[[], Coroutine[Any, Any, int]], sched: InlineSche
     if inline == "0":
         return asyncio.run(serve())
     sched.inline_always = inline == "always"
-    baton = sched.baton = LoopBaton(sched.inline_ended, sched.inline_ended)
+    baton = sched.baton = LoopBaton(sched.inline_ended, sched.inline_ended, sched.pool)
     on_main = threading.current_thread() is threading.main_thread()
     return baton.run(serve, on_sigterm if on_main else None)

@@ -229,7 +229,7 @@ class Scheduler:
                 self._deferred = None
                 self._submit(*deferred)
             elif (len(batch) == 1 and (self._quick or self.inline_always) and not self.started
-                  and self.baton is not None and not self.baton.busy):
+                  and self.baton is not None and not self.baton.busy and self.pool.has_room()):
                 self._deferred = (batch, claim)  # inline, unless another joins it
                 asyncio.get_running_loop().call_soon(self._hand_inline)
                 return
