@@ -126,3 +126,37 @@ async def test_inline_calls_that_wait_for_each_other_complete() -> None:
 
 async def _call(fn: Any, *args: Any) -> Any:
     return await fn(*args)
+
+
+async def test_a_task_on_the_controllers_loop_waits_on_the_future_itself() -> None:
+    """``await fut`` on the controller's loop yields the colobus future to the task (no
+    waiter): results, cancelling the task, and ``asyncio.timeout`` behave as before."""
+    async with cb.local_cluster(hosts=1, devices_per_host=1) as ctl:
+        x = cb.device_put(np.ones(2, np.float32), ctl.devices()[0])
+        fut = where(x)
+        assert not asyncio.isfuture(fut)  # still no asyncio future to asyncio's helpers
+        assert (await _names(await asyncio.create_task(_call(lambda: fut))))[1] == "False"
+        assert not asyncio.isfuture(fut)
+
+        blocked = wait_gate(x)
+        task = asyncio.create_task(_call(lambda: blocked))
+        await asyncio.sleep(0)  # the task waits on the future now
+        task.cancel()
+        try:
+            await task
+            raise AssertionError("the task was not cancelled")
+        except asyncio.CancelledError:
+            pass
+        assert blocked.cancelled()  # cancelling the task cancelled the call
+
+        timed = wait_gate(x)
+        try:
+            async with asyncio.timeout(0.05):
+                await timed
+            raise AssertionError("no timeout")
+        except TimeoutError:
+            pass
+        assert timed.cancelled()
+        for _ in range(2):  # let both calls go on the host (a gate opens for one)
+            await asyncio.create_task(_call(open_gate, x))
+        assert (await _names(await where(x)))[1] == "False"
