@@ -65,6 +65,19 @@ def procs() -> collections.abc.Iterator[Procs]:
         p.close()
 
 
+def _wait_listening(port: int, timeout: float) -> None:
+    """Return once something accepts TCP connections on ``port`` (fails after ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 def _read_until(stream: IO[str], pattern: str, timeout: float) -> list[str]:
     """Lines of ``stream`` up to one matching ``pattern`` (fails after ``timeout``)."""
     import selectors
@@ -118,7 +131,7 @@ def test_wrong_key_both_sides_say_so_without_logging_setup(
         import asyncio, colobus as cb
         async def main():
             ctl = cb.Controller("tcp://127.0.0.1:{port}", hosts=1,
-                                key=cb.load_key({str(good)!r}), join_timeout=7)
+                                key=cb.load_key({str(good)!r}), join_timeout=15)
             try:
                 async with ctl:
                     pass
@@ -127,6 +140,7 @@ def test_wrong_key_both_sides_say_so_without_logging_setup(
         asyncio.run(main())
     """)
     driver = procs.start(sys.executable, "-c", driver_code)  # no logging configured
+    _wait_listening(port, 60)  # a worker probing before the bind would see nothing there
     worker = procs.start(str(SCRIPT), "worker", "--connect", f"tcp://127.0.0.1:{port}",
                          "--key-file", str(bad), "--name", "intruder")
     assert worker.stderr is not None
