@@ -27,26 +27,26 @@ __all__ = ["CHECKS", "Finished", "result", "start", "start_collected", "stop_all
 
 ROOT = Path(__file__).resolve().parent.parent
 
-def _mypy(_: Path) -> tuple[list[str], dict[str, str] | None]:
+
+def _mypy() -> tuple[list[str], dict[str, str] | None]:
     # At the lowest priority: it takes only CPU time the tests leave (it has no deadline).
     nice = ["nice", "-n", "19"] if shutil.which("nice") else []
     return [*nice, sys.executable, "-m", "mypy", "--no-incremental", "colobus"], None
 
 
 # name -> (the test that waits for it, how to make its command and environment)
-CHECKS: dict[str, tuple[str, Callable[[Path], tuple[list[str], dict[str, str] | None]]]] = {
+CHECKS: dict[str, tuple[str, Callable[[], tuple[list[str], dict[str, str] | None]]]] = {
     "mypy": ("tests/test_lint.py::test_mypy_strict_clean", _mypy),
 }
 
 
 @dataclass
 class Finished:
-    """A child's end: its status, output, and the files it left in its own directory."""
+    """A child's end: its status and output."""
 
     returncode: int
     stdout: str
     stderr: str
-    files: dict[str, str]
 
 
 @dataclass
@@ -64,9 +64,7 @@ def start(name: str) -> None:
         return
     tmp = tempfile.TemporaryDirectory(prefix=f"colobus-early-{name}-")
     base = Path(tmp.name)
-    files = base / "files"
-    files.mkdir()
-    argv, env = CHECKS[name][1](files)
+    argv, env = CHECKS[name][1]()
     with open(base / "stdout", "wb") as out, open(base / "stderr", "wb") as err:
         proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
                                 stdout=out, stderr=err)
@@ -88,9 +86,8 @@ def result(name: str, timeout: float = 1200) -> Finished:
     base = Path(run.dir.name)
     try:
         code = run.proc.wait(timeout)
-        files = {p.name: p.read_text(errors="replace") for p in (base / "files").iterdir()}
         return Finished(code, (base / "stdout").read_text(errors="replace"),
-                        (base / "stderr").read_text(errors="replace"), files)
+                        (base / "stderr").read_text(errors="replace"))
     finally:
         if run.proc.poll() is None:
             run.proc.kill()
