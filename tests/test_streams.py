@@ -21,7 +21,7 @@ import sec_hostside as hs
 import colobus as cb
 
 _ids = itertools.count(50_000)
-_LOG: list[tuple[int, bool]] = []  # on each host: (token, ran off the loop), in run order
+_LOG: list[tuple[int, str]] = []  # on each host: (token, thread name), in run order
 _LOCK = threading.Lock()
 
 
@@ -33,13 +33,9 @@ def _gates() -> Iterator[None]:
 
 @cb.colocated_python
 def record(token: int) -> np.ndarray:
-    """Log ``token`` and whether it ran off the loop; tokens divisible by 7 fail after logging.
-
-    Plain calls run on the pool, or inline on the thread that received them while
-    the loop is stopped (issue 27): never with the loop running under them.
-    """
+    """Log ``token`` and the thread it ran on; tokens divisible by 7 fail after logging."""
     with _LOCK:
-        _LOG.append((token, asyncio._get_running_loop() is None))
+        _LOG.append((token, threading.current_thread().name))
     if token % 7 == 0:
         raise ValueError(f"token {token} fails")
     return np.int32(token)
@@ -50,7 +46,7 @@ async def record_async(token: int) -> np.ndarray:
     """An ``async def`` link in a stream of plain calls."""
     await asyncio.sleep(0)
     with _LOCK:
-        _LOG.append((token, asyncio._get_running_loop() is None))
+        _LOG.append((token, threading.current_thread().name))
     return np.int32(token)
 
 
@@ -63,7 +59,7 @@ def add_one(x: Any) -> Any:
 def read_log() -> tuple[np.ndarray, np.ndarray]:
     with _LOCK:
         tokens = np.array([t for t, _ in _LOG], np.int32)
-        on_pool = np.array([off for _, off in _LOG], np.bool_)
+        on_pool = np.array([name.startswith("colobus-call") for _, name in _LOG], np.bool_)
     return tokens, on_pool
 
 
@@ -108,7 +104,7 @@ async def test_burst_runs_in_order_with_errors_per_call(ctl: cb.Controller) -> N
     log, on_pool = await _host_log(dev)
     mine = [(t, p) for t, p in zip(log, on_pool, strict=True) if t in set(tokens)]
     assert [t for t, _ in mine] == tokens, "calls of one stream ran out of order"
-    assert all(p for _, p in mine), "a plain function ran with the loop running under it"
+    assert all(p for _, p in mine), "a plain function ran off the thread pool"
 
 
 async def test_async_def_in_a_burst_keeps_order_and_runs_on_the_loop(

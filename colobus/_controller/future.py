@@ -29,8 +29,6 @@ __all__ = ["Future"]
 T = TypeVar("T")
 
 _PENDING, _CANCELLED, _FINISHED = 0, 1, 2
-# An asyncio Task's wake-up: (its callback, its context, its loop).
-_Wakeup = tuple[Callable[..., object], Any, asyncio.AbstractEventLoop]
 
 log = logging.getLogger("colobus.future")
 
@@ -62,7 +60,6 @@ class Future(Generic[T]):
         "_stats",
         "_submitted",
         "_timing",
-        "_yielded",
         "call_id",
         "info",
     )
@@ -73,7 +70,7 @@ class Future(Generic[T]):
         self._owner = owner  # the controller that made it (None: made by colobus itself)
         self._result: Any = None
         self._exception: BaseException | None = None
-        self._callbacks: list[Callable[[Future[T]], object] | _Wakeup] | None = None
+        self._callbacks: list[Callable[[Future[T]], object]] | None = None
         self._event: threading.Event | None = None
         self._loop_thread = loop_thread
         self._canceller: Callable[[Future[T]], object] | None = None
@@ -83,7 +80,6 @@ class Future(Generic[T]):
         self._stats: FunctionStats | None = None  # the function's counters
         self._submitted = 0.0  # when the call was made (perf_counter)
         self._timing: CallRecord | None = None  # its timings (tracing only)
-        self._yielded = False  # yielded to an asyncio Task on the controller's loop (__await__)
 
     def __repr__(self) -> str:
         state = ("pending", "cancelled", "finished")[self._state]
@@ -100,8 +96,8 @@ class Future(Generic[T]):
     def cancelled(self) -> bool:
         return self._state == _CANCELLED
 
-    def cancel(self, msg: Any = None) -> bool:
-        """Cancel the operation (``msg``: asyncio's, unused).
+    def cancel(self) -> bool:
+        """Cancel the operation.
 
         A call that has not started on its hosts is removed there; one already
         running finishes and its result is dropped.
@@ -168,58 +164,18 @@ class Future(Generic[T]):
         callbacks, self._callbacks = self._callbacks, None
         if callbacks:
             for cb in callbacks:
-                if type(cb) is tuple:
-                    self._wake_task(cb)
-                else:
-                    _run_callback(cb, self)  # type: ignore[arg-type]
+                _run_callback(cb, self)
 
-    def add_done_callback(self, fn: Callable[[Future[T]], object], *,
-                          context: Any = None) -> None:
-        """Call ``fn(fut)`` once done (at once if already done), on the resolving thread.
-
-        With ``context`` (an asyncio Task waiting on this future, see
-        :meth:`__await__`), ``fn`` runs on the caller's loop, soon, in that context.
-        """
-        entry: Callable[[Future[T]], object] | _Wakeup = fn
-        if context is not None:
-            entry = (fn, context, asyncio.get_running_loop())
+    def add_done_callback(self, fn: Callable[[Future[T]], object]) -> None:
+        """Call ``fn(fut)`` once done (at once if already done), on the resolving thread."""
         with _LOCK:
             if self._state == _PENDING:
                 if self._callbacks is None:
-                    self._callbacks = [entry]
+                    self._callbacks = [fn]
                 else:
-                    self._callbacks.append(entry)
+                    self._callbacks.append(fn)
                 return
-        if type(entry) is tuple:
-            self._wake_task(entry)
-        else:
-            _run_callback(fn, self)
-
-    def _wake_task(self, entry: _Wakeup) -> None:
-        """Schedule an asyncio Task's wake-up on its loop (it runs one step, never inside
-        whatever settled this future)."""
-        fn, context, loop = entry
-        try:
-            if threading.get_ident() == self._loop_thread:
-                loop.call_soon(fn, self, context=context)
-            else:
-                loop.call_soon_threadsafe(fn, self, context=context)
-        except RuntimeError:  # the loop is closed
-            pass
-
-    # The asyncio Task protocol, for tasks on the controller's own loop (see __await__).
-
-    @property
-    def _asyncio_future_blocking(self) -> bool | None:
-        return True if self._yielded else None  # None: not an asyncio future otherwise
-
-    @_asyncio_future_blocking.setter
-    def _asyncio_future_blocking(self, value: bool) -> None:
-        self._yielded = False
-
-    def get_loop(self) -> asyncio.AbstractEventLoop:
-        """The loop of the Task awaiting this future (asyncio's protocol)."""
-        return asyncio.get_running_loop()
+        _run_callback(fn, self)
 
     def timings(self) -> CallTimings | None:
         """Where this call spent its time, once it is done.
@@ -290,16 +246,7 @@ class Future(Generic[T]):
         return np.asarray(value, dtype=dtype)
 
     def __await__(self) -> Generator[Any, None, T]:
-        if self._state == _PENDING and threading.get_ident() == self._loop_thread:
-            # A task on the controller's own loop waits on this future itself, as on
-            # an asyncio future: no waiter future, one wake-up scheduled when it settles.
-            self._yielded = True
-            try:
-                yield self
-            except asyncio.CancelledError:
-                self.cancel()  # the task was cancelled: so is the operation
-                raise
-        elif self._state == _PENDING:
+        if self._state == _PENDING:
             loop = asyncio.get_running_loop()
             waiter = loop.create_future()
             waiter_thread = threading.get_ident()

@@ -15,12 +15,11 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._wire.envelope import Buffer, Envelope
-from .store import CallResult
+from .._wire.envelope import Buffer
 
 log = logging.getLogger("colobus.worker")
 
-__all__ = ["ArgsUnpickler", "CallPool", "call_args"]
+__all__ = ["ArgsUnpickler", "CallPool"]
 
 
 class CallPool:
@@ -49,33 +48,11 @@ class CallPool:
         self._made = 0
         self._epoch = 0  # sessions begun; a job started in an older one is stuck
         self._running: dict[int, int] = {}  # thread ident -> the epoch its job started in
-        # Inline calls that kept running after their thread lost the worker's loop
-        # (colobus._host.leader): they hold a place of the pool's until they end.
-        self._adopted: dict[int, int] = {}  # thread ident -> epoch
         self._warned = False
 
     def _stuck(self) -> int:
         epoch = self._epoch
-        return (sum(1 for e in self._running.values() if e < epoch)
-                + sum(1 for e in self._adopted.values() if e < epoch))
-
-    def _size(self) -> int:
-        return len(self._threads) + len(self._adopted)
-
-    def has_room(self) -> bool:
-        """Whether a job would start now (an idle thread, or room for another)."""
-        with self._lock:
-            return bool(self._idle) or self._size() < self._limit()
-
-    def adopt(self, ident: int) -> None:
-        """Thread ``ident``'s inline call runs on without the loop: it holds a place."""
-        with self._lock:
-            self._adopted[ident] = self._epoch
-
-    def release_adopted(self) -> None:
-        """This thread's adopted inline call ended."""
-        with self._lock:
-            self._adopted.pop(threading.get_ident(), None)
+        return sum(1 for e in self._running.values() if e < epoch)
 
     def _limit(self) -> int:
         return min(self._max + self._stuck(), self._hard_max)
@@ -86,7 +63,7 @@ class CallPool:
             now = True
             if self._idle:
                 self._idle -= 1  # that thread takes this job
-            elif self._size() < self._limit():
+            elif len(self._threads) < self._limit():
                 self._made += 1
                 t = threading.Thread(target=self._serve, daemon=True,
                                      name=f"{self._name}_{self._made}")
@@ -115,7 +92,7 @@ class CallPool:
     def figures(self) -> tuple[int, int]:
         """(threads, stuck threads): for the heartbeat and ``ctl.stats()``."""
         with self._lock:
-            return self._size(), self._stuck()
+            return len(self._threads), self._stuck()
 
     def _serve(self) -> None:
         me = threading.get_ident()
@@ -132,7 +109,7 @@ class CallPool:
             del job
             with self._lock:
                 del self._running[me]
-                if self._size() > self._limit() and self._queue.empty():
+                if len(self._threads) > self._limit() and self._queue.empty():
                     self._threads.remove(threading.current_thread())
                     return  # a surplus thread (grown past stuck ones) leaves
                 self._idle += 1
@@ -155,16 +132,3 @@ class ArgsUnpickler(pickle.Unpickler):
             return self._values[pid]
         except (IndexError, TypeError):
             raise pickle.UnpicklingError(f"bad persistent id {pid!r}") from None
-
-
-def call_args(pins: Sequence[Any], env: Envelope | None,
-              present: Callable[[Any], Any]) -> tuple[Any, Any]:
-    """A call's ``(args, kwargs)``: its pickled arguments, with its inputs (resolved
-    futures ``pins``) as ``present`` shows them to user code."""
-    values = []
-    for p in pins:
-        v = p.result()
-        values.append(v.tree(present) if isinstance(v, CallResult) else present(v))
-    assert env is not None
-    args, kwargs = ArgsUnpickler(env.payload, values, env.buffers[: env.pbufs]).load()
-    return args, kwargs

@@ -4,9 +4,8 @@ A stream is one controller-side caller (a thread or an asyncio task). Its calls
 run in arrival order; different streams run at the same time. When the head of
 a stream's queue is a plain function with its inputs ready, it and the ready
 plain calls queued behind it run back to back in one thread-pool job (one hop,
-not one per call); each call's reply goes out as it finishes; a lone quick one
-runs inline instead (:mod:`colobus._host.leader`). ``async def`` functions run
-on the loop, alone. A DESTROY runs in its stream like a call:
+not one per call); each call's reply goes out as it finishes. ``async def``
+functions run on the loop, alone. A DESTROY runs in its stream like a call:
 after that caller's earlier calls, before its later ones, once every call of
 the object already received (from any stream) has finished.
 """
@@ -28,14 +27,13 @@ from .._wire import protocol as P
 from .._wire.envelope import Buffer, Envelope
 from .._wire.protocol import Status
 from .calls import _CANCELLED, _DONE, _QUEUED, _RUNNING, _Call, _Destroy, _settable, _Stream
-from .pool import CallPool, call_args
-from .store import Store
+from .pool import ArgsUnpickler, CallPool
+from .store import CallResult, Store
 
 if TYPE_CHECKING:
     import concurrent.futures
 
     from .._wire.calltimes import HostCallTimes
-    from .leader import LoopBaton
     from .values import HostValues
 
 __all__ = ["Scheduler", "WorkerServices"]
@@ -96,14 +94,10 @@ class Scheduler:
         self._done_event = threading.Event()
         self.started = False  # the current drain started a batch on the pool
         self._quick = True  # the last batch took less than BRIEF_WAIT_S
-        self.baton: LoopBaton | None = None  # inline calls (colobus._host.leader)
-        self._deferred: tuple[list[_Call], list[int]] | None = None
-        self.inline_always = False  # also after slow calls (COLOBUS_INLINE_CALLS=always)
 
     def clear(self) -> None:
         """The session ended: forget its calls (running ones finish into nothing)."""
         self.pool.new_session()
-        self._deferred = None
         for t in list(self._async_calls):
             t.cancel()
         self._calls.clear()
@@ -223,41 +217,13 @@ class Scheduler:
         if batch:
             batch[-1].last = True
             stream.busy = True
+            self.started = True
             claim = [_WAITING]
-            deferred = self._deferred
-            if deferred is not None:  # not alone: that one goes to the pool too
-                self._deferred = None
-                self._submit(*deferred)
-            elif (len(batch) == 1 and (self._quick or self.inline_always) and not self.started
-                  and self.baton is not None and not self.baton.busy and self.pool.has_room()):
-                self._deferred = (batch, claim)  # inline, unless another joins it
-                asyncio.get_running_loop().call_soon(self._hand_inline)
-                return
-            self._submit(batch, claim)
+            if not self.pool.submit(functools.partial(self._run_batch, batch, claim)):
+                asyncio.get_running_loop().call_later(  # every thread is busy
+                    self.start_timeout, self._expire, batch, claim, self._w.epoch)
         elif not queue:
             del self._streams[stream.sid]  # idle: a later call starts a new one
-
-    def _submit(self, batch: list[_Call], claim: list[int]) -> None:  # loop thread
-        self.started = True
-        if not self.pool.submit(functools.partial(self._run_batch, batch, claim)):
-            asyncio.get_running_loop().call_later(  # every thread is busy
-                self.start_timeout, self._expire, batch, claim, self._w.epoch)
-
-    def _hand_inline(self) -> None:
-        """Loop thread: the deferred lone batch runs on this thread once the iteration ends."""
-        deferred, self._deferred = self._deferred, None
-        if deferred is not None and self.baton is not None:
-            with self._done_lock:
-                self._sync_wait = True  # what finishes meanwhile is collected after the job
-            self.baton.inline(functools.partial(self._run_batch, *deferred))
-
-    def inline_ended(self) -> None:
-        """The loop's new or returning leader: collect what finished while it was stopped."""
-        with self._done_lock:
-            self._sync_wait = False
-            pending = bool(self._done)
-        if pending and self._w.loop is not None:
-            self._w.loop.call_soon(self._flush_done)
 
     def _resume(self, stream: _Stream, fut: asyncio.Future[Any]) -> None:
         if stream.waiting is fut:
@@ -343,12 +309,23 @@ class Scheduler:
         """Pool thread: one call, start to reply bytes; sets ``ok`` and ``outcome``."""
         try:
             fn, call.fn = call.fn, None
-            args, kwargs = call_args(call.pins, call.env, self._w.present)
+            args, kwargs = self._call_args(call)
             out = fn(*args, **kwargs)
             call.outcome = self._w.values.outputs(out, call.mesh, call.pins)
             call.ok = True
         except BaseException as exc:
             call.outcome = exc
+
+    def _call_args(self, call: _Call) -> tuple[Any, Any]:
+        present = self._w.present
+        values = []
+        for p in call.pins:
+            v = p.result()
+            values.append(v.tree(present) if isinstance(v, CallResult) else present(v))
+        env = call.env
+        assert env is not None
+        args, kwargs = ArgsUnpickler(env.payload, values, env.buffers[: env.pbufs]).load()
+        return args, kwargs
 
     def _post_done(self, call: _Call) -> None:
         """Pool thread: hand a finished call to the loop; one wake-up per burst."""
@@ -374,12 +351,11 @@ class Scheduler:
     def wait_briefly(self) -> bool:
         """Loop thread: wait a moment for the calls this drain started; True if any ended.
 
-        Quick calls then cost no self-pipe wake-up of the loop. Bounded
-        (``BRIEF_WAIT_S``), skipped while calls run long; a lone call runs inline.
+        A quick call then costs no wake-up of the loop through its self-pipe, and
+        the GIL passes to the pool thread at once instead of when the loop next
+        blocks. The wait is bounded (``BRIEF_WAIT_S``) and skipped while calls run
+        long, so heartbeats and new messages wait at most that long.
         """
-        if self._deferred is not None:  # a lone call: it runs inline instead
-            self._hand_inline()
-            return False
         if not (self.started and self._quick):
             return False
         self.started = False
@@ -443,7 +419,7 @@ class Scheduler:
         """An ``async def`` call, on the loop."""
         call.started = time.perf_counter_ns()
         try:
-            args, kwargs = call_args(call.pins, call.env, self._w.present)
+            args, kwargs = self._call_args(call)
             out = await fn(*args, **kwargs)
             call.outcome = self._w.values.outputs(out, call.mesh, call.pins)
             call.ok = True

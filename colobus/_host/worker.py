@@ -42,7 +42,6 @@ from .._wire.tasks import supervise
 from .arrays import HostArrays
 from .construct import on_construct
 from .join import JoinDiagnosis
-from .leader import run_serving
 from .process import cpu_ns, end_context, rss_bytes
 from .sched import Scheduler
 from .store import Store
@@ -163,9 +162,8 @@ class Worker:
     # -- top level -----------------------------------------------------------------------
 
     def run(self) -> int:
-        """Serve until told to exit; returns the process exit code (inline calls:
-        :func:`colobus._host.leader.run_serving`)."""
-        return run_serving(self.serve, self.sched, self._on_sigterm)
+        """Serve until told to exit; returns the process exit code."""
+        return asyncio.run(self.serve())
 
     async def serve(self) -> int:
         self.loop = asyncio.get_running_loop()

@@ -88,7 +88,6 @@ class Channel:
         self._blocked: set[Peer] = set()  # peers with envelopes waiting for the window
         self._owed: set[Peer] = set()  # peers owed an acknowledgement now
         self._step_scheduled = False
-        self._sent_now = False  # a message left at once since the last read or step's end
         self._corked = False  # inside a drain (or a burst): sends leave when it ends
         self.batches_sent = 0
         self.resent = 0
@@ -124,22 +123,14 @@ class Channel:
         self.enqueue(peer, body, payload, buffers, pbufs)
         if self._corked or self._step_scheduled:
             return
-        if self._sent_now:  # one left at once since the last read: the rest wait for the
-            self._step_scheduled = True  # step's end (a lone message costs no iteration)
-            self._loop.call_soon(self._end_step)
-            return
-        self._sent_now = True
+        self._step_scheduled = True
+        self._loop.call_soon(self._end_step)
         # Only this peer's messages leave now: others queued earlier (frees moved
         # into every host's outbox) wait for the end of the step, and ride along
         # with what the step sends them then (a fan-out call: one envelope per host).
         if peer in self._dirty:  # it is (its outbox is not empty), unless forgotten
             self._dirty.remove(peer)
         self._send_outbox(peer, time.monotonic())
-        if self._dirty or self._blocked or self._owed:
-            self._step_scheduled = True
-            self._loop.call_soon(self._end_step)
-        elif readable(self.sock):  # the send may have taken the FD's edge: read soon
-            self._loop.call_soon(self.drain)
 
     def enqueue(self, peer: Peer, body: P.Body, payload: Buffer = b"",
                 buffers: Sequence[Buffer] = (), pbufs: int = 0) -> None:
@@ -341,7 +332,6 @@ class Channel:
 
     def _end_step(self) -> None:
         self._step_scheduled = False
-        self._sent_now = False
         self.flush()
         # The ZeroMQ FD is edge-triggered: a send can consume the edge that
         # announced incoming messages, so read what waits after sending.
@@ -356,7 +346,6 @@ class Channel:
             return
         if self._before_drain is not None:
             self._before_drain()
-        self._sent_now = False  # a read starts a new step
         corked, self._corked = self._corked, True
         start = time.monotonic()
         n = 0
