@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from .._observe.observer import FunctionStats
     from .._observe.trace import CallRecord, CallTimings
 
-__all__ = ["Future"]
+__all__ = ["Future", "in_event_loop"]
 
 T = TypeVar("T")
 
@@ -292,3 +292,8 @@ def _run_callback(fn: Callable[[Future[Any]], object], fut: Future[Any]) -> None
 def _wake_waiter(waiter: asyncio.Future[None]) -> None:
     if not waiter.done():
         waiter.set_result(None)
+
+
+def in_event_loop() -> bool:
+    """Whether this thread is running an asyncio event loop right now (so must not block)."""
+    return asyncio._get_running_loop() is not None

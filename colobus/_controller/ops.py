@@ -30,7 +30,7 @@ from .._wire import protocol as P
 from .._wire.describe import BadReply
 from .._wire.envelope import Envelope
 from .._wire.failures import read_error, rebuild_error
-from .future import Future
+from .future import Future, in_event_loop
 
 if TYPE_CHECKING:
     from .._observe.observer import FunctionStats
@@ -428,7 +428,7 @@ class Operations:
         code awaits :meth:`wait_capacity` instead.
         """
         with self._capacity:
-            if not self.ctl._on_loop_thread() and not _in_event_loop():
+            if not self.ctl._on_loop_thread() and not in_event_loop():
                 while self.queued >= self.max_backlog and not self.ctl._closed:
                     self._capacity.wait()
                 self.ctl._check_open()
@@ -467,10 +467,6 @@ class Operations:
                 self._capacity_waiters.append(waiter)
             await waiter
 
-
-def _in_event_loop() -> bool:
-    """Whether this thread is running an asyncio event loop right now."""
-    return asyncio._get_running_loop() is not None
 
 
 # Exceptions raised on hosts, as the controller re-raises them.

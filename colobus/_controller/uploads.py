@@ -15,13 +15,12 @@ the bound leaves alone once its hosts are below it.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import threading
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Protocol
 
-from .future import Future
+from .future import Future, in_event_loop
 
 if TYPE_CHECKING:
     from .._wire.channel import Peer
@@ -77,7 +76,7 @@ class Uploads:
         """
         ctl = self.ctl
         with self._cond:
-            if not ctl._on_loop_thread() and not _in_event_loop():
+            if not ctl._on_loop_thread() and not in_event_loop():
                 self._blocked += 1  # before the check: a release after it wakes us
                 try:
                     while self._full(sizes) and not ctl._closed:
@@ -123,7 +122,3 @@ class Uploads:
                 waiter: Future[None] = Future()
                 self._waiters.append(waiter)
             await waiter
-
-
-def _in_event_loop() -> bool:
-    return asyncio._get_running_loop() is not None
