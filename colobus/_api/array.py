@@ -340,13 +340,16 @@ def device_put(x: Any, device_or_sharding: Any) -> Any:
         ctl._uploads.reserve(sizes)  # back-pressure: a plain thread may wait here
 
         def send() -> None:
-            for arr, p in sends:
-                for h, body, buf in p.msgs:
-                    host = ctl._hosts[h]
-                    if host.alive and host.generation == arr._gens[h]:
-                        ctl._send(host, body, b"", [buf])
-                        ctl._count("bytes_put", buf.nbytes)
-                    ctl._uploads.handed(h, buf.nbytes)  # the channel counts it now
+            try:
+                for arr, p in sends:
+                    for h, body, buf in p.msgs:
+                        host = ctl._hosts[h]
+                        if host.alive and host.generation == arr._gens[h]:
+                            ctl._send(host, body, b"", [buf])
+                            ctl._count("bytes_put", buf.nbytes)
+            finally:  # the channel counts them now (or nobody: a lost host's)
+                for h, n in sizes.items():
+                    ctl._uploads.handed(h, n)
 
         ctl._ops.post(send)
     return out
