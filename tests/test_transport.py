@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections.abc
+import contextlib
 import os
 import pathlib
 import secrets
@@ -526,6 +527,55 @@ def test_uploads_faster_than_the_link_wait_with_bounded_bytes_queued(shaped: Any
     finally:
         _pop_current(ctl)
         ctl.close()
+
+
+@pytest.mark.parametrize("ending", ["host lost", "controller closed"])
+def test_a_put_waiting_for_room_ends_when_its_host_is_lost_or_the_controller_closes(
+        ending: str) -> None:
+    """A plain thread blocked in ``device_put`` (its host never acknowledges: the
+    worker is stopped) goes on when that host is lost, and fails with
+    ``ControllerClosedError`` when the controller closes; nothing waits forever."""
+    import threading
+
+    bound = 1 << 20
+    with cb.local_cluster(hosts=1, max_queued_bytes=bound, liveness_timeout=3.0) as ctl:
+        dev, pid = ctl.devices()[0], ctl.hosts()[0].pid
+        assert pid is not None
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            first = cb.device_put(np.ones(bound // 8), dev)  # admitted, never acknowledged
+            asyncio.run(eventually(lambda: ctl.stats()["hosts"][0]["queued_bytes"] >= bound,
+                                   30, "the first put to be held"))
+            ended: list[object] = []
+
+            def second() -> None:
+                _push_current(ctl)
+                try:
+                    ended.append(cb.device_put(np.ones(8), dev))
+                except Exception as exc:  # the test reads which error it was
+                    ended.append(exc)
+                finally:
+                    _pop_current(ctl)
+
+            thread = threading.Thread(target=second, daemon=True)
+            thread.start()
+            asyncio.run(eventually(lambda: ctl._uploads._blocked == 1, 30,
+                                   "the second put to wait for room"))
+            assert ended == []
+            if ending == "host lost":
+                os.kill(pid, signal.SIGKILL)
+                thread.join(60)
+                assert len(ended) == 1 and isinstance(ended[0], cb.Array), ended
+                with pytest.raises(cb.HostLostError):
+                    cb.device_get(first).result(60)
+            else:
+                ctl.close()
+                thread.join(60)
+                assert len(ended) == 1 and isinstance(ended[0], cb.ControllerClosedError), ended
+            assert not thread.is_alive()
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 # -- 6. unknown peers cost nothing --------------------------------------------------------
