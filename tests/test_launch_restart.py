@@ -72,3 +72,30 @@ def test_restart_brings_a_killed_worker_back_under_its_name(
 def test_restart_must_not_be_negative() -> None:
     with pytest.raises(ValueError, match="restart must be >= 0"):
         cb.local_cluster(hosts=1, restart=-1)
+
+
+def test_a_host_whose_launcher_saw_it_end_is_told_to_exit_not_to_rejoin(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # The far side of a dead ssh session lives on until it reads the end of its
+    # standard input, and talks meanwhile. The controller, told by the launcher,
+    # has declared the host lost; a RESET that said "join again" would bring the
+    # dying worker back as alive. It is told to exit instead, and the host stays lost.
+    from colobus._controller.cluster import host_process_ended
+    caplog.set_level(logging.WARNING, "colobus")
+    cluster = cb.local_cluster(hosts=2, heartbeat_interval=0.1, liveness_timeout=30.0)
+    with cluster as ctl:
+        before = ctl.hosts()
+        workers = cluster.workers
+        assert workers is not None
+        proc1 = workers.procs[1]
+        # As the ssh launcher reports it (pid None: the worker ran elsewhere), while
+        # the worker process is alive and still connected.
+        host_process_ended(ctl, before[1].name, None, "its launcher's session ended")
+        assert proc1.wait(20) == 0  # it exited by itself, on the controller's word
+        wait_until(lambda: 1 in workers.gone, 20, "the launcher to see host 1 end")
+        assert [h.state for h in ctl.hosts()] == ["alive", "lost"]
+        assert ctl.hosts()[1].pid == before[1].pid  # no second session joined meanwhile
+        got = cb.device_get(where(cb.device_put(np.zeros(1), before[0].devices[0])))
+        np.testing.assert_array_equal(got.result(timeout=30), [before[0].pid])
+    said = [r.getMessage() for r in caplog.records]
+    assert any("host 1 ('local-1') lost: its launcher's session ended" in m for m in said), said

@@ -12,6 +12,7 @@ import contextlib
 from collections.abc import Sequence
 
 from .._errors import ControllerClosedError
+from .._wire import protocol as P
 from .controller import Controller, State
 from .joinwait import JoinOrder
 
@@ -38,7 +39,9 @@ def host_process_ended(ctl: Controller, name: str, pid: int | None, why: str) ->
     def lose() -> None:
         host = ctl._hosts.by_name.get(name)
         if host is not None and (pid is None or host.pid == pid):
-            ctl._sessions.lose(host, why)
+            # Its process is gone: a worker still talking under that session (the far
+            # side of a dead ssh session, until it notices) exits instead of rejoining.
+            ctl._sessions.lose(host, why, P.RESET_EXIT)
 
     if ctl.state is State.RUNNING:
         with contextlib.suppress(RuntimeError, ControllerClosedError):  # closed meanwhile

@@ -93,8 +93,8 @@ class HostRegistry:
         self.hosts: list[Host] = []
         self.by_identity: dict[bytes, Host] = {}
         self.by_name: dict[str, Host] = {}
-        # sessions of lost hosts (-> identity), oldest first: bounded
-        self.dead_sessions: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()
+        # sessions of lost hosts (-> the RESET reason their worker gets), oldest first: bounded
+        self.dead_sessions: collections.OrderedDict[bytes, str] = collections.OrderedDict()
         self._next_device_id = 0
 
     def __getitem__(self, index: int) -> Host:
@@ -163,13 +163,18 @@ class HostRegistry:
         self._next_device_id += n
         return ids
 
-    def mark_lost(self, host: Host) -> bool:
-        """Take a host out of service; False if it already was."""
+    def mark_lost(self, host: Host, last_word: str = P.RESET_REJOIN) -> bool:
+        """Take a host out of service; False if it already was.
+
+        ``last_word`` is the RESET reason its worker gets if it speaks again:
+        ``P.RESET_REJOIN`` (join again) or ``P.RESET_EXIT`` (its process was seen
+        to end: whatever still talks under that session exits, never rejoins).
+        """
         if not host.alive:
             return False
         host.alive = False
         host.peer.forget()
-        self.dead_sessions[host.session] = host.identity
+        self.dead_sessions[host.session] = last_word
         while len(self.dead_sessions) > DEAD_SESSIONS_MAX:
             self.dead_sessions.popitem(last=False)
         if self.by_identity.get(host.identity) is host:

@@ -156,12 +156,12 @@ class Sessions:
                 return
             host = ctl._hosts.by_identity.get(identity)
             if host is None or env.sender != host.session:
-                if env.sender in ctl._hosts.dead_sessions:
+                last_word = ctl._hosts.dead_sessions.get(env.sender)
+                if last_word is not None:
                     self.drop("stale", identity)
                     # The last word of that session: the worker takes a RESET outside
-                    # the session's numbering and joins again.
-                    self._send_raw(identity, env.sender, P.Reset("declared lost; join again"),
-                                   seq=RESET_SEQ)
+                    # the session's numbering and joins again (or exits).
+                    self._send_raw(identity, env.sender, P.Reset(last_word), seq=RESET_SEQ)
                 else:
                     self.drop("unknown_peer", identity)
                 return
@@ -408,9 +408,13 @@ class Sessions:
                 alive.append(h.peer)
         chan.resend_stale(alive, ctl._resend_after)
 
-    def lose(self, host: Host, why: str) -> None:
-        """A host is gone: exactly the operations waiting for it fail."""
-        if not self._ctl._hosts.mark_lost(host):
+    def lose(self, host: Host, why: str, last_word: str = P.RESET_REJOIN) -> None:
+        """A host is gone: exactly the operations waiting for it fail.
+
+        ``last_word``: what its worker is told if it speaks again (see
+        :meth:`HostRegistry.mark_lost`).
+        """
+        if not self._ctl._hosts.mark_lost(host, last_word):
             return
         log.warning("host %d (%r) lost: %s", host.index, host.name, why)
         self._ctl._ops.host_lost(host, why)

@@ -147,7 +147,7 @@ class Worker:
             Kind.DESTROY: lambda body, env: self.sched.on_destroy(body),
             Kind.STATS: self._on_stats,
             Kind.SHUTDOWN: self._on_shutdown,
-            Kind.RESET: lambda body, env: self._end("reset"),
+            Kind.RESET: lambda body, env: self._on_reset(env),
             Kind.WELCOME: self._on_welcome,
             Kind.REJECT: self._on_reject,
             Kind.CHALLENGE: self._on_challenge,
@@ -406,7 +406,7 @@ class Worker:
             self._drop("stale")
             return
         elif env.kind == Kind.RESET:  # the controller's last word, outside the numbering
-            self._end("reset")
+            self._on_reset(env)
             return
         try:
             got = self._chan.take(peer, env, 1 << 62) if self._chan is not None else None
@@ -478,6 +478,19 @@ class Worker:
                 "this worker%s: %s", self.connect, " for now" * body.retry, body.reason)
         if not body.retry:
             self._end("reject")
+
+    def _on_reset(self, env: Envelope) -> None:
+        """The controller declared this session lost: rejoin, or exit if it said so."""
+        try:
+            body = P.parse(env.kind, env.body)
+        except ValueError:
+            body = None
+        if isinstance(body, P.Reset) and body.reason == P.RESET_EXIT:
+            log.warning("controller %s saw this worker's process end (its launcher's "
+                        "session is gone): exiting", self.connect)
+            self._end("exit")
+        else:
+            self._end("reset")
 
     def _on_heartbeat(self, body: P.Heartbeat, env: Envelope) -> None:
         self._ping, self._ping_at = body.ping, time.monotonic_ns()

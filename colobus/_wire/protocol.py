@@ -363,9 +363,15 @@ class Shutdown(Body):
 
 @dataclass(frozen=True, slots=True)
 class Reset(Body):
+    """The controller's last word to a lost session: rejoin, or (``RESET_EXIT``) exit."""
+
     kind = Kind.RESET
     types = (str,)
     reason: str
+
+
+RESET_REJOIN = "declared lost; join again"
+RESET_EXIT = "exit"  # its process was seen to end (a launcher): it exits, never rejoins
 
 
 BODIES: dict[Kind, type[Body]] = {
