@@ -23,11 +23,14 @@ from .._model.jaxside import is_key_array
 from .._model.moves import plan_reshard
 from .._model.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 from .._wire import protocol as P
+from .._wire.chunks import MAX_PART
 from .._wire.codec import key_impl_name, to_buffer
 from .._wire.describe import read_fetched
 from .._wire.envelope import Envelope, pack_body
 from .reshard import Reshard, mesh_message
 from .shards import Shard, addressable_shards
+
+BOX_HEADROOM = 1 << 17  # a reshard box plus its FETCH reply's or PIECE's header fits a part
 
 __all__ = ["Array", "MisusedHandle", "block_until_ready", "check_owner", "device_get",
            "device_put", "mesh_message"]
@@ -259,8 +262,12 @@ class _PreparedReshard:
         # A typed key's dtype has no useful itemsize: its key data is a few words.
         itemsize = 16 if src._key_impl else src.itemsize
         # Each box is one FETCH reply: well under what the controller accepts (a host
-        # keeps REPLY_MARGIN, 1 MiB, for the reply's header and batch).
-        chunk = min(_moves.CHUNK_BYTES, max(1 << 16, (ctl.max_message_bytes - (1 << 20)) // 2))
+        # keeps REPLY_MARGIN, 1 MiB, for the reply's header and batch), and with its
+        # header within one part, so that once the window is full-size the reply and
+        # each PIECE travel whole: no reassembly copy at the controller or the host
+        # (8 MiB boxes, each cut in parts and put together again, cost twice the CPU).
+        chunk = min(_moves.CHUNK_BYTES, MAX_PART - BOX_HEADROOM,
+                    max(1 << 16, (ctl.max_message_bytes - (1 << 20)) // 2))
         self.plan = plan_reshard(src.sharding, sharding, src.shape, itemsize, chunk)
         self.src = src
         self.sharding = sharding

@@ -17,15 +17,22 @@ import asyncio
 import contextlib
 import logging
 import os
+import secrets
 import socket
 import threading
 import time
 from typing import Any
 
+import zmq
+
 from .._wire.endpoint import Endpoint
 from .._wire.keys import key_id
 
-__all__ = ["JoinDiagnosis", "probe"]
+__all__ = ["RECONNECT_MAX_S", "JoinDiagnosis", "probe", "session_socket"]
+
+# ZeroMQ's TCP reconnects back off to at most this: a dropped connection is back well
+# within the half liveness timeout a host whose connection closed has to be heard again.
+RECONNECT_MAX_S = 0.5
 
 log = logging.getLogger("colobus.worker")
 
@@ -139,3 +146,37 @@ class JoinDiagnosis:
                    + ("; with CurveZMQ, also check --server-key" if self._curve else "") + ")")
         self.last = why
         log.log(self._level, "cannot join %s yet: %s", self._endpoint.text, why)
+
+
+def session_socket(ctx: zmq.Context[Any], connect: str,
+                   curve: tuple[tuple[bytes, bytes], bytes] | None) -> zmq.Socket[Any]:
+    """A session's DEALER, connecting to ``connect`` (CurveZMQ when ``curve`` is
+    ``((public, secret), server public)``).
+
+    Raises:
+        ValueError: ZeroMQ cannot connect to that endpoint.
+    """
+    sock: zmq.Socket[Any] = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    # One routing id for the whole session, random and unrelated to the session
+    # id (which every header shows): after a dropped connection the controller
+    # finds this host by it again.
+    sock.setsockopt(zmq.ROUTING_ID, b"w" + secrets.token_bytes(16))
+    # Not IMMEDIATE: with it, a DEALER drops unread incoming messages (such as
+    # the controller's SHUTDOWN) when the connection goes. JOINs queued while
+    # the controller is away get one CHALLENGE each; only the first is answered.
+    sock.setsockopt(zmq.RECONNECT_IVL, 100)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, int(RECONNECT_MAX_S * 1000))
+    if curve is not None:
+        (public, secret), server = curve
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+        sock.setsockopt(zmq.CURVE_SERVERKEY, server)
+    try:
+        sock.connect(connect)
+    except zmq.ZMQError as exc:  # an endpoint parse_connect let through
+        sock.close(0)
+        raise ValueError(f"cannot connect to {connect!r}: {exc}") from None
+    return sock

@@ -41,7 +41,7 @@ from .._wire.sockio import NOBLOCK
 from .._wire.tasks import supervise
 from .arrays import HostArrays
 from .construct import on_construct
-from .join import JoinDiagnosis
+from .join import JoinDiagnosis, session_socket
 from .process import cpu_ns, end_context, rss_bytes
 from .sched import Scheduler
 from .store import Store
@@ -53,9 +53,6 @@ log = logging.getLogger("colobus.worker")
 
 BACKOFF_MIN_S = 0.1
 BACKOFF_MAX_S = 5.0
-# ZeroMQ's TCP reconnects back off to at most this: a dropped connection is back well
-# within the half liveness timeout a host whose connection closed has to be heard again.
-RECONNECT_MAX_S = 0.5
 MAX_HEARTBEAT_RESTARTS = 3  # per session; then the worker leaves it and joins afresh
 
 
@@ -235,30 +232,8 @@ class Worker:
     async def _one_session(self, backoff: float) -> tuple[bool, str]:
         loop = asyncio.get_running_loop()
         assert self._ctx is not None
-        sock = self._ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
+        sock = session_socket(self._ctx, self.connect, self._curve)
         session = secrets.token_bytes(16)
-        # One routing id for the whole session, random and unrelated to the session
-        # id (which every header shows): after a dropped connection the controller
-        # finds this host by it again.
-        sock.setsockopt(zmq.ROUTING_ID, b"w" + secrets.token_bytes(16))
-        # Not IMMEDIATE: with it, a DEALER drops unread incoming messages (such as
-        # the controller's SHUTDOWN) when the connection goes. JOINs queued while
-        # the controller is away get one CHALLENGE each; only the first is answered.
-        sock.setsockopt(zmq.RECONNECT_IVL, 100)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, int(RECONNECT_MAX_S * 1000))
-        if self._curve is not None:
-            (public, secret), server = self._curve
-            sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
-            sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
-            sock.setsockopt(zmq.CURVE_SERVERKEY, server)
-        try:
-            sock.connect(self.connect)
-        except zmq.ZMQError as exc:  # an endpoint parse_connect let through
-            sock.close(0)
-            raise ValueError(f"cannot connect to {self.connect!r}: {exc}") from None
         self._peer = Peer([], session, b"")
         self._joined = False
         self._welcome = loop.create_future()
