@@ -1,7 +1,9 @@
 """Long child processes that a test only waits for, started when the session starts.
 
 ``mypy --strict`` over the package (``test_lint.py``) is one long child process
-with no deadline of its own. Most tests spend their time waiting on sockets,
+with no deadline of its own; so is building the compose simulation's image
+(``test_compose.py``: a Debian base, wheels, ``docker build``; minutes on a
+fresh machine). Most tests spend their time waiting on sockets,
 processes and timeouts rather than on the CPU, so it runs beside them from the
 start, at the lowest CPU priority (it takes only what the tests leave):
 ``conftest.py`` calls :func:`start_collected` once the session collected its
@@ -34,9 +36,18 @@ def _mypy() -> tuple[list[str], dict[str, str] | None]:
     return [*nice, sys.executable, "-m", "mypy", "--no-incremental", "colobus"], None
 
 
-# name -> (the test that waits for it, how to make its command and environment)
+def _compose_image() -> tuple[list[str], dict[str, str] | None]:
+    # Mostly waiting on disk, Debian's archive and dockerd; its own CPU at the lowest
+    # priority. Where no engine runs it exits at once, saying why (the tests skip).
+    nice = ["nice", "-n", "19"] if shutil.which("nice") else []
+    return [*nice, sys.executable, str(ROOT / "tests" / "composeimage.py")], None
+
+
+# name -> (the test, or a file's tests ("path::"), that waits for it; how to make its
+# command and environment)
 CHECKS: dict[str, tuple[str, Callable[[], tuple[list[str], dict[str, str] | None]]]] = {
     "mypy": ("tests/test_lint.py::test_mypy_strict_clean", _mypy),
+    "compose-image": ("tests/test_compose.py::", _compose_image),
 }
 
 
@@ -75,7 +86,7 @@ def start_collected(nodeids: Iterable[str]) -> None:
     """Start the checks whose test is among ``nodeids`` (the session's collected tests)."""
     wanted = set(nodeids)
     for name, (test, _) in CHECKS.items():
-        if test in wanted:
+        if test in wanted or (test.endswith("::") and any(n.startswith(test) for n in wanted)):
             start(name)
 
 

@@ -15,84 +15,33 @@ from __future__ import annotations
 
 import collections.abc
 import os
-import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
+import early
 import pytest
+from composeimage import IMAGE, ROOT, _compose_commands, _engine_missing, _run
 
 from colobus._wire.keys import write_key
 
-ROOT = Path(__file__).resolve().parent.parent
-IMAGE = "colobus:local"  # what docker-compose.yml runs
-PUBLIC_BASE = "python:3.11-slim"
-LOCAL_BASE = "colobus-base:bookworm"  # docker/build-base
 HOST_LOST_STATUS = 3  # the example driver's status after a lost host (colobus._tools.demo)
 
 pytestmark = pytest.mark.docker
 
 
-def _run(*argv: str, timeout: float = 120, check: bool = True,
-         env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout,
-                          cwd=ROOT, env=env)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(argv)} -> {proc.returncode}\n"
-                             f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return proc
-
-
-def _engine_missing() -> str | None:
-    """Why the Docker tests cannot run here, or None."""
-    if shutil.which("docker") is None:
-        return "no docker command (.ci/run installs Debian's docker.io where it can)"
-    info = subprocess.run(["docker", "info", "--format", "{{.ServerVersion}}"],
-                          capture_output=True, text=True, timeout=30)
-    if info.returncode != 0:
-        return f"no Docker engine answers: {info.stderr.strip()[-200:]}"
-    if not _compose_commands():
-        return "neither `docker compose` (v2) nor `docker-compose` (v1) is installed"
-    return None
-
-
-def _compose_commands() -> dict[str, list[str]]:
-    """The Compose versions installed here, v2 first: ``{"v2": argv, "v1": argv}``."""
-    found: dict[str, list[str]] = {}
-    for version, argv in (("v2", ["docker", "compose"]), ("v1", ["docker-compose"])):
-        if shutil.which(argv[0]) is None:
-            continue
-        proc = subprocess.run([*argv, "version", "--short"], capture_output=True, text=True,
-                              timeout=30)
-        if proc.returncode == 0 and proc.stdout.strip().lstrip("v").startswith(version[1]):
-            found[version] = argv
-    return found
-
-
-def _base_image() -> str:
-    """The Dockerfile's BASE: as given, the public image if here, else one built locally."""
-    given = os.environ.get("COLOBUS_BASE_IMAGE")
-    if given:
-        return given
-    if _run("docker", "image", "inspect", PUBLIC_BASE, check=False).returncode == 0:
-        return PUBLIC_BASE
-    _run(str(ROOT / "docker" / "build-base"), LOCAL_BASE, timeout=900)
-    return LOCAL_BASE
-
-
 @pytest.fixture(scope="module")
 def image() -> str:
-    """Build the image (once per run; docker's layer cache makes a rebuild quick)."""
+    """The image, built once per run: started with the session, beside the tests
+    (tests/early.py; docker's layer cache makes a rebuild quick). Its base's tag."""
     reason = _engine_missing()
     if reason:
         pytest.skip(reason)
-    base = _base_image()
-    if base == LOCAL_BASE:  # no registry: the dependencies come as wheels from this host
-        _run(str(ROOT / "docker" / "fetch-wheels"), sys.executable, timeout=600)
-    _run("docker", "build", "-q", "--build-arg", f"BASE={base}", "-t", IMAGE, ".",
-         timeout=1200)
-    return base
+    built = early.result("compose-image", timeout=2400)
+    if built.returncode != 0:
+        raise AssertionError(f"building the image failed ({built.returncode}):\n"
+                             f"{built.stdout[-3000:]}\n{built.stderr[-3000:]}")
+    return built.stdout.split()[-1]
 
 
 class Compose:
