@@ -386,7 +386,7 @@ class Worker:
         try:
             got = self._chan.take(peer, env, 1 << 62) if self._chan is not None else None
             if isinstance(got, str):
-                self._drop(got)
+                self._drop(got, f"seq {env.seq}, expecting {peer.recv_seq + 1}")
                 return
             self._last_heard = time.monotonic()
             if got is None:  # an ACK, or a part of a larger message

@@ -38,6 +38,8 @@ __all__ = ["DEFAULT_MAX_WINDOW", "Channel", "Peer"]
 log = logging.getLogger("colobus.channel")
 
 DRAIN_BUDGET_S = 0.01  # one drain reads this long at most, then lets the loop run
+# An ACK's body: empty, or this (a NACK: "I have a gap after ack, resend from there").
+NACK_BODY = [1]
 BACKOFF_MAX = 16  # resends back off to 16 x resend_after while nothing is acknowledged
 
 
@@ -186,6 +188,7 @@ class Channel:
                 sent = True
         if self._owed:
             self._send_acks()
+            sent = True  # the sends may have taken the FD's edge
         return sent
 
     def _send_outbox(self, peer: Peer, now: float) -> None:
@@ -271,11 +274,18 @@ class Channel:
             peer.acked(env.ack)
             if peer.held < held and self._on_release is not None:
                 self._on_release(peer)
+            if env.body == NACK_BODY:  # the peer has a gap after env.ack: go back to it
+                self._resend(peer, time.monotonic(), 0.0)
             return None
         refused = peer.accept(env)
         if peer.held < held and self._on_release is not None:
             self._on_release(peer)
         if refused is not None:
+            if refused == "replay":  # a resend of what we have: it missed our ack
+                peer.owe_ack()
+                self._owed.add(peer)
+            elif peer.nack_due:  # a gap: ask for what is missing now, not after a timeout
+                self._owed.add(peer)
             return refused
         if env.buffers:  # large amounts are acknowledged at once (a window waits)
             peer.recv_owed += envelope_bytes(env)
@@ -288,9 +298,10 @@ class Channel:
     def _send_acks(self) -> None:
         owed, self._owed = self._owed, set()
         for peer in owed:
-            if peer.recv_seq > peer.acked_sent and peer.their_session:
-                env = Envelope(ACK_KIND, peer.session, peer.their_session, 0, [],
-                               ack=peer.recv_seq)
+            if (peer.recv_seq > peer.acked_sent or peer.nack_due) and peer.their_session:
+                env = Envelope(ACK_KIND, peer.session, peer.their_session, 0,
+                               NACK_BODY if peer.nack_due else [], ack=peer.recv_seq)
+                peer.nack_due = False
                 peer.acked_sent = peer.recv_seq
                 peer.recv_owed = 0
                 try:
@@ -311,24 +322,40 @@ class Channel:
         if sock.closed:
             return
         now = time.monotonic()
+        resent = self.resent
         for peer in peers:
             unacked = peer.unacked
             wait = after * peer.backoff
             if not unacked or now - unacked[0][1] < wait:
                 continue
             peer.backoff = min(peer.backoff * 2, BACKOFF_MAX)
-            budget = peer.window
             log.debug("resending unacknowledged messages (%d waiting)", len(unacked))
-            for i, (seq, sent, frames, n, d) in enumerate(unacked):
-                if now - sent < wait or budget <= 0:
-                    break
-                unacked[i] = (seq, now, frames, n, d)
-                budget -= n
-                self.resent += 1
-                try:
-                    send_frames(sock, [*peer.route, *frames], self._flags)
-                except zmq.ZMQError:
-                    break
+            self._resend(peer, now, wait)
+        if self._owed:
+            self._send_acks()
+        if self.resent != resent and readable(sock):
+            # The FD is edge-triggered: a send can take the edge that announced a
+            # message waiting to be read, and nothing else would read it.
+            self._loop.call_soon(self.drain)
+
+    def _resend(self, peer: Peer, now: float, wait: float) -> None:
+        """Send again, from the oldest, what ``peer`` left unacknowledged for ``wait``
+        seconds (0: all of it, the peer asked), at most a window's worth."""
+        unacked = peer.unacked
+        budget = peer.window
+        for i, (seq, sent, frames, n, d) in enumerate(unacked):
+            if now - sent < wait or budget <= 0:
+                break
+            unacked[i] = (seq, now, frames, n, d)
+            budget -= n
+            self.resent += 1
+            try:
+                send_frames(self.sock, [*peer.route, *frames], self._flags)
+            except zmq.ZMQError:
+                break
+        if peer.recv_seq:  # the copies carry old acks: say what we have now
+            peer.owe_ack()
+            self._owed.add(peer)
 
     def _end_step(self) -> None:
         self._step_scheduled = False

@@ -44,9 +44,9 @@ class Peer:
     being received."""
 
     __slots__ = ("ack_wait", "acked_sent", "assembly", "backoff", "base_delay", "held",
-                 "inflight", "last_cut", "max_part", "max_window", "outbox", "pending",
-                 "recv_owed", "recv_seq", "route", "send_seq", "session", "their_session",
-                 "unacked", "window")
+                 "inflight", "last_cut", "max_part", "max_window", "nack_due", "nacked",
+                 "outbox", "pending", "recv_owed", "recv_seq", "route", "send_seq", "session",
+                 "their_session", "unacked", "window")
 
     def __init__(self, route: list[bytes], session: bytes, their_session: bytes,
                  recv_seq: int = 0, max_window: int = DEFAULT_MAX_WINDOW) -> None:
@@ -76,6 +76,10 @@ class Peer:
         self.backoff = 1.0
         self.acked_sent = recv_seq  # the highest recv_seq we told the peer
         self.recv_owed = 0  # bytes received since then
+        # A gap: the next ACK asks the peer to resend from it at once (go-back-N),
+        # once per place in the stream (``nacked``: the recv_seq last asked from).
+        self.nack_due = False
+        self.nacked = -1
         self.assembly: Assembly | None = None
 
     def accept(self, env: Envelope) -> str | None:
@@ -86,12 +90,26 @@ class Peer:
         one (its sender resends from the gap on, since it is not acknowledged).
         """
         seq = env.seq
-        if seq != self.recv_seq + 1:
-            return "replay" if seq <= self.recv_seq else "gap"
-        self.recv_seq = seq
+        # Its acknowledgement counts even when the envelope is refused: after a blip
+        # both sides resend, and a side that heeded acks only in sequence would keep
+        # resending what the other side already has.
         if self.unacked and self.unacked[0][0] <= env.ack:
             self.acked(env.ack)
+        if seq != self.recv_seq + 1:
+            if seq <= self.recv_seq:
+                return "replay"
+            if self.nacked != self.recv_seq:
+                self.nacked = self.recv_seq
+                self.nack_due = True
+            return "gap"
+        self.recv_seq = seq
         return None
+
+    def owe_ack(self) -> None:
+        """Say what we have again, even if we said it already: the peer resends (its
+        copies carry the acknowledgement of when they were first sent), or it resent
+        to us what we had, so it missed what we said."""
+        self.acked_sent = min(self.acked_sent, self.recv_seq - 1)
 
     def acked(self, ack: int) -> None:
         """The peer has everything up to ``ack``: free it, and size the window."""
