@@ -29,6 +29,7 @@ from netbed import eventually
 import colobus as cb
 from colobus._controller.controller import _pop_current, _push_current
 from colobus._wire import protocol as P
+from colobus._wire.envelope import Envelope, encode
 from colobus._wire.keys import write_key
 from colobus._wire.protocol import Kind
 
@@ -344,6 +345,56 @@ def test_bounded_readers_stop_early() -> None:
 
 
 # -- 5. a worker that heartbeats but never acknowledges -----------------------------------
+
+
+def test_a_nack_makes_the_sender_go_back_once_per_place() -> None:
+    """A gap is answered with a NACK (an ACK with body [1]) and the controller resends from
+    it at once; the same NACK again resends nothing (a peer with the key cannot make the
+    controller resend at will), and a NACK further on goes back from there."""
+    key = secrets.token_bytes(32)
+    # Heartbeats rare enough that only the test's NACKs move ``resent``: the resend
+    # timer (max(2 x heartbeat, liveness / 3) = 20 s) does not fire within the test.
+    ctl = cb.Controller("tcp://127.0.0.1:*", hosts=0, key=key, heartbeat_interval=10.0,
+                        liveness_timeout=60.0)
+    ctl.start_in_thread()
+    zctx: zmq.Context[Any] = zmq.Context()
+    fake = FakeWorker(zctx, ctl.address, key, "nacker", channel=True)
+    _push_current(ctl)
+    try:
+        fake.join()
+        host = ctl._hosts[fake.index]
+        dev = [d for d in ctl.devices() if d.host == fake.index]
+        arrays = [cb.device_put(np.full(4, float(i)), dev[0]) for i in range(3)]
+        deadline = time.monotonic() + 30
+        while len(host.peer.unacked) < 3:  # the PUTs left and wait for an ack
+            assert time.monotonic() < deadline, "the PUTs never left"
+            fake.poll_in(0.05)
+        head, waiting = host.peer.unacked[0][0], len(host.peer.unacked)
+        base = ctl.stats()["resent"]
+
+        def nack(ack: int) -> None:
+            fake.sock.send_multipart([bytes(f) for f in encode(key, Envelope(
+                int(Kind.ACK), fake.session, fake.ctl_session, 0, [1], ack=ack))])
+
+        def resent_reaches(n: int) -> None:
+            while ctl.stats()["resent"] < n:
+                assert time.monotonic() < deadline, f"resent stayed below {n}"
+                fake.poll_in(0.05)
+
+        nack(head - 1)  # a gap right after what it acknowledged: all of it comes again
+        resent_reaches(base + waiting)
+        nack(head - 1)
+        nack(head - 1)  # the same place twice more: nothing
+        nack(head)  # one further on (the head arrived): the rest, once
+        resent_reaches(base + 2 * waiting - 1)  # the four NACKs were taken, in order
+        assert ctl.stats()["resent"] == base + 2 * waiting - 1
+        assert ctl.hosts()[fake.index].state == "alive"
+        del arrays
+    finally:
+        _pop_current(ctl)
+        fake.close()
+        ctl.close()
+        zctx.term()
 
 
 def test_a_peer_that_never_acknowledges_is_bounded_and_then_lost() -> None:

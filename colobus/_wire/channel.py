@@ -274,7 +274,8 @@ class Channel:
             peer.acked(env.ack)
             if peer.held < held and self._on_release is not None:
                 self._on_release(peer)
-            if env.body == NACK_BODY:  # the peer has a gap after env.ack: go back to it
+            if env.body == NACK_BODY and env.ack > peer.went_back:
+                peer.went_back = env.ack  # the peer has a gap after env.ack: go back to it
                 self._resend(peer, time.monotonic(), 0.0)
             return None
         refused = peer.accept(env)

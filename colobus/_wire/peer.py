@@ -46,7 +46,7 @@ class Peer:
     __slots__ = ("ack_wait", "acked_sent", "assembly", "backoff", "base_delay", "held",
                  "inflight", "last_cut", "max_part", "max_window", "nack_due", "nacked",
                  "outbox", "pending", "recv_owed", "recv_seq", "route", "send_seq", "session",
-                 "their_session", "unacked", "window")
+                 "their_session", "unacked", "went_back", "window")
 
     def __init__(self, route: list[bytes], session: bytes, their_session: bytes,
                  recv_seq: int = 0, max_window: int = DEFAULT_MAX_WINDOW) -> None:
@@ -80,6 +80,9 @@ class Peer:
         # once per place in the stream (``nacked``: the recv_seq last asked from).
         self.nack_due = False
         self.nacked = -1
+        # The highest ``ack`` of a NACK we went back for: a peer's NACKs make us resend
+        # once per place, only forward (a keyed peer cannot make us resend at will).
+        self.went_back = -1
         self.assembly: Assembly | None = None
 
     def accept(self, env: Envelope) -> str | None:
