@@ -21,6 +21,9 @@ ROOT = Path(__file__).resolve().parent.parent
 IMAGE = "colobus:local"  # what docker-compose.yml runs
 PUBLIC_BASE = "python:3.11-slim"
 LOCAL_BASE = "colobus-base:bookworm"  # docker/build-base
+# A bound on each probe, not a wait on timing: beside the suite at a low CPU priority on
+# a loaded machine, Compose v1 (a Python program) took over 30 s just to start.
+PROBE_TIMEOUT_S = 300
 
 
 def _run(*argv: str, timeout: float = 120, check: bool = True,
@@ -38,7 +41,7 @@ def _engine_missing() -> str | None:
     if shutil.which("docker") is None:
         return "no docker command (.ci/run installs Debian's docker.io where it can)"
     info = subprocess.run(["docker", "info", "--format", "{{.ServerVersion}}"],
-                          capture_output=True, text=True, timeout=30)
+                          capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
     if info.returncode != 0:
         return f"no Docker engine answers: {info.stderr.strip()[-200:]}"
     if not _compose_commands():
@@ -53,7 +56,7 @@ def _compose_commands() -> dict[str, list[str]]:
         if shutil.which(argv[0]) is None:
             continue
         proc = subprocess.run([*argv, "version", "--short"], capture_output=True, text=True,
-                              timeout=30)
+                              timeout=PROBE_TIMEOUT_S)
         if proc.returncode == 0 and proc.stdout.strip().lstrip("v").startswith(version[1]):
             found[version] = argv
     return found
