@@ -101,8 +101,12 @@ async def test_cancelling_the_gather_cancels_its_calls(ctl: cb.Controller) -> No
     with pytest.raises(asyncio.CancelledError):
         await task
     assert gated.cancelled() and behind.cancelled()
-    hs.open_gate(gate)
     events = hs.events.specialize(devices=[_other_host()])
+    # The host reads its messages in order: once a later call (its own stream) has
+    # answered, the CANCELs were handled there. Opening the gate sooner let the queued
+    # call run on a loaded machine, where its CANCEL was still on its way.
+    await asyncio.create_task(_call(events))
+    hs.open_gate(gate)
     ran = [int(v) for v in np.asarray(await cb.device_get(await asyncio.create_task(
         _call(events))))]
     assert queued not in ran  # cancelled before it started: it never ran
