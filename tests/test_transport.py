@@ -347,6 +347,26 @@ def test_bounded_readers_stop_early() -> None:
 # -- 5. a worker that heartbeats but never acknowledges -----------------------------------
 
 
+@contextlib.contextmanager
+def _keyed_fake(key: bytes, name: str, **options: Any
+                ) -> collections.abc.Iterator[tuple[cb.Controller, FakeWorker]]:
+    """A TCP controller in its own thread (the default controller meanwhile) and a joined
+    fake worker holding the key that sends like a real worker's channel."""
+    ctl = cb.Controller("tcp://127.0.0.1:*", hosts=0, key=key, **options)
+    ctl.start_in_thread()
+    zctx: zmq.Context[Any] = zmq.Context()
+    fake = FakeWorker(zctx, ctl.address, key, name, channel=True)
+    _push_current(ctl)
+    try:
+        fake.join()
+        yield ctl, fake
+    finally:
+        _pop_current(ctl)
+        fake.close()
+        ctl.close()
+        zctx.term()
+
+
 def test_a_nack_makes_the_sender_go_back_once_per_place() -> None:
     """A gap is answered with a NACK (an ACK with body [1]) and the controller resends from
     it at once; the same NACK again resends nothing (a peer with the key cannot make the
@@ -354,14 +374,8 @@ def test_a_nack_makes_the_sender_go_back_once_per_place() -> None:
     key = secrets.token_bytes(32)
     # Heartbeats rare enough that only the test's NACKs move ``resent``: the resend
     # timer (max(2 x heartbeat, liveness / 3) = 20 s) does not fire within the test.
-    ctl = cb.Controller("tcp://127.0.0.1:*", hosts=0, key=key, heartbeat_interval=10.0,
-                        liveness_timeout=60.0)
-    ctl.start_in_thread()
-    zctx: zmq.Context[Any] = zmq.Context()
-    fake = FakeWorker(zctx, ctl.address, key, "nacker", channel=True)
-    _push_current(ctl)
-    try:
-        fake.join()
+    with _keyed_fake(key, "nacker", heartbeat_interval=10.0, liveness_timeout=60.0) as (
+            ctl, fake):
         host = ctl._hosts[fake.index]
         dev = [d for d in ctl.devices() if d.host == fake.index]
         arrays = [cb.device_put(np.full(4, float(i)), dev[0]) for i in range(3)]
@@ -390,24 +404,13 @@ def test_a_nack_makes_the_sender_go_back_once_per_place() -> None:
         assert ctl.stats()["resent"] == base + 2 * waiting - 1
         assert ctl.hosts()[fake.index].state == "alive"
         del arrays
-    finally:
-        _pop_current(ctl)
-        fake.close()
-        ctl.close()
-        zctx.term()
 
 
 def test_a_peer_that_never_acknowledges_is_bounded_and_then_lost() -> None:
     key = secrets.token_bytes(32)
     window = 4 << 20
-    ctl = cb.Controller("tcp://127.0.0.1:*", hosts=0, key=key, heartbeat_interval=0.2,
-                        liveness_timeout=3.0, send_window_bytes=window)
-    ctl.start_in_thread()
-    zctx: zmq.Context[Any] = zmq.Context()
-    fake = FakeWorker(zctx, ctl.address, key, "deaf", channel=True)
-    _push_current(ctl)
-    try:
-        fake.join()
+    with _keyed_fake(key, "deaf", heartbeat_interval=0.2, liveness_timeout=3.0,
+                     send_window_bytes=window) as (ctl, fake):
         dev = [d for d in ctl.devices() if d.host == fake.index]
         arrays = [cb.device_put(np.full(1 << 19, float(i)), dev[0]) for i in range(16)]  # 64 MB
         del arrays  # dropped by the user: their frees queue behind the puts
@@ -423,11 +426,6 @@ def test_a_peer_that_never_acknowledges_is_bounded_and_then_lost() -> None:
         assert held <= window + (1 << 20), f"{held} bytes kept unacknowledged"
         assert ctl.stats()["resent"] < 40
         assert not host.peer.unacked and not host.peer.pending  # forgotten once lost
-    finally:
-        _pop_current(ctl)
-        fake.close()
-        ctl.close()
-        zctx.term()
 
 
 # -- 7. liveness never depends on one message's transfer time (shaped links) ---------------
