@@ -893,7 +893,14 @@ async def test_outputs_python_scalars_and_numpy(ctl: cb.Controller) -> None:
         return 3, 2.5, True, np.arange(3, dtype=np.int16)
 
     x = _put_over_hosts(np.zeros((2, 2)))
-    out = await scalars(x)
+    try:
+        out = await scalars(x)
+    except KeyError as exc:  # seen twice in full runs: say what the hosts dropped
+        stats = ctl.stats()
+        exc.add_note(f"dropped by the hosts: "
+                     f"{ {i: h['dropped'] for i, h in stats['hosts'].items()} }; "
+                     f"by the controller: {stats['dropped']}")
+        raise
     assert all(isinstance(o, cb.Array) for o in out)
     assert all(o.devices() == set(cb.devices()) for o in out)  # replicated on the call's mesh
     got = await cb.device_get(out)
