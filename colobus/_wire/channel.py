@@ -283,7 +283,7 @@ class Channel:
             self._on_release(peer)
         if refused is not None:
             if refused == "replay":  # a resend of what we have: it missed our ack
-                peer.owe_ack()
+                peer.ack_due = True
                 self._owed.add(peer)
             elif peer.nack_due:  # a gap: ask for what is missing now, not after a timeout
                 self._owed.add(peer)
@@ -299,10 +299,11 @@ class Channel:
     def _send_acks(self) -> None:
         owed, self._owed = self._owed, set()
         for peer in owed:
-            if (peer.recv_seq > peer.acked_sent or peer.nack_due) and peer.their_session:
+            due = peer.recv_seq > peer.acked_sent or peer.ack_due or peer.nack_due
+            if due and peer.their_session:
                 env = Envelope(ACK_KIND, peer.session, peer.their_session, 0,
                                NACK_BODY if peer.nack_due else [], ack=peer.recv_seq)
-                peer.nack_due = False
+                peer.ack_due = peer.nack_due = False
                 peer.acked_sent = peer.recv_seq
                 peer.recv_owed = 0
                 try:
@@ -355,7 +356,7 @@ class Channel:
             except zmq.ZMQError:
                 break
         if peer.recv_seq:  # the copies carry old acks: say what we have now
-            peer.owe_ack()
+            peer.ack_due = True
             self._owed.add(peer)
 
     def _end_step(self) -> None:

@@ -43,8 +43,8 @@ class Peer:
     for room in the window, what it has not acknowledged yet, and a chunked message
     being received."""
 
-    __slots__ = ("ack_wait", "acked_sent", "assembly", "backoff", "base_delay", "held",
-                 "inflight", "last_cut", "max_part", "max_window", "nack_due", "nacked",
+    __slots__ = ("ack_due", "ack_wait", "acked_sent", "assembly", "backoff", "base_delay",
+                 "held", "inflight", "last_cut", "max_part", "max_window", "nack_due", "nacked",
                  "outbox", "pending", "recv_owed", "recv_seq", "route", "send_seq", "session",
                  "their_session", "unacked", "went_back", "window")
 
@@ -76,6 +76,9 @@ class Peer:
         self.backoff = 1.0
         self.acked_sent = recv_seq  # the highest recv_seq we told the peer
         self.recv_owed = 0  # bytes received since then
+        # An ACK is due even if ``acked_sent`` says it was sent: the peer resent what we
+        # have (it missed it), or we resent (the copies carry their first ``ack``).
+        self.ack_due = False
         # A gap: the next ACK asks the peer to resend from it at once (go-back-N),
         # once per place in the stream (``nacked``: the recv_seq last asked from).
         self.nack_due = False
@@ -107,12 +110,6 @@ class Peer:
             return "gap"
         self.recv_seq = seq
         return None
-
-    def owe_ack(self) -> None:
-        """Say what we have again, even if we said it already: the peer resends (its
-        copies carry the acknowledgement of when they were first sent), or it resent
-        to us what we had, so it missed what we said."""
-        self.acked_sent = min(self.acked_sent, self.recv_seq - 1)
 
     def acked(self, ack: int) -> None:
         """The peer has everything up to ``ack``: free it, and size the window."""
