@@ -4,7 +4,6 @@ holding only its own block), and moving it there and back; dropping the handle (
 
 from __future__ import annotations
 
-import collections
 import functools
 import weakref
 from collections.abc import Callable
@@ -29,6 +28,7 @@ from .._wire.describe import read_fetched
 from .._wire.envelope import Envelope, pack_body
 from .reshard import Reshard, mesh_message
 from .shards import Shard, addressable_shards
+from .treeput import plan_trees, upload_sizes
 
 BOX_HEADROOM = 1 << 17  # a reshard box plus its FETCH reply's or PIECE's header fits a part
 
@@ -225,7 +225,7 @@ def _host_array(x: Any) -> tuple[np.ndarray[Any, Any], Any, str | None]:
 class _PreparedPut:
     """One leaf of a ``device_put``, checked and cut into host blocks, not yet sent."""
 
-    __slots__ = ("dtype", "impl", "msgs", "ref", "shape", "sharding")
+    __slots__ = ("dtype", "impl", "msgs", "ref", "shape", "sharding", "trees")
 
     def __init__(self, ctl: Controller, x: Any, sharding: Sharding) -> None:
         data, self.dtype, self.impl = _host_array(x)
@@ -244,6 +244,7 @@ class _PreparedPut:
                          sharding.memory_kind)
             pack_body(body.to_wire())  # SerializationError here, at the call, not when sent
             self.msgs.append((h, body, buf))
+        self.trees = plan_trees(ctl, self.msgs, [b.index for b in blocks.values()])
 
     def handle(self, ctl: Controller) -> Array:
         return Array(ctl, self.ref, self.shape, self.dtype, self.sharding, key_impl=self.impl)
@@ -294,12 +295,12 @@ def _prepare(ctl: Controller, x: Any, sharding: Sharding
 def device_put(x: Any, device_or_sharding: Any) -> Any:
     """Place ``x`` (numpy or JAX arrays, scalars, or a pytree of them) on hosts.
 
-    Returns ``cb.Array`` handles at once; the upload runs in the background and
-    the arrays can be used in calls immediately. Each host receives only its own
-    block. Every leaf is checked before anything is sent: a bad leaf raises and
-    no part of the tree leaves this process. Large inputs are sent without
-    copying: do not modify a numpy input until ``cb.block_until_ready`` on the
-    result returned.
+    Returns ``cb.Array`` handles at once; the upload runs in the background and the arrays
+    can be used in calls immediately. Each host receives only its own block (a block that
+    many hosts hold goes down a tree of them: ``docs/arrays.md``, "Broadcast trees"). Every
+    leaf is checked before anything is sent: a bad leaf raises and no part of the tree
+    leaves this process. Large inputs are sent without copying: do not modify a numpy
+    input until ``cb.block_until_ready`` on the result returned.
 
     A ``cb.Array`` leaf onto another sharding is resharded: each host gets the
     parts of its new block it lacks, through the controller (``docs/arrays.md``,
@@ -341,9 +342,7 @@ def device_put(x: Any, device_or_sharding: Any) -> Any:
 
     out = jax.tree_util.tree_map(finish, prepared, is_leaf=_is_prepared_leaf)
     if sends:
-        sizes: collections.Counter[int] = collections.Counter()
-        for h, _, buf in (m for _, p in sends for m in p.msgs):
-            sizes[h] += buf.nbytes
+        sizes = upload_sizes([(p.msgs, p.trees) for _, p in sends])
         ctl._uploads.reserve(sizes)  # back-pressure: a plain thread may wait here
 
         def send() -> None:
@@ -354,6 +353,8 @@ def device_put(x: Any, device_or_sharding: Any) -> Any:
                         if host.alive and host.generation == arr._gens[h]:
                             ctl._send(host, body, b"", [buf])
                             ctl._count("bytes_put", buf.nbytes)
+                    for tree in p.trees:
+                        tree.start(arr._gens)
             finally:  # the channel counts them now (or nobody: a lost host's)
                 for h, n in sizes.items():
                     ctl._uploads.handed(h, n)

@@ -104,6 +104,9 @@ class Controller:
         freeze_gc: on the first start in this process, a full garbage collection and
             ``gc.freeze()`` of what is alive (JAX's ~100k objects), so collections during
             calls stop walking them (about 15 % of a pipelined call's controller CPU).
+        broadcast_tree: a ``device_put`` block of 1 MiB or more that this many hosts or more
+            hold the same goes down a tree of them (each serves it to two), leaving the
+            controller twice; 0 turns trees off (``docs/arrays.md``, "Broadcast trees").
 
     Raises:
         ValueError: ``curve_allow`` given without ``curve_secret_key``, or
@@ -135,6 +138,7 @@ class Controller:
         metrics_public: bool = False,
         trace: bool | str | os.PathLike[str] | None = None,
         freeze_gc: bool = True,
+        broadcast_tree: int = 8,
     ) -> None:
         bind, hosts, key, names = from_environment(bind, hosts, key)  # colobus launch's
         if key is not None:
@@ -152,6 +156,7 @@ class Controller:
         self.join_timeout = join_timeout
         self.max_message_bytes = max_message_bytes
         self.send_window_bytes = send_window_bytes
+        self.broadcast_tree = broadcast_tree
         self._exit_workers = exit_workers_on_close
         # A message unacknowledged this long is sent again (a dropped connection).
         self._resend_after = max(2 * heartbeat_interval, liveness_timeout / 3)
@@ -216,13 +221,8 @@ class Controller:
         """The endpoint workers connect to (after start)."""
         return self._address
 
-    @property
-    def max_inflight(self) -> int:
-        return self._ops.max_inflight
-
-    @property
-    def max_backlog(self) -> int:
-        return self._ops.max_backlog
+    max_inflight = property(lambda self: self._ops.max_inflight)
+    max_backlog = property(lambda self: self._ops.max_backlog)
 
     def devices(self) -> list[Device]:
         """Devices of the live hosts, sorted by id."""
@@ -233,16 +233,14 @@ class Controller:
         return [h.info() for h in self._hosts.hosts]
 
     def stats(self) -> dict[str, Any]:
-        """Counters: dropped messages by reason, code blobs and bytes sent, array bytes put and
-        fetched, and per host its store sizes and health.
-
-        Per-host figures are the ones each worker last reported (every heartbeat, or on
-        :meth:`refresh_stats`): ``arrays``, ``bytes`` and ``objects`` it holds, and ``results``,
-        the call results it keeps for futures still alive; from its heartbeats only, ``rtt``
-        (heartbeat round trip, s), ``rss`` (bytes), ``cpu`` (s), ``dropped``, ``threads`` and
-        ``stuck`` (its call pool's threads, and those busy with calls of an ended session),
-        ``code`` and ``code_bytes`` (the functions and classes it holds, and their size).
-        """
+        """Counters: dropped messages by reason, code blobs and bytes sent, array bytes put,
+        relayed by hosts (``bytes_relayed``) and fetched, and per host its store and health:
+        what each worker last reported (every heartbeat, or on :meth:`refresh_stats`):
+        ``arrays``, ``bytes`` and ``objects`` it holds, and ``results``, the call results it
+        keeps for futures still alive; from its heartbeats only, ``rtt`` (heartbeat round
+        trip, s), ``rss`` (bytes), ``cpu`` (s), ``dropped``, ``threads`` and ``stuck`` (its call
+        pool's threads, and those busy with calls of an ended session), ``code`` and
+        ``code_bytes`` (the functions and classes it holds, and their size)."""
         return collect_stats(self._sessions, self._counters, self._chan, self._ops, self._hosts,
                              self._uploads)
 

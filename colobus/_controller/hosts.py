@@ -73,6 +73,7 @@ class Host:
     generation: int = 0  # bumps on every (re)join; handles remember the one they saw
     conn_fd: int = -1  # the connection it was last heard on (see _hangups)
     hung_up: float = 0.0  # when that connection closed, until it is heard from again
+    data: str = ""  # its data-plane endpoint (colobus._host.dataplane), "" if none
 
     @property
     def session(self) -> bytes:
@@ -84,6 +85,10 @@ class Host:
 
     def lost_error(self, why: str) -> HostLostError:
         return HostLostError(f"Host {self.index} ({self.name!r}) was lost: {why}", self.index)
+
+
+def _data_endpoint(text: str) -> bool:
+    return len(text) <= 512 and text.startswith(("tcp://", "ipc://"))
 
 
 class HostRegistry:
@@ -149,6 +154,7 @@ class HostRegistry:
             address=hello.hostname, devices=tuple(sorted(devices)),
             peer=Peer([identity], our_session, their_session, recv_seq=seq),
             last_seen=time.monotonic(), generation=generation,
+            data=hello.data if _data_endpoint(hello.data) else "",
         )
         if old is not None:
             self.hosts[index] = host

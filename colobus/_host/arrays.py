@@ -18,6 +18,7 @@ from .._wire.codec import from_buffer, to_buffer
 from .._wire.envelope import Envelope
 from .._wire.protocol import Kind, Status
 from .reshard import HostReshards, as_numpy, box_index
+from .treeput import HostTreePuts
 from .values import LAZY_PUT_BYTES, NumpyBlock, PiecedBlock, jax_exact, numpy_block, present
 
 if TYPE_CHECKING:
@@ -34,11 +35,18 @@ class HostArrays:
     def __init__(self, worker: WorkerServices) -> None:
         self._w = worker
         self.reshards = HostReshards(worker)
+        self.trees = HostTreePuts(worker, self)
 
     def handlers(self) -> dict[Kind, Any]:
         """The worker's dispatch entries for array messages."""
         return {Kind.PUT: self.on_put, Kind.FETCH: self.on_fetch,
-                Kind.RESHARD: self.reshards.on_reshard, Kind.PIECE: self.reshards.on_piece}
+                Kind.RESHARD: self.reshards.on_reshard, Kind.PIECE: self.reshards.on_piece,
+                Kind.TREEPUT: self.trees.on_treeput, Kind.RELEASE: self.on_release}
+
+    def on_release(self, body: P.Release, env: Envelope) -> None:
+        self._w.store.release(body.refs, body.calls, body.code)
+        if body.calls and self._w.store.trees:
+            self.trees.release(body.calls)
 
     def on_put(self, body: P.Put, env: Envelope) -> None:
         loop = asyncio.get_running_loop()
@@ -57,6 +65,13 @@ class HostArrays:
             fut.set_exception(exc)
             fut.exception()
             raise ValueError(f"bad PUT: {exc}") from exc
+        self.store_block(fut, body.ref, arr, mesh, spec, impl, memory)
+
+    def store_block(self, fut: asyncio.Future[Any], ref: int, arr: Any, mesh: Any, spec: Any,
+                    impl: str | None, memory: str | None) -> None:
+        """Settle store entry ``fut`` with block ``arr`` as a PUT stores it (loop thread)."""
+        values = self._w.values
+        loop = asyncio.get_running_loop()
         if arr.nbytes < LAZY_PUT_BYTES:
             try:
                 fut.set_result(values.to_host_value(arr, mesh, spec, impl, memory))
@@ -74,12 +89,13 @@ class HostArrays:
                 fut.exception()
                 return
             block.lazy = True
-            block.put_ref = body.ref
+            block.put_ref = ref
             fut.set_result(block)
             return
         work = loop.run_in_executor(self._w._pool, values.to_host_value_ready, arr, mesh, spec,
                                     impl, memory)
         work.add_done_callback(functools.partial(chain_future, fut))
+
 
     def present(self, value: Any) -> Any:
         """What user code receives for a stored value (any thread)."""

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     import concurrent.futures
 
     from .._wire.calltimes import HostCallTimes
+    from .dataplane import DataPlane
     from .values import HostValues
 
 __all__ = ["Scheduler", "WorkerServices"]
@@ -57,6 +58,7 @@ class WorkerServices(Protocol):
     store: Store
     values: HostValues
     call_times: HostCallTimes | None
+    dataplane: DataPlane | None
     _jax: Any
     _max_message: int
     _pool: concurrent.futures.ThreadPoolExecutor

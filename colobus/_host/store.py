@@ -54,6 +54,7 @@ class Store:
         self.obj_calls: dict[int, set[asyncio.Future[Any]]] = {}  # obj -> its calls' results
         self.classes: dict[int, bytes] = {}  # obj -> its class's code digest
         self.reshards: dict[int, Any] = {}  # new array ref -> its block being assembled
+        self.trees: dict[int, Any] = {}  # TREEPUT call id -> its block (_host/treeput)
 
     def clear(self) -> None:
         self.code.clear()
@@ -64,6 +65,7 @@ class Store:
         self.obj_calls.clear()
         self.classes.clear()
         self.reshards.clear()
+        self.trees.clear()
 
     def counts(self) -> tuple[int, int, int, int]:
         """Arrays, their bytes, objects, and call results held."""

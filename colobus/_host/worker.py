@@ -41,6 +41,7 @@ from .._wire.sockio import NOBLOCK
 from .._wire.tasks import supervise
 from .arrays import HostArrays
 from .construct import on_construct
+from .dataplane import DataPlane, start_dataplane
 from .join import JoinDiagnosis, session_socket
 from .process import cpu_ns, end_context, rss_bytes
 from .sched import Scheduler
@@ -108,6 +109,7 @@ class Worker:
         self.values: HostValues = HostValues(None, {})
         self.store = Store()
         self.arrays = HostArrays(self)
+        self.dataplane: DataPlane | None = None  # blocks host to host (set in serve())
         self.epoch = 0  # bumps when a session's store is dropped
         self.host_index = -1
         self.loop: asyncio.AbstractEventLoop | None = None  # set in serve()
@@ -138,8 +140,7 @@ class Worker:
             Kind.CODE: lambda body, env: self.store.add_code(body.digest, env),
             Kind.CALL: self.sched.on_call,
             Kind.CANCEL: lambda body, env: self.sched.on_cancel(body),
-            **self.arrays.handlers(),  # PUT, FETCH, RESHARD, PIECE
-            Kind.RELEASE: lambda body, env: self.store.release(body.refs, body.calls, body.code),
+            **self.arrays.handlers(),  # PUT, FETCH, RESHARD, PIECE, TREEPUT, RELEASE
             Kind.CONSTRUCT: lambda body, env: on_construct(self, body, env),
             Kind.DESTROY: lambda body, env: self.sched.on_destroy(body),
             Kind.STATS: self._on_stats,
@@ -179,6 +180,8 @@ class Worker:
         # short interval keeps heartbeats and fetches flowing past such code.
         sys.setswitchinterval(0.0005)
         self._ctx = zmq.Context()
+        self.dataplane = await asyncio.to_thread(start_dataplane, self._ctx, self._endpoint,
+                                                 self._curve is not None)
         watchdog = supervise(asyncio.get_running_loop().create_task(self._watch_parent()),
                              "the parent watchdog")
         backoff = BACKOFF_MIN_S
@@ -204,6 +207,8 @@ class Worker:
             watchdog.cancel()
             self.sched.pool.shutdown()
             self._pool.shutdown(wait=False, cancel_futures=True)
+            if self.dataplane is not None:
+                self.dataplane.close()
             end_context(self._ctx)
 
     def _on_sigterm(self) -> None:
@@ -308,8 +313,12 @@ class Worker:
         calls = ([] if self.call_times is None else
                  self.call_times.take(min(HEARTBEAT_BUDGET, self._max_message // 16)))
         return P.Heartbeat(*self.store.counts(), ping, held, rss_bytes(), cpu_ns(),
-                           dict(self.dropped), calls, *self.sched.pool.figures(),
+                           self._all_dropped(), calls, *self.sched.pool.figures(),
                            *self.store.code_figures())
+
+    def _all_dropped(self) -> dict[str, int]:
+        plane = self.dataplane
+        return dict(self.dropped) if plane is None else {**self.dropped, **plane.dropped()}
 
     def _end(self, outcome: str) -> None:
         if self._ended is not None and not self._ended.done():
@@ -322,6 +331,8 @@ class Worker:
             t.cancel()
         self.sched.clear()
         self.store.clear()
+        if self.dataplane is not None:
+            self.dataplane.clear()
         self.values.clear()
         self.call_times = None
 
@@ -444,8 +455,9 @@ class Worker:
             self._drop("stale")
             return
         self._answered = True
+        data = self.dataplane.endpoint if self.dataplane is not None else ""
         self._send_join_raw(P.Hello(self.name, os.getpid(), self._hostname,
-                                    self._device_report(), body.nonce))
+                                    self._device_report(), body.nonce, data))
 
     def _on_reject(self, body: P.Reject, env: Envelope) -> None:
         # retry: the name is in use, or the cluster full, for now: the next JOIN round

@@ -8,6 +8,7 @@ kind, checking field types, or raises ``ValueError`` (counted as malformed).
 from __future__ import annotations
 
 import enum
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -35,9 +36,13 @@ __all__ = [
     "Shutdown",
     "Stats",
     "Status",
+    "TOKEN_BYTES",
+    "TREE_CHUNK_BYTES",
+    "TreePut",
     "MAX_OUTPUTS",
     "OutLeaf",
     "Welcome",
+    "chunk_digests",
     "decode_spec",
     "encode_spec",
     "output_ref",
@@ -72,6 +77,7 @@ class Kind(enum.IntEnum):
     ACK = 22  # both: acknowledgement only, outside the numbering (sequence number 0)
     RESHARD = 23  # C: build a block of a resharded array from local pieces and PIECEs
     PIECE = 24  # C: one piece of a RESHARD's block, or the RESHARD abandoned
+    TREEPUT = 25  # C: store a block that arrives here or from another host (broadcast tree)
 
 
 class Status(enum.IntEnum):
@@ -110,12 +116,14 @@ _num = (int, float)
 @dataclass(frozen=True, slots=True)
 class Hello(Body):
     kind = Kind.HELLO
-    types = (str, int, str, list, bytes)
+    types = (str, int, str, list, bytes, str)
+    required = 5
     name: str
     pid: int
     hostname: str
     devices: list[Any]  # [[platform, device_kind, local_id], ...]
     nonce: bytes  # the controller's CHALLENGE to this session, inside the MAC
+    data: str = ""  # the worker's data-plane endpoint ("": none; _host/dataplane)
 
 
 @dataclass(frozen=True, slots=True)
@@ -318,6 +326,43 @@ class Piece(Body):
 
 
 @dataclass(frozen=True, slots=True)
+class TreePut(Body):
+    """Store array ``ref`` as a PUT would (``shape`` .. ``memory_kind``); its
+    ``nbytes`` come as buffer 0, or (``source`` ``[endpoint, token]``) from another
+    host's data plane in chunks of ``chunk`` bytes, each checked against its SHA-256
+    in ``digests``. Serve them on to whoever asks with a token in ``serve``. Answer
+    once stored. A second TREEPUT of the same ``ref`` with buffer 0 (the source
+    host was lost) completes it from that buffer; after the block is stored it is
+    ignored. A RELEASE of ``call_id`` ends the serving."""
+
+    kind = Kind.TREEPUT
+    types = (int, int, list, object, list, list, object, (str, type(None)), int, int, list,
+             list, list)
+    call_id: int
+    ref: int
+    shape: list[int]
+    dtype: Any
+    mesh: list[Any]
+    spec: list[Any]
+    key_impl: Any
+    memory_kind: str | None
+    nbytes: int
+    chunk: int
+    digests: list[bytes]
+    source: list[Any]  # [] (buffer 0 attached) or [endpoint, token]
+    serve: list[bytes]  # tokens of the hosts this one serves
+
+
+TREE_CHUNK_BYTES = 1 << 22  # a TREEPUT's chunk: one data-plane request, reply and digest
+TOKEN_BYTES = 16  # of a data-plane token
+
+
+def chunk_digests(buf: memoryview, chunk: int) -> list[bytes]:
+    """The SHA-256 of each ``chunk``-byte piece of ``buf`` (hashlib lets go of the GIL)."""
+    return [hashlib.sha256(buf[i:i + chunk]).digest() for i in range(0, max(len(buf), 1), chunk)]
+
+
+@dataclass(frozen=True, slots=True)
 class Release(Body):
     kind = Kind.RELEASE
     types = (list, list, list)
@@ -378,7 +423,7 @@ BODIES: dict[Kind, type[Body]] = {
     cls.kind: cls
     for cls in (
         Hello, Welcome, Reject, Join, Challenge, Heartbeat, Code, Call, Result, Cancel, Put, Fetch,
-        Release, Construct, Destroy, Stats, Shutdown, Reset, Reshard, Piece,
+        Release, Construct, Destroy, Stats, Shutdown, Reset, Reshard, Piece, TreePut,
     )
 }
 
