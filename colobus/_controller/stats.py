@@ -41,6 +41,7 @@ def collect_stats(sessions: Sessions, counters: collections.Counter[str], chan: 
         "bytes_put": counters["bytes_put"],
         "bytes_fetched": counters["bytes_fetched"],
         "bytes_resharded": counters["bytes_resharded"],
+        "bytes_relayed": counters["bytes_relayed"],  # sent host to host (broadcast trees)
         "calls": counters["calls"],
         "batches": chan.batches_sent if chan is not None else 0,
         "batches_received": sessions.batches_received,

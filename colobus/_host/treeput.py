@@ -14,7 +14,7 @@ pull. A RELEASE of the TREEPUT's call id ends the serving.
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .._wire import protocol as P
 from .._wire.codec import from_buffer
@@ -23,12 +23,18 @@ from .._wire.protocol import TOKEN_BYTES, Status
 from .dataplane import Blob
 
 if TYPE_CHECKING:
-    from .arrays import HostArrays
     from .sched import WorkerServices
 
-__all__ = ["HostTreePuts"]
+__all__ = ["BlockStore", "HostTreePuts"]
 
 _DIGEST_BYTES = 32
+
+
+class BlockStore(Protocol):
+    """What a TREEPUT uses of the host's arrays (:class:`colobus._host.arrays.HostArrays`)."""
+
+    def store_block(self, fut: asyncio.Future[Any], ref: int, arr: Any, mesh: Any, spec: Any,
+                    impl: str | None, memory: str | None) -> None: ...
 
 
 class _Tree:
@@ -72,7 +78,7 @@ def _whole(env: Envelope, nbytes: int) -> memoryview:
 class HostTreePuts:
     """The TREEPUT handler of one worker."""
 
-    def __init__(self, worker: WorkerServices, arrays: HostArrays) -> None:
+    def __init__(self, worker: WorkerServices, arrays: BlockStore) -> None:
         self._w = worker
         self._arrays = arrays
 
