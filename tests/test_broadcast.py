@@ -1,9 +1,9 @@
 """Broadcast trees: a block many hosts hold leaves the controller twice, then goes host to host.
 
-Real worker subprocesses, each with its real data plane (a ZeroMQ ROUTER of its own,
-at an ipc:// path like the local cluster's controller); nothing of the transport is replaced. What is checked from outside:
-the bytes on every host (a colocated function hashes its block), what the
-controller sent (``bytes_put``) and what hosts relayed (``bytes_relayed``), frees,
+Real worker subprocesses, each with its real data plane (a ZeroMQ ROUTER of its
+own, at an ipc:// path like the local cluster's controller); nothing of the
+transport is replaced. What is checked from outside: the bytes on every host (a
+colocated function hashes its block), what the controller sent (``bytes_put``) and what hosts relayed (``bytes_relayed``), frees,
 and a relay that is stopped and then killed mid-put.
 """
 
