@@ -3,8 +3,9 @@
 Real worker subprocesses, each with its real data plane (a ZeroMQ ROUTER of its
 own, at an ipc:// path like the local cluster's controller); nothing of the
 transport is replaced. What is checked from outside: the bytes on every host (a
-colocated function hashes its block), what the controller sent (``bytes_put``) and what hosts relayed (``bytes_relayed``), frees,
-and a relay that is stopped and then killed mid-put.
+colocated function hashes its block), what the controller sent (``bytes_put``)
+and what hosts relayed (``bytes_relayed``), frees, and a relay that is stopped
+and then killed mid-put.
 """
 
 from __future__ import annotations
