@@ -43,7 +43,9 @@ class HostArrays:
     def on_put(self, body: P.Put, env: Envelope) -> None:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
-        self._w.store.arrays[body.ref] = fut
+        store = self._w.store
+        store.arrays[body.ref] = fut
+        store.puts.append((body.ref, env.seq))
         values = self._w.values
         try:
             if len(env.buffers) != 1:

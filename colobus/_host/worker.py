@@ -106,12 +106,12 @@ class Worker:
         self._jax: Any = None
         self._jax_devices: list[Any] = []
         self.values: HostValues = HostValues(None, {})
-        self.store = Store()
+        self.dropped: dict[str, int] = {}
+        self.store = Store(self.dropped)
         self.arrays = HostArrays(self)
         self.epoch = 0  # bumps when a session's store is dropped
         self.host_index = -1
         self.loop: asyncio.AbstractEventLoop | None = None  # set in serve()
-        self.dropped: dict[str, int] = {}
         # Calls' queued and run times per function, when the controller asked (WELCOME).
         self.call_times: HostCallTimes | None = None
         self._ping = 0  # the controller's last heartbeat ping, to echo in ours
@@ -139,7 +139,8 @@ class Worker:
             Kind.CALL: self.sched.on_call,
             Kind.CANCEL: lambda body, env: self.sched.on_cancel(body),
             **self.arrays.handlers(),  # PUT, FETCH, RESHARD, PIECE
-            Kind.RELEASE: lambda body, env: self.store.release(body.refs, body.calls, body.code),
+            Kind.RELEASE: lambda body, env: self.store.release(body.refs, body.calls, body.code,
+                                                               env.seq),
             Kind.CONSTRUCT: lambda body, env: on_construct(self, body, env),
             Kind.DESTROY: lambda body, env: self.sched.on_destroy(body),
             Kind.STATS: self._on_stats,
