@@ -896,10 +896,14 @@ async def test_outputs_python_scalars_and_numpy(ctl: cb.Controller) -> None:
     try:
         out = await scalars(x)
     except KeyError as exc:  # seen twice in full runs: say what the hosts dropped
+        # (the host's own message says whether its PUT arrived, or a RELEASE took it)
         stats = ctl.stats()
         exc.add_note(f"dropped by the hosts: "
                      f"{ {i: h['dropped'] for i, h in stats['hosts'].items()} }; "
                      f"by the controller: {stats['dropped']}")
+        exc.add_note(f"the array: ref {x.ref}, made at host generations {x._gens}; the hosts "
+                     f"now: { {h.index: (h.generation, h.alive) for h in ctl._hosts.hosts} }; "
+                     f"backlog {stats['backlog']}, resent {stats['resent']}")
         raise
     assert all(isinstance(o, cb.Array) for o in out)
     assert all(o.devices() == set(cb.devices()) for o in out)  # replicated on the call's mesh
@@ -907,6 +911,28 @@ async def test_outputs_python_scalars_and_numpy(ctl: cb.Controller) -> None:
     assert got[0] == 3 and got[1] == 2.5 and bool(got[2]) is True
     np.testing.assert_array_equal(got[3], np.arange(3))
     assert got[3].dtype == np.int16
+
+
+async def test_a_call_naming_an_array_the_host_lacks_says_what_the_host_saw(
+        ctl: cb.Controller) -> None:
+    """The host's KeyError for an array it does not hold says whether its PUT came, or
+    which RELEASE took it (the diagnosis for the scalars test's flake)."""
+    from colobus._api.array import Array
+
+    dev = cb.devices()[0]
+    y = cb.device_put(np.arange(3.0), dev)
+    await cb.block_until_ready(y)
+    ref = y.ref
+    alias = Array(ctl, y.ref, y.shape, y.dtype, y.sharding, owns_ref=False)
+    y.delete()  # its RELEASE leaves ahead of the call below
+    with pytest.raises(KeyError, match=rf"array {ref} is not on host 0 \(named at "
+                       r"seq \d+: released by the RELEASE at seq \d+; its PUT came at seq \d+"):
+        await add_one(alias)
+    never = Array(ctl, (ctl._ops.next_id()) << 16, (3,), np.dtype(np.float64),
+                  cb.SingleDeviceSharding(dev), owns_ref=False)
+    with pytest.raises(KeyError, match=r"no PUT of it among this session's last \d+; "
+                       r"session \d+ of this worker"):
+        await add_one(never)
 
 
 async def test_replicated_outputs_must_agree_in_shape(ctl: cb.Controller) -> None:

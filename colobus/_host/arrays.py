@@ -44,14 +44,16 @@ class HostArrays:
                 Kind.TREEPUT: self.trees.on_treeput, Kind.RELEASE: self.on_release}
 
     def on_release(self, body: P.Release, env: Envelope) -> None:
-        self._w.store.release(body.refs, body.calls, body.code)
+        self._w.store.release(body.refs, body.calls, body.code, env.seq)
         if body.calls and self._w.store.trees:
             self.trees.release(body.calls)
 
     def on_put(self, body: P.Put, env: Envelope) -> None:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
-        self._w.store.arrays[body.ref] = fut
+        store = self._w.store
+        store.arrays[body.ref] = fut
+        store.puts.append((body.ref, env.seq))
         values = self._w.values
         try:
             if len(env.buffers) != 1:

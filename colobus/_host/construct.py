@@ -28,7 +28,7 @@ def on_construct(w: WorkerServices, body: P.Construct, env: Envelope) -> None:
     fut: asyncio.Future[Any] = loop.create_future()
     w.store.objects[body.obj] = fut
     w.store.classes[body.obj] = body.digest
-    pins = [w.store.pin(r, w.host_index) for r in body.refs]
+    pins = [w.store.pin(r, w.host_index, env.seq) for r in body.refs]
     w._spawn(_construct(w, body, env, pins, fut))
 
 

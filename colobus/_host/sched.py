@@ -112,7 +112,7 @@ class Scheduler:
         w = self._w
         store = w.store
         loop = asyncio.get_running_loop()
-        pins = [store.pin(r, w.host_index) for r in body.refs]
+        pins = [store.pin(r, w.host_index, env.seq) for r in body.refs]
         obj = store.pin((2, body.obj), w.host_index) if body.obj else None
         results: asyncio.Future[Any] = loop.create_future()
         store.results[body.call_id] = results

@@ -11,7 +11,9 @@ Every table counts in :meth:`Store.counts`, which the heartbeat reports.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,6 +23,10 @@ from .._wire.envelope import Envelope, loads
 log = logging.getLogger("colobus.worker")
 
 __all__ = ["CallResult", "Store"]
+
+# What a missing array's KeyError says about it: the last PUTs and releases of this
+# session (ref, envelope sequence number), bounded (a flake seen in full test runs).
+HISTORY = 1024
 
 
 class CallResult:
@@ -41,9 +47,20 @@ class CallResult:
 
 
 class Store:
-    """The host's tables for one session (loop thread)."""
+    """The host's tables for one session (loop thread).
 
-    def __init__(self) -> None:
+    Args:
+        dropped: the worker's counts of dropped messages, by reason (quoted when a
+            call names an array this host does not hold).
+    """
+
+    def __init__(self, dropped: dict[str, int] | None = None) -> None:
+        self.dropped = dropped if dropped is not None else {}
+        # Diagnosis only: recent PUTs and releases of arrays held, (ref, seq).
+        self.puts: collections.deque[tuple[int, int]] = collections.deque(maxlen=HISTORY)
+        self.released: collections.deque[tuple[int, int]] = collections.deque(maxlen=HISTORY)
+        self.sessions = 0  # sessions ended (clear() calls)
+        self.since = time.monotonic()  # when this session's tables began
         self.code: dict[bytes, tuple[str, Any]] = {}
         self.code_bytes: dict[bytes, int] = {}  # digest -> its pickle's size
         self.arrays: dict[int, asyncio.Future[Any]] = {}
@@ -66,6 +83,10 @@ class Store:
         self.classes.clear()
         self.reshards.clear()
         self.trees.clear()
+        self.puts.clear()
+        self.released.clear()
+        self.sessions += 1
+        self.since = time.monotonic()
 
     def counts(self) -> tuple[int, int, int, int]:
         """Arrays, their bytes, objects, and call results held."""
@@ -83,9 +104,12 @@ class Store:
             raise value
         return value
 
-    def release(self, refs: list[int], calls: list[int], code: Sequence[bytes] = ()) -> None:
+    def release(self, refs: list[int], calls: list[int], code: Sequence[bytes] = (),
+                seq: int = 0) -> None:
+        arrays, released = self.arrays, self.released
         for ref in refs:
-            self.arrays.pop(ref, None)
+            if arrays.pop(ref, None) is not None:
+                released.append((ref, seq))
         for call_id in calls:
             self.results.pop(call_id, None)
         for digest in code:  # calls queued with it hold the function itself (_Call.code)
@@ -119,8 +143,11 @@ class Store:
             self.results[call_id] = CallResult(treedef, refs, None)
         return CallResult(treedef, refs, values)
 
-    def pin(self, ref: Any, host_index: int) -> asyncio.Future[Any]:
-        """The store entry a call argument names, taken now (a later RELEASE can't race)."""
+    def pin(self, ref: Any, host_index: int, seq: int = 0) -> asyncio.Future[Any]:
+        """The store entry a call argument names, taken now (a later RELEASE can't race).
+
+        ``seq``: the sequence number of the envelope that names it (for the error).
+        """
         tag, ident = ref
         fut: asyncio.Future[Any] | None
         if tag == 1:
@@ -129,8 +156,28 @@ class Store:
             fut = (self.arrays, None, self.objects)[tag].get(ident)  # type: ignore[union-attr]
         if fut is None:
             what = ("array", "call result", "object")[tag]
-            fut = _failed(KeyError(f"{what} {ident} is not on host {host_index}"))
+            text = f"{what} {ident} is not on host {host_index}"
+            if tag == 0:
+                text += f" ({self.why_missing(ident, seq)})"
+            fut = _failed(KeyError(text))
         return fut
+
+    def why_missing(self, ref: int, seq: int) -> str:
+        """What this host knows of array ``ref``, which a message at ``seq`` named."""
+        put = [s for r, s in self.puts if r == ref]
+        gone = [s for r, s in self.released if r == ref]
+        if gone:
+            seen = f"released by the RELEASE at seq {gone[-1]}"
+        elif put:
+            seen = f"PUT, and no RELEASE of it among this session's last {len(self.released)}"
+        else:
+            seen = f"no PUT of it among this session's last {len(self.puts)}"
+        if put:
+            seen += f"; its PUT came at seq {put[-1]}"
+        age = time.monotonic() - self.since
+        return (f"named at seq {seq}: {seen}; session {self.sessions + 1} of this worker, "
+                f"{age:.1f} s old, holding {len(self.arrays)} arrays; "
+                f"dropped here: {dict(self.dropped)}")
 
     def _pin_result(self, call_id: int, host_index: int) -> asyncio.Future[Any] | None:
         entry = self.results.get(call_id)

@@ -105,6 +105,7 @@ class HostTreePuts:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Any] = loop.create_future()
         w.store.arrays[body.ref] = fut
+        w.store.puts.append((body.ref, env.seq))  # what a KeyError at a pin tells
         buf: memoryview | None = None
         try:
             if not body.source:

@@ -107,13 +107,13 @@ class Worker:
         self._jax: Any = None
         self._jax_devices: list[Any] = []
         self.values: HostValues = HostValues(None, {})
-        self.store = Store()
+        self.dropped: dict[str, int] = {}
+        self.store = Store(self.dropped)
         self.arrays = HostArrays(self)
         self.dataplane: DataPlane | None = None  # blocks host to host (set in serve())
         self.epoch = 0  # bumps when a session's store is dropped
         self.host_index = -1
         self.loop: asyncio.AbstractEventLoop | None = None  # set in serve()
-        self.dropped: dict[str, int] = {}
         # Calls' queued and run times per function, when the controller asked (WELCOME).
         self.call_times: HostCallTimes | None = None
         self._ping = 0  # the controller's last heartbeat ping, to echo in ours
