@@ -388,6 +388,18 @@ class NetBed:
                  "statistic", "--mode", "random", "--probability", str(probability),
                  "-j", "DROP"], check=True, capture_output=True, timeout=30)
 
+    def part(self, i: int, j: int) -> None:
+        """Cut the link between hosts ``i`` and ``j`` only (iptables DROP rules in
+        ``i``'s namespace, both ways); each still reaches the controller."""
+        cmd, why = _iptables_probe()
+        if cmd is None:
+            raise RuntimeError(why)
+        other = self.hosts[j].ip
+        for chain, side in (("INPUT", "-s"), ("OUTPUT", "-d")):
+            subprocess.run(["ip", "netns", "exec", self.hosts[i].ns, cmd, "-w", "-A", chain,
+                            side, other, "-j", "DROP"], check=True, capture_output=True,
+                           timeout=30)
+
     def dropped(self, i: int) -> dict[str, int]:
         """Packets the :meth:`lose` rules of host ``i`` dropped so far, by chain (read
         from the rules' counters: ``iptables -L CHAIN -v -n -x``)."""

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from netbed import NetBed, loss_unavailable_reason, unavailable_reason
 
 import colobus as cb
 
@@ -162,3 +163,44 @@ def test_a_lost_relay_costs_only_its_own_host() -> None:
         live = cb.NamedSharding(cb.Mesh(np.array(devices[1:]), ("h",)), P())
         again = cb.device_put(data, live)
         checker({sha(data)})(again).result(timeout=120)
+
+
+@pytest.fixture
+def bed() -> collections.abc.Iterator[NetBed]:
+    reason = unavailable_reason() or loss_unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    b = NetBed(hosts=5)
+    try:
+        b.create()
+        yield b
+    finally:
+        b.close()
+
+
+async def test_a_relay_cut_off_from_its_children_only(bed: NetBed) -> None:
+    """Hosts with their own addresses (network namespaces), each data plane on its own
+    address. Root 0 reaches the controller but not its children (iptables): they get
+    the block whole from the controller once overdue, and every host stores it."""
+    async with cb.Controller(bed.bind(), hosts=0, key=bed.key, broadcast_tree=2,
+                             heartbeat_interval=0.2, liveness_timeout=3.0) as ctl:
+        for i in range(5):
+            bed.start_worker(i, ctl.address, name=f"nb-{i}", devices=1)
+        await ctl.wait_for_hosts(5, timeout=120)
+        hosts = ctl.hosts()
+        by_name = {h.name: h.index for h in hosts}
+        for h in ctl._hosts.hosts:  # each announced its own address
+            assert h.data.startswith(f"tcp://{bed.hosts[int(h.name[3:])].ip}:"), h.data
+        bed_of = {v: int(k[3:]) for k, v in by_name.items()}
+        # positions follow host indices: root 0 serves 2 and 3, root 1 serves 4
+        for child in (2, 3):
+            bed.part(bed_of[0], bed_of[child])
+        devices = sorted(ctl.devices(), key=lambda d: d.host)
+        sharding = cb.NamedSharding(cb.Mesh(np.array(devices), ("h",)), P())
+        data = np.random.default_rng(3).integers(0, 1 << 30, 2 * MiB, dtype=np.int32)
+        a = cb.device_put(data, sharding)
+        await checker({sha(data)})(a)
+        stats = await ctl.refresh_stats()
+        assert stats["tree_overdue"] == 2
+        assert stats["bytes_put"] == 4 * data.nbytes  # two roots, then hosts 2 and 3 whole
+        assert stats["bytes_relayed"] == data.nbytes  # host 4, from host 1

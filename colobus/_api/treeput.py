@@ -43,6 +43,10 @@ __all__ = ["FANOUT", "TREE_MIN_BYTES", "TreePut", "plan_trees"]
 
 FANOUT = 2  # roots the controller sends to, and children per host
 TREE_MIN_BYTES = 1 << 20  # smaller blocks take the star: a tree's hops cost more than they save
+# A child that has not stored the block this long after its parent did gets it whole
+# from the controller (a relay cut off from its children, or one that serves garbage).
+PATIENCE_S = 5.0
+PATIENCE_RATE = 50e6  # bytes/s: and the time the block takes at this rate
 
 
 def _none(host: Host, body: P.Result, env: Envelope) -> None:
@@ -136,6 +140,8 @@ class TreePut:
     def _post(self, p: int, body: P.TreePut, whole: bool) -> None:
         ctl = self.ctl
         host = ctl._hosts[self.hosts[p]]
+        if ctl._closed or not host.alive:
+            return
         if whole and self.buf is not None:
             ctl._send(host, body, b"", [self.buf])
             ctl._count("bytes_put", self.nbytes)
@@ -151,10 +157,23 @@ class TreePut:
                 self.direct.add(c)
                 if c not in self.settled and c in self.call_ids:
                     self._resend(c)
-        elif p >= FANOUT and p not in self.direct:
-            self.ctl._count("bytes_relayed", self.nbytes)
+        else:
+            if p >= FANOUT and p not in self.direct:
+                self.ctl._count("bytes_relayed", self.nbytes)
+            loop = self.ctl._loop
+            if self.children(p) and loop is not None:
+                loop.call_later(PATIENCE_S + self.nbytes / PATIENCE_RATE, self._overdue, p)
         if self.left == 0:
             self._finish()
+
+    def _overdue(self, p: int) -> None:
+        """Loop thread: ``p`` stored the block a while ago; children still waiting for it
+        get it whole (the data plane between them is cut, or ``p`` serves garbage)."""
+        for c in self.children(p):
+            if c not in self.settled and c not in self.direct and c in self.call_ids:
+                self.direct.add(c)
+                self.ctl._count("tree_overdue")
+                self._resend(c)
 
     def _resend(self, c: int) -> None:
         host = self.ctl._hosts[self.hosts[c]]

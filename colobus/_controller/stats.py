@@ -42,6 +42,7 @@ def collect_stats(sessions: Sessions, counters: collections.Counter[str], chan: 
         "bytes_fetched": counters["bytes_fetched"],
         "bytes_resharded": counters["bytes_resharded"],
         "bytes_relayed": counters["bytes_relayed"],  # sent host to host (broadcast trees)
+        "tree_overdue": counters["tree_overdue"],  # tree children sent the block whole
         "calls": counters["calls"],
         "batches": chan.batches_sent if chan is not None else 0,
         "batches_received": sessions.batches_received,
