@@ -367,6 +367,17 @@ class NetBed:
             if proc.returncode != 0:
                 raise RuntimeError(f"tc on {dev} failed: {proc.stderr.strip()}")
 
+    def shape_controller(self, rate: str, *, burst: str = "64kb", latency: str = "200ms"
+                         ) -> None:
+        """Limit what the controller (the root namespace) sends into the bed to ``rate``:
+        ``tc`` tbf on the bridge's egress. Hosts' traffic to each other is forwarded
+        between bridge ports and not limited."""
+        proc = subprocess.run(["tc", "qdisc", "replace", "dev", self.bridge, "root", "tbf",
+                               "rate", rate, "burst", burst, "latency", latency],
+                              capture_output=True, text=True, timeout=30)
+        if proc.returncode != 0:
+            raise RuntimeError(f"tc on {self.bridge} failed: {proc.stderr.strip()}")
+
     def unshape(self, i: int) -> None:
         """Remove what :meth:`shape` set on host ``i``'s link."""
         h = self.hosts[i]
