@@ -54,25 +54,39 @@ _IDX = struct.Struct(">I")
 
 
 class Blob:
-    """One block's bytes on this host: whole (a root's frame) or filled chunk by chunk."""
+    """One block's bytes on this host: whole (a root's frame), or the chunks as they came
+    (views on the received frames: nothing is copied on the way through)."""
 
-    __slots__ = ("buf", "chunk", "count", "digests", "have", "missing", "waiting")
+    __slots__ = ("buf", "chunk", "count", "digests", "have", "missing", "nbytes", "parts",
+                 "waiting")
 
     def __init__(self, nbytes: int, chunk: int, digests: list[bytes],
                  buf: memoryview | None = None) -> None:
         self.chunk = chunk
         self.count = max(1, -(-nbytes // chunk))
         self.digests = digests
-        self.buf = buf if buf is not None else memoryview(bytearray(nbytes))
+        self.nbytes = nbytes
+        self.buf = buf  # the whole block, or None: the chunks are in ``parts``
+        self.parts: list[memoryview | None] = [None] * self.count
         self.have = [buf is not None] * self.count
         self.missing = 0 if buf is not None else self.count
         self.waiting: dict[int, list[tuple[bytes, bytes]]] = {}  # index -> [(identity, token)]
 
     def part(self, i: int) -> memoryview:
-        return self.buf[i * self.chunk:(i + 1) * self.chunk]
+        if self.buf is not None:
+            return self.buf[i * self.chunk:(i + 1) * self.chunk]
+        part = self.parts[i]
+        assert part is not None
+        return part
 
     def part_size(self, i: int) -> int:
-        return min(self.chunk, len(self.buf) - i * self.chunk)
+        return min(self.chunk, self.nbytes - i * self.chunk)
+
+    def chunks(self) -> list[memoryview]:
+        """The block's bytes as its chunks, in order (once it is whole)."""
+        if self.buf is not None:
+            return [self.part(i) for i in range(self.count)]
+        return [p for p in self.parts if p is not None]
 
 
 class _Pull:
@@ -355,8 +369,7 @@ class DataPlane:
         if len(data) != blob.part_size(i) or hashlib.sha256(data).digest() != blob.digests[i]:
             self._drop("data_bad_chunk")  # asked again after RETRY_S
             return
-        start = i * blob.chunk
-        blob.buf[start:start + len(data)] = data
+        blob.parts[i] = data  # the frame stays alive under it
         blob.have[i] = True
         blob.missing -= 1
         pull.asked.discard(i)

@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from .._wire import protocol as P
 from .._wire.codec import from_buffer
-from .._wire.envelope import Envelope
+from .._wire.envelope import Envelope, decode_dtype
 from .._wire.protocol import TOKEN_BYTES, Status
 from .dataplane import Blob
+from .values import ChunkedBlock, jax_exact
 
 if TYPE_CHECKING:
     from .sched import WorkerServices
@@ -64,6 +65,10 @@ def _check(body: P.TreePut) -> None:
         raise ValueError("bad TREEPUT source")
     if not all(isinstance(t, bytes) and len(t) == TOKEN_BYTES for t in body.serve):
         raise ValueError("bad TREEPUT tokens")
+
+
+def _strings(descr: Any) -> bool:
+    return isinstance(descr, list) and len(descr) == 2 and descr[0] == "T"
 
 
 def _whole(env: Envelope, nbytes: int) -> memoryview:
@@ -138,24 +143,35 @@ class HostTreePuts:
     def _pulled(self, tree: _Tree) -> None:
         """Loop thread: every chunk came from the parent and matched its digest."""
         if tree.epoch == self._w.epoch and not tree.stored:
-            self._store(tree, tree.blob.buf)
+            self._store(tree, None)
 
-    def _store(self, tree: _Tree, buf: memoryview) -> None:
+    def _store(self, tree: _Tree, buf: memoryview | None) -> None:
+        """Store the block: ``buf`` whole, or (None) the chunks the blob pulled."""
         tree.stored = True
         body, fut = tree.body, tree.fut
         w = self._w
-        try:
-            arr = from_buffer(body.dtype, body.shape, buf)
-            mesh = w.values.local_mesh(body.mesh)
-            spec = P.decode_spec(body.spec)
-        except Exception as exc:
-            fut.set_exception(exc)
-            fut.exception()
-            w.reply_error(body.call_id, exc)
-            return
         impl = body.key_impl if isinstance(body.key_impl, str) else None
         epoch = tree.epoch
         fut.add_done_callback(lambda f: self._answer(body.call_id, epoch, f))
+        try:
+            mesh = w.values.local_mesh(body.mesh)
+            spec = P.decode_spec(body.spec)
+            chunks = tree.blob.chunks() if buf is None else [buf]
+            dtype = decode_dtype(body.dtype) if not _strings(body.dtype) else None
+            if len(chunks) > 1 and impl is None and dtype is not None and jax_exact(
+                    w._jax, dtype):
+                # Kept as the frames it came in; the first use makes it whole, once.
+                sharding = w.values.sharding(mesh, spec, body.memory_kind)
+                parts: list[Any] = [(None, c) for c in chunks]
+                fut.set_result(ChunkedBlock(tuple(body.shape), dtype, parts, sharding,
+                                            body.ref))
+                return
+            whole = chunks[0] if len(chunks) == 1 else memoryview(b"".join(chunks))
+            arr = from_buffer(body.dtype, body.shape, whole)
+        except Exception as exc:
+            fut.set_exception(exc)
+            fut.exception()
+            return
         self._arrays.store_block(fut, body.ref, arr, mesh, spec, impl, body.memory_kind)
 
     def _answer(self, call_id: int, epoch: int, fut: asyncio.Future[Any]) -> None:

@@ -25,7 +25,8 @@ from .._wire.describe import describe_outputs
 from .._wire.envelope import Buffer
 
 __all__ = [
-    "LAZY_PUT_BYTES", "HostValues", "NumpyBlock", "PiecedBlock", "is_string", "jax_exact",
+    "LAZY_PUT_BYTES", "ChunkedBlock", "HostValues", "NumpyBlock", "PiecedBlock", "is_string",
+    "jax_exact",
     "numpy_block", "present", "setup_jax", "local_devices"]
 
 LAZY_PUT_BYTES = 1 << 20  # PUT blocks this large become jax.Arrays on first use
@@ -129,6 +130,29 @@ class PiecedBlock:
                 for index, part in self._parts:
                     data[index] = part
                 block = numpy_block(data, self.sharding)
+                block.lazy = True
+                block.put_ref = self.ref
+                self.value = block
+                self._parts = []
+            return self.value
+
+
+class ChunkedBlock(PiecedBlock):
+    """A large block a broadcast tree brought, kept as the chunks it arrived in (views on
+    the received frames, ``(None, chunk)`` parts back to back) until it is read: then made
+    whole once, like a reshard's :class:`PiecedBlock`."""
+
+    __slots__ = ()
+
+    def materialize(self) -> NumpyBlock:
+        with self._lock:
+            if self.value is None:
+                flat = np.empty(self.nbytes, np.uint8)
+                at = 0
+                for _, part in self._parts:
+                    flat[at:at + len(part)] = np.frombuffer(part, np.uint8)
+                    at += len(part)
+                block = numpy_block(flat.view(self.dtype).reshape(self.shape), self.sharding)
                 block.lazy = True
                 block.put_ref = self.ref
                 self.value = block
