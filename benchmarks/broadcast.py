@@ -115,6 +115,12 @@ async def _rounds(ctl: cb.Controller, devices: list[cb.Device], mib: int, rounds
             gc.collect()
         times["raw"].append(raw.put(data))
     med = {k: statistics.median(v) for k, v in times.items()}
+    hosts = ctl.stats()["hosts"].values()  # drops as of the hosts' last heartbeats
+    dropped: dict[str, int] = {}
+    for h in hosts:
+        for reason, n in h["dropped"].items():
+            if reason.startswith("data_"):
+                dropped[reason] = dropped.get(reason, 0) + n
     return {
         "hosts": len(devices), "mib": mib, "rounds": rounds,
         "seconds": {k: sorted(v) for k, v in times.items()},
@@ -123,6 +129,7 @@ async def _rounds(ctl: cb.Controller, devices: list[cb.Device], mib: int, rounds
         "tree_over_star": med["tree"] / med["star"],
         "star_over_raw": med["star"] / med["raw"],
         "tree_over_raw": med["tree"] / med["raw"],
+        "data_plane_dropped": dropped,
     }
 
 
@@ -179,7 +186,8 @@ def main() -> int:
     print(f"  tree  {med['tree'] * 1e3:9.0f} ms   controller sent {sent['tree']:.1f}x")
     print(f"  raw pyzmq star {med['raw'] * 1e3:6.0f} ms")
     print(f"  tree/star {out['tree_over_star']:.2f}   star/raw {out['star_over_raw']:.2f}   "
-          f"tree/raw {out['tree_over_raw']:.2f}")
+          f"tree/raw {out['tree_over_raw']:.2f}   hosts' data-plane drops "
+          f"{out['data_plane_dropped'] or 'none'}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

@@ -27,9 +27,11 @@ thread (the worker hands it to its loop).
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import hashlib
 import logging
+import os
 import socket
 import struct
 import threading
@@ -47,7 +49,10 @@ __all__ = ["Blob", "DataPlane", "start_dataplane"]
 log = logging.getLogger("colobus.host.dataplane")
 
 WINDOW = 4  # chunks a child asks its parent for ahead
-RETRY_S = 1.0  # a request unanswered this long is asked again
+# A request unanswered this long is asked again. Over a live connection nothing is lost
+# (ZeroMQ may drop what was queued when a connection breaks): a parent that is slow
+# because its own parent is must not get every request again and answer it twice.
+RETRY_S = 5.0
 PARKED_MAX = 4096  # requests for tokens not offered yet (the parent's TREEPUT may lag)
 PARKED_TTL_S = 30.0
 _IDX = struct.Struct(">I")
@@ -301,7 +306,10 @@ class DataPlane:
         if self._n_parked >= PARKED_MAX:
             self._drop("data_unknown_token")
             return
-        self._parked.setdefault(token, []).append((time.monotonic(), ident, i))
+        parked = self._parked.setdefault(token, [])
+        if any(p_ident == ident and p_i == i for _, p_ident, p_i in parked):
+            return  # asked again: answered once
+        parked.append((time.monotonic(), ident, i))
         self._n_parked += 1
 
     def _ask_for(self, ident: bytes, token: bytes, i: int, blob: Blob) -> None:
@@ -310,7 +318,9 @@ class DataPlane:
         elif blob.have[i]:
             self._send_part(ident, token, i, blob)
         else:
-            blob.waiting.setdefault(i, []).append((ident, token))
+            waiting = blob.waiting.setdefault(i, [])
+            if (ident, token) not in waiting:  # asked again: answered once
+                waiting.append((ident, token))
 
     def _send_part(self, ident: bytes, token: bytes, i: int, blob: Blob) -> None:
         try:
@@ -363,8 +373,12 @@ class DataPlane:
             self._drop("data_malformed")
             return
         (i,) = _IDX.unpack(frames[2].bytes)
-        if not 0 <= i < blob.count or blob.have[i]:
-            return  # asked twice, answered twice
+        if not 0 <= i < blob.count:
+            self._drop("data_malformed")
+            return
+        if blob.have[i]:
+            self._drop("data_duplicate")  # asked again, answered twice
+            return
         data = frames[3].buffer
         if len(data) != blob.part_size(i) or hashlib.sha256(data).digest() != blob.digests[i]:
             self._drop("data_bad_chunk")  # asked again after RETRY_S
@@ -401,8 +415,29 @@ def _local_address(host: str, port: int) -> str:
         return str(s.getsockname()[0])
 
 
-def start_dataplane(ctx: zmq.Context[Any], endpoint: Endpoint, curve: bool
-                    ) -> DataPlane | None:
+def start_dataplane(loop: asyncio.AbstractEventLoop, ctx: zmq.Context[Any],
+                    endpoint: Endpoint, curve: bool,
+                    ready: Callable[[DataPlane | None], None]) -> None:
+    """Start this worker's data plane and hand it to ``ready`` (on the loop thread): now,
+    or, where finding the address means a name lookup (which may wait on DNS), from a
+    thread once found, so the first join never waits for it."""
+    import ipaddress
+
+    lookup = endpoint.transport == "tcp" and not os.environ.get("COLOBUS_DATA_ADDRESS")
+    if lookup:
+        try:
+            ipaddress.ip_address(endpoint.host)
+            lookup = False
+        except ValueError:
+            pass
+    if not lookup:
+        ready(_start(ctx, endpoint, curve))
+        return
+    loop.run_in_executor(None, _start, ctx, endpoint, curve).add_done_callback(
+        lambda fut: ready(None if fut.cancelled() or fut.exception() else fut.result()))
+
+
+def _start(ctx: zmq.Context[Any], endpoint: Endpoint, curve: bool) -> DataPlane | None:
     """This worker's data plane, bound where other hosts can reach it, or None.
 
     ``$COLOBUS_DATA_ADDRESS`` names the address to bind and announce (``off``: no
@@ -411,7 +446,6 @@ def start_dataplane(ctx: zmq.Context[Any], endpoint: Endpoint, curve: bool
     CurveZMQ there is none: the data plane is not encrypted, so blocks keep to
     the encrypted links (the star).
     """
-    import os
     import secrets
     import tempfile
 

@@ -180,8 +180,8 @@ class Worker:
         # short interval keeps heartbeats and fetches flowing past such code.
         sys.setswitchinterval(0.0005)
         self._ctx = zmq.Context()
-        self.dataplane = await asyncio.to_thread(start_dataplane, self._ctx, self._endpoint,
-                                                 self._curve is not None)
+        start_dataplane(self.loop, self._ctx, self._endpoint, self._curve is not None,
+                        self._plane_up)
         watchdog = supervise(asyncio.get_running_loop().create_task(self._watch_parent()),
                              "the parent watchdog")
         backoff = BACKOFF_MIN_S
@@ -210,6 +210,9 @@ class Worker:
             if self.dataplane is not None:
                 self.dataplane.close()
             end_context(self._ctx)
+
+    def _plane_up(self, plane: DataPlane | None) -> None:
+        self.dataplane = plane  # the next HELLO announces it
 
     def _on_sigterm(self) -> None:
         log.info("host %s: SIGTERM; worker exits", self.name)
