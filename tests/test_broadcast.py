@@ -204,10 +204,14 @@ def bed() -> collections.abc.Iterator[NetBed]:
         b.close()
 
 
-async def test_a_relay_cut_off_from_its_children_only(bed: NetBed) -> None:
+async def test_a_relay_cut_off_from_its_children_only(bed: NetBed,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """Hosts with their own addresses (network namespaces), each data plane on its own
     address. Root 0 reaches the controller but not its children (iptables): they get
     the block whole from the controller once overdue, and every host stores it."""
+    from colobus._api import treeput
+
+    monkeypatch.setattr(treeput, "PATIENCE_S", 1.0)  # overdue sooner than 5 s
     async with cb.Controller(bed.bind(), hosts=0, key=bed.key, broadcast_tree=2,
                              heartbeat_interval=0.2, liveness_timeout=3.0) as ctl:
         for i in range(5):
