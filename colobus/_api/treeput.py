@@ -69,10 +69,10 @@ def plan_trees(ctl: Controller, msgs: list[tuple[int, P.Put, memoryview]],
                index: list[tuple[slice, ...]]) -> list[TreePut]:
     """Take the messages of blocks that go down a tree out of ``msgs`` (the rest keep
     to the star); ``index[i]`` is the block of ``msgs[i]`` in the array."""
-    keys = [tuple((s.start, s.stop) for s in ix) for ix in index]
     least = ctl.broadcast_tree
     if least <= 0 or ctl._curve is not None or len(msgs) < least:
-        return []
+        return []  # every small put stops here, before any work
+    keys = [tuple((s.start, s.stop) for s in ix) for ix in index]
     hosts = ctl._hosts
     groups: dict[Any, list[int]] = {}
     for i, (h, _, buf) in enumerate(msgs):
