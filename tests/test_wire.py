@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -296,3 +297,10 @@ def test_parts_of_any_size_reassemble_and_whole_buffers_are_not_copied(
     for b, n in zip(out.buffers, sizes, strict=True):
         if 0 < n <= smallest:
             assert memoryview(b).readonly, f"a {n}-byte buffer was copied"
+
+
+def test_uint_is_msgpacks_own_encoding() -> None:
+    """Batch entries splice cached small ints: the same bytes msgpack writes."""
+    from colobus._wire.envelope import _uint
+    for n in [*range(300), 65535, 65536, 1 << 32, (1 << 64) - 1]:
+        assert _uint(n) == msgpack.packb(n), n

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from .._errors import ColobusError
 from .._wire import protocol as P
+from .._wire.envelope import pack_body
 from .ops import Parts
 
 if TYPE_CHECKING:
@@ -89,5 +90,10 @@ class Frees:
                 calls.append(call)
         chan = self._ctl._chan
         assert chan is not None
-        for host, (refs, calls) in per_host.items():
-            chan.enqueue(hosts[host].peer, P.Release(refs, calls))
+        packed: dict[tuple[tuple[int, ...], tuple[int, ...]], bytes] = {}
+        for host, (refs, calls) in per_host.items():  # a fan-out's free: packed once
+            lists = (tuple(refs), tuple(calls))
+            body = packed.get(lists)
+            if body is None:
+                body = packed[lists] = pack_body(P.Release(refs, calls).to_wire())
+            chan.enqueue_packed(hosts[host].peer, P.Kind.RELEASE, body)

@@ -142,7 +142,12 @@ class Channel:
             SerializationError: the body cannot be encoded; nothing was queued, no
                 sequence number spent, and the messages queued before it stay.
         """
-        peer.outbox.append((body.kind, pack_body(body.to_wire()), payload, buffers, pbufs))
+        self.enqueue_packed(peer, body.kind, pack_body(body.to_wire()), payload, buffers, pbufs)
+
+    def enqueue_packed(self, peer: Peer, kind: int, packed: bytes, payload: Buffer = b"",
+                       buffers: Sequence[Buffer] = (), pbufs: int = 0) -> None:
+        """:meth:`enqueue` of a body already packed (one packing for many peers)."""
+        peer.outbox.append((kind, packed, payload, buffers, pbufs))
         peer.held += data_bytes(payload, buffers)
         if len(peer.outbox) == 1:
             self._dirty.append(peer)

@@ -335,6 +335,14 @@ def _array_header(n: int) -> bytes:
     return b"\xdd" + n.to_bytes(4, "big")
 
 
+_UINTS = [msgpack.packb(i) for i in range(128)]  # msgpack's positive fixints
+
+
+def _uint(n: int) -> bytes:
+    """``msgpack.packb(n)`` for an int >= 0, without the call for small ones."""
+    return _UINTS[n] if n < 128 else msgpack.packb(n)  # type: ignore[no-any-return]
+
+
 def _packed(item: Outgoing) -> Outgoing:
     kind, body, payload, bufs, pbufs = item
     return item if type(body) is bytes else (kind, pack_body(body), payload, bufs, pbufs)
@@ -357,14 +365,21 @@ def batched(items: Sequence[Outgoing], sender: bytes, receiver: bytes) -> list[E
         if len(run) == 1:
             out.append(_single(run[0], sender, receiver))
         elif run:
-            entries, payload, buffers = pack_batch(run)
+            # the entries spliced from the packed bodies; the entry list itself is
+            # the envelope's body for those that read it (never packed again)
+            entries: list[Any] = []
+            payloads: list[Buffer] = []
+            buffers: list[Buffer] = []
             parts = [_array_header(len(run))]
-            for kind, body, p, bufs, pbufs in run:  # the entries, spliced from packed bodies
-                parts += (b"\x95", msgpack.packb(kind), body,
-                          msgpack.packb(_nbytes(p)), msgpack.packb(len(bufs)),
-                          msgpack.packb(pbufs))
-            out.append(Envelope(BATCH_KIND, sender, receiver, 0, entries, payload, buffers,
-                                packed_body=b"".join(parts)))
+            for kind, body, p, bufs, pbufs in run:
+                n = _nbytes(p)
+                entries.append([kind, body, n, len(bufs), pbufs])
+                parts += (b"\x95", _uint(kind), body, _uint(n), _uint(len(bufs)), _uint(pbufs))
+                if p:
+                    payloads.append(p)
+                buffers.extend(bufs)
+            out.append(Envelope(BATCH_KIND, sender, receiver, 0, entries, b"".join(payloads),
+                                buffers, packed_body=b"".join(parts)))
         run.clear()
 
     for item in map(_packed, items):
