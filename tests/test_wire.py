@@ -301,6 +301,24 @@ def test_parts_of_any_size_reassemble_and_whole_buffers_are_not_copied(
 
 def test_uint_is_msgpacks_own_encoding() -> None:
     """Batch entries splice cached small ints: the same bytes msgpack writes."""
-    from colobus._wire.envelope import _uint
+    from colobus._wire.splice import uint as _uint
     for n in [*range(300), 65535, 65536, 1 << 32, (1 << 64) - 1]:
         assert _uint(n) == msgpack.packb(n), n
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 2**63), st.integers(0, 2**32), st.binary(max_size=40),
+       st.integers(0, 2**40), st.text(max_size=20),
+       st.lists(st.lists(st.integers(0, 2**40), min_size=2, max_size=2), max_size=300),
+       st.lists(st.integers(0, 4096), max_size=20), st.integers(0, 10**6))
+def test_call_splicer_packs_what_a_call_body_packs(
+        call_id: int, stream: int, digest: bytes, obj: int, method: str, refs: list[Any],
+        ids: list[int], hosts: int) -> None:
+    """A fan-out's CALL bodies, spliced, are the bytes of packing each ``P.Call``."""
+    from colobus._wire.envelope import pack_body
+    from colobus._wire.splice import CallSplicer
+    mesh = [ids, [len(ids)], ["x"]]
+    call = P.Call(call_id, stream, digest, obj, method, refs, mesh, hosts)
+    spliced = CallSplicer([call_id, stream, digest, obj, method, refs])(mesh, hosts)
+    assert spliced == pack_body(call.to_wire())
+    assert P.parse(P.Kind.CALL, msgpack.unpackb(spliced)) == call

@@ -35,6 +35,7 @@ from .._observe.observer import FunctionStats, Observer
 from .._wire import protocol as P
 from .._wire.describe import read_outputs
 from .._wire.envelope import Envelope
+from .._wire.splice import CallSplicer
 from .array import Array, check_owner
 from .cacheinfo import CacheInfo, Signatures
 from .plan import CallPlan, make_plan
@@ -377,6 +378,9 @@ class _CallOp:
                                        for k in pickled.keep)
         payload, bufs = pickled.payload, pickled.buffers
         hosts = max(ctl._expected_hosts, len(ctl._hosts))  # cb.host_count() on the hosts
+        # P.Call's fields; all but the host's mesh and the host count packed once
+        body = CallSplicer([call_id, self.stream, self.digest, target.obj_id, target.method,
+                            pickled.refs])
         for h in plan.hosts:
             host = ctl._hosts[h]
             if host.generation != self.gens[h]:
@@ -384,9 +388,10 @@ class _CallOp:
             target.prepare(ctl, host)
             for state in pickled.objects:
                 state.ensure_built(ctl, host)
-            ctl._send(host, P.Call(call_id, self.stream, self.digest, target.obj_id,
-                                  target.method, pickled.refs, plan.host_mesh[h], hosts),
-                     payload, bufs, len(bufs))
+            chan = ctl._chan
+            if chan is not None and host.alive:  # as ctl._send does
+                chan.send_packed(host.peer, P.Kind.CALL, body(plan.host_mesh[h], hosts),
+                                 payload, bufs, len(bufs))
         ctl._count("calls")
 
     def __call__(self, per_host: dict[int, Any]) -> Any:

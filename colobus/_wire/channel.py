@@ -118,11 +118,16 @@ class Channel:
         nothing); the ones queued after it in the same step, or while corked,
         leave together as one BATCH when the step ends.
         """
+        self.send_packed(peer, body.kind, pack_body(body.to_wire()), payload, buffers, pbufs)
+
+    def send_packed(self, peer: Peer, kind: int, packed: bytes, payload: Buffer = b"",
+                    buffers: Sequence[Buffer] = (), pbufs: int = 0) -> None:
+        """:meth:`send` of a body already packed (a fan-out's CALLs share most bytes)."""
         if self.sock.closed:
             return
         if self._before_flush is not None:
             self._before_flush()
-        self.enqueue(peer, body, payload, buffers, pbufs)
+        self.enqueue_packed(peer, kind, packed, payload, buffers, pbufs)
         if self._corked or self._step_scheduled:
             return
         self._step_scheduled = True

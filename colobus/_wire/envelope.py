@@ -38,6 +38,7 @@ import numpy as np
 
 from .._errors import SerializationError
 from .pickling import ByValue, StdPickler, dumps, loads, oob_callback
+from .splice import array_header, uint
 
 __all__ = [
     "MAC_SIZE",
@@ -327,22 +328,6 @@ BATCH_MAX_BYTES = 1 << 20
 BATCH_MAX_BUFFERS = 4096
 
 
-def _array_header(n: int) -> bytes:
-    if n < 16:
-        return bytes((0x90 | n,))
-    if n < 1 << 16:
-        return b"\xdc" + n.to_bytes(2, "big")
-    return b"\xdd" + n.to_bytes(4, "big")
-
-
-_UINTS = [msgpack.packb(i) for i in range(128)]  # msgpack's positive fixints
-
-
-def _uint(n: int) -> bytes:
-    """``msgpack.packb(n)`` for an int >= 0, without the call for small ones."""
-    return _UINTS[n] if n < 128 else msgpack.packb(n)  # type: ignore[no-any-return]
-
-
 def _packed(item: Outgoing) -> Outgoing:
     kind, body, payload, bufs, pbufs = item
     return item if type(body) is bytes else (kind, pack_body(body), payload, bufs, pbufs)
@@ -370,11 +355,11 @@ def batched(items: Sequence[Outgoing], sender: bytes, receiver: bytes) -> list[E
             entries: list[Any] = []
             payloads: list[Buffer] = []
             buffers: list[Buffer] = []
-            parts = [_array_header(len(run))]
+            parts = [array_header(len(run))]
             for kind, body, p, bufs, pbufs in run:
                 n = _nbytes(p)
                 entries.append([kind, body, n, len(bufs), pbufs])
-                parts += (b"\x95", _uint(kind), body, _uint(n), _uint(len(bufs)), _uint(pbufs))
+                parts += (b"\x95", uint(kind), body, uint(n), uint(len(bufs)), uint(pbufs))
                 if p:
                     payloads.append(p)
                 buffers.extend(bufs)

@@ -1,0 +1,49 @@
+"""msgpack written by hand where a message is put together from packed pieces.
+
+A batch's entries and a fan-out's CALLs share most of their bytes: the shared
+parts are packed once and spliced, and these give the bytes msgpack itself
+would write around them (``tests/test_wire.py`` checks they are the same).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack
+
+__all__ = ["array_header", "uint", "CallSplicer"]
+
+_UINTS = [msgpack.packb(i) for i in range(128)]  # msgpack's positive fixints
+
+
+def uint(n: int) -> bytes:
+    """``msgpack.packb(n)`` for an int >= 0, without the call for small ones."""
+    return _UINTS[n] if n < 128 else msgpack.packb(n)  # type: ignore[no-any-return]
+
+
+def array_header(n: int) -> bytes:
+    """The bytes msgpack writes before the ``n`` elements of a list."""
+    if n < 16:
+        return bytes((0x90 | n,))
+    if n < 1 << 16:
+        return b"\xdc" + n.to_bytes(2, "big")
+    return b"\xdd" + n.to_bytes(4, "big")
+
+
+class CallSplicer:
+    """The packed bodies of one call's CALLs to many hosts: ``fields`` (all but the
+    last two, the host's mesh and the host count) packed once; per host, the mesh.
+
+    ``CallSplicer(fields)(mesh, hosts)`` equals ``msgpack.packb([*fields, mesh, hosts])``.
+    """
+
+    __slots__ = ("_head",)
+
+    def __init__(self, fields: Sequence[Any]) -> None:
+        packed: bytes = msgpack.packb(list(fields), use_bin_type=True)
+        self._head = array_header(len(fields) + 2) + packed[len(array_header(len(fields))):]
+
+    def __call__(self, mesh: list[Any], hosts: int) -> bytes:
+        mesh_bytes: bytes = msgpack.packb(mesh, use_bin_type=True)
+        return self._head + mesh_bytes + uint(hosts)
