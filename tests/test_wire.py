@@ -322,3 +322,13 @@ def test_call_splicer_packs_what_a_call_body_packs(
     spliced = CallSplicer([call_id, stream, digest, obj, method, refs])(mesh, hosts)
     assert spliced == pack_body(call.to_wire())
     assert P.parse(P.Kind.CALL, msgpack.unpackb(spliced)) == call
+
+
+def test_call_splicer_refuses_what_msgpack_cannot_write() -> None:
+    """An unwritable mesh is a SerializationError, as packing a ``P.Call`` would be."""
+    from colobus import SerializationError
+    from colobus._wire.splice import CallSplicer
+    with pytest.raises(SerializationError, match="cannot encode the message"):
+        CallSplicer([1, 0, b"d", 0, "", []])([[0], [1], [object()]], 1)
+    with pytest.raises(SerializationError, match="cannot encode the message"):
+        CallSplicer([1, 0, b"d", 0, "", [object()]])

@@ -36,9 +36,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from .._errors import SerializationError
 from .pickling import ByValue, StdPickler, dumps, loads, oob_callback
-from .splice import array_header, uint
+from .splice import array_header, pack_body, uint
 
 __all__ = [
     "MAC_SIZE",
@@ -174,16 +173,6 @@ def encode(key: bytes, env: Envelope) -> list[Buffer]:
         header = _ARRAY10 + head[1:] + _NIL + msgpack.packb(len(packed))
         payload = packed + bytes(payload) if payload else packed
     return [header, payload, mac(key, header, payload), *env.buffers]
-
-
-def pack_body(body: Any) -> bytes:
-    """A body's msgpack bytes; raises :class:`~colobus.SerializationError` if it has
-    something msgpack cannot write (before any sequence number is spent on it)."""
-    try:
-        out: bytes = msgpack.packb(body, use_bin_type=True)
-    except (TypeError, ValueError, OverflowError) as exc:
-        raise SerializationError(f"cannot encode the message for the host: {exc}") from None
-    return out
 
 
 class TooManyObjects(ValueError):
@@ -350,21 +339,13 @@ def batched(items: Sequence[Outgoing], sender: bytes, receiver: bytes) -> list[E
         if len(run) == 1:
             out.append(_single(run[0], sender, receiver))
         elif run:
-            # the entries spliced from the packed bodies; the entry list itself is
-            # the envelope's body for those that read it (never packed again)
-            entries: list[Any] = []
-            payloads: list[Buffer] = []
-            buffers: list[Buffer] = []
+            entries, payload, buffers = pack_batch(run)
             parts = [array_header(len(run))]
-            for kind, body, p, bufs, pbufs in run:
-                n = _nbytes(p)
-                entries.append([kind, body, n, len(bufs), pbufs])
-                parts += (b"\x95", uint(kind), body, uint(n), uint(len(bufs)), uint(pbufs))
-                if p:
-                    payloads.append(p)
-                buffers.extend(bufs)
-            out.append(Envelope(BATCH_KIND, sender, receiver, 0, entries, b"".join(payloads),
-                                buffers, packed_body=b"".join(parts)))
+            for kind, body, p, bufs, pbufs in run:  # the entries, spliced from packed bodies
+                parts += (b"\x95", uint(kind), body, uint(_nbytes(p)), uint(len(bufs)),
+                          uint(pbufs))
+            out.append(Envelope(BATCH_KIND, sender, receiver, 0, entries, payload, buffers,
+                                packed_body=b"".join(parts)))
         run.clear()
 
     for item in map(_packed, items):

@@ -12,7 +12,19 @@ from typing import Any
 
 import msgpack
 
-__all__ = ["array_header", "uint", "CallSplicer"]
+from .._errors import SerializationError
+
+__all__ = ["array_header", "pack_body", "uint", "CallSplicer"]
+
+
+def pack_body(body: Any) -> bytes:
+    """A body's msgpack bytes; raises :class:`~colobus.SerializationError` if it has
+    something msgpack cannot write (before any sequence number is spent on it)."""
+    try:
+        out: bytes = msgpack.packb(body, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise SerializationError(f"cannot encode the message for the host: {exc}") from None
+    return out
 
 _UINTS = [msgpack.packb(i) for i in range(128)]  # msgpack's positive fixints
 
@@ -35,15 +47,15 @@ class CallSplicer:
     """The packed bodies of one call's CALLs to many hosts: ``fields`` (all but the
     last two, the host's mesh and the host count) packed once; per host, the mesh.
 
-    ``CallSplicer(fields)(mesh, hosts)`` equals ``msgpack.packb([*fields, mesh, hosts])``.
+    ``CallSplicer(fields)(mesh, hosts)`` equals ``pack_body([*fields, mesh, hosts])``
+    (and raises :class:`~colobus.SerializationError` where that would).
     """
 
     __slots__ = ("_head",)
 
     def __init__(self, fields: Sequence[Any]) -> None:
-        packed: bytes = msgpack.packb(list(fields), use_bin_type=True)
+        packed = pack_body(list(fields))
         self._head = array_header(len(fields) + 2) + packed[len(array_header(len(fields))):]
 
     def __call__(self, mesh: list[Any], hosts: int) -> bytes:
-        mesh_bytes: bytes = msgpack.packb(mesh, use_bin_type=True)
-        return self._head + mesh_bytes + uint(hosts)
+        return self._head + pack_body(mesh) + uint(hosts)
