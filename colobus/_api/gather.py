@@ -18,6 +18,7 @@ from collections.abc import Awaitable
 from typing import Any
 
 from .._controller.future import _CANCELLED, Future
+from .._controller.inbox import inbox_of
 
 __all__ = ["gather"]
 
@@ -73,13 +74,14 @@ def _wait_for(futs: tuple[Future[Any], ...], loop: asyncio.AbstractEventLoop,
     n = len(futs)
     ended = itertools.count(1)  # next() is atomic: futures settle on several threads
     waiter_thread = threading.get_ident()
+    inbox = inbox_of(loop)
 
     def wake(failed: Future[Any] | None) -> None:
         if threading.get_ident() == waiter_thread:
             _settle(waiter, failed)
         else:
             try:
-                loop.call_soon_threadsafe(_settle, waiter, failed)
+                inbox.post(_settle, waiter, failed)
             except RuntimeError:  # the awaiting loop is closed
                 pass
 

@@ -39,6 +39,7 @@ from .frees import Frees
 from .future import Future
 from .hangups import Hangups
 from .hosts import Host, HostInfo, HostRegistry
+from .inbox import Inbox
 from .joinwait import JoinOrder, JoinProgress, JoinWaiters, key_words
 from .ops import Operations
 from .sessions import Sessions
@@ -177,6 +178,7 @@ class Controller:
         self._chan: Channel | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread_id: int | None = None
+        self._inbox: Inbox | None = None
         self._own_thread: LoopThread | None = None
         self._address = ""
         self._hosts = HostRegistry()
@@ -273,6 +275,7 @@ class Controller:
             raise RuntimeError(f"Controller cannot start: it is {self.state.value}")
         self._loop = asyncio.get_running_loop()
         self._loop_thread_id = threading.get_ident()
+        self._inbox = Inbox(self._loop)  # what other threads hand the loop, per burst
         if self._freeze_gc:
             freeze_once()
         if self._metrics is not None:
@@ -444,9 +447,9 @@ class Controller:
             fn(*args)
             return
         self._check_open()
-        assert self._loop is not None
+        assert self._inbox is not None
         try:
-            self._loop.call_soon_threadsafe(fn, *args)
+            self._inbox.post(fn, *args)
         except RuntimeError:  # the loop closed under us
             raise ControllerClosedError("the colobus controller is closed") from None
 

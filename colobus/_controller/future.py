@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import numpy as np
 
 from .._observe.observer import FOLD_AT
+from .inbox import inbox_of
 
 if TYPE_CHECKING:
     from .._observe.observer import FunctionStats
@@ -250,13 +251,14 @@ class Future(Generic[T]):
             loop = asyncio.get_running_loop()
             waiter = loop.create_future()
             waiter_thread = threading.get_ident()
+            inbox = inbox_of(loop)  # futures settled in a burst wake this loop once
 
             def wake(_: Future[T]) -> None:
                 if threading.get_ident() == waiter_thread:
                     _wake_waiter(waiter)
                 else:
                     try:
-                        loop.call_soon_threadsafe(_wake_waiter, waiter)
+                        inbox.post(_wake_waiter, waiter)
                     except RuntimeError:  # the awaiting loop is closed
                         pass
 
