@@ -72,12 +72,36 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      help="also run the tests marked slow (long explorations)")
 
 
+def _runs_checks_early() -> bool:
+    # Not inside tests/test_no_unpickle.py's child session; not in an xdist worker (the
+    # xdist controller starts them: it outlives the workers, and starts each once).
+    return not (os.environ.get("COLOBUS_TEST_FORBID_UNPICKLE")
+                or os.environ.get("PYTEST_XDIST_WORKER"))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The xdist controller: its early checks write where its workers will read them."""
+    if _runs_checks_early() and getattr(config.option, "numprocesses", None):
+        import early
+
+        early.share()
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """The long single-process checks start now, beside the suite (tests/early.py)."""
-    if not os.environ.get("COLOBUS_TEST_FORBID_UNPICKLE"):  # not inside such a check
+    if _runs_checks_early():
         import early
 
         early.start_collected(item.nodeid for item in session.items)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
+    """The xdist controller: a worker collected the session's tests; start their checks."""
+    if _runs_checks_early():
+        import early
+
+        early.start_collected(ids)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
@@ -86,8 +110,22 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     early.stop_all()
 
 
+# Files whose tests make network-namespace hosts, sshd or Slurm daemons, or Docker
+# containers: under pytest-xdist (two workers by default, pyproject.toml) they run in one
+# worker, one after another, as without xdist. Every other file stays whole on a worker
+# (its module fixtures start once).
+BEDS = {"test_blip.py", "test_broadcast.py", "test_compose.py", "test_examples.py",
+        "test_faults.py", "test_launch_cli.py", "test_launch_slurm_bed.py",
+        "test_launch_ssh.py", "test_slurmbed.py", "test_transport.py"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``slow`` stay out of the default run (and CI) unless ``--run-slow``."""
+    """Each test's xdist group (see BEDS); tests marked ``slow`` stay out of the default
+    run (and CI) unless ``--run-slow``."""
+    for item in items:
+        file = item.path.name
+        item.add_marker(pytest.mark.xdist_group("beds" if file in BEDS else file))
     if config.getoption("--run-slow"):
         return
     skip = pytest.mark.skip(reason="slow: run with --run-slow")

@@ -18,10 +18,13 @@ have liveness deadlines and would compete with the suite's.)
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,28 +68,67 @@ class Finished:
 @dataclass
 class _Running:
     proc: subprocess.Popen[bytes]
-    dir: tempfile.TemporaryDirectory[str]
+    dir: tempfile.TemporaryDirectory[str] | None  # None: the shared folder (xdist)
 
 
 _running: dict[str, _Running] = {}
+
+# Under pytest-xdist the controller process starts the checks (it outlives every worker)
+# in the folder this names, one folder per check with its stdout, stderr and, once it
+# ended, rc; the worker that runs the check's test reads them there.
+SHARED = "COLOBUS_EARLY_DIR"
+
+
+def share() -> None:
+    """The xdist controller, before its workers start: checks go to a shared folder."""
+    os.environ[SHARED] = tempfile.mkdtemp(prefix="colobus-early-")
+
+
+def _in_worker() -> bool:
+    return bool(os.environ.get("PYTEST_XDIST_WORKER"))
 
 
 def start(name: str) -> None:
     """Start check ``name`` now (once), in the repository root, for :func:`result`."""
     if name in _running:
         return
-    tmp = tempfile.TemporaryDirectory(prefix=f"colobus-early-{name}-")
-    base = Path(tmp.name)
+    shared = os.environ.get(SHARED)
+    if shared and not _in_worker():
+        base = Path(shared) / name
+        base.mkdir()
+        tmp = None
+    else:
+        tmp = tempfile.TemporaryDirectory(prefix=f"colobus-early-{name}-")
+        base = Path(tmp.name)
     argv, env = CHECKS[name][1]()
     with open(base / "stdout", "wb") as out, open(base / "stderr", "wb") as err:
         proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
                                 stdout=out, stderr=err)
     _running[name] = _Running(proc, tmp)
+    if tmp is None:  # tell the workers when it ends
+        threading.Thread(target=_note_end, args=(proc, base), daemon=True).start()
+
+
+def _note_end(proc: subprocess.Popen[bytes], base: Path) -> None:
+    code = proc.wait()
+    (base / "rc.tmp").write_text(str(code))
+    os.replace(base / "rc.tmp", base / "rc")
+
+
+def _shared_result(base: Path, timeout: float) -> Finished:
+    deadline = time.monotonic() + timeout
+    while not (base / "rc").exists():
+        if time.monotonic() > deadline:
+            raise subprocess.TimeoutExpired(str(base), timeout)
+        time.sleep(0.2)
+    return Finished(int((base / "rc").read_text()),
+                    (base / "stdout").read_text(errors="replace"),
+                    (base / "stderr").read_text(errors="replace"))
 
 
 def start_collected(nodeids: Iterable[str]) -> None:
     """Start the checks whose test is among ``nodeids`` (the session's collected tests)."""
-    wanted = set(nodeids)
+    wanted = {n.rpartition("@")[0] or n for n in nodeids}  # xdist: "id@group"
     for name, (test, _) in CHECKS.items():
         if test in wanted or (test.endswith("::") and any(n.startswith(test) for n in wanted)):
             start(name)
@@ -94,8 +136,12 @@ def start_collected(nodeids: Iterable[str]) -> None:
 
 def result(name: str, timeout: float = 1200) -> Finished:
     """Check ``name``'s end (started now if it was not started early)."""
+    shared = os.environ.get(SHARED)
+    if shared and _in_worker() and (Path(shared) / name).is_dir():
+        return _shared_result(Path(shared) / name, timeout)
     start(name)
     run = _running.pop(name)
+    assert run.dir is not None  # started in this process: a folder of its own
     base = Path(run.dir.name)
     try:
         code = run.proc.wait(timeout)
@@ -105,7 +151,8 @@ def result(name: str, timeout: float = 1200) -> Finished:
         if run.proc.poll() is None:
             run.proc.kill()
             run.proc.wait()
-        run.dir.cleanup()
+        if run.dir is not None:
+            run.dir.cleanup()
 
 
 def stop_all() -> None:
@@ -115,5 +162,9 @@ def stop_all() -> None:
             run.proc.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
             run.proc.wait(10)
-        run.dir.cleanup()
+        if run.dir is not None:
+            run.dir.cleanup()
     _running.clear()
+    shared = os.environ.get(SHARED)
+    if shared and not _in_worker():
+        shutil.rmtree(shared, ignore_errors=True)

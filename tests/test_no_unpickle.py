@@ -31,9 +31,12 @@ def test_suite_slice_passes_with_unpickling_forbidden_in_the_controller(
         tmp_path: pathlib.Path) -> None:
     record = tmp_path / "unpickled-in-controller.txt"
     env = dict(os.environ, COLOBUS_TEST_FORBID_UNPICKLE=str(record))
+    env.pop("PYTEST_XDIST_WORKER", None)  # the child is a session of its own
     root = pathlib.Path(__file__).resolve().parent.parent
+    # In one process (-n 0): the patch that forbids unpickling is in that process.
     out = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *SLICE],
+        [sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider",
+         *SLICE],
         cwd=root, env=env, capture_output=True, text=True, timeout=1200)
     tail = out.stdout[-4000:] + out.stderr[-2000:]
     assert not record.exists(), "the controller unpickled:\n" + record.read_text()[:4000]
