@@ -118,6 +118,20 @@ def test_a_closed_loop_refuses_the_post(lt: LoopThread) -> None:
         inbox.post(print, "never")
 
 
+def test_a_loop_closed_while_a_drain_was_on_its_way_refuses_the_next_post(
+        lt: LoopThread) -> None:
+    inbox = Inbox(lt.loop)
+    release = lt.hold()
+    inbox.post(lambda: None)  # its drain is posted, not yet run
+    release.set()
+    lt.loop.call_soon_threadsafe(lt.loop.stop)
+    lt.thread.join(30)
+    lt.loop.close()
+    inbox._posted = True  # as if the drain had been posted and the loop closed first
+    with pytest.raises(RuntimeError):
+        inbox.post(print, "never")
+
+
 def test_inbox_of_is_one_per_thread_and_loop() -> None:
     async def mine() -> Inbox:
         return inbox_of(asyncio.get_running_loop())

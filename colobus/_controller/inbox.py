@@ -38,6 +38,9 @@ class Inbox:
             RuntimeError: the loop is closed (as ``call_soon_threadsafe`` raises).
         """
         with self._lock:
+            if self._posted and self.loop.is_closed():  # the drain on its way never runs
+                self._items.clear()
+                self._posted = False
             self._items.append((fn, args))
             if self._posted:
                 return
