@@ -151,8 +151,7 @@ def result(name: str, timeout: float = 1200) -> Finished:
         if run.proc.poll() is None:
             run.proc.kill()
             run.proc.wait()
-        if run.dir is not None:
-            run.dir.cleanup()
+        run.dir.cleanup()
 
 
 def stop_all() -> None:

@@ -132,6 +132,29 @@ def test_a_loop_closed_while_a_drain_was_on_its_way_refuses_the_next_post(
         inbox.post(print, "never")
 
 
+def test_call_runs_at_once_on_the_loop_posts_from_elsewhere_drops_once_closed() -> None:
+    seen: list[str] = []
+
+    async def on_loop() -> Inbox:
+        inbox = inbox_of(asyncio.get_running_loop())
+        inbox.call(seen.append, "at once")
+        assert seen == ["at once"]  # not deferred to a later callback
+        t = threading.Thread(target=inbox.call, args=(seen.append, "posted"))
+        t.start()
+        t.join(30)
+        assert seen == ["at once"]  # waits for the loop
+        while len(seen) < 2:
+            await asyncio.sleep(0.01)
+        return inbox
+
+    inbox = asyncio.run(on_loop())
+    assert seen == ["at once", "posted"]
+    t = threading.Thread(target=inbox.call, args=(seen.append, "never"))
+    t.start()  # from another thread, to a closed loop: dropped, no error
+    t.join(30)
+    assert seen == ["at once", "posted"]
+
+
 def test_inbox_of_is_one_per_thread_and_loop() -> None:
     async def mine() -> Inbox:
         return inbox_of(asyncio.get_running_loop())

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import threading
 from collections.abc import Awaitable
 from typing import Any
 
@@ -73,17 +72,10 @@ def _wait_for(futs: tuple[Future[Any], ...], loop: asyncio.AbstractEventLoop,
     """Settle ``waiter`` (on its loop) once all of ``futs`` are done, or one failed."""
     n = len(futs)
     ended = itertools.count(1)  # next() is atomic: futures settle on several threads
-    waiter_thread = threading.get_ident()
     inbox = inbox_of(loop)
 
     def wake(failed: Future[Any] | None) -> None:
-        if threading.get_ident() == waiter_thread:
-            _settle(waiter, failed)
-        else:
-            try:
-                inbox.post(_settle, waiter, failed)
-            except RuntimeError:  # the awaiting loop is closed
-                pass
+        inbox.call(_settle, waiter, failed)
 
     def one_done(f: Future[Any]) -> None:
         last = next(ended) == n

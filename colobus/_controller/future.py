@@ -250,17 +250,10 @@ class Future(Generic[T]):
         if self._state == _PENDING:
             loop = asyncio.get_running_loop()
             waiter = loop.create_future()
-            waiter_thread = threading.get_ident()
             inbox = inbox_of(loop)  # futures settled in a burst wake this loop once
 
             def wake(_: Future[T]) -> None:
-                if threading.get_ident() == waiter_thread:
-                    _wake_waiter(waiter)
-                else:
-                    try:
-                        inbox.post(_wake_waiter, waiter)
-                    except RuntimeError:  # the awaiting loop is closed
-                        pass
+                inbox.call(_wake_waiter, waiter)
 
             self.add_done_callback(wake)
             try:
