@@ -79,6 +79,11 @@ class CallPool:
         self._queue.put(job)
         return now
 
+    def has_room(self) -> bool:
+        """Whether a job submitted now would find a thread (idle, or one to start)."""
+        with self._lock:
+            return bool(self._idle) or len(self._threads) < self._limit()
+
     def new_session(self) -> None:
         """A session ended: what still runs is stuck; the pool grows past it."""
         with self._lock:

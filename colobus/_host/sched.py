@@ -3,8 +3,10 @@
 A stream is one controller-side caller (a thread or an asyncio task). Its calls
 run in arrival order; different streams run at the same time. When the head of
 a stream's queue is a plain function with its inputs ready, it and the ready
-plain calls queued behind it run back to back in one thread-pool job (one hop,
-not one per call); each call's reply goes out as it finishes. ``async def``
+plain calls queued behind it form one run, and the runs of all streams wait in one
+queue that as few pool jobs as keep it moving take (:mod:`colobus._host.runners`:
+one hop per burst, not one per call or per stream); each call's reply goes out as
+it finishes. ``async def``
 functions run on the loop, alone. A DESTROY runs in its stream like a call:
 after that caller's earlier calls, before its later ones, once every call of
 the object already received (from any stream) has finished.
@@ -28,6 +30,7 @@ from .._wire.envelope import Buffer, Envelope
 from .._wire.protocol import Status
 from .calls import _CANCELLED, _DONE, _QUEUED, _RUNNING, _Call, _Destroy, _settable, _Stream
 from .pool import ArgsUnpickler, CallPool
+from .runners import Runners
 from .store import CallResult, Store
 
 if TYPE_CHECKING:
@@ -82,6 +85,7 @@ class Scheduler:
         self.start_timeout = float(os.environ.get("COLOBUS_CALL_START_TIMEOUT",
                                                   CALL_START_TIMEOUT_S))
         self.pool = CallPool(max_threads, "colobus-call")
+        self.runners = Runners(self.pool, self._run_item)
         self._streams: dict[int, _Stream] = {}
         self._calls: dict[int, _Call] = {}
         self._async_calls: set[asyncio.Task[None]] = set()
@@ -100,6 +104,7 @@ class Scheduler:
     def clear(self) -> None:
         """The session ended: forget its calls (running ones finish into nothing)."""
         self.pool.new_session()
+        self.runners.clear()
         for t in list(self._async_calls):
             t.cancel()
         self._calls.clear()
@@ -221,8 +226,9 @@ class Scheduler:
             stream.busy = True
             self.started = True
             claim = [_WAITING]
-            if not self.pool.submit(functools.partial(self._run_batch, batch, claim)):
-                asyncio.get_running_loop().call_later(  # every thread is busy
+            loop = asyncio.get_running_loop()
+            if not self.runners.add((batch, claim), loop):
+                loop.call_later(  # every thread is busy
                     self.start_timeout, self._expire, batch, claim, self._w.epoch)
         elif not queue:
             del self._streams[stream.sid]  # idle: a later call starts a new one
@@ -286,6 +292,9 @@ class Scheduler:
         stream = batch[-1].stream
         stream.busy = False
         self.pump(stream)
+
+    def _run_item(self, item: tuple[list[_Call], list[int]]) -> None:
+        self._run_batch(*item)
 
     def _run_batch(self, batch: list[_Call], claim: list[int]) -> None:
         """Pool thread: run ready plain calls of one stream back to back."""
