@@ -218,6 +218,20 @@ def _process_cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def _procs_cpu(procs: list[subprocess.Popen[str]]) -> float:
+    """CPU seconds the light host processes used so far (``/proc``: user + system)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for p in procs:
+        try:
+            with open(f"/proc/{p.pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
 def _spawn(address: str, key: bytes, n: int, per_proc: int, heartbeat: float
            ) -> list[subprocess.Popen[str]]:
     procs = []
@@ -306,6 +320,7 @@ async def measure(n: int, per_proc: int, idle_s: float, calls: int, profile: boo
             chan = ctl._chan
             assert chan is not None
             b0 = chan.batches_sent
+            h0, p0 = _procs_cpu(procs), _process_cpu()
             c0 = time.thread_time()
             if prof is not None:
                 prof.enable()
@@ -317,6 +332,12 @@ async def measure(n: int, per_proc: int, idle_s: float, calls: int, profile: boo
                 prof.disable()
                 out["fanout_profile"] = _profile_lines(prof)
             cpu = (time.thread_time() - c0) / calls
+            hosts_cpu = (_procs_cpu(procs) - h0) / calls
+            proc_cpu = (_process_cpu() - p0) / calls
+            # The least wall time a call can take here: all its CPU, spread over the cores.
+            out["fanout_hosts_cpu_ms_per_call"] = hosts_cpu * 1e3
+            out["fanout_process_cpu_ms_per_call"] = proc_cpu * 1e3
+            out["fanout_floor_ms"] = (hosts_cpu + proc_cpu) * 1e3 / (os.cpu_count() or 1)
             out["fanout_batches_per_host_call"] = (chan.batches_sent - b0) / calls / n
             out["fanout_ms"] = statistics.median(lat) * 1e3
             out["fanout_loop_cpu_ms_per_call"] = cpu * 1e3
@@ -348,6 +369,9 @@ def _report(r: dict[str, Any]) -> None:
             ("fan-out no-op latency", r["fanout_ms"], "ms (median)", "fanout_ms"),
             ("  loop CPU per call", r["fanout_loop_cpu_ms_per_call"], "ms", ""),
             ("  loop CPU per host per call", r["fanout_loop_cpu_us_per_host"], "us", ""),
+            ("  controller process CPU", r["fanout_process_cpu_ms_per_call"], "ms per call", ""),
+            ("  light hosts' CPU", r["fanout_hosts_cpu_ms_per_call"], "ms per call", ""),
+            ("  floor: all CPU / cores", r["fanout_floor_ms"], "ms per call", ""),
             ("controller RSS per host", r["rss_per_host_kib"], "KiB", "rss_per_host_kib")]
     for label, value, unit, target in rows:
         mark = ""
