@@ -17,7 +17,6 @@ import os
 import secrets
 import threading
 from collections.abc import Callable, Iterable
-from types import TracebackType
 from typing import Any
 
 import zmq
@@ -33,6 +32,7 @@ from .._wire.envelope import Buffer
 from .._wire.sockio import router_socket
 from .._wire.tasks import supervise
 from . import syncface as _syncface
+from . import wakeups
 from .current import Current, State
 from .environ import from_environment
 from .frees import Frees
@@ -298,7 +298,10 @@ class Controller:
         self._address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._chan = Channel(sock, self._key, self._loop, self._sessions.on_frames,
                              before_flush=self._frees.move_to_outboxes,
-                             on_release=self._uploads.on_release)
+                             on_release=self._uploads.on_release,
+                             before_drain=wakeups.drain_starts,
+                             after_reads=wakeups.drain_reads_done,
+                             after_drain=wakeups.drain_ends)
         self._hangups = Hangups(sock, self._loop, self._hangup_grace, self._sessions.lose)
         self._tasks.append(supervise(self._loop.create_task(self._sessions.liveness()),
                                      "the liveness loop", self._die))
@@ -380,9 +383,7 @@ class Controller:
         _push_current(self)
         return self
 
-    async def __aexit__(
-        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
     # -- sync face (colobus._controller.syncface) ----------------------------------
@@ -418,9 +419,7 @@ class Controller:
         _push_current(self)
         return self
 
-    def __exit__(
-        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # -- internals the API layers use (package-private) -------------------------------------

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import numpy as np
 
 from .._observe.observer import FOLD_AT
-from .inbox import inbox_of
+from .wakeups import Waiter
 
 if TYPE_CHECKING:
     from .._observe.observer import FunctionStats
@@ -248,16 +248,9 @@ class Future(Generic[T]):
 
     def __await__(self) -> Generator[Any, None, T]:
         if self._state == _PENDING:
-            loop = asyncio.get_running_loop()
-            waiter = loop.create_future()
-            inbox = inbox_of(loop)  # futures settled in a burst wake this loop once
-
-            def wake(_: Future[T]) -> None:
-                inbox.call(_wake_waiter, waiter)
-
-            self.add_done_callback(wake)
             try:
-                yield from waiter
+                # the task waits on it, woken in the drain that settles this future
+                yield Waiter(self, asyncio.get_running_loop())
             except asyncio.CancelledError:
                 # The awaiting task was cancelled: cancel the operation too, as
                 # asyncio does for a future awaited by a cancelled task.
@@ -282,11 +275,6 @@ def _run_callback(fn: Callable[[Future[Any]], object], fut: Future[Any]) -> None
     except BaseException:
         log.exception("a colobus Future done-callback %r raised (the other callbacks still "
                       "run)", fn)
-
-
-def _wake_waiter(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
 
 
 def in_event_loop() -> bool:

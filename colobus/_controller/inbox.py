@@ -23,12 +23,12 @@ __all__ = ["Inbox", "inbox_of"]
 class Inbox:
     """A FIFO of callables that ``loop`` runs, posted from any thread."""
 
-    __slots__ = ("_items", "_lock", "_posted", "_thread", "loop")
+    __slots__ = ("_items", "_lock", "_posted", "loop", "thread")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         """Made on ``loop``'s own thread."""
         self.loop = loop
-        self._thread = threading.get_ident()
+        self.thread = threading.get_ident()
         self._items: list[tuple[Callable[..., object], tuple[Any, ...]]] = []
         self._posted = False  # a drain is on its way to the loop
         self._lock = threading.Lock()
@@ -58,7 +58,7 @@ class Inbox:
     def call(self, fn: Callable[..., object], *args: Any) -> None:
         """Run ``fn(*args)`` on the loop: now when called there, else :meth:`post`; a
         closed loop drops it (a waker whose awaiting loop is gone)."""
-        if threading.get_ident() == self._thread:
+        if threading.get_ident() == self.thread:
             fn(*args)
             return
         try:

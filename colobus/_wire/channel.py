@@ -62,6 +62,9 @@ class Channel:
             that earlier drains started: only this drain's are worth waiting for).
         on_release: called with a peer whose acknowledgement freed some of what this
             side held for it (:attr:`Peer.held`; the controller's uploads wait on it).
+        after_reads: called in a drain once it has read what waits, before it sends
+            (the controller wakes the tasks whose futures the drain settled there).
+        after_drain: called as each drain ends, however it ends.
     """
 
     def __init__(
@@ -76,6 +79,8 @@ class Channel:
         after_flush: Callable[[], bool] | None = None,
         before_drain: Callable[[], None] | None = None,
         on_release: Callable[[Peer], None] | None = None,
+        after_reads: Callable[[], None] | None = None,
+        after_drain: Callable[[], None] | None = None,
     ) -> None:
         self.sock = sock
         self._key = key
@@ -86,6 +91,8 @@ class Channel:
         self._after_flush = after_flush
         self._before_drain = before_drain
         self._on_release = on_release
+        self._after_reads = after_reads
+        self._after_drain = after_drain
         self._dirty: list[Peer] = []  # peers with messages in their outbox
         self._blocked: set[Peer] = set()  # peers with envelopes waiting for the window
         self._owed: set[Peer] = set()  # peers owed an acknowledgement now
@@ -388,6 +395,7 @@ class Channel:
         corked, self._corked = self._corked, True
         start = time.monotonic()
         n = 0
+        after_reads = self._after_reads
         try:
             while True:
                 while readable(sock):
@@ -398,8 +406,14 @@ class Channel:
                     if n % 64 == 0 and time.monotonic() - start > DRAIN_BUDGET_S:
                         # A flood (or a long burst) must not hold the loop: what else
                         # waits runs first, then this drain goes on where it stopped.
+                        if after_reads is not None:
+                            after_reads()
                         self.flush()
                         self._loop.call_soon(self.drain)
+                        return
+                if after_reads is not None:
+                    after_reads()
+                    if sock.closed:
                         return
                 sent = self.flush()
                 if self._after_flush is not None and self._after_flush():
@@ -411,4 +425,6 @@ class Channel:
                 log.warning("socket error: %s", exc)
         finally:
             self._corked = corked
+            if self._after_drain is not None:
+                self._after_drain()
 
