@@ -37,7 +37,7 @@ class HostArrays:
         self.reshards = HostReshards(worker)
         self.trees = HostTreePuts(worker, self)
 
-    def handlers(self) -> dict[Kind, Any]:
+    def handlers(self) -> dict[int, Any]:
         """The worker's dispatch entries for array messages."""
         return {Kind.PUT: self.on_put, Kind.FETCH: self.on_fetch,
                 Kind.RESHARD: self.reshards.on_reshard, Kind.PIECE: self.reshards.on_piece,

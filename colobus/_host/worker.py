@@ -135,7 +135,7 @@ class Worker:
         self._hb: asyncio.Task[None] | None = None  # this session's heartbeats
         self._hb_restarts = 0  # times they died this session (and were started again)
         self._bg: set[asyncio.Task[None]] = set()
-        self._handlers = {
+        self._handlers: dict[int, Any] = {  # Kind keys, found by the plain int off the wire
             Kind.HEARTBEAT: self._on_heartbeat,
             Kind.CODE: lambda body, env: self.store.add_code(body.digest, env),
             Kind.CALL: self.sched.on_call,
@@ -420,7 +420,7 @@ class Worker:
         """Handle one authenticated message of this session's controller."""
         try:
             body = P.parse(env.kind, env.body)
-            self._handlers[Kind(env.kind)](body, env)
+            self._handlers[env.kind](body, env)
         except (ValueError, KeyError) as exc:
             self._drop("malformed", str(exc))
         except _Exit:
