@@ -23,12 +23,12 @@ def _run(item: Any) -> None:
 
 
 async def test_quick_runs_of_many_streams_share_a_thread() -> None:
-    pool = CallPool(64, "test-runners")
+    pool = CallPool(256, "test-runners")
     runners = Runners(pool, _run)
     loop = asyncio.get_running_loop()
     ran: list[int] = []
     done = asyncio.Event()
-    n = 200
+    n = 400
 
     def one() -> None:
         ran.append(threading.get_ident())
@@ -39,7 +39,7 @@ async def test_quick_runs_of_many_streams_share_a_thread() -> None:
         runners.add(one, loop)
     await asyncio.wait_for(done.wait(), WAIT_S)
     # A pool job per run would have started a thread per run here (none was idle).
-    assert len(set(ran)) <= n // 10, f"{len(set(ran))} threads for {n} quick runs"
+    assert len(set(ran)) <= n // 8, f"{len(set(ran))} threads for {n} quick runs"
     pool.shutdown()
 
 
@@ -81,4 +81,25 @@ async def test_a_new_session_does_not_wait_behind_the_old_ones_runs() -> None:
     await asyncio.wait_for(fresh.wait(), WAIT_S)  # a runner of its own, at once
     release.set()
     assert not stale_ran.is_set()
+    pool.shutdown()
+
+
+async def test_many_runs_that_wait_for_each_other_all_get_threads() -> None:
+    n = 50
+    pool = CallPool(n, "test-runners")
+    runners = Runners(pool, _run)
+    loop = asyncio.get_running_loop()
+    barrier = threading.Barrier(n, timeout=WAIT_S)  # each run waits until all n run at once
+    done: list[int] = []
+    all_done = asyncio.Event()
+
+    def one() -> None:
+        barrier.wait()
+        done.append(1)
+        if len(done) == n:
+            loop.call_soon_threadsafe(all_done.set)
+
+    for _ in range(n):
+        runners.add(one, loop)
+    await asyncio.wait_for(all_done.wait(), WAIT_S)
     pool.shutdown()

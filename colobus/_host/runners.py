@@ -6,9 +6,10 @@ call each (asyncio tasks, each its own stream) that hand-off was most of a call'
 cost on the host. Here the runs wait in one queue, and one pool job (a *runner*)
 takes them one after another. Runs of different streams may still need to run at
 the same time (a call that waits for another stream's call, a call that sleeps):
-while runs wait and no runner has taken one for :data:`HELP_AFTER_S`, another
-runner starts, and so on, so no run waits behind a blocked call for longer than
-that, and calls that wait for each other complete.
+while runs wait and no runner has taken one for :data:`HELP_AFTER_S`, more runners
+start (one, then two, then four at each look that finds no progress), so calls that
+wait for each other complete, and runs behind blocked calls wait a few of those
+looks at most.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from .pool import CallPool
 __all__ = ["HELP_AFTER_S", "Runners"]
 
 HELP_AFTER_S = 0.001  # a waiting run gets a runner of its own after this long without progress
+HELP_MAX = 4  # runners one look adds at most
 
 
 class Runners:
@@ -44,6 +46,7 @@ class Runners:
         self._taken = 0  # runs taken so far: progress, for the watch
         self._seen = 0
         self._watching = False
+        self._burst = 1  # runners the next stall adds
         self._gen = 0  # bumped by clear(): runners of before it stop
 
     def add(self, item: Any, loop: asyncio.AbstractEventLoop) -> bool:
@@ -74,16 +77,23 @@ class Runners:
         loop.call_later(HELP_AFTER_S, self._check, loop)
 
     def _check(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Loop thread: runs wait and none was taken since the last look: one more runner."""
+        """Loop thread: runs wait and none was taken since the last look: more runners,
+        twice as many as at the last stall, up to :data:`HELP_MAX` (many blocked calls
+        get threads within a few looks; quick ones rarely stall twice in a row)."""
         self._watching = False
         with self._lock:
             if not self._ready:
+                self._burst = 1
                 return
-            stalled = self._taken == self._seen
-            if stalled:
-                self._runners += 1
+            if self._taken != self._seen:
+                self._burst = 1
+                more = 0
+            else:
+                more = min(self._burst, len(self._ready))
+                self._burst = min(2 * self._burst, HELP_MAX)
+                self._runners += more
             gen = self._gen
-        if stalled:
+        for _ in range(more):
             self._pool.submit(functools.partial(self._runner, gen))
         self._watch(loop)
 
