@@ -93,3 +93,18 @@ def test_ab_pairs_alternate_and_report_the_ratio() -> None:
     bad = subprocess.run([sys.executable, str(script), "object", "--pairs", "1", "--quick",
                           "--b-env", "nonsense"], capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "NAME=VALUE" in bad.stderr
+
+
+def test_call_cpu_reports_every_pattern() -> None:
+    """benchmarks/call_cpu.py: CPU and loop turns per call, per pattern, against raw."""
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "call_cpu.py"
+    proc = subprocess.run([sys.executable, str(script), "--calls", "200", "--window", "50"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("raw pyzmq: round trip")
+    for name in ("awaited", "tasks", "gather", "cbgather"):
+        row = next(line for line in lines if line.startswith(name + " "))
+        turns = float(row.split(" turns/call")[0].rsplit(" ", 1)[1])
+        assert 0 < turns < 10, row  # the loop ran, and not absurdly often per call
+        assert "us/call" in row and "threads)" in row
