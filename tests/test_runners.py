@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Any
 
 from colobus._host.pool import CallPool
 from colobus._host.runners import Runners
@@ -18,13 +17,9 @@ from colobus._host.runners import Runners
 WAIT_S = 30.0  # generous: every wait below ends on an event
 
 
-def _run(item: Any) -> None:
-    item()
-
-
 async def test_quick_runs_of_many_streams_share_a_thread() -> None:
     pool = CallPool(256, "test-runners")
-    runners = Runners(pool, _run)
+    runners = Runners(pool)
     loop = asyncio.get_running_loop()
     ran: list[int] = []
     done = asyncio.Event()
@@ -45,7 +40,7 @@ async def test_quick_runs_of_many_streams_share_a_thread() -> None:
 
 async def test_a_run_blocked_on_a_later_one_gets_help() -> None:
     pool = CallPool(8, "test-runners")
-    runners = Runners(pool, _run)
+    runners = Runners(pool)
     loop = asyncio.get_running_loop()
     later_ran = threading.Event()
     finished = asyncio.Event()
@@ -62,7 +57,7 @@ async def test_a_run_blocked_on_a_later_one_gets_help() -> None:
 
 async def test_a_new_session_does_not_wait_behind_the_old_ones_runs() -> None:
     pool = CallPool(8, "test-runners")
-    runners = Runners(pool, _run)
+    runners = Runners(pool)
     loop = asyncio.get_running_loop()
     release = threading.Event()
     started = threading.Event()
@@ -87,7 +82,7 @@ async def test_a_new_session_does_not_wait_behind_the_old_ones_runs() -> None:
 async def test_many_runs_that_wait_for_each_other_all_get_threads() -> None:
     n = 50
     pool = CallPool(n, "test-runners")
-    runners = Runners(pool, _run)
+    runners = Runners(pool)
     loop = asyncio.get_running_loop()
     barrier = threading.Barrier(n, timeout=WAIT_S)  # each run waits until all n run at once
     done: list[int] = []

@@ -67,25 +67,11 @@ class Waiter:
         else:
             self._callbacks.append((fn, context))
 
-    def remove_done_callback(self, fn: Callable[[Any], object]) -> int:
-        before = len(self._callbacks)
-        self._callbacks = [(f, c) for f, c in self._callbacks if f != fn]
-        return before - len(self._callbacks)
-
-    def done(self) -> bool:
-        return self._fired
-
-    def cancelled(self) -> bool:
-        return self._cancel_msg is not None
-
     def result(self) -> None:
         """Nothing (the awaiting generator reads the Future), or the task's cancellation."""
         if self._cancel_msg is not None:
             msg = self._cancel_msg
             raise asyncio.CancelledError() if msg is _NO_MSG else asyncio.CancelledError(msg)
-
-    def exception(self) -> BaseException | None:
-        return None
 
     def cancel(self, msg: Any = None) -> bool:
         """The awaiting task was cancelled: so is the operation, and the task wakes."""

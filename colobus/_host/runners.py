@@ -19,7 +19,6 @@ import collections
 import functools
 import threading
 from collections.abc import Callable
-from typing import Any
 
 from .pool import CallPool
 
@@ -30,18 +29,13 @@ HELP_MAX = 4  # runners one look adds at most
 
 
 class Runners:
-    """A queue of ready runs and the pool jobs that take them.
+    """A queue of ready runs (callables, run on pool threads in the order added) and the
+    pool jobs that take them from ``pool``."""
 
-    Args:
-        pool: the threads the runs go to.
-        run: called on a pool thread with each run, in the order they were added.
-    """
-
-    def __init__(self, pool: CallPool, run: Callable[[Any], None]) -> None:
+    def __init__(self, pool: CallPool) -> None:
         self._pool = pool
-        self._run = run
         self._lock = threading.Lock()
-        self._ready: collections.deque[Any] = collections.deque()
+        self._ready: collections.deque[Callable[[], None]] = collections.deque()
         self._runners = 0  # pool jobs taking runs now (or queued to)
         self._taken = 0  # runs taken so far: progress, for the watch
         self._seen = 0
@@ -49,10 +43,10 @@ class Runners:
         self._burst = 1  # runners the next stall adds
         self._gen = 0  # bumped by clear(): runners of before it stop
 
-    def add(self, item: Any, loop: asyncio.AbstractEventLoop) -> bool:
+    def add(self, run: Callable[[], None], loop: asyncio.AbstractEventLoop) -> bool:
         """Loop thread: queue a run; False where no thread is free to take it now."""
         with self._lock:
-            self._ready.append(item)
+            self._ready.append(run)
             start = self._runners == 0
             if start:
                 self._runners += 1
@@ -106,7 +100,7 @@ class Runners:
                 if not self._ready:
                     self._runners -= 1
                     return
-                item = self._ready.popleft()
+                run = self._ready.popleft()
                 self._taken += 1
-            self._run(item)
-            del item
+            run()
+            del run

@@ -85,7 +85,7 @@ class Scheduler:
         self.start_timeout = float(os.environ.get("COLOBUS_CALL_START_TIMEOUT",
                                                   CALL_START_TIMEOUT_S))
         self.pool = CallPool(max_threads, "colobus-call")
-        self.runners = Runners(self.pool, self._run_item)
+        self.runners = Runners(self.pool)
         self._streams: dict[int, _Stream] = {}
         self._calls: dict[int, _Call] = {}
         self._async_calls: set[asyncio.Task[None]] = set()
@@ -227,7 +227,7 @@ class Scheduler:
             self.started = True
             claim = [_WAITING]
             loop = asyncio.get_running_loop()
-            if not self.runners.add((batch, claim), loop):
+            if not self.runners.add(functools.partial(self._run_batch, batch, claim), loop):
                 loop.call_later(  # every thread is busy
                     self.start_timeout, self._expire, batch, claim, self._w.epoch)
         elif not queue:
@@ -292,9 +292,6 @@ class Scheduler:
         stream = batch[-1].stream
         stream.busy = False
         self.pump(stream)
-
-    def _run_item(self, item: tuple[list[_Call], list[int]]) -> None:
-        self._run_batch(*item)
 
     def _run_batch(self, batch: list[_Call], claim: list[int]) -> None:
         """Pool thread: run ready plain calls of one stream back to back."""
