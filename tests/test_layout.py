@@ -25,6 +25,7 @@ ALLOWED: dict[str, set[str]] = {
     "_controller": BASE | {"_observe", "_wire", "_model"},
     "_api": BASE | {"_controller", "_observe", "_wire", "_model"},
     "_launch": BASE | {"_controller", "_observe", "_wire", "_model"},
+    "_relay": BASE | {"_wire", "_model"},
     "_errors": set(),
     "_process": set(),
 }

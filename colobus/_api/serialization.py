@@ -79,7 +79,11 @@ class Code:
     def ship(self, ctl: Controller, host: Host) -> bytes:
         """Loop thread: send the code to ``host`` unless it has it; returns the digest."""
         digest, blob = self.get()
-        if ctl._send_code(host, digest, blob):
+        if digest not in host.code_sent:  # sent once; later calls name it
+            host.code_sent.add(digest)
+            ctl._count("code_sent")
+            ctl._count("code_bytes", len(blob))
+            ctl._send(host, P.Code(digest), blob)
             self.shipped[host.index] += 1
             with _code_lock:
                 _code_where.setdefault(digest, set()).add((weakref.ref(ctl), host.index))

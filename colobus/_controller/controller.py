@@ -42,6 +42,7 @@ from .hosts import Host, HostInfo, HostRegistry
 from .inbox import Inbox
 from .joinwait import JoinOrder, JoinProgress, JoinWaiters, key_words
 from .ops import Operations
+from .relays import Relays
 from .sessions import Sessions
 from .stats import collect_stats, refresh_stats, scrape_stats
 from .syncface import LoopThread
@@ -108,6 +109,9 @@ class Controller:
         broadcast_tree: a ``device_put`` block of 1 MiB or more that this many hosts or more
             hold the same goes down a tree of them (each serves it to two), leaving the
             controller twice; 0 turns trees off (``docs/arrays.md``, "Broadcast trees").
+        relays: relay processes carrying the hosts' sessions (one message per relay per
+            call, not per host). None: ``$COLOBUS_RELAYS``, else by ``hosts=``: none below
+            ``relay_threshold`` (0: never), one per 256 hosts above (docs/architecture.md).
 
     Raises:
         ValueError: ``curve_allow`` given without ``curve_secret_key``, or
@@ -140,6 +144,8 @@ class Controller:
         trace: bool | str | os.PathLike[str] | None = None,
         freeze_gc: bool = True,
         broadcast_tree: int = 8,
+        relays: int | None = None,
+        relay_threshold: int = 128,
     ) -> None:
         bind, hosts, key, names = from_environment(bind, hosts, key)  # colobus launch's
         if key is not None:
@@ -169,6 +175,7 @@ class Controller:
         self._curve, self._curve_allow = _keys.curve_server_config(
             curve_secret_key, curve_public_key, curve_allow)
         self._auth: Any = None  # zmq.auth.thread.ThreadAuthenticator while running
+        self._relays = Relays.configure(self, relays, relay_threshold, hosts)
         self.state = State.NEW
         # Metrics and traces (None when both are off: one check per call site).
         self.observer, self._metrics, self._trace = observing(
@@ -307,6 +314,8 @@ class Controller:
                                      "the liveness loop", self._die))
         self.state = State.RUNNING
         log.info("controller listening on %s (%s)", self._address, key_words(self._key))
+        if self._relays is not None:
+            await self._relays.start()
         if self._write_key_file:
             self.key_file = str(_keys.write_private_key(self._key))
             _keys.note_key_file(self._key, self.key_file)
@@ -364,6 +373,8 @@ class Controller:
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._relays is not None:  # they deliver what they were sent, then exit
+            await self._relays.aclose()
         chan.close(linger_ms=200)  # a moment for the SHUTDOWN messages to leave
         self._stop_curve()
         self._ctx.term()
@@ -458,20 +469,6 @@ class Controller:
         chan = self._chan
         if chan is not None and host.alive:
             chan.send(host.peer, body, payload, buffers, pbufs)
-
-    def _send_code(self, host: Host, digest: bytes, code: bytes) -> bool:
-        """Send a pickled function or class to ``host`` once; later calls name it.
-
-        Returns:
-            Whether it was sent now (False: the host has it).
-        """
-        if digest in host.code_sent:
-            return False
-        host.code_sent.add(digest)
-        self._counters["code_sent"] += 1
-        self._counters["code_bytes"] += len(code)
-        self._send(host, P.Code(digest), code)
-        return True
 
     def _count(self, name: str, n: int = 1) -> None:
         self._counters[name] += n

@@ -83,8 +83,8 @@ class Hangups:
 
     def _closed(self, fd: int) -> None:
         host = self._host_on.pop(fd, None)
-        if host is None or not host.alive or host.conn_fd != fd:
-            return  # not a host's connection, or it moved to a new one already
+        if host is None or not host.alive or host.conn_fd != fd or host.peer.via is not None:
+            return  # not a host's connection, or it moved to a new one (or a relay) already
         stamp = host.hung_up = time.monotonic()
         log.info("host %d (%r): its connection closed; lost unless it is heard from within "
                  "%.1f s", host.index, host.name, self.grace)

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .._wire import protocol as P
+from .._wire.chunks import ACK_KIND
 from .._wire.envelope import (
     MAX_HEADER_BYTES,
     MAX_OBJECTS,
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
     from .._wire.envelope import Buffer
     from .hangups import Hangups
     from .ops import Operations
+    from .relays import Relays
     from .uploads import Uploads
 
 __all__ = ["Sessions", "SessionsOwner"]
@@ -62,6 +64,8 @@ class SessionsOwner(Parts, Protocol):
     def _ops(self) -> Operations: ...
     @property
     def _hangups(self) -> Hangups | None: ...
+    @property
+    def _relays(self) -> Relays | None: ...
     @property
     def _uploads(self) -> Uploads: ...
     @property
@@ -131,6 +135,10 @@ class Sessions:
             return
         ctl = self._ctl
         identity = frames[0].bytes
+        relays = ctl._relays
+        if relays is not None and identity in relays.by_identity:
+            relays.on_frames(relays.by_identity[identity], frames)
+            return
         host: Host | None = None
         # A peer that has not joined sends small messages only (JOIN, HELLO): anything
         # larger is dropped from its frame lengths, before any MAC work.
@@ -170,6 +178,10 @@ class Sessions:
                 return
             if env.version != PROTOCOL_VERSION:
                 self.drop("version", identity)
+                return
+            if host.peer.via is not None and env.kind != ACK_KIND:
+                # its session moved to a relay: a message sent before the move goes again
+                self.drop("relayed", identity)
                 return
             assert ctl._chan is not None
             got = ctl._chan.take(host.peer, env, ctl.max_message_bytes)
@@ -211,6 +223,15 @@ class Sessions:
         """Handle one authenticated message of a joined host."""
         try:
             body = P.parse(env.kind, env.body)
+        except ValueError as exc:
+            self.violation(host, "malformed", str(exc))
+            return
+        self.handle(host, identity, env, body)
+
+    def handle(self, host: Host, identity: bytes, env: Envelope, body: P.Body) -> None:
+        """Handle one authenticated, parsed message of a joined host (or of one a relay
+        carries: :mod:`colobus._controller.relays`)."""
+        try:
             handler = self._handlers.get(env.kind)
             if env.kind in (Kind.HELLO, Kind.JOIN):  # a join resent by a joined host
                 self.drop("stale", identity, "join of a joined host")
@@ -257,10 +278,19 @@ class Sessions:
         if current is not None and current.session == env.sender:
             # A JOIN the worker sent again before our WELCOME reached it: already
             # joined. Its number is taken, so the worker's next message follows it.
-            current.peer.recv_seq = max(current.peer.recv_seq, env.seq)
+            self._joined_again(current, env)
             return
         nonce = self.challenges.issue(identity, env.sender)
         self._send_raw(identity, env.sender, P.Challenge(nonce))
+
+    def _joined_again(self, host: Host, env: Envelope) -> None:
+        """A JOIN or HELLO a joined worker sent again before our WELCOME reached it: its
+        number is taken, so its next message follows it (a relayed host: the WELCOME,
+        which only this side could resend, goes again)."""
+        if host.peer.via is not None and self._ctl._relays is not None:
+            self._ctl._relays.resend_welcome(host)
+            return
+        host.peer.recv_seq = max(host.peer.recv_seq, env.seq)
 
     def _on_hello(self, identity: bytes, env: Envelope) -> None:
         ctl = self._ctl
@@ -273,7 +303,7 @@ class Sessions:
         if current is not None and current.session == env.sender:
             # A HELLO the worker resent while our WELCOME was on its way: already
             # joined. Its number is taken, so the worker's next message follows it.
-            current.peer.recv_seq = max(current.peer.recv_seq, env.seq)
+            self._joined_again(current, env)
             return
         # The nonce this controller issued to this connection and session, once:
         # a recorded HELLO is worthless to any later controller or connection.
@@ -334,11 +364,16 @@ class Sessions:
             return
         host = hosts.join(identity, hello, env.sender, ctl._session, env.seq)
         host.peer.max_window = max(host.peer.window, ctl.send_window_bytes)
+        relay = ctl._relays.pick() if ctl._relays is not None else None
         ctl._send(host, P.Welcome(host.index, [d.id for d in host.devices],
                                   ctl.heartbeat_interval, ctl.liveness_timeout,
                                   ctl._exit_workers, ctl.max_message_bytes,
                                   ctl.observer is not None,
-                                  max(ctl._expected_hosts, len(hosts))))
+                                  max(ctl._expected_hosts, len(hosts)),
+                                  relay.welcome_endpoint() if relay is not None else ""))
+        if relay is not None:
+            assert ctl._relays is not None
+            ctl._relays.adopt(host, relay)
         log.info("%s", hosts.describe(host, old is not None, ctl._expected_hosts))
         ctl._joined()
 
@@ -394,7 +429,11 @@ class Sessions:
         self._peer_warnings.flush()
         now = time.monotonic()
         alive = []
+        if ctl._relays is not None:
+            ctl._relays.tick()
         for h in ctl._hosts.alive():
+            if h.peer.via is not None:
+                continue  # its relay judges its silence and sends its heartbeats
             silent = now - h.last_seen
             waited = now - h.peer.ack_wait if h.peer.unacked else 0.0
             if silent > ctl.liveness_timeout:
@@ -417,5 +456,7 @@ class Sessions:
         if not self._ctl._hosts.mark_lost(host, last_word):
             return
         log.warning("host %d (%r) lost: %s", host.index, host.name, why)
+        if host.peer.via is not None and self._ctl._relays is not None:
+            self._ctl._relays.drop(host, last_word)
         self._ctl._ops.host_lost(host, why)
         self._ctl._uploads.on_release()  # puts waiting for it go on (and fail)

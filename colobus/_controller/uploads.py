@@ -56,7 +56,10 @@ class Uploads:
     def queued(self, index: int) -> int:
         """The bytes the controller holds for host ``index`` (any thread; a snapshot)."""
         hosts = self.ctl._hosts
-        held = hosts[index].peer.held if 0 <= index < len(hosts) else 0
+        peer = hosts[index].peer if 0 <= index < len(hosts) else None
+        if peer is not None and peer.via is not None:
+            peer = peer.via.link  # a relay's hosts share what it holds
+        held = peer.held if peer is not None else 0
         return self.reserved[index] + held
 
     def _full(self, indices: Iterable[int]) -> bool:

@@ -149,9 +149,11 @@ class JoinDiagnosis:
 
 
 def session_socket(ctx: zmq.Context[Any], connect: str,
-                   curve: tuple[tuple[bytes, bytes], bytes] | None) -> zmq.Socket[Any]:
+                   curve: tuple[tuple[bytes, bytes], bytes] | None,
+                   routing_id: bytes | None = None) -> zmq.Socket[Any]:
     """A session's DEALER, connecting to ``connect`` (CurveZMQ when ``curve`` is
-    ``((public, secret), server public)``).
+    ``((public, secret), server public)``); ``routing_id``: the one it had (a
+    session moving to a relay keeps it), else a new one.
 
     Raises:
         ValueError: ZeroMQ cannot connect to that endpoint.
@@ -163,7 +165,7 @@ def session_socket(ctx: zmq.Context[Any], connect: str,
     # One routing id for the whole session, random and unrelated to the session
     # id (which every header shows): after a dropped connection the controller
     # finds this host by it again.
-    sock.setsockopt(zmq.ROUTING_ID, b"w" + secrets.token_bytes(16))
+    sock.setsockopt(zmq.ROUTING_ID, routing_id or b"w" + secrets.token_bytes(16))
     # Not IMMEDIATE: with it, a DEALER drops unread incoming messages (such as
     # the controller's SHUTDOWN) when the connection goes. JOINs queued while
     # the controller is away get one CHALLENGE each; only the first is answered.
@@ -180,3 +182,15 @@ def session_socket(ctx: zmq.Context[Any], connect: str,
         sock.close(0)
         raise ValueError(f"cannot connect to {connect!r}: {exc}") from None
     return sock
+
+
+def relay_socket(ctx: zmq.Context[Any], connect: str, relay: str,
+                 curve: tuple[tuple[bytes, bytes], bytes] | None,
+                 old: zmq.Socket[Any]) -> zmq.Socket[Any]:
+    """The socket a session moves to when its WELCOME names a relay: ``tcp://*:PORT``
+    is that port at the address ``connect`` reached the controller at."""
+    if relay.startswith("tcp://*:"):
+        relay = connect.rsplit(":", 1)[0] + ":" + relay.rsplit(":", 1)[1]
+    identity = old.getsockopt(zmq.ROUTING_ID)
+    assert isinstance(identity, bytes)
+    return session_socket(ctx, relay, curve, identity)

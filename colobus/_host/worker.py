@@ -42,7 +42,7 @@ from .._wire.tasks import supervise
 from .arrays import HostArrays
 from .construct import on_construct
 from .dataplane import DataPlane, start_dataplane
-from .join import JoinDiagnosis, session_socket
+from .join import JoinDiagnosis, relay_socket, session_socket
 from .process import cpu_ns, end_context, rss_bytes
 from .sched import Scheduler
 from .store import Store
@@ -158,9 +158,7 @@ class Worker:
         task.add_done_callback(self._bg.discard)
 
     # -- top level -----------------------------------------------------------------------
-
-    def run(self) -> int:
-        """Serve until told to exit; returns the process exit code."""
+    def run(self) -> int:  # serve until told to exit; the process exit code
         return asyncio.run(self.serve())
 
     async def serve(self) -> int:
@@ -315,13 +313,10 @@ class Worker:
         held = time.monotonic_ns() - self._ping_at if ping else 0
         calls = ([] if self.call_times is None else
                  self.call_times.take(min(HEARTBEAT_BUDGET, self._max_message // 16)))
-        return P.Heartbeat(*self.store.counts(), ping, held, rss_bytes(), cpu_ns(),
-                           self._all_dropped(), calls, *self.sched.pool.figures(),
-                           *self.store.code_figures())
-
-    def _all_dropped(self) -> dict[str, int]:
         plane = self.dataplane
-        return dict(self.dropped) if plane is None else {**self.dropped, **plane.dropped()}
+        dropped = dict(self.dropped) if plane is None else {**self.dropped, **plane.dropped()}
+        return P.Heartbeat(*self.store.counts(), ping, held, rss_bytes(), cpu_ns(), dropped,
+                           calls, *self.sched.pool.figures(), *self.store.code_figures())
 
     def _end(self, outcome: str) -> None:
         if self._ended is not None and not self._ended.done():
@@ -449,8 +444,14 @@ class Worker:
         # parts (and messages sent whole) well within the controller's frame limit
         self._peer.max_part = min(MAX_PART, max(CHUNK_BYTES, self._max_message // 2))
         self.call_times = HostCallTimes() if body.host_stats else None
+        if body.relay:  # the session moves to a relay, once this drain is over
+            asyncio.get_running_loop().call_soon(self._to_relay, body.relay, self._peer)
         if self._welcome is not None and not self._welcome.done():
             self._welcome.set_result(None)
+
+    def _to_relay(self, relay: str, peer: Peer | None) -> None:
+        if (chan := self._chan) is not None and self._ctx and chan.open and self._peer is peer:
+            chan.move(relay_socket(self._ctx, self.connect, relay, self._curve, chan.sock))
 
     def _on_challenge(self, body: P.Challenge, env: Envelope) -> None:
         """The controller's nonce for this session: join with a HELLO that carries it."""

@@ -30,7 +30,7 @@ import zmq
 from . import protocol as P
 from .chunks import ACK_KIND, CHUNKED_KIND, PART_KIND, Splitter, envelope_bytes, part_size
 from .envelope import BATCH_KIND, Buffer, Envelope, batched, encode, pack_body
-from .peer import ACK_AFTER, DEFAULT_MAX_WINDOW, HEARTBEAT_KIND, Peer, data_bytes
+from .peer import ACK_AFTER, DEFAULT_MAX_WINDOW, HEARTBEAT_KIND, Peer, Via, data_bytes
 from .sockio import readable, recv_frames, send_frames, socket_fd
 
 __all__ = ["DEFAULT_MAX_WINDOW", "Channel", "Peer"]
@@ -196,8 +196,17 @@ class Channel:
         if sock.closed:
             return False
         now = time.monotonic()
+        vias: list[Via] = []
         for peer in peers:
-            self._send_outbox(peer, now)
+            via = peer.via
+            if via is None:
+                self._send_outbox(peer, now)
+                continue
+            via.collect(peer)  # a relayed host's: one message per relay, after the loop
+            if via not in vias:
+                vias.append(via)
+        for via in vias:
+            self._emit(via, now)
         sent = bool(peers)
         for peer in list(self._blocked):  # acknowledgements may have made room
             if peer.inflight < peer.window or not peer.unacked:
@@ -208,6 +217,31 @@ class Channel:
             sent = True  # the sends may have taken the FD's edge
         return sent
 
+    def _emit(self, via: Via, now: float) -> None:
+        """What ``via`` collected, as a message to its relay, sent now."""
+        link = via.emit()
+        if link is not None:
+            if link in self._dirty:
+                self._dirty.remove(link)
+            self._send_outbox(link, now)
+
+    def send_now(self, peer: Peer) -> None:
+        """Send what ``peer``'s outbox holds now, past the end of the loop step."""
+        if peer in self._dirty:
+            self._dirty.remove(peer)
+            self._send_outbox(peer, time.monotonic())
+
+    def move(self, sock: zmq.Socket[Any]) -> None:
+        """Carry on on ``sock`` (a worker moving to its relay): the old socket closes,
+        and what it left unacknowledged is resent on the new one in time."""
+        if not self.sock.closed:
+            self._loop.remove_reader(self._fd)
+            self.sock.close(0)
+        self.sock = sock
+        self._fd = socket_fd(sock)
+        self._loop.add_reader(self._fd, self.drain)
+        self._loop.call_soon(self._end_step)
+
     def _send_outbox(self, peer: Peer, now: float) -> None:
         """Send ``peer``'s queued messages, batched (the caller took it off ``_dirty``).
 
@@ -215,6 +249,11 @@ class Channel:
         messages go in parts (:mod:`colobus._wire.chunks`); the rest leaves in order
         as the window has room.
         """
+        via = peer.via
+        if via is not None:  # a relayed host's messages leave in its relay's
+            via.collect(peer)
+            self._emit(via, now)
+            return
         items, peer.outbox = peer.outbox, []
         pending = peer.pending
         rest = items

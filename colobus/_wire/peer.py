@@ -9,12 +9,13 @@ from __future__ import annotations
 import collections
 import time
 from collections.abc import Sequence
+from typing import Protocol
 
 from . import protocol as P
 from .chunks import CHUNK_BYTES, CHUNKED_KIND, MAX_PART, PART_KIND, Assembly, Splitter
 from .envelope import Buffer, Dropped, Envelope, Outgoing
 
-__all__ = ["ACK_AFTER", "DEFAULT_MAX_WINDOW", "HEARTBEAT_KIND", "WINDOW_MIN", "Peer",
+__all__ = ["ACK_AFTER", "DEFAULT_MAX_WINDOW", "HEARTBEAT_KIND", "WINDOW_MIN", "Peer", "Via",
            "data_bytes"]
 
 HEARTBEAT_KIND = int(P.Kind.HEARTBEAT)
@@ -38,6 +39,18 @@ def data_bytes(payload: Buffer, buffers: Sequence[Buffer]) -> int:
     return n
 
 
+class Via(Protocol):
+    """Where a relayed peer's messages go instead of its own socket route."""
+
+    link: Peer  # the relay's own peer: what it holds for its hosts, together
+
+    def collect(self, peer: Peer) -> None:
+        """Take ``peer``'s outbox (it leaves in the relay's next message)."""
+
+    def emit(self) -> Peer | None:
+        """Queue what was collected on the relay's own peer; that peer, or None."""
+
+
 class Peer:
     """The other end of one session: sequence numbers both ways, the outbox, what waits
     for room in the window, what it has not acknowledged yet, and a chunked message
@@ -46,7 +59,7 @@ class Peer:
     __slots__ = ("ack_due", "ack_wait", "acked_sent", "assembly", "backoff", "base_delay",
                  "held", "inflight", "last_cut", "max_part", "max_window", "nack_due", "nacked",
                  "outbox", "pending", "recv_owed", "recv_seq", "route", "send_seq", "session",
-                 "their_session", "unacked", "went_back", "window")
+                 "their_session", "unacked", "via", "went_back", "window")
 
     def __init__(self, route: list[bytes], session: bytes, their_session: bytes,
                  recv_seq: int = 0, max_window: int = DEFAULT_MAX_WINDOW) -> None:
@@ -87,6 +100,9 @@ class Peer:
         # once per place, only forward (a keyed peer cannot make us resend at will).
         self.went_back = -1
         self.assembly: Assembly | None = None
+        # A host a relay carries (colobus._controller.relays): its messages leave through
+        # the relay, and this side numbers and acknowledges nothing for it.
+        self.via: Via | None = None
 
     def accept(self, env: Envelope) -> str | None:
         """Take an authenticated envelope of this session, or say why not.

@@ -78,6 +78,12 @@ class Kind(enum.IntEnum):
     RESHARD = 23  # C: build a block of a resharded array from local pieces and PIECEs
     PIECE = 24  # C: one piece of a RESHARD's block, or the RESHARD abandoned
     TREEPUT = 25  # C: store a block that arrives here or from another host (broadcast tree)
+    # Between the controller and its relays only (colobus._wire.relaywire):
+    ADOPT = 26  # C: a host joined that you carry from now on
+    FORWARD = 27  # C: messages to send to hosts you carry
+    UP = 28  # R: messages your hosts sent, authenticated, same replies coalesced
+    GONE = 29  # both: a host the relay no longer carries (lost, or it broke the protocol)
+    READY = 30  # R: the relay is up, hosts connect to this endpoint
 
 
 class Status(enum.IntEnum):
@@ -129,7 +135,7 @@ class Hello(Body):
 @dataclass(frozen=True, slots=True)
 class Welcome(Body):
     kind = Kind.WELCOME
-    types = (int, list, _num, _num, bool, int, bool, int)
+    types = (int, list, _num, _num, bool, int, bool, int, str)
     required = 6
     host: int
     device_ids: list[int]
@@ -139,6 +145,7 @@ class Welcome(Body):
     max_message_bytes: int  # the controller drops larger messages; replies stay under it
     host_stats: bool = False  # count calls' queued and run times; send them in heartbeats
     host_count: int = 0  # the cluster's host count (cb.host_count() in host code)
+    relay: str = ""  # the relay to move this session to ("tcp://*:PORT": the controller's host)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,395 @@
+"""The controller's relays: processes on its machine that carry hosts' sessions for it.
+
+With many hosts the controller's loop spends most of its time on per-host
+envelopes: numbering, MACs, sends and acknowledgements, one of each per host
+per call. A relay (:mod:`colobus._relay.relay`) takes that over for the hosts
+it carries: a host that joins is told in its WELCOME to move its session to a
+relay, the relay adopts the session's numbering, and from then on the
+controller sends a relay one FORWARD for all its hosts in a loop step and
+gets one UP back per relay drain, equal replies coalesced.
+
+A relay shares the controller's trust (its key, over a pipe). A relay that is
+lost takes its hosts with it: exactly their operations fail with
+``HostLostError``, and their workers join again (directly, or through another
+relay) as the next generation of their host.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import struct
+import subprocess
+import sys
+import time
+from typing import TYPE_CHECKING, Any, Protocol
+
+import msgpack
+import zmq
+
+from .._wire import protocol as P
+from .._wire.channel import Peer
+from .._wire.envelope import Dropped, Envelope, decode, pack_body, unpack_batch, unpack_bounded
+from .._wire.relaywire import Adopt, Gather, Gone, Ready, entries
+from .._wire.sockio import send_frames
+from .ops import Parts
+
+if TYPE_CHECKING:
+    from .hosts import Host
+    from .sessions import Sessions
+    from .uploads import Uploads
+
+__all__ = ["Relay", "Relays", "relay_count"]
+
+log = logging.getLogger("colobus.controller")
+
+READY_TIMEOUT_S = 60.0
+HOSTS_PER_RELAY = 256  # relays= None: one relay per this many hosts (cores allowing)
+PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The relay imports only colobus._wire (not colobus/__init__, which imports JAX).
+BOOT = ("import sys, types; m = types.ModuleType('colobus'); m.__path__ = [sys.argv[1]]; "
+        "sys.modules['colobus'] = m; from colobus._relay.relay import main; sys.exit(main())")
+
+
+class RelaysOwner(Parts, Protocol):
+    """What :class:`Relays` uses of the controller."""
+
+    @property
+    def _sessions(self) -> Sessions: ...
+    @property
+    def _uploads(self) -> Uploads: ...
+    @property
+    def _session(self) -> bytes: ...
+    @property
+    def _key(self) -> bytes: ...
+    @property
+    def _address(self) -> str: ...
+    @property
+    def _bind(self) -> str: ...
+    @property
+    def _resend_after(self) -> float: ...
+    @property
+    def heartbeat_interval(self) -> float: ...
+    @property
+    def liveness_timeout(self) -> float: ...
+    @property
+    def max_message_bytes(self) -> int: ...
+    @property
+    def send_window_bytes(self) -> int: ...
+
+
+def relay_count(relays: int | None, threshold: int, hosts: int) -> int:
+    """How many relays a controller starts: ``relays``, or ``$COLOBUS_RELAYS``, or by the
+    cluster's size: none below ``threshold`` hosts, else one per 256 hosts, at most one
+    per core but one."""
+    if relays is None and os.environ.get("COLOBUS_RELAYS", "").strip():
+        relays = int(os.environ["COLOBUS_RELAYS"])
+    if relays is not None:
+        if relays < 0:
+            raise ValueError(f"relays must be >= 0, got {relays}")
+        return relays
+    if threshold <= 0 or hosts < threshold:
+        return 0
+    cores = os.cpu_count() or 2
+    return max(1, min(-(-hosts // HOSTS_PER_RELAY), cores - 1))
+
+
+class Relay:
+    """One relay process, as the controller sees it (a :class:`~colobus._wire.peer.Via`
+    for the hosts it carries)."""
+
+    def __init__(self, index: int, ctl: RelaysOwner, proc: subprocess.Popen[bytes],
+                 identity: bytes, session: bytes) -> None:
+        self.index = index
+        self.proc = proc
+        self.identity = identity
+        self.session = session
+        self.link = Peer([identity], ctl._session, session, 0, ctl.send_window_bytes)
+        self.endpoint = ""  # where hosts connect, once it said READY
+        self.carries: dict[bytes, int] = {}  # host routing id -> host index
+        self.last_seen = time.monotonic()
+        self.alive = True
+        self.dropped: dict[str, int] = {}
+        self._gather = Gather()
+        self._ctl = ctl
+
+    def collect(self, peer: Peer) -> None:
+        items, peer.outbox = peer.outbox, []
+        h = self.carries.get(peer.route[0])
+        held = peer.held
+        peer.held = 0  # it is the relay's to hold now (self.link.held)
+        if held:
+            self._ctl._uploads.on_release(peer)
+        if h is None:
+            return  # a host it no longer carries: nothing more goes to it
+        add = self._gather.add
+        for kind, body, payload, bufs, pbufs in items:
+            add(h, kind, body if type(body) is bytes else pack_body(body), payload, bufs, pbufs)
+
+    def emit(self) -> Peer | None:
+        if not self._gather:
+            return None
+        body, payload, bufs = self._gather.take()
+        chan = self._ctl._chan
+        if chan is None:
+            return None
+        chan.enqueue_packed(self.link, P.Kind.FORWARD, pack_body(body), payload, bufs, 0)
+        return self.link
+
+    def welcome_endpoint(self) -> str:
+        """The endpoint a WELCOME names: a TCP one as ``tcp://*:PORT`` (the host reaches
+        it at the address it reached the controller at)."""
+        if self.endpoint.startswith("tcp://"):
+            return "tcp://*:" + self.endpoint.rsplit(":", 1)[1]
+        return self.endpoint
+
+
+class Relays:
+    """The controller's relays: started with it, each carrying the hosts it adopted."""
+
+    def __init__(self, ctl: RelaysOwner, count: int) -> None:
+        self._ctl = ctl
+        self.count = count
+        self.relays: list[Relay] = []
+        self.by_identity: dict[bytes, Relay] = {}
+        self._ready: asyncio.Event | None = None
+
+    @classmethod
+    def configure(cls, ctl: Any, relays: int | None, threshold: int, hosts: int
+                  ) -> Relays | None:
+        """The relays a new controller will start (None: it runs a star).
+
+        Raises:
+            ValueError: ``relays`` below 0, or asked for with CurveZMQ on.
+        """
+        count = relay_count(relays, threshold, hosts)
+        if count and ctl._curve is not None:
+            if relays:
+                raise ValueError("relays do not work with CurveZMQ yet: pass relays=0")
+            log.info("CurveZMQ is on: no relays (%d hosts go directly)", hosts)
+            return None
+        return cls(ctl, count) if count else None
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start the relays and wait until each is READY.
+
+        Raises:
+            OSError: a relay did not start (its output says why).
+        """
+        self._ready = asyncio.Event()
+        for i in range(self.count):
+            self._spawn(i)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not all(r.endpoint for r in self.relays):
+            dead = [r for r in self.relays if r.proc.poll() is not None]
+            if dead or time.monotonic() > deadline:
+                why = (f"relay {dead[0].index} exited with status {dead[0].proc.returncode}"
+                       if dead else f"no relay READY within {READY_TIMEOUT_S:.0f} s")
+                raise OSError(f"colobus controller cannot start its relays: {why}")
+            self._ready.clear()
+            try:
+                await asyncio.wait_for(self._ready.wait(), 0.5)
+            except TimeoutError:
+                pass
+        log.info("%d relays ready: %s", len(self.relays),
+                 ", ".join(r.endpoint for r in self.relays))
+
+    def _spawn(self, i: int) -> None:
+        ctl = self._ctl
+        identity, session = b"r" + secrets.token_bytes(16), secrets.token_bytes(16)
+        address = ctl._address.replace("//0.0.0.0:", "//127.0.0.1:").replace("//[::]:", "//[::1]:")
+        bind = ctl._address
+        if bind.startswith("tcp://"):
+            bind = bind.rsplit(":", 1)[0] + ":*"
+        else:
+            bind = f"{bind}.relay{i}"
+        settings = {
+            "key": ctl._key, "session": session, "ctl_session": ctl._session,
+            "identity": identity, "controller": address, "bind": bind,
+            "heartbeat": ctl.heartbeat_interval, "liveness": ctl.liveness_timeout,
+            "resend_after": ctl._resend_after, "max_message_bytes": ctl.max_message_bytes,
+        }
+        data = msgpack.packb(settings)
+        proc = subprocess.Popen([sys.executable, "-c", BOOT, PACKAGE], stdin=subprocess.PIPE,
+                                close_fds=True)
+        assert proc.stdin is not None
+        proc.stdin.write(struct.pack("!I", len(data)) + data)  # the key: never argv or env
+        proc.stdin.flush()
+        relay = Relay(i, ctl, proc, identity, session)
+        self.relays.append(relay)
+        self.by_identity[identity] = relay
+
+    async def aclose(self) -> None:
+        """Let every relay deliver what it was sent last, then end it."""
+        for r in self.relays:
+            if r.proc.stdin is not None and not r.proc.stdin.closed:
+                try:
+                    r.proc.stdin.close()  # its cue to flush and exit
+                except OSError:
+                    pass
+        deadline = time.monotonic() + 3.0
+        while any(r.proc.poll() is None for r in self.relays) and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for r in self.relays:
+            if r.proc.poll() is None:
+                r.proc.kill()
+                r.proc.wait()
+
+    # -- hosts ---------------------------------------------------------------------------
+
+    def pick(self) -> Relay | None:
+        """The live relay carrying fewest hosts (None: there is none)."""
+        live = [r for r in self.relays if r.alive and r.endpoint]
+        return min(live, key=lambda r: len(r.carries)) if live else None
+
+    def adopt(self, host: Host, relay: Relay) -> None:
+        """``host`` was just sent its WELCOME naming ``relay``: the relay carries it now."""
+        chan = self._ctl._chan
+        assert chan is not None
+        peer = host.peer
+        chan.send_now(peer)  # the WELCOME goes directly, before anything goes through the relay
+        relay.carries[host.identity] = host.index
+        peer.via = relay
+        chan.send(relay.link, Adopt(host.index, host.identity, host.session, peer.send_seq,
+                                    peer.recv_seq, peer.max_window, peer.max_part))
+
+    def resend_welcome(self, host: Host) -> None:
+        """A relayed host asked to join again: its WELCOME was lost on the way."""
+        chan = self._ctl._chan
+        if chan is not None and host.peer.unacked and chan.open:
+            try:
+                send_frames(chan.sock, [*host.peer.route, *host.peer.unacked[0][2]])
+            except zmq.ZMQError:
+                pass
+
+    def drop(self, host: Host, last_word: str) -> None:
+        """``host`` was lost: its relay forgets it (and tells its worker ``last_word``)."""
+        relay = host.peer.via
+        if not isinstance(relay, Relay) or relay.carries.pop(host.identity, None) is None:
+            return
+        chan = self._ctl._chan
+        if relay.alive and chan is not None:
+            chan.send(relay.link, Gone(host.index, last_word))
+
+    # -- liveness ------------------------------------------------------------------------
+
+    def tick(self) -> None:
+        """Heartbeats to the relays; a relay whose process ended, or that is silent, is lost."""
+        chan = self._ctl._chan
+        assert chan is not None
+        now = time.monotonic()
+        links = []
+        for r in self.relays:
+            if not r.alive:
+                continue
+            code = r.proc.poll()
+            if code is not None:
+                self.lost(r, f"its process exited with status {code}")
+            elif now - r.last_seen > self._ctl.liveness_timeout:
+                self.lost(r, f"no message for {now - r.last_seen:.1f} s")
+            else:
+                chan.send(r.link, P.Heartbeat(0, 0, 0, 0, 0))
+                links.append(r.link)
+        chan.resend_stale(links, self._ctl._resend_after)
+
+    def lost(self, relay: Relay, why: str) -> None:
+        """A relay is gone: exactly the operations of the hosts it carried fail."""
+        relay.alive = False
+        log.warning("relay %d lost (%s): its %d hosts are lost with it", relay.index, why,
+                    len(relay.carries))
+        hosts = self._ctl._hosts
+        carried, relay.carries = relay.carries, {}
+        for index in carried.values():
+            self._ctl._sessions.lose(hosts[index], f"its relay was lost ({why})")
+        if relay.proc.poll() is None:
+            relay.proc.kill()
+
+    # -- receiving -----------------------------------------------------------------------
+
+    def on_frames(self, relay: Relay, frames: list[Any]) -> None:
+        """A message from a relay: authenticate, then hosts' messages to their handlers."""
+        ctl = self._ctl
+        sessions = ctl._sessions
+        try:
+            env = decode(ctl._key, frames[1:])
+            if env.sender != relay.session or env.receiver != ctl._session:
+                sessions.drop("stale", relay.identity)
+                return
+            assert ctl._chan is not None
+            got = ctl._chan.take(relay.link, env, 1 << 62)
+            if got is None or isinstance(got, str):
+                return
+            relay.last_seen = time.monotonic()
+            subs = unpack_batch(got) if got.kind == P.Kind.BATCH else [got]
+        except Dropped as d:
+            sessions.drop(d.reason, relay.identity, d.detail)
+            return
+        for sub in subs:
+            try:
+                self._handle(relay, sub)
+            except (Dropped, ValueError) as exc:
+                sessions.drop("malformed", relay.identity, str(exc))
+
+    def _handle(self, relay: Relay, env: Envelope) -> None:
+        kind = env.kind
+        if kind == P.Kind.UP:
+            self._up(relay, env)
+        elif kind == P.Kind.HEARTBEAT:
+            relay.dropped = P.parse(kind, env.body).dropped  # type: ignore[attr-defined]
+        elif kind == P.Kind.GONE:
+            g = Gone.from_wire(env.body)
+            assert isinstance(g, Gone)
+            host = self._carried(relay, g.host)
+            if host is None:
+                return
+            if g.reason:
+                self._ctl._sessions.violation(host, g.reason, g.why)
+            else:
+                self._ctl._sessions.lose(host, g.why)
+        elif kind == P.Kind.READY:
+            r = Ready.from_wire(env.body)
+            assert isinstance(r, Ready)
+            relay.endpoint = r.endpoint
+            if self._ready is not None:
+                self._ready.set()
+
+    def _carried(self, relay: Relay, index: int) -> Host | None:
+        hosts = self._ctl._hosts
+        if not 0 <= index < len(hosts):
+            return None
+        host = hosts[index]
+        return host if host.alive and host.peer.via is relay else None
+
+    def _up(self, relay: Relay, env: Envelope) -> None:
+        """The hosts' messages a relay passed on: each to its handler, as if direct."""
+        sessions = self._ctl._sessions
+        now = time.monotonic()
+        session = self._ctl._session
+        for hosts, kind, packed, payload, bufs, pbufs, extras in entries(
+                env.body, env.payload, env.buffers):
+            raw = unpack_bounded(packed)
+            sub = Envelope(kind, b"", session, 0, raw, payload, bufs, pbufs)
+            try:
+                body = P.parse(kind, raw)
+            except ValueError as exc:
+                for i in hosts:
+                    host = self._carried(relay, i)
+                    if host is not None:
+                        sessions.violation(host, "malformed", str(exc))
+                continue
+            for j, i in enumerate(hosts):
+                host = self._carried(relay, i)
+                if host is None:
+                    continue
+                host.last_seen = now
+                b = body
+                if extras is not None and isinstance(body, P.Result):
+                    times = extras[j]
+                    b = P.Result(body.call_id, body.status, body.meta,
+                                 times if isinstance(times, list) else [])
+                sessions.handle(host, relay.identity, sub, b)
+

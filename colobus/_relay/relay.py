@@ -1,0 +1,301 @@
+"""One relay process: carries the sessions of the hosts the controller moves to it.
+
+Toward its hosts a relay is the controller: it binds a ROUTER, numbers,
+authenticates (the controller's key: a relay shares its trust, see
+``docs/security.md``) and acknowledges every host's messages, sends each
+host the controller's heartbeats and resends what a host left unacknowledged,
+and declares a host silent past the liveness timeout lost. Toward the
+controller it is one peer on the controller's ROUTER: FORWARD messages carry
+what many hosts are sent, UP messages what they sent back, equal replies of
+one call coalesced (:mod:`colobus._wire.relaywire`).
+
+It reads its settings (and the key) from its standard input and exits when
+that closes: the controller holds the other end, so a relay never outlives it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import os
+import struct
+import sys
+import time
+from typing import Any
+
+import msgpack
+import zmq
+
+from .._wire import protocol as P
+from .._wire.channel import Channel, Peer
+from .._wire.envelope import (
+    MAX_HEADER_BYTES,
+    MAX_OBJECTS,
+    PROTOCOL_VERSION,
+    Dropped,
+    Envelope,
+    decode,
+    pack_body,
+    unpack_batch,
+)
+from .._wire.relaywire import SMALL, Adopt, Gather, Gone, Ready, entries
+from .._wire.sockio import router_socket
+
+__all__ = ["Relay", "main"]
+
+log = logging.getLogger("colobus.relay")
+
+RESET_SEQ = 1 << 62  # as the controller's (colobus._controller.sessions)
+UNKNOWN_PEER_MAX_BYTES = 1 << 18
+DEAD_MAX = 4096
+RESULT = int(P.Kind.RESULT)
+
+
+class Relay:
+    """The relay's two channels and the hosts it carries (all on its loop thread)."""
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        self.key: bytes = cfg["key"]
+        self.session: bytes = cfg["session"]
+        self.ctl_session: bytes = cfg["ctl_session"]
+        self.heartbeat = float(cfg["heartbeat"])
+        self.liveness = float(cfg["liveness"])
+        self.resend_after = float(cfg["resend_after"])
+        self.max_message = int(cfg["max_message_bytes"])
+        self.cfg = cfg
+        self.peers: dict[int, Peer] = {}  # host index -> its session, as the controller's
+        self.by_identity: dict[bytes, int] = {}
+        self.last_seen: dict[int, float] = {}
+        self.dead: collections.OrderedDict[bytes, tuple[bytes, str]] = collections.OrderedDict()
+        self.dropped: collections.Counter[str] = collections.Counter()
+        self.ups = Gather()
+        self.ctl = Peer([], self.session, self.ctl_session)
+        self.ctl_heard = time.monotonic()
+        self.done: asyncio.Future[None] | None = None
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.done = loop.create_future()
+        ctx: zmq.Context[Any] = zmq.Context()
+        up = ctx.socket(zmq.DEALER)
+        up.setsockopt(zmq.LINGER, 0)
+        up.setsockopt(zmq.SNDHWM, 0)
+        up.setsockopt(zmq.RCVHWM, 0)
+        up.setsockopt(zmq.ROUTING_ID, self.cfg["identity"])
+        up.connect(self.cfg["controller"])
+        down = router_socket(ctx, self.max_message)
+        down.bind(self.cfg["bind"])
+        self.up = Channel(up, self.key, loop, self._from_controller, send_flags=zmq.NOBLOCK,
+                          after_reads=self._flush_down)
+        self.down = Channel(down, self.key, loop, self._from_host, after_reads=self._flush_up)
+        self.up.send(self.ctl, Ready(down.getsockopt_string(zmq.LAST_ENDPOINT)))
+        loop.add_reader(0, self._stdin)
+        ticks = loop.create_task(self._ticks())
+        try:
+            await self.done
+            await asyncio.sleep(0.2)  # what the controller sent last (its SHUTDOWNs)
+            self.up.drain()
+            self.down.flush()
+        finally:
+            ticks.cancel()
+            loop.remove_reader(0)
+            self.down.close(linger_ms=1000)
+            self.up.close()
+            ctx.term()
+
+    def _stdin(self) -> None:
+        try:
+            data = os.read(0, 4096)
+        except OSError:
+            data = b""
+        if not data and self.done is not None and not self.done.done():
+            self.done.set_result(None)  # the controller is gone, or closing
+
+    # -- from the controller -------------------------------------------------------------
+
+    def _from_controller(self, frames: list[Any]) -> None:
+        try:
+            env = decode(self.key, frames)
+            if env.sender != self.ctl_session or env.receiver != self.session:
+                self.dropped["stale"] += 1
+                return
+            got = self.up.take(self.ctl, env, 1 << 62)
+            if got is None or isinstance(got, str):
+                return
+            self.ctl_heard = time.monotonic()
+            for sub in unpack_batch(got) if got.kind == P.Kind.BATCH else [got]:
+                self._handle(sub)
+        except Dropped as d:
+            self.dropped[d.reason] += 1
+
+    def _handle(self, env: Envelope) -> None:
+        kind = env.kind
+        if kind == P.Kind.FORWARD:
+            enqueue = self.down.enqueue_packed
+            peers = self.peers
+            for hosts, k, packed, payload, bufs, pbufs, _ in entries(
+                    env.body, env.payload, env.buffers):
+                for h in hosts:
+                    peer = peers.get(h)
+                    if peer is not None:
+                        enqueue(peer, k, packed, payload, bufs, pbufs)
+        elif kind == P.Kind.ADOPT:
+            a = Adopt.from_wire(env.body)
+            assert isinstance(a, Adopt)
+            peer = Peer([a.identity], self.ctl_session, a.session, a.recv_seq, a.max_window)
+            peer.send_seq = a.send_seq
+            peer.max_part = a.max_part
+            self.peers[a.host] = peer
+            self.by_identity[a.identity] = a.host
+            self.last_seen[a.host] = time.monotonic()
+        elif kind == P.Kind.GONE:
+            g = Gone.from_wire(env.body)
+            assert isinstance(g, Gone)
+            peer = self._forget(g.host, g.why)
+            if peer is None:  # it left here already: say the last word if it speaks
+                return
+            self._reset(peer.route[0], peer.their_session, g.why)
+
+    def _flush_down(self) -> None:
+        self.down.flush()
+
+    # -- from the hosts ------------------------------------------------------------------
+
+    def _from_host(self, frames: list[Any]) -> None:
+        if len(frames) < 2:
+            self.dropped["malformed"] += 1
+            return
+        identity = frames[0].bytes
+        h = self.by_identity.get(identity)
+        limit = self.max_message if h is not None else UNKNOWN_PEER_MAX_BYTES
+        try:
+            env = decode(self.key, frames[1:], max_payload=limit, max_total=limit,
+                         max_body=MAX_HEADER_BYTES, max_objects=MAX_OBJECTS)
+        except Dropped as d:
+            self.dropped[d.reason] += 1
+            return
+        peer = self.peers.get(h) if h is not None else None
+        if peer is None or env.sender != peer.their_session:
+            dead = self.dead.get(env.sender)
+            if dead is not None:
+                self._reset(identity, env.sender, dead[1])
+            self.dropped["unknown_peer"] += 1
+            return
+        if env.receiver != self.ctl_session or env.version != PROTOCOL_VERSION:
+            self.dropped["stale"] += 1
+            return
+        assert h is not None
+        try:
+            got = self.down.take(peer, env, self.max_message)
+            if isinstance(got, str):
+                self.dropped[got] += 1
+                return
+            self.last_seen[h] = time.monotonic()
+            if got is None:
+                return
+            subs = unpack_batch(got) if got.kind == P.Kind.BATCH else [got]
+        except Dropped as d:  # a joined host broke the protocol: the controller drops it
+            self._lose(h, f"it broke the protocol ({d.reason}: {d.detail:.200})", d.reason)
+            return
+        add = self.ups.add
+        for sub in subs:
+            body = sub.body
+            if (sub.kind == RESULT and not sub.buffers and isinstance(body, list)
+                    and len(body) >= 3 and memoryview(sub.payload).nbytes <= SMALL):
+                # equal replies of one call travel once; each host's times beside them
+                add(h, RESULT, pack_body(body[:3]), bytes(sub.payload), (), 0,
+                    body[3] if len(body) > 3 else [])
+            else:
+                add(h, sub.kind, pack_body(body), sub.payload, sub.buffers, sub.pbufs,
+                    alone=True)
+
+    def _flush_up(self) -> None:
+        if self.ups:
+            body, payload, bufs = self.ups.take()
+            self.up.send_packed(self.ctl, P.Kind.UP, pack_body(body), payload, bufs, 0)
+
+    # -- liveness ------------------------------------------------------------------------
+
+    async def _ticks(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat)
+            try:
+                self._tick()
+            except Exception:  # one bad turn never ends the relay's liveness
+                log.exception("relay tick failed")
+
+    def _tick(self) -> None:
+        self.down.drain()
+        self.up.drain()
+        now = time.monotonic()
+        if now - self.ctl_heard > 2 * self.liveness and self.done is not None:
+            log.warning("relay: the controller is silent; exiting")
+            if not self.done.done():
+                self.done.set_result(None)
+            return
+        alive = []
+        ping = P.Heartbeat(0, 0, 0, 0, time.monotonic_ns())
+        for h, peer in list(self.peers.items()):
+            silent = now - self.last_seen[h]
+            waited = now - peer.ack_wait if peer.unacked else 0.0
+            if silent > self.liveness:
+                self._lose(h, f"no message for {silent:.1f} s")
+            elif waited > self.liveness:
+                self._lose(h, f"it acknowledged nothing for {waited:.1f} s")
+            else:
+                self.down.enqueue(peer, ping)
+                alive.append(peer)
+        self.down.flush()
+        self.down.resend_stale(alive, self.resend_after)
+        self.up.send(self.ctl, P.Heartbeat(0, 0, 0, 0, 0, 0, 0, 0, dict(self.dropped)))
+        self.up.resend_stale([self.ctl], self.resend_after)
+
+    def _lose(self, h: int, why: str, reason: str = "") -> None:
+        if self._forget(h, P.RESET_REJOIN) is not None:
+            self.up.send(self.ctl, Gone(h, why, reason))
+
+    def _forget(self, h: int, last_word: str) -> Peer | None:
+        peer = self.peers.pop(h, None)
+        if peer is None:
+            return None
+        self.by_identity.pop(peer.route[0], None)
+        self.last_seen.pop(h, None)
+        self.dead[peer.their_session] = (peer.route[0], last_word)
+        while len(self.dead) > DEAD_MAX:
+            self.dead.popitem(last=False)
+        return peer
+
+    def _reset(self, identity: bytes, session: bytes, why: str) -> None:
+        self.down.send_raw([identity], Envelope(P.Kind.RESET, self.ctl_session, session,
+                                                RESET_SEQ, P.Reset(why).to_wire()))
+
+
+def read_settings(fd: int = 0) -> dict[str, Any]:
+    """The settings the controller writes on the relay's standard input (length, msgpack)."""
+    head = b""
+    while len(head) < 4:
+        more = os.read(fd, 4 - len(head))
+        if not more:
+            raise SystemExit("colobus relay: no settings on standard input")
+        head += more
+    (n,) = struct.unpack("!I", head)
+    data = b""
+    while len(data) < n:
+        more = os.read(fd, n - len(data))
+        if not more:
+            raise SystemExit("colobus relay: settings cut short")
+        data += more
+    cfg: dict[str, Any] = msgpack.unpackb(data)
+    return cfg
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.WARNING, format="[relay] %(levelname)s %(message)s",
+                        stream=sys.stderr)
+    relay = Relay(read_settings())
+    try:
+        asyncio.run(relay.run())
+    except KeyboardInterrupt:
+        return 0
+    return 0
