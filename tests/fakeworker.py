@@ -41,9 +41,9 @@ class FakeWorker:
     def __init__(self, zctx: zmq.Context[Any], address: str, key: bytes, name: str, *,
                  channel: bool = False) -> None:
         self.key, self.name, self.channel = key, name, channel
-        self.sock = zctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.connect(address)
+        self.zctx, self.address = zctx, address
+        self.identity = b"f" + secrets.token_bytes(16)  # kept if it moves to a relay
+        self.sock = self._socket(address)
         self.session = secrets.token_bytes(16)
         self.ctl_session = b""
         self.seq = 0
@@ -51,6 +51,13 @@ class FakeWorker:
         self.index = -1
         self.sent_hello: list[bytes] = []  # the HELLO's frames (to replay them)
         self._inbox: list[Envelope] = []
+
+    def _socket(self, address: str) -> zmq.Socket[Any]:
+        sock = self.zctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.ROUTING_ID, self.identity)
+        sock.connect(address)
+        return sock
 
     def send(self, kind: int, body: Any, payload: bytes = b"",
              buffers: list[bytes] | None = None, *, session: bytes | None = None,
@@ -103,6 +110,12 @@ class FakeWorker:
         welcome = self.expect(Kind.WELCOME)
         self.ctl_session = welcome.sender
         self.index = welcome.body[0]
+        relay = welcome.body[8] if len(welcome.body) > 8 else ""
+        if relay:  # the session moves to a relay, as a real worker's does
+            if relay.startswith("tcp://*:"):
+                relay = self.address.rsplit(":", 1)[0] + ":" + relay.rsplit(":", 1)[1]
+            self.sock.close(0)
+            self.sock = self._socket(relay)
         return self.index
 
     def close(self) -> None:

@@ -17,6 +17,7 @@ relay) as the next generation of their host.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import os
 import secrets
@@ -38,7 +39,6 @@ from .ops import Parts
 
 if TYPE_CHECKING:
     from .hosts import Host
-    from .sessions import Sessions
     from .uploads import Uploads
 
 __all__ = ["Relay", "Relays", "relay_count"]
@@ -53,11 +53,23 @@ BOOT = ("import sys, types; m = types.ModuleType('colobus'); m.__path__ = [sys.a
         "sys.modules['colobus'] = m; from colobus._relay.relay import main; sys.exit(main())")
 
 
+class Judge(Protocol):
+    """What :class:`Relays` uses of the controller's sessions."""
+
+    dropped: collections.Counter[str]
+    batches_received: int
+
+    def drop(self, reason: str, identity: bytes, detail: str = "") -> None: ...
+    def violation(self, host: Host, reason: str, detail: str = "") -> None: ...
+    def lose(self, host: Host, why: str, last_word: str = ...) -> None: ...
+    def handle(self, host: Host, identity: bytes, env: Envelope, body: P.Body) -> None: ...
+
+
 class RelaysOwner(Parts, Protocol):
     """What :class:`Relays` uses of the controller."""
 
     @property
-    def _sessions(self) -> Sessions: ...
+    def _sessions(self) -> Judge: ...
     @property
     def _uploads(self) -> Uploads: ...
     @property
@@ -136,6 +148,8 @@ class Relay:
         if chan is None:
             return None
         chan.enqueue_packed(self.link, P.Kind.FORWARD, pack_body(body), payload, bufs, 0)
+        if len(body) > 1:  # several messages in one: counted as a batch
+            chan.batches_sent += 1
         return self.link
 
     def welcome_endpoint(self) -> str:
@@ -338,8 +352,14 @@ class Relays:
         kind = env.kind
         if kind == P.Kind.UP:
             self._up(relay, env)
-        elif kind == P.Kind.HEARTBEAT:
-            relay.dropped = P.parse(kind, env.body).dropped  # type: ignore[attr-defined]
+        elif kind == P.Kind.HEARTBEAT:  # what it dropped, counted as if dropped here
+            beat = P.parse(kind, env.body)
+            assert isinstance(beat, P.Heartbeat)
+            counts = self._ctl._sessions.dropped
+            for reason, n in beat.dropped.items():
+                if type(n) is int and n > relay.dropped.get(reason, 0):
+                    counts[str(reason)[:64]] += n - relay.dropped.get(reason, 0)
+                    relay.dropped[reason] = n
         elif kind == P.Kind.GONE:
             g = Gone.from_wire(env.body)
             assert isinstance(g, Gone)
@@ -369,6 +389,8 @@ class Relays:
         sessions = self._ctl._sessions
         now = time.monotonic()
         session = self._ctl._session
+        if len(env.body) > 1:  # several hosts' messages, or several of one: a batch
+            sessions.batches_received += 1
         for hosts, kind, packed, payload, bufs, pbufs, extras in entries(
                 env.body, env.payload, env.buffers):
             raw = unpack_bounded(packed)

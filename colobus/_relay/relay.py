@@ -158,7 +158,10 @@ class Relay:
             self._reset(peer.route[0], peer.their_session, g.why)
 
     def _flush_down(self) -> None:
-        self.down.flush()
+        if self.down.flush():
+            # The FD is edge-triggered: a send can take the edge that announced a host's
+            # message, so read what waits after sending (as a channel's own steps do).
+            asyncio.get_running_loop().call_soon(self.down.drain)
 
     # -- from the hosts ------------------------------------------------------------------
 
@@ -173,14 +176,17 @@ class Relay:
             env = decode(self.key, frames[1:], max_payload=limit, max_total=limit,
                          max_body=MAX_HEADER_BYTES, max_objects=MAX_OBJECTS)
         except Dropped as d:
-            self.dropped[d.reason] += 1
+            if h is not None and d.reason == "oversized":  # its worker stays under the limit
+                self._lose(h, f"it broke the protocol ({d.reason}: {d.detail:.200})", d.reason)
+            else:
+                self.dropped[d.reason] += 1
             return
         peer = self.peers.get(h) if h is not None else None
         if peer is None or env.sender != peer.their_session:
             dead = self.dead.get(env.sender)
-            if dead is not None:
+            if dead is not None:  # a lost session's worker: told its last word
                 self._reset(identity, env.sender, dead[1])
-            self.dropped["unknown_peer"] += 1
+            self.dropped["stale" if dead is not None else "unknown_peer"] += 1
             return
         if env.receiver != self.ctl_session or env.version != PROTOCOL_VERSION:
             self.dropped["stale"] += 1
@@ -246,7 +252,7 @@ class Relay:
             else:
                 self.down.enqueue(peer, ping)
                 alive.append(peer)
-        self.down.flush()
+        self._flush_down()
         self.down.resend_stale(alive, self.resend_after)
         self.up.send(self.ctl, P.Heartbeat(0, 0, 0, 0, 0, 0, 0, 0, dict(self.dropped)))
         self.up.resend_stale([self.ctl], self.resend_after)
