@@ -450,8 +450,8 @@ class Worker:
             self._welcome.set_result(None)
 
     def _to_relay(self, relay: str, peer: Peer | None) -> None:
-        if (chan := self._chan) is not None and self._ctx and chan.open and self._peer is peer:
-            chan.move(relay_socket(self._ctx, self.connect, relay, self._curve, chan.sock))
+        if (chan := self._chan) and self._ctx and chan.open and peer and self._peer is peer:
+            chan.move(relay_socket(self._ctx, self.connect, relay, self._curve, chan.sock), peer)
 
     def _on_challenge(self, body: P.Challenge, env: Envelope) -> None:
         """The controller's nonce for this session: join with a HELLO that carries it."""

@@ -67,6 +67,7 @@ class Relay:
         self.peers: dict[int, Peer] = {}  # host index -> its session, as the controller's
         self.by_identity: dict[bytes, int] = {}
         self.last_seen: dict[int, float] = {}
+        self.arrived: set[int] = set()  # hosts heard from on this relay's socket
         self.dead: collections.OrderedDict[bytes, tuple[bytes, str]] = collections.OrderedDict()
         self.dropped: collections.Counter[str] = collections.Counter()
         self.ups = Gather()
@@ -198,6 +199,11 @@ class Relay:
                 self.dropped[got] += 1
                 return
             self.last_seen[h] = time.monotonic()
+            if h not in self.arrived:
+                # Its first word here: what was sent before it connected (ROUTER_MANDATORY
+                # refused it) goes again now, not after a resend timeout.
+                self.arrived.add(h)
+                self.down.resend_stale([peer], 0.0)
             if got is None:
                 return
             subs = unpack_batch(got) if got.kind == P.Kind.BATCH else [got]
@@ -267,6 +273,7 @@ class Relay:
             return None
         self.by_identity.pop(peer.route[0], None)
         self.last_seen.pop(h, None)
+        self.arrived.discard(h)
         self.dead[peer.their_session] = (peer.route[0], last_word)
         while len(self.dead) > DEAD_MAX:
             self.dead.popitem(last=False)

@@ -231,15 +231,18 @@ class Channel:
             self._dirty.remove(peer)
             self._send_outbox(peer, time.monotonic())
 
-    def move(self, sock: zmq.Socket[Any]) -> None:
+    def move(self, sock: zmq.Socket[Any], peer: Peer) -> None:
         """Carry on on ``sock`` (a worker moving to its relay): the old socket closes,
-        and what it left unacknowledged is resent on the new one in time."""
+        and an ACK to ``peer`` says at once that this side is there now (the other
+        resends what it could not deliver before)."""
         if not self.sock.closed:
             self._loop.remove_reader(self._fd)
             self.sock.close(0)
         self.sock = sock
         self._fd = socket_fd(sock)
         self._loop.add_reader(self._fd, self.drain)
+        peer.ack_due = True
+        self._owed.add(peer)
         self._loop.call_soon(self._end_step)
 
     def _send_outbox(self, peer: Peer, now: float) -> None:

@@ -1,0 +1,5 @@
+"""``tests/test_cancel.py`` again, every controller with a relay (see ``tests/relayed.py``)."""
+
+from relayed import take
+
+take(globals(), "test_cancel")
