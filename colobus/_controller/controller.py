@@ -249,9 +249,11 @@ class Controller:
         keeps for futures still alive; from its heartbeats only, ``rtt`` (heartbeat round
         trip, s), ``rss`` (bytes), ``cpu`` (s), ``dropped``, ``threads`` and ``stuck`` (its call
         pool's threads, and those busy with calls of an ended session), ``code`` and
-        ``code_bytes`` (the functions and classes it holds, and their size)."""
-        return collect_stats(self._sessions, self._counters, self._chan, self._ops, self._hosts,
-                             self._uploads)
+        ``code_bytes`` (the functions and classes it holds, and their size); ``relays``: each
+        relay's ``pid``, ``hosts`` (indices), ``forwards`` and ``ups`` (its messages)."""
+        return {**collect_stats(self._sessions, self._counters, self._chan, self._ops,
+                                self._hosts, self._uploads),
+                "relays": self._relays.describe() if self._relays is not None else []}
 
     def refresh_stats(self) -> Future[dict[str, Any]]:
         """Ask every live host for its store counters now; resolves to :meth:`stats`.

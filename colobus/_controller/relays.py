@@ -124,6 +124,9 @@ class Relay:
         self.last_seen = time.monotonic()
         self.alive = True
         self.dropped: dict[str, int] = {}
+        self.forwards = 0  # FORWARD messages sent to it
+        self.ups = 0  # UP messages from it
+        self.carried_up = 0  # host messages those carried
         self._gather = Gather()
         self._ctl = ctl
 
@@ -148,6 +151,7 @@ class Relay:
         if chan is None:
             return None
         chan.enqueue_packed(self.link, P.Kind.FORWARD, pack_body(body), payload, bufs, 0)
+        self.forwards += 1
         if len(body) > 1:  # several messages in one: counted as a batch
             chan.batches_sent += 1
         return self.link
@@ -254,6 +258,12 @@ class Relays:
                 r.proc.wait()
 
     # -- hosts ---------------------------------------------------------------------------
+
+    def describe(self) -> list[dict[str, Any]]:
+        """Each relay, for :meth:`Controller.stats`."""
+        return [{"index": r.index, "pid": r.proc.pid, "endpoint": r.endpoint, "alive": r.alive,
+                 "hosts": sorted(r.carries.values()), "forwards": r.forwards, "ups": r.ups,
+                 "carried_up": r.carried_up} for r in self.relays]
 
     def pick(self) -> Relay | None:
         """The live relay carrying fewest hosts (None: there is none)."""
@@ -389,6 +399,7 @@ class Relays:
         sessions = self._ctl._sessions
         now = time.monotonic()
         session = self._ctl._session
+        relay.ups += 1
         if len(env.body) > 1:  # several hosts' messages, or several of one: a batch
             sessions.batches_received += 1
         for hosts, kind, packed, payload, bufs, pbufs, extras in entries(
@@ -403,6 +414,7 @@ class Relays:
                     if host is not None:
                         sessions.violation(host, "malformed", str(exc))
                 continue
+            relay.carried_up += len(hosts)
             for j, i in enumerate(hosts):
                 host = self._carried(relay, i)
                 if host is None:

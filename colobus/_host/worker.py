@@ -302,7 +302,7 @@ class Worker:
                 return
             if time.monotonic() - self._last_heard > self._liveness:
                 log.warning("controller silent for %.1f s", time.monotonic() - self._last_heard)
-                self._end("lost")
+                self._end("relay" if self._chan.moved else "lost")  # a relay lost: rejoin
                 return
             self.send(self._health())
             self._chan.resend_stale([self._peer], resend_after)

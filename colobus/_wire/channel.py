@@ -100,6 +100,7 @@ class Channel:
         self._corked = False  # inside a drain (or a burst): sends leave when it ends
         self.batches_sent = 0
         self.resent = 0
+        self.moved = False  # to another socket (a session that moved to a relay)
         self._fd = socket_fd(sock)
         loop.add_reader(self._fd, self.drain)
 
@@ -239,6 +240,7 @@ class Channel:
             self._loop.remove_reader(self._fd)
             self.sock.close(0)
         self.sock = sock
+        self.moved = True
         self._fd = socket_fd(sock)
         self._loop.add_reader(self._fd, self.drain)
         peer.ack_due = True

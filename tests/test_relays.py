@@ -1,0 +1,157 @@
+"""Relays (issue 25): real relay processes carry real workers' sessions.
+
+What a relay must keep: every host's messages in order, equal replies coalesced
+and still read per host; a relay lost (SIGKILL, or silent: SIGSTOP, as a
+partition looks from the controller) costs exactly the hosts it carried, whose
+workers join again and work. The semantics suites run through a relay in
+``tests/test_relayed_*.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+from lifecycle import eventually
+
+import colobus as cb
+from colobus._controller.relays import relay_count
+from colobus._wire.envelope import pack_body
+from colobus._wire.relaywire import Gather, entries
+
+HB, LIVENESS = 0.2, 4.0
+
+
+@cb.colocated_python
+def where(x: Any) -> Any:
+    return x * 0 + cb.host_index()
+
+
+@cb.colocated_python
+def wait_for_file(x: Any, path: str) -> Any:
+    """Runs until ``path`` exists (a gate the test opens), then returns x."""
+    deadline = time.monotonic() + 120
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return x
+
+
+def test_relay_count_follows_the_cluster_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("COLOBUS_RELAYS", raising=False)
+    assert relay_count(None, 128, 8) == 0  # a star for a few hosts
+    assert relay_count(None, 128, 127) == 0
+    cores = os.cpu_count() or 2
+    assert relay_count(None, 128, 128) == 1
+    assert relay_count(None, 128, 1024) == max(1, min(4, cores - 1))
+    assert relay_count(None, 0, 4096) == 0  # threshold 0: never by themselves
+    assert relay_count(3, 128, 2) == 3  # asked for: always
+    monkeypatch.setenv("COLOBUS_RELAYS", "2")
+    assert relay_count(None, 128, 2) == 2
+    with pytest.raises(ValueError, match="relays must be >= 0"):
+        relay_count(-1, 128, 2)
+
+
+def test_equal_replies_coalesce_and_each_host_keeps_its_order() -> None:
+    g = Gather()
+    ok = pack_body([7, 0, 0])
+    for h in range(4):  # the same reply to call 7 from four hosts, each with its own times
+        g.add(h, 7, ok, b"desc", (), 0, [h, h])
+    g.add(1, 4, b"\x90", b"", (), 0, alone=True)  # host 1 says something else
+    g.add(1, 7, pack_body([8, 0, 0]), b"desc", (), 0, [9, 9])
+    g.add(2, 7, pack_body([8, 0, 0]), b"desc", (), 0, [5, 5])
+    body, payload, bufs = g.take()
+    got = list(entries(body, payload, bufs))
+    assert [e[0] for e in got] == [[0, 1, 2, 3], [1], [1, 2]]
+    assert got[0][6] == [[0, 0], [1, 1], [2, 2], [3, 3]] and bytes(got[0][3]) == b"desc"
+    assert payload == b"desc"  # the equal payloads travel once
+    # host 2's second reply may share an entry only after its first: order per host holds
+    g.add(2, 7, ok, b"", (), 0, [1])
+    g.add(2, 4, b"\x90", b"", (), 0, alone=True)
+    g.add(3, 7, ok, b"", (), 0, [1])
+    g.add(3, 7, pack_body([9, 0, 0]), b"", (), 0, [1])
+    g.add(2, 7, pack_body([9, 0, 0]), b"", (), 0, [1])
+    body, payload, bufs = g.take()
+    order: dict[int, list[int]] = {}
+    for i, e in enumerate(entries(body, payload, bufs)):
+        for h in e[0]:
+            order.setdefault(h, []).append(i)
+    assert all(v == sorted(v) for v in order.values())
+
+
+async def test_hosts_move_to_relays_and_fan_out_calls_work() -> None:
+    async with cb.local_cluster(hosts=4, relays=2, heartbeat_interval=HB,
+                                liveness_timeout=LIVENESS) as ctl:
+        relays = ctl.stats()["relays"]
+        assert len(relays) == 2 and sorted(sum((r["hosts"] for r in relays), [])) == [0, 1, 2, 3]
+        assert all(len(r["hosts"]) == 2 for r in relays)  # the one carrying fewest takes it
+        devs = ctl.devices()
+        x = cb.device_put(np.zeros(8, np.float32),
+                          cb.NamedSharding(cb.Mesh(np.array(devs), ("d",)), cb.PartitionSpec("d")))
+        for _ in range(20):
+            out = np.asarray(await cb.device_get(await where(x)))
+            assert out.tolist() == [0.0, 0.0, 1.0, 1.0, 2.0, 2.0, 3.0, 3.0]
+        after = ctl.stats()["relays"]
+        assert all(r["forwards"] >= 20 and r["carried_up"] >= 40 for r in after)
+        assert ctl.stats()["dropped"].get("relayed", 0) == 0
+
+
+async def _one_relay_lost(stop: signal.Signals, tmp_path: Any) -> None:
+    async with cb.local_cluster(hosts=4, relays=2, heartbeat_interval=HB,
+                                liveness_timeout=LIVENESS) as ctl:
+        doomed = ctl.stats()["relays"][0]
+        lost, kept = doomed["hosts"], ctl.stats()["relays"][1]["hosts"]
+        xs = {h.index: cb.device_put(np.full(2, h.index, np.float32), h.devices[0])
+              for h in ctl.hosts()}
+        gate = str(tmp_path / "gate")
+        held = {i: wait_for_file(xs[i], gate) for i in range(4)}
+        await asyncio.sleep(0.2)  # the calls are on their way (they wait for the gate)
+        os.kill(doomed["pid"], stop)
+        try:
+            for i in lost:
+                with pytest.raises(cb.HostLostError, match=f"Host {i}"):
+                    await asyncio.wait_for(held[i], 30)
+            open(gate, "w").close()
+            for i in kept:  # the other relay's hosts never noticed
+                assert np.asarray(await cb.device_get(await asyncio.wait_for(held[i], 30))
+                                  ).tolist() == [i, i]
+            assert not ctl.stats()["relays"][0]["alive"]
+            # The lost hosts' workers notice the silence and join again (the live relay
+            # carries them), as the next generation of their host.
+            await eventually(lambda: all(h.state == "alive" for h in ctl.hosts()), 60,
+                             "the lost hosts to rejoin")
+            assert sorted(ctl.stats()["relays"][1]["hosts"]) == [0, 1, 2, 3]
+            devs = ctl.devices()
+            x = cb.device_put(np.zeros(4, np.float32), cb.NamedSharding(
+                cb.Mesh(np.array(devs), ("d",)), cb.PartitionSpec("d")))
+            assert np.asarray(await cb.device_get(await where(x))).tolist() == [0, 1, 2, 3]
+        finally:
+            if stop is signal.SIGSTOP:
+                try:
+                    os.kill(doomed["pid"], signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+
+
+async def test_a_relay_killed_costs_exactly_its_hosts(tmp_path: Any) -> None:
+    await _one_relay_lost(signal.SIGKILL, tmp_path)
+
+
+async def test_a_silent_relay_is_lost_after_the_liveness_timeout(tmp_path: Any) -> None:
+    """SIGSTOP: the relay's process lives but says nothing (a partition, as seen from
+    the controller): after the liveness timeout it is lost, and its hosts with it."""
+    await _one_relay_lost(signal.SIGSTOP, tmp_path)
+
+
+async def test_relays_start_by_themselves_from_the_threshold(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("COLOBUS_RELAYS", raising=False)
+    async with cb.local_cluster(hosts=2, relay_threshold=2) as ctl:
+        assert len(ctl.stats()["relays"]) == 1
+        assert ctl.stats()["relays"][0]["hosts"] == [0, 1]
+    async with cb.local_cluster(hosts=2, relay_threshold=3) as ctl:
+        assert ctl.stats()["relays"] == []
