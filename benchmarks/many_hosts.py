@@ -72,13 +72,9 @@ class LightHost:
 
         from colobus._wire.channel import Channel, Peer
 
-        sock = zctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
-        sock.setsockopt(zmq.ROUTING_ID, b"w" + secrets.token_bytes(16))
-        sock.setsockopt(zmq.RECONNECT_IVL, 100)
-        sock.connect(address)
+        self.zctx, self.address, self.loop = zctx, address, loop
+        self.identity = b"w" + secrets.token_bytes(16)
+        sock = self._socket(address)
         self.key = key
         self.name = name
         self.peer = Peer([], secrets.token_bytes(16), b"")
@@ -89,6 +85,24 @@ class LightHost:
         self.ping = 0
         self.ping_at = 0
         self.calls = 0
+
+    def _socket(self, address: str) -> Any:
+        import zmq
+
+        sock = self.zctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.ROUTING_ID, self.identity)
+        sock.setsockopt(zmq.RECONNECT_IVL, 100)
+        sock.connect(address)
+        return sock
+
+    def move(self, relay: str) -> None:
+        """The WELCOME named a relay: the session goes on there (as a worker's does)."""
+        if relay.startswith("tcp://*:"):
+            relay = self.address.rsplit(":", 1)[0] + ":" + relay.rsplit(":", 1)[1]
+        self.chan.move(self._socket(relay), self.peer)
 
     def send_join(self) -> None:
         from colobus._wire import protocol as P
@@ -154,6 +168,8 @@ class LightHost:
         elif kind == Kind.WELCOME and not self.joined:
             self.peer.their_session = env.sender
             self.joined = True
+            if len(body) > 8 and body[8]:
+                self.loop.call_soon(self.move, body[8])
         elif kind in (Kind.SHUTDOWN, Kind.REJECT):
             self.ended = True
         # CODE, RELEASE, CANCEL, ...: nothing to keep for a no-op host
@@ -218,7 +234,7 @@ def _process_cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def _procs_cpu(procs: list[subprocess.Popen[str]]) -> float:
+def _procs_cpu(procs: list[Any]) -> float:
     """CPU seconds the light host processes used so far (``/proc``: user + system)."""
     tick = os.sysconf("SC_CLK_TCK")
     total = 0.0
@@ -266,7 +282,7 @@ def _profile_lines(prof: cProfile.Profile, n: int = 14) -> list[str]:
 
 
 async def measure(n: int, per_proc: int, idle_s: float, calls: int, profile: bool,
-                  liveness: float) -> dict[str, Any]:
+                  liveness: float, relays: int = 0) -> dict[str, Any]:
     import colobus as cb
 
     @cb.colocated_python
@@ -276,8 +292,8 @@ async def measure(n: int, per_proc: int, idle_s: float, calls: int, profile: boo
     key = secrets.token_bytes(32)
     heartbeat = 1.0
     ctl = cb.Controller("tcp://127.0.0.1:*", hosts=0, key=key, heartbeat_interval=heartbeat,
-                        liveness_timeout=liveness, join_timeout=300.0)
-    out: dict[str, Any] = {"hosts": n, "hosts_per_process": per_proc,
+                        liveness_timeout=liveness, join_timeout=300.0, relays=relays)
+    out: dict[str, Any] = {"hosts": n, "hosts_per_process": per_proc, "relays": relays,
                            "heartbeat_interval": heartbeat, "liveness_timeout": liveness}
     async with ctl:
         gc.collect()
@@ -320,7 +336,8 @@ async def measure(n: int, per_proc: int, idle_s: float, calls: int, profile: boo
             chan = ctl._chan
             assert chan is not None
             b0 = chan.batches_sent
-            h0, p0 = _procs_cpu(procs), _process_cpu()
+            relays = [r.proc for r in ctl._relays.relays] if ctl._relays is not None else []
+            h0, p0, r0 = _procs_cpu(procs), _process_cpu(), _procs_cpu(relays)
             c0 = time.thread_time()
             if prof is not None:
                 prof.enable()
@@ -334,10 +351,14 @@ async def measure(n: int, per_proc: int, idle_s: float, calls: int, profile: boo
             cpu = (time.thread_time() - c0) / calls
             hosts_cpu = (_procs_cpu(procs) - h0) / calls
             proc_cpu = (_process_cpu() - p0) / calls
+            relays_cpu = (_procs_cpu(relays) - r0) / calls
+            out["fanout_relays_cpu_ms_per_call"] = relays_cpu * 1e3
+            out["fanout_process_cpu_us_per_host"] = proc_cpu * 1e6 / n
             # The least wall time a call can take here: all its CPU, spread over the cores.
             out["fanout_hosts_cpu_ms_per_call"] = hosts_cpu * 1e3
             out["fanout_process_cpu_ms_per_call"] = proc_cpu * 1e3
-            out["fanout_floor_ms"] = (hosts_cpu + proc_cpu) * 1e3 / (os.cpu_count() or 1)
+            out["fanout_floor_ms"] = ((hosts_cpu + proc_cpu + relays_cpu) * 1e3
+                                      / (os.cpu_count() or 1))
             out["fanout_batches_per_host_call"] = (chan.batches_sent - b0) / calls / n
             out["fanout_ms"] = statistics.median(lat) * 1e3
             out["fanout_loop_cpu_ms_per_call"] = cpu * 1e3
@@ -360,8 +381,8 @@ TARGETS = {"join_s": 30.0, "idle_loop_cpu_pct": 5.0, "fanout_ms": 100.0,
 
 def _report(r: dict[str, Any]) -> None:
     n = r["hosts"]
-    print(f"\n{n} hosts ({r['hosts_per_process']} per light process), load "
-          f"{os.getloadavg()[0]:.2f}")
+    print(f"\n{n} hosts ({r['hosts_per_process']} per light process, {r['relays']} relays), "
+          f"load {os.getloadavg()[0]:.2f}")
     rows = [("joined in", r["join_s"], "s", "join_s"),
             ("  loop CPU while joining", r["join_loop_cpu_s"], "s", ""),
             ("idle loop-thread CPU", r["idle_loop_cpu_pct"], "% of a core", "idle_loop_cpu_pct"),
@@ -370,6 +391,8 @@ def _report(r: dict[str, Any]) -> None:
             ("  loop CPU per call", r["fanout_loop_cpu_ms_per_call"], "ms", ""),
             ("  loop CPU per host per call", r["fanout_loop_cpu_us_per_host"], "us", ""),
             ("  controller process CPU", r["fanout_process_cpu_ms_per_call"], "ms per call", ""),
+            ("    per host", r["fanout_process_cpu_us_per_host"], "us", ""),
+            ("  relays' CPU", r["fanout_relays_cpu_ms_per_call"], "ms per call", ""),
             ("  light hosts' CPU", r["fanout_hosts_cpu_ms_per_call"], "ms per call", ""),
             ("  floor: all CPU / cores", r["fanout_floor_ms"], "ms per call", ""),
             ("controller RSS per host", r["rss_per_host_kib"], "KiB", "rss_per_host_kib")]
@@ -400,12 +423,14 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=30, help="fan-out calls measured")
     ap.add_argument("--liveness", type=float, default=5.0, help="the controller's liveness_timeout")
     ap.add_argument("--profile", action="store_true", help="cProfile idle and fan-out")
+    ap.add_argument("--relays", type=int, default=0,
+                    help="relay processes carrying the hosts' sessions (Controller(relays=))")
     ap.add_argument("--json", help="write the results there")
     args = ap.parse_args()
     results = []
     for n in args.hosts:
         r = asyncio.run(measure(n, args.per_process, args.idle, args.calls, args.profile,
-                                args.liveness))
+                                args.liveness, args.relays))
         _report(r)
         results.append(r)
     if args.json:

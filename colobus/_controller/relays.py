@@ -270,16 +270,28 @@ class Relays:
         live = [r for r in self.relays if r.alive and r.endpoint]
         return min(live, key=lambda r: len(r.carries)) if live else None
 
-    def adopt(self, host: Host, relay: Relay) -> None:
-        """``host`` was just sent its WELCOME naming ``relay``: the relay carries it now."""
+    def welcome(self, host: Host, relay: Relay, welcome: P.Welcome) -> None:
+        """Send a new host its WELCOME (naming ``relay``); the relay carries it from then on.
+
+        The relay hears of it first (ADOPT, numbering on from the WELCOME's number),
+        so the host's first word there finds it known.
+        """
         chan = self._ctl._chan
         assert chan is not None
         peer = host.peer
-        chan.send_now(peer)  # the WELCOME goes directly, before anything goes through the relay
+        expect = peer.send_seq + 1  # a new host: nothing queued, the WELCOME is next
+        adopt = Adopt(host.index, host.identity, host.session, expect, peer.recv_seq,
+                      peer.max_window, peer.max_part)
+        chan.send(relay.link, adopt)
+        chan.send_now(relay.link)
+        chan.send(peer, welcome)
+        chan.send_now(peer)  # the WELCOME goes directly; all after it through the relay
+        if peer.send_seq != expect:  # (never, for a new host) the numbering it must take
+            chan.send(relay.link, Adopt(host.index, host.identity, host.session,
+                                        peer.send_seq, peer.recv_seq, peer.max_window,
+                                        peer.max_part))
         relay.carries[host.identity] = host.index
         peer.via = relay
-        chan.send(relay.link, Adopt(host.index, host.identity, host.session, peer.send_seq,
-                                    peer.recv_seq, peer.max_window, peer.max_part))
 
     def resend_welcome(self, host: Host) -> None:
         """A relayed host asked to join again: its WELCOME was lost on the way."""

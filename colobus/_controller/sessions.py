@@ -364,16 +364,16 @@ class Sessions:
             return
         host = hosts.join(identity, hello, env.sender, ctl._session, env.seq)
         host.peer.max_window = max(host.peer.window, ctl.send_window_bytes)
-        relay = ctl._relays.pick() if ctl._relays is not None else None
-        ctl._send(host, P.Welcome(host.index, [d.id for d in host.devices],
-                                  ctl.heartbeat_interval, ctl.liveness_timeout,
-                                  ctl._exit_workers, ctl.max_message_bytes,
-                                  ctl.observer is not None,
-                                  max(ctl._expected_hosts, len(hosts)),
-                                  relay.welcome_endpoint() if relay is not None else ""))
-        if relay is not None:
-            assert ctl._relays is not None
-            ctl._relays.adopt(host, relay)
+        relays = ctl._relays
+        relay = relays.pick() if relays is not None else None
+        welcome = P.Welcome(host.index, [d.id for d in host.devices], ctl.heartbeat_interval,
+                            ctl.liveness_timeout, ctl._exit_workers, ctl.max_message_bytes,
+                            ctl.observer is not None, max(ctl._expected_hosts, len(hosts)),
+                            relay.welcome_endpoint() if relay is not None else "")
+        if relays is not None and relay is not None:
+            relays.welcome(host, relay, welcome)  # its session moves to that relay
+        else:
+            ctl._send(host, welcome)
         log.info("%s", hosts.describe(host, old is not None, ctl._expected_hosts))
         ctl._joined()
 
