@@ -293,6 +293,18 @@ class Relays:
         relay.carries[host.identity] = host.index
         peer.via = relay
 
+    def joined_again(self, host: Host, advanced: bool) -> None:
+        """A relayed host's worker sent a JOIN or HELLO again before its WELCOME came:
+        the WELCOME goes again, and if that JOIN or HELLO took a number the relay has not
+        seen, the relay is told (else the host's next message there would be a gap)."""
+        relay = host.peer.via
+        chan = self._ctl._chan
+        if advanced and isinstance(relay, Relay) and relay.alive and chan is not None:
+            peer = host.peer
+            chan.send(relay.link, Adopt(host.index, host.identity, host.session, peer.send_seq,
+                                        peer.recv_seq, peer.max_window, peer.max_part))
+        self.resend_welcome(host)
+
     def resend_welcome(self, host: Host) -> None:
         """A relayed host asked to join again: its WELCOME was lost on the way."""
         chan = self._ctl._chan

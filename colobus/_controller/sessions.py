@@ -287,10 +287,10 @@ class Sessions:
         """A JOIN or HELLO a joined worker sent again before our WELCOME reached it: its
         number is taken, so its next message follows it (a relayed host: the WELCOME,
         which only this side could resend, goes again)."""
-        if host.peer.via is not None and self._ctl._relays is not None:
-            self._ctl._relays.resend_welcome(host)
-            return
+        advanced = env.seq > host.peer.recv_seq
         host.peer.recv_seq = max(host.peer.recv_seq, env.seq)
+        if host.peer.via is not None and self._ctl._relays is not None:
+            self._ctl._relays.joined_again(host, advanced)
 
     def _on_hello(self, identity: bytes, env: Envelope) -> None:
         ctl = self._ctl

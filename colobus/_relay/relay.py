@@ -144,6 +144,11 @@ class Relay:
         elif kind == P.Kind.ADOPT:
             a = Adopt.from_wire(env.body)
             assert isinstance(a, Adopt)
+            known = self.peers.get(a.host)
+            if known is not None and known.their_session == a.session:
+                # the worker's JOIN or HELLO, sent again before its WELCOME came, took a number
+                known.recv_seq = max(known.recv_seq, a.recv_seq)
+                return
             peer = Peer([a.identity], self.ctl_session, a.session, a.recv_seq, a.max_window)
             peer.send_seq = a.send_seq
             peer.max_part = a.max_part
