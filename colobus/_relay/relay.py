@@ -208,7 +208,9 @@ class Relay:
                 # Its first word here: what was sent before it connected (ROUTER_MANDATORY
                 # refused it) goes again now, not after a resend timeout.
                 self.arrived.add(h)
-                self.down.resend_stale([peer], 0.0)
+                if peer.undelivered:
+                    peer.undelivered = False
+                    self.down.resend_stale([peer], 0.0)
             if got is None:
                 return
             subs = unpack_batch(got) if got.kind == P.Kind.BATCH else [got]

@@ -320,6 +320,7 @@ class Channel:
         except zmq.ZMQError as exc:
             # No connection to that peer now (EHOSTUNREACH on a ROUTER, EAGAIN
             # on a DEALER): the message waits in ``unacked`` for a resend.
+            peer.undelivered = True
             log.debug("send failed (%s); resent once the peer is back", exc)
 
     def take(self, peer: Peer, env: Envelope, max_total: int) -> Envelope | str | None:

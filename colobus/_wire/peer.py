@@ -59,7 +59,7 @@ class Peer:
     __slots__ = ("ack_due", "ack_wait", "acked_sent", "assembly", "backoff", "base_delay",
                  "held", "inflight", "last_cut", "max_part", "max_window", "nack_due", "nacked",
                  "outbox", "pending", "recv_owed", "recv_seq", "route", "send_seq", "session",
-                 "their_session", "unacked", "via", "went_back", "window")
+                 "their_session", "unacked", "undelivered", "via", "went_back", "window")
 
     def __init__(self, route: list[bytes], session: bytes, their_session: bytes,
                  recv_seq: int = 0, max_window: int = DEFAULT_MAX_WINDOW) -> None:
@@ -103,6 +103,7 @@ class Peer:
         # A host a relay carries (colobus._controller.relays): its messages leave through
         # the relay, and this side numbers and acknowledges nothing for it.
         self.via: Via | None = None
+        self.undelivered = False  # a send found no connection (it waits for a resend)
 
     def accept(self, env: Envelope) -> str | None:
         """Take an authenticated envelope of this session, or say why not.
