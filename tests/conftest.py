@@ -50,8 +50,9 @@ import colobus as cb  # noqa: E402  (after the patch: no module keeps the real l
 
 @pytest.fixture(scope="session")
 def cluster() -> collections.abc.Iterator[cb.Controller]:
-    """One 2-host x 4-CPU-device local cluster shared by the whole session (sync face)."""
-    with cb.local_cluster(hosts=2, devices_per_host=4) as ctl:
+    """One 2-host x 4-CPU-device local cluster shared by the whole session (sync face);
+    a star whatever ``COLOBUS_RELAYS`` says (``tests/relayed.py`` has one with a relay)."""
+    with cb.local_cluster(hosts=2, devices_per_host=4, relays=0) as ctl:
         yield ctl
 
 

@@ -118,6 +118,9 @@ class FakeWorker:
                 relay = self.address.rsplit(":", 1)[0] + ":" + relay.rsplit(":", 1)[1]
             self.sock.close(0)
             self.sock = self._socket(relay)
+            # greet it, as a real worker does: it resends what found no connection
+            hi = Envelope(22, self.session, self.ctl_session, 0, [], ack=self.ack)  # ACK
+            self.sock.send_multipart([bytes(f) for f in encode(self.key, hi)])
         return self.index
 
     def close(self) -> None:

@@ -30,6 +30,15 @@ def _through_a_relay() -> Iterator[None]:
             os.environ["COLOBUS_RELAYS"] = old
 
 
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Any]:
+    """The shared cluster of ``tests/conftest.py``, for this module, through a relay."""
+    import colobus as cb
+
+    with cb.local_cluster(hosts=2, devices_per_host=4, relays=1) as ctl:
+        yield ctl
+
+
 def take(into: dict[str, Any], name: str) -> None:
     """Put module ``name``'s tests and fixtures (all its names) into ``into``."""
     mod = importlib.import_module(name)
@@ -37,3 +46,4 @@ def take(into: dict[str, Any], name: str) -> None:
         if not k.startswith("__") and k not in into:
             into[k] = v
     into["_through_a_relay"] = _through_a_relay
+    into["cluster"] = cluster  # this module's, not the session's star
