@@ -32,7 +32,7 @@ from .._wire.envelope import (
     decode,
     unpack_batch,
 )
-from .._wire.guard import Challenges, PeerWarnings
+from .._wire.guard import RESET_SEQ, UNKNOWN_PEER_MAX_BYTES, Challenges, PeerWarnings
 from .._wire.protocol import Kind
 from .hosts import Host
 from .joinwait import JoinOrder
@@ -53,8 +53,6 @@ log = logging.getLogger("colobus.controller")
 MAX_HOSTS = 4096  # distinct host names one controller keeps
 MAX_DEVICES_PER_HOST = 4096
 MAX_NAME = 256  # characters of a host name or address
-RESET_SEQ = 1 << 62  # sequence number of a RESET: above any a session reaches
-UNKNOWN_PEER_MAX_BYTES = 1 << 18  # a message from a peer that has not joined, at most
 
 
 class SessionsOwner(Parts, Protocol):

@@ -39,6 +39,7 @@ from .._wire.envelope import (
     pack_body,
     unpack_batch,
 )
+from .._wire.guard import RESET_SEQ, UNKNOWN_PEER_MAX_BYTES
 from .._wire.relaywire import SMALL, Adopt, Gather, Gone, Ready, entries
 from .._wire.sockio import router_socket
 
@@ -46,8 +47,6 @@ __all__ = ["Relay", "main"]
 
 log = logging.getLogger("colobus.relay")
 
-RESET_SEQ = 1 << 62  # as the controller's (colobus._controller.sessions)
-UNKNOWN_PEER_MAX_BYTES = 1 << 18
 DEAD_MAX = 4096
 RESULT = int(P.Kind.RESULT)
 
