@@ -108,3 +108,20 @@ def test_call_cpu_reports_every_pattern() -> None:
         turns = float(row.split(" turns/call")[0].rsplit(" ", 1)[1])
         assert 0 < turns < 10, row  # the loop ran, and not absurdly often per call
         assert "us/call" in row and "threads)" in row
+
+
+def test_gpu_check_runs_its_whole_path_with_cpu_devices_standing_in() -> None:
+    """benchmarks/gpu_check.py (run on a machine with an accelerator): here, CPU devices
+    stand in for the accelerators, and the script still puts, computes and gets back."""
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_check.py"
+    plain = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                           timeout=300)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    assert '"accelerators": 0' in plain.stdout  # this machine has none: said, not faked
+    proc = subprocess.run([sys.executable, str(script), "--dry-run"], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = "\n" + proc.stdout
+    report = json.loads(out[out.index("\n{") + 1:])
+    assert report["double_ok"] is True and report["result"] == "ok"
+    assert len(report["colocated_cpu_devices"]) == 2  # one per host
