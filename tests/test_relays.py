@@ -155,3 +155,37 @@ async def test_relays_start_by_themselves_from_the_threshold(
         assert ctl.stats()["relays"][0]["hosts"] == [0, 1]
     async with cb.local_cluster(hosts=2, relay_threshold=3) as ctl:
         assert ctl.stats()["relays"] == []
+
+
+@cb.colocated_python
+def sleep_by_host(x: Any) -> Any:
+    """Host h runs 40 * h ms: each host's own run time tells the hosts apart."""
+    time.sleep(0.04 * cb.host_index())
+    return None
+
+
+async def test_coalesced_results_settle_once_and_keep_each_hosts_times() -> None:
+    """Equal RESULTs of a call's hosts reach the controller as one entry (their times
+    beside it) and are settled as a group: the call ends once, with every host's part,
+    and a traced call still shows each host's own run time."""
+    async with cb.local_cluster(hosts=4, relays=1, heartbeat_interval=HB,
+                                liveness_timeout=LIVENESS, trace=True) as ctl:
+        devs = ctl.devices()
+        x = cb.device_put(np.zeros(4, np.float32),
+                          cb.NamedSharding(cb.Mesh(np.array(devs), ("d",)), cb.PartitionSpec("d")))
+        up0 = ctl.stats()["relays"][0]
+        for _ in range(5):
+            out = np.asarray(await cb.device_get(await where(x)))
+            assert out.tolist() == [0.0, 1.0, 2.0, 3.0]
+        up1 = ctl.stats()["relays"][0]
+        # replies of several hosts rode in one UP (the relay coalesces what one drain read)
+        assert up1["carried_up"] - up0["carried_up"] > up1["ups"] - up0["ups"]
+        fut = sleep_by_host(x)
+        assert await fut is None
+        t = fut.timings()
+        assert t is not None and t.outcome == "finished"
+        assert [h.host for h in t.hosts] == [0, 1, 2, 3]
+        runs = [h.run for h in t.hosts]
+        assert runs == sorted(runs) and runs[3] >= 0.1 > runs[0], runs
+        assert ctl._ops.pending == {} and all(not h.inflight for h in ctl._hosts.hosts)
+        assert ctl.stats()["dropped"].get("unsolicited", 0) == 0

@@ -35,10 +35,12 @@ from .._wire.channel import Peer
 from .._wire.envelope import Dropped, Envelope, decode, pack_body, unpack_batch, unpack_bounded
 from .._wire.relaywire import Adopt, Gather, Gone, Ready, entries
 from .._wire.sockio import send_frames
+from .coalesced import on_results
 from .ops import Parts
 
 if TYPE_CHECKING:
     from .hosts import Host
+    from .ops import Operations
     from .uploads import Uploads
 
 __all__ = ["Relay", "Relays", "relay_count"]
@@ -72,6 +74,8 @@ class RelaysOwner(Parts, Protocol):
     def _sessions(self) -> Judge: ...
     @property
     def _uploads(self) -> Uploads: ...
+    @property
+    def _ops(self) -> Operations: ...
     @property
     def _session(self) -> bytes: ...
     @property
@@ -439,6 +443,9 @@ class Relays:
                         sessions.violation(host, "malformed", str(exc))
                 continue
             relay.carried_up += len(hosts)
+            if kind == P.Kind.RESULT and isinstance(body, P.Result):
+                self._results(relay, hosts, body, sub, extras, now)
+                continue
             for j, i in enumerate(hosts):
                 host = self._carried(relay, i)
                 if host is None:
@@ -450,4 +457,30 @@ class Relays:
                     b = P.Result(body.call_id, body.status, body.meta,
                                  times if isinstance(times, list) else [])
                 sessions.handle(host, relay.identity, sub, b)
+
+    def _results(self, relay: Relay, hosts: list[int], body: P.Result, env: Envelope,
+                 extras: list[Any] | None, now: float) -> None:
+        """One RESULT entry for many hosts: settled as a group (:mod:`.coalesced`),
+        each host's own times from ``extras``."""
+        group: list[Host] = []
+        times: list[Any] | None = None if extras is None else []
+        for j, i in enumerate(hosts):
+            host = self._carried(relay, i)
+            if host is None:
+                continue
+            host.last_seen = now
+            group.append(host)
+            if times is not None:
+                assert extras is not None
+                t = extras[j]
+                times.append(t if isinstance(t, list) else [])
+        if not group:
+            return
+        try:
+            on_results(self._ctl._ops, group, body, env, times)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException:  # as Sessions.handle: a handler's bug must not end the UP
+            self._ctl._sessions.dropped["handler_error"] += 1
+            log.exception("error handling results relayed by relay %d", relay.index)
 
