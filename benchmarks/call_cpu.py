@@ -12,7 +12,8 @@ rate of the same run are the baseline (``colobus bench``'s echo server).
     python benchmarks/call_cpu.py                    # all patterns
     python benchmarks/call_cpu.py --calls 6000 --pattern tasks gather
 
-Patterns: ``awaited`` (a no-op, awaited one at a time), ``tasks`` (``return x``, one
+Patterns: ``awaited`` (a no-op, awaited one at a time), ``ident`` (``return x``, awaited
+one at a time), ``tasks`` (``return x``, one
 task per call, ``--window`` in flight by a semaphore), ``gather`` (``asyncio.gather``
 over ``--window`` futures at a time), ``cbgather`` (``cb.gather``, the same).
 """
@@ -101,6 +102,10 @@ async def _measure(args: argparse.Namespace) -> None:
             for _ in range(n):
                 await _noop(x)
 
+        async def awaited_ident(n: int) -> None:
+            for _ in range(n):
+                await _ident(x)
+
         async def one() -> None:
             async with sem:
                 await _ident(x)
@@ -115,20 +120,22 @@ async def _measure(args: argparse.Namespace) -> None:
             return run
 
         patterns: dict[str, Callable[[int], Awaitable[None]]] = {
-            "awaited": awaited, "tasks": tasks, "gather": gathered(asyncio.gather),
+            "awaited": awaited, "ident": awaited_ident, "tasks": tasks,
+            "gather": gathered(asyncio.gather),
             "cbgather": gathered(cb.gather)}
         worker_main = str(pid)  # the worker's loop runs on its main thread
         for name in args.pattern:
             fn = patterns[name]
             await fn(min(args.calls, 300))  # warm
-            n = args.calls if name == "awaited" else max(args.window, args.calls)
+            one_at_a_time = name in ("awaited", "ident")
+            n = args.calls if one_at_a_time else max(args.window, args.calls)
             w0, t0, c0, p0 = _threads(pid), turns[0], time.thread_time(), time.perf_counter()
             await fn(n)
             wall = time.perf_counter() - p0
             loop_cpu, iters = time.thread_time() - c0, turns[0] - t0
             roles = _by_role(w0, _threads(pid), worker_main)
             threads = len(os.listdir(f"/proc/{pid}/task"))
-            base = (f"{wall / n * 1e6 / raw_us:.2f}x raw's round trip" if name == "awaited"
+            base = (f"{wall / n * 1e6 / raw_us:.2f}x raw's round trip" if one_at_a_time
                     else f"{n / wall / raw_rate:.3f}x raw's rate")
             print(f"{name:9s} {n / wall:9,.0f} calls/s ({base}); controller loop "
                   f"{loop_cpu / n * 1e6:6.1f} us/call, {iters / n:.3f} turns/call; worker "
@@ -141,8 +148,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=3000)
     ap.add_argument("--window", type=int, default=1000, help="calls in flight (pipelined)")
-    ap.add_argument("--pattern", nargs="+", default=["awaited", "tasks", "gather", "cbgather"],
-                    choices=["awaited", "tasks", "gather", "cbgather"])
+    every = ["awaited", "ident", "tasks", "gather", "cbgather"]
+    ap.add_argument("--pattern", nargs="+", default=every, choices=every)
     asyncio.run(_measure(ap.parse_args()))
 
 

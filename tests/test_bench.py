@@ -103,7 +103,7 @@ def test_call_cpu_reports_every_pattern() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     assert lines[0].startswith("raw pyzmq: round trip")
-    for name in ("awaited", "tasks", "gather", "cbgather"):
+    for name in ("awaited", "ident", "tasks", "gather", "cbgather"):
         row = next(line for line in lines if line.startswith(name + " "))
         turns = float(row.split(" turns/call")[0].rsplit(" ", 1)[1])
         assert 0 < turns < 10, row  # the loop ran, and not absurdly often per call
