@@ -25,6 +25,7 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import msgpack
@@ -39,6 +40,7 @@ from .coalesced import on_results
 from .ops import Parts
 
 if TYPE_CHECKING:
+    from .._wire.envelope import Buffer
     from .hosts import Host
     from .ops import Operations
     from .uploads import Uploads
@@ -146,6 +148,14 @@ class Relay:
         add = self._gather.add
         for kind, body, payload, bufs, pbufs in items:
             add(h, kind, body if type(body) is bytes else pack_body(body), payload, bufs, pbufs)
+
+    def add(self, peer: Peer, kind: int, packed: bytes, payload: Buffer,
+            buffers: Sequence[Buffer], pbufs: int) -> None:
+        if peer.outbox:  # queued before it moved here: those go first
+            self.collect(peer)
+        h = self.carries.get(peer.route[0])
+        if h is not None:  # else a host it no longer carries: nothing more goes to it
+            self._gather.add(h, kind, packed, payload, buffers, pbufs)
 
     def emit(self) -> Peer | None:
         if not self._gather:

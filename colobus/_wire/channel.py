@@ -94,6 +94,7 @@ class Channel:
         self._after_reads = after_reads
         self._after_drain = after_drain
         self._dirty: list[Peer] = []  # peers with messages in their outbox
+        self._gathered: list[Via] = []  # relays given messages for their hosts (enqueue)
         self._blocked: set[Peer] = set()  # peers with envelopes waiting for the window
         self._owed: set[Peer] = set()  # peers owed an acknowledgement now
         self._step_scheduled = False
@@ -160,6 +161,12 @@ class Channel:
     def enqueue_packed(self, peer: Peer, kind: int, packed: bytes, payload: Buffer = b"",
                        buffers: Sequence[Buffer] = (), pbufs: int = 0) -> None:
         """:meth:`enqueue` of a body already packed (one packing for many peers)."""
+        via = peer.via
+        if via is not None:  # a relayed host's: straight into its relay's next message
+            via.add(peer, kind, packed, payload, buffers, pbufs)
+            if via not in self._gathered:
+                self._gathered.append(via)
+            return
         peer.outbox.append((kind, packed, payload, buffers, pbufs))
         peer.held += data_bytes(payload, buffers)
         if len(peer.outbox) == 1:
@@ -193,11 +200,11 @@ class Channel:
         if self._before_flush is not None:
             self._before_flush()
         peers, self._dirty = self._dirty, []
+        vias, self._gathered = self._gathered, []
         sock = self.sock
         if sock.closed:
             return False
         now = time.monotonic()
-        vias: list[Via] = []
         for peer in peers:
             via = peer.via
             if via is None:
@@ -208,7 +215,7 @@ class Channel:
                 vias.append(via)
         for via in vias:
             self._emit(via, now)
-        sent = bool(peers)
+        sent = bool(peers or vias)
         for peer in list(self._blocked):  # acknowledgements may have made room
             if peer.inflight < peer.window or not peer.unacked:
                 self._pump(peer, now)

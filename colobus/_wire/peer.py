@@ -47,6 +47,10 @@ class Via(Protocol):
     def collect(self, peer: Peer) -> None:
         """Take ``peer``'s outbox (it leaves in the relay's next message)."""
 
+    def add(self, peer: Peer, kind: int, packed: bytes, payload: Buffer,
+            buffers: Sequence[Buffer], pbufs: int) -> None:
+        """Take one message for ``peer`` (after anything its outbox still holds)."""
+
     def emit(self) -> Peer | None:
         """Queue what was collected on the relay's own peer; that peer, or None."""
 
