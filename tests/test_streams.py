@@ -31,11 +31,17 @@ def _gates() -> Iterator[None]:
     hs.remove_gates()
 
 
+def _off_loop() -> bool:
+    """No event loop runs on this thread: a plain call (pool or inline), not a coroutine."""
+    return asyncio._get_running_loop() is None
+
+
 @cb.colocated_python
 def record(token: int) -> np.ndarray:
-    """Log ``token`` and the thread it ran on; tokens divisible by 7 fail after logging."""
+    """Log ``token`` and whether it ran off the event loop (on the call pool, or inline
+    on a loop thread with the loop stopped); tokens divisible by 7 fail after logging."""
     with _LOCK:
-        _LOG.append((token, threading.current_thread().name))
+        _LOG.append((token, _off_loop()))
     if token % 7 == 0:
         raise ValueError(f"token {token} fails")
     return np.int32(token)
@@ -46,7 +52,7 @@ async def record_async(token: int) -> np.ndarray:
     """An ``async def`` link in a stream of plain calls."""
     await asyncio.sleep(0)
     with _LOCK:
-        _LOG.append((token, threading.current_thread().name))
+        _LOG.append((token, _off_loop()))
     return np.int32(token)
 
 
@@ -59,8 +65,8 @@ def add_one(x: Any) -> Any:
 def read_log() -> tuple[np.ndarray, np.ndarray]:
     with _LOCK:
         tokens = np.array([t for t, _ in _LOG], np.int32)
-        on_pool = np.array([name.startswith("colobus-call") for _, name in _LOG], np.bool_)
-    return tokens, on_pool
+        off_loop = np.array([off for _, off in _LOG], np.bool_)
+    return tokens, off_loop
 
 
 def _on(dev: cb.Device, *fns: Any) -> list[Any]:
@@ -71,8 +77,8 @@ async def _host_log(dev: cb.Device) -> tuple[list[int], list[bool]]:
     (read,) = _on(dev, read_log)
     # Its own task, hence its own stream: never queued behind the stream under test.
     out = await asyncio.create_task(_call(read))
-    tokens, on_pool = await cb.device_get(out)
-    return [int(t) for t in np.asarray(tokens)], [bool(p) for p in np.asarray(on_pool)]
+    tokens, off_loop = await cb.device_get(out)
+    return [int(t) for t in np.asarray(tokens)], [bool(p) for p in np.asarray(off_loop)]
 
 
 async def _call(fn: Any, *args: Any) -> Any:
@@ -101,10 +107,10 @@ async def test_burst_runs_in_order_with_errors_per_call(ctl: cb.Controller) -> N
         else:
             assert isinstance(r, cb.Array), r
             assert int(np.asarray(await cb.device_get(r))) == t
-    log, on_pool = await _host_log(dev)
-    mine = [(t, p) for t, p in zip(log, on_pool, strict=True) if t in set(tokens)]
+    log, off_loop = await _host_log(dev)
+    mine = [(t, p) for t, p in zip(log, off_loop, strict=True) if t in set(tokens)]
     assert [t for t, _ in mine] == tokens, "calls of one stream ran out of order"
-    assert all(p for _, p in mine), "a plain function ran off the thread pool"
+    assert all(p for _, p in mine), "a plain function ran on the event loop"
 
 
 async def test_async_def_in_a_burst_keeps_order_and_runs_on_the_loop(
@@ -114,11 +120,11 @@ async def test_async_def_in_a_burst_keeps_order_and_runs_on_the_loop(
     tokens = [t for t in itertools.islice(_ids, 70) if t % 7][:60]  # no failures here
     futs = [(rec_async if i % 10 == 5 else rec)(t) for i, t in enumerate(tokens)]
     await asyncio.gather(*futs)
-    log, on_pool = await _host_log(dev)
-    mine = {t: p for t, p in zip(log, on_pool, strict=True) if t in set(tokens)}
+    log, off_loop = await _host_log(dev)
+    mine = {t: p for t, p in zip(log, off_loop, strict=True) if t in set(tokens)}
     assert [t for t in log if t in mine] == tokens
     for i, t in enumerate(tokens):
-        assert mine[t] is (i % 10 != 5), (i, t)  # async def on the loop, plain on the pool
+        assert mine[t] is (i % 10 != 5), (i, t)  # async def on the loop, plain off it
 
 
 async def test_cancel_a_call_inside_a_running_batch(ctl: cb.Controller) -> None:

@@ -8,13 +8,24 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .._wire import protocol as P
-from .._wire.envelope import Envelope
+from .._wire.envelope import Buffer, Envelope
+from .pool import ArgsUnpickler
+from .store import CallResult
 
-__all__ = ["_CANCELLED", "_DONE", "_QUEUED", "_RUNNING", "_Call", "_Destroy", "_Stream",
-           "_settable"]
+if TYPE_CHECKING:
+    import concurrent.futures
+
+    from .._wire.calltimes import HostCallTimes
+    from .dataplane import DataPlane
+    from .store import Store
+    from .values import HostValues
+
+__all__ = ["_CANCELLED", "_DONE", "_QUEUED", "_RUNNING", "WorkerServices", "_Call", "_Destroy",
+           "_Stream", "_settable", "call_args"]
 
 _QUEUED, _RUNNING, _CANCELLED, _DONE = range(4)
 
@@ -87,3 +98,39 @@ def _settable(exc: BaseException) -> BaseException:
         err.__cause__ = exc
         return err
     return exc
+
+
+class WorkerServices(Protocol):
+    """What the scheduler and the host's arrays use of the worker that owns them."""
+
+    epoch: int
+    host_index: int
+    loop: asyncio.AbstractEventLoop | None
+    store: Store
+    values: HostValues
+    call_times: HostCallTimes | None
+    dataplane: DataPlane | None
+    _jax: Any
+    _max_message: int
+    _pool: concurrent.futures.ThreadPoolExecutor
+
+    def _spawn(self, coro: Any) -> None: ...
+    def send(self, body: P.Body, payload: Buffer = b"", buffers: Sequence[Buffer] = (),
+             pbufs: int = 0) -> None: ...
+    def cork(self) -> bool: ...
+    def uncork(self, corked: bool) -> None: ...
+    def reply_error(self, call_id: int, exc: BaseException, times: list[int] | None = None
+                    ) -> None: ...
+    def present(self, value: Any) -> Any: ...
+
+
+def call_args(call: _Call, present: Callable[[Any], Any]) -> tuple[Any, Any]:
+    """A call's arguments: its pickled ones, with the host's values for what it names."""
+    values = []
+    for p in call.pins:
+        v = p.result()
+        values.append(v.tree(present) if isinstance(v, CallResult) else present(v))
+    env = call.env
+    assert env is not None
+    args, kwargs = ArgsUnpickler(env.payload, values, env.buffers[: env.pbufs]).load()
+    return args, kwargs

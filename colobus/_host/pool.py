@@ -48,6 +48,7 @@ class CallPool:
         self._made = 0
         self._epoch = 0  # sessions begun; a job started in an older one is stuck
         self._running: dict[int, int] = {}  # thread ident -> the epoch its job started in
+        self._held = 0  # threads not of the pool held in calls (an inline call past its time)
         self._warned = False
 
     def _stuck(self) -> int:
@@ -63,7 +64,7 @@ class CallPool:
             now = True
             if self._idle:
                 self._idle -= 1  # that thread takes this job
-            elif len(self._threads) < self._limit():
+            elif len(self._threads) + self._held < self._limit():
                 self._made += 1
                 t = threading.Thread(target=self._serve, daemon=True,
                                      name=f"{self._name}_{self._made}")
@@ -82,7 +83,19 @@ class CallPool:
     def has_room(self) -> bool:
         """Whether a job submitted now would find a thread (idle, or one to start)."""
         with self._lock:
-            return bool(self._idle) or len(self._threads) < self._limit()
+            return bool(self._idle) or len(self._threads) + self._held < self._limit()
+
+    def hold(self, ident: int) -> None:
+        """Thread ``ident`` (not the pool's) runs a call from now on, as a pool thread would:
+        the bound and the stuck count cover it until :meth:`unhold`."""
+        with self._lock:
+            self._held += 1
+            self._running[ident] = self._epoch
+
+    def unhold(self, ident: int) -> None:
+        with self._lock:
+            self._held -= 1
+            self._running.pop(ident, None)
 
     def new_session(self) -> None:
         """A session ended: what still runs is stuck; the pool grows past it."""
@@ -97,7 +110,7 @@ class CallPool:
     def figures(self) -> tuple[int, int]:
         """(threads, stuck threads): for the heartbeat and ``ctl.stats()``."""
         with self._lock:
-            return len(self._threads), self._stuck()
+            return len(self._threads) + self._held, self._stuck()
 
     def _serve(self) -> None:
         me = threading.get_ident()

@@ -56,6 +56,10 @@ class Runners:
         self._watch(loop)
         return self._pool.has_room()
 
+    def idle(self) -> bool:
+        """No run waits and no runner is taking runs (loop thread; a snapshot)."""
+        return not self._runners and not self._ready
+
     def clear(self) -> None:
         """The session ended: its waiting runs are dropped, its runners stop."""
         with self._lock:

@@ -21,24 +21,30 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from .._model.jaxside import set_host_count
 from .._wire import protocol as P
-from .._wire.envelope import Buffer, Envelope
+from .._wire.envelope import Envelope
 from .._wire.protocol import Status
-from .calls import _CANCELLED, _DONE, _QUEUED, _RUNNING, _Call, _Destroy, _settable, _Stream
-from .pool import ArgsUnpickler, CallPool
+from .calls import (
+    _CANCELLED,
+    _DONE,
+    _QUEUED,
+    _RUNNING,
+    WorkerServices,
+    _Call,
+    _Destroy,
+    _settable,
+    _Stream,
+    call_args,
+)
+from .pool import CallPool
 from .runners import Runners
-from .store import CallResult, Store
 
 if TYPE_CHECKING:
-    import concurrent.futures
 
-    from .._wire.calltimes import HostCallTimes
-    from .dataplane import DataPlane
-    from .values import HostValues
+    from .leader import Baton
 
 __all__ = ["Scheduler", "WorkerServices"]
 
@@ -51,30 +57,6 @@ CALL_START_TIMEOUT_S = 60.0
 _WAITING, _TAKEN, _EXPIRED = range(3)  # a pool job's claim: taken by a thread, or expired
 BRIEF_WAIT_S = 0.0005  # after starting quick calls, the loop waits this long for them
 BRIEF_WAIT_NS = int(BRIEF_WAIT_S * 1e9)
-
-class WorkerServices(Protocol):
-    """What the scheduler and the host's arrays use of the worker that owns them."""
-
-    epoch: int
-    host_index: int
-    loop: asyncio.AbstractEventLoop | None
-    store: Store
-    values: HostValues
-    call_times: HostCallTimes | None
-    dataplane: DataPlane | None
-    _jax: Any
-    _max_message: int
-    _pool: concurrent.futures.ThreadPoolExecutor
-
-    def _spawn(self, coro: Any) -> None: ...
-    def send(self, body: P.Body, payload: Buffer = b"", buffers: Sequence[Buffer] = (),
-             pbufs: int = 0) -> None: ...
-    def cork(self) -> bool: ...
-    def uncork(self, corked: bool) -> None: ...
-    def reply_error(self, call_id: int, exc: BaseException, times: list[int] | None = None
-                    ) -> None: ...
-    def present(self, value: Any) -> Any: ...
-
 
 class Scheduler:
     """Runs the CALLs and DESTROYs of one worker, stream by stream."""
@@ -100,11 +82,15 @@ class Scheduler:
         self._done_event = threading.Event()
         self.started = False  # the current drain started a batch on the pool
         self._quick = True  # the last batch took less than BRIEF_WAIT_S
+        self.baton: Baton | None = None  # inline calls (colobus._host.leader), if on
+        self._deferred: tuple[list[_Call], list[int]] | None = None  # to run inline
+        self._draining = False  # inside a drain of the socket
 
     def clear(self) -> None:
         """The session ended: forget its calls (running ones finish into nothing)."""
         self.pool.new_session()
         self.runners.clear()
+        self._deferred = None
         for t in list(self._async_calls):
             t.cancel()
         self._calls.clear()
@@ -224,14 +210,50 @@ class Scheduler:
         if batch:
             batch[-1].last = True
             stream.busy = True
-            self.started = True
             claim = [_WAITING]
-            loop = asyncio.get_running_loop()
-            if not self.runners.add(functools.partial(self._run_batch, batch, claim), loop):
-                loop.call_later(  # every thread is busy
-                    self.start_timeout, self._expire, batch, claim, self._w.epoch)
+            deferred = self._deferred
+            if deferred is not None:  # not alone: the deferred call goes to the pool too
+                self._deferred = None
+                self._submit(*deferred)
+            elif (len(batch) == 1 and self._quick and not self.started
+                  and self.baton is not None and not self.baton.busy and self.runners.idle()
+                  and self.pool.has_room()):
+                # A lone quick call runs inline (colobus._host.leader), unless another
+                # call reaches the pool before this drain ends.
+                self._deferred = (batch, claim)
+                if not self._draining:  # a drain hands it over as it ends (wait_briefly)
+                    asyncio.get_running_loop().call_soon(self._hand_inline)
+                return
+            self._submit(batch, claim)
         elif not queue:
             del self._streams[stream.sid]  # idle: a later call starts a new one
+
+    def _submit(self, batch: list[_Call], claim: list[int]) -> None:
+        """Loop thread: a batch to the call pool's runners."""
+        self.started = True
+        loop = asyncio.get_running_loop()
+        if not self.runners.add(functools.partial(self._run_batch, batch, claim), loop):
+            loop.call_later(  # every thread is busy
+                self.start_timeout, self._expire, batch, claim, self._w.epoch)
+
+    def _hand_inline(self) -> None:
+        """Loop thread: the deferred lone call runs on this thread once the iteration ends."""
+        deferred, self._deferred = self._deferred, None
+        if deferred is None or self.baton is None:
+            return
+        with self._done_lock:
+            self._sync_wait = True  # what finishes meanwhile is collected after it
+        self.baton.inline(functools.partial(self._run_batch, *deferred))
+
+    def inline_ended(self) -> None:
+        """The loop's leader after an inline call (or a new one that took the loop over):
+        send what finished while the loop was stopped; from now on a pool thread (or
+        the thread left in its call) wakes the loop as usual."""
+        with self._done_lock:
+            self._sync_wait = False
+            pending = bool(self._done)
+        if pending:
+            self._flush_done()
 
     def _resume(self, stream: _Stream, fut: asyncio.Future[Any]) -> None:
         if stream.waiting is fut:
@@ -317,23 +339,12 @@ class Scheduler:
         """Pool thread: one call, start to reply bytes; sets ``ok`` and ``outcome``."""
         try:
             fn, call.fn = call.fn, None
-            args, kwargs = self._call_args(call)
+            args, kwargs = call_args(call, self._w.present)
             out = fn(*args, **kwargs)
             call.outcome = self._w.values.outputs(out, call.mesh, call.pins)
             call.ok = True
         except BaseException as exc:
             call.outcome = exc
-
-    def _call_args(self, call: _Call) -> tuple[Any, Any]:
-        present = self._w.present
-        values = []
-        for p in call.pins:
-            v = p.result()
-            values.append(v.tree(present) if isinstance(v, CallResult) else present(v))
-        env = call.env
-        assert env is not None
-        args, kwargs = ArgsUnpickler(env.payload, values, env.buffers[: env.pbufs]).load()
-        return args, kwargs
 
     def _post_done(self, call: _Call) -> None:
         """Pool thread: hand a finished call to the loop; one wake-up per burst."""
@@ -355,6 +366,13 @@ class Scheduler:
     def drain_starts(self) -> None:
         """A drain of the socket starts: only the calls it starts are worth a brief wait."""
         self.started = False
+        self._draining = True
+
+    def drain_ends(self) -> None:
+        """A drain ended; a lone call it deferred and did not hand over goes now."""
+        self._draining = False
+        if self._deferred is not None and self._w.loop is not None:
+            self._w.loop.call_soon(self._hand_inline)
 
     def wait_briefly(self) -> bool:
         """Loop thread: wait a moment for the calls this drain started; True if any ended.
@@ -364,6 +382,9 @@ class Scheduler:
         blocks. The wait is bounded (``BRIEF_WAIT_S``) and skipped while calls run
         long, so heartbeats and new messages wait at most that long.
         """
+        if self._deferred is not None:  # a lone call: it runs inline instead
+            self._hand_inline()
+            return False
         if not (self.started and self._quick):
             return False
         self.started = False
@@ -427,7 +448,7 @@ class Scheduler:
         """An ``async def`` call, on the loop."""
         call.started = time.perf_counter_ns()
         try:
-            args, kwargs = self._call_args(call)
+            args, kwargs = call_args(call, self._w.present)
             out = await fn(*args, **kwargs)
             call.outcome = self._w.values.outputs(out, call.mesh, call.pins)
             call.ok = True

@@ -43,6 +43,7 @@ from .arrays import HostArrays
 from .construct import on_construct
 from .dataplane import DataPlane, start_dataplane
 from .join import JoinDiagnosis, relay_socket, session_socket
+from .leader import serve_worker
 from .process import cpu_ns, end_context, rss_bytes
 from .sched import Scheduler
 from .store import Store
@@ -159,7 +160,7 @@ class Worker:
 
     # -- top level -----------------------------------------------------------------------
     def run(self) -> int:  # serve until told to exit; the process exit code
-        return asyncio.run(self.serve())
+        return serve_worker(self.serve, self.sched, self._on_sigterm)
 
     async def serve(self) -> int:
         self.loop = asyncio.get_running_loop()
@@ -230,9 +231,6 @@ class Worker:
         self._jax_devices = devices = local_devices(self._jax)
         self.values = HostValues(self._jax, {(d.platform, d.id): d for d in devices})
 
-    def _device_report(self) -> list[list[Any]]:
-        return [[d.platform, d.device_kind, d.id] for d in self._jax_devices]
-
     # -- one session: join, serve, end ---------------------------------------------------
 
     async def _one_session(self, backoff: float) -> tuple[bool, str]:
@@ -248,9 +246,10 @@ class Worker:
             self._ended.set_result("exit")
         diagnosis = JoinDiagnosis(self._endpoint, self._key, curve=self._curve is not None,
                                   quiet=self.host_index >= 0)
-        chan = self._chan = Channel(sock, self._key, loop, self._on_frames,
-                                    send_flags=NOBLOCK, after_flush=self.sched.wait_briefly,
-                                    before_drain=self.sched.drain_starts)
+        sched = self.sched
+        chan = self._chan = Channel(sock, self._key, loop, self._on_frames, send_flags=NOBLOCK,
+                                    after_flush=sched.wait_briefly, before_drain=sched.drain_starts,
+                                    after_drain=sched.drain_ends)
         joined = False
         try:
             while not self._welcome.done():
@@ -461,7 +460,8 @@ class Worker:
         self._answered = True
         data = self.dataplane.endpoint if self.dataplane is not None else ""
         self._send_join_raw(P.Hello(self.name, os.getpid(), self._hostname,
-                                    self._device_report(), body.nonce, data))
+                                    [[d.platform, d.device_kind, d.id] for d in self._jax_devices],
+                                    body.nonce, data))
 
     def _on_reject(self, body: P.Reject, env: Envelope) -> None:
         # retry: the name is in use, or the cluster full, for now: the next JOIN round

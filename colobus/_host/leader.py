@@ -1,0 +1,236 @@
+"""The worker's event loop, handed between threads so a lone call runs where it arrived.
+
+A plain call sent to the call pool costs two hand-offs between threads (the loop
+wakes a pool thread, which wakes the loop back): on a lone call that is most of
+what the host adds to a round trip. With a :class:`Baton`, the thread running the
+loop (the *leader*) runs such a call itself: the loop stops after its current
+iteration, the leader runs the call with no loop running, then runs the loop
+again (the reply leaves in its first iteration).
+
+A watchdog thread keeps the loop moving meanwhile. A call still running after
+:data:`STALL_S` (slow, blocked, or waiting for a call this host has not received
+yet) loses the loop: a new thread takes it over and runs it from then on, so
+heartbeats flow and later calls are received and run (a call that waits for another
+completes). The thread left in the call finishes it, hands its outcome to the loop
+like a pool thread, and ends.
+
+Every leader is a daemon thread; the main thread only waits for the worker's
+coroutine to end (and takes SIGTERM for it), so a call stuck forever never holds up
+the exit. ``COLOBUS_INLINE_CALLS=0`` turns this off (``asyncio.run``, every plain
+call on the pool).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from .pool import CallPool
+
+__all__ = ["STALL_S", "Baton", "Batons", "serve_worker"]
+
+log = logging.getLogger("colobus.worker")
+
+STALL_S = 0.002  # an inline call running this long hands the loop to another thread
+WATCH_IDLE_S = 0.5  # the watchdog sleeps until woken after this long without inline calls
+
+
+class _Inline:
+    """One call a leader runs inline: when it started; whether its thread lost the loop."""
+
+    __slots__ = ("ident", "lost", "started")
+
+    def __init__(self) -> None:
+        self.started = time.monotonic()
+        self.lost = False
+        self.ident = threading.get_ident()
+
+
+class Baton:
+    """Runs a coroutine on an event loop whose thread may change (see the module docstring).
+
+    Args:
+        after_inline: called on the leader after an inline call ended on it, before
+            the loop runs again (as if inside it): the scheduler sends what finished.
+        on_takeover: called on a new leader before it runs the loop, taken from a
+            thread still in its call (the scheduler takes finished calls from then
+            on as from a pool thread).
+        pool: the call pool, where a thread left in its call holds a place until
+            the call ends (the pool's bound and stuck count cover it).
+        stall_s: how long an inline call may keep the loop stopped.
+    """
+
+    def __init__(self, after_inline: Callable[[], None], on_takeover: Callable[[], None],
+                 pool: CallPool, stall_s: float = STALL_S) -> None:
+        self._after_inline = after_inline
+        self._on_takeover = on_takeover
+        self._pool = pool
+        self.stall_s = stall_s
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._lock = threading.Lock()  # an inline call's end against its takeover
+        self._job: Callable[[], None] | None = None  # what the loop stopped for
+        self._inline: _Inline | None = None  # the inline call running now
+        self._finished = False  # the coroutine ended: nobody runs the loop again
+        self._done = threading.Event()
+        self._closing = threading.Event()
+        self._wake = threading.Event()  # wakes a watchdog asleep for want of inline calls
+        self._watch_asleep = True
+        self._made = 0
+        self.inlined = 0
+        self.takeovers = 0
+
+    @property
+    def busy(self) -> bool:
+        """An inline call waits for the loop to stop, or runs (loop thread)."""
+        return self._job is not None
+
+    def inline(self, job: Callable[[], None]) -> None:
+        """Run ``job`` on this thread once the loop's current iteration ends (loop thread)."""
+        assert self._job is None and self.loop is not None
+        self._job = job
+        self.loop.stop()
+
+    # -- the main thread -----------------------------------------------------------------
+
+    def run(self, main: Callable[[], Coroutine[Any, Any, int]],
+            on_sigterm: Callable[[], None]) -> int:
+        """Run ``main()`` to its end and return its result (call on the main thread)."""
+        loop = self.loop = asyncio.new_event_loop()
+        task = loop.create_task(main())
+        task.add_done_callback(self._main_ended)
+        # The loop runs on other threads: the main thread's handler hops to it.
+        previous = signal.signal(signal.SIGTERM,
+                                 lambda *_: loop.call_soon_threadsafe(on_sigterm))
+        watchdog = threading.Thread(target=self._watch, name="colobus-loop-watch", daemon=True)
+        try:
+            watchdog.start()
+            self._start_leader(taking_over=False)
+            while not self._done.wait(1.0):  # a timed wait: signals reach this thread
+                pass
+            # No thread runs the loop now: what asyncio.run does after its coroutine.
+            asyncio.runners._cancel_all_tasks(loop)  # type: ignore[attr-defined]
+            loop.run_until_complete(loop.shutdown_asyncgens())
+            loop.run_until_complete(loop.shutdown_default_executor())
+            return int(task.result())
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            self._closing.set()
+            self._wake.set()
+            loop.close()
+
+    def _main_ended(self, _: object) -> None:
+        self._finished = True
+        assert self.loop is not None
+        self.loop.stop()
+
+    # -- leaders -------------------------------------------------------------------------
+
+    def _start_leader(self, taking_over: bool) -> None:
+        self._made += 1
+        threading.Thread(target=self._lead, args=(taking_over,), daemon=True,
+                         name=f"colobus-loop-{self._made}").start()
+
+    def _lead(self, taking_over: bool) -> None:
+        """Run the loop; between its runs, the inline calls it stopped for."""
+        loop = self.loop
+        assert loop is not None
+        try:
+            if taking_over:
+                self._with_loop_set(self._on_takeover)
+            while True:
+                loop.run_forever()
+                if self._finished:
+                    self._done.set()
+                    return
+                job, self._job = self._job, None
+                if job is None:
+                    continue
+                me = _Inline()
+                self._inline = me  # no lock: the watchdog only reads it, until it ends it
+                if self._watch_asleep:
+                    self._wake.set()
+                try:
+                    job()
+                finally:
+                    with self._lock:
+                        if self._inline is me:
+                            self._inline = None
+                self.inlined += 1
+                if me.lost:  # another thread leads now; this one ends with its call
+                    self._pool.unhold(me.ident)
+                    return
+                self._with_loop_set(self._after_inline)
+        except BaseException:  # a bug here would stop the worker silently
+            log.exception("the worker's loop thread failed")
+            self._done.set()
+
+    def _with_loop_set(self, fn: Callable[[], None]) -> None:
+        """``fn()`` as if inside the (stopped) loop: the scheduler's code asks for the
+        running loop. Never around user code (a plain call sees no running loop)."""
+        asyncio.events._set_running_loop(self.loop)
+        try:
+            fn()
+        finally:
+            asyncio.events._set_running_loop(None)
+
+    def _watch(self) -> None:
+        """Hand the loop to a new thread when an inline call runs past ``stall_s``.
+
+        It looks every ``stall_s`` while inline calls run (a call stuck is seen after
+        one to two of those), and sleeps until the next one after :data:`WATCH_IDLE_S`
+        without any: no wake-up per call.
+        """
+        idle_since = time.monotonic()
+        while not self._closing.is_set():
+            if self._watch_asleep:
+                self._wake.wait()
+                self._wake.clear()
+                self._watch_asleep = False
+                idle_since = time.monotonic()
+            self._closing.wait(self.stall_s)
+            current = self._inline
+            now = time.monotonic()
+            if current is None:
+                if now - idle_since > WATCH_IDLE_S:
+                    self._watch_asleep = True
+                    if self._inline is not None:  # one started meanwhile: look again
+                        self._watch_asleep = False
+                continue
+            idle_since = now
+            if now - current.started < self.stall_s:
+                continue
+            with self._lock:
+                if self._inline is not current:
+                    continue  # it ended meanwhile
+                current.lost = True  # read by its thread once the call ends
+                self._inline = None
+                self._pool.hold(current.ident)
+            self.takeovers += 1
+            self._start_leader(taking_over=True)
+
+
+class Batons(Protocol):
+    """What :func:`serve_worker` uses of the worker's scheduler."""
+
+    baton: Baton | None
+    pool: CallPool
+
+    def inline_ended(self) -> None: ...
+
+
+def serve_worker(serve: Callable[[], Coroutine[Any, Any, int]], sched: Batons,
+                 on_sigterm: Callable[[], None]) -> int:
+    """Run a worker's ``serve()``: with a :class:`Baton` (inline calls), unless
+    ``COLOBUS_INLINE_CALLS=0`` or this is not the main thread (``asyncio.run``)."""
+    if (os.environ.get("COLOBUS_INLINE_CALLS", "1") == "0"
+            or threading.current_thread() is not threading.main_thread()):
+        return asyncio.run(serve())
+    baton = sched.baton = Baton(sched.inline_ended, sched.inline_ended, sched.pool)
+    return baton.run(serve, on_sigterm)

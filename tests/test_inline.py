@@ -1,0 +1,127 @@
+"""Inline calls (issue 27): a lone quick plain call runs on the worker thread that
+received it (:mod:`colobus._host.leader`), and what the call pool guaranteed still
+holds: a slow call never blocks heartbeats, calls that wait for each other complete.
+
+Real workers, real sockets; which thread ran a call is read from the call itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from lifecycle import eventually
+
+import colobus as cb
+
+HB, LIVE = 0.2, 2.0
+INLINE, POOL, OTHER = 1, 2, 0  # where a call ran, as the call says (outputs are arrays)
+
+
+def _where() -> Any:
+    name = threading.current_thread().name
+    return np.int32(INLINE if name.startswith("colobus-loop-")
+                    else POOL if name.startswith("colobus-call") else OTHER)
+
+
+@cb.colocated_python
+def thread_name() -> Any:
+    return _where()
+
+
+@cb.colocated_python
+def sleep_then_name(seconds: float) -> Any:
+    time.sleep(seconds)
+    return _where()
+
+
+@cb.colocated_python
+def wait_for(path: str, seconds: float) -> Any:
+    """Waits (up to ``seconds``) for ``path``, which a later call of another stream makes."""
+    deadline = time.monotonic() + seconds
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return (np.int32(os.path.exists(path)), _where())
+
+
+@cb.colocated_python
+def touch(path: str) -> Any:
+    with open(path, "w"):
+        pass
+    return np.int32(1)
+
+
+def _on(fn: Any, ctl: cb.Controller, host: int = 0) -> Any:
+    return fn.specialize(devices=[d for d in ctl.devices() if d.host == host][:1])
+
+
+async def _call(fn: Any, *args: Any) -> Any:
+    return await fn(*args)
+
+
+async def _get(x: Any) -> int:
+    return int(np.asarray(await cb.device_get(x)))
+
+
+async def _names(ctl: cb.Controller, n: int) -> list[int]:
+    name = _on(thread_name, ctl)
+    return [await _get(await name()) for _ in range(n)]
+
+
+async def test_a_lone_quick_call_runs_on_the_thread_that_received_it() -> None:
+    async with cb.local_cluster(hosts=1, heartbeat_interval=HB, liveness_timeout=LIVE) as ctl:
+        names = await _names(ctl, 20)
+        assert INLINE in names, names
+
+
+async def test_inline_calls_off_runs_every_plain_call_on_the_pool(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLOBUS_INLINE_CALLS", "0")
+    async with cb.local_cluster(hosts=1, heartbeat_interval=HB, liveness_timeout=LIVE) as ctl:
+        names = await _names(ctl, 20)
+        assert set(names) == {POOL}, names
+
+
+async def test_a_slow_inline_call_never_blocks_heartbeats_nor_other_calls() -> None:
+    """A call that runs well past the liveness timeout, started inline, loses the loop to
+    another thread: the host stays alive, and a call of another stream runs meanwhile."""
+    async with cb.local_cluster(hosts=1, heartbeat_interval=HB, liveness_timeout=LIVE) as ctl:
+        for _ in range(10):  # until the slow call is one that started inline
+            await _names(ctl, 3)
+            slow = _on(sleep_then_name, ctl)(LIVE * 1.5)
+            await asyncio.sleep(0.1)  # alone on the host, not in one batch with the next
+            # another task, another stream: answered while the slow call runs
+            quick = await asyncio.create_task(_call(_on(thread_name, ctl)))
+            assert await _get(quick) in (INLINE, POOL) and not slow.done()
+            name = await _get(await slow)
+            assert ctl.hosts()[0].state == "alive"
+            if name == INLINE:
+                break
+        else:
+            pytest.fail("no slow call started inline in 10 tries")
+        await eventually(lambda: ctl.hosts()[0].state == "alive", 5, "the host alive")
+
+
+async def test_calls_that_wait_for_each_other_complete_when_the_first_ran_inline(
+        tmp_path: Path) -> None:
+    """A (inline) waits for what B does; B arrives after A started: the loop moves to
+    another thread, which receives and runs B, so A completes."""
+    async with cb.local_cluster(hosts=1, heartbeat_interval=HB, liveness_timeout=LIVE) as ctl:
+        for i in range(10):
+            await _names(ctl, 3)
+            path = str(tmp_path / f"made{i}")
+            a = _on(wait_for, ctl)(path, 30.0)
+            await asyncio.sleep(0.05)  # A is running on the host (inline, or on the pool)
+            assert await _get(await asyncio.create_task(_call(_on(touch, ctl), path))) == 1
+            found, name = await asyncio.wait_for(a, 30)
+            assert await _get(found) == 1, "A gave up waiting: B did not run while A waited"
+            if await _get(name) == INLINE:
+                break
+        else:
+            pytest.fail("A never ran inline in 10 tries")
