@@ -215,11 +215,11 @@ class Scheduler:
             if deferred is not None:  # not alone: the deferred call goes to the pool too
                 self._deferred = None
                 self._submit(*deferred)
-            elif (len(batch) == 1 and self._quick and not self.started
+            elif (len(batch) == 1 and len(self._calls) == 1 and self._quick and not self.started
                   and self.baton is not None and not self.baton.busy and self.runners.idle()
                   and self.pool.has_room()):
-                # A lone quick call runs inline (colobus._host.leader), unless another
-                # call reaches the pool before this drain ends.
+                # The host's only call, and a quick one: it runs inline
+                # (colobus._host.leader), unless another arrives before this drain ends.
                 self._deferred = (batch, claim)
                 if not self._draining:  # a drain hands it over as it ends (wait_briefly)
                     asyncio.get_running_loop().call_soon(self._hand_inline)
