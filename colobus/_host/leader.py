@@ -79,6 +79,7 @@ class Baton:
         self._inline: _Inline | None = None  # the inline call running now
         self._finished = False  # the coroutine ended: nobody runs the loop again
         self._done = threading.Event()
+        self._ended_on: threading.Thread | None = None  # the leader that saw the end
         self._closing = threading.Event()
         self._wake = threading.Event()  # wakes a watchdog asleep for want of inline calls
         self._watch_asleep = True
@@ -114,6 +115,8 @@ class Baton:
             self._start_leader(taking_over=False)
             while not self._done.wait(1.0):  # a timed wait: signals reach this thread
                 pass
+            if self._ended_on is not None:  # out of its last Python frames before the exit
+                self._ended_on.join(1.0)
             # No thread runs the loop now: what asyncio.run does after its coroutine.
             asyncio.runners._cancel_all_tasks(loop)  # type: ignore[attr-defined]
             loop.run_until_complete(loop.shutdown_asyncgens())
@@ -123,6 +126,7 @@ class Baton:
             signal.signal(signal.SIGTERM, previous)
             self._closing.set()
             self._wake.set()
+            watchdog.join(1.0)
             loop.close()
 
     def _main_ended(self, _: object) -> None:
@@ -147,6 +151,7 @@ class Baton:
             while True:
                 loop.run_forever()
                 if self._finished:
+                    self._ended_on = threading.current_thread()
                     self._done.set()
                     return
                 job, self._job = self._job, None
