@@ -6,8 +6,9 @@ a stream's queue is a plain function with its inputs ready, it and the ready
 plain calls queued behind it form one run, and the runs of all streams wait in one
 queue that as few pool jobs as keep it moving take (:mod:`colobus._host.runners`:
 one hop per burst, not one per call or per stream); each call's reply goes out as
-it finishes. ``async def``
-functions run on the loop, alone. A DESTROY runs in its stream like a call:
+it finishes. The host's only call in flight, when quick, runs inline on the loop's
+thread instead (:mod:`colobus._host.leader`). ``async def`` functions run on the
+loop, alone. A DESTROY runs in its stream like a call:
 after that caller's earlier calls, before its later ones, once every call of
 the object already received (from any stream) has finished.
 """
@@ -43,7 +44,6 @@ from .pool import CallPool
 from .runners import Runners
 
 if TYPE_CHECKING:
-
     from .leader import Baton
 
 __all__ = ["Scheduler", "WorkerServices"]
