@@ -144,8 +144,13 @@ class LightHost:
         elif env.kind == Kind.RESET:
             self.ended = True
             return
-        if peer.accept(env) is not None:
+        # As a worker does: ACKs (and a NACK's resend at once) and owed ACKs through the
+        # channel; a light host that took numbered envelopes only (``peer.accept``) ignored
+        # a relay's NACK after a gap and recovered by its resend timer alone (seconds).
+        got = self.chan.take(peer, env, 1 << 62)
+        if got is None or isinstance(got, str):
             return
+        env = got
         for sub in unpack_batch(env) if env.kind == BATCH_KIND else [env]:
             self.dispatch(sub)
 
