@@ -125,3 +125,35 @@ async def test_calls_that_wait_for_each_other_complete_when_the_first_ran_inline
                 break
         else:
             pytest.fail("A never ran inline in 10 tries")
+
+
+def test_ctrl_c_ends_a_worker_with_inline_calls_as_asyncio_run_would(tmp_path: Path) -> None:
+    """SIGINT: the worker's coroutine is cancelled, the process exits 130 (no traceback),
+    with inline calls on (the loop on a leader thread) as with them off."""
+    import signal
+    import subprocess
+    import sys
+
+    from colobus._wire.keys import write_key
+
+    key_file = str(tmp_path / "key")
+    write_key(key_file)
+    for inline in ("1", "0"):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "colobus", "worker", "--connect",
+             f"ipc://{tmp_path}/nobody.sock", "--key-file", key_file],
+            env={**os.environ, "COLOBUS_INLINE_CALLS": inline}, stderr=subprocess.PIPE,
+            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        try:
+            assert proc.stderr is not None
+            for line in proc.stderr:  # serving: its data plane is up
+                if "data plane" in line:
+                    break
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(30) == 130, inline
+            assert "Traceback" not in proc.stderr.read(), inline
+        finally:
+            proc.kill()
+            proc.wait()
+            if proc.stderr is not None:
+                proc.stderr.close()

@@ -113,21 +113,31 @@ class Baton:
         try:
             watchdog.start()
             self._start_leader(taking_over=False)
-            while not self._done.wait(1.0):  # a timed wait: signals reach this thread
-                pass
+            interrupted = False
+            try:
+                while not self._done.wait(1.0):  # a timed wait: signals reach this thread
+                    pass
+            except KeyboardInterrupt:  # as asyncio.run: the coroutine is cancelled first
+                interrupted = True
+                loop.call_soon_threadsafe(task.cancel)
+                while not self._done.wait(1.0):
+                    pass
             if self._ended_on is not None:  # out of its last Python frames before the exit
                 self._ended_on.join(1.0)
             # No thread runs the loop now: what asyncio.run does after its coroutine.
             asyncio.runners._cancel_all_tasks(loop)  # type: ignore[attr-defined]
             loop.run_until_complete(loop.shutdown_asyncgens())
             loop.run_until_complete(loop.shutdown_default_executor())
+            if interrupted:
+                raise KeyboardInterrupt
             return int(task.result())
         finally:
             signal.signal(signal.SIGTERM, previous)
             self._closing.set()
             self._wake.set()
             watchdog.join(1.0)
-            loop.close()
+            if not loop.is_running():  # (a second Ctrl-C left a leader in it: let it be)
+                loop.close()
 
     def _main_ended(self, _: object) -> None:
         self._finished = True
