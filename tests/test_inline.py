@@ -1,6 +1,7 @@
-"""Inline calls (issue 27): a lone quick plain call runs on the worker thread that
-received it (:mod:`colobus._host.leader`), and what the call pool guaranteed still
-holds: a slow call never blocks heartbeats, calls that wait for each other complete.
+"""Inline calls (issue 27, ``COLOBUS_INLINE_CALLS=1``): a lone quick plain call runs on
+the worker thread that received it (:mod:`colobus._host.leader`), and what the call pool
+guaranteed still holds: a slow call never blocks heartbeats, calls that wait for each
+other complete.
 
 Real workers, real sockets; which thread ran a call is read from the call itself.
 """
@@ -22,6 +23,12 @@ import colobus as cb
 
 HB, LIVE = 0.2, 2.0
 INLINE, POOL, OTHER = 1, 2, 0  # where a call ran, as the call says (outputs are arrays)
+
+
+@pytest.fixture(autouse=True)
+def _inline_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inline calls are off by default for now: these workers turn them on."""
+    monkeypatch.setenv("COLOBUS_INLINE_CALLS", "1")
 
 
 def _where() -> Any:
@@ -140,10 +147,14 @@ def test_ctrl_c_ends_a_worker_with_inline_calls_as_asyncio_run_would(tmp_path: P
     write_key(key_file)
     for inline in ("1", "0"):
         proc = subprocess.Popen(
-            [sys.executable, "-m", "colobus", "worker", "--connect",
-             f"ipc://{tmp_path}/nobody.sock", "--key-file", key_file],
+            # SIGINT's default restored before the worker starts (a test runner's child may
+            # inherit it ignored); no preexec_fn: a fork beside JAX's threads warns.
+            [sys.executable, "-c", "import os, signal, sys; signal.signal(signal.SIGINT, "
+             "signal.SIG_DFL); os.execv(sys.executable, [sys.executable, *sys.argv[1:]])",
+             "-m", "colobus", "worker", "--connect", f"ipc://{tmp_path}/nobody.sock",
+             "--key-file", key_file],
             env={**os.environ, "COLOBUS_INLINE_CALLS": inline}, stderr=subprocess.PIPE,
-            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+            text=True)
         try:
             assert proc.stderr is not None
             for line in proc.stderr:  # serving: its data plane is up

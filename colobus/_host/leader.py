@@ -16,8 +16,8 @@ like a pool thread, and ends.
 
 Every leader is a daemon thread; the main thread only waits for the worker's
 coroutine to end (and takes SIGTERM for it), so a call stuck forever never holds up
-the exit. ``COLOBUS_INLINE_CALLS=0`` turns this off (``asyncio.run``, every plain
-call on the pool).
+the exit. Off by default for now: ``COLOBUS_INLINE_CALLS=1`` in a worker's
+environment turns it on (else ``asyncio.run``, every plain call on the pool).
 """
 
 from __future__ import annotations
@@ -177,6 +177,7 @@ class Baton:
                     with self._lock:
                         if self._inline is me:
                             self._inline = None
+                del job  # holds the call's batch: nothing of it lives on here (as the pool)
                 self.inlined += 1
                 if me.lost:  # another thread leads now; this one ends with its call
                     self._pool.unhold(me.ident)
@@ -242,9 +243,9 @@ class Batons(Protocol):
 
 def serve_worker(serve: Callable[[], Coroutine[Any, Any, int]], sched: Batons,
                  on_sigterm: Callable[[], None]) -> int:
-    """Run a worker's ``serve()``: with a :class:`Baton` (inline calls), unless
-    ``COLOBUS_INLINE_CALLS=0`` or this is not the main thread (``asyncio.run``)."""
-    if (os.environ.get("COLOBUS_INLINE_CALLS", "1") == "0"
+    """Run a worker's ``serve()``: with a :class:`Baton` (inline calls) where
+    ``COLOBUS_INLINE_CALLS=1`` and this is the main thread, else with ``asyncio.run``."""
+    if (os.environ.get("COLOBUS_INLINE_CALLS", "0") != "1"
             or threading.current_thread() is not threading.main_thread()):
         return asyncio.run(serve())
     baton = sched.baton = Baton(sched.inline_ended, sched.inline_ended, sched.pool)
