@@ -1,8 +1,9 @@
 """CONSTRUCT on a host: build a colocated object once its inputs are resolved.
 
 The instance is made on the worker's conversion pool (an ``__init__`` may take
-its time); until then, and if it raised, the object's future says so to every
-call that uses it (the store keeps it under the object's id).
+its time) and then held by the object's future alone, so a DESTROY drops it at
+once. Until it is built, and if ``__init__`` raised, the object's future says so
+to every call that uses it (the store keeps it under the object's id).
 """
 
 from __future__ import annotations
@@ -39,9 +40,18 @@ async def _construct(w: WorkerServices, body: P.Construct, env: Envelope,
         values = [w.present(await p) for p in pins]
         args, kwargs = ArgsUnpickler(env.payload, values, env.buffers[: env.pbufs]).load()
         cls = w.store.get_code(body.digest)
-        inst = await loop.run_in_executor(w._pool, functools.partial(cls, *args, **kwargs))
+        built: list[Any] = []
+        await loop.run_in_executor(w._pool, functools.partial(_build, built, cls, args, kwargs))
     except BaseException as exc:
         fut.set_exception(_settable(exc))  # an __init__ that raised StopIteration, too
         fut.exception()
         return
-    fut.set_result(inst)
+    fut.set_result(built.pop())  # from now on the object's future is the instance's only holder
+
+
+def _build(built: list[Any], cls: Any, args: Any, kwargs: Any) -> None:
+    """Work-pool thread: make the instance; it reaches the loop in ``built``, not as the
+    executor future's result. That future (and the pool thread's work item) lives on a
+    moment after the loop resumes: holding the instance, it would delay its ``__del__``
+    past a DESTROY that ran meanwhile."""
+    built.append(cls(*args, **kwargs))
