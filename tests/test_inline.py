@@ -1,4 +1,4 @@
-"""Inline calls (issue 27, ``COLOBUS_INLINE_CALLS=1``): a lone quick plain call runs on
+"""Inline calls (issue 27, on unless ``COLOBUS_INLINE_CALLS=0``): a lone quick plain call runs on
 the worker thread that received it (:mod:`colobus._host.leader`), and what the call pool
 guaranteed still holds: a slow call never blocks heartbeats, calls that wait for each
 other complete.
@@ -27,7 +27,7 @@ INLINE, POOL, OTHER = 1, 2, 0  # where a call ran, as the call says (outputs are
 
 @pytest.fixture(autouse=True)
 def _inline_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Inline calls are off by default for now: these workers turn them on."""
+    """Inline calls are on by default; these workers say so (a CI may turn them off)."""
     monkeypatch.setenv("COLOBUS_INLINE_CALLS", "1")
 
 

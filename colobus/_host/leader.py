@@ -16,8 +16,8 @@ like a pool thread, and ends.
 
 Every leader is a daemon thread; the main thread only waits for the worker's
 coroutine to end (and takes SIGTERM for it), so a call stuck forever never holds up
-the exit. Off by default for now: ``COLOBUS_INLINE_CALLS=1`` in a worker's
-environment turns it on (else ``asyncio.run``, every plain call on the pool).
+the exit. On by default; ``COLOBUS_INLINE_CALLS=0`` in a worker's environment turns
+it off (then ``asyncio.run``, every plain call on the pool).
 """
 
 from __future__ import annotations
@@ -244,8 +244,8 @@ class Batons(Protocol):
 def serve_worker(serve: Callable[[], Coroutine[Any, Any, int]], sched: Batons,
                  on_sigterm: Callable[[], None]) -> int:
     """Run a worker's ``serve()``: with a :class:`Baton` (inline calls) where
-    ``COLOBUS_INLINE_CALLS=1`` and this is the main thread, else with ``asyncio.run``."""
-    if (os.environ.get("COLOBUS_INLINE_CALLS", "0") != "1"
+    this is the main thread (unless ``COLOBUS_INLINE_CALLS=0``), else with ``asyncio.run``."""
+    if (os.environ.get("COLOBUS_INLINE_CALLS", "1") == "0"
             or threading.current_thread() is not threading.main_thread()):
         return asyncio.run(serve())
     baton = sched.baton = Baton(sched.inline_ended, sched.inline_ended, sched.pool)
