@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -38,6 +39,10 @@ __all__ = ["DEFAULT_MAX_WINDOW", "Channel", "Peer"]
 log = logging.getLogger("colobus.channel")
 
 DRAIN_BUDGET_S = 0.01  # one drain reads this long at most, then lets the loop run
+# A loop step that queued this many messages for one peer sends them at once: the peer
+# starts on them while the step goes on (a burst of calls, made in one step, overlaps
+# with the host running them). ``COLOBUS_EAGER_BATCH`` sets it (for A/B runs).
+EAGER_BATCH = int(os.environ.get("COLOBUS_EAGER_BATCH", "64"))
 # An ACK's body: empty, or this (a NACK: "I have a gap after ack, resend from there").
 NACK_BODY = [1]
 BACKOFF_MAX = 16  # resends back off to 16 x resend_after while nothing is acknowledged
@@ -125,7 +130,8 @@ class Channel:
 
         The first message of a loop step leaves at once (a lone call waits for
         nothing); the ones queued after it in the same step, or while corked,
-        leave together as one BATCH when the step ends.
+        leave together as one BATCH when the step ends (or, uncorked, as soon as
+        :data:`EAGER_BATCH` of them wait for ``peer``).
         """
         self.send_packed(peer, body.kind, pack_body(body.to_wire()), payload, buffers, pbufs)
 
@@ -137,7 +143,11 @@ class Channel:
         if self._before_flush is not None:
             self._before_flush()
         self.enqueue_packed(peer, kind, packed, payload, buffers, pbufs)
-        if self._corked or self._step_scheduled:
+        if self._corked:
+            return
+        if self._step_scheduled:
+            if len(peer.outbox) >= EAGER_BATCH:  # a long step: the peer starts on these now
+                self.send_now(peer)
             return
         self._step_scheduled = True
         self._loop.call_soon(self._end_step)
