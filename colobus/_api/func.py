@@ -18,18 +18,13 @@ from typing import Any
 
 import numpy as np
 
+from .._controller.coalesced import HOST_BLIND
 from .._controller.controller import Controller, default_controller
 from .._controller.future import Future
 from .._controller.hosts import Host
-from .._model import outlayout as _outlayout
-from .._model.blocks import global_shape_from_host, host_blocks
-from .._model.devices import Device, Mesh
+from .._model.devices import Device
 from .._model.sharding import (
-    NamedSharding,
-    PartitionSpec,
     ShapeDtypeStruct,
-    SingleDeviceSharding,
-    with_memory_kind,
 )
 from .._observe.observer import FunctionStats, Observer
 from .._wire import protocol as P
@@ -38,6 +33,7 @@ from .._wire.envelope import Envelope
 from .._wire.splice import CallSplicer
 from .array import Array, check_owner
 from .cacheinfo import CacheInfo, Signatures
+from .outputs import build_outputs as _build_outputs
 from .plan import CallPlan, make_plan
 from .serialization import Code, ColocatedObjectBase, PickledArgs, arg_path, pickle_args
 
@@ -99,78 +95,6 @@ def _check_specs(actual: Any, expected: Any, what: str, *, inputs: bool = False)
                              f"{None if shape is None else tuple(shape)}")
         if _as_seen_on_hosts(dtype) != _as_seen_on_hosts(e.dtype):
             raise ValueError(f"{what}: {where}: expected dtype {e.dtype}, got {dtype}")
-
-
-# -- outputs -------------------------------------------------------------------------------------
-
-
-@functools.lru_cache(maxsize=16)
-def _key_dtype(impl: str) -> Any:
-    import jax
-
-    return jax.eval_shape(lambda: jax.random.key(0, impl=impl)).dtype
-
-
-def _build_outputs(ctl: Controller, call_id: int, plan: CallPlan,
-                   per_host: dict[int, Any], ref_shardings: Sequence[Any] = ()) -> Any:
-    import jax
-
-    hosts = sorted(per_host)
-    flat: dict[int, tuple[list[Any], Any]] = {
-        h: jax.tree_util.tree_flatten(per_host[h]) for h in hosts}
-    leaves0, tree0 = flat[hosts[0]]
-    for h in hosts[1:]:
-        if flat[h][1] != tree0:
-            raise ValueError(
-                f"hosts returned different output structures: host {hosts[0]} returned "
-                f"{tree0}, host {h} returned {flat[h][1]}")
-    outs: list[Array] = []
-    for i, leaf0 in enumerate(leaves0):
-        metas: dict[int, P.OutLeaf] = {h: flat[h][0][i] for h in hosts}
-        dtype = _key_dtype(leaf0.key_impl) if leaf0.key_impl else leaf0.dtype
-        specs = {m.spec for m in metas.values()}
-        kept = None  # the function's own layout, where the hosts kept one (_outlayout)
-        has_layout = any(m.layout is not None for m in metas.values()) or (
-            leaf0.ref >= 0 and _outlayout.names_other_layout(plan, leaf0, ref_shardings))
-        if has_layout:
-            kept = _outlayout.global_sharding(i, plan, metas, ref_shardings)
-        if isinstance(kept, SingleDeviceSharding):
-            sharding: Any = kept
-            shape = tuple(leaf0.shape)
-        elif kept is not None or (not has_layout and isinstance(plan.mesh, Mesh)
-                                  and None not in specs and len(specs) == 1):
-            sharding = kept if kept is not None else NamedSharding(
-                plan.mesh, leaf0.spec)  # type: ignore[arg-type]
-            shape = global_shape_from_host(sharding, hosts[0], leaf0.shape)
-            blocks = host_blocks(sharding, shape)
-            for h, m in metas.items():
-                if m.dtype != leaf0.dtype or m.key_impl != leaf0.key_impl:
-                    other = _key_dtype(m.key_impl) if m.key_impl else m.dtype
-                    raise ValueError(
-                        f"output {i} is sharded, so all hosts must agree on its dtype, but "
-                        f"host {hosts[0]} returned {dtype} and host {h} returned {other}")
-                if tuple(blocks[h].shape) != tuple(m.shape):
-                    raise ValueError(
-                        f"output {i}: host {h} returned a block of shape {m.shape}, but the "
-                        f"global shape {shape} needs {blocks[h].shape} there")
-        else:
-            for h, m in metas.items():
-                if tuple(m.shape) != tuple(leaf0.shape) or m.dtype != leaf0.dtype or (
-                        m.key_impl != leaf0.key_impl):
-                    raise ValueError(
-                        f"output {i} is replicated, so all hosts must agree on its shape and "
-                        f"dtype, but host {hosts[0]} returned {leaf0.shape} {dtype} and host "
-                        f"{h} returned {m.shape} {m.dtype}")
-            shape = tuple(leaf0.shape)
-            sharding = (SingleDeviceSharding(plan.mesh) if isinstance(plan.mesh, Device)
-                        else NamedSharding(plan.mesh, PartitionSpec()))
-        if leaf0.memory_kind is not None:  # the host's own memory kind (JAX's sharding)
-            sharding = with_memory_kind(sharding, leaf0.memory_kind)
-        if leaf0.digest is not None and len(hosts) > 1:
-            _outlayout.check_replicas(i, sharding, shape, metas)
-        outs.append(Array(ctl, P.output_ref(call_id, i), shape, dtype, sharding,
-                          key_impl=leaf0.key_impl, ready=True))
-    return tree0.unflatten(outs)
 
 
 # -- the call -------------------------------------------------------------------------------------
@@ -379,19 +303,26 @@ class _CallOp:
         payload, bufs = pickled.payload, pickled.buffers
         hosts = max(ctl._expected_hosts, len(ctl._hosts))  # cb.host_count() on the hosts
         # P.Call's fields; all but the host's mesh and the host count packed once
-        body = CallSplicer([call_id, self.stream, self.digest, target.obj_id, target.method,
-                            pickled.refs])
+        splice = CallSplicer([call_id, self.stream, self.digest, target.obj_id, target.method,
+                              pickled.refs]).packed
+        meshes = plan.packed_meshes()
+        bodies: dict[bytes, bytes] = {}  # one body object per distinct mesh: hashed once
+        known, gens, objects, nbufs = ctl._hosts, self.gens, pickled.objects, len(bufs)
+        prepare = target.prepare
         for h in plan.hosts:
-            host = ctl._hosts[h]
-            if host.generation != self.gens[h]:
+            host = known[h]
+            if host.generation != gens[h]:
                 raise host.lost_error("it rejoined after this call was made")
-            target.prepare(ctl, host)
-            for state in pickled.objects:
+            prepare(ctl, host)
+            for state in objects:
                 state.ensure_built(ctl, host)
             chan = ctl._chan
             if chan is not None and host.alive:  # as ctl._send does
-                chan.send_packed(host.peer, P.Kind.CALL, body(plan.host_mesh[h], hosts),
-                                 payload, bufs, len(bufs))
+                mesh = meshes[h]
+                body = bodies.get(mesh)
+                if body is None:
+                    body = bodies[mesh] = splice(mesh, hosts)
+                chan.send_packed(host.peer, P.Kind.CALL, body, payload, bufs, nbufs)
         ctl._count("calls")
 
     def __call__(self, per_host: dict[int, Any]) -> Any:
@@ -410,6 +341,7 @@ def _decode_result(host: Host, body: P.Result, env: Envelope) -> Any:
     return read_outputs(env.payload, body.meta)
 
 
+HOST_BLIND.add(_decode_result)  # equal replies of a relay's hosts: decoded once
 _result_refs: dict[weakref.ref[Future[Any]], _CallOp] = {}
 
 

@@ -8,7 +8,7 @@ when they disagree or are missing. Plans are cached by device list and mesh.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -17,6 +17,7 @@ from .._controller.future import Future
 from .._model.blocks import host_blocks
 from .._model.devices import Device, Mesh
 from .._model.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+from .._wire.splice import pack_body
 from .array import Array, mesh_message
 
 __all__ = ["CallPlan", "make_plan"]
@@ -30,6 +31,18 @@ class CallPlan:
     mesh: Mesh | Device
     hosts: tuple[int, ...]
     host_mesh: dict[int, list[Any]]
+    # each host's mesh as msgpack, made once (plans are cached): equal ones are one object
+    packed_mesh: dict[int, bytes] = field(default_factory=dict, compare=False)
+
+    def packed_meshes(self) -> dict[int, bytes]:
+        """Host -> its part of the mesh, packed (a fan-out's CALLs splice these)."""
+        packed = self.packed_mesh
+        if not packed:
+            same: dict[bytes, bytes] = {}
+            for h, m in self.host_mesh.items():
+                b = pack_body(m)
+                packed[h] = same.setdefault(b, b)
+        return packed
 
 
 _plans: dict[Any, CallPlan] = {}

@@ -18,9 +18,13 @@ from .._wire import protocol as P
 if TYPE_CHECKING:
     from .._wire.envelope import Envelope
     from .hosts import Host
-    from .ops import Operations
+    from .ops import Decoder, Operation, Operations
 
-__all__ = ["on_results"]
+__all__ = ["HOST_BLIND", "on_results"]
+
+# Decoders whose value does not depend on the host (a call's output description): a
+# group's equal replies are decoded once and the value shared.
+HOST_BLIND: set[Decoder] = set()
 
 
 def on_results(ops: Operations, hosts: list[Host], body: P.Result, env: Envelope,
@@ -44,6 +48,8 @@ def on_results(ops: Operations, hosts: list[Host], body: P.Result, env: Envelope
     op = ops.pending.get(call_id)
     rec = op.future._timing if op is not None else None
     stray = status == P.Status.OK and type(meta) is int  # outputs nobody will own
+    remaining = op.remaining if op is not None else 0
+    group: list[Host] = []
     for j, host in enumerate(hosts):
         awaiting = host.awaiting
         if call_id not in awaiting:  # never sent to this host, or answered already
@@ -51,17 +57,54 @@ def on_results(ops: Operations, hosts: list[Host], body: P.Result, env: Envelope
             continue
         awaiting.discard(call_id)
         host.inflight.discard(call_id)
-        if op is None or not op.remaining >> host.index & 1:
+        if not remaining >> host.index & 1:  # (no operation: remaining is 0)
             if stray:
                 ops.free_outputs(host.index, call_id, meta)
             continue
         if rec is not None:
             rec.add_reply(host.index, time.perf_counter(),
                           body.times if times is None else times[j])
-        bad = op.answered(host, body, env)
-        if bad is not None:  # the call fails with a ProtocolError; the host goes
-            violation(host, "bad_reply", str(bad))
+        group.append(host)
+    if op is None or not group:
+        pass
+    elif len(group) == 1 or op.decode not in HOST_BLIND:
+        for host in group:
+            bad = op.answered(host, body, env)
+            if bad is not None:  # the call fails with a ProtocolError; the host goes
+                violation(host, "bad_reply", str(bad))
+    else:
+        _answered_alike(ops, op, group, body, env)
     if op is not None and not op.remaining and ops.pending.get(call_id) is op:
         op.end(ops)
     if ops.backlog:
         ops.pump()
+
+
+def _answered_alike(ops: Operations, op: Operation, group: list[Host], body: P.Result,
+                    env: Envelope) -> None:
+    """:meth:`Operation.answered` for each host of ``group`` (equal OK replies, a
+    host-blind decoder): decoded once, the value shared; the hosts' bits cleared at once."""
+    if body.status != P.Status.OK:
+        for host in group:
+            bad = op.answered(host, body, env)
+            if bad is not None:
+                ops.ctl._sessions.violation(host, "bad_reply", str(bad))
+        return
+    try:
+        value = op.decode(group[0], body, env)
+    except BaseException:  # each host's own error (and a malformed reply's violation)
+        for host in group:
+            bad = op.answered(host, body, env)
+            if bad is not None:
+                ops.ctl._sessions.violation(host, "bad_reply", str(bad))
+        return
+    values, outputs, meta = op.values, op.outputs, body.meta
+    bits = bytearray((max(h.index for h in group) >> 3) + 1)
+    for host in group:
+        i = host.index
+        values[i] = value
+        bits[i >> 3] |= 1 << (i & 7)
+    if type(meta) is int:
+        for host in group:
+            outputs[host.index] = meta
+    op.remaining &= ~int.from_bytes(bits, "little")

@@ -473,10 +473,14 @@ class Relays:
         """One RESULT entry for many hosts: settled as a group (:mod:`.coalesced`),
         each host's own times from ``extras``."""
         group: list[Host] = []
-        times: list[Any] | None = None if extras is None else []
+        op = self._ctl._ops.pending.get(body.call_id)
+        # each host's times: only an observed call reads them
+        timed = extras is not None and op is not None and op.future._timing is not None
+        times: list[Any] | None = [] if timed else None
+        known = self._ctl._hosts
         for j, i in enumerate(hosts):
-            host = self._carried(relay, i)
-            if host is None:
+            host = known[i] if 0 <= i < len(known) else None  # _carried, inline: per host
+            if host is None or not host.alive or host.peer.via is not relay:
                 continue
             host.last_seen = now
             group.append(host)

@@ -80,6 +80,9 @@ class Gather:
         self._size = 0
         self._pay_at: dict[Any, int] = {}
         self._buf_at: dict[tuple[int, ...], int] = {}
+        self._pay_last: Any = None  # the last payload and buffers added, and where they
+        self._bufs_last: Any = None  # went: a fan-out adds the same objects per host
+        self._pay_last_at = self._bufs_last_at = 0
 
     def __bool__(self) -> bool:
         return bool(self.entries)
@@ -91,21 +94,29 @@ class Gather:
         plen = _nbytes(payload)
         at = 0
         if plen:
-            pkey: Any = bytes(payload) if plen <= SMALL else id(payload)
-            found = self._pay_at.get(pkey)
-            if found is None:
-                found = self._pay_at[pkey] = self._size
-                self._payloads.append(payload)
-                self._size += plen
-            at = found
+            if payload is self._pay_last:
+                at = self._pay_last_at
+            else:
+                pkey: Any = bytes(payload) if plen <= SMALL else id(payload)
+                found = self._pay_at.get(pkey)
+                if found is None:
+                    found = self._pay_at[pkey] = self._size
+                    self._payloads.append(payload)  # (held: its id stays its own)
+                    self._size += plen
+                at = self._pay_last_at = found
+                self._pay_last = payload
         boff = 0
         if bufs:
-            bkey = tuple(map(id, bufs))
-            bfound = self._buf_at.get(bkey)
-            if bfound is None:
-                bfound = self._buf_at[bkey] = len(self.buffers)
-                self.buffers.extend(bufs)
-            boff = bfound
+            if bufs is self._bufs_last:
+                boff = self._bufs_last_at
+            else:
+                bkey = tuple(map(id, bufs))
+                bfound = self._buf_at.get(bkey)
+                if bfound is None:
+                    bfound = self._buf_at[bkey] = len(self.buffers)
+                    self.buffers.extend(bufs)
+                boff = self._bufs_last_at = bfound
+                self._bufs_last = bufs
         key = (kind, body, at, plen, boff, len(bufs), pbufs, extra is None)
         last = self._last.get(host, -1)
         same = None if alone else self._same.get(key)

@@ -59,3 +59,7 @@ class CallSplicer:
 
     def __call__(self, mesh: list[Any], hosts: int) -> bytes:
         return self._head + pack_body(mesh) + uint(hosts)
+
+    def packed(self, mesh: bytes, hosts: int) -> bytes:
+        """``self(m, hosts)`` for ``mesh = pack_body(m)``."""
+        return self._head + mesh + uint(hosts)

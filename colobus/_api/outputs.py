@@ -1,0 +1,105 @@
+"""A call's outputs, built on the controller from each host's output description.
+
+Each host describes what its call returned (:mod:`colobus._wire.describe`); the
+outputs are ``cb.Array`` handles whose sharding follows the call's mesh (or the
+layout the hosts kept), checked for agreement across hosts.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from .._model import outlayout as _outlayout
+from .._model.blocks import global_shape_from_host, host_blocks
+from .._model.devices import Device, Mesh
+from .._model.sharding import (
+    NamedSharding,
+    PartitionSpec,
+    SingleDeviceSharding,
+    with_memory_kind,
+)
+from .._wire import protocol as P
+from .array import Array
+
+if TYPE_CHECKING:
+    from .._controller.controller import Controller
+    from .plan import CallPlan
+
+__all__ = ["build_outputs"]
+
+
+@functools.lru_cache(maxsize=16)
+def _key_dtype(impl: str) -> Any:
+    import jax
+
+    return jax.eval_shape(lambda: jax.random.key(0, impl=impl)).dtype
+
+
+def build_outputs(ctl: Controller, call_id: int, plan: CallPlan,
+                   per_host: dict[int, Any], ref_shardings: Sequence[Any] = ()) -> Any:
+    import jax
+
+    hosts = sorted(per_host)
+    flat: dict[int, tuple[list[Any], Any]] = {}
+    seen: dict[int, tuple[list[Any], Any]] = {}  # hosts' replies decoded once share a value
+    for h in hosts:
+        value = per_host[h]
+        f = seen.get(id(value))
+        if f is None:
+            f = seen[id(value)] = jax.tree_util.tree_flatten(value)
+        flat[h] = f
+    leaves0, tree0 = flat[hosts[0]]
+    for h in hosts[1:]:
+        if flat[h][1] is not tree0 and flat[h][1] != tree0:
+            raise ValueError(
+                f"hosts returned different output structures: host {hosts[0]} returned "
+                f"{tree0}, host {h} returned {flat[h][1]}")
+    outs: list[Array] = []
+    for i, leaf0 in enumerate(leaves0):
+        metas: dict[int, P.OutLeaf] = {h: flat[h][0][i] for h in hosts}
+        dtype = _key_dtype(leaf0.key_impl) if leaf0.key_impl else leaf0.dtype
+        specs = {m.spec for m in metas.values()}
+        kept = None  # the function's own layout, where the hosts kept one (_outlayout)
+        has_layout = any(m.layout is not None for m in metas.values()) or (
+            leaf0.ref >= 0 and _outlayout.names_other_layout(plan, leaf0, ref_shardings))
+        if has_layout:
+            kept = _outlayout.global_sharding(i, plan, metas, ref_shardings)
+        if isinstance(kept, SingleDeviceSharding):
+            sharding: Any = kept
+            shape = tuple(leaf0.shape)
+        elif kept is not None or (not has_layout and isinstance(plan.mesh, Mesh)
+                                  and None not in specs and len(specs) == 1):
+            sharding = kept if kept is not None else NamedSharding(
+                plan.mesh, leaf0.spec)  # type: ignore[arg-type]
+            shape = global_shape_from_host(sharding, hosts[0], leaf0.shape)
+            blocks = host_blocks(sharding, shape)
+            for h, m in metas.items():
+                if m.dtype != leaf0.dtype or m.key_impl != leaf0.key_impl:
+                    other = _key_dtype(m.key_impl) if m.key_impl else m.dtype
+                    raise ValueError(
+                        f"output {i} is sharded, so all hosts must agree on its dtype, but "
+                        f"host {hosts[0]} returned {dtype} and host {h} returned {other}")
+                if tuple(blocks[h].shape) != tuple(m.shape):
+                    raise ValueError(
+                        f"output {i}: host {h} returned a block of shape {m.shape}, but the "
+                        f"global shape {shape} needs {blocks[h].shape} there")
+        else:
+            for h, m in metas.items():
+                if tuple(m.shape) != tuple(leaf0.shape) or m.dtype != leaf0.dtype or (
+                        m.key_impl != leaf0.key_impl):
+                    raise ValueError(
+                        f"output {i} is replicated, so all hosts must agree on its shape and "
+                        f"dtype, but host {hosts[0]} returned {leaf0.shape} {dtype} and host "
+                        f"{h} returned {m.shape} {m.dtype}")
+            shape = tuple(leaf0.shape)
+            sharding = (SingleDeviceSharding(plan.mesh) if isinstance(plan.mesh, Device)
+                        else NamedSharding(plan.mesh, PartitionSpec()))
+        if leaf0.memory_kind is not None:  # the host's own memory kind (JAX's sharding)
+            sharding = with_memory_kind(sharding, leaf0.memory_kind)
+        if leaf0.digest is not None and len(hosts) > 1:
+            _outlayout.check_replicas(i, sharding, shape, metas)
+        outs.append(Array(ctl, P.output_ref(call_id, i), shape, dtype, sharding,
+                          key_impl=leaf0.key_impl, ready=True))
+    return tree0.unflatten(outs)
