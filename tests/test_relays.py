@@ -191,3 +191,63 @@ async def test_coalesced_results_settle_once_and_keep_each_hosts_times() -> None
         assert runs == sorted(runs) and runs[3] >= 0.1 > runs[0], runs
         assert ctl._ops.pending == {} and all(not h.inflight for h in ctl._hosts.hosts)
         assert ctl.stats()["dropped"].get("unsolicited", 0) == 0
+
+
+def test_a_relay_holds_a_calls_replies_until_its_last_host_answered() -> None:
+    from colobus._relay.hold import ReplyHold
+
+    hold = ReplyHold()
+    hold.forwarded(7, 3)  # a CALL to three of this relay's hosts
+    hold.answered(7)
+    assert hold.holding  # two more to come
+    hold.answered(99)  # a call it never forwarded (a FETCH, a direct one): no wait
+    hold.answered(7)
+    assert hold.holding
+    hold.answered(7)
+    assert not hold.holding  # the last one: everything goes up now
+    hold.forwarded(8, 2)
+    hold.answered(8)
+    hold.urgent = True  # a transfer's part in the same UP waits for nothing
+    assert not hold.holding
+    hold.sent()
+    hold.answered(8)
+    assert not hold.holding
+    hold.forwarded(9, 2)
+    hold.answered(9)
+    hold.prune(-1.0)  # expected for too long (a host lost): forgotten
+    assert not hold.holding
+
+
+@cb.colocated_python
+def gated(x: Any, path: str) -> Any:
+    """Host 3 runs until ``path`` exists; the others return at once."""
+    if cb.host_index() == 3:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    return x * 0 + cb.host_index()
+
+
+async def test_held_replies_go_up_while_a_slow_host_runs(tmp_path: Any) -> None:
+    """The hold is bounded: the quick hosts' replies reach the controller while host 3
+    still runs, and the call ends once it answers. (The relay forgets what it expects
+    after the liveness timeout: a long one here, so that only the bound lets them go.)"""
+    async with cb.local_cluster(hosts=4, relays=1, heartbeat_interval=HB,
+                                liveness_timeout=60.0) as ctl:
+        devs = ctl.devices()
+        x = cb.device_put(np.zeros(4, np.float32),
+                          cb.NamedSharding(cb.Mesh(np.array(devs), ("d",)), cb.PartitionSpec("d")))
+        await cb.block_until_ready(x)
+
+        gate = tmp_path / "gate"
+        fut = gated(x, str(gate))
+
+        def waits_for() -> list[int]:  # the hosts the call's operation still waits for
+            ops = [op for op in ctl._ops.pending.values() if op.future is fut]
+            return ops[0].waiting_for() if ops else [-1]
+
+        await eventually(lambda: waits_for() == [3], 45, "the quick hosts' replies")
+        assert not fut.done()
+        gate.touch()
+        out = np.asarray(await cb.device_get(await fut))
+        assert out.tolist() == [0.0, 1.0, 2.0, 3.0]

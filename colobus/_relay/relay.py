@@ -42,6 +42,7 @@ from .._wire.envelope import (
 from .._wire.guard import RESET_SEQ, UNKNOWN_PEER_MAX_BYTES
 from .._wire.relaywire import SMALL, Adopt, Gather, Gone, Ready, entries
 from .._wire.sockio import router_socket
+from .hold import HOLD_S, ReplyHold
 
 __all__ = ["Relay", "main"]
 
@@ -49,6 +50,8 @@ log = logging.getLogger("colobus.relay")
 
 DEAD_MAX = 4096
 RESULT = int(P.Kind.RESULT)
+CALL = int(P.Kind.CALL)
+HEARTBEAT = int(P.Kind.HEARTBEAT)
 
 
 class Relay:
@@ -70,6 +73,8 @@ class Relay:
         self.dead: collections.OrderedDict[bytes, tuple[bytes, str]] = collections.OrderedDict()
         self.dropped: collections.Counter[str] = collections.Counter()
         self.ups = Gather()
+        self.hold = ReplyHold()  # the replies of a call wait for its last one (.hold)
+        self._hold_timer: asyncio.TimerHandle | None = None
         self.ctl = Peer([], self.session, self.ctl_session)
         self.ctl_heard = time.monotonic()
         self.done: asyncio.Future[None] | None = None
@@ -136,10 +141,16 @@ class Relay:
             peers = self.peers
             for hosts, k, packed, payload, bufs, pbufs, _ in entries(
                     env.body, env.payload, env.buffers):
+                sent = 0
                 for h in hosts:
                     peer = peers.get(h)
                     if peer is not None:
                         enqueue(peer, k, packed, payload, bufs, pbufs)
+                        sent += 1
+                if k == CALL and sent:
+                    call = msgpack.unpackb(packed)  # authenticated: the FORWARD's MAC
+                    if isinstance(call, list) and call and type(call[0]) is int:
+                        self.hold.forwarded(call[0], sent)
         elif kind == P.Kind.ADOPT:
             a = Adopt.from_wire(env.body)
             assert isinstance(a, Adopt)
@@ -217,8 +228,13 @@ class Relay:
             self._lose(h, f"it broke the protocol ({d.reason}: {d.detail:.200})", d.reason)
             return
         add = self.ups.add
+        hold = self.hold
         for sub in subs:
             body = sub.body
+            if sub.kind == RESULT and isinstance(body, list) and body and type(body[0]) is int:
+                hold.answered(body[0])
+            elif sub.kind != HEARTBEAT:
+                hold.urgent = True
             if (sub.kind == RESULT and not sub.buffers and isinstance(body, list)
                     and len(body) >= 3 and memoryview(sub.payload).nbytes <= SMALL):
                 # equal replies of one call travel once; each host's times beside them
@@ -229,9 +245,28 @@ class Relay:
                     alone=True)
 
     def _flush_up(self) -> None:
+        """After the hosts' messages were read: send them up, unless they wait for the
+        rest of their calls' replies (:mod:`.hold`)."""
+        if not self.ups:
+            return
+        if self.hold.holding:
+            if self._hold_timer is None:
+                self._hold_timer = asyncio.get_running_loop().call_later(HOLD_S, self._held)
+            return
+        self._send_up()
+
+    def _held(self) -> None:
+        self._hold_timer = None
         if self.ups:
-            body, payload, bufs = self.ups.take()
-            self.up.send_packed(self.ctl, P.Kind.UP, pack_body(body), payload, bufs, 0)
+            self._send_up()
+
+    def _send_up(self) -> None:
+        if self._hold_timer is not None:
+            self._hold_timer.cancel()
+            self._hold_timer = None
+        self.hold.sent()
+        body, payload, bufs = self.ups.take()
+        self.up.send_packed(self.ctl, P.Kind.UP, pack_body(body), payload, bufs, 0)
 
     # -- liveness ------------------------------------------------------------------------
 
@@ -252,6 +287,7 @@ class Relay:
             if not self.done.done():
                 self.done.set_result(None)
             return
+        self.hold.prune(self.liveness)
         alive = []
         ping = P.Heartbeat(0, 0, 0, 0, time.monotonic_ns())
         for h, peer in list(self.peers.items()):
