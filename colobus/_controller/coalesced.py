@@ -65,39 +65,28 @@ def on_results(ops: Operations, hosts: list[Host], body: P.Result, env: Envelope
             rec.add_reply(host.index, time.perf_counter(),
                           body.times if times is None else times[j])
         group.append(host)
-    if op is None or not group:
-        pass
-    elif len(group) == 1 or op.decode not in HOST_BLIND:
+    if op is not None and group and not (
+            len(group) > 1 and op.decode in HOST_BLIND and status == P.Status.OK
+            and _answered_alike(op, group, body, env)):
         for host in group:
             bad = op.answered(host, body, env)
             if bad is not None:  # the call fails with a ProtocolError; the host goes
                 violation(host, "bad_reply", str(bad))
-    else:
-        _answered_alike(ops, op, group, body, env)
     if op is not None and not op.remaining and ops.pending.get(call_id) is op:
         op.end(ops)
     if ops.backlog:
         ops.pump()
 
 
-def _answered_alike(ops: Operations, op: Operation, group: list[Host], body: P.Result,
-                    env: Envelope) -> None:
+def _answered_alike(op: Operation, group: list[Host], body: P.Result, env: Envelope) -> bool:
     """:meth:`Operation.answered` for each host of ``group`` (equal OK replies, a
-    host-blind decoder): decoded once, the value shared; the hosts' bits cleared at once."""
-    if body.status != P.Status.OK:
-        for host in group:
-            bad = op.answered(host, body, env)
-            if bad is not None:
-                ops.ctl._sessions.violation(host, "bad_reply", str(bad))
-        return
+    host-blind decoder): decoded once, the value shared, the hosts' bits cleared at once.
+    False if the decoder raised: nothing recorded (each host is then answered alone, for
+    its own error and violation)."""
     try:
         value = op.decode(group[0], body, env)
-    except BaseException:  # each host's own error (and a malformed reply's violation)
-        for host in group:
-            bad = op.answered(host, body, env)
-            if bad is not None:
-                ops.ctl._sessions.violation(host, "bad_reply", str(bad))
-        return
+    except BaseException:
+        return False
     values, outputs, meta = op.values, op.outputs, body.meta
     bits = bytearray((max(h.index for h in group) >> 3) + 1)
     for host in group:
@@ -108,3 +97,4 @@ def _answered_alike(ops: Operations, op: Operation, group: list[Host], body: P.R
         for host in group:
             outputs[host.index] = meta
     op.remaining &= ~int.from_bytes(bits, "little")
+    return True
