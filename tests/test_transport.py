@@ -223,7 +223,7 @@ def test_calls_with_many_handles_and_frees_of_many_arrays_fit(bctl: cb.Controlle
     ref0 = bctl._ops.next_id() << 16
 
     def free_all() -> None:
-        bctl._frees._queue_many([(0, gen, ref0 + i, 0) for i in range(262_144)])
+        bctl._frees._queue_many([({0: gen}, ref0 + i, 0) for i in range(262_144)])
 
     bctl._call_soon(free_all)
     z = plus_one(x).result(60)  # queued behind the RELEASE: it arrives, in sequence

@@ -30,6 +30,7 @@ from .._observe.observer import FunctionStats, Observer
 from .._wire import protocol as P
 from .._wire.describe import read_outputs
 from .._wire.envelope import Envelope
+from .._wire.peer import Peer
 from .._wire.splice import CallSplicer
 from .array import Array, check_owner
 from .cacheinfo import CacheInfo, Signatures
@@ -201,7 +202,8 @@ def invoke(target: Target, args: tuple[Any, ...], kwargs: dict[str, Any], *,
         fut.info = plan
         fut._set_cancelled()
         return fut
-    gens = {h: ctl._hosts[h].generation for h in plan.hosts}
+    known = ctl._hosts.hosts
+    gens = {h: known[h].generation for h in plan.hosts}
     op = _CallOp(ctl, target, plan, pickled, _stream_id(), digest, gens, ctl._ops.next_id(),
                  out_specs)
     obs = ctl.observer  # None unless metrics or tracing is on
@@ -306,9 +308,11 @@ class _CallOp:
         splice = CallSplicer([call_id, self.stream, self.digest, target.obj_id, target.method,
                               pickled.refs]).packed
         meshes = plan.packed_meshes()
-        bodies: dict[bytes, bytes] = {}  # one body object per distinct mesh: hashed once
-        known, gens, objects, nbufs = ctl._hosts, self.gens, pickled.objects, len(bufs)
+        known, gens, objects, nbufs = ctl._hosts.hosts, self.gens, pickled.objects, len(bufs)
         prepare = target.prepare
+        # the hosts by their mesh (one body each), sent together once all are prepared:
+        # a fan-out's CALLs join their relay's next message as one entry
+        to: dict[bytes, list[Peer]] = {}
         for h in plan.hosts:
             host = known[h]
             if host.generation != gens[h]:
@@ -316,13 +320,22 @@ class _CallOp:
             prepare(ctl, host)
             for state in objects:
                 state.ensure_built(ctl, host)
-            chan = ctl._chan
-            if chan is not None and host.alive:  # as ctl._send does
+            if host.alive:  # as ctl._send does
                 mesh = meshes[h]
-                body = bodies.get(mesh)
-                if body is None:
-                    body = bodies[mesh] = splice(mesh, hosts)
-                chan.send_packed(host.peer, P.Kind.CALL, body, payload, bufs, nbufs)
+                peers = to.get(mesh)
+                if peers is None:
+                    to[mesh] = [host.peer]
+                else:
+                    peers.append(host.peer)
+        chan = ctl._chan
+        if chan is not None:
+            for mesh, peers in to.items():
+                if len(peers) == 1:
+                    chan.send_packed(peers[0], P.Kind.CALL, splice(mesh, hosts), payload, bufs,
+                                     nbufs)
+                else:
+                    chan.send_packed_many(peers, P.Kind.CALL, splice(mesh, hosts), payload,
+                                          bufs, nbufs)
         ctl._count("calls")
 
     def __call__(self, per_host: dict[int, Any]) -> Any:

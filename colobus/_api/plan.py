@@ -46,9 +46,26 @@ class CallPlan:
 
 
 _plans: dict[Any, CallPlan] = {}
+# The same plans by the identity of the device tuple and mesh asked for (a sharding's,
+# a specialization's): no per-device work on a fan-out's every call. Each entry holds
+# what it is keyed on, so no other object can take those ids while it is here.
+_by_ids: dict[tuple[int, int], tuple[Any, Any, CallPlan]] = {}
 
 
-def _plan_for(devices: tuple[Device, ...], mesh: Mesh | Device) -> CallPlan:
+def _plan_for(devices: tuple[Device, ...], mesh: Mesh | Device | None) -> CallPlan:
+    """The plan of ``devices`` laid out as ``mesh`` (None: as one axis of them)."""
+    ids = (id(devices), id(mesh))
+    hit = _by_ids.get(ids)
+    if hit is not None:
+        return hit[2]
+    if len(_by_ids) > 1024:
+        _by_ids.clear()
+    plan = _plan_by_value(devices, _mesh_of_devices(devices) if mesh is None else mesh)
+    _by_ids[ids] = (devices, mesh, plan)
+    return plan
+
+
+def _plan_by_value(devices: tuple[Device, ...], mesh: Mesh | Device) -> CallPlan:
     # Devices compare by id only, and ids repeat across controllers: key on everything.
     full = tuple((d.id, d.host, d.platform, d.local_id) for d in devices)
     key = (full, None if isinstance(mesh, Device) else (mesh.axis_names, mesh.devices.shape))
@@ -106,7 +123,7 @@ def make_plan(leaves: list[Any], devices: Sequence[Device] | None) -> CallPlan:
         if lists:
             dl, mesh = next(iter(lists.items()))
             return _plan_for(dl, mesh)
-        return _plan_for(devs, _mesh_of_devices(devs))
+        return _plan_for(devs, None)
     if not lists:
         exc = ValueError(
             "No devices found. colocated_python function without input arguments must be "

@@ -14,6 +14,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from .._wire import protocol as P
+from .hosts import host_mask
 
 if TYPE_CHECKING:
     from .._wire.envelope import Envelope
@@ -27,18 +28,26 @@ __all__ = ["HOST_BLIND", "on_results"]
 HOST_BLIND: set[Decoder] = set()
 
 
-def on_results(ops: Operations, hosts: list[Host], body: P.Result, env: Envelope,
-               times: list[Any] | None) -> None:
-    """The same RESULT from several hosts, coalesced by their relay (loop thread):
-    what :meth:`Operations.on_result` does for each, with the operation looked up, the reply
-    checked and the operation ended once for the group. ``times``: each host's own
-    call times (``body.times`` for all where None)."""
+def on_results(ops: Operations, via: object, indices: list[int], body: P.Result,
+               env: Envelope, extras: list[Any] | None, now: float) -> None:
+    """The same RESULT from the hosts ``indices`` that relay ``via`` carries, coalesced
+    by it (loop thread): what :meth:`Operations.on_result` does for each, with the
+    operation looked up, the reply checked and the operation ended once for the group,
+    and per host only its own bookkeeping, in one pass. ``extras``: each host's own
+    call times (``body.times`` for all where None); a host the relay no longer carries
+    is skipped."""
     ctl = ops.ctl
     call_id = body.call_id
     status, meta = body.status, body.meta
     violation = ctl._sessions.violation
+    known = ctl._hosts.hosts
+    n = len(known)
     if status == P.Status.OK and type(meta) is int and not 0 <= meta < P.MAX_OUTPUTS:
-        for host in hosts:
+        for i in indices:
+            host = known[i] if 0 <= i < n else None
+            if host is None or not host.alive or host.peer.via is not via:
+                continue
+            host.last_seen = now
             if call_id in host.awaiting:
                 host.awaiting.discard(call_id)
                 violation(host, "malformed", f"{meta} outputs")
@@ -50,24 +59,30 @@ def on_results(ops: Operations, hosts: list[Host], body: P.Result, env: Envelope
     stray = status == P.Status.OK and type(meta) is int  # outputs nobody will own
     remaining = op.remaining if op is not None else 0
     group: list[Host] = []
-    for j, host in enumerate(hosts):
+    answered: list[int] = []
+    for j, i in enumerate(indices):
+        host = known[i] if 0 <= i < n else None
+        if host is None or not host.alive or host.peer.via is not via:
+            continue  # a host it no longer carries (lost meanwhile)
+        host.last_seen = now
         awaiting = host.awaiting
         if call_id not in awaiting:  # never sent to this host, or answered already
             violation(host, "unsolicited", f"result for call {call_id}")
             continue
         awaiting.discard(call_id)
         host.inflight.discard(call_id)
-        if not remaining >> host.index & 1:  # (no operation: remaining is 0)
+        if not remaining >> i & 1:  # (no operation: remaining is 0)
             if stray:
-                ops.free_outputs(host.index, call_id, meta)
+                ops.free_outputs(i, call_id, meta)
             continue
-        if rec is not None:
-            rec.add_reply(host.index, time.perf_counter(),
-                          body.times if times is None else times[j])
+        if rec is not None:  # traced: each host's own times
+            t = body.times if extras is None else extras[j]
+            rec.add_reply(i, time.perf_counter(), t if isinstance(t, list) else [])
         group.append(host)
+        answered.append(i)
     if op is not None and group and not (
             len(group) > 1 and op.decode in HOST_BLIND and status == P.Status.OK
-            and _answered_alike(op, group, body, env)):
+            and _answered_alike(op, answered, group[0], body, env)):
         for host in group:
             bad = op.answered(host, body, env)
             if bad is not None:  # the call fails with a ProtocolError; the host goes
@@ -78,23 +93,18 @@ def on_results(ops: Operations, hosts: list[Host], body: P.Result, env: Envelope
         ops.pump()
 
 
-def _answered_alike(op: Operation, group: list[Host], body: P.Result, env: Envelope) -> bool:
-    """:meth:`Operation.answered` for each host of ``group`` (equal OK replies, a
-    host-blind decoder): decoded once, the value shared, the hosts' bits cleared at once.
-    False if the decoder raised: nothing recorded (each host is then answered alone, for
-    its own error and violation)."""
+def _answered_alike(op: Operation, answered: list[int], first: Host, body: P.Result,
+                    env: Envelope) -> bool:
+    """:meth:`Operation.answered` for each of the hosts ``answered`` (equal OK replies,
+    a host-blind decoder): decoded once, the value shared, the hosts' bits cleared at
+    once. False if the decoder raised: nothing recorded (each host is then answered
+    alone, for its own error and violation)."""
     try:
-        value = op.decode(group[0], body, env)
+        value = op.decode(first, body, env)
     except BaseException:
         return False
-    values, outputs, meta = op.values, op.outputs, body.meta
-    bits = bytearray((max(h.index for h in group) >> 3) + 1)
-    for host in group:
-        i = host.index
-        values[i] = value
-        bits[i >> 3] |= 1 << (i & 7)
-    if type(meta) is int:
-        for host in group:
-            outputs[host.index] = meta
-    op.remaining &= ~int.from_bytes(bits, "little")
+    op.values.update(dict.fromkeys(answered, value))
+    if type(body.meta) is int:
+        op.outputs.update(dict.fromkeys(answered, body.meta))
+    op.remaining &= ~host_mask(tuple(answered))
     return True

@@ -27,8 +27,9 @@ from .._observe.metrics import observing
 from .._process import freeze_once
 from .._wire import keys as _keys
 from .._wire import protocol as P
-from .._wire.channel import DEFAULT_MAX_WINDOW, Channel
+from .._wire.channel import DEFAULT_MAX_WINDOW
 from .._wire.envelope import Buffer
+from .._wire.fanout import FanoutChannel
 from .._wire.sockio import router_socket
 from .._wire.tasks import supervise
 from . import syncface as _syncface
@@ -182,7 +183,7 @@ class Controller:
             metrics, metrics_public, trace, functools.partial(scrape_stats, self))
         self._session = secrets.token_bytes(16)
         self._ctx: zmq.Context[Any] | None = None
-        self._chan: Channel | None = None
+        self._chan: FanoutChannel | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread_id: int | None = None
         self._inbox: Inbox | None = None
@@ -305,7 +306,7 @@ class Controller:
             self._stop_observing()
             raise OSError(f"colobus controller cannot bind {self._bind!r}: {exc}") from exc
         self._address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._chan = Channel(sock, self._key, self._loop, self._sessions.on_frames,
+        self._chan = FanoutChannel(sock, self._key, self._loop, self._sessions.on_frames,
                              before_flush=self._frees.move_to_outboxes,
                              on_release=self._uploads.on_release,
                              before_drain=wakeups.drain_starts,

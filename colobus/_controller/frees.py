@@ -42,23 +42,23 @@ class Frees:
 
     def __init__(self, ctl: FreesOwner) -> None:
         self._ctl = ctl
-        self._queue: collections.deque[tuple[int, int, int, int]] = collections.deque()
+        # (host -> generation, array ref, call id) of each free, oldest first
+        self._queue: collections.deque[tuple[dict[int, int], int, int]] = collections.deque()
         self._timer_set = False
 
     def release_on(self, generations: dict[int, int], ref: int = 0, call: int = 0) -> None:
         """Free array ``ref`` or the result of ``call`` on each of its hosts (host ->
-        generation): one hop to the loop thread for all of them, not one per host;
-        thread-safe."""
+        generation, not changed after): one hop to the loop thread for all of them, not
+        one per host; thread-safe."""
         ctl = self._ctl
         if ctl._closed:
             return
-        entries = [(host, gen, ref, call) for host, gen in generations.items()]
         try:
-            ctl._ops.post(functools.partial(self._queue_many, entries))
+            ctl._ops.post(functools.partial(self._queue_many, [(generations, ref, call)]))
         except (RuntimeError, ColobusError):
             pass
 
-    def _queue_many(self, entries: list[tuple[int, int, int, int]]) -> None:
+    def _queue_many(self, entries: list[tuple[dict[int, int], int, int]]) -> None:
         self._queue.extend(entries)
         loop = self._ctl._loop
         if not self._timer_set and loop is not None:
@@ -76,20 +76,33 @@ class Frees:
         """Queue the waiting frees as one RELEASE per host (called before any flush)."""
         if not self._queue:
             return
+        items, self._queue = self._queue, collections.deque()
         hosts = self._ctl._hosts.hosts
-        per_host: dict[int, tuple[list[int], list[int]]] = {}
-        while self._queue:
-            host, gen, ref, call = self._queue.popleft()
-            h = hosts[host]
-            if not h.alive or h.generation != gen:
-                continue
-            refs, calls = per_host.setdefault(host, ([], []))
-            if ref:
-                refs.append(ref)
-            if call:
-                calls.append(call)
         chan = self._ctl._chan
         assert chan is not None
+        first = items[0][0]
+        if all(g is first or g == first for g, _, _ in items):  # frees of fan-outs alike:
+            peers = []  # one RELEASE for all their hosts, packed once, one relay entry
+            for host, gen in first.items():
+                h = hosts[host]
+                if h.alive and h.generation == gen:
+                    peers.append(h.peer)
+            if peers:
+                one = pack_body(P.Release([r for _, r, _ in items if r],
+                                           [c for _, _, c in items if c]).to_wire())
+                chan.enqueue_packed_many(peers, P.Kind.RELEASE, one)
+            return
+        per_host: dict[int, tuple[list[int], list[int]]] = {}
+        for gens, ref, call in items:
+            for host, gen in gens.items():
+                h = hosts[host]
+                if not h.alive or h.generation != gen:
+                    continue
+                refs, calls = per_host.setdefault(host, ([], []))
+                if ref:
+                    refs.append(ref)
+                if call:
+                    calls.append(call)
         packed: dict[tuple[tuple[int, ...], tuple[int, ...]], bytes] = {}
         for host, (refs, calls) in per_host.items():  # a fan-out's free: packed once
             lists = (tuple(refs), tuple(calls))

@@ -19,11 +19,32 @@ from .._model.devices import Device
 from .._wire import protocol as P
 from .._wire.channel import Peer
 
-__all__ = ["Host", "HostInfo", "HostRegistry"]
+__all__ = ["Host", "HostInfo", "HostRegistry", "host_mask"]
 
 log = logging.getLogger("colobus.controller")
 
 DEAD_SESSIONS_MAX = 4096  # sessions of lost hosts remembered (to answer them RESET)
+
+
+_masks: dict[tuple[int, ...], int] = {}
+
+
+def host_mask(indices: tuple[int, ...]) -> int:
+    """The bit mask of these host indices (cached: a fan-out names the same hosts on
+    every call, and a mask of a thousand bits costs a thousand big-int steps)."""
+    mask = _masks.get(indices)
+    if mask is None:
+        if indices and min(indices) < 0:
+            raise ValueError(f"host indices are >= 0, got {min(indices)}")
+        bits = bytearray((max(indices, default=0) >> 3) + 1)
+        for i in indices:
+            bits[i >> 3] |= 1 << (i & 7)
+        mask = int.from_bytes(bits, "little")
+        if len(indices) > 4:  # (small masks are cheap to make)
+            if len(_masks) >= 256:
+                _masks.clear()
+            _masks[indices] = mask
+    return mask
 
 
 @dataclass(frozen=True, slots=True)

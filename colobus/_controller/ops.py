@@ -31,12 +31,13 @@ from .._wire.describe import BadReply
 from .._wire.envelope import Envelope
 from .._wire.failures import read_error, rebuild_error
 from .future import Future, in_event_loop
+from .hosts import host_mask
 
 if TYPE_CHECKING:
     from .._observe.observer import FunctionStats
     from .._observe.trace import CallRecord
-    from .._wire.channel import Channel
     from .._wire.envelope import Buffer
+    from .._wire.fanout import FanoutChannel
     from .hosts import Host, HostRegistry
 
 __all__ = [
@@ -56,7 +57,7 @@ class Parts(Protocol):
     @property
     def _hosts(self) -> HostRegistry: ...
     @property
-    def _chan(self) -> Channel | None: ...
+    def _chan(self) -> FanoutChannel | None: ...
     @property
     def _closed(self) -> bool: ...
 
@@ -102,10 +103,7 @@ class Operation:
         self.backpressure = backpressure
         # The hosts yet to answer, as a bit mask: an int is not tracked by the
         # garbage collector, a set would be (one more object per call in flight).
-        remaining = 0
-        for i in hosts:
-            remaining |= 1 << i
-        self.remaining = remaining
+        self.remaining = host_mask(hosts)
         self.values: dict[int, Any] = {}
         self.errors: dict[int, BaseException] = {}
         self.outputs: dict[int, int] = {}  # host -> output leaves it stored for this call
@@ -288,17 +286,20 @@ class Operations:
         fut = op.future
         if fut.done():
             return
-        hosts = self.ctl._hosts
+        hosts = self.ctl._hosts.hosts
+        n = len(hosts)
         for i in op.hosts:
-            h = hosts[i] if 0 <= i < len(hosts) else None
+            h = hosts[i] if 0 <= i < n else None
             if h is None or not h.alive:
                 fut.set_exception(h.lost_error("it is not alive") if h else HostLostError(
                     f"Host {i} does not exist", i))
                 return
-        self.pending[op.call_id] = op
+        call_id = op.call_id
+        self.pending[call_id] = op
         for i in op.hosts:
-            hosts[i].inflight.add(op.call_id)
-            hosts[i].awaiting.add(op.call_id)
+            h = hosts[i]
+            h.inflight.add(call_id)
+            h.awaiting.add(call_id)
         send, op.send = op.send, None
         assert send is not None
         rec = fut._timing
@@ -329,7 +330,7 @@ class Operations:
 
     def _full(self, hosts: tuple[int, ...]) -> bool:
         limit = self.max_inflight
-        hs = self.ctl._hosts
+        hs = self.ctl._hosts.hosts
         n = len(hs)
         for i in hosts:
             if 0 <= i < n and len(hs[i].inflight) >= limit:

@@ -157,6 +157,18 @@ class Relay:
         if h is not None:  # else a host it no longer carries: nothing more goes to it
             self._gather.add(h, kind, packed, payload, buffers, pbufs)
 
+    def add_many(self, peers: list[Peer], kind: int, packed: bytes, payload: Buffer,
+                 buffers: Sequence[Buffer], pbufs: int) -> None:
+        carries = self.carries
+        for peer in peers:
+            if peer.outbox:  # (rare) queued before it moved here: those go first
+                self.collect(peer)
+        hosts = [carries.get(p.route[0], -1) for p in peers]
+        if -1 in hosts:  # hosts it no longer carries: nothing more goes to them
+            hosts = [h for h in hosts if h >= 0]
+        if hosts:
+            self._gather.add_many(hosts, kind, packed, payload, buffers, pbufs)
+
     def emit(self) -> Peer | None:
         if not self._gather:
             return None
@@ -454,7 +466,13 @@ class Relays:
                 continue
             relay.carried_up += len(hosts)
             if kind == P.Kind.RESULT and isinstance(body, P.Result):
-                self._results(relay, hosts, body, sub, extras, now)
+                try:  # one entry for many hosts: settled as a group (.coalesced)
+                    on_results(self._ctl._ops, relay, hosts, body, sub, extras, now)
+                except (KeyboardInterrupt, SystemExit):
+                    raise
+                except BaseException:  # as Sessions.handle: a handler's bug must not end the UP
+                    sessions.dropped["handler_error"] += 1
+                    log.exception("error handling results relayed by relay %d", relay.index)
                 continue
             for j, i in enumerate(hosts):
                 host = self._carried(relay, i)
@@ -467,34 +485,3 @@ class Relays:
                     b = P.Result(body.call_id, body.status, body.meta,
                                  times if isinstance(times, list) else [])
                 sessions.handle(host, relay.identity, sub, b)
-
-    def _results(self, relay: Relay, hosts: list[int], body: P.Result, env: Envelope,
-                 extras: list[Any] | None, now: float) -> None:
-        """One RESULT entry for many hosts: settled as a group (:mod:`.coalesced`),
-        each host's own times from ``extras``."""
-        group: list[Host] = []
-        op = self._ctl._ops.pending.get(body.call_id)
-        # each host's times: only an observed call reads them
-        timed = extras is not None and op is not None and op.future._timing is not None
-        times: list[Any] | None = [] if timed else None
-        known = self._ctl._hosts
-        for j, i in enumerate(hosts):
-            host = known[i] if 0 <= i < len(known) else None  # _carried, inline: per host
-            if host is None or not host.alive or host.peer.via is not relay:
-                continue
-            host.last_seen = now
-            group.append(host)
-            if times is not None:
-                assert extras is not None
-                t = extras[j]
-                times.append(t if isinstance(t, list) else [])
-        if not group:
-            return
-        try:
-            on_results(self._ctl._ops, group, body, env, times)
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException:  # as Sessions.handle: a handler's bug must not end the UP
-            self._ctl._sessions.dropped["handler_error"] += 1
-            log.exception("error handling results relayed by relay %d", relay.index)
-

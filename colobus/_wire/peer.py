@@ -51,6 +51,10 @@ class Via(Protocol):
             buffers: Sequence[Buffer], pbufs: int) -> None:
         """Take one message for ``peer`` (after anything its outbox still holds)."""
 
+    def add_many(self, peers: list[Peer], kind: int, packed: bytes, payload: Buffer,
+                 buffers: Sequence[Buffer], pbufs: int) -> None:
+        """:meth:`add` of one message for each of ``peers``."""
+
     def emit(self) -> Peer | None:
         """Queue what was collected on the relay's own peer; that peer, or None."""
 

@@ -87,10 +87,20 @@ class Gather:
     def __bool__(self) -> bool:
         return bool(self.entries)
 
-    def add(self, host: int, kind: int, body: bytes, payload: Buffer, bufs: Sequence[Buffer],
-            pbufs: int, extra: Any = None, *, alone: bool = False) -> None:
-        """One message for (from) ``host``; ``extra``: that host's own part of an entry
-        shared with others (a reply's times); ``alone``: never shared."""
+    def add_many(self, hosts: list[int], kind: int, body: bytes, payload: Buffer,
+                 bufs: Sequence[Buffer], pbufs: int) -> None:
+        """The same message for each of ``hosts`` (a fan-out): one new entry, after every
+        host's earlier ones; per host only its place is noted (in C)."""
+        at, plen, boff = self._place(payload, bufs)
+        n = len(self.entries)
+        entry = [hosts, kind, body, at, plen, boff, len(bufs), pbufs, None]
+        self.entries.append(entry)
+        self._same[(kind, body, at, plen, boff, len(bufs), pbufs, True)] = (entry, n)
+        self._last.update(dict.fromkeys(hosts, n))
+
+    def _place(self, payload: Buffer, bufs: Sequence[Buffer]) -> tuple[int, int, int]:
+        """Where ``payload`` and ``bufs`` sit in the message (each added once): the
+        payload's offset and length, the first buffer's index."""
         plen = _nbytes(payload)
         at = 0
         if plen:
@@ -117,6 +127,13 @@ class Gather:
                     self.buffers.extend(bufs)
                 boff = self._bufs_last_at = bfound
                 self._bufs_last = bufs
+        return at, plen, boff
+
+    def add(self, host: int, kind: int, body: bytes, payload: Buffer, bufs: Sequence[Buffer],
+            pbufs: int, extra: Any = None, *, alone: bool = False) -> None:
+        """One message for (from) ``host``; ``extra``: that host's own part of an entry
+        shared with others (a reply's times); ``alone``: never shared."""
+        at, plen, boff = self._place(payload, bufs)
         key = (kind, body, at, plen, boff, len(bufs), pbufs, extra is None)
         last = self._last.get(host, -1)
         same = None if alone else self._same.get(key)

@@ -1,0 +1,68 @@
+"""The controller's channel: one message to many peers at once (a fan-out).
+
+A call, a free or a cancel to many hosts is one message, the same for each (or one
+per distinct body). :class:`FanoutChannel` queues it for all of them in one go: a
+relay's hosts' copies become one entry of the relay's next message, with no Python
+work per host beyond finding its relay; hosts reached directly get it in their
+outboxes as :meth:`Channel.send_packed` would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .channel import EAGER_BATCH, Channel
+from .envelope import Buffer
+from .peer import Peer, Via
+
+__all__ = ["FanoutChannel"]
+
+
+class FanoutChannel(Channel):
+    """A :class:`Channel` that sends one message to many peers in one go."""
+
+    def send_packed_many(self, peers: list[Peer], kind: int, packed: bytes,
+                         payload: Buffer = b"", buffers: Sequence[Buffer] = (),
+                         pbufs: int = 0) -> None:
+        """:meth:`send_packed` of one message to each of ``peers`` (a fan-out): a relay's
+        hosts' copies join its next message as one entry; with no step under way,
+        everything leaves now (else at the step's end, or once a peer's outbox holds
+        :data:`EAGER_BATCH`)."""
+        if self.sock.closed:
+            return
+        if self._before_flush is not None:
+            self._before_flush()
+        direct = self.enqueue_packed_many(peers, kind, packed, payload, buffers, pbufs)
+        if self._corked:
+            return
+        if self._step_scheduled:
+            for peer in direct:
+                if len(peer.outbox) >= EAGER_BATCH:
+                    self.send_now(peer)
+            return
+        self._step_scheduled = True
+        self._loop.call_soon(self._end_step)
+        self.flush()
+
+    def enqueue_packed_many(self, peers: list[Peer], kind: int, packed: bytes,
+                            payload: Buffer = b"", buffers: Sequence[Buffer] = (),
+                            pbufs: int = 0) -> list[Peer]:
+        """:meth:`enqueue_packed` for each of ``peers``; returns those not relayed."""
+        direct: list[Peer] = []
+        relayed: dict[Via, list[Peer]] = {}
+        for peer in peers:
+            via = peer.via
+            if via is None:
+                direct.append(peer)
+            elif via in relayed:
+                relayed[via].append(peer)
+            else:
+                relayed[via] = [peer]
+        for via, some in relayed.items():
+            via.add_many(some, kind, packed, payload, buffers, pbufs)
+            if via not in self._gathered:
+                self._gathered.append(via)
+        enqueue = self.enqueue_packed
+        for peer in direct:
+            enqueue(peer, kind, packed, payload, buffers, pbufs)
+        return direct
