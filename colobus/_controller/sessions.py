@@ -381,7 +381,7 @@ class Sessions:
         ctl = self._ctl
         now = time.monotonic()
         silent = now - host.last_seen
-        if silent > ctl.liveness_timeout:
+        if silent > ctl.liveness_timeout and host.peer.via is None:  # (a relay judges its own)
             return f"no message for {silent:.1f} s"
         hangups = ctl._hangups
         if host.hung_up and hangups is not None and now - host.hung_up >= hangups.grace:
