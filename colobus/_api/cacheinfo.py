@@ -50,7 +50,7 @@ class Signatures:
 
     def note(self, treedef: Any, leaves: Sequence[Any], plan: Any) -> None:
         """Count one call with these flattened inputs on ``plan`` (its device set)."""
-        key = (treedef, plan.devices, tuple(
+        key = (treedef, plan.serial, tuple(
             (x.shape, x.dtype, x.sharding) if type(x) is Array else type(x) for x in leaves))
         with self._lock:
             if key in self.seen:

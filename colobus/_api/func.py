@@ -136,6 +136,7 @@ class Target:
     method: str = ""
     signatures: Signatures | None = None  # counted where cache_info() reports them
     observed: tuple[Observer, FunctionStats] | None = None  # its counters, and whose
+    code: Code | None = None  # a function's: all prepare() does is ship it
 
     def digest(self) -> bytes:
         return b""
@@ -152,6 +153,8 @@ class Target:
 
 
 class FunctionTarget(Target):
+    code: Code
+
     def __init__(self, code: Code, name: str) -> None:
         self.code = code
         self.name = name
@@ -309,7 +312,7 @@ class _CallOp:
                               pickled.refs]).packed
         meshes = plan.packed_meshes()
         known, gens, objects, nbufs = ctl._hosts.hosts, self.gens, pickled.objects, len(bufs)
-        prepare = target.prepare
+        prepare, code, digest = target.prepare, target.code, self.digest
         # the hosts by their mesh (one body each), sent together once all are prepared:
         # a fan-out's CALLs join their relay's next message as one entry
         to: dict[bytes, list[Peer]] = {}
@@ -317,7 +320,10 @@ class _CallOp:
             host = known[h]
             if host.generation != gens[h]:
                 raise host.lost_error("it rejoined after this call was made")
-            prepare(ctl, host)
+            if code is None:
+                prepare(ctl, host)
+            elif digest not in host.code_sent:  # (what code.ship looks at, inline)
+                code.ship(ctl, host)
             for state in objects:
                 state.ensure_built(ctl, host)
             if host.alive:  # as ctl._send does

@@ -7,6 +7,7 @@ when they disagree or are missing. Plans are cached by device list and mesh.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +34,9 @@ class CallPlan:
     host_mesh: dict[int, list[Any]]
     # each host's mesh as msgpack, made once (plans are cached): equal ones are one object
     packed_mesh: dict[int, bytes] = field(default_factory=dict, compare=False)
+    # this plan among all made (a key that costs nothing to hash: a fan-out's device
+    # tuple hashes a thousand devices in Python)
+    serial: int = field(default_factory=itertools.count().__next__, compare=False)
 
     def packed_meshes(self) -> dict[int, bytes]:
         """Host -> its part of the mesh, packed (a fan-out's CALLs splice these)."""

@@ -29,7 +29,7 @@ HOST_BLIND: set[Decoder] = set()
 
 
 def on_results(ops: Operations, via: object, indices: list[int], body: P.Result,
-               env: Envelope, extras: list[Any] | None, now: float) -> None:
+               env: Envelope, extras: list[Any] | None) -> None:
     """The same RESULT from the hosts ``indices`` that relay ``via`` carries, coalesced
     by it (loop thread): what :meth:`Operations.on_result` does for each, with the
     operation looked up, the reply checked and the operation ended once for the group,
@@ -47,7 +47,6 @@ def on_results(ops: Operations, via: object, indices: list[int], body: P.Result,
             host = known[i] if 0 <= i < n else None
             if host is None or not host.alive or host.peer.via is not via:
                 continue
-            host.last_seen = now
             if call_id in host.awaiting:
                 host.awaiting.discard(call_id)
                 violation(host, "malformed", f"{meta} outputs")
@@ -55,31 +54,35 @@ def on_results(ops: Operations, via: object, indices: list[int], body: P.Result,
                 violation(host, "unsolicited", f"result for call {call_id}")
         return
     op = ops.pending.get(call_id)
-    rec = op.future._timing if op is not None else None
-    stray = status == P.Status.OK and type(meta) is int  # outputs nobody will own
-    remaining = op.remaining if op is not None else 0
     group: list[Host] = []
     answered: list[int] = []
-    for j, i in enumerate(indices):
+    for i in indices:
         host = known[i] if 0 <= i < n else None
         if host is None or not host.alive or host.peer.via is not via:
             continue  # a host it no longer carries (lost meanwhile)
-        host.last_seen = now
         awaiting = host.awaiting
         if call_id not in awaiting:  # never sent to this host, or answered already
             violation(host, "unsolicited", f"result for call {call_id}")
             continue
         awaiting.discard(call_id)
         host.inflight.discard(call_id)
-        if not remaining >> i & 1:  # (no operation: remaining is 0)
-            if stray:
-                ops.free_outputs(i, call_id, meta)
-            continue
-        if rec is not None:  # traced: each host's own times
-            t = body.times if extras is None else extras[j]
-            rec.add_reply(i, time.perf_counter(), t if isinstance(t, list) else [])
         group.append(host)
         answered.append(i)
+    remaining = op.remaining if op is not None else 0
+    mask = host_mask(tuple(answered))
+    if remaining & mask != mask:  # some the operation no longer waits for (ended, lost)
+        waited = [k for k, i in enumerate(answered) if remaining >> i & 1]
+        if status == P.Status.OK and type(meta) is int:  # outputs nobody will own
+            for i in set(answered) - {answered[k] for k in waited}:
+                ops.free_outputs(i, call_id, meta)
+        group = [group[k] for k in waited]
+        answered = [answered[k] for k in waited]
+    rec = op.future._timing if op is not None else None
+    if rec is not None:  # traced: each host's own times
+        at = {i: j for j, i in enumerate(indices)}
+        for i in answered:
+            t = body.times if extras is None else extras[at[i]]
+            rec.add_reply(i, time.perf_counter(), t if isinstance(t, list) else [])
     if op is not None and group and not (
             len(group) > 1 and op.decode in HOST_BLIND and status == P.Status.OK
             and _answered_alike(op, answered, group[0], body, env)):

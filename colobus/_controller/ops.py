@@ -288,18 +288,19 @@ class Operations:
             return
         hosts = self.ctl._hosts.hosts
         n = len(hosts)
-        for i in op.hosts:
+        call_id = op.call_id
+        for j, i in enumerate(op.hosts):  # (one pass: undone if a host is not alive)
             h = hosts[i] if 0 <= i < n else None
             if h is None or not h.alive:
+                for k in op.hosts[:j]:
+                    hosts[k].inflight.discard(call_id)
+                    hosts[k].awaiting.discard(call_id)
                 fut.set_exception(h.lost_error("it is not alive") if h else HostLostError(
                     f"Host {i} does not exist", i))
                 return
-        call_id = op.call_id
-        self.pending[call_id] = op
-        for i in op.hosts:
-            h = hosts[i]
             h.inflight.add(call_id)
             h.awaiting.add(call_id)
+        self.pending[call_id] = op
         send, op.send = op.send, None
         assert send is not None
         rec = fut._timing

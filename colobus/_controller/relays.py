@@ -467,7 +467,7 @@ class Relays:
             relay.carried_up += len(hosts)
             if kind == P.Kind.RESULT and isinstance(body, P.Result):
                 try:  # one entry for many hosts: settled as a group (.coalesced)
-                    on_results(self._ctl._ops, relay, hosts, body, sub, extras, now)
+                    on_results(self._ctl._ops, relay, hosts, body, sub, extras)
                 except (KeyboardInterrupt, SystemExit):
                     raise
                 except BaseException:  # as Sessions.handle: a handler's bug must not end the UP
