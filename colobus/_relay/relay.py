@@ -258,7 +258,7 @@ class Relay:
         if not isinstance(body, list):
             return True  # malformed: the controller judges it
         now = time.monotonic()
-        figures = body[:4] + body[8:]  # the store, drops, call times, threads, code
+        figures = body[:4] + body[8:9] + body[10:]  # the store, drops, threads, code
         last = self.health_up.get(h)
         if (last is not None and now - last[0] < HEALTH_EVERY_S and last[1] == figures
                 and not (len(body) > 9 and body[9])):  # (call times always go)
