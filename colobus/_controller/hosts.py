@@ -34,6 +34,8 @@ _masks: dict[tuple[int, ...], int] = {}
 def host_mask(indices: tuple[int, ...]) -> int:
     """The bit mask of these host indices (cached: a fan-out names the same hosts on
     every call, and a mask of a thousand bits costs a thousand big-int steps)."""
+    if len(indices) == 1 and indices[0] >= 0:  # a call to one host: no cache, no bytes
+        return 1 << indices[0]
     mask = _masks.get(indices)
     if mask is None:
         if len(indices) > 32:  # set in numpy: no Python step per host

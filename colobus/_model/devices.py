@@ -100,7 +100,7 @@ class Mesh:
             appears twice, or the mesh is empty.
     """
 
-    __slots__ = ("_axis_names", "_devices", "_key")
+    __slots__ = ("_axis_names", "_devices", "_flat", "_key")
 
     def __init__(self, devices: Any, axis_names: str | Sequence[str]) -> None:
         arr = _object_array(devices)
@@ -128,6 +128,13 @@ class Mesh:
         self._devices = arr
         self._axis_names = names
         self._key = (tuple(ids), arr.shape, names)
+        self._flat: tuple[Device, ...] = tuple(arr.flat)
+
+    @property
+    def device_tuple(self) -> tuple[Device, ...]:
+        """The devices in ``devices.flat`` order, as one tuple made once (a sharding's
+        ``device_list``: the same object each time, so plans cache on it)."""
+        return self._flat
 
     @property
     def devices(self) -> np.ndarray[Any, np.dtype[Any]]:

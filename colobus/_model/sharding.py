@@ -284,7 +284,7 @@ class NamedSharding(Sharding):
 
     @property
     def device_list(self) -> tuple[Device, ...]:
-        return tuple(self._mesh.devices.flat)
+        return self._mesh.device_tuple
 
     def _factors(self) -> tuple[int, ...]:
         sizes = self._mesh.shape
@@ -332,13 +332,14 @@ class SingleDeviceSharding(Sharding):
         memory_kind: As for :class:`NamedSharding`.
     """
 
-    __slots__ = ("_device",)
+    __slots__ = ("_device", "_list")
 
     def __init__(self, device: Device, *, memory_kind: str | None = None) -> None:
         super().__init__(memory_kind)
         if not isinstance(device, Device):
             raise TypeError(f"SingleDeviceSharding needs a colobus Device, but got {device!r}.")
         self._device = device
+        self._list = (device,)  # one tuple: plans cache on its identity
 
     @property
     def device(self) -> Device:
@@ -347,7 +348,7 @@ class SingleDeviceSharding(Sharding):
 
     @property
     def device_list(self) -> tuple[Device, ...]:
-        return (self._device,)
+        return self._list
 
     def _factors(self) -> tuple[int, ...]:
         return ()
