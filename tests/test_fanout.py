@@ -11,7 +11,10 @@ controller.
 
 from __future__ import annotations
 
+import asyncio
+import os
 import random
+import signal
 import time
 from typing import Any
 
@@ -119,3 +122,38 @@ async def test_frees_of_arrays_on_different_hosts_in_one_step_reach_exactly_thei
                          10, "the hosts' heartbeats to report the new array")
         assert np.asarray(await cb.device_get(await plus(y))).tolist() == [1.0] * 8
         assert not {"unsolicited", "malformed", "gap"} & set(ctl.stats()["dropped"])
+
+
+@cb.colocated_python
+def mark(path: str) -> None:
+    """Each host adds a byte to its own file: which hosts a call reached, and how often."""
+    with open(os.path.join(path, str(cb.host_index())), "a") as f:
+        f.write("x")
+
+
+async def test_a_fan_out_made_again_after_its_hosts_moved_reaches_them_where_they_are(
+        tmp_path: Any) -> None:
+    """The controller keeps how a fan-out's hosts are reached (their relays, who is
+    alive) while no host joins or is lost; a relay killed moves its hosts to the other
+    relay, and the same specialized call then reaches every host there, once."""
+    def reached() -> list[int]:
+        return [len((tmp_path / str(i)).read_text()) if (tmp_path / str(i)).exists() else 0
+                for i in range(6)]
+
+    async with cb.local_cluster(hosts=6, relays=2, heartbeat_interval=HB,
+                                liveness_timeout=LIVENESS) as ctl:
+        f = mark.specialize(devices=ctl.devices())
+        for _ in range(3):  # the first works the fan-out out, the rest reuse it
+            assert await f(str(tmp_path)) is None
+        assert reached() == [3] * 6
+        doomed = ctl.stats()["relays"][0]
+        os.kill(doomed["pid"], signal.SIGKILL)
+        await eventually(lambda: not ctl.stats()["relays"][0]["alive"], 20,
+                         "the killed relay declared lost")
+        await eventually(lambda: all(h.state == "alive" for h in ctl.hosts()), 60,
+                         "its hosts to rejoin")
+        assert sorted(ctl.stats()["relays"][1]["hosts"]) == list(range(6))
+        for _ in range(3):  # (a call sent the old way would never end)
+            assert await asyncio.wait_for(f(str(tmp_path)), 30) is None
+        assert reached() == [6] * 6
+        assert not {"unsolicited", "relayed"} & set(ctl.stats()["dropped"])

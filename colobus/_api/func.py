@@ -205,10 +205,9 @@ def invoke(target: Target, args: tuple[Any, ...], kwargs: dict[str, Any], *,
         fut.info = plan
         fut._set_cancelled()
         return fut
-    known = ctl._hosts.hosts
-    gens = {h: known[h].generation for h in plan.hosts}
+    changes, gens = ctl._hosts.generations(plan.hosts)
     op = _CallOp(ctl, target, plan, pickled, _stream_id(), digest, gens, ctl._ops.next_id(),
-                 out_specs)
+                 out_specs, changes)
     obs = ctl.observer  # None unless metrics or tracing is on
     if obs is None:
         fut = ctl._ops.submit(plan.hosts, op.send, _decode_result, op, call_id=op.call_id,
@@ -280,12 +279,13 @@ class _CallOp:
     """One call's sending and output building (a class, not closures: fewer objects
     per call for the collector to track while calls are in flight)."""
 
-    __slots__ = ("call_id", "ctl", "digest", "gens", "out_specs", "pickled", "plan",
+    __slots__ = ("call_id", "changes", "ctl", "digest", "gens", "out_specs", "pickled", "plan",
                  "ref_shardings", "stream", "target")
 
     def __init__(self, ctl: Controller, target: Target, plan: CallPlan, pickled: PickledArgs,
                  stream: int, digest: bytes, gens: dict[int, int], call_id: int,
-                 out_specs: Any) -> None:
+                 out_specs: Any, changes: int) -> None:
+        self.changes = changes  # the host registry's, when ``gens`` were read
         self.ctl = ctl
         self.target = target
         self.plan = plan
@@ -310,8 +310,21 @@ class _CallOp:
         # P.Call's fields; all but the host's mesh and the host count packed once
         splice = CallSplicer([call_id, self.stream, self.digest, target.obj_id, target.method,
                               pickled.refs]).packed
+        registry, objects, nbufs, chan = ctl._hosts, pickled.objects, len(bufs), ctl._chan
+        # A fan-out made again with no host joined or lost since: its hosts are as checked
+        # last time (generations, code shipped, alive, relays), their peers grouped.
+        key = (id(plan), self.digest)
+        again = registry.fanouts.get(key) if len(plan.hosts) > 4 and not objects else None
+        if (again is not None and again[0] is plan and again[1] == registry.changes
+                and self.changes == registry.changes and target.code is not None):
+            if chan is not None:
+                for mesh, fan in again[2]:
+                    chan.send_packed_many(fan, P.Kind.CALL, splice(mesh, hosts), payload, bufs,
+                                          nbufs)
+            ctl._count("calls")
+            return
         meshes = plan.packed_meshes()
-        known, gens, objects, nbufs = ctl._hosts.hosts, self.gens, pickled.objects, len(bufs)
+        known, gens = registry.hosts, self.gens
         prepare, code, digest = target.prepare, target.code, self.digest
         # the hosts by their mesh (one body each), sent together once all are prepared:
         # a fan-out's CALLs join their relay's next message as one entry
@@ -333,15 +346,22 @@ class _CallOp:
                     to[mesh] = [host.peer]
                 else:
                     peers.append(host.peer)
-        chan = ctl._chan
         if chan is not None:
+            groups = []
             for mesh, peers in to.items():
                 if len(peers) == 1:
                     chan.send_packed(peers[0], P.Kind.CALL, splice(mesh, hosts), payload, bufs,
                                      nbufs)
                 else:
-                    chan.send_packed_many(peers, P.Kind.CALL, splice(mesh, hosts), payload,
-                                          bufs, nbufs)
+                    fanned = chan.fanout(peers)
+                    groups.append((mesh, fanned))
+                    chan.send_packed_many(fanned, P.Kind.CALL, splice(mesh, hosts), payload, bufs,
+                                          nbufs)
+            if len(plan.hosts) > 4 and not objects and code is not None and (
+                    self.changes == registry.changes and len(groups) == len(to)):
+                if len(registry.fanouts) >= 64:
+                    registry.fanouts.clear()
+                registry.fanouts[key] = (plan, registry.changes, groups)  # (holds the plan)
         ctl._count("calls")
 
     def __call__(self, per_host: dict[int, Any]) -> Any:

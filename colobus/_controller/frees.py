@@ -21,6 +21,7 @@ from .ops import Parts
 if TYPE_CHECKING:
     import asyncio
 
+    from .._wire.fanout import Fanout
     from .ops import Operations
 
 __all__ = ["Frees", "FreesOwner"]
@@ -45,6 +46,8 @@ class Frees:
         # (host -> generation, array ref, call id) of each free, oldest first
         self._queue: collections.deque[tuple[dict[int, int], int, int]] = collections.deque()
         self._timer_set = False
+        # the destinations of frees on the same hosts, by their generations' dict
+        self._fans: dict[int, tuple[dict[int, int], int, Fanout]] = {}
 
     def release_on(self, generations: dict[int, int], ref: int = 0, call: int = 0) -> None:
         """Free array ``ref`` or the result of ``call`` on each of its hosts (host ->
@@ -82,15 +85,27 @@ class Frees:
         assert chan is not None
         first = items[0][0]
         if all(g is first or g == first for g, _, _ in items):  # frees of fan-outs alike:
-            peers = []  # one RELEASE for all their hosts, packed once, one relay entry
-            for host, gen in first.items():
-                h = hosts[host]
-                if h.alive and h.generation == gen:
-                    peers.append(h.peer)
-            if peers:
+            # one RELEASE for all their hosts, packed once, one relay entry; where the
+            # hosts are as when these generations were last looked at, as worked out then
+            changes = self._ctl._hosts.changes
+            hit = self._fans.get(id(first))
+            if hit is not None and hit[0] is first and hit[1] == changes:
+                to = hit[2]
+            else:
+                peers = []
+                for host, gen in first.items():
+                    h = hosts[host]
+                    if h.alive and h.generation == gen:
+                        peers.append(h.peer)
+                to = chan.fanout(peers)
+                if len(first) > 4:  # (the entry holds ``first``: its id stays its own)
+                    if len(self._fans) >= 64:
+                        self._fans.clear()
+                    self._fans[id(first)] = (first, changes, to)
+            if to.direct or to.relayed:
                 one = pack_body(P.Release([r for _, r, _ in items if r],
-                                           [c for _, _, c in items if c]).to_wire())
-                chan.enqueue_packed_many(peers, P.Kind.RELEASE, one)
+                                          [c for _, _, c in items if c]).to_wire())
+                chan.enqueue_packed_many(to, P.Kind.RELEASE, one)
             return
         per_host: dict[int, tuple[list[int], list[int]]] = {}
         for gens, ref, call in items:

@@ -137,6 +137,12 @@ class HostRegistry:
         # sessions of lost hosts (-> the RESET reason their worker gets), oldest first: bounded
         self.dead_sessions: collections.OrderedDict[bytes, str] = collections.OrderedDict()
         self._next_device_id = 0
+        # Bumped whenever a host joins, rejoins or is lost: what a fan-out worked out per
+        # host (generations, who is alive, which relay carries whom) holds while it holds.
+        self.changes = 0
+        self._gens: dict[int, tuple[tuple[int, ...], int, dict[int, int]]] = {}
+        # per fan-out (plan, code): what _CallOp.send worked out, and under which changes
+        self.fanouts: dict[Any, tuple[Any, int, Any]] = {}
 
     def __getitem__(self, index: int) -> Host:
         return self.hosts[index]
@@ -149,6 +155,21 @@ class HostRegistry:
 
     def alive_count(self) -> int:
         return sum(1 for h in self.hosts if h.alive)
+
+    def generations(self, hosts: tuple[int, ...]) -> tuple[int, dict[int, int]]:
+        """``changes`` now and each of ``hosts``' generation (the dict is shared: do not
+        change it); any thread (a stale answer is caught where the call is sent)."""
+        changes = self.changes
+        hit = self._gens.get(id(hosts))
+        if hit is not None and hit[0] is hosts and hit[1] == changes:
+            return changes, hit[2]
+        known = self.hosts
+        gens = {h: known[h].generation for h in hosts}
+        if len(hosts) > 4:  # (the entry holds ``hosts``: its id stays its own)
+            if len(self._gens) >= 256:
+                self._gens.clear()
+            self._gens[id(hosts)] = (hosts, changes, gens)
+        return changes, gens
 
     def devices(self) -> list[Device]:
         return sorted(d for h in self.hosts if h.alive for d in h.devices)
@@ -196,6 +217,7 @@ class HostRegistry:
             self.hosts[index] = host
         else:
             self.hosts.append(host)
+        self.changes += 1
         self.by_name[hello.name] = host
         self.by_identity[identity] = host
         return host
@@ -215,6 +237,7 @@ class HostRegistry:
         if not host.alive:
             return False
         host.alive = False
+        self.changes += 1
         host.peer.forget()
         self.dead_sessions[host.session] = last_word
         while len(self.dead_sessions) > DEAD_SESSIONS_MAX:

@@ -157,8 +157,7 @@ class Relay:
         if h is not None:  # else a host it no longer carries: nothing more goes to it
             self._gather.add(h, kind, packed, payload, buffers, pbufs)
 
-    def add_many(self, peers: list[Peer], kind: int, packed: bytes, payload: Buffer,
-                 buffers: Sequence[Buffer], pbufs: int) -> None:
+    def carried(self, peers: list[Peer]) -> list[int]:
         carries = self.carries
         for peer in peers:
             if peer.outbox:  # (rare) queued before it moved here: those go first
@@ -166,8 +165,12 @@ class Relay:
         hosts = [carries.get(p.route[0], -1) for p in peers]
         if -1 in hosts:  # hosts it no longer carries: nothing more goes to them
             hosts = [h for h in hosts if h >= 0]
-        if hosts:
-            self._gather.add_many(hosts, kind, packed, payload, buffers, pbufs)
+        return hosts
+
+    def add_indices(self, hosts: list[int], kind: int, packed: bytes, payload: Buffer,
+                    buffers: Sequence[Buffer], pbufs: int) -> None:
+        # a copy: the entry's list grows when a later message joins it
+        self._gather.add_many(list(hosts), kind, packed, payload, buffers, pbufs)
 
     def emit(self) -> Peer | None:
         if not self._gather:
@@ -318,6 +321,7 @@ class Relays:
                                         peer.max_part))
         relay.carries[host.identity] = host.index
         peer.via = relay
+        self._ctl._hosts.changes += 1  # (fan-outs worked out before go another way now)
 
     def joined_again(self, host: Host, advanced: bool) -> None:
         """A relayed host's worker sent a JOIN or HELLO again before its WELCOME came:

@@ -4,7 +4,10 @@ A call, a free or a cancel to many hosts is one message, the same for each (or o
 per distinct body). :class:`FanoutChannel` queues it for all of them in one go: a
 relay's hosts' copies become one entry of the relay's next message, with no Python
 work per host beyond finding its relay; hosts reached directly get it in their
-outboxes as :meth:`Channel.send_packed` would.
+outboxes as :meth:`Channel.send_packed` would. Where the peers are worked out once
+(:meth:`FanoutChannel.fanout`), a caller that sends to the same peers again (a
+fan-out call made every step) keeps the :class:`Fanout` while no host joined or was
+lost, and sends with no step per relayed host at all.
 """
 
 from __future__ import annotations
@@ -15,13 +18,39 @@ from .channel import EAGER_BATCH, Channel
 from .envelope import Buffer
 from .peer import Peer, Via
 
-__all__ = ["FanoutChannel"]
+__all__ = ["Fanout", "FanoutChannel"]
+
+
+class Fanout:
+    """One message's destinations, worked out once: the peers reached directly, and for
+    each relay the indices of the hosts it carries."""
+
+    __slots__ = ("direct", "relayed")
+
+    def __init__(self, direct: list[Peer], relayed: list[tuple[Via, list[int]]]) -> None:
+        self.direct = direct
+        self.relayed = relayed
 
 
 class FanoutChannel(Channel):
     """A :class:`Channel` that sends one message to many peers in one go."""
 
-    def send_packed_many(self, peers: list[Peer], kind: int, packed: bytes,
+    def fanout(self, peers: Sequence[Peer]) -> Fanout:
+        """Where a message to each of ``peers`` goes (valid while none joins, moves or
+        is lost)."""
+        direct: list[Peer] = []
+        relayed: dict[Via, list[Peer]] = {}
+        for peer in peers:
+            via = peer.via
+            if via is None:
+                direct.append(peer)
+            elif via in relayed:
+                relayed[via].append(peer)
+            else:
+                relayed[via] = [peer]
+        return Fanout(direct, [(via, via.carried(some)) for via, some in relayed.items()])
+
+    def send_packed_many(self, peers: Sequence[Peer] | Fanout, kind: int, packed: bytes,
                          payload: Buffer = b"", buffers: Sequence[Buffer] = (),
                          pbufs: int = 0) -> None:
         """:meth:`send_packed` of one message to each of ``peers`` (a fan-out): a relay's
@@ -44,25 +73,17 @@ class FanoutChannel(Channel):
         self._loop.call_soon(self._end_step)
         self.flush()
 
-    def enqueue_packed_many(self, peers: list[Peer], kind: int, packed: bytes,
+    def enqueue_packed_many(self, peers: Sequence[Peer] | Fanout, kind: int, packed: bytes,
                             payload: Buffer = b"", buffers: Sequence[Buffer] = (),
                             pbufs: int = 0) -> list[Peer]:
         """:meth:`enqueue_packed` for each of ``peers``; returns those not relayed."""
-        direct: list[Peer] = []
-        relayed: dict[Via, list[Peer]] = {}
-        for peer in peers:
-            via = peer.via
-            if via is None:
-                direct.append(peer)
-            elif via in relayed:
-                relayed[via].append(peer)
-            else:
-                relayed[via] = [peer]
-        for via, some in relayed.items():
-            via.add_many(some, kind, packed, payload, buffers, pbufs)
-            if via not in self._gathered:
-                self._gathered.append(via)
+        to = peers if isinstance(peers, Fanout) else self.fanout(peers)
+        for via, hosts in to.relayed:
+            if hosts:
+                via.add_indices(hosts, kind, packed, payload, buffers, pbufs)
+                if via not in self._gathered:
+                    self._gathered.append(via)
         enqueue = self.enqueue_packed
-        for peer in direct:
+        for peer in to.direct:
             enqueue(peer, kind, packed, payload, buffers, pbufs)
-        return direct
+        return to.direct

@@ -51,9 +51,13 @@ class Via(Protocol):
             buffers: Sequence[Buffer], pbufs: int) -> None:
         """Take one message for ``peer`` (after anything its outbox still holds)."""
 
-    def add_many(self, peers: list[Peer], kind: int, packed: bytes, payload: Buffer,
-                 buffers: Sequence[Buffer], pbufs: int) -> None:
-        """:meth:`add` of one message for each of ``peers``."""
+    def carried(self, peers: list[Peer]) -> list[int]:
+        """The host indices of those of ``peers`` it carries (what their outboxes still
+        held goes first)."""
+
+    def add_indices(self, hosts: list[int], kind: int, packed: bytes, payload: Buffer,
+                    buffers: Sequence[Buffer], pbufs: int) -> None:
+        """:meth:`add` of one message for each of the hosts ``carried`` named."""
 
     def emit(self) -> Peer | None:
         """Queue what was collected on the relay's own peer; that peer, or None."""
