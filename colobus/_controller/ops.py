@@ -331,6 +331,8 @@ class Operations:
 
     def _full(self, hosts: tuple[int, ...]) -> bool:
         limit = self.max_inflight
+        if len(self.pending) < limit:  # a host's calls in flight are pending operations
+            return False
         hs = self.ctl._hosts.hosts
         n = len(hs)
         for i in hosts:
