@@ -47,13 +47,18 @@ def on_results(ops: Operations, via: object, indices: list[int], body: P.Result,
             host = known[i] if 0 <= i < n else None
             if host is None or not host.alive or host.peer.via is not via:
                 continue
-            if call_id in host.awaiting:
+            if ops.owed(host, call_id):
+                if call_id in ops.late:
+                    ops.settle_late(call_id, 1 << i)
                 host.awaiting.discard(call_id)
                 violation(host, "malformed", f"{meta} outputs")
             else:
                 violation(host, "unsolicited", f"result for call {call_id}")
         return
     op = ops.pending.get(call_id)
+    if op.wide if op is not None else call_id in ops.late:
+        _wide(ops, via, indices, body, env, extras, op)
+        return
     group: list[Host] = []
     answered: list[int] = []
     for i in indices:
@@ -96,8 +101,58 @@ def on_results(ops: Operations, via: object, indices: list[int], body: P.Result,
         ops.pump()
 
 
+def _wide(ops: Operations, via: Any, indices: list[int], body: P.Result, env: Envelope,
+          extras: list[Any] | None, op: Operation | None) -> None:
+    """:func:`on_results` for a wide operation (its hosts in masks only, see
+    :mod:`.operation`), pending (``op``) or ended: per host nothing but in the rare
+    reply a host did not owe (or that its relay no longer carries it)."""
+    call_id, status, meta = body.call_id, body.status, body.meta
+    known = ops.ctl._hosts.hosts
+    if indices and (min(indices) < 0 or max(indices) >= len(known)):
+        indices = [i for i in indices if 0 <= i < len(known)]
+    got = host_mask(tuple(indices))
+    carried = got & via.carried_mask  # (a lost host's bit is cleared there)
+    owed = op.remaining if op is not None else ops.late.get(call_id, 0)
+    answered = carried & owed
+    if answered != got or len(indices) != answered.bit_count():
+        keep: list[int] = []
+        seen = 0
+        for i in indices:  # some not carried (lost meanwhile), or not owed: one by one
+            b = 1 << i
+            if not carried & b:
+                continue
+            if not owed & b or seen & b:
+                ops.ctl._sessions.violation(known[i], "unsolicited", f"result for call {call_id}")
+                continue
+            seen |= b
+            keep.append(i)
+        indices, answered = keep, seen
+    if op is None:  # ended before these replies came: nobody will own their outputs
+        ops.settle_late(call_id, answered)
+        if status == P.Status.OK and type(meta) is int:
+            for i in indices:
+                ops.free_outputs(i, call_id, meta)
+    elif indices:
+        rec = op.future._timing
+        if rec is not None:  # traced: each host's own times
+            at = {i: j for j, i in enumerate(indices)}
+            for i in indices:
+                t = body.times if extras is None else extras[at[i]]
+                rec.add_reply(i, time.perf_counter(), t if isinstance(t, list) else [])
+        if not (len(indices) > 1 and op.decode in HOST_BLIND and status == P.Status.OK
+                and _answered_alike(op, indices, known[indices[0]], body, env, answered)):
+            for i in indices:
+                flaw = op.answered(known[i], body, env)
+                if flaw is not None:  # the call fails with a ProtocolError; the host goes
+                    ops.ctl._sessions.violation(known[i], "bad_reply", str(flaw))
+        if not op.remaining and ops.pending.get(call_id) is op:
+            op.end(ops)
+    if ops.backlog:
+        ops.pump()
+
+
 def _answered_alike(op: Operation, answered: list[int], first: Host, body: P.Result,
-                    env: Envelope) -> bool:
+                    env: Envelope, mask: int | None = None) -> bool:
     """:meth:`Operation.answered` for each of the hosts ``answered`` (equal OK replies,
     a host-blind decoder): decoded once, the value shared, the hosts' bits cleared at
     once. False if the decoder raised: nothing recorded (each host is then answered
@@ -109,5 +164,5 @@ def _answered_alike(op: Operation, answered: list[int], first: Host, body: P.Res
     op.values.update(dict.fromkeys(answered, value))
     if type(body.meta) is int:
         op.outputs.update(dict.fromkeys(answered, body.meta))
-    op.remaining &= ~host_mask(tuple(answered))
+    op.remaining &= ~(host_mask(tuple(answered)) if mask is None else mask)
     return True

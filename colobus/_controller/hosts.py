@@ -140,6 +140,7 @@ class HostRegistry:
         # Bumped whenever a host joins, rejoins or is lost: what a fan-out worked out per
         # host (generations, who is alive, which relay carries whom) holds while it holds.
         self.changes = 0
+        self.alive_mask = 0  # the alive hosts' bits
         self._gens: dict[int, tuple[tuple[int, ...], int, dict[int, int]]] = {}
         # per fan-out (plan, code): what _CallOp.send worked out, and under which changes
         self.fanouts: dict[Any, tuple[Any, int, Any]] = {}
@@ -218,6 +219,7 @@ class HostRegistry:
         else:
             self.hosts.append(host)
         self.changes += 1
+        self.alive_mask |= 1 << index
         self.by_name[hello.name] = host
         self.by_identity[identity] = host
         return host
@@ -238,6 +240,7 @@ class HostRegistry:
             return False
         host.alive = False
         self.changes += 1
+        self.alive_mask &= ~(1 << host.index)
         host.peer.forget()
         self.dead_sessions[host.session] = last_word
         while len(self.dead_sessions) > DEAD_SESSIONS_MAX:

@@ -25,13 +25,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .._errors import ControllerClosedError, HostLostError, ProtocolError
+from .._errors import ControllerClosedError, HostLostError
 from .._wire import protocol as P
 from .._wire.describe import BadReply
 from .._wire.envelope import Envelope
-from .._wire.failures import read_error, rebuild_error
 from .future import Future, in_event_loop
-from .hosts import host_mask
+from .operation import Combiner, Decoder, Operation, Sender, rebuild_exception
 
 if TYPE_CHECKING:
     from .._observe.observer import FunctionStats
@@ -78,126 +77,6 @@ class OpsOwner(Parts, Protocol):
 
 _clock = time.perf_counter  # read per observed call: one global, not an attribute of one
 
-# What a reply from one host turns into; runs on the loop thread on receipt.
-Decoder = Callable[["Host", P.Result, Envelope], Any]
-# Combines the per-host values (by host index) into the future's result.
-Combiner = Callable[[dict[int, Any]], Any]
-# How an operation's messages leave: called once, on the loop thread, with its id.
-Sender = Callable[[int], None]
-
-
-class Operation:
-    """One remote operation, from submission to its single ending."""
-
-    __slots__ = ("backpressure", "call_id", "combine", "decode", "errors", "future", "hosts",
-                 "outputs", "remaining", "send", "values", "was_cancelled")
-
-    def __init__(self, call_id: int, future: Future[Any], hosts: tuple[int, ...], send: Sender,
-                 decode: Decoder, combine: Combiner, backpressure: bool) -> None:
-        self.call_id = call_id
-        self.future = future
-        self.hosts = hosts
-        self.send: Sender | None = send
-        self.decode = decode
-        self.combine = combine
-        self.backpressure = backpressure
-        # The hosts yet to answer, as a bit mask: an int is not tracked by the
-        # garbage collector, a set would be (one more object per call in flight).
-        self.remaining = host_mask(hosts)
-        self.values: dict[int, Any] = {}
-        self.errors: dict[int, BaseException] = {}
-        self.outputs: dict[int, int] = {}  # host -> output leaves it stored for this call
-        self.was_cancelled = False  # a host answered CANCELLED
-
-    def waits_for(self, host: int) -> bool:
-        return bool(self.remaining >> host & 1)
-
-    def waiting_for(self) -> list[int]:
-        """The hosts yet to answer, in index order."""
-        mask, out, i = self.remaining, [], 0
-        while mask:
-            if mask & 1:
-                out.append(i)
-            mask >>= 1
-            i += 1
-        return out
-
-    def answered(self, host: Host, body: P.Result, env: Envelope) -> BadReply | None:
-        """Record one host's RESULT (loop thread); the reply's flaw if it broke the
-        protocol (the operation then fails with a ``ProtocolError``)."""
-        i = host.index
-        self.remaining &= ~(1 << i)
-        status = body.status
-        try:
-            if status == P.Status.OK:
-                if type(body.meta) is int:
-                    self.outputs[i] = body.meta
-                self.values[i] = self.decode(host, body, env)
-            elif status == P.Status.CANCELLED:
-                self.was_cancelled = True
-            else:
-                self.errors[i] = rebuild_exception(host, env, body.meta)
-        except BadReply as exc:
-            err = ProtocolError(f"host {i} ({host.name!r}) sent a malformed reply: {exc}")
-            err.__cause__ = exc
-            self.errors[i] = err
-            return exc
-        except BaseException as exc:
-            self.errors[i] = exc
-        return None
-
-    def end(self, ops: Operations, exc: BaseException | None = None) -> None:
-        """End the operation (loop thread): with ``exc``, else from what hosts answered.
-
-        Frees what hosts stored for it unless its result now owns that; leaves
-        the table; settles the future (a no-op if the caller cancelled it).
-        """
-        ops.pending.pop(self.call_id, None)
-        hosts = ops.ctl._hosts
-        for i in self.waiting_for():
-            if i < len(hosts):
-                hosts[i].inflight.discard(self.call_id)
-        self.send = None
-        fut = self.future
-        if exc is None and self.remaining:
-            return  # not every host answered: not the end yet
-        if exc is None and fut.cancelled():
-            exc = asyncio.CancelledError()
-        result: Any = None
-        if exc is None:
-            exc = self._first_error()
-        if exc is None and self.was_cancelled:
-            self._free_outputs(ops)
-            fut._set_cancelled()
-            return
-        if exc is None:
-            try:
-                result = self.combine(self.values)
-            except BaseException as e:  # a combine error belongs to this operation only
-                exc = e
-        if exc is not None:
-            self._free_outputs(ops)
-            fut.set_exception(exc)
-        else:
-            fut.set_result(result)
-
-    def _first_error(self) -> BaseException | None:
-        if not self.errors:
-            return None
-        first = min(self.errors)
-        exc = self.errors[first]
-        for other in sorted(self.errors):
-            if other != first:
-                err = self.errors[other]
-                exc.add_note(f"host {other} also failed: {type(err).__name__}: {err}")
-        return exc
-
-    def _free_outputs(self, ops: Operations) -> None:
-        for host, n in self.outputs.items():
-            ops.free_outputs(host, self.call_id, n)
-        self.outputs = {}
-
-
 class Operations:
     """The operation table, the backlog and back-pressure of one controller."""
 
@@ -206,6 +85,9 @@ class Operations:
         self.max_inflight = max_inflight
         self.max_backlog = max_backlog
         self.pending: dict[int, Operation] = {}
+        self.wide: dict[int, Operation] = {}  # the pending operations that are wide
+        # call id -> the hosts of a wide operation that ended which still owe a reply
+        self.late: dict[int, int] = {}
         # Operations (and posted functions) waiting to leave, in submission order.
         self.backlog: collections.deque[Operation | Callable[[], None]] = collections.deque()
         self._ids = itertools.count(1)  # next() is atomic under the GIL
@@ -213,6 +95,10 @@ class Operations:
         self.queued = 0  # submitted with back-pressure, not yet sent
         self._capacity_waiters: list[Future[None]] = []
         self._canceller = self._cancel_future  # one bound method, not one per call
+
+    @property
+    def hosts(self) -> HostRegistry:
+        return self.ctl._hosts
 
     def next_id(self) -> int:
         return next(self._ids)
@@ -286,20 +172,28 @@ class Operations:
         fut = op.future
         if fut.done():
             return
-        hosts = self.ctl._hosts.hosts
+        registry = self.ctl._hosts
+        hosts = registry.hosts
         n = len(hosts)
         call_id = op.call_id
-        for j, i in enumerate(op.hosts):  # (one pass: undone if a host is not alive)
-            h = hosts[i] if 0 <= i < n else None
-            if h is None or not h.alive:
-                for k in op.hosts[:j]:
-                    hosts[k].inflight.discard(call_id)
-                    hosts[k].awaiting.discard(call_id)
-                fut.set_exception(h.lost_error("it is not alive") if h else HostLostError(
-                    f"Host {i} does not exist", i))
-                return
-            h.inflight.add(call_id)
-            h.awaiting.add(call_id)
+        wide = op.wide
+        if wide and not op.remaining & ~registry.alive_mask:  # all alive: masks only
+            self.wide[call_id] = op
+        else:
+            for j, i in enumerate(op.hosts):  # (one pass: undone if a host is not alive)
+                h = hosts[i] if 0 <= i < n else None
+                if h is None or not h.alive:
+                    for k in () if wide else op.hosts[:j]:
+                        hosts[k].inflight.discard(call_id)
+                        hosts[k].awaiting.discard(call_id)
+                    fut.set_exception(h.lost_error("it is not alive") if h else HostLostError(
+                        f"Host {i} does not exist", i))
+                    return
+                if not wide:
+                    h.inflight.add(call_id)
+                    h.awaiting.add(call_id)
+            if wide:  # (every host alive after all)
+                self.wide[call_id] = op
         self.pending[call_id] = op
         send, op.send = op.send, None
         assert send is not None
@@ -333,12 +227,39 @@ class Operations:
         limit = self.max_inflight
         if len(self.pending) < limit:  # a host's calls in flight are pending operations
             return False
+        # Wide operations are in no host's set: each counts against every host here (at
+        # worst a host waits for a slot that another host's fan-outs hold; nothing that
+        # waits for a queued call can be ahead of it, so none waits forever).
+        wide = len(self.wide)
         hs = self.ctl._hosts.hosts
         n = len(hs)
         for i in hosts:
-            if 0 <= i < n and len(hs[i].inflight) >= limit:
+            if 0 <= i < n and len(hs[i].inflight) + wide >= limit:
                 return True
         return False
+
+    def inflight_count(self, host: Host) -> int:
+        """The operations ``host`` has yet to answer (its own set's, and wide ones')."""
+        i = host.index
+        return len(host.inflight) + sum(1 for op in self.wide.values() if op.remaining >> i & 1)
+
+    def owed(self, host: Host, call_id: int) -> bool:
+        """Whether ``host`` owes a reply to ``call_id`` (sent, not answered yet)."""
+        op = self.pending.get(call_id)
+        if op is not None and op.wide:
+            return bool(op.remaining >> host.index & 1)
+        late = self.late.get(call_id)
+        if late is not None:
+            return bool(late >> host.index & 1)
+        return call_id in host.awaiting
+
+    def settle_late(self, call_id: int, mask: int) -> None:
+        """The hosts of ``mask`` answered ``call_id``, a wide operation that ended."""
+        left = self.late.get(call_id, 0) & ~mask
+        if left:
+            self.late[call_id] = left
+        else:
+            self.late.pop(call_id, None)
 
     # -- replies and endings ---------------------------------------------------------------
 
@@ -346,16 +267,18 @@ class Operations:
         """A host's RESULT (loop thread)."""
         call_id = body.call_id
         ctl = self.ctl
-        if call_id not in host.awaiting:  # never sent to this host, or answered already
+        if not self.owed(host, call_id):  # never sent to this host, or answered already
             ctl._sessions.violation(host, "unsolicited", f"result for call {call_id}")
             return
+        op = self.pending.get(call_id)
+        if op is None and call_id in self.late:
+            self.settle_late(call_id, 1 << host.index)
         host.awaiting.discard(call_id)
         if (body.status == P.Status.OK and type(body.meta) is int
                 and not 0 <= body.meta < P.MAX_OUTPUTS):
             ctl._sessions.violation(host, "malformed", f"{body.meta} outputs")
             return
         host.inflight.discard(call_id)
-        op = self.pending.get(call_id)
         bad: BadReply | None = None
         if op is None or not op.waits_for(host.index):
             # Ended already (cancelled, failed, a host lost): nobody will own these.
@@ -402,11 +325,18 @@ class Operations:
 
     def host_lost(self, host: Host, why: str) -> None:
         """Fail every operation waiting for ``host``; the others' outputs are freed."""
-        for call_id in sorted(host.inflight):
+        i = host.index
+        owed = set(host.inflight)
+        owed.update(c for c, op in self.wide.items() if op.remaining >> i & 1)
+        for call_id in sorted(owed):
             op = self.pending.get(call_id)
             if op is not None:
                 op.end(self, host.lost_error(why))
         host.inflight.clear()
+        bit = 1 << i
+        for call_id, mask in list(self.late.items()):  # it will answer none of them
+            if mask & bit:
+                self.settle_late(call_id, bit)
         self.pump()  # queued operations for that host fail as they reach the front
 
     def close(self, why: str | None = None) -> None:
@@ -416,6 +346,7 @@ class Operations:
         for op in list(self.pending.values()):
             op.outputs = {}  # the hosts drop everything of this session themselves
             op.end(self, err)
+        self.late.clear()
         backlog, self.backlog = self.backlog, collections.deque()
         for item in backlog:
             if isinstance(item, Operation):
@@ -470,26 +401,3 @@ class Operations:
                 waiter: Future[None] = Future()
                 self._capacity_waiters.append(waiter)
             await waiter
-
-
-
-# Exceptions raised on hosts, as the controller re-raises them.
-if TYPE_CHECKING:
-    from .hosts import Host
-
-
-
-def rebuild_exception(host: Host, env: Envelope, meta: Any) -> BaseException:
-    """The exception a host's ERROR reply describes, rebuilt from data (never
-    unpickled: see ``_describe``), with the host and traceback as notes.
-
-    Raises:
-        BadReply: the payload is not an error description.
-    """
-    failure = read_error(env.payload)
-    exc = rebuild_error(failure, host.index)
-    tb = failure.traceback
-    exc.add_note(f"raised on colobus host {host.index} ({host.name!r})")
-    if tb:
-        exc.add_note(f"remote traceback (host {host.index}):\n{tb.rstrip()}")
-    return exc

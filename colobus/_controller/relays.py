@@ -127,6 +127,7 @@ class Relay:
         self.link = Peer([identity], ctl._session, session, 0, ctl.send_window_bytes)
         self.endpoint = ""  # where hosts connect, once it said READY
         self.carries: dict[bytes, int] = {}  # host routing id -> host index
+        self.carried_mask = 0  # the bits of the hosts it carries
         self.last_seen = time.monotonic()
         self.alive = True
         self.dropped: dict[str, int] = {}
@@ -320,6 +321,7 @@ class Relays:
                                         peer.send_seq, peer.recv_seq, peer.max_window,
                                         peer.max_part))
         relay.carries[host.identity] = host.index
+        relay.carried_mask |= 1 << host.index
         peer.via = relay
         self._ctl._hosts.changes += 1  # (fan-outs worked out before go another way now)
 
@@ -349,6 +351,7 @@ class Relays:
         relay = host.peer.via
         if not isinstance(relay, Relay) or relay.carries.pop(host.identity, None) is None:
             return
+        relay.carried_mask &= ~(1 << host.index)
         chan = self._ctl._chan
         if relay.alive and chan is not None:
             chan.send(relay.link, Gone(host.index, last_word))
@@ -381,6 +384,7 @@ class Relays:
                     len(relay.carries))
         hosts = self._ctl._hosts
         carried, relay.carries = relay.carries, {}
+        relay.carried_mask = 0
         for index in carried.values():
             self._ctl._sessions.lose(hosts[index], f"its relay was lost ({why})")
         if relay.proc.poll() is None:

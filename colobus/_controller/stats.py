@@ -59,7 +59,7 @@ def collect_stats(sessions: Sessions, counters: collections.Counter[str], chan: 
                 "objects": h.store[2],
                 "results": h.store[3],
                 "code_sent": len(h.code_sent),
-                "inflight": len(h.inflight),
+                "inflight": ops.inflight_count(h),
                 "queued_bytes": uploads.queued(h.index),
                 **host_health(h),
             }
