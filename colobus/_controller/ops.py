@@ -33,7 +33,7 @@ from .future import Future, in_event_loop
 from .operation import Combiner, Decoder, Operation, Sender, rebuild_exception
 
 if TYPE_CHECKING:
-    from .._observe.observer import FunctionStats
+    from .._observe.observer import FunctionStats, Observer
     from .._observe.trace import CallRecord
     from .._wire.envelope import Buffer
     from .._wire.fanout import FanoutChannel
@@ -59,6 +59,8 @@ class Parts(Protocol):
     def _chan(self) -> FanoutChannel | None: ...
     @property
     def _closed(self) -> bool: ...
+    @property
+    def observer(self) -> Observer | None: ...
 
 
 class OpsOwner(Parts, Protocol):

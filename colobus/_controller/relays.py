@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import os
 import secrets
@@ -260,6 +261,7 @@ class Relays:
             "identity": identity, "controller": address, "bind": bind,
             "heartbeat": ctl.heartbeat_interval, "liveness": ctl.liveness_timeout,
             "resend_after": ctl._resend_after, "max_message_bytes": ctl.max_message_bytes,
+            "times": ctl.observer is not None and ctl.observer.records,  # (traces read them)
         }
         data = msgpack.packb(settings)
         proc = subprocess.Popen([sys.executable, "-c", BOOT, PACKAGE], stdin=subprocess.PIPE,
@@ -286,6 +288,9 @@ class Relays:
             if r.proc.poll() is None:
                 r.proc.kill()
                 r.proc.wait()
+            if r.endpoint.startswith("ipc://"):  # a relay that was killed leaves its socket file
+                with contextlib.suppress(OSError):
+                    os.unlink(r.endpoint[6:])
 
     # -- hosts ---------------------------------------------------------------------------
 

@@ -39,7 +39,6 @@ from .joinwait import JoinOrder
 from .ops import Parts
 
 if TYPE_CHECKING:
-    from .._observe.observer import Observer
     from .._wire.envelope import Buffer
     from .hangups import Hangups
     from .ops import Operations
@@ -66,8 +65,6 @@ class SessionsOwner(Parts, Protocol):
     def _relays(self) -> Relays | None: ...
     @property
     def _uploads(self) -> Uploads: ...
-    @property
-    def observer(self) -> Observer | None: ...
     @property
     def _session(self) -> bytes: ...
     @property

@@ -221,6 +221,11 @@ class DataPlane:
             self._pulls.clear()
             self._router.close(0)
             self._wake_rx.close(0)
+            if self.endpoint.startswith("ipc://"):  # libzmq may not unlink it before we exit
+                try:
+                    os.unlink(self.endpoint[6:])
+                except OSError:
+                    pass
 
     def _drain_wake(self) -> None:
         while True:

@@ -55,6 +55,9 @@ HEARTBEAT = int(P.Kind.HEARTBEAT)
 # A host's heartbeat goes up when its figures other than memory, CPU time and the ping
 # echo changed, or this long after the last that went up; the relay judges liveness.
 HEALTH_EVERY_S = 5.0
+# Heartbeats that go up wait for the next UP that goes anyway, or this long: an UP costs
+# the controller's loop a wake-up and a decode however little it carries.
+HEALTH_FLUSH_S = 0.5
 
 
 class Relay:
@@ -67,6 +70,7 @@ class Relay:
         self.heartbeat = float(cfg["heartbeat"])
         self.liveness = float(cfg["liveness"])
         self.resend_after = float(cfg["resend_after"])
+        self.times = bool(cfg.get("times", True))  # pass each host's call times up (traces)
         self.max_message = int(cfg["max_message_bytes"])
         self.cfg = cfg
         self.peers: dict[int, Peer] = {}  # host index -> its session, as the controller's
@@ -80,6 +84,8 @@ class Relay:
         self.ups = Gather()
         self.hold = ReplyHold()  # the replies of a call wait for its last one (.hold)
         self._hold_timer: asyncio.TimerHandle | None = None
+        self._due = False  # self.ups holds more than heartbeats
+        self._beat_timer: asyncio.TimerHandle | None = None
         self.ctl = Peer([], self.session, self.ctl_session)
         self.ctl_heard = time.monotonic()
         self.done: asyncio.Future[None] | None = None
@@ -236,8 +242,11 @@ class Relay:
         hold = self.hold
         for sub in subs:
             body = sub.body
-            if sub.kind == HEARTBEAT and not self._health_news(h, body):
-                continue
+            if sub.kind == HEARTBEAT:
+                if not self._health_news(h, body):
+                    continue
+            else:
+                self._due = True
             if sub.kind == RESULT and isinstance(body, list) and body and type(body[0]) is int:
                 hold.answered(body[0])
             elif sub.kind != HEARTBEAT:
@@ -246,7 +255,7 @@ class Relay:
                     and len(body) >= 3 and memoryview(sub.payload).nbytes <= SMALL):
                 # equal replies of one call travel once; each host's times beside them
                 add(h, RESULT, pack_body(body[:3]), bytes(sub.payload), (), 0,
-                    body[3] if len(body) > 3 else [])
+                    (body[3] if len(body) > 3 else []) if self.times else None)
             else:
                 add(h, sub.kind, pack_body(body), sub.payload, sub.buffers, sub.pbufs,
                     alone=True)
@@ -275,17 +284,23 @@ class Relay:
             if self._hold_timer is None:
                 self._hold_timer = asyncio.get_running_loop().call_later(HOLD_S, self._held)
             return
+        if not self._due:  # heartbeats only: they go with the next UP, or soon
+            if self._beat_timer is None:
+                self._beat_timer = asyncio.get_running_loop().call_later(HEALTH_FLUSH_S,
+                                                                         self._held)
+            return
         self._send_up()
 
     def _held(self) -> None:
-        self._hold_timer = None
         if self.ups:
             self._send_up()
 
     def _send_up(self) -> None:
-        if self._hold_timer is not None:
-            self._hold_timer.cancel()
-            self._hold_timer = None
+        for timer in (self._hold_timer, self._beat_timer):
+            if timer is not None:
+                timer.cancel()
+        self._hold_timer = self._beat_timer = None
+        self._due = False
         self.hold.sent()
         body, payload, bufs = self.ups.take()
         self.up.send_packed(self.ctl, P.Kind.UP, pack_body(body), payload, bufs, 0)

@@ -164,6 +164,14 @@ class Gather:
 Entry = tuple[list[int], int, bytes, Buffer, list[Buffer], int, "list[Any] | None"]
 
 
+_INT = frozenset((int,))
+
+
+def _ints(values: list[Any]) -> bool:
+    """Whether every one of ``values`` is an ``int`` (not a bool): in C, for long lists."""
+    return set(map(type, values)) <= _INT
+
+
 def entries(body: Any, payload: Buffer, buffers: Sequence[Buffer]) -> Iterator[Entry]:
     """The entries of an authenticated FORWARD or UP.
 
@@ -176,13 +184,13 @@ def entries(body: Any, payload: Buffer, buffers: Sequence[Buffer]) -> Iterator[E
     for e in body:
         if not (isinstance(e, list) and len(e) == 9 and isinstance(e[0], list)
                 and type(e[1]) is int and type(e[2]) is bytes
-                and all(type(x) is int for x in e[3:8])
+                and _ints(e[3:8])
                 and (e[8] is None or (isinstance(e[8], list) and len(e[8]) == len(e[0])))):
             raise Dropped("malformed", "relay entry")
         hosts, kind, packed, at, plen, boff, nbufs, pbufs, extras = e
         if (at < 0 or plen < 0 or at + plen > len(view) or boff < 0 or nbufs < 0
                 or boff + nbufs > len(buffers) or not 0 <= pbufs <= nbufs
-                or not all(type(h) is int for h in hosts)):
+                or not _ints(hosts)):
             raise Dropped("malformed", "relay entry lengths")
         yield (hosts, kind, packed, view[at:at + plen] if plen else b"",
                list(buffers[boff:boff + nbufs]), pbufs, extras)
