@@ -287,12 +287,21 @@ class Relay:
         if not self._due:  # heartbeats only: they go with the next UP, or soon
             if self._beat_timer is None:
                 self._beat_timer = asyncio.get_running_loop().call_later(HEALTH_FLUSH_S,
-                                                                         self._held)
+                                                                         self._beats)
             return
         self._send_up()
 
     def _held(self) -> None:
-        if self.ups:
+        self._hold_timer = None
+        left = self.hold.left(time.monotonic())
+        if left > 0:  # its calls' replies still coming
+            self._hold_timer = asyncio.get_running_loop().call_later(left, self._held)
+        elif self.ups:
+            self._send_up()
+
+    def _beats(self) -> None:
+        self._beat_timer = None
+        if self.ups and self._hold_timer is None:
             self._send_up()
 
     def _send_up(self) -> None:
