@@ -157,3 +157,25 @@ async def test_a_fan_out_made_again_after_its_hosts_moved_reaches_them_where_the
             assert await asyncio.wait_for(f(str(tmp_path)), 30) is None
         assert reached() == [6] * 6
         assert not {"unsolicited", "relayed"} & set(ctl.stats()["dropped"])
+
+
+def test_a_relay_holds_a_calls_replies_while_they_keep_coming_and_never_past_its_last() -> None:
+    from colobus._relay.hold import HOLD_MAX_S, HOLD_S, ReplyHold
+
+    hold = ReplyHold()
+    hold.forwarded(7, 3)
+    assert not hold.holding and hold.left(time.monotonic()) == 0.0  # nothing gathered yet
+    hold.answered(7)
+    first = time.monotonic()
+    assert hold.holding and 0.0 < hold.left(first) <= HOLD_S
+    assert hold.left(first + HOLD_S + 0.001) == 0.0  # no further reply for HOLD_S: it goes
+    hold.answered(7)  # a second reply: the wait runs from it, never past HOLD_MAX_S
+    assert hold.left(time.monotonic()) > 0.0
+    assert hold.left(first + HOLD_MAX_S + 0.001) == 0.0
+    hold.urgent = True  # a transfer's part among what is gathered: nothing waits
+    assert hold.left(time.monotonic()) == 0.0
+    hold.urgent = False
+    hold.answered(7)  # the call's last reply here releases it at once
+    assert not hold.holding and hold.left(time.monotonic()) == 0.0
+    hold.sent()
+    assert not hold.holding
