@@ -20,7 +20,7 @@ import time
 __all__ = ["HOLD_MAX_S", "HOLD_S", "ReplyHold"]
 
 HOLD_S = 0.005  # held replies wait this long for the next of their calls' replies
-HOLD_MAX_S = 0.05  # and this long in all, at most
+HOLD_MAX_S = 0.02  # and this long in all, at most
 
 
 class ReplyHold:
