@@ -45,7 +45,7 @@ class Frees:
         self._ctl = ctl
         # (host -> generation, array ref, call id) of each free, oldest first
         self._queue: collections.deque[tuple[dict[int, int], int, int]] = collections.deque()
-        self._timer_set = False
+        self._timer: asyncio.TimerHandle | None = None  # the frees leave on their own then
         # the destinations of frees on the same hosts, by their generations' dict
         self._fans: dict[int, tuple[dict[int, int], int, Fanout]] = {}
 
@@ -64,12 +64,11 @@ class Frees:
     def _queue_many(self, entries: list[tuple[dict[int, int], int, int]]) -> None:
         self._queue.extend(entries)
         loop = self._ctl._loop
-        if not self._timer_set and loop is not None:
-            self._timer_set = True
-            loop.call_later(RELEASE_DELAY_S, self._timer)
+        if self._timer is None and loop is not None:
+            self._timer = loop.call_later(RELEASE_DELAY_S, self._on_timer)
 
-    def _timer(self) -> None:
-        self._timer_set = False
+    def _on_timer(self) -> None:
+        self._timer = None
         chan = self._ctl._chan
         if self._queue and chan is not None and chan.open:
             chan.flush()
@@ -79,6 +78,9 @@ class Frees:
         """Queue the waiting frees as one RELEASE per host (called before any flush)."""
         if not self._queue:
             return
+        if self._timer is not None:  # they ride along: no wake-up of the loop for them
+            self._timer.cancel()
+            self._timer = None
         items, self._queue = self._queue, collections.deque()
         hosts = self._ctl._hosts.hosts
         chan = self._ctl._chan

@@ -353,6 +353,8 @@ class Relay:
 
     def _lose(self, h: int, why: str, reason: str = "") -> None:
         if self._forget(h, P.RESET_REJOIN) is not None:
+            if self.ups:  # what it answered before it was lost goes first (held replies)
+                self._send_up()
             self.up.send(self.ctl, Gone(h, why, reason))
 
     def _forget(self, h: int, last_word: str) -> Peer | None:
