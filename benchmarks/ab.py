@@ -13,8 +13,11 @@ compared rather than two separate series.
 
 Sides differ by extra ``colobus bench`` arguments (``--b=--metrics``: metrics
 off against on) or by environment (``--b-env NAME=VALUE``, repeatable). To
-compare two checkouts, run this from each and compare the medians; alternation
-within one run is the reliable part.
+compare two checkouts, point one side at the other's tree
+(``--a-env PYTHONPATH=/tmp/old``, e.g. a ``git worktree``). Every run starts in
+a scratch directory, so the directory this is run from never shadows it (``-m``
+puts the current directory first on ``sys.path``), and the script prints which
+``colobus`` each side imports.
 
 Example (what metrics cost pipelined calls; docs/observability.md)::
 
@@ -41,7 +44,7 @@ def run_once(group: str, row: str, extra: list[str], env: dict[str, str],
         argv = [sys.executable, "-m", "colobus", "bench", group, "--no-peers", "--json", str(out),
                 *(["--quick"] if quick else []), *extra]
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=600,
-                              env={**os.environ, **env})
+                              env={**os.environ, **env}, cwd=tmp)
         if proc.returncode != 0:
             raise SystemExit(f"colobus bench failed ({' '.join(argv[2:])}):\n{proc.stderr[-2000:]}")
         doc = json.loads(out.read_text())
@@ -50,6 +53,15 @@ def run_once(group: str, row: str, extra: list[str], env: dict[str, str],
         raise SystemExit(f"colobus bench {group} has no row {row!r}; rows it has: "
                          f"{', '.join(sorted(doc['benchmarks']))}")
     return float(bench["colobus"])
+
+
+def which(env: dict[str, str]) -> str:
+    """The ``colobus`` package a side's runs import."""
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = subprocess.run([sys.executable, "-c", "import colobus; print(colobus.__file__)"],
+                              capture_output=True, text=True, timeout=60,
+                              env={**os.environ, **env}, cwd=tmp)
+    return proc.stdout.strip() or proc.stderr.strip()[-200:]
 
 
 def _env(pairs: list[str]) -> dict[str, str]:
@@ -78,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     row = args.row or args.group
     sides = {"A": (args.a.split(), _env(args.a_env)), "B": (args.b.split(), _env(args.b_env))}
     results: dict[str, list[float]] = {"A": [], "B": []}
+    for side, (_, env) in sides.items():
+        print(f"side {side} imports {which(env)}", flush=True)
     for i in range(args.pairs):
         for side in ("A", "B") if i % 2 == 0 else ("B", "A"):
             extra, env = sides[side]

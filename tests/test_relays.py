@@ -101,9 +101,13 @@ async def test_hosts_move_to_relays_and_fan_out_calls_work() -> None:
 
 
 async def _one_relay_lost(stop: signal.Signals, tmp_path: Any) -> None:
+    files: list[str] = []  # every ipc socket file this cluster binds
     async with cb.local_cluster(hosts=4, relays=2, heartbeat_interval=HB,
                                 liveness_timeout=LIVENESS) as ctl:
         doomed = ctl.stats()["relays"][0]
+        files += [r["endpoint"][6:] for r in ctl.stats()["relays"]]
+        files += [h.data[6:] for h in ctl._hosts.hosts if h.data.startswith("ipc://")]
+        assert len(files) == 6 and all(os.path.exists(f) for f in files)
         lost, kept = doomed["hosts"], ctl.stats()["relays"][1]["hosts"]
         xs = {h.index: cb.device_put(np.full(2, h.index, np.float32), h.devices[0])
               for h in ctl.hosts()}
@@ -137,6 +141,9 @@ async def _one_relay_lost(stop: signal.Signals, tmp_path: Any) -> None:
                     os.kill(doomed["pid"], signal.SIGCONT)
                 except ProcessLookupError:
                     pass
+    # A killed relay leaves its socket file behind, and a worker's data plane its own,
+    # unless colobus removes them: none may outlive the cluster.
+    assert [f for f in files if os.path.exists(f)] == []
 
 
 async def test_a_relay_killed_costs_exactly_its_hosts(tmp_path: Any) -> None:
