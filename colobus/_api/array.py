@@ -57,6 +57,25 @@ def _spec_of(sharding: Sharding) -> PartitionSpec:
     return sharding.spec if isinstance(sharding, NamedSharding) else PartitionSpec()
 
 
+_HOSTS: dict[int, tuple[tuple[Any, ...], tuple[int, ...]]] = {}  # id(device list) ->
+
+
+def _hosts_of(sharding: Sharding) -> tuple[int, ...]:
+    """The hosts of ``sharding``, sorted: one tuple per device list (a mesh's list is one
+    object, so the registry's generations cache on the tuple)."""
+    if type(sharding) is SingleDeviceSharding:
+        return (sharding.device.host,)
+    devices = sharding.device_list
+    hit = _HOSTS.get(id(devices))
+    if hit is not None and hit[0] is devices:
+        return hit[1]
+    hosts = tuple(sorted({d.host for d in devices}))
+    if len(_HOSTS) >= 256:
+        _HOSTS.clear()
+    _HOSTS[id(devices)] = (devices, hosts)
+    return hosts
+
+
 class Array:
     """A handle to an array whose blocks live on hosts.
 
@@ -64,7 +83,7 @@ class Array:
         shape, dtype, sharding: the global array's layout.
     """
 
-    __slots__ = ("__weakref__", "_ctl", "_deleted", "_failed", "_finalizer", "_gens",
+    __slots__ = ("__weakref__", "_checked", "_ctl", "_deleted", "_failed", "_finalizer", "_gens",
                  "_key_impl", "_ready", "dtype", "ref", "shape", "sharding")
 
     def __init__(self, ctl: Controller, ref: int, shape: tuple[int, ...], dtype: Any,
@@ -79,10 +98,10 @@ class Array:
         self._ready = ready
         self._deleted = False
         self._failed: BaseException | None = None  # the reshard that makes it failed
-        hosts = ((sharding.device.host,) if type(sharding) is SingleDeviceSharding
-                 else sorted({d.host for d in sharding.device_list}))
-        self._gens = {h: ctl._hosts[h].generation for h in hosts}
-        self._finalizer = (weakref.finalize(self, _release_all, ctl, dict(self._gens), ref)
+        self._checked = -1  # the host registry's ``changes`` when check_usable last passed
+        # each host's generation now (a dict the registry shares: never changed)
+        self._gens = ctl._hosts.generations(_hosts_of(sharding))[1]
+        self._finalizer = (weakref.finalize(self, _release_all, ctl, self._gens, ref)
                            if owns_ref else None)
 
     # -- metadata -------------------------------------------------------------------------
@@ -156,7 +175,10 @@ class Array:
             if isinstance(exc, HostLostError):
                 raise HostLostError(text, exc.host) from exc
             raise RuntimeError(text) from exc
-        self._ctl._hosts.check(self._gens, self._gens, "array data")
+        registry = self._ctl._hosts
+        if self._checked != (changes := registry.changes):  # hosts lost or joined since
+            registry.check(self._gens, self._gens, "array data")
+            self._checked = changes
 
     # -- fetching -----------------------------------------------------------------------------
 
