@@ -111,22 +111,24 @@ def _mesh_of_devices(devices: Sequence[Device]) -> Mesh | Device:
 
 
 def make_plan(leaves: list[Any], devices: Sequence[Device] | None) -> CallPlan:
-    lists: dict[tuple[Device, ...], Mesh | Device] = {}
+    # (device list, its mesh) in order of first use; a list, not a dict: hashing a device
+    # list runs a Python ``__hash__`` per device, on every call
+    lists: list[tuple[tuple[Device, ...], Mesh | Device]] = []
     for leaf in leaves:
         if isinstance(leaf, Array) or (isinstance(leaf, Future) and isinstance(leaf.info,
                                                                                CallPlan)):
             dl, mesh = _device_list_of(leaf)
-            lists.setdefault(dl, mesh)
+            if not any(seen is dl or seen == dl for seen, _ in lists):
+                lists.append((dl, mesh))
     if devices is not None:
         devs = tuple(devices)
-        for dl in lists:
+        for dl, _ in lists:
             if set(dl) != set(devs):
                 raise ValueError(
                     "All arguments must use the same device list, but got multiple device "
                     f"lists: {[list(devs), list(dl)]}.")
         if lists:
-            dl, mesh = next(iter(lists.items()))
-            return _plan_for(dl, mesh)
+            return _plan_for(*lists[0])
         return _plan_for(devs, None)
     if not lists:
         exc = ValueError(
@@ -142,6 +144,5 @@ def make_plan(leaves: list[Any], devices: Sequence[Device] | None) -> CallPlan:
     if len(lists) > 1:
         raise ValueError(
             "All arguments must use the same device list, but got multiple device lists: "
-            f"{[list(dl) for dl in lists]}.")
-    dl, mesh = next(iter(lists.items()))
-    return _plan_for(dl, mesh)
+            f"{[list(dl) for dl, _ in lists]}.")
+    return _plan_for(*lists[0])
