@@ -101,8 +101,12 @@ class Array:
         self._checked = -1  # the host registry's ``changes`` when check_usable last passed
         # each host's generation now (a dict the registry shares: never changed)
         self._gens = ctl._hosts.generations(_hosts_of(sharding))[1]
-        self._finalizer = (weakref.finalize(self, _release_all, ctl, self._gens, ref)
-                           if owns_ref else None)
+        # frees the blocks on the hosts once this handle goes (or at ``delete``); a weak
+        # reference with a callback costs a third of a ``weakref.finalize``
+        self._finalizer: weakref.ref[Array] | None = None
+        if owns_ref:
+            self._finalizer = fin = weakref.ref(self, _release_array)
+            _array_refs[fin] = (ctl, self._gens, ref)
 
     # -- metadata -------------------------------------------------------------------------
 
@@ -158,7 +162,7 @@ class Array:
             return
         self._deleted = True
         if self._finalizer is not None:
-            self._finalizer()
+            _release_array(self._finalizer)
 
     def __repr__(self) -> str:
         state = ", deleted" if self._deleted else ""
@@ -205,8 +209,15 @@ class Array:
         return chosen
 
 
-def _release_all(ctl: Controller, gens: dict[int, int], ref: int) -> None:
-    ctl._frees.release_on(gens, ref=ref)
+_array_refs: dict[weakref.ref[Array], tuple[Controller, dict[int, int], int]] = {}
+
+
+def _release_array(fin: weakref.ref[Array]) -> None:
+    """Free an array's blocks on its hosts, once (its handle went, or ``delete``)."""
+    entry = _array_refs.pop(fin, None)
+    if entry is not None:
+        ctl, gens, ref = entry
+        ctl._frees.release_on(gens, ref=ref)
 
 
 # -- device_put -----------------------------------------------------------------------------
