@@ -258,3 +258,62 @@ async def test_held_replies_go_up_while_a_slow_host_runs(tmp_path: Any) -> None:
         gate.touch()
         out = np.asarray(await cb.device_get(await fut))
         assert out.tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+@cb.colocated_python
+def host1_waits(x: Any, path: str) -> None:
+    """Host 1 runs until ``path`` exists; host 0 returns at once. Returns nothing (no
+    output data that a lost host would take with it)."""
+    if cb.host_index() == 1:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+
+@cb.colocated_python
+def break_the_protocol(x: Any) -> Any:
+    """On its host: queue an authenticated but malformed BATCH on the worker's own
+    channel, behind everything the worker sent before (a protocol break, which makes
+    its relay drop the host with a GONE)."""
+    import sys
+
+    from colobus._host.sched import Scheduler
+    from colobus._wire.envelope import BATCH_KIND
+
+    frame = sys._getframe(1)  # up to the scheduler running this call, and its worker
+    while not isinstance(frame.f_locals.get("self"), Scheduler):
+        frame = frame.f_back
+    w = frame.f_locals["self"]._w
+    w.loop.call_soon_threadsafe(w._chan.send_packed, w._peer, BATCH_KIND, pack_body([[1]]))
+    return x
+
+
+async def test_a_host_lost_right_after_answering_keeps_its_answer(tmp_path: Any) -> None:
+    """A relay sends up what it holds for a host before that host's GONE: a fan-out
+    call the host answered just before its relay dropped it does not fail.
+
+    Host 0 answers ``a`` while host 1 still runs it, so the relay holds host 0's reply;
+    then ``b``, ordered after ``a`` on host 0 (one stream), breaks the protocol there.
+    """
+    async with cb.local_cluster(hosts=2, relays=1, heartbeat_interval=HB,
+                                liveness_timeout=LIVENESS) as ctl:
+        devs = ctl.devices()
+        x = cb.device_put(np.zeros(2, np.float32),
+                          cb.NamedSharding(cb.Mesh(np.array(devs), ("d",)), cb.PartitionSpec("d")))
+        x0 = cb.device_put(np.zeros(1, np.float32), devs[0])
+        await cb.block_until_ready([x, x0])
+        host0 = ctl._hosts.hosts[0]
+        generation = host0.generation
+
+        gate = tmp_path / "gate"
+        a = host1_waits(x, str(gate))
+        b = break_the_protocol(x0)
+        try:  # it answered before its break, or it is lost with its host
+            await b
+        except cb.HostLostError:
+            pass
+        await eventually(lambda: not host0.alive or host0.generation != generation, 30,
+                         "host 0 to be dropped for its protocol break")
+        assert not a.done(), "host 1 still runs it"
+        gate.touch()
+        assert await a is None  # host 0's answer came before its loss: it counts
