@@ -5,13 +5,13 @@ holding only its own block), and moving it there and back; dropping the handle (
 from __future__ import annotations
 
 import functools
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from .._controller.controller import Controller, default_controller
+from .._controller.frees import release_now
 from .._controller.future import Future
 from .._controller.hosts import Host
 from .._errors import HostLostError
@@ -50,23 +50,13 @@ def _spec_of(sharding: Sharding) -> PartitionSpec:
     return sharding.spec if isinstance(sharding, NamedSharding) else PartitionSpec()
 
 
-_HOSTS: dict[int, tuple[tuple[Any, ...], tuple[int, ...]]] = {}  # id(device list) ->
-
-
 def _hosts_of(sharding: Sharding) -> tuple[int, ...]:
-    """The hosts of ``sharding``, sorted: one tuple per device list (a mesh's list is one
-    object, so the registry's generations cache on the tuple)."""
-    if type(sharding) is SingleDeviceSharding:
+    """The hosts of ``sharding``, sorted (a mesh's: one tuple made once, on which the
+    registry's generations cache)."""
+    if isinstance(sharding, SingleDeviceSharding):
         return (sharding.device.host,)
-    devices = sharding.device_list
-    hit = _HOSTS.get(id(devices))
-    if hit is not None and hit[0] is devices:
-        return hit[1]
-    hosts = tuple(sorted({d.host for d in devices}))
-    if len(_HOSTS) >= 256:
-        _HOSTS.clear()
-    _HOSTS[id(devices)] = (devices, hosts)
-    return hosts
+    assert isinstance(sharding, NamedSharding)
+    return sharding.mesh.host_tuple
 
 
 class Array:
@@ -94,12 +84,9 @@ class Array:
         self._checked = -1  # the host registry's ``changes`` when check_usable last passed
         # each host's generation now (a dict the registry shares: never changed)
         self._gens = ctl._hosts.generations(_hosts_of(sharding))[1]
-        # frees the blocks on the hosts once this handle goes (or at ``delete``); a weak
-        # reference with a callback costs a third of a ``weakref.finalize``
-        self._finalizer: weakref.ref[Array] | None = None
-        if owns_ref:
-            self._finalizer = fin = weakref.ref(self, _release_array)
-            _array_refs[fin] = (ctl, self._gens, ref)
+        # frees the blocks on the hosts once this handle goes (or at ``delete``)
+        self._finalizer = ctl._frees.release_when_gone(self, self._gens, ref=ref) if owns_ref \
+            else None
 
     # -- metadata -------------------------------------------------------------------------
 
@@ -155,7 +142,7 @@ class Array:
             return
         self._deleted = True
         if self._finalizer is not None:
-            _release_array(self._finalizer)
+            release_now(self._finalizer)
 
     def __repr__(self) -> str:
         state = ", deleted" if self._deleted else ""
@@ -200,17 +187,6 @@ class Array:
                 seen.add(key)
                 chosen[h] = b
         return chosen
-
-
-_array_refs: dict[weakref.ref[Array], tuple[Controller, dict[int, int], int]] = {}
-
-
-def _release_array(fin: weakref.ref[Array]) -> None:
-    """Free an array's blocks on its hosts, once (its handle went, or ``delete``)."""
-    entry = _array_refs.pop(fin, None)
-    if entry is not None:
-        ctl, gens, ref = entry
-        ctl._frees.release_on(gens, ref=ref)
 
 
 def _is_array_leaf(x: Any) -> bool:

@@ -227,8 +227,8 @@ def invoke(target: Target, args: tuple[Any, ...], kwargs: dict[str, Any], *,
     if inputs:
         _cancel_with(fut, inputs)
     # When the Future goes, so does each host's result slot (kept for Futures as
-    # arguments). A weakref callback: several times cheaper than weakref.finalize.
-    _result_refs[weakref.ref(fut, _release_results)] = op
+    # arguments).
+    ctl._frees.release_when_gone(fut, gens, call=op.call_id)
     return fut
 
 
@@ -381,14 +381,6 @@ def _decode_result(host: Host, body: P.Result, env: Envelope) -> Any:
 
 
 HOST_BLIND.add(_decode_result)  # equal replies of a relay's hosts: decoded once
-_result_refs: dict[weakref.ref[Future[Any]], _CallOp] = {}
-
-
-def _release_results(ref: weakref.ref[Future[Any]]) -> None:
-    op = _result_refs.pop(ref, None)
-    if op is None:
-        return
-    op.ctl._frees.release_on(op.gens, call=op.call_id)
 
 
 # -- the decorator ---------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from .._model import outlayout as _outlayout
-from .._model.blocks import HostBlock, global_shape_from_host, host_blocks
+from .._model.blocks import global_shape_from_host, host_blocks, layout_from_host
 from .._model.devices import Device, Mesh
 from .._model.sharding import (
     NamedSharding,
@@ -35,29 +35,6 @@ def _key_dtype(impl: str) -> Any:
     import jax
 
     return jax.eval_shape(lambda: jax.random.key(0, impl=impl)).dtype
-
-
-# (id(mesh), spec, host, its block's shape) -> (mesh, sharding, global shape, blocks, whether
-# every host's block has that shape): a function's sharded outputs come back laid out alike
-# call after call, and working the layout out costs a few us per host.
-_LAYOUTS: dict[tuple[Any, ...], tuple[Any, ...]] = {}
-_LAYOUTS_MAX = 256
-
-
-def _sharded_layout(mesh: Mesh, spec: Any, host: int, local: tuple[int, ...]
-                    ) -> tuple[NamedSharding, tuple[int, ...], dict[int, HostBlock], bool]:
-    key = (id(mesh), spec, host, local)
-    hit = _LAYOUTS.get(key)
-    if hit is not None and hit[0] is mesh:
-        return hit[1], hit[2], hit[3], hit[4]
-    sharding = NamedSharding(mesh, spec)
-    shape = global_shape_from_host(sharding, host, local)
-    blocks = host_blocks(sharding, shape)
-    uniform = all(tuple(b.shape) == local for b in blocks.values())
-    if len(_LAYOUTS) >= _LAYOUTS_MAX:
-        _LAYOUTS.clear()
-    _LAYOUTS[key] = (mesh, sharding, shape, blocks, uniform)
-    return sharding, shape, blocks, uniform
 
 
 def build_outputs(ctl: Controller, call_id: int, plan: CallPlan,
@@ -102,7 +79,7 @@ def build_outputs(ctl: Controller, call_id: int, plan: CallPlan,
         elif kept is not None or (not has_layout and isinstance(plan.mesh, Mesh)
                                   and None not in specs and len(specs) == 1):
             if kept is None:
-                sharding, shape, blocks, uniform = _sharded_layout(
+                sharding, shape, blocks, uniform = layout_from_host(
                     plan.mesh, leaf0.spec, hosts[0], tuple(leaf0.shape))  # type: ignore[arg-type]
             else:
                 sharding = kept

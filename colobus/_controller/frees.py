@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import collections
 import functools
-from typing import TYPE_CHECKING, Protocol
+import weakref
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .._errors import ColobusError
 from .._wire import protocol as P
@@ -24,9 +25,24 @@ if TYPE_CHECKING:
     from .._wire.fanout import Fanout
     from .ops import Operations
 
-__all__ = ["Frees", "FreesOwner"]
+__all__ = ["Frees", "FreesOwner", "release_now"]
 
 RELEASE_DELAY_S = 0.002  # frees wait this long for a message to ride along with
+
+
+# What each watched handle frees when it goes: its weak reference -> (the queue, host ->
+# generation, array ref, call id). A weak reference with a callback, held here, costs a
+# third of a ``weakref.finalize``.
+_WATCHED: dict[weakref.ref[Any], tuple[Frees, dict[int, int], int, int]] = {}
+
+
+def release_now(handle: weakref.ref[Any]) -> None:
+    """Free what ``handle`` (from :meth:`Frees.release_when_gone`) watches, once: when its
+    object goes, or earlier (an array's ``delete``); any thread."""
+    entry = _WATCHED.pop(handle, None)
+    if entry is not None:
+        frees, generations, ref, call = entry
+        frees.release_on(generations, ref=ref, call=call)
 
 
 class FreesOwner(Parts, Protocol):
@@ -60,6 +76,14 @@ class Frees:
             ctl._ops.post(functools.partial(self._queue_many, [(generations, ref, call)]))
         except (RuntimeError, ColobusError):
             pass
+
+    def release_when_gone(self, obj: Any, generations: dict[int, int], ref: int = 0,
+                          call: int = 0) -> weakref.ref[Any]:
+        """:meth:`release_on` once ``obj`` (a handle) is collected; the weak reference
+        returned frees at once with :func:`release_now`."""
+        handle = weakref.ref(obj, release_now)
+        _WATCHED[handle] = (self, generations, ref, call)
+        return handle
 
     def _queue_many(self, entries: list[tuple[dict[int, int], int, int]]) -> None:
         self._queue.extend(entries)

@@ -19,7 +19,8 @@ import numpy as np
 from .devices import Mesh
 from .sharding import NamedSharding, Sharding, SingleDeviceSharding, as_dtype, as_shape
 
-__all__ = ["HostBlock", "assemble", "global_shape_from_host", "host_blocks", "host_sub_mesh"]
+__all__ = ["HostBlock", "assemble", "global_shape_from_host", "host_blocks", "host_sub_mesh",
+           "layout_from_host"]
 
 
 # --------------------------------------------------------------------------- host blocks
@@ -188,7 +189,7 @@ def host_blocks(sharding: Sharding, shape: Sequence[int]) -> dict[int, HostBlock
         key = ("blocks", sharding._entries, shape, sharding.memory_kind)
         blocks = _cached(sharding.mesh, key)
         if blocks is None:
-            hosts = sorted({dev.host for dev in sharding.device_list})
+            hosts = sharding.mesh.host_tuple
             blocks = {h: _named_host_block(sharding, h, shape) for h in hosts}
             _remember(sharding.mesh, key, blocks)
         return dict(blocks)  # the caller's own dict; the HostBlocks are immutable
@@ -233,6 +234,29 @@ def global_shape_from_host(
             f"the global shape {shape} would give the host a block of shape {block.shape}."
         )
     return shape
+
+
+def layout_from_host(mesh: Mesh, spec: Any, host: int, local_shape: tuple[int, ...]
+                     ) -> tuple[NamedSharding, tuple[int, ...], Mapping[int, HostBlock], bool]:
+    """An output laid out by ``spec`` over ``mesh``, known from ``host``'s block shape: its
+    sharding, global shape, every host's block (shared: do not change it), and whether
+    every host's block has ``local_shape`` (then one reply's shape stands for all).
+
+    Remembered per mesh: a function's outputs come back laid out alike call after call.
+
+    Raises:
+        ValueError: as :func:`global_shape_from_host`.
+    """
+    key = ("layout", spec, host, local_shape)
+    hit = _cached(mesh, key)
+    if hit is not None:
+        return hit  # type: ignore[no-any-return]
+    sharding = NamedSharding(mesh, spec)
+    shape = global_shape_from_host(sharding, host, local_shape)
+    blocks = host_blocks(sharding, shape)
+    out = (sharding, shape, blocks, all(b.shape == local_shape for b in blocks.values()))
+    _remember(mesh, key, out)
+    return out
 
 
 def assemble(

@@ -100,7 +100,7 @@ class Mesh:
             appears twice, or the mesh is empty.
     """
 
-    __slots__ = ("_axis_names", "_devices", "_flat", "_key")
+    __slots__ = ("_axis_names", "_devices", "_flat", "_hosts", "_key")
 
     def __init__(self, devices: Any, axis_names: str | Sequence[str]) -> None:
         arr = _object_array(devices)
@@ -129,12 +129,19 @@ class Mesh:
         self._axis_names = names
         self._key = (tuple(ids), arr.shape, names)
         self._flat: tuple[Device, ...] = tuple(arr.flat)
+        self._hosts = tuple(sorted({dev.host for dev in self._flat}))
 
     @property
     def device_tuple(self) -> tuple[Device, ...]:
         """The devices in ``devices.flat`` order, as one tuple made once (a sharding's
         ``device_list``: the same object each time, so plans cache on it)."""
         return self._flat
+
+    @property
+    def host_tuple(self) -> tuple[int, ...]:
+        """The hosts of its devices, sorted, as one tuple made once (host registries
+        cache on it)."""
+        return self._hosts
 
     @property
     def devices(self) -> np.ndarray[Any, np.dtype[Any]]:
