@@ -1,0 +1,325 @@
+"""Where one sequential call's time goes: each side's Python on the critical path, and
+the time between the two processes.
+
+A sequential awaited call is a chain: the controller sends a CALL, the worker wakes,
+reads it, runs the call and sends the RESULT, the controller wakes, reads it, settles
+the Future, and the coroutine makes the next call. The processes take turns, so the
+latency is the sum of the links. This benchmark timestamps each link in both processes
+(``time.perf_counter`` is CLOCK_MONOTONIC, one clock for every process on the machine)
+without changing the library: a ``sitecustomize`` on ``PYTHONPATH`` wraps
+``colobus._wire.sockio``'s ``send_frames``/``recv_frames`` as the module loads, and
+``selectors.EpollSelector.select`` (the moment a blocked loop wakes with work), in
+the controller and in its worker. It prints the median of each link over ``--calls``
+calls (a no-op on one host, awaited one at a time), and in the same run:
+
+* the raw pyzmq round trip of ``colobus bench`` (a blocking ROUTER/DEALER echo), the
+  figure the issue's ratios divide by;
+* a *minimal* round trip of the same design: an asyncio loop reading the ROUTER, an
+  asyncio Future per call, a msgpack header and a keyed BLAKE2b MAC on each message,
+  pickled arguments, and a worker that runs the call on its loop thread. It is what
+  a call costs with nothing else of colobus (no sessions, acknowledgements, batches,
+  device sets or output layouts): the floor of this design on this machine.
+
+    python benchmarks/critical_path.py              # 5,000 calls
+    python benchmarks/critical_path.py --calls 20000 --what ident
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import glob
+import hashlib
+import hmac
+import os
+import pickle
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+# The shim: patches sockio's two functions before anything imports them by name.
+SHIM = r'''
+import atexit, importlib.abc, os, selectors, sys, time
+_pc = time.perf_counter
+TRACE = []
+_rec = TRACE.append
+
+def _patch(mod):
+    send, recv = mod.send_frames, mod.recv_frames
+    def send_frames(sock, frames, flags=0):
+        _rec((_pc(), "s"))
+        return send(sock, frames, flags)
+    def recv_frames(sock, flags=mod.NOBLOCK):
+        parts = recv(sock, flags)
+        _rec((_pc(), "r"))
+        return parts
+    mod.send_frames, mod.recv_frames = send_frames, recv_frames
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "colobus._wire.sockio":
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        run = spec.loader.exec_module
+        def exec_module(module):
+            run(module)
+            _patch(module)
+        spec.loader.exec_module = exec_module
+        return spec
+
+import importlib.util
+sys.meta_path.insert(0, _Finder())
+_select = selectors.EpollSelector.select
+def select(self, timeout=None):
+    ready = _select(self, timeout)
+    if ready and (timeout is None or timeout > 0):
+        _rec((_pc(), "w"))
+    return ready
+selectors.EpollSelector.select = select
+
+def _dump():
+    with open(os.path.join(os.environ["COLOBUS_CRITICAL_DIR"], f"{os.getpid()}.txt"), "w") as f:
+        f.writelines(f"{t:.9f} {k}\n" for t, k in TRACE)
+atexit.register(_dump)
+'''
+
+LINKS = (
+    ("controller: sent -> worker woke", "Cs", "Ww"),
+    ("worker: woke -> read the CALL", "Ww", "Wr"),
+    ("worker: read -> sent the RESULT", "Wr", "Ws"),
+    ("controller: sent <- worker", "Ws", "Cw"),
+    ("controller: woke -> read the RESULT", "Cw", "Cr"),
+    ("controller: read -> sent the next CALL", "Cr", "Cs"),
+)
+
+
+# -- colobus, traced ----------------------------------------------------------------------
+
+
+async def _colobus_calls(n: int, what: str) -> None:
+    """Run in the traced child: ``n`` sequential awaited calls after a warm-up."""
+    import colobus as cb
+    from colobus._tools.bench_base import _one_device_array, bench_noop
+    from colobus._tools.bench_calls import bench_ident
+
+    fn = bench_noop if what == "noop" else bench_ident
+    async with cb.local_cluster(hosts=1, devices_per_host=1) as ctl:
+        x = _one_device_array(ctl)
+        await cb.block_until_ready(x)
+        for _ in range(1000):
+            await fn(x)
+        print(f"MARK {time.perf_counter():.9f}", flush=True)
+        for _ in range(n):
+            await fn(x)
+        print(f"MARK {time.perf_counter():.9f}", flush=True)
+
+
+def _links(trace_dir: str, ctl_pid: int, start: float, end: float) -> dict[str, list[float]]:
+    """Each link's durations (us) over the chains Cs Ww Wr Ws Cw Cr Cs in [start, end]."""
+    events: list[tuple[float, str]] = []
+    for path in glob.glob(os.path.join(trace_dir, "*.txt")):
+        side = "C" if os.path.basename(path) == f"{ctl_pid}.txt" else "W"
+        with open(path) as f:
+            for line in f:
+                t, k = line.split()
+                if start <= float(t) <= end:
+                    events.append((float(t), side + k))
+    events.sort()
+    kinds = [k for _, k in events]
+    chain = ["Cs", "Ww", "Wr", "Ws", "Cw", "Cr", "Cs"]
+    out: dict[str, list[float]] = {name: [] for name, _, _ in LINKS}
+    out["round trip"] = []
+    i = 0
+    while i + 6 < len(events):
+        if kinds[i:i + 7] != chain:
+            i += 1
+            continue
+        ts = [events[i + j][0] for j in range(7)]
+        for j, (name, _, _) in enumerate(LINKS):
+            out[name].append((ts[j + 1] - ts[j]) * 1e6)
+        out["round trip"].append((ts[6] - ts[0]) * 1e6)
+        i += 6
+    return out
+
+
+def traced_colobus(n: int, what: str) -> dict[str, list[float]]:
+    with tempfile.TemporaryDirectory() as d:
+        with open(os.path.join(d, "sitecustomize.py"), "w") as f:
+            f.write(SHIM)
+        env = dict(os.environ, COLOBUS_CRITICAL_DIR=d,
+                   PYTHONPATH=os.pathsep.join([d, *filter(None, [os.environ.get("PYTHONPATH")])]))
+        proc = subprocess.run([sys.executable, __file__, "--child", what, "--calls", str(n)],
+                              env=env, stdout=subprocess.PIPE, text=True, check=True)
+        marks = [float(line.split()[1]) for line in proc.stdout.splitlines()
+                 if line.startswith("MARK ")]
+        return _links(d, _child_pid(d, proc.stdout), marks[0], marks[1])
+
+
+def _child_pid(d: str, stdout: str) -> int:
+    for line in stdout.splitlines():
+        if line.startswith("PID "):
+            return int(line.split()[1])
+    raise RuntimeError("the traced run printed no PID")
+
+
+# -- the minimal design -------------------------------------------------------------------
+
+_KEY = b"k" * 32
+
+
+def _mac(header: bytes, payload: bytes) -> bytes:
+    m = hashlib.blake2b(key=_KEY, digest_size=16)
+    m.update(header)
+    m.update(payload)
+    return m.digest()
+
+
+def _minimal_noop(x: Any) -> None:
+    return None
+
+
+def minimal_worker(address: str) -> None:
+    """A worker of the minimal design: the call runs on its asyncio loop's thread."""
+    import msgpack
+    import zmq
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(address)
+    sock.send_multipart([b"hello", b"", b""])
+    loop = asyncio.new_event_loop()
+    functions = {b"noop": _minimal_noop}
+
+    def on_readable() -> None:
+        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            h, p, tag = (f.bytes for f in sock.recv_multipart(copy=False))
+            if not hmac.compare_digest(_mac(h, p), tag):
+                continue
+            kind, seq, digest = msgpack.unpackb(h)
+            if kind == 9:
+                loop.stop()
+                return
+            out = functions[digest](*pickle.loads(p))
+            rp = pickle.dumps(out)
+            rh = msgpack.packb([2, seq, b""])
+            sock.send_multipart([rh, rp, _mac(rh, rp)])
+
+    loop.add_reader(sock.getsockopt(zmq.FD), on_readable)
+    loop.call_soon(on_readable)
+    loop.run_forever()
+    sock.close(0)
+    ctx.term()
+
+
+class _Handle:
+    """Stands for an array handle, pickled by reference."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (int, (7,))
+
+
+async def _minimal_calls(n: int) -> list[float]:
+    import msgpack
+    import zmq
+
+    path = os.path.join(tempfile.gettempdir(), f"colobus-minimal-{os.getpid()}.sock")
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    sock.bind(f"ipc://{path}")
+    proc = subprocess.Popen([sys.executable, __file__, "--minimal-worker", f"ipc://{path}"])
+    identity = sock.recv_multipart()[0]
+    loop = asyncio.get_running_loop()
+    pending: dict[int, asyncio.Future[Any]] = {}
+
+    def on_readable() -> None:
+        while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            _, h, p, tag = (f.bytes for f in sock.recv_multipart(copy=False))
+            if hmac.compare_digest(_mac(h, p), tag):
+                _, seq, _ = msgpack.unpackb(h)
+                pending.pop(seq).set_result(pickle.loads(p))
+
+    loop.add_reader(sock.getsockopt(zmq.FD), on_readable)
+    seq = 0
+
+    def call(*args: Any) -> asyncio.Future[Any]:
+        nonlocal seq
+        seq += 1
+        fut = pending[seq] = loop.create_future()
+        payload = pickle.dumps(args)
+        header = msgpack.packb([1, seq, b"noop"])
+        sock.send_multipart([identity, header, payload, _mac(header, payload)])
+        on_readable()  # the FD is edge-triggered: a send can take its edge
+        return fut
+
+    x, out = _Handle(), []
+    for _ in range(1000):
+        await call(x)
+    for _ in range(n):
+        t = time.perf_counter()
+        await call(x)
+        out.append((time.perf_counter() - t) * 1e6)
+    header = msgpack.packb([9, 0, b""])
+    sock.send_multipart([identity, header, b"", _mac(header, b"")])
+    proc.wait(10)
+    loop.remove_reader(sock.getsockopt(zmq.FD))
+    sock.close(0)
+    ctx.term()
+    os.unlink(path)
+    return out
+
+
+# -- main ---------------------------------------------------------------------------------
+
+
+def _quartiles(xs: list[float]) -> tuple[float, float, float]:
+    q = statistics.quantiles(xs, n=4)
+    return q[0], statistics.median(xs), q[2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--calls", type=int, default=5000)
+    ap.add_argument("--what", choices=("noop", "ident"), default="noop")
+    ap.add_argument("--child", choices=("noop", "ident"), help=argparse.SUPPRESS)
+    ap.add_argument("--minimal-worker", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.minimal_worker:
+        minimal_worker(args.minimal_worker)
+        return
+    if args.child:
+        print(f"PID {os.getpid()}", flush=True)
+        asyncio.run(_colobus_calls(args.calls, args.child))
+        return
+
+    from colobus._tools.bench_base import RawEcho
+
+    with RawEcho(1) as raw:
+        raw_before = statistics.median(raw.round_trips(args.calls)) * 1e6
+        links = traced_colobus(args.calls, args.what)
+        minimal = statistics.median(asyncio.run(_minimal_calls(args.calls)))
+        raw_after = statistics.median(raw.round_trips(args.calls)) * 1e6
+    base = (raw_before + raw_after) / 2
+    print(f"sequential awaited {args.what}, 1 host, {len(links['round trip'])} traced chains "
+          f"(us: 25th percentile, median, 75th)")
+    for name in [n for n, _, _ in LINKS] + ["round trip"]:
+        lo, mid, hi = _quartiles(links[name])
+        print(f"  {name:42s} {lo:7.1f} {mid:7.1f} {hi:7.1f}")
+    python = sum(statistics.median(links[n]) for n, a, b in LINKS if a[0] == b[0])
+    between = sum(statistics.median(links[n]) for n, a, b in LINKS if a[0] != b[0])
+    rt = statistics.median(links["round trip"])
+    print(f"  {'in Python, both sides':42s} {python:15.1f}")
+    print(f"  {'between the processes':42s} {between:15.1f}")
+    print(f"raw pyzmq round trip {base:.1f} us (before {raw_before:.1f}, after {raw_after:.1f}); "
+          f"minimal design {minimal:.1f} us ({minimal / base:.2f}x raw); "
+          f"colobus {rt:.1f} us traced ({rt / base:.2f}x raw)")
+
+
+if __name__ == "__main__":
+    main()
