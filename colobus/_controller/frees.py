@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import threading
 import weakref
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -52,6 +53,8 @@ class FreesOwner(Parts, Protocol):
     def _ops(self) -> Operations: ...
     @property
     def _loop(self) -> asyncio.AbstractEventLoop | None: ...
+    @property
+    def _loop_thread_id(self) -> int | None: ...
 
 
 class Frees:
@@ -71,6 +74,9 @@ class Frees:
         one per host; thread-safe."""
         ctl = self._ctl
         if ctl._closed:
+            return
+        if threading.get_ident() == ctl._loop_thread_id and not ctl._ops.backlog:
+            self._queue_many([(generations, ref, call)])  # what ``post`` would do, at once
             return
         try:
             ctl._ops.post(functools.partial(self._queue_many, [(generations, ref, call)]))

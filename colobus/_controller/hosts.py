@@ -166,10 +166,10 @@ class HostRegistry:
             return changes, hit[2]
         known = self.hosts
         gens = {h: known[h].generation for h in hosts}
-        if len(hosts) > 4:  # (the entry holds ``hosts``: its id stays its own)
-            if len(self._gens) >= 256:
-                self._gens.clear()
-            self._gens[id(hosts)] = (hosts, changes, gens)
+        # (the entry holds ``hosts``: its id stays its own; a plan's tuple is made once)
+        if len(self._gens) >= 256:
+            self._gens.clear()
+        self._gens[id(hosts)] = (hosts, changes, gens)
         return changes, gens
 
     def devices(self) -> list[Device]:
