@@ -10,15 +10,14 @@ without changing the library: a ``sitecustomize`` on ``PYTHONPATH`` wraps
 ``colobus._wire.sockio``'s ``send_frames``/``recv_frames`` as the module loads, and
 ``selectors.EpollSelector.select`` (the moment a blocked loop wakes with work), in
 the controller and in its worker. It prints the median of each link over ``--calls``
-calls (a no-op on one host, awaited one at a time), and in the same run:
-
-* the raw pyzmq round trip of ``colobus bench`` (a blocking ROUTER/DEALER echo), the
-  figure the issue's ratios divide by;
-* a *minimal* round trip of the same design: an asyncio loop reading the ROUTER, an
-  asyncio Future per call, a msgpack header and a keyed BLAKE2b MAC on each message,
-  pickled arguments, and a worker that runs the call on its loop thread. It is what
-  a call costs with nothing else of colobus (no sessions, acknowledgements, batches,
-  device sets or output layouts): the floor of this design on this machine.
+calls (a no-op on one host, awaited one at a time) beside the same links of a
+*minimal* call of the same design, timed the same way: an asyncio loop reading the
+ROUTER, an asyncio Future per call, a msgpack header and a keyed BLAKE2b MAC on each
+message, pickled arguments, and a worker that runs the call on its loop thread. It is
+what a call costs with nothing else of colobus (no sessions, acknowledgements,
+batches, frees, device sets or output layouts): the floor of this design on this
+machine. The raw pyzmq round trip of ``colobus bench`` (a blocking ROUTER/DEALER echo),
+the figure the issue's ratios divide by, is measured before and after.
 
     python benchmarks/critical_path.py              # 5,000 calls
     python benchmarks/critical_path.py --calls 20000 --what ident
@@ -33,6 +32,7 @@ import hashlib
 import hmac
 import os
 import pickle
+import selectors
 import statistics
 import subprocess
 import sys
@@ -121,11 +121,11 @@ async def _colobus_calls(n: int, what: str) -> None:
         print(f"MARK {time.perf_counter():.9f}", flush=True)
 
 
-def _links(trace_dir: str, ctl_pid: int, start: float, end: float) -> dict[str, list[float]]:
+def _links(trace_dir: str, ctl_name: str, start: float, end: float) -> dict[str, list[float]]:
     """Each link's durations (us) over the chains Cs Ww Wr Ws Cw Cr Cs in [start, end]."""
     events: list[tuple[float, str]] = []
     for path in glob.glob(os.path.join(trace_dir, "*.txt")):
-        side = "C" if os.path.basename(path) == f"{ctl_pid}.txt" else "W"
+        side = "C" if os.path.basename(path) == ctl_name else "W"
         with open(path) as f:
             for line in f:
                 t, k = line.split()
@@ -159,10 +159,10 @@ def traced_colobus(n: int, what: str) -> dict[str, list[float]]:
                               env=env, stdout=subprocess.PIPE, text=True, check=True)
         marks = [float(line.split()[1]) for line in proc.stdout.splitlines()
                  if line.startswith("MARK ")]
-        return _links(d, _child_pid(d, proc.stdout), marks[0], marks[1])
+        return _links(d, f"{_child_pid(proc.stdout)}.txt", marks[0], marks[1])
 
 
-def _child_pid(d: str, stdout: str) -> int:
+def _child_pid(stdout: str) -> int:
     for line in stdout.splitlines():
         if line.startswith("PID "):
             return int(line.split()[1])
@@ -181,14 +181,33 @@ def _mac(header: bytes, payload: bytes) -> bytes:
     return m.digest()
 
 
+def _record_wakes(rec: Any, clock: Any) -> Any:
+    """Record in ``rec`` when a blocked epoll wakes with work, as the shim does; returns
+    the original ``select`` (to restore)."""
+    select = selectors.EpollSelector.select
+
+    def traced(self: Any, timeout: float | None = None) -> Any:
+        ready = select(self, timeout)
+        if ready and (timeout is None or timeout > 0):
+            rec((clock(), "w"))
+        return ready
+
+    selectors.EpollSelector.select = traced  # type: ignore[method-assign]
+    return select
+
+
 def _minimal_noop(x: Any) -> None:
     return None
 
 
-def minimal_worker(address: str) -> None:
+def minimal_worker(address: str, trace_path: str) -> None:
     """A worker of the minimal design: the call runs on its asyncio loop's thread."""
     import msgpack
     import zmq
+
+    trace: list[tuple[float, str]] = []
+    rec, clock = trace.append, time.perf_counter
+    _record_wakes(rec, clock)
 
     ctx = zmq.Context()
     sock = ctx.socket(zmq.DEALER)
@@ -200,6 +219,7 @@ def minimal_worker(address: str) -> None:
     def on_readable() -> None:
         while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             h, p, tag = (f.bytes for f in sock.recv_multipart(copy=False))
+            rec((clock(), "r"))
             if not hmac.compare_digest(_mac(h, p), tag):
                 continue
             kind, seq, digest = msgpack.unpackb(h)
@@ -209,6 +229,7 @@ def minimal_worker(address: str) -> None:
             out = functions[digest](*pickle.loads(p))
             rp = pickle.dumps(out)
             rh = msgpack.packb([2, seq, b""])
+            rec((clock(), "s"))
             sock.send_multipart([rh, rp, _mac(rh, rp)])
 
     loop.add_reader(sock.getsockopt(zmq.FD), on_readable)
@@ -216,6 +237,8 @@ def minimal_worker(address: str) -> None:
     loop.run_forever()
     sock.close(0)
     ctx.term()
+    with open(trace_path, "w") as f:
+        f.writelines(f"{t:.9f} {k}\n" for t, k in trace)
 
 
 class _Handle:
@@ -225,15 +248,21 @@ class _Handle:
         return (int, (7,))
 
 
-async def _minimal_calls(n: int) -> list[float]:
+async def _minimal_calls(n: int, trace_dir: str) -> list[float]:
+    """``n`` sequential calls of the minimal design; their times (us). Both sides'
+    links go to ``trace_dir`` (the worker's as it exits)."""
     import msgpack
     import zmq
 
+    trace: list[tuple[float, str]] = []
+    rec, clock = trace.append, time.perf_counter
+    select = _record_wakes(rec, clock)
     path = os.path.join(tempfile.gettempdir(), f"colobus-minimal-{os.getpid()}.sock")
     ctx = zmq.Context()
     sock = ctx.socket(zmq.ROUTER)
     sock.bind(f"ipc://{path}")
-    proc = subprocess.Popen([sys.executable, __file__, "--minimal-worker", f"ipc://{path}"])
+    proc = subprocess.Popen([sys.executable, __file__, "--minimal-worker", f"ipc://{path}",
+                             "--trace", os.path.join(trace_dir, "worker.txt")])
     identity = sock.recv_multipart()[0]
     loop = asyncio.get_running_loop()
     pending: dict[int, asyncio.Future[Any]] = {}
@@ -241,6 +270,7 @@ async def _minimal_calls(n: int) -> list[float]:
     def on_readable() -> None:
         while sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             _, h, p, tag = (f.bytes for f in sock.recv_multipart(copy=False))
+            rec((clock(), "r"))
             if hmac.compare_digest(_mac(h, p), tag):
                 _, seq, _ = msgpack.unpackb(h)
                 pending.pop(seq).set_result(pickle.loads(p))
@@ -254,6 +284,7 @@ async def _minimal_calls(n: int) -> list[float]:
         fut = pending[seq] = loop.create_future()
         payload = pickle.dumps(args)
         header = msgpack.packb([1, seq, b"noop"])
+        rec((clock(), "s"))
         sock.send_multipart([identity, header, payload, _mac(header, payload)])
         on_readable()  # the FD is edge-triggered: a send can take its edge
         return fut
@@ -261,6 +292,7 @@ async def _minimal_calls(n: int) -> list[float]:
     x, out = _Handle(), []
     for _ in range(1000):
         await call(x)
+    trace.append((clock(), "mark"))
     for _ in range(n):
         t = time.perf_counter()
         await call(x)
@@ -269,18 +301,23 @@ async def _minimal_calls(n: int) -> list[float]:
     sock.send_multipart([identity, header, b"", _mac(header, b"")])
     proc.wait(10)
     loop.remove_reader(sock.getsockopt(zmq.FD))
+    selectors.EpollSelector.select = select  # type: ignore[method-assign]
     sock.close(0)
     ctx.term()
     os.unlink(path)
+    start = next(t for t, k in trace if k == "mark")
+    with open(os.path.join(trace_dir, "controller.txt"), "w") as f:
+        f.writelines(f"{t:.9f} {k}\n" for t, k in trace if t > start and k != "mark")
     return out
 
 
+def traced_minimal(n: int) -> dict[str, list[float]]:
+    with tempfile.TemporaryDirectory() as d:
+        asyncio.run(_minimal_calls(n, d))
+        return _links(d, "controller.txt", 0.0, float("inf"))
+
+
 # -- main ---------------------------------------------------------------------------------
-
-
-def _quartiles(xs: list[float]) -> tuple[float, float, float]:
-    q = statistics.quantiles(xs, n=4)
-    return q[0], statistics.median(xs), q[2]
 
 
 def main() -> None:
@@ -289,9 +326,10 @@ def main() -> None:
     ap.add_argument("--what", choices=("noop", "ident"), default="noop")
     ap.add_argument("--child", choices=("noop", "ident"), help=argparse.SUPPRESS)
     ap.add_argument("--minimal-worker", help=argparse.SUPPRESS)
+    ap.add_argument("--trace", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.minimal_worker:
-        minimal_worker(args.minimal_worker)
+        minimal_worker(args.minimal_worker, args.trace)
         return
     if args.child:
         print(f"PID {os.getpid()}", flush=True)
@@ -303,22 +341,23 @@ def main() -> None:
     with RawEcho(1) as raw:
         raw_before = statistics.median(raw.round_trips(args.calls)) * 1e6
         links = traced_colobus(args.calls, args.what)
-        minimal = statistics.median(asyncio.run(_minimal_calls(args.calls)))
+        minimal = traced_minimal(args.calls)
         raw_after = statistics.median(raw.round_trips(args.calls)) * 1e6
     base = (raw_before + raw_after) / 2
-    print(f"sequential awaited {args.what}, 1 host, {len(links['round trip'])} traced chains "
-          f"(us: 25th percentile, median, 75th)")
+    print(f"sequential awaited {args.what}, 1 host: medians (us) over "
+          f"{len(links['round trip'])} traced chains; minimal: the same design with nothing "
+          "else of colobus (a no-op)")
+    print(f"  {'':42s} {'colobus':>8s} {'minimal':>8s}")
     for name in [n for n, _, _ in LINKS] + ["round trip"]:
-        lo, mid, hi = _quartiles(links[name])
-        print(f"  {name:42s} {lo:7.1f} {mid:7.1f} {hi:7.1f}")
-    python = sum(statistics.median(links[n]) for n, a, b in LINKS if a[0] == b[0])
-    between = sum(statistics.median(links[n]) for n, a, b in LINKS if a[0] != b[0])
-    rt = statistics.median(links["round trip"])
-    print(f"  {'in Python, both sides':42s} {python:15.1f}")
-    print(f"  {'between the processes':42s} {between:15.1f}")
+        print(f"  {name:42s} {statistics.median(links[name]):8.1f} "
+              f"{statistics.median(minimal[name]):8.1f}")
+    for what, pick in (("in Python, both sides", True), ("between the processes", False)):
+        a, b = (sum(statistics.median(got[n]) for n, x, y in LINKS if (x[0] == y[0]) == pick)
+                for got in (links, minimal))
+        print(f"  {what:42s} {a:8.1f} {b:8.1f}")
+    rt, floor = statistics.median(links["round trip"]), statistics.median(minimal["round trip"])
     print(f"raw pyzmq round trip {base:.1f} us (before {raw_before:.1f}, after {raw_after:.1f}); "
-          f"minimal design {minimal:.1f} us ({minimal / base:.2f}x raw); "
-          f"colobus {rt:.1f} us traced ({rt / base:.2f}x raw)")
+          f"colobus {rt / base:.2f}x raw, minimal {floor / base:.2f}x raw")
 
 
 if __name__ == "__main__":
