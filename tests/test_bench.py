@@ -6,6 +6,7 @@ import json
 import math
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -108,6 +109,24 @@ def test_call_cpu_reports_every_pattern() -> None:
         turns = float(row.split(" turns/call")[0].rsplit(" ", 1)[1])
         assert 0 < turns < 10, row  # the loop ran, and not absurdly often per call
         assert "us/call" in row and "threads)" in row
+
+
+def test_critical_path_times_every_link_of_colobus_and_the_minimal_call() -> None:
+    """benchmarks/critical_path.py: its shim finds the library's send, receive and wake-up
+    (a renamed function would leave no chain to time), on both sides of both designs."""
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "critical_path.py"
+    proc = subprocess.run([sys.executable, str(script), "--calls", "300", "--what", "ident"],
+                          capture_output=True, text=True, timeout=300, cwd=tempfile.gettempdir())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    chains = int(out.split(" traced chains")[0].rsplit(" ", 1)[1])
+    assert chains >= 250, out  # nearly every call's chain was seen whole
+    for link in ("controller: sent -> worker woke", "worker: read -> sent the RESULT",
+                 "controller: read -> sent the next CALL", "round trip"):
+        row = next(line for line in out.splitlines() if line.strip().startswith(link))
+        ours, minimal = (float(v) for v in row.split()[-2:])
+        assert ours > 0 and minimal > 0, row
+    assert "raw pyzmq round trip" in out and "minimal" in out
 
 
 def test_gpu_check_runs_its_whole_path_with_cpu_devices_standing_in() -> None:
