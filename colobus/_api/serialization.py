@@ -140,7 +140,7 @@ def _code_gone(digest: bytes) -> None:
         if ctl is None or ctl._closed:
             continue
         try:  # after every operation submitted before (never ahead of a CALL using it)
-            ctl._ops.post(functools.partial(_forget_code, ctl, host, digest))
+            ctl._ops.post(_forget_code, ctl, host, digest)
         except Exception:  # the controller closed meanwhile: its hosts dropped everything
             pass
 

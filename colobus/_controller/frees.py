@@ -10,8 +10,6 @@ ahead of it) or leaves on its own after ``RELEASE_DELAY_S``.
 from __future__ import annotations
 
 import collections
-import functools
-import threading
 import weakref
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -53,8 +51,6 @@ class FreesOwner(Parts, Protocol):
     def _ops(self) -> Operations: ...
     @property
     def _loop(self) -> asyncio.AbstractEventLoop | None: ...
-    @property
-    def _loop_thread_id(self) -> int | None: ...
 
 
 class Frees:
@@ -75,11 +71,8 @@ class Frees:
         ctl = self._ctl
         if ctl._closed:
             return
-        if threading.get_ident() == ctl._loop_thread_id and not ctl._ops.backlog:
-            self._queue_many([(generations, ref, call)])  # what ``post`` would do, at once
-            return
         try:
-            ctl._ops.post(functools.partial(self._queue_many, [(generations, ref, call)]))
+            ctl._ops.post(self._queue_many, [(generations, ref, call)])
         except (RuntimeError, ColobusError):
             pass
 

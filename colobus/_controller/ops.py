@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import itertools
 import threading
 import time
@@ -138,9 +139,14 @@ class Operations:
         ctl._call_soon(self._start, op, urgent)
         return fut
 
-    def post(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on the loop thread after every operation submitted before it left."""
-        self.ctl._call_soon(self._start_posted, fn)
+    def post(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run ``fn(*args)`` on the loop thread after every operation submitted before it
+        left: at once when called there with nothing in the backlog (a free as a handle
+        goes, on every call: no partial, no hop)."""
+        if threading.get_ident() == self.ctl._loop_thread_id and not self.backlog:
+            fn(*args)
+            return
+        self.ctl._call_soon(self._start_posted, functools.partial(fn, *args) if args else fn)
 
     def _start_posted(self, fn: Callable[[], None]) -> None:
         if self.backlog:
