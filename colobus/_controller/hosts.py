@@ -238,10 +238,11 @@ class HostRegistry:
         """
         if not host.alive:
             return False
+        # Its queues go first: a thread that sees it lost (``ctl.hosts()``) sees them empty.
+        host.peer.forget()
         host.alive = False
         self.changes += 1
         self.alive_mask &= ~(1 << host.index)
-        host.peer.forget()
         self.dead_sessions[host.session] = last_word
         while len(self.dead_sessions) > DEAD_SESSIONS_MAX:
             self.dead_sessions.popitem(last=False)
