@@ -84,22 +84,48 @@ INIT_DRIVER = textwrap.dedent("""
     def pid(x):
         return x * 0 + os.getpid()
 
-    ctl = cb.init(hosts=5)  # under colobus launch: the launched workers, not 5 local ones
-    (h,) = ctl.hosts()
-    got = cb.device_get(pid(cb.device_put(np.zeros(1), h.devices[0])).result(60)).result(60)
-    assert got.tolist() == [h.pid], (got, h)
-    print("DRIVER", ctl.address, [h.name], [h.pid], flush=True)
+    def parent(pid):
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+
+    for misuse in (lambda: cb.init(hosts=5), lambda: cb.local_cluster(devices_per_host=4),
+                   lambda: cb.local_cluster(hosts=1, devices_per_host=2)):
+        try:
+            misuse()
+        except ValueError as exc:
+            print("REFUSED", exc, flush=True)
+    # What the launch says is no contradiction; a local cluster's own workers would be
+    # this process's children, behind an address of their own.
+    with cb.local_cluster(hosts=2, devices_per_host=2, transport="tcp") as ctl:
+        assert ctl.address == os.environ["COLOBUS_ADDRESS"], ctl.address
+        hosts = ctl.hosts()
+        assert [len(h.devices) for h in hosts] == [2, 2], hosts
+        assert all(parent(h.pid) != os.getpid() for h in hosts), hosts
+        mesh = cb.Mesh(np.array([h.devices[0] for h in hosts]), ("h",))
+        x = cb.device_put(np.zeros(2), cb.NamedSharding(mesh, cb.PartitionSpec("h")))
+        assert cb.device_get(pid(x).result(60)).result(60).tolist() == [h.pid for h in hosts]
+    ctl = cb.init()
+    print("DRIVER", ctl.address, [h.name for h in ctl.hosts()], flush=True)
     sys.exit(int(sys.argv[1]))
 """)
 
 
-def test_launch_local_init_joins_the_launched_workers(tmp_path: Path) -> None:
+def test_launch_local_serves_local_cluster_and_init_with_the_launched_workers(
+        tmp_path: Path) -> None:
+    """Under ``colobus launch``, a script's ``local_cluster``/``init`` start no workers of
+    their own, and arguments that contradict the launch stop with a ValueError."""
     driver = tmp_path / "drv.py"
     driver.write_text(INIT_DRIVER)
-    out = launch(["local", "--hosts", "1"], driver, 0)
+    out = launch(["local", "--hosts", "2", "--devices", "2"], driver, 0)
     assert out.returncode == 0, out.stderr[-3000:]
     _, address, rest = driver_line(out.stdout)
-    assert address.startswith("ipc://") and rest.startswith("['local-0']")
+    assert address.startswith("ipc://") and rest.startswith("['local-0', 'local-1']")
+    refused = [ln for ln in out.stdout.splitlines() if ln.startswith("REFUSED ")]
+    assert len(refused) == 3, out.stdout
+    assert refused[0].startswith("REFUSED cb.init(hosts=5) contradicts `colobus launch`")
+    assert "cb.local_cluster(devices_per_host=4) contradicts" in refused[1]
+    assert "cb.local_cluster(hosts=1) contradicts" in refused[2]
+    assert all("2 worker(s) with 2 device(s) each" in line for line in refused)
 
 
 def test_launch_without_a_driver_command_is_a_usage_error() -> None:

@@ -3,8 +3,10 @@
 ``colobus launch`` starts the workers, then runs the driver with
 ``COLOBUS_ADDRESS`` (the endpoint to bind), ``COLOBUS_KEY_FILE`` (the key
 file's path, never the key), ``COLOBUS_HOSTS`` (how many workers) and
-``COLOBUS_HOST_NAMES`` (their names, host 0 first). A ``Controller`` reads
-each of them for an argument it was not given.
+``COLOBUS_HOST_NAMES`` (their names, host 0 first) and
+``COLOBUS_DEVICES_PER_HOST`` (each worker's ``--devices``). A ``Controller``
+reads each of them for an argument it was not given; ``local_cluster`` and
+``init`` check theirs against them (:func:`check_launched`).
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ import os
 
 from .._wire import keys as _keys
 
-__all__ = ["ADDRESS_ENV", "HOSTS_ENV", "HOST_NAMES_ENV", "from_environment"]
+__all__ = ["ADDRESS_ENV", "DEVICES_ENV", "HOSTS_ENV", "HOST_NAMES_ENV", "check_launched",
+           "from_environment"]
 
 ADDRESS_ENV = "COLOBUS_ADDRESS"
 HOSTS_ENV = "COLOBUS_HOSTS"
 HOST_NAMES_ENV = "COLOBUS_HOST_NAMES"
+DEVICES_ENV = "COLOBUS_DEVICES_PER_HOST"
 DEFAULT_BIND = "tcp://127.0.0.1:*"
 
 
@@ -46,3 +50,31 @@ def from_environment(bind: str | None, hosts: int | None, key: bytes | None
     if key is None and os.environ.get(_keys.KEY_ENV):
         key = _keys.load_key(os.environ[_keys.KEY_ENV])  # a path in the environment, never a key
     return bind, hosts, key, names
+
+
+def check_launched(caller: str, hosts: int | None, devices_per_host: int | None) -> bool:
+    """Whether this process runs under ``colobus launch`` (``$COLOBUS_ADDRESS`` set).
+
+    There ``caller`` (``local_cluster`` or ``init``) serves the script with the
+    launched workers; a ``hosts`` or ``devices_per_host`` it was given must be
+    the launch's.
+
+    Raises:
+        ValueError: an argument contradicts the launch; the message names
+            ``colobus launch``.
+    """
+    if not os.environ.get(ADDRESS_ENV):
+        return False
+    launched = {"hosts": os.environ.get(HOSTS_ENV, ""),
+                "devices_per_host": os.environ.get(DEVICES_ENV, "")}
+    given = {"hosts": hosts, "devices_per_host": devices_per_host}
+    for name, value in given.items():
+        if value is not None and launched[name] and str(value) != launched[name]:
+            raise ValueError(
+                f"cb.{caller}({name}={value}) contradicts `colobus launch`, which started "
+                f"{launched['hosts'] or '?'} worker(s) with "
+                f"{launched['devices_per_host'] or '?'} device(s) each: under `colobus "
+                f"launch`, cb.{caller}() serves the script with the launched workers. Leave "
+                f"out {name}= (or change the launch's --hosts/--devices), or write "
+                "cb.Controller() for a script meant only for `colobus launch`")
+    return True

@@ -10,8 +10,10 @@ keep trying until the driver binds), and runs ``COMMAND`` with
 - ``COLOBUS_HOSTS``: how many workers were started,
 - ``COLOBUS_HOST_NAMES``: their names, host 0 first (so the controller numbers
   them as the ``[host N]`` lines here do),
+- ``COLOBUS_DEVICES_PER_HOST``: each worker's ``--devices``,
 
-which ``cb.Controller()`` with no arguments (and ``cb.init()``) reads. When the
+which ``cb.Controller()`` with no arguments reads; ``cb.init()`` and
+``cb.local_cluster()`` serve the driver with these workers too. When the
 driver exits, the workers are stopped and the key file removed; the exit
 status is the driver's. A worker that fails for good (a non-zero exit not
 covered by ``--restart``) ends the run: the driver is stopped and the message
@@ -34,6 +36,7 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import Any
 
+from .._controller.environ import DEVICES_ENV
 from .._controller.procwatch import Emit
 from .._wire.keys import KEY_ENV, write_key
 from .base import Launcher, Workers, log_emit
@@ -289,7 +292,8 @@ def _run(args: argparse.Namespace, command: list[str]) -> int:
         env = dict(os.environ)
         env.update({"COLOBUS_ADDRESS": address, KEY_ENV: key_file,
                     "COLOBUS_HOSTS": str(len(launcher.names)),
-                    "COLOBUS_HOST_NAMES": ",".join(launcher.names)})
+                    "COLOBUS_HOST_NAMES": ",".join(launcher.names),
+                    DEVICES_ENV: str(args.devices)})
         log.info("starting %d %s worker(s) for %s; the driver binds %s",
                  len(launcher.names), launcher.kind, command[0], address)
         with _Signals() as signals:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .._controller.controller import Controller, _pop_current
-from .._controller.environ import ADDRESS_ENV
+from .._controller.environ import check_launched
 from .._controller.procwatch import Emit, describe_exit
 from .._process import with_huge_pages
 from .._wire.keys import generate_key
@@ -115,8 +115,9 @@ class LocalCluster(LaunchedCluster):
                 pass
 
 
-def local_cluster(hosts: int = 2, devices_per_host: int = 1, *, transport: str = "ipc",
-                  restart: int = 0, **options: Any) -> LocalCluster:
+def local_cluster(hosts: int | None = None, devices_per_host: int | None = None, *,
+                  transport: str = "ipc", restart: int = 0,
+                  **options: Any) -> LocalCluster | Controller:
     """A controller plus ``hosts`` worker subprocesses on this machine.
 
     Use as ``async with`` (the controller runs on your loop) or ``with`` (it runs
@@ -125,44 +126,64 @@ def local_cluster(hosts: int = 2, devices_per_host: int = 1, *, transport: str =
     their stdin, this process's ``sys.path`` and working directory, and exit by
     themselves if this process dies.
 
+    Under ``colobus launch`` (``$COLOBUS_ADDRESS`` set) it starts no workers: it
+    is a :class:`Controller` that binds the launch's address and waits for the
+    launched workers (``transport`` and ``restart`` are the launch's then).
+
     Args:
-        hosts: number of worker processes (hosts).
-        devices_per_host: CPU devices per host.
+        hosts: number of worker processes (hosts); default 2.
+        devices_per_host: CPU devices per host; default 1.
         transport: ``"ipc"`` (Unix socket) or ``"tcp"`` (loopback).
         restart: how often each host's worker process may be started again after
             it died; it rejoins under its name (same host index and device ids),
             and what the dead process held is lost as for any lost host.
         **options: passed to :class:`Controller` (``heartbeat_interval``, ``metrics``,
             ``trace``, ...).
+
+    Raises:
+        ValueError: under ``colobus launch``, ``hosts`` or ``devices_per_host``
+            differ from the launch's.
     """
-    return LocalCluster(hosts, devices_per_host, transport=transport, restart=restart,
-                        **options)
+    if check_launched("local_cluster", hosts, devices_per_host):
+        return Controller(**options)
+    return LocalCluster(2 if hosts is None else hosts,
+                        1 if devices_per_host is None else devices_per_host,
+                        transport=transport, restart=restart, **options)
 
 
 _default_cluster: LocalCluster | Controller | None = None
 _default_lock = threading.Lock()
 
 
-def init(hosts: int = 2, devices_per_host: int = 1, **options: Any) -> Controller:
+def init(hosts: int | None = None, devices_per_host: int | None = None,
+         **options: Any) -> Controller:
     """Start a local cluster for a plain script and make it the default controller.
 
-    Under ``colobus launch`` (``$COLOBUS_ADDRESS`` set) it starts no workers:
-    it binds that address and waits for the launched ones instead
-    (``$COLOBUS_HOSTS`` of them; ``hosts`` and ``devices_per_host`` are the
-    launcher's to choose then).
+    ``hosts`` (default 2) and ``devices_per_host`` (default 1) as for
+    :func:`local_cluster`. Under ``colobus launch`` (``$COLOBUS_ADDRESS`` set) it
+    starts no workers: it binds that address and waits for the launched ones
+    instead (``$COLOBUS_HOSTS`` of them).
 
     :func:`shutdown` stops it; it is also registered with ``atexit``.
+
+    Raises:
+        ValueError: under ``colobus launch``, ``hosts`` or ``devices_per_host``
+            differ from the launch's.
     """
     global _default_cluster
     with _default_lock:
         if _default_cluster is not None:
             raise RuntimeError("colobus.init() was already called; call colobus.shutdown() first")
-        if os.environ.get(ADDRESS_ENV):
+        if check_launched("init", hosts, devices_per_host):
+            for launchs_own in ("transport", "restart"):
+                options.pop(launchs_own, None)
             launched = Controller(**options)
             ctl = launched.__enter__()
             _default_cluster = launched
         else:
-            cluster = LocalCluster(hosts, devices_per_host, **options)
+            cluster = LocalCluster(2 if hosts is None else hosts,
+                                   1 if devices_per_host is None else devices_per_host,
+                                   **options)
             ctl = cluster.__enter__()
             _default_cluster = cluster
     atexit.register(shutdown)
