@@ -135,11 +135,13 @@ def make_plan(leaves: list[Any], devices: Sequence[Device] | None) -> CallPlan:
             "No devices found. colocated_python function without input arguments must be "
             "first specialized with devices.")
         if leaves:
+            cls = type(leaves[0])
+            first = ("a jax.Array of this process" if cls.__module__.startswith(("jax", "jaxlib"))
+                     else f"a {cls.__module__.split('.')[0]}.{cls.__qualname__}")
             exc.add_note(
-                f"colobus: the call has arguments ({type(leaves[0]).__name__} first), but no "
-                "cb.Array among them: put them on the hosts first with "
-                "cb.device_put(x, device_or_sharding), or fix the devices with "
-                "fn.specialize(devices=...).")
+                f"colobus: the call has arguments ({first} first), but no cb.Array among "
+                "them: put them on the hosts first with cb.device_put(x, device_or_sharding), "
+                "or fix the devices with fn.specialize(devices=...).")
         raise exc
     if len(lists) > 1:
         raise ValueError(

@@ -18,6 +18,7 @@ import importlib
 import io
 import pickle
 import threading
+import types
 import weakref
 from collections import ChainMap
 from collections.abc import Sequence
@@ -157,11 +158,27 @@ def _forget_code(ctl: Controller, index: int, digest: bytes) -> None:
         ctl._count("code_freed")
         ctl._send(host, P.Release([], [], [digest]))
 
-class _CodePickler(cloudpickle.Pickler):  # type: ignore[misc]
-    """cloudpickle, with device-model objects made the host's JAX objects (``_hostside``)."""
+def _code_at(args: tuple[Any, ...], filename: str) -> types.CodeType:
+    """On a host: a code object pickled by value, with the name of the file it came from
+    (so a remote traceback shows the script's file and line, not ``<dynamic-code>``)."""
+    return types.CodeType(*args).replace(co_filename=filename)
 
-    dispatch_table: ClassVar[ChainMap[Any, Any]] = ChainMap(
-        HOST_REDUCERS, cloudpickle.Pickler.dispatch_table)
+
+def _reduce_code(code: types.CodeType) -> tuple[Any, ...]:
+    _, args = _CLOUDPICKLE_CODE(code)  # cloudpickle blanks co_filename
+    return _code_at, (args, code.co_filename)
+
+
+_CLOUDPICKLE_CODE = cloudpickle.Pickler.dispatch_table[types.CodeType]
+_BY_VALUE_REDUCERS = ChainMap({types.CodeType: _reduce_code}, HOST_REDUCERS,
+                              cloudpickle.Pickler.dispatch_table)
+
+
+class _CodePickler(cloudpickle.Pickler):  # type: ignore[misc]
+    """cloudpickle, with device-model objects made the host's JAX objects (``_hostside``)
+    and code keeping its file's name."""
+
+    dispatch_table: ClassVar[ChainMap[Any, Any]] = _BY_VALUE_REDUCERS
 
 
 class _ByRef:
@@ -232,8 +249,7 @@ class _FastArgsPickler(_HandleIds, StdPickler):
 class _ArgsPickler(_HandleIds, cloudpickle.Pickler):  # type: ignore[misc]
     """Pickles call arguments with cloudpickle; host-resident values become persistent ids."""
 
-    dispatch_table: ClassVar[ChainMap[Any, Any]] = ChainMap(
-        HOST_REDUCERS, cloudpickle.Pickler.dispatch_table)
+    dispatch_table: ClassVar[ChainMap[Any, Any]] = _BY_VALUE_REDUCERS
 
     def __init__(self, file: io.BytesIO, buffers: list[Buffer],
                  ctl: Controller | None = None) -> None:

@@ -341,7 +341,7 @@ class Scheduler:
             fn, call.fn = call.fn, None
             args, kwargs = call_args(call, self._w.present)
             out = fn(*args, **kwargs)
-            call.outcome = self._w.values.outputs(out, call.mesh, call.pins)
+            call.outcome = self._w.values.outputs(out, call.mesh, call.pins, fn)
             call.ok = True
         except BaseException as exc:
             call.outcome = exc
@@ -450,7 +450,7 @@ class Scheduler:
         try:
             args, kwargs = call_args(call, self._w.present)
             out = await fn(*args, **kwargs)
-            call.outcome = self._w.values.outputs(out, call.mesh, call.pins)
+            call.outcome = self._w.values.outputs(out, call.mesh, call.pins, fn)
             call.ok = True
         except asyncio.CancelledError as exc:
             if call.epoch != self._w.epoch:

@@ -250,12 +250,13 @@ class HostValues:
         return ready() if ready is not None else value
 
     def outputs(self, out: Any, mesh: Any, pins: Sequence[asyncio.Future[Any]] = (),
-                ) -> tuple[list[Any], Any, bytes, list[Buffer]]:
+                fn: Any = None) -> tuple[list[Any], Any, bytes, list[Buffer]]:
         """A call's return value as the values the host stores, their tree, and the
         reply's pickled description (one :class:`~colobus._wire.protocol.OutLeaf` per leaf).
 
         ``pins`` are the call's host-resident arguments (for ``OutLeaf.ref``, see
-        ``_outlayout``)."""
+        ``_outlayout``); ``fn``, the function that returned ``out``, is named in the
+        error for a leaf that is not an array."""
         jax = self.jax
         leaves, treedef = jax.tree_util.tree_flatten(out)
         if len(leaves) >= P.MAX_OUTPUTS:
@@ -292,16 +293,12 @@ class HostValues:
             elif isinstance(leaf, np.ndarray | np.generic | bool | int | float | complex):
                 arr = np.asarray(leaf)
                 if arr.dtype.hasobject and not isinstance(arr.dtype, np.dtypes.StringDType):
-                    raise ValueError(
-                        "colocated_python only supports jax.Array as input and output, "
-                        f"but got {type(leaf)}.")
+                    raise _not_an_array(jax, out, i, fn)
                 replicated = self.sharding(mesh, jax.sharding.PartitionSpec())
                 value = (jax.device_put(arr, replicated) if jax_exact(jax, arr.dtype)
                          else numpy_block(arr, replicated))
             else:
-                raise ValueError(
-                    "colocated_python only supports jax.Array as input and output, "
-                    f"but got {type(leaf)}.")
+                raise _not_an_array(jax, out, i, fn)
             impl = key_impl_name(value) if is_key_array(value) else None
             memory = getattr(getattr(value, "sharding", None), "memory_kind", None)
             metas.append(P.OutLeaf(i, tuple(value.shape), value.dtype if impl is None else None,
@@ -335,3 +332,18 @@ def local_devices(jax: Any) -> list[Any]:
         pass
     devices.extend(jax.devices("cpu"))
     return devices
+
+
+def _not_an_array(jax: Any, out: Any, i: int, fn: Any) -> ValueError:
+    """JAX's error for output leaf ``i`` of ``out``, with a note naming the function and
+    the leaf's place in the tree (found only now: the common call never pays for it)."""
+    path, leaf = jax.tree_util.tree_flatten_with_path(out)[0][i]
+    exc = ValueError("colocated_python only supports jax.Array as input and output, "
+                     f"but got {type(leaf)}.")
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
+    where = f"output{jax.tree_util.keystr(path)}" if path else "the output"
+    of = f" of {getattr(fn, '__module__', None) or '?'}.{name}" if name else ""
+    exc.add_note(f"colobus: {where}{of} is a {type(leaf).__qualname__}; return arrays "
+                 "(jax.Array, numpy), Python numbers or None, and pass other values as "
+                 "arguments or keep them in a colocated_python_class object")
+    return exc

@@ -12,6 +12,7 @@ pickle. Format (the RESULT payload of a call whose status is ERROR)::
 
 from __future__ import annotations
 
+import os
 import traceback
 from dataclasses import dataclass
 from typing import Any
@@ -37,7 +38,8 @@ __all__ = ["RemoteFailure", "describe_error", "read_error", "rebuild_error", "re
 def describe_error(exc: BaseException, hostname: str) -> bytes:
     """Worker side: the RESULT payload for an exception raised on this host."""
     cls = type(exc)
-    args = list(exc.args) if is_plain(list(exc.args), 0) else None
+    given = _os_error_args(exc) if isinstance(exc, OSError) else list(exc.args)
+    args = given if is_plain(given, 0) else None
     if args is not None and _containers(args, MAX_ERROR_OBJECTS // 2) < 0:
         args = None  # more lists and dicts than a reader takes: the message says enough
     notes = [str(n)[:MAX_TEXT] for n in getattr(exc, "__notes__", [])[:MAX_NOTES]]
@@ -57,6 +59,19 @@ def describe_error(exc: BaseException, hostname: str) -> bytes:
         desc["notes"] = [n[:MAX_TEXT // 4] for n in notes[:4]]
         out = pack(desc)
     return out
+
+
+def _os_error_args(exc: OSError) -> list[Any]:
+    """An ``OSError``'s arguments with its file names, which ``args`` leaves out (so the
+    rebuilt error's headline names the file, as the original's does)."""
+    args = list(exc.args)
+    names = [os.fspath(n) if isinstance(n, os.PathLike) else n
+             for n in (exc.filename, exc.filename2)]
+    if len(args) == 2 and names[0] is not None:
+        args.append(names[0])
+        if names[1] is not None:
+            args += [None, names[1]]  # OSError(errno, strerror, filename, winerror, filename2)
+    return args
 
 
 def _containers(x: Any, left: int) -> int:
