@@ -159,7 +159,7 @@ def _launcher(args: argparse.Namespace, tmp: str) -> tuple[Launcher, str]:
     if args.kind == "local":
         return _local_launcher(args.hosts, args.devices), f"ipc://{tmp}/controller.sock"
     if args.kind == "ssh":
-        from .ssh import SshLauncher, ssh_hostname
+        from .ssh import SshLauncher, ssh_hostname, unresolved
 
         env = {}
         for item in args.env:
@@ -167,10 +167,13 @@ def _launcher(args: argparse.Namespace, tmp: str) -> tuple[Launcher, str]:
             if not sep:
                 raise _LaunchError(f"--env {item!r}: expected NAME=VALUE", 2)
             env[name] = value
+        hostname = ssh_hostname(args.hosts[0], args.ssh_arg)
         try:
             launcher = SshLauncher(args.hosts, args.devices, python=args.python,
                                    ssh_args=args.ssh_arg, env=env, cwd=args.cwd)
-            address = _tcp_address(args.bind, ssh_hostname(args.hosts[0], args.ssh_arg))
+            address = _tcp_address(args.bind, hostname)
+        except socket.gaierror as exc:
+            raise _LaunchError(unresolved(args.hosts[0], hostname, exc), 2) from None
         except (ValueError, OSError) as exc:
             raise _LaunchError(str(exc), 2) from None
         return launcher, address

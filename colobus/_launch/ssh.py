@@ -74,6 +74,14 @@ def route_source(host: str) -> str:
         return str(s.getsockname()[0])
 
 
+def unresolved(dest: str, hostname: str, exc: OSError) -> str:
+    """Why ``dest`` (``hostname`` to ssh) gives no address here, and where to fix it."""
+    alias = f" (HostName {hostname!r})" if hostname != dest else ""
+    return (f"ssh host {dest!r}{alias} does not resolve on this machine "
+            f"({exc.strerror or exc}): check the name, or give the host a HostName in "
+            f"~/.ssh/config (`ssh -G {dest}` shows what ssh uses)")
+
+
 def worker_command(python: str, connect: str, name: str, devices: int,
                    env: Mapping[str, str] | None = None, cwd: str | None = None,
                    curve: bool = False) -> str:
@@ -206,8 +214,11 @@ class SshCluster(LaunchedCluster):
                              "curve_* options (docs/security.md)")
         if bind is None:
             first = launcher.destinations[0]
+            hostname = ssh_hostname(first, launcher.ssh_args)
             try:
-                bind = f"tcp://{route_source(ssh_hostname(first, launcher.ssh_args))}:*"
+                bind = f"tcp://{route_source(hostname)}:*"
+            except socket.gaierror as exc:
+                raise OSError(f"ssh_cluster: {unresolved(first, hostname, exc)}") from exc
             except OSError as exc:
                 raise OSError(f"ssh_cluster: cannot find this machine's address toward "
                               f"{first!r} ({exc}); give bind='tcp://ADDRESS:*'") from exc

@@ -155,6 +155,17 @@ def _worker_key(path: str | None) -> bytes:
         if path == "-":
             return parse_key_text(sys.stdin.readline(4096), "the key read from stdin")
         return load_key(path)
+    except (FileNotFoundError, IsADirectoryError) as exc:
+        if path.startswith("/run/secrets/"):  # compose: one secret for driver and workers
+            raise _UserError(str(exc)) from None
+        # Not "make one": a key made here is not the controller's, which would refuse it.
+        raise _UserError(
+            f"cannot read key file {path} ("
+            f"{'no such file' if isinstance(exc, FileNotFoundError) else 'a directory'}): a worker "
+            "needs the controller's key: copy the key file the controller reads (its "
+            f"cb.load_key(...) file, or ${KEY_ENV} under colobus launch; a controller started "
+            "without a key logs the file it wrote its key to) to this machine, mode 0600. "
+            "A key made here with `colobus keygen` would not be the controller's") from None
     except (OSError, AuthenticationError) as exc:
         raise _UserError(str(exc)) from None
 
