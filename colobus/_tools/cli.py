@@ -247,6 +247,19 @@ def _worker(args: argparse.Namespace) -> int:
         return 130
 
 
+def _need_metrics_extra(command: str) -> None:
+    """``--metrics`` without the ``metrics`` extra: one line, as ``colobus top`` says it.
+
+    Raises:
+        _UserError: prometheus_client is not installed.
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("prometheus_client") is None:
+        raise _UserError(f"colobus {command} --metrics needs the prometheus_client package: "
+                         "pip install 'colobus[metrics]'")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``colobus`` command line; returns the exit status."""
     parser = build_parser()
@@ -267,6 +280,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _worker(args)
         if args.command == "keygen":
             return _keygen(args.path, args.curve, args.force)
+        if args.command in ("demo", "bench") and args.metrics:
+            _need_metrics_extra(args.command)
         if args.command == "demo":
             from .demo import run_demo
 
