@@ -6,6 +6,7 @@ an interpreter's start each)."""
 from __future__ import annotations
 
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -158,3 +159,29 @@ def test_driver_example_with_missing_key_file_says_keygen(tmp_path: Path) -> Non
     line = _one_line_error(proc, 2)
     assert "colobus keygen" in line
 
+
+
+def test_bench_help_lists_every_benchmark() -> None:
+    from colobus._tools.bench import BENCHMARKS
+
+    out = run_cli(["bench", "--help"])
+    assert out.returncode == 0
+    listed = re.findall(r"^  (\w+) +\S", out.stdout.split("benchmarks (NAME):", 1)[1], re.M)
+    assert listed == list(BENCHMARKS), out.stdout
+
+
+def test_bench_keeps_info_lines_out_of_its_table(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its clusters' INFO lines would cut through the table: bench logs warnings only,
+    unless COLOBUS_LOG_LEVEL or -v says otherwise."""
+    import logging
+
+    from colobus._tools import bench
+
+    levels = []
+    monkeypatch.setattr(bench, "run_bench", lambda *a, **k: levels.append(
+        logging.getLogger("colobus").getEffectiveLevel()) or 0)
+    monkeypatch.delenv("COLOBUS_LOG_LEVEL", raising=False)
+    assert run_cli(["bench", "latency"]).returncode == 0
+    monkeypatch.setenv("COLOBUS_LOG_LEVEL", "INFO")
+    assert run_cli(["bench", "latency"]).returncode == 0
+    assert levels == [logging.WARNING, logging.INFO]

@@ -126,6 +126,37 @@ def test_launch_local_serves_local_cluster_and_init_with_the_launched_workers(
     assert "cb.local_cluster(devices_per_host=4) contradicts" in refused[1]
     assert "cb.local_cluster(hosts=1) contradicts" in refused[2]
     assert all("2 worker(s) with 2 device(s) each" in line for line in refused)
+    assert "joined: 'local-0'" not in out.stderr  # not a terminal: the join lines stay INFO
+
+
+def test_launch_on_a_terminal_shows_a_line_per_host_as_it_joins(tmp_path: Path) -> None:
+    """The driver sets up no logging; on a terminal its joins show anyway."""
+    import pty
+
+    driver = ("import colobus as cb\n"
+              "with cb.Controller() as ctl: print('DRIVER', len(ctl.hosts()))\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COLOBUS_")}
+    master, slave = pty.openpty()
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "colobus", "launch", "local", "--hosts",
+                                 "2", "--", sys.executable, "-c", driver],
+                                stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, env=env,
+                                cwd=tmp_path)
+    finally:
+        os.close(slave)
+    seen = b""
+    try:
+        while chunk := os.read(master, 4096):
+            seen += chunk
+    except OSError:  # EIO: every writer closed the terminal
+        pass
+    finally:
+        os.close(master)
+    assert proc.wait(timeout=120) == 0, seen.decode(errors="replace")
+    text = seen.decode(errors="replace")
+    for i in range(2):
+        assert f"host {i} joined: 'local-{i}'" in text, text
+    assert "DRIVER 2" in text
 
 
 def test_launch_without_a_driver_command_is_a_usage_error() -> None:

@@ -14,9 +14,10 @@ from collections.abc import Sequence
 from .._errors import ControllerClosedError
 from .._wire import protocol as P
 from .controller import Controller, State
+from .environ import join_level
 from .joinwait import JoinOrder
 
-__all__ = ["host_process_ended", "number_hosts_by_name"]
+__all__ = ["announce_joins", "host_process_ended", "number_hosts_by_name"]
 
 
 def number_hosts_by_name(ctl: Controller, names: Sequence[str]) -> None:
@@ -26,6 +27,12 @@ def number_hosts_by_name(ctl: Controller, names: Sequence[str]) -> None:
     (see :mod:`colobus._controller.joinwait`).
     """
     ctl._sessions.join_order = JoinOrder(names)
+
+
+def announce_joins(ctl: Controller) -> None:
+    """A launcher's workers join ``ctl``: on a terminal, a line per host as it joins
+    shows without logging set up (:func:`~colobus._controller.environ.join_level`)."""
+    ctl._sessions.join_level = join_level(launched=True)
 
 
 def host_process_ended(ctl: Controller, name: str, pid: int | None, why: str) -> None:

@@ -11,12 +11,14 @@ reads each of them for an argument it was not given; ``local_cluster`` and
 
 from __future__ import annotations
 
+import logging
 import os
+import sys
 
 from .._wire import keys as _keys
 
 __all__ = ["ADDRESS_ENV", "DEVICES_ENV", "HOSTS_ENV", "HOST_NAMES_ENV", "check_launched",
-           "from_environment"]
+           "from_environment", "join_level"]
 
 ADDRESS_ENV = "COLOBUS_ADDRESS"
 HOSTS_ENV = "COLOBUS_HOSTS"
@@ -78,3 +80,17 @@ def check_launched(caller: str, hosts: int | None, devices_per_host: int | None)
                 f"out {name}= (or change the launch's --hosts/--devices), or write "
                 "cb.Controller() for a script meant only for `colobus launch`")
     return True
+
+
+def join_level(launched: bool) -> int:
+    """The level of the line a controller logs per host as it joins.
+
+    WARNING where the workers were ``launched`` for this driver (``colobus launch``:
+    ``$COLOBUS_ADDRESS`` set, or a launcher's cluster) and stderr is a terminal, so
+    the line per host that launchers promise shows without logging set up
+    (Python's last-resort handler prints warnings); else INFO (a pipe, a log
+    file, CI, a local cluster's own workers).
+    """
+    launched = launched or bool(os.environ.get(ADDRESS_ENV))
+    tty = sys.stderr is not None and sys.stderr.isatty()
+    return logging.WARNING if launched and tty else logging.INFO

@@ -34,6 +34,7 @@ from .._wire.envelope import (
 )
 from .._wire.guard import RESET_SEQ, UNKNOWN_PEER_MAX_BYTES, Challenges, PeerWarnings
 from .._wire.protocol import Kind
+from .environ import join_level
 from .hosts import Host
 from .joinwait import JoinOrder
 from .ops import Parts
@@ -101,6 +102,7 @@ class Sessions:
         self._peer_warnings = PeerWarnings(log)
         # local_cluster numbers its hosts by name: the first HELLOs wait for each other.
         self.join_order: JoinOrder[tuple[bytes, Envelope, P.Hello]] | None = None
+        self.join_level = join_level(launched=False)  # launchers: cluster.announce_joins
         # Keyed by Kind, found by the plain int off the wire (IntEnum hashes as int).
         self._handlers: dict[int, Callable[[Host, Any, Envelope], None]] = {
             Kind.HEARTBEAT: self._on_heartbeat,
@@ -369,7 +371,7 @@ class Sessions:
             relays.welcome(host, relay, welcome)  # its session moves to that relay
         else:
             ctl._send(host, welcome)
-        log.info("%s", hosts.describe(host, old is not None, ctl._expected_hosts))
+        log.log(self.join_level, "%s", hosts.describe(host, old is not None, ctl._expected_hosts))
         ctl._joined()
 
     def _gone(self, host: Host) -> str | None:

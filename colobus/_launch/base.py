@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from types import TracebackType
 
-from .._controller.cluster import host_process_ended, number_hosts_by_name
+from .._controller.cluster import announce_joins, host_process_ended, number_hosts_by_name
 from .._controller.controller import Controller, _pop_current, _push_current
 from .._controller.procwatch import Emit, HostProcess, describe_exit
 
@@ -305,6 +305,8 @@ class LaunchedCluster:
                                restart=self.restart,
                                on_ended=functools.partial(host_process_ended, ctl))
         number_hosts_by_name(ctl, self.launcher.names)  # names[0] is host 0
+        if self.launcher.kind != "local":  # a local cluster's own workers join quietly
+            announce_joins(ctl)
         self.workers.start_all()
 
     async def _wait_joined(self) -> None:

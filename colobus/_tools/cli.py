@@ -22,6 +22,21 @@ __all__ = ["CliParser", "build_parser", "main", "positive_int"]
 
 
 
+# `colobus bench --help`'s list (tests/test_cli.py: the same names as bench.BENCHMARKS).
+BENCHMARK_HELP = (
+    ("latency", "one no-op call's round trip, 1 host (await, and .result() from a script)"),
+    ("pipelined", "no-op calls with many in flight"),
+    ("fanout", "one call on 4 hosts"),
+    ("object", "method calls on a colocated_python_class object"),
+    ("transfer", "device_put / device_get of 1 to 256 MiB, with peak memory"),
+    ("chain", "100 dependent calls, each given the previous call's Future"),
+    ("calls", "return x / x + 1 against the no-op: latency, controller CPU, memory"),
+    ("scaling", "fan-out over 1 to 16 hosts: latency and CPU per host"),
+    ("bigout", "calls returning large outputs: the worker's peak memory"),
+    ("reshard", "sharded -> replicated over 4 hosts"),
+)
+
+
 class _UserError(Exception):
     """A mistake of the user's, reported as one line with this exit status."""
 
@@ -99,8 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve Prometheus metrics during the run (default 127.0.0.1:9464) "
                         "and print how to watch them with `colobus top`")
 
-    b = sub.add_parser("bench", help="run the benchmarks (colobus against raw pyzmq)")
-    b.add_argument("name", nargs="?", default=None, help="one benchmark (default: all)")
+    b = sub.add_parser(
+        "bench", help="run the benchmarks (colobus against raw pyzmq)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="benchmarks (NAME):\n" + "\n".join(f"  {n:<10} {text}"
+                                                    for n, text in BENCHMARK_HELP))
+    b.add_argument("name", nargs="?", default=None, metavar="NAME",
+                   help="one benchmark, listed below (default: all)")
     b.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
                    help="write machine-readable results (to PATH, or stdout)")
     b.add_argument("--quick", action="store_true",
@@ -127,13 +147,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _setup_logging(verbose: bool) -> None:
+def _setup_logging(verbose: bool, default: str = "INFO") -> None:
     logging.basicConfig(
         level=logging.WARNING,
         format="%(asctime)s %(name)s %(levelname)s: %(message)s",
         datefmt="%H:%M:%S",
     )
-    level = os.environ.get("COLOBUS_LOG_LEVEL", "INFO").upper()
+    level = os.environ.get("COLOBUS_LOG_LEVEL", default).upper()
     logging.getLogger("colobus").setLevel(logging.DEBUG if verbose else level)
 
 
@@ -274,7 +294,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .._process import reexec_with_huge_pages
 
         reexec_with_huge_pages()  # large receives: huge pages, not 4 KiB page faults
-    _setup_logging(args.verbose)
+    # bench's table is its output: its clusters' INFO lines would cut through it.
+    _setup_logging(args.verbose, "WARNING" if args.command == "bench" else "INFO")
     try:
         if args.command == "worker":
             return _worker(args)
