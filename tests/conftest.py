@@ -122,11 +122,13 @@ BEDS = {"test_blip.py", "test_broadcast.py", "test_compose.py", "test_examples.p
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Each test's xdist group (see BEDS); tests marked ``slow`` stay out of the default
-    run (and CI) unless ``--run-slow``."""
+    """Each test's xdist group and, for the BEDS files, the marker ``bed``; tests marked
+    ``slow`` stay out of the default run (and CI) unless ``--run-slow``."""
     for item in items:
         file = item.path.name
         item.add_marker(pytest.mark.xdist_group("beds" if file in BEDS else file))
+        if file in BEDS:
+            item.add_marker(pytest.mark.bed)  # the README's quick run: -m "not bed"
     if config.getoption("--run-slow"):
         return
     skip = pytest.mark.skip(reason="slow: run with --run-slow")

@@ -134,3 +134,21 @@ def test_the_snippet_markers_are_seen() -> None:
     blocks = {(p, n): runs for p, n, _, runs in _python_blocks()}
     assert sum(blocks.values()) >= 4
     assert not all(blocks.values())
+
+
+def test_the_compose_file_on_the_deployment_page_is_the_repositorys() -> None:
+    text = (ROOT / "docs" / "deployment.md").read_text()
+    (block,) = re.findall(r"```yaml\n(services:.*?)```", text, re.DOTALL)
+    assert yaml.safe_load(block) == yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+
+
+def test_both_kubernetes_recipes_name_the_secret_alike() -> None:
+    """The hand-written recipe and `colobus manifest kubernetes`: one Secret, one key name,
+    one mount path, so a Secret made for either serves both."""
+    from colobus._launch import kubernetes as k8s
+
+    text = (ROOT / "docs" / "deployment.md").read_text()
+    made = re.findall(r"kubectl create secret generic (\S+)\s+--from-file=(\w+)=", text)
+    assert made and set(made) == {(k8s.SECRET_NAME, "key")}, made
+    recipe = text[text.index("\n## Kubernetes\n"):]
+    assert f"{k8s.KEY_DIR}/key" in recipe and "/run/secrets/colobus" not in recipe

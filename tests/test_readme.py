@@ -36,3 +36,23 @@ def test_readme_example_runs(tmp_path: Path) -> None:
     assert first.startswith("(8, 16)")
     assert abs(float(first.split()[-1]) - 1.0) < 1e-3
     assert out.stdout.splitlines()[1].strip() == "4"
+
+
+def test_readme_says_what_the_full_run_needs_and_gives_a_quick_one() -> None:
+    text = _readme()
+    assert re.search(r"takes about \d+-\d+ minutes on 2 cores", text)
+    for need in ("root", "sshd", "Slurm", "firewall", "Docker"):
+        assert need in text, need
+    (quick,) = re.findall(r"^(\.venv/bin/python -m pytest .*)$", text, re.MULTILINE)
+    assert quick.endswith('-m "not bed"'), quick
+
+
+def test_the_quick_runs_marker_leaves_out_exactly_the_beds() -> None:
+    """``-m "not bed"`` deselects a bed file's tests and keeps the others'."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-n", "0", "-m", "not bed",
+         "tests/test_launch_cli.py", "tests/test_readme.py"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT)
+    listed = [ln for ln in proc.stdout.splitlines() if "::" in ln]
+    assert listed and all(ln.startswith("tests/test_readme.py::") for ln in listed), proc.stdout
+    assert re.search(r"\d+ deselected", proc.stdout), proc.stdout
