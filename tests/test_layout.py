@@ -9,6 +9,7 @@ same map.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "colobus"
@@ -177,3 +178,30 @@ def test_the_check_sees_wrong_imports_of_every_kind(tmp_path: Path) -> None:
     ]
     assert "colobus._wire.e" in graph["colobus._wire.d"]
     assert "colobus._wire.d" in graph["colobus._wire.e"]
+
+
+# -- docs/ is for users ------------------------------------------------------------------
+
+DOCS = PACKAGE.parent / "docs"
+PERFORMANCE_MAX_LINES = 320  # what to expect, how to measure, what to tune: not a log
+LOG_WORDS = re.compile(r"\bsession [0-9]|\bround [0-9]|\bissue [0-9]", re.IGNORECASE)
+
+
+def test_the_performance_page_stays_a_user_page() -> None:
+    """The record of experiments lives in benchmarks/NOTES.md, not in the docs."""
+    lines = (DOCS / "performance.md").read_text().count("\n")
+    assert lines <= PERFORMANCE_MAX_LINES, (
+        f"docs/performance.md has {lines} lines (at most {PERFORMANCE_MAX_LINES}): keep "
+        "today's figures there and move the record of experiments to benchmarks/NOTES.md")
+    notes = (PACKAGE.parent / "benchmarks" / "NOTES.md").read_text()
+    dated = re.findall(r"^## (\d{4}-\d{2}-\d{2})", notes, re.MULTILINE)
+    assert dated and dated == sorted(dated, reverse=True), dated  # newest first
+
+
+def test_no_doc_page_speaks_of_sessions_rounds_or_issues() -> None:
+    found = [f"docs/{page.name}:{n}: {line.strip()}"
+             for page in sorted(DOCS.glob("*.md"))
+             for n, line in enumerate(page.read_text().splitlines(), 1)
+             if LOG_WORDS.search(line)]
+    assert not found, "docs/ is for users; records go to benchmarks/NOTES.md:\n" + "\n".join(found)
+    assert LOG_WORDS.search("measured in session 15") and LOG_WORDS.search("Issue 25's relays")
