@@ -66,18 +66,145 @@ def test_api_page_lists_every_public_name() -> None:
 
 # -- the Python snippets of the docs ------------------------------------------------------
 #
-# Every fenced ```python block of docs/*.md compiles (top-level ``await`` allowed:
-# most blocks are parts of an ``async def main()``). A block runs, as a script of its
-# own, unless the line before its fence is ``<!-- not run -->`` (a part of a program,
-# a sketch needing a remote cluster or JAX's own runtime): a block that runs must be a
-# complete program. docs/index.md says so for writers of docs.
+# Every fenced ```python block of docs/*.md compiles (top-level ``await`` allowed) and runs.
+# The line before a block's fence says how (for writers of docs):
+#
+# - nothing: a whole program; it runs as a script of its own;
+# - ``<!-- fragment -->``: a part of a program. A page's fragments run in sequence, in one
+#   process, as a user pastes them one after the other into the program the page describes
+#   (the page's setup below stands for that program: a 2-host x 4-device cluster and the
+#   names the page's text gives its fragments); top-level ``await`` runs as in
+#   ``python -m asyncio``;
+# - ``<!-- not run: WHY -->``: cannot run here (it needs remote machines, a batch system,
+#   or JAX's own colocated runtime). NOT_RUN lists them all, to keep the list small.
 
-NOT_RUN = "<!-- not run -->"
+FRAGMENT = "<!-- fragment -->"
+_NOT_RUN = re.compile(r"^<!-- not run: (.+) -->$")
 _FENCE = re.compile(r"^( *)```python\s*$")
 
+# (page, the block's first line of code that is not an import or a comment) of every
+# block that does not run, and why.
+NOT_RUN = {
+    ("deployment.md", 'async with cb.ssh_cluster(["node1", "node2"], devices_per_host=4) '
+                      "as ctl:"): "ssh_cluster needs ssh hosts",
+    ("deployment.md", "async with cb.slurm_cluster(nodes=4, devices_per_host=8,"):
+        "slurm_cluster needs a Slurm cluster",
+    ("deployment.md", "with cb.Controller() as ctl:     # binds $COLOBUS_ADDRESS, waits for "
+                      "$COLOBUS_HOSTS"): "runs under colobus launch",
+    ("deployment.md", "cloudpickle.register_pickle_by_value(mypkg.steps)"):
+        "a package of the reader's (mypkg)",
+    ("index.md", 'async with cb.Controller("tcp://0.0.0.0:5555", hosts=4, '
+                 'key=cb.load_key("colobus.key")):'): "waits for 4 remote workers",
+    ("jax_comparison.md", "cpu_devices = cp.colocated_cpu_devices(jax.devices())"):
+        "JAX's colocated_python needs its own (IFRT proxy) runtime",
+    ("observability.md", 'cb.Controller(..., metrics="0.0.0.0:9464", metrics_public=True)'):
+        "a sketch of the arguments",
+    ("reliability.md", "async with cb.Controller(bind, hosts=4, key=key,"):
+        "waits for 4 remote workers",
+    ("security.md", "ctl = cb.Controller("): "waits for 4 remote workers with CurveZMQ keys",
+}
 
-def _python_blocks() -> list[tuple[str, int, str, bool]]:
-    """(page, line of the fence, code, whether it runs) for every python block."""
+
+def _first_line(code: str) -> str:
+    """A block's first line of code that is not an import or a comment (its name in
+    NOT_RUN)."""
+    for line in code.strip().split("\n"):
+        if line.strip() and not re.match(r"(import|from|#)\b|#", line.strip()):
+            return line.strip()
+    return code.strip().split("\n")[0]
+
+
+_IMPORTS = """
+import asyncio
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import colobus as cb
+"""
+
+_BASE_SETUP = """
+_cluster = cb.local_cluster(hosts=2, devices_per_host=4)
+ctl = _cluster.__enter__()
+mesh = cb.Mesh(np.array(cb.devices()).reshape(2, 4), ("hosts", "devices"))
+x = cb.device_put(np.arange(16.0, dtype=np.float32).reshape(2, 8),
+                  cb.NamedSharding(mesh, cb.PartitionSpec("hosts", "devices")))
+
+
+@cb.colocated_python
+def add_one(x):
+    return x + 1
+"""
+
+# What each page's text gives its fragments, beyond the base (above); the pages of
+# OWN_CLUSTER start the cluster they describe instead of the base's.
+OWN_CLUSTER = {"index.md", "observability.md", "reliability.md"}
+PAGE_SETUP: dict[str, str] = {
+    "observability.md": """
+_cluster = cb.local_cluster(hosts=2, devices_per_host=4, trace=True)   # with trace= on
+ctl = _cluster.__enter__()
+params = batch = cb.device_put(np.ones(8, np.float32), cb.devices()[0])
+step = cb.colocated_python(lambda params, batch: params + batch)
+""",
+    "reliability.md": """
+step = cb.colocated_python(lambda batch: batch + 1)
+""",
+    "async_and_sync.md": """
+params = x
+batch = cb.device_put(np.ones((2, 8), np.float32), x.sharding)
+shards = [x, batch]
+fn = print
+
+
+@cb.colocated_python
+def step(params, batch):
+    return params + batch
+
+
+load = f = cb.colocated_python(lambda x: x)
+preprocess = cb.colocated_python(lambda x: x * 2)
+normalize = cb.colocated_python(lambda x: (x - x.mean()) / (x.std() + 1e-6))
+compute = cb.colocated_python(lambda params, batch: params * batch)
+
+
+@cb.colocated_python_class
+class Loader:
+    def next_batch(self, params):
+        return params * 0 + 1
+
+
+@cb.colocated_python_class
+class Writer:
+    async def save(self, params, n):
+        return params
+
+
+loader, writer = Loader(), Writer()
+""",
+    "index.md": """
+@cb.colocated_python
+def normalize(x):
+    return (x - x.mean()) / (x.std() + 1e-6)
+""",
+    "objects.md": """
+@cb.colocated_python_class
+class Loader:
+    def __init__(self, path):
+        self.path, self.step = path, 0
+
+    def next_batch(self, like):
+        self.step += 1
+        return jax.device_put(np.full(like.shape, self.step, like.dtype), like.sharding)
+""",
+    "functions.md": 'open("mymodule.py", "w").write("cache = None\\n")  # a module of yours',
+}
+
+
+def _python_blocks() -> list[tuple[str, int, str, str]]:
+    """(page, line of the fence, code, kind) for every python block; kind is ``program``,
+    ``fragment`` or ``not run``."""
     import textwrap
 
     found = []
@@ -85,8 +212,7 @@ def _python_blocks() -> list[tuple[str, int, str, bool]]:
         lines = path.read_text().split("\n")
         i = 0
         while i < len(lines):
-            m = _FENCE.match(lines[i])
-            if not m:
+            if not _FENCE.match(lines[i]):
                 i += 1
                 continue
             end = i + 1
@@ -94,8 +220,13 @@ def _python_blocks() -> list[tuple[str, int, str, bool]]:
                 end += 1
             code = textwrap.dedent("\n".join(lines[i + 1:end]))
             before = [ln.strip() for ln in lines[:i] if ln.strip()]
-            runs = (not before or before[-1] != NOT_RUN)
-            found.append((path.name, i + 1, code, runs))
+            marker = before[-1] if before else ""
+            kind = ("fragment" if marker == FRAGMENT else
+                    "not run" if _NOT_RUN.match(marker) else "program")
+            assert marker != "<!-- not run -->", (
+                f"docs/{path.name}:{i + 1}: say why it cannot run (<!-- not run: WHY -->), "
+                "or mark it <!-- fragment -->")
+            found.append((path.name, i + 1, code, kind))
             i = end + 1
     return found
 
@@ -112,28 +243,82 @@ def test_every_python_snippet_compiles() -> None:
             raise AssertionError(f"docs/{page}:{line} does not compile: {exc}") from exc
 
 
-@pytest.mark.parametrize(("page", "line", "code"),
-                         [pytest.param(p, n, c, id=f"{p}:{n}")
-                          for p, n, c, runs in _python_blocks() if runs])
-def test_python_snippet_runs(page: str, line: int, code: str, tmp_path: Path) -> None:
-    """The snippets not marked ``<!-- not run -->`` are whole programs that run as shown."""
+def test_the_blocks_that_do_not_run_are_few_and_listed() -> None:
+    not_run = {(page, _first_line(code)) for page, _, code, kind in _python_blocks()
+               if kind == "not run"}
+    for path in (ROOT / "docs").glob("*.md"):  # each says why, as NOT_RUN does
+        for why in re.findall(r"<!-- not run: (.+) -->", path.read_text()):
+            assert why in NOT_RUN.values(), (path.name, why)
+    assert not_run == set(NOT_RUN), (
+        f"not listed in NOT_RUN: {sorted(not_run - set(NOT_RUN))}; "
+        f"listed but run or gone: {sorted(set(NOT_RUN) - not_run)}")
+    assert len(NOT_RUN) <= 9
+
+
+def _run(script: str, tmp_path: Path, name: str) -> subprocess.CompletedProcess[str]:
     import os
 
-    script = tmp_path / "snippet.py"
-    script.write_text(code)
+    path = tmp_path / name
+    path.write_text(script)
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env,
+    return subprocess.run([sys.executable, str(path)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.parametrize(("page", "line", "code"),
+                         [pytest.param(p, n, c, id=f"{p}:{n}")
+                          for p, n, c, kind in _python_blocks() if kind == "program"])
+def test_python_program_runs(page: str, line: int, code: str, tmp_path: Path) -> None:
+    """The blocks without a marker are whole programs that run as shown."""
+    proc = _run(code, tmp_path, "snippet.py")
     assert proc.returncode == 0, (
         f"docs/{page}:{line} failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
 
 
+def fragments_script(page: str) -> str:
+    """One program: the page's setup, then each of its fragments in order (a traceback
+    names a fragment as ``docs/PAGE:LINE``)."""
+    fragments = [(f"docs/{p}:{n}", code) for p, n, code, kind in _python_blocks()
+                 if p == page and kind == "fragment"]
+    return "\n".join([
+        _IMPORTS, "" if page in OWN_CLUSTER else _BASE_SETUP, PAGE_SETUP.get(page, ""),
+        "import ast as _ast, inspect as _inspect",
+        f"_FRAGMENTS = {fragments!r}",
+        "",
+        "async def _paste_all():",
+        "    for _where, _code in _FRAGMENTS:",
+        "        _done = eval(compile(_code, _where, 'exec',",
+        "                             flags=_ast.PyCF_ALLOW_TOP_LEVEL_AWAIT), globals())",
+        "        if _inspect.isawaitable(_done):",
+        "            await _done",
+        "        print('pasted', _where, flush=True)",
+        "",
+        "try:",
+        "    asyncio.run(_paste_all())",
+        "finally:",
+        "    if '_cluster' in globals():",
+        "        _cluster.__exit__(None, None, None)",
+        "print('all fragments ran', flush=True)",
+    ])
+
+
+@pytest.mark.parametrize("page", sorted({p for p, _, _, kind in _python_blocks()
+                                         if kind == "fragment"}))
+def test_a_pages_fragments_run_in_sequence(page: str, tmp_path: Path) -> None:
+    """A page's fragments, pasted one after the other into the program the page describes."""
+    proc = _run(fragments_script(page), tmp_path, "fragments.py")
+    assert proc.returncode == 0 and "all fragments ran" in proc.stdout, (
+        f"docs/{page}'s fragments failed (exit {proc.returncode}):\n{proc.stdout}\n"
+        f"{proc.stderr[-5000:]}")
+
+
 def test_the_snippet_markers_are_seen() -> None:
-    """A guard on the guard: marked blocks do not run, the whole programs do."""
-    blocks = {(p, n): runs for p, n, _, runs in _python_blocks()}
-    assert sum(blocks.values()) >= 4
-    assert not all(blocks.values())
+    """A guard on the guard: each kind of block is found."""
+    kinds = [kind for _, _, _, kind in _python_blocks()]
+    assert kinds.count("program") >= 4 and kinds.count("fragment") >= 20, kinds
+    assert _NOT_RUN.match("<!-- not run: needs ssh hosts -->")
+    assert not _NOT_RUN.match("<!-- not run -->")
 
 
 def test_the_compose_file_on_the_deployment_page_is_the_repositorys() -> None:
