@@ -34,7 +34,8 @@ if TYPE_CHECKING:
     from .controller import Controller
     from .hosts import Host
 
-__all__ = ["DEFAULT_MAX_CODE_BYTES", "CodeShipper", "Package", "snapshot", "user_package"]
+__all__ = ["DEFAULT_MAX_CODE_BYTES", "CodeShipper", "Package", "imports_of", "snapshot",
+           "user_package"]
 
 log = logging.getLogger("colobus.controller")
 
@@ -111,6 +112,26 @@ def user_package(module_name: str) -> str | None:
     return top if root is not None else None
 
 
+def imports_of(top: str) -> tuple[str, ...]:
+    """The user's other packages that the imported modules of package ``top`` hold in
+    their globals: modules, classes and functions (``import b``, ``from b import f``)."""
+    found: dict[str, None] = {}
+    for mod_name, module in list(sys.modules.items()):
+        if module is None or not (mod_name == top or mod_name.startswith(top + ".")):
+            continue
+        for value in list(vars(module).values()):
+            if isinstance(value, types.ModuleType):
+                ref = value.__name__
+            elif isinstance(value, type | types.FunctionType):
+                ref = getattr(value, "__module__", None) or ""
+            else:
+                continue
+            other = user_package(ref) if isinstance(ref, str) else None
+            if other is not None and other != top:
+                found[other] = None
+    return tuple(found)
+
+
 def _files(root: str) -> list[tuple[str, str]]:
     """``(relative path in the archive, path)`` of every file that travels, sorted."""
     if os.path.isfile(root):
@@ -138,31 +159,35 @@ def _environment(dirpath: str, d: str) -> bool:
                                                                            "conda-meta"))
 
 
+def _size(n: int) -> str:
+    return f"{n / 1e6:.1f} MB" if n >= 100_000 else f"{n / 1e3:.1f} kB"
+
+
 def too_large(what: str, sizes: list[tuple[int, str]], total: int, limit: int) -> str:
     """The error text of a session that would ship more than ``limit`` bytes of code."""
-    largest = ", ".join(f"{path} ({size / 1e6:.1f} MB)" for size, path in
-                        sorted(sizes, reverse=True)[:5])
+    largest = ", ".join(f"{path} ({_size(size)})" for size, path in
+                        sorted(sizes, reverse=True)[:3])
     return (f"shipping {what} would make this session's code {total / 1e6:.1f} MB, over "
             f"max_code_bytes={limit}; its largest files: {largest}. Keep data out of the "
             "package (or install it on the hosts and pass ship_code=False), or raise "
             "max_code_bytes")
 
 
-def snapshot(name: str, root: str, budget: int | None = None) -> Package:
+def snapshot(name: str, root: str, used: int = 0, limit: int | None = None) -> Package:
     """Read a package's files once: a zip of them and the digest of their contents.
 
     Raises:
-        SerializationError: the files are more than ``budget`` bytes (the message names
-            the largest), or cannot be read.
+        SerializationError: with ``used`` bytes shipped before, the files would pass
+            ``limit`` (the message names the largest), or they cannot be read.
     """
     files = _files(root)
     try:
-        sizes = [(os.path.getsize(path), path) for _, path in files]
+        sizes = [(os.path.getsize(path), rel) for rel, path in files]
     except OSError as exc:
         raise SerializationError(f"cannot read the files of {name!r} to ship: {exc}") from exc
     nbytes = sum(s for s, _ in sizes)
-    if budget is not None and nbytes > budget:
-        raise SerializationError(too_large(f"{name!r} ({root})", sizes, nbytes, budget))
+    if limit is not None and used + nbytes > limit:
+        raise SerializationError(too_large(f"{name!r} ({root})", sizes, used + nbytes, limit))
     digest = hashlib.blake2b(b"colobus package\0" + name.encode(), digest_size=16)
     out = io.BytesIO()
     with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as archive:
@@ -215,6 +240,8 @@ class CodeShipper:
         self.limit = max_code_bytes
         self._lock = threading.Lock()
         self._packages: dict[str, Package | None] = {}  # by name; None: not shipped
+        self._deps: dict[str, tuple[str, ...]] = {}  # the user's packages each imports
+        self._resolved: dict[tuple[str, ...], list[Package]] = {}  # by the names code needs
         self.total = 0
         self.always: list[Package] = []
         for spec in py_modules:
@@ -223,28 +250,40 @@ class CodeShipper:
                 self.always.append(self._admit(name, root))
 
     def _admit(self, name: str, root: str) -> Package:
-        pkg = snapshot(name, root, self.limit - self.total)
+        pkg = snapshot(name, root, self.total, self.limit)
         self._packages[name] = pkg
         self.total += pkg.nbytes
         return pkg
 
-    def packages(self, names: Iterable[str]) -> list[Package]:
-        """The packages to send with code that names ``names`` (read on first need).
+    def packages(self, names: tuple[str, ...]) -> list[Package]:
+        """The packages to send with code that names ``names``: those, the user's packages
+        they import, and the ``py_modules`` (each read on first need).
 
         Raises:
             SerializationError: one would pass ``max_code_bytes`` (that one is not sent).
         """
-        out = list(self.always)
         if not self.auto:
-            return out
-        for name in names:
+            return self.always
+        done = self._resolved.get(names)
+        if done is not None:
+            return done
+        out = list(self.always)
+        todo, seen = list(names), set()
+        while todo:
+            name = todo.pop()
+            if name in seen:
+                continue
+            seen.add(name)
             if name not in self._packages:
                 with self._lock:
                     if name not in self._packages:
                         self._first_need(name)
             pkg = self._packages[name]
-            if pkg is not None and pkg not in out:
-                out.append(pkg)
+            if pkg is not None:
+                if pkg not in out:
+                    out.append(pkg)
+                todo.extend(self._deps.get(name, ()))
+        self._resolved[names] = out
         return out
 
     def _first_need(self, name: str) -> None:
@@ -253,10 +292,11 @@ class CodeShipper:
             self._packages[name] = None
             return
         pkg = self._admit(name, root)
+        self._deps[name] = imports_of(name)
         log.info("shipping %s (%s, %.1f MB) to the hosts with the first code that needs it",
                  name, root, pkg.nbytes / 1e6)
 
-    def ship(self, ctl: Controller, host: Host, names: Iterable[str]) -> None:
+    def ship(self, ctl: Controller, host: Host, names: tuple[str, ...]) -> None:
         """Loop thread: send ``host`` the packages code naming ``names`` needs, unless sent."""
         sent = host.packages_sent
         for pkg in self.packages(names):

@@ -252,8 +252,9 @@ class Controller:
         return [h.info() for h in self._hosts.hosts]
 
     def stats(self) -> dict[str, Any]:
-        """Counters: dropped messages by reason, code blobs and bytes sent, array bytes put,
-        relayed by hosts (``bytes_relayed``) and fetched, and per host its store and health:
+        """Counters: dropped messages by reason, code blobs and bytes sent (your packages too:
+        ``packages_sent``, ``package_bytes``), array bytes put, relayed by hosts
+        (``bytes_relayed``) and fetched, and per host its store and health:
         what each worker last reported (every heartbeat, or on :meth:`refresh_stats`):
         ``arrays``, ``bytes`` and ``objects`` it holds, and ``results``, the call results it
         keeps for futures still alive; from its heartbeats only, ``rtt`` (heartbeat round
