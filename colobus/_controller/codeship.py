@@ -190,7 +190,7 @@ def snapshot(name: str, root: str, used: int = 0, limit: int | None = None) -> P
         raise SerializationError(too_large(f"{name!r} ({root})", sizes, used + nbytes, limit))
     digest = hashlib.blake2b(b"colobus package\0" + name.encode(), digest_size=16)
     out = io.BytesIO()
-    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as archive:
+    with zipfile.ZipFile(out, "w") as archive:
         for rel, path in files:
             try:
                 with open(path, "rb") as f:
@@ -199,7 +199,8 @@ def snapshot(name: str, root: str, used: int = 0, limit: int | None = None) -> P
                 raise SerializationError(f"cannot read {path} to ship: {exc}") from exc
             digest.update(b"%d\0%s\0" % (len(data), rel.encode()))
             digest.update(data)
-            archive.writestr(zipfile.ZipInfo(rel, _ZIP_TIME), data)
+            archive.writestr(zipfile.ZipInfo(rel, _ZIP_TIME), data,
+                             compress_type=zipfile.ZIP_DEFLATED, compresslevel=1)
     return Package(name, root, digest.digest(), out.getvalue(), nbytes)
 
 

@@ -3,13 +3,19 @@
 Each arrives as a CODE message with ``package`` set (a zip of its files,
 ``_controller.codeship``) and is unpacked into one directory of the session,
 first on ``sys.path``, so the session's code imports from it and not from an
-older copy. When the session ends the directory goes, and so does every module
-imported from it (``sys.modules``): the next session imports what its own
-controller ships.
+older copy. Unpacking writes files (hundreds, for a large package), so it runs
+on a thread, and the session's later messages wait for it in order: while it
+runs, every message handler is :meth:`ShippedCode._hold`, and the loop thread
+stays free for heartbeats. When the session ends the directory goes, and so
+does every module imported from it (``sys.modules``): the next session imports
+what its own controller ships.
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
+import functools
 import importlib
 import io
 import logging
@@ -17,8 +23,11 @@ import os
 import shutil
 import sys
 import tempfile
-import weakref
 import zipfile
+from collections.abc import Callable
+from typing import Any
+
+from .._wire.envelope import Envelope
 
 log = logging.getLogger("colobus.worker")
 
@@ -32,37 +41,71 @@ class ShippedCode:
         self.dir: str | None = None
         self.packages: dict[str, bytes] = {}  # import name -> digest
         self.nbytes = 0
-        self._cleanup: weakref.finalize[..., ShippedCode] | None = None
+        self.busy = False  # a package is being unpacked: messages wait (in ``_held``)
+        self._held: collections.deque[Envelope] = collections.deque()
+        self._handlers: dict[int, Any] = {}  # the worker's, while busy: its own
+        self._saved: dict[int, Any] = {}
+        self._dispatch: Callable[[Envelope], None] | None = None
+        self._session = 0  # bumps on clear(): an unpacking of an ended session is dropped
+
+    def attach(self, handlers: dict[int, Any], dispatch: Callable[[Envelope], None]) -> None:
+        """The worker's message handlers (held while busy) and its dispatch (to replay)."""
+        self._handlers = handlers
+        self._dispatch = dispatch
 
     def install(self, name: str, digest: bytes, archive: bytes) -> None:
-        """Unpack package ``name`` into the session's directory.
-
-        Raises:
-            ValueError: the archive holds a path outside the package.
-            zipfile.BadZipFile, OSError: it cannot be unpacked here.
-        """
+        """Start unpacking package ``name`` into the session's directory; later messages
+        are handled once it is there (or failed: the code that needs it says so)."""
         if self.packages.get(name) == digest:
             return
         if self.dir is None:
             self.dir = tempfile.mkdtemp(prefix="colobus-code-")
-            self._cleanup = weakref.finalize(self, shutil.rmtree, self.dir, True)
-            sys.path.insert(0, self.dir)
-        with zipfile.ZipFile(io.BytesIO(archive)) as z:
-            for info in z.infolist():
-                parts = info.filename.split("/")
-                if info.filename.startswith("/") or ".." in parts or parts[0] not in (
-                        name, name + ".py"):
-                    raise ValueError(f"package {name!r}: a path outside it, {info.filename!r}")
-            z.extractall(self.dir)
-            self.nbytes += sum(i.file_size for i in z.infolist())
-        if name in sys.modules and not _from(sys.modules[name], self.dir):
-            log.warning("package %s was shipped, but this worker already imported it from %s; "
-                        "that copy stays in use", name, _where(sys.modules[name]))
-        self.packages[name] = digest
-        importlib.invalidate_caches()
+        self.busy = True
+        self._saved = dict(self._handlers)
+        for kind in self._handlers:
+            self._handlers[kind] = self._hold
+        loop = asyncio.get_running_loop()
+        job = loop.run_in_executor(None, _unpack, name, archive, self.dir)
+        job.add_done_callback(functools.partial(self._unpacked, name=name, digest=digest,
+                                                session=self._session, where=self.dir))
+
+    def _hold(self, body: Any, env: Envelope) -> None:
+        self._held.append(env)
+
+    def _unpacked(self, job: asyncio.Future[int], name: str, digest: bytes, session: int,
+                  where: str) -> None:
+        if session != self._session:  # the session ended meanwhile: its files go too
+            shutil.rmtree(where, ignore_errors=True)
+            return
+        self._release()
+        try:
+            self.nbytes += job.result()
+        except Exception as exc:  # the code that needs it fails, saying what is missing
+            log.warning("package %s cannot be unpacked here: %r", name, exc)
+        else:
+            assert self.dir is not None
+            if self.dir not in sys.path:
+                sys.path.insert(0, self.dir)
+            importlib.invalidate_caches()
+            self.packages[name] = digest
+            module = sys.modules.get(name)
+            if module is not None and not _from(module, self.dir):
+                log.warning("package %s was shipped, but this worker already imported it from "
+                            "%s; that copy stays in use", name, _where(module))
+        while self._held and not self.busy and self._dispatch is not None:
+            self._dispatch(self._held.popleft())  # in order; another package holds the rest
+
+    def _release(self) -> None:
+        if self.busy:
+            self._handlers.update(self._saved)
+            self._saved = {}
+            self.busy = False
 
     def clear(self) -> None:
-        """The session ended: forget its modules, remove its directory."""
+        """The session ended: drop what waited, forget its modules, remove its directory."""
+        self._session += 1
+        self._release()
+        self._held.clear()
         where = self.dir
         if where is None:
             return
@@ -76,8 +119,25 @@ class ShippedCode:
             sys.path.remove(where)
         sys.path_importer_cache.pop(where, None)
         importlib.invalidate_caches()
-        if self._cleanup is not None:
-            self._cleanup()  # removes the directory
+        shutil.rmtree(where, ignore_errors=True)  # (an unpacking still running: _unpacked)
+
+
+def _unpack(name: str, archive: bytes, where: str) -> int:
+    """A thread: ``archive``'s files into ``where``; their bytes.
+
+    Raises:
+        ValueError: the archive holds a path outside the package.
+        zipfile.BadZipFile, OSError: it cannot be unpacked here.
+    """
+    with zipfile.ZipFile(io.BytesIO(archive)) as z:
+        infos = z.infolist()
+        for info in infos:
+            parts = info.filename.split("/")
+            if info.filename.startswith("/") or ".." in parts or parts[0] not in (
+                    name, name + ".py"):
+                raise ValueError(f"package {name!r}: a path outside it, {info.filename!r}")
+        z.extractall(where)
+    return sum(i.file_size for i in infos)
 
 
 def _where(module: object) -> str:

@@ -124,11 +124,8 @@ class Store:
         """A CODE message: a package to unpack, or the function or class (or why it does
         not load here: the calls naming it raise that, with a note saying what to do)."""
         digest, name = body.digest, body.name or body.digest.hex()[:12]
-        if body.package:
-            try:
-                self.shipped.install(body.name, digest, bytes(env.payload))
-            except Exception as exc:  # its code's calls say what is missing
-                log.warning("package %s cannot be unpacked here: %r", name, exc)
+        if body.package:  # later messages wait for it
+            self.shipped.install(body.name, digest, bytes(env.payload))
             return
         try:
             self.code[digest] = ("ok", loads(env.payload, env.buffers[: env.pbufs]))

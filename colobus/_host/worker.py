@@ -151,6 +151,7 @@ class Worker:
             Kind.REJECT: self._on_reject,
             Kind.CHALLENGE: self._on_challenge,
         }
+        self.store.shipped.attach(self._handlers, self._dispatch)  # (held while it unpacks)
 
     def _spawn(self, coro: Any) -> None:
         """A background task of this session, kept referenced until it ends."""
@@ -196,8 +197,7 @@ class Worker:
                     log.info("controller gone; this local worker exits")
                     return 0
                 backoff = BACKOFF_MIN_S if joined else min(backoff * 2, BACKOFF_MAX_S)
-                log.info("host %s: controller session ended (%s); joining again", self.name,
-                         outcome)
+                log.info("host %s: controller session ended (%s); rejoining", self.name, outcome)
         except _Exit as e:
             return e.code
         finally:
