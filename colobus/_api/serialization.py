@@ -69,6 +69,7 @@ class Code:
         self._lock = threading.Lock()
         self._blob: tuple[bytes, bytes] | None = None
         self.needs: tuple[str, ...] = ()  # the user's packages it names (read with _blob)
+        self.ready: object = None  # the code shipper that read those packages (prepare)
         self.name = f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', obj)}"
         self.shipped: collections.Counter[int] = collections.Counter()  # host -> times sent
 
@@ -82,6 +83,14 @@ class Code:
                     _code_born(self, self._blob[0])
                 blob = self._blob
         return blob
+
+    def prepare(self, ctl: Controller) -> None:
+        """Caller's thread, once per controller: pickle, and read the packages it needs,
+        so that one past ``max_code_bytes`` fails the call here, nothing sent (raises
+        ``SerializationError``), and the loop thread only sends them."""
+        self.get()
+        ctl._shipper.packages(self.needs)
+        self.ready = ctl._shipper
 
     def ship(self, ctl: Controller, host: Host) -> bytes:
         """Loop thread: send the code to ``host`` unless it has it; returns the digest."""

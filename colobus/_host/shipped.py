@@ -59,7 +59,7 @@ class ShippedCode:
         if self.packages.get(name) == digest:
             return
         if self.dir is None:
-            self.dir = tempfile.mkdtemp(prefix="colobus-code-")
+            self.dir = tempfile.mkdtemp(prefix="colobus-code-", dir=_in_memory())
         self.busy = True
         self._saved = dict(self._handlers)
         for kind in self._handlers:
@@ -120,6 +120,22 @@ class ShippedCode:
         sys.path_importer_cache.pop(where, None)
         importlib.invalidate_caches()
         shutil.rmtree(where, ignore_errors=True)  # (an unpacking still running: _unpacked)
+
+
+SHM = "/dev/shm"
+SHM_ROOM = 1 << 30  # what /dev/shm must have free to take a session's code
+
+
+def _in_memory() -> str | None:
+    """Where to unpack: ``/dev/shm`` (memory: a package's hundreds of files are written
+    in a tenth of the time of a virtual machine's disk) where it has room, else None
+    (the temporary directory)."""
+    try:
+        st = os.statvfs(SHM)
+    except OSError:
+        return None
+    room = st.f_bavail * st.f_frsize
+    return SHM if room >= SHM_ROOM and os.access(SHM, os.W_OK | os.X_OK) else None
 
 
 def _unpack(name: str, archive: bytes, where: str) -> int:
