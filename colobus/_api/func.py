@@ -164,7 +164,7 @@ class FunctionTarget(Target):
         return self.code.get()[0]
 
     def check(self, ctl: Controller, plan: CallPlan) -> None:
-        if self.code.ready is not ctl._shipper:  # its first call with ctl
+        if self.code.ready != ctl._shipper.serial:  # its first call with ctl
             self.code.prepare(ctl)
 
     def prepare(self, ctl: Controller, host: Host) -> None:

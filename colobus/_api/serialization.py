@@ -69,7 +69,7 @@ class Code:
         self._lock = threading.Lock()
         self._blob: tuple[bytes, bytes] | None = None
         self.needs: tuple[str, ...] = ()  # the user's packages it names (read with _blob)
-        self.ready: object = None  # the code shipper that read those packages (prepare)
+        self.ready = 0  # the serial of the code shipper that read those packages (prepare)
         self.name = f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', obj)}"
         self.shipped: collections.Counter[int] = collections.Counter()  # host -> times sent
 
@@ -90,7 +90,7 @@ class Code:
         ``SerializationError``), and the loop thread only sends them."""
         self.get()
         ctl._shipper.packages(self.needs)
-        self.ready = ctl._shipper
+        self.ready = ctl._shipper.serial
 
     def ship(self, ctl: Controller, host: Host) -> bytes:
         """Loop thread: send the code to ``host`` unless it has it; returns the digest."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import io
+import itertools
 import logging
 import os
 import site
@@ -25,13 +26,13 @@ import types
 import zipfile
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .._errors import SerializationError
 from .._wire import protocol as P
 
 if TYPE_CHECKING:
-    from .controller import Controller
+    from .._wire.envelope import Buffer
     from .hosts import Host
 
 __all__ = ["DEFAULT_MAX_CODE_BYTES", "CodeShipper", "Package", "imports_of", "snapshot",
@@ -88,6 +89,7 @@ def _module_root(module: types.ModuleType) -> str | None:
     return os.path.realpath(paths[0]) if len(paths) == 1 else None  # a namespace package
 
 
+_serials = itertools.count(1)
 _user_roots: dict[str, str | None] = {}  # top-level name -> its root if the user's (cache)
 
 
@@ -221,6 +223,12 @@ def _resolve(spec: Any) -> tuple[str, str]:
                      "a .py file")
 
 
+class _Controller(Protocol):
+    def _send(self, host: Host, body: P.Body, payload: Buffer = b"") -> None: ...
+
+    def _count(self, name: str, n: int = 1) -> None: ...
+
+
 class CodeShipper:
     """One controller's code that travels: the ``py_modules``, and the user's packages
     as calls need them, each read once and sent once per host.
@@ -238,6 +246,7 @@ class CodeShipper:
     def __init__(self, py_modules: Iterable[Any] = (), ship_code: bool = True,
                  max_code_bytes: int = DEFAULT_MAX_CODE_BYTES) -> None:
         self.auto = ship_code
+        self.serial = next(_serials)  # what code remembers it by (not the object: no cycle)
         self.limit = max_code_bytes
         self._lock = threading.Lock()
         self._packages: dict[str, Package | None] = {}  # by name; None: not shipped
@@ -297,7 +306,7 @@ class CodeShipper:
         log.info("shipping %s (%s, %.1f MB) to the hosts with the first code that needs it",
                  name, root, pkg.nbytes / 1e6)
 
-    def ship(self, ctl: Controller, host: Host, names: tuple[str, ...]) -> None:
+    def ship(self, ctl: _Controller, host: Host, names: tuple[str, ...]) -> None:
         """Loop thread: send ``host`` the packages code naming ``names`` needs, unless sent."""
         sent = host.packages_sent
         for pkg in self.packages(names):
