@@ -321,7 +321,7 @@ class Sessions:
         why, warnings = compare(hello.versions, local_versions())
         if why is not None:  # one line, on both sides; the worker exits
             log.warning("host %r (%s) refused: %s", hello.name, hello.hostname, why)
-            self._send_raw(identity, env.sender, P.Reject(f"this host is refused: {why}"))
+            self._send_raw(identity, env.sender, P.Reject(why))
             return
         for line in warnings:
             log.warning("host %r (%s): %s", hello.name, hello.hostname, line)
