@@ -174,6 +174,21 @@ async def test_the_users_package_travels_and_an_edit_reaches_the_next_session(
         assert await fetch(steps.Counter(0).bump(per_host(ctl))) == [5.0, 6.0]
 
 
+async def test_code_pickled_by_value_takes_the_packages_it_names_along(far: Elsewhere) -> None:
+    name = unique("named")
+    write_package(far.src, name, scale=9)
+    helpers = fresh_import(f"{name}.helpers")
+
+    @cb.colocated_python
+    def scaled(x: Any) -> Any:  # defined in a function: by value, naming the user's module
+        return x * helpers.SCALE
+
+    async with far.controller() as ctl:
+        assert await fetch(scaled(per_host(ctl))) == [0.0, 9.0]
+        # the package it names, and this module (its __module__: shipped, never needed)
+        assert ctl.stats()["packages_sent"] == 2 * HOSTS
+
+
 async def test_without_shipping_the_error_names_the_function_and_the_remedy(
         far: Elsewhere) -> None:
     name = unique("noship")

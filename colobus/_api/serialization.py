@@ -144,13 +144,16 @@ def _packages_named(data: bytes) -> tuple[str, ...]:
     every string in it that names an imported module of the user's, by its top level.
     Modules pickled by value are not among them: their code travels in the pickle."""
     found: dict[str, None] = {}
-    for op, arg, _ in pickletools.genops(data):
-        if isinstance(arg, str) and ("UNICODE" in op.name or op.name == "GLOBAL"):
-            name = arg.partition(" ")[0] if op.name == "GLOBAL" else arg
-            if name in sys.modules and not _by_value(name):
-                top = user_package(name)
-                if top is not None:
-                    found[top] = None
+    try:
+        for op, arg, _ in pickletools.genops(data):
+            if isinstance(arg, str) and ("UNICODE" in op.name or op.name == "GLOBAL"):
+                name = arg.partition(" ")[0] if op.name == "GLOBAL" else arg
+                if name in sys.modules and not _by_value(name):
+                    top = user_package(name)
+                    if top is not None:
+                        found[top] = None
+    except Exception:  # (a pickle of ours: not expected) ship what was found
+        pass
     return tuple(found)
 
 
