@@ -285,3 +285,52 @@ async def test_versions_are_checked_at_the_door(tmp_path: Path,
         for p in procs:
             p.kill()
             p.communicate(timeout=10)
+
+
+async def test_what_a_host_reports_at_join_is_bounded_strings_only() -> None:
+    """Versions are compared and shown, never imported: a non-string is malformed, and a
+    raw peer claiming another Python gets the refusal."""
+    import secrets
+
+    import zmq
+    import zmq.asyncio
+
+    from colobus._wire import protocol as P
+    from colobus._wire.envelope import Envelope, decode, encode
+
+    key = secrets.token_bytes(32)
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    session, seq = secrets.token_bytes(16), 0
+
+    async def ask(body: P.Body) -> Envelope:
+        nonlocal seq
+        seq += 1
+        await sock.send_multipart(encode(key, Envelope(body.kind, session, b"", seq,
+                                                       body.to_wire())))
+        return decode(key, await asyncio.wait_for(sock.recv_multipart(), 10))
+
+    try:
+        async with cb.Controller("tcp://127.0.0.1:*", hosts=0, key=key, relays=0) as ctl:
+            sock.connect(ctl.address)
+            for versions, what in (({"python": 3}, "malformed"),
+                                   ({"python": "2.7.18", "numpy": "os.system"}, "reject")):
+                nonce = bytes((await ask(P.Join())).body[0])
+                hello = P.Hello("raw", 1, "raw", [], nonce, "", versions)  # type: ignore[arg-type]
+                if what == "malformed":
+                    seq += 1
+                    await sock.send_multipart(encode(key, Envelope(
+                        hello.kind, session, b"", seq, hello.to_wire())))
+                    deadline = asyncio.get_running_loop().time() + 10
+                    while ctl.stats()["dropped"].get("malformed", 0) < 1:
+                        assert asyncio.get_running_loop().time() < deadline
+                        await asyncio.sleep(0.02)
+                    continue
+                reply = await ask(hello)
+                assert reply.kind == P.Kind.REJECT
+                assert "python 2.7.18 on the host" in reply.body[0], reply.body
+            assert ctl.hosts() == []
+    finally:
+        sock.close(0)
+        ctx.term()
