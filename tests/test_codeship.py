@@ -9,11 +9,13 @@ long-lived workers.
 from __future__ import annotations
 
 import asyncio
+import glob
 import importlib
 import logging
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 import uuid
 from collections.abc import Iterator
@@ -26,6 +28,7 @@ import pytest
 
 import colobus as cb
 from colobus._controller.codeship import snapshot
+from colobus._host.shipped import PREFIX, _in_memory, _sweep
 
 HOSTS = 2
 FAST = {"heartbeat_interval": 0.2, "liveness_timeout": 5.0, "join_timeout": 90.0}
@@ -76,9 +79,13 @@ class Elsewhere:
 
     def close(self) -> None:
         for p in self.procs:
-            p.kill()
+            p.terminate()  # a worker leaves its session on SIGTERM: its code directory goes
         for p in self.procs:
-            p.communicate(timeout=10)
+            try:
+                p.communicate(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.communicate(timeout=10)
 
 
 @pytest.fixture(scope="module")
@@ -172,6 +179,18 @@ async def test_the_users_package_travels_and_an_edit_reaches_the_next_session(
     async with far.controller() as ctl:
         assert await fetch(steps.step(per_host(ctl))) == [0.0, 5.0]
         assert await fetch(steps.Counter(0).bump(per_host(ctl))) == [5.0, 6.0]
+        # Each worker holds this session's directory only: the last one went with it.
+        base = _in_memory() or tempfile.gettempdir()
+        for h in ctl.hosts():
+            assert len(glob.glob(os.path.join(base, f"{PREFIX}{h.pid}-*"))) == 1
+
+
+def test_what_dead_workers_left_is_swept(tmp_path: Path) -> None:
+    dead, live = tmp_path / f"{PREFIX}999999999-x", tmp_path / f"{PREFIX}{os.getpid()}-y"
+    for d in (dead, live):
+        (d / "pkg").mkdir(parents=True)
+    _sweep(str(tmp_path))
+    assert not dead.exists() and live.exists()
 
 
 async def test_code_pickled_by_value_takes_the_packages_it_names_along(far: Elsewhere) -> None:

@@ -59,7 +59,9 @@ class ShippedCode:
         if self.packages.get(name) == digest:
             return
         if self.dir is None:
-            self.dir = tempfile.mkdtemp(prefix="colobus-code-", dir=_in_memory())
+            base = _in_memory()
+            _sweep(base or tempfile.gettempdir())
+            self.dir = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=base)
         self.busy = True
         self._saved = dict(self._handlers)
         for kind in self._handlers:
@@ -122,7 +124,41 @@ class ShippedCode:
         shutil.rmtree(where, ignore_errors=True)  # (an unpacking still running: _unpacked)
 
 
+PREFIX = "colobus-code-"
 SHM = "/dev/shm"
+_swept: set[str] = set()
+
+
+def _sweep(base: str) -> None:
+    """Once per process and place: remove what workers that died without ending their
+    session (SIGKILL) left there: ``colobus-code-PID-*`` of a PID that is gone."""
+    if base in _swept:
+        return
+    _swept.add(base)
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return
+    for entry in names:
+        pid = entry[len(PREFIX):].partition("-")[0]
+        if not (entry.startswith(PREFIX) and pid.isdigit()) or _alive(int(pid)):
+            continue
+        path = os.path.join(base, entry)
+        try:
+            if os.stat(path).st_uid == os.getuid():
+                shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's: alive
+        return True
+    return True
 SHM_ROOM = 1 << 30  # what /dev/shm must have free to take a session's code
 
 
