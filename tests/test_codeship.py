@@ -243,6 +243,9 @@ async def test_modules_registered_by_value_travel_in_the_pickle(far: Elsewhere) 
         async with far.controller(ship_code=False) as ctl:  # nothing ships but the pickle
             assert await fetch(module.shift(per_host(ctl))) == [7.0, 8.0]
             assert ctl.stats()["packages_sent"] == 0
+        async with far.controller() as ctl:  # nor with shipping on: its code is in the pickle
+            assert await fetch(module.shift(per_host(ctl))) == [7.0, 8.0]
+            assert ctl.stats()["packages_sent"] == 0
     finally:
         cloudpickle.unregister_pickle_by_value(module)
 
