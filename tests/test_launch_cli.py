@@ -159,6 +159,35 @@ def test_launch_on_a_terminal_shows_a_line_per_host_as_it_joins(tmp_path: Path) 
     assert "DRIVER 2" in text
 
 
+PY_MODULE_DRIVER = textwrap.dedent("""
+    import os, sys
+    import numpy as np
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "lib"))
+    import colobus as cb
+    from launchedpkg import twice
+
+    ctl = cb.init(hosts=1, ship_code=False)  # only what --py-module names travels
+    (h,) = ctl.hosts()
+    got = cb.device_get(twice(cb.device_put(np.ones(1), h.devices[0])).result(60)).result(60)
+    assert got.tolist() == [2.0] and ctl.stats()["packages_sent"] == 1, (got, ctl.stats())
+    print("DRIVER", ctl.address, [h.name], flush=True)
+""")
+
+
+def test_launch_py_module_ships_a_package_the_hosts_lack(tmp_path: Path) -> None:
+    out = run_cli(["launch", "local", "--py-module", str(tmp_path / "nowhere"), "--", "true"])
+    assert out.returncode == 2 and "--py-module" in out.stderr and "nowhere" in out.stderr
+    pkg = tmp_path / "lib" / "launchedpkg"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(
+        "import colobus as cb\n\n\n@cb.colocated_python\ndef twice(x):\n    return x * 2\n")
+    driver = tmp_path / "drv.py"
+    driver.write_text(PY_MODULE_DRIVER)
+    out = launch(["local", "--hosts", "1", "--py-module", str(pkg)], driver, 0)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert driver_line(out.stdout)[2].startswith("['local-0']")
+
+
 def test_launch_without_a_driver_command_is_a_usage_error() -> None:
     out = run_cli(["launch", "local"])  # the command's entry point, in this process
     assert out.returncode == 2 and "no driver command" in out.stderr

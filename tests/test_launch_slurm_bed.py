@@ -81,6 +81,28 @@ def test_a_batch_job_runs_the_workers_and_ends_with_the_cluster(
     assert not key_file.exists()
 
 
+SHIPPED_MARK = 47  # what only this module's own code knows
+
+
+@cb.colocated_python
+def marked(x: Any) -> Any:
+    return x * 0 + SHIPPED_MARK
+
+
+def test_a_function_of_this_test_module_runs_in_a_job_that_lacks_it(
+        slurm: SlurmBed, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No PYTHONPATH to this directory and the job elsewhere: this module travels."""
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    monkeypatch.chdir(tmp_path)  # the job's working directory: not this module's
+    with cb.slurm_cluster(nodes=2, python=sys.executable, key_dir=tmp_path, join_timeout=90,
+                          **FAST) as ctl:
+        hosts = ctl.hosts()
+        mesh = cb.Mesh(np.array([h.devices[0] for h in hosts]), ("h",))
+        x = cb.device_put(np.zeros(2, np.int64), cb.NamedSharding(mesh, cb.PartitionSpec("h")))
+        out = cb.device_get(marked(x).result(timeout=60)).result(timeout=60)
+        assert out.tolist() == [SHIPPED_MARK] * 2
+
+
 def test_a_pending_job_times_out_naming_the_job_and_reason_and_is_cancelled(
         slurm: SlurmBed, tmp_path: Path, importable: None) -> None:
     cluster = cb.slurm_cluster(nodes=1, python=sys.executable, key_dir=tmp_path,

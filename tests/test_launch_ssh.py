@@ -118,6 +118,23 @@ async def test_a_killed_ssh_client_leaves_no_worker_on_the_far_side(ssh_bed: Ssh
     assert processes_with("colobus", "worker", ctl.address) == []
 
 
+SHIPPED_MARK = 47  # what only this module's own code knows
+
+
+@cb.colocated_python
+def marked(x: Any) -> Any:
+    return x * 0 + SHIPPED_MARK
+
+
+def test_a_function_of_this_test_module_runs_on_hosts_that_lack_it(ssh_bed: SshBed) -> None:
+    """No PYTHONPATH and another directory on the hosts: this module (and the helpers it
+    imports) travels with the call."""
+    opts = {**options(ssh_bed), "env": {}, "cwd": "/"}
+    with cb.ssh_cluster(ssh_bed.addresses, **opts) as ctl:
+        assert fetch(marked(per_host(ctl))).tolist() == [SHIPPED_MARK] * 2
+        assert ctl.stats()["packages_sent"] >= 2  # this module (and nsprocs, sshbed) per host
+
+
 def test_curve_over_ssh_with_keys_made_for_the_cluster_and_sent_on_stdin(
         ssh_bed: SshBed) -> None:
     cluster = cb.ssh_cluster(ssh_bed.addresses, curve=True, **options(ssh_bed))

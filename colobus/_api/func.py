@@ -163,6 +163,10 @@ class FunctionTarget(Target):
     def digest(self) -> bytes:
         return self.code.get()[0]
 
+    def check(self, ctl: Controller, plan: CallPlan) -> None:
+        if self.code.ready != ctl._shipper.serial:  # its first call with ctl
+            self.code.prepare(ctl)
+
     def prepare(self, ctl: Controller, host: Host) -> None:
         self.code.ship(ctl, host)
 

@@ -160,6 +160,8 @@ class MethodTarget(Target):
 
     def check(self, ctl: Controller, plan: CallPlan) -> None:
         self.state.check_plan(ctl, plan)
+        if self.state.code.ready != ctl._shipper.serial:  # its class's first call with ctl
+            self.state.code.prepare(ctl)
 
     def prepare(self, ctl: Controller, host: Host) -> None:
         self.state.ensure_built(ctl, host)

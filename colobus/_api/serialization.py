@@ -2,8 +2,10 @@
 
 Trust runs one way: everything here is *sent* to workers, which run it; nothing
 here ever unpickles what a worker sent. Functions and classes of importable
-modules travel by reference (so module state on a host persists), others by
-value with cloudpickle. In arguments, host-resident values (``cb.Array``
+modules travel by reference (so module state on a host persists), others (and
+those of modules registered with ``cloudpickle.register_pickle_by_value``) by
+value with cloudpickle; the user's own packages that code names go first
+(``_controller.codeship``). In arguments, host-resident values (``cb.Array``
 leaves, futures of colocated calls, colocated objects) become persistent ids
 that each host resolves to its own value; device-model objects become the
 host's JAX objects (``_hostside``). Large buffers go out of band, zero-copy.
@@ -17,6 +19,8 @@ import hashlib
 import importlib
 import io
 import pickle
+import pickletools
+import sys
 import threading
 import types
 import weakref
@@ -27,6 +31,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import cloudpickle
 
+from .._controller.codeship import user_package
 from .._controller.future import Future
 from .._errors import SerializationError
 from .._model.jaxside import HOST_REDUCERS, std_dispatch_table
@@ -64,6 +69,9 @@ class Code:
         self.obj = obj
         self._lock = threading.Lock()
         self._blob: tuple[bytes, bytes] | None = None
+        self.needs: tuple[str, ...] = ()  # the user's packages it names (read with _blob)
+        self.ready = 0  # the serial of the code shipper that read those packages (prepare)
+        self.name = f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', obj)}"
         self.shipped: collections.Counter[int] = collections.Counter()  # host -> times sent
 
     def get(self) -> tuple[bytes, bytes]:
@@ -77,14 +85,23 @@ class Code:
                 blob = self._blob
         return blob
 
+    def prepare(self, ctl: Controller) -> None:
+        """Caller's thread, once per controller: pickle, and read the packages it needs,
+        so that one past ``max_code_bytes`` fails the call here, nothing sent (raises
+        ``SerializationError``), and the loop thread only sends them."""
+        self.get()
+        ctl._shipper.packages(self.needs)
+        self.ready = ctl._shipper.serial
+
     def ship(self, ctl: Controller, host: Host) -> bytes:
         """Loop thread: send the code to ``host`` unless it has it; returns the digest."""
         digest, blob = self.get()
         if digest not in host.code_sent:  # sent once; later calls name it
+            ctl._shipper.ship(ctl, host, self.needs)  # the packages it needs, first
             host.code_sent.add(digest)
             ctl._count("code_sent")
             ctl._count("code_bytes", len(blob))
-            ctl._send(host, P.Code(digest), blob)
+            ctl._send(host, P.Code(digest, self.name), blob)
             self.shipped[host.index] += 1
             with _code_lock:
                 _code_where.setdefault(digest, set()).add((weakref.ref(ctl), host.index))
@@ -96,7 +113,8 @@ class Code:
         module = getattr(obj, "__module__", None)
         qualname = getattr(obj, "__qualname__", "")
         data: bytes | None = None
-        if module and module != "__main__" and "<locals>" not in qualname:
+        if module and module != "__main__" and "<locals>" not in qualname and not (
+                _by_value(module)):
             try:
                 found = _load_wrapped(module, qualname)
             except Exception:
@@ -111,7 +129,33 @@ class Code:
             except Exception as exc:
                 raise SerializationError(
                     f"{qualname or obj!r} cannot be pickled to send to hosts: {exc}") from exc
+        self.needs = _packages_named(data)
         return hashlib.blake2b(data, digest_size=16).digest(), data
+
+
+def _by_value(module: str) -> bool:
+    """Whether ``module`` (or a package above it) is in cloudpickle's by-value registry."""
+    registry = cloudpickle.list_registry_pickle_by_value()
+    return bool(registry) and any(
+        module == name or module.startswith(name + ".") for name in registry)
+
+
+def _packages_named(data: bytes) -> tuple[str, ...]:
+    """The user's packages a code pickle names (a module by reference, a global of one):
+    every string in it that names an imported module of the user's, by its top level.
+    Modules pickled by value are not among them: their code travels in the pickle."""
+    found: dict[str, None] = {}
+    try:
+        for op, arg, _ in pickletools.genops(data):
+            if isinstance(arg, str) and ("UNICODE" in op.name or op.name == "GLOBAL"):
+                name = arg.partition(" ")[0] if op.name == "GLOBAL" else arg
+                if name in sys.modules and not _by_value(name):
+                    top = user_package(name)
+                    if top is not None:
+                        found[top] = None
+    except Exception:  # (a pickle of ours: not expected) ship what was found
+        pass
+    return tuple(found)
 
 
 # Code lives on a host as long as some Code object with its digest lives here: a

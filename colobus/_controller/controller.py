@@ -23,7 +23,7 @@ import zmq
 
 from .._errors import ControllerClosedError, NoControllerError
 from .._model.devices import Device
-from .._observe.metrics import observing
+from .._observe.metrics import observing, stop_observing
 from .._process import freeze_once
 from .._wire import keys as _keys
 from .._wire import protocol as P
@@ -34,8 +34,9 @@ from .._wire.sockio import router_socket
 from .._wire.tasks import supervise
 from . import syncface as _syncface
 from . import wakeups
+from .codeship import DEFAULT_MAX_CODE_BYTES, CodeShipper
 from .current import Current, State
-from .environ import from_environment
+from .environ import from_environment, from_environment_modules
 from .frees import Frees
 from .future import Future
 from .hangups import Hangups
@@ -113,10 +114,14 @@ class Controller:
         relays: relay processes carrying the hosts' sessions (one message per relay per
             call, not per host). None: ``$COLOBUS_RELAYS``, else by ``hosts=``: none below
             ``relay_threshold`` (0: never), one per 256 hosts above (docs/architecture.md).
+        py_modules: modules or paths (package dirs, ``.py`` files) shipped to hosts too (None:
+            ``$COLOBUS_PY_MODULES``); ``ship_code=False``: only those, not your modules calls
+            need; ``max_code_bytes``: the most one session ships. docs/deployment.md.
 
     Raises:
-        ValueError: ``curve_allow`` given without ``curve_secret_key``, or
-            ``metrics`` not loopback without ``metrics_public``.
+        ValueError: ``curve_allow`` given without ``curve_secret_key``, ``metrics`` not
+            loopback without ``metrics_public``, or a ``py_modules`` entry is no module.
+        SerializationError: the ``py_modules`` pass ``max_code_bytes``.
         ImportError: ``metrics`` given but ``prometheus_client`` is missing.
         AuthenticationError: ``key`` is shorter than 32 bytes, or a CurveZMQ key
             file is not valid.
@@ -147,8 +152,12 @@ class Controller:
         broadcast_tree: int = 8,
         relays: int | None = None,
         relay_threshold: int = 128,
+        py_modules: Iterable[Any] | None = None,
+        ship_code: bool = True,
+        max_code_bytes: int = DEFAULT_MAX_CODE_BYTES,
     ) -> None:
         bind, hosts, key, names = from_environment(bind, hosts, key)  # colobus launch's
+        self._shipper = CodeShipper(from_environment_modules(py_modules), ship_code, max_code_bytes)
         if key is not None:
             key = _keys.check_key(key, "Controller(key=...)")
         if hosts < 0:
@@ -243,8 +252,9 @@ class Controller:
         return [h.info() for h in self._hosts.hosts]
 
     def stats(self) -> dict[str, Any]:
-        """Counters: dropped messages by reason, code blobs and bytes sent, array bytes put,
-        relayed by hosts (``bytes_relayed``) and fetched, and per host its store and health:
+        """Counters: dropped messages by reason, code blobs and bytes sent (your packages too:
+        ``packages_sent``, ``package_bytes``), array bytes put, relayed by hosts
+        (``bytes_relayed``) and fetched, and per host its store and health:
         what each worker last reported (every heartbeat, or on :meth:`refresh_stats`):
         ``arrays``, ``bytes`` and ``objects`` it holds, and ``results``, the call results it
         keeps for futures still alive; from its heartbeats only, ``rtt`` (heartbeat round
@@ -303,7 +313,7 @@ class Controller:
             self._stop_curve()
             self._ctx.term()
             self.state = State.CLOSED
-            self._stop_observing()
+            stop_observing(self._metrics, self._trace)
             raise OSError(f"colobus controller cannot bind {self._bind!r}: {exc}") from exc
         self._address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._chan = FanoutChannel(sock, self._key, self._loop, self._sessions.on_frames,
@@ -326,15 +336,6 @@ class Controller:
                      "`colobus worker --connect %s --key-file %s`",
                      self.key_file, self._address, self.key_file)
         self._chan.drain()
-
-    def _stop_observing(self) -> None:
-        if self._metrics is not None:
-            self._metrics.close()
-        if self._trace is not None and self._trace.path is not None:
-            try:
-                log.info("trace written to %s", self._trace.write())
-            except OSError as exc:
-                log.warning("could not write the trace to %s: %s", self._trace.path, exc)
 
     def _stop_curve(self) -> None:
         if self._auth is not None:
@@ -384,7 +385,7 @@ class Controller:
         if self.key_file is not None:
             _keys.remove_private_key(self.key_file)
         _pop_current(self)
-        self._stop_observing()
+        stop_observing(self._metrics, self._trace)
         log.info("controller on %s closed", self._address)
 
     async def __aenter__(self) -> Controller:

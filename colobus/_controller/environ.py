@@ -3,10 +3,11 @@
 ``colobus launch`` starts the workers, then runs the driver with
 ``COLOBUS_ADDRESS`` (the endpoint to bind), ``COLOBUS_KEY_FILE`` (the key
 file's path, never the key), ``COLOBUS_HOSTS`` (how many workers) and
-``COLOBUS_HOST_NAMES`` (their names, host 0 first) and
-``COLOBUS_DEVICES_PER_HOST`` (each worker's ``--devices``). A ``Controller``
-reads each of them for an argument it was not given; ``local_cluster`` and
-``init`` check theirs against them (:func:`check_launched`).
+``COLOBUS_HOST_NAMES`` (their names, host 0 first),
+``COLOBUS_DEVICES_PER_HOST`` (each worker's ``--devices``) and ``COLOBUS_PY_MODULES``
+(``--py-module`` paths, joined by ``os.pathsep``). A ``Controller`` reads each
+of them for an argument it was not given; ``local_cluster`` and ``init`` check
+theirs against them (:func:`check_launched`).
 """
 
 from __future__ import annotations
@@ -14,16 +15,19 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from collections.abc import Iterable
+from typing import Any
 
 from .._wire import keys as _keys
 
-__all__ = ["ADDRESS_ENV", "DEVICES_ENV", "HOSTS_ENV", "HOST_NAMES_ENV", "check_launched",
-           "from_environment", "join_level"]
+__all__ = ["ADDRESS_ENV", "DEVICES_ENV", "HOSTS_ENV", "HOST_NAMES_ENV", "PY_MODULES_ENV",
+           "check_launched", "from_environment", "from_environment_modules", "join_level"]
 
 ADDRESS_ENV = "COLOBUS_ADDRESS"
 HOSTS_ENV = "COLOBUS_HOSTS"
 HOST_NAMES_ENV = "COLOBUS_HOST_NAMES"
 DEVICES_ENV = "COLOBUS_DEVICES_PER_HOST"
+PY_MODULES_ENV = "COLOBUS_PY_MODULES"
 DEFAULT_BIND = "tcp://127.0.0.1:*"
 
 
@@ -94,3 +98,10 @@ def join_level(launched: bool) -> int:
     launched = launched or bool(os.environ.get(ADDRESS_ENV))
     tty = sys.stderr is not None and sys.stderr.isatty()
     return logging.WARNING if launched and tty else logging.INFO
+
+
+def from_environment_modules(py_modules: Iterable[Any] | None) -> list[Any]:
+    """``py_modules``, else the paths ``colobus launch --py-module`` left in the environment."""
+    if py_modules is not None:
+        return list(py_modules)
+    return [p for p in os.environ.get(PY_MODULES_ENV, "").split(os.pathsep) if p]

@@ -73,6 +73,8 @@ class HostInfo:
         pid: the worker process id.
         devices: the host's devices, sorted by id.
         state: ``"alive"`` or ``"lost"``.
+        versions: what the worker reported at join: ``python``, ``colobus``, ``jax``,
+            ``jaxlib``, ``numpy`` and ``cloudpickle`` versions (``""``: not installed).
     """
 
     index: int
@@ -81,6 +83,7 @@ class HostInfo:
     pid: int
     devices: tuple[Device, ...]
     state: str
+    versions: dict[str, str] = field(default_factory=dict, compare=False)
 
 
 @dataclass(slots=True, eq=False)
@@ -101,6 +104,7 @@ class Host:
     # is a protocol violation (an operation that ended early still gets its reply).
     awaiting: set[int] = field(default_factory=set)
     code_sent: set[bytes] = field(default_factory=set)
+    packages_sent: set[bytes] = field(default_factory=set)  # the user's packages (codeship)
     objects_built: set[int] = field(default_factory=set)
     # what the worker last reported holding: arrays, bytes, objects, results
     store: tuple[int, int, int, int] = (0, 0, 0, 0)
@@ -110,6 +114,7 @@ class Host:
     conn_fd: int = -1  # the connection it was last heard on (see _hangups)
     hung_up: float = 0.0  # when that connection closed, until it is heard from again
     data: str = ""  # its data-plane endpoint (colobus._host.dataplane), "" if none
+    versions: dict[str, str] = field(default_factory=dict)  # as it reported them at join
 
     @property
     def session(self) -> bytes:
@@ -117,7 +122,7 @@ class Host:
 
     def info(self) -> HostInfo:
         return HostInfo(self.index, self.name, self.address, self.pid, self.devices,
-                        "alive" if self.alive else "lost")
+                        "alive" if self.alive else "lost", dict(self.versions))
 
     def lost_error(self, why: str) -> HostLostError:
         return HostLostError(f"Host {self.index} ({self.name!r}) was lost: {why}", self.index)
@@ -213,6 +218,7 @@ class HostRegistry:
             peer=Peer([identity], our_session, their_session, recv_seq=seq),
             last_seen=time.monotonic(), generation=generation,
             data=hello.data if _data_endpoint(hello.data) else "",
+            versions=dict(hello.versions),
         )
         if old is not None:
             self.hosts[index] = host

@@ -34,6 +34,7 @@ from .._wire.envelope import (
 )
 from .._wire.guard import RESET_SEQ, UNKNOWN_PEER_MAX_BYTES, Challenges, PeerWarnings
 from .._wire.protocol import Kind
+from .._wire.versions import compare, local_versions
 from .environ import join_level
 from .hosts import Host
 from .joinwait import JoinOrder
@@ -315,6 +316,17 @@ class Sessions:
             raise ValueError("bad device list")
         if len(hello.name) > MAX_NAME or len(hello.hostname) > MAX_NAME:
             raise ValueError("host name too long")
+        if not (len(hello.versions) <= 16 and all(
+                type(k) is str and type(v) is str and len(k) + len(v) <= MAX_NAME
+                for k, v in hello.versions.items())):
+            raise ValueError("bad versions")
+        why, warnings = compare(hello.versions, local_versions())
+        if why is not None:  # one line, on both sides; the worker exits
+            log.warning("host %r (%s) refused: %s", hello.name, hello.hostname, why)
+            self._send_raw(identity, env.sender, P.Reject(why))
+            return
+        for line in warnings:
+            log.warning("host %r (%s): %s", hello.name, hello.hostname, line)
         if self.join_order is not None:  # local_cluster: number hosts by name
             ready = self.join_order.offer(hello.name, (identity, env, hello))
             if not (len(ready) == 1 and ready[0][1] is env):

@@ -38,6 +38,8 @@ def collect_stats(sessions: Sessions, counters: collections.Counter[str], chan: 
         "join_challenges": len(sessions.challenges),
         "code_sent": counters["code_sent"],
         "code_bytes": counters["code_bytes"],
+        "packages_sent": counters["packages_sent"],  # the user's packages (codeship), per host
+        "package_bytes": counters["package_bytes"],  # their zips' bytes, all hosts together
         "bytes_put": counters["bytes_put"],
         "bytes_fetched": counters["bytes_fetched"],
         "bytes_resharded": counters["bytes_resharded"],

@@ -13,12 +13,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import socket
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from .._wire import protocol as P
 from .._wire.envelope import Envelope, loads
+from .shipped import ShippedCode
 
 log = logging.getLogger("colobus.worker")
 
@@ -63,6 +65,7 @@ class Store:
         self.since = time.monotonic()  # when this session's tables began
         self.code: dict[bytes, tuple[str, Any]] = {}
         self.code_bytes: dict[bytes, int] = {}  # digest -> its pickle's size
+        self.shipped = ShippedCode()  # the user's packages, in this session's directory
         self.arrays: dict[int, asyncio.Future[Any]] = {}
         # call id -> the running call's future (of a CallResult), or a finished call's
         # CallResult without values (names only)
@@ -74,6 +77,7 @@ class Store:
         self.trees: dict[int, Any] = {}  # TREEPUT call id -> its block (_host/treeput)
 
     def clear(self) -> None:
+        self.shipped.clear()
         self.code.clear()
         self.code_bytes.clear()
         self.arrays.clear()
@@ -116,13 +120,23 @@ class Store:
             self.code.pop(digest, None)
             self.code_bytes.pop(digest, None)
 
-    def add_code(self, digest: bytes, env: Envelope) -> None:
-        """A CODE message: the function or class, or why it does not unpickle here."""
+    def add_code(self, body: P.Code, env: Envelope) -> None:
+        """A CODE message: a package to unpack, or the function or class (or why it does
+        not load here: the calls naming it raise that, with a note saying what to do)."""
+        digest, name = body.digest, body.name or body.digest.hex()[:12]
+        if body.package:  # later messages wait for it
+            self.shipped.install(body.name, digest, bytes(env.payload))
+            return
         try:
             self.code[digest] = ("ok", loads(env.payload, env.buffers[: env.pbufs]))
             self.code_bytes[digest] = len(env.payload)
         except Exception as exc:
-            log.warning("code %s does not unpickle here: %r", digest.hex()[:12], exc)
+            log.warning("code %s (%s) does not load here: %r", name, digest.hex()[:12], exc)
+            exc.add_note(
+                f"colobus: {name} cannot be loaded on {socket.gethostname()}: install its "
+                "package there, name it in py_modules= (Controller, local_cluster, "
+                "ssh_cluster, slurm_cluster), or leave ship_code=True (the default) so "
+                "that your own modules travel with the calls")
             self.code[digest] = ("error", exc)
 
     def code_figures(self) -> tuple[int, int]:

@@ -29,6 +29,7 @@ import zmq
 from .._model import jaxside as _hostside
 from .._process import freeze_once
 from .._wire import protocol as P
+from .._wire import versions as _versions
 from .._wire.calltimes import HEARTBEAT_BUDGET, HostCallTimes
 from .._wire.channel import Channel, Peer
 from .._wire.chunks import CHUNK_BYTES, MAX_PART
@@ -117,8 +118,7 @@ class Worker:
         self.loop: asyncio.AbstractEventLoop | None = None  # set in serve()
         # Calls' queued and run times per function, when the controller asked (WELCOME).
         self.call_times: HostCallTimes | None = None
-        self._ping = 0  # the controller's last heartbeat ping, to echo in ours
-        self._ping_at = 0  # monotonic ns when it arrived
+        self._ping = self._ping_at = 0  # the last heartbeat ping (to echo), when (monotonic ns)
         # session state
         self._ctx: zmq.Context[Any] | None = None
         self._chan: Channel | None = None
@@ -138,7 +138,7 @@ class Worker:
         self._bg: set[asyncio.Task[None]] = set()
         self._handlers: dict[int, Any] = {  # Kind keys, found by the plain int off the wire
             Kind.HEARTBEAT: self._on_heartbeat,
-            Kind.CODE: lambda body, env: self.store.add_code(body.digest, env),
+            Kind.CODE: self.store.add_code,
             Kind.CALL: self.sched.on_call,
             Kind.CANCEL: lambda body, env: self.sched.on_cancel(body),
             **self.arrays.handlers(),  # PUT, FETCH, RESHARD, PIECE, TREEPUT, RELEASE
@@ -151,6 +151,7 @@ class Worker:
             Kind.REJECT: self._on_reject,
             Kind.CHALLENGE: self._on_challenge,
         }
+        self.store.shipped.attach(self._handlers, self._dispatch)  # (held while it unpacks)
 
     def _spawn(self, coro: Any) -> None:
         """A background task of this session, kept referenced until it ends."""
@@ -196,8 +197,7 @@ class Worker:
                     log.info("controller gone; this local worker exits")
                     return 0
                 backoff = BACKOFF_MIN_S if joined else min(backoff * 2, BACKOFF_MAX_S)
-                log.info("host %s: controller session ended (%s); joining again", self.name,
-                         outcome)
+                log.info("host %s: controller session ended (%s); rejoining", self.name, outcome)
         except _Exit as e:
             return e.code
         finally:
@@ -461,7 +461,7 @@ class Worker:
         data = self.dataplane.endpoint if self.dataplane is not None else ""
         self._send_join_raw(P.Hello(self.name, os.getpid(), self._hostname,
                                     [[d.platform, d.device_kind, d.id] for d in self._jax_devices],
-                                    body.nonce, data))
+                                    body.nonce, data, _versions.local_versions()))
 
     def _on_reject(self, body: P.Reject, env: Envelope) -> None:
         # retry: the name is in use, or the cluster full, for now: the next JOIN round

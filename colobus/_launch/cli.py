@@ -11,6 +11,7 @@ keep trying until the driver binds), and runs ``COMMAND`` with
 - ``COLOBUS_HOST_NAMES``: their names, host 0 first (so the controller numbers
   them as the ``[host N]`` lines here do),
 - ``COLOBUS_DEVICES_PER_HOST``: each worker's ``--devices``,
+- ``COLOBUS_PY_MODULES``: the ``--py-module`` paths, to ship to the hosts,
 
 which ``cb.Controller()`` with no arguments reads; ``cb.init()`` and
 ``cb.local_cluster()`` serve the driver with these workers too. When the
@@ -36,7 +37,7 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import Any
 
-from .._controller.environ import DEVICES_ENV
+from .._controller.environ import DEVICES_ENV, PY_MODULES_ENV
 from .._controller.procwatch import Emit
 from .._wire.keys import KEY_ENV, write_key
 from .base import Launcher, Workers, log_emit
@@ -79,6 +80,9 @@ def add_launch_parsers(sub: Any, positive_int: Any) -> None:
                        help="CPU devices per worker (default 1)")
         p.add_argument("--restart", type=int, default=0, metavar="N",
                        help="start a worker that died again, at most N times (default 0)")
+        p.add_argument("--py-module", action="append", default=[], metavar="PATH",
+                       help="a package directory or .py file the driver's controller ships "
+                            "to the hosts too (repeat)")
 
     lo = kinds.add_parser("local", help="workers as subprocesses of this machine")
     lo.add_argument("--hosts", type=positive_int, default=2, help="workers (default 2)")
@@ -293,6 +297,11 @@ def _run(args: argparse.Namespace, command: list[str]) -> int:
         workers = Workers(launcher, address, key, restart=args.restart)
         workers.joined = True  # the driver's controller waits for them: restarts apply now
         env = dict(os.environ)
+        for path in args.py_module:
+            if not (os.path.isdir(path) or (os.path.isfile(path) and path.endswith(".py"))):
+                raise _LaunchError(f"--py-module {path}: no package directory or .py file", 2)
+        if args.py_module:
+            env[PY_MODULES_ENV] = os.pathsep.join(os.path.abspath(p) for p in args.py_module)
         env.update({"COLOBUS_ADDRESS": address, KEY_ENV: key_file,
                     "COLOBUS_HOSTS": str(len(launcher.names)),
                     "COLOBUS_HOST_NAMES": ",".join(launcher.names),

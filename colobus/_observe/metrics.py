@@ -19,7 +19,7 @@ from typing import Any
 from .observer import Observer
 from .trace import ChromeTrace, OtelSpans
 
-__all__ = ["MetricsServer", "observing", "parse_address"]
+__all__ = ["MetricsServer", "observing", "parse_address", "stop_observing"]
 
 log = logging.getLogger("colobus.metrics")
 
@@ -227,3 +227,14 @@ def observing(metrics: str | None, public: bool, trace: bool | str | os.PathLike
     observer = Observer(chrome, otel=bool(trace) and OtelSpans.available())
     server = MetricsServer(*server_at, stats, observer) if server_at is not None else None
     return observer, server, chrome
+
+
+def stop_observing(server: MetricsServer | None, chrome: ChromeTrace | None) -> None:
+    """A closing controller's: stop serving metrics; write the trace where it has a path."""
+    if server is not None:
+        server.close()
+    if chrome is not None and chrome.path is not None:
+        try:
+            log.info("trace written to %s", chrome.write())
+        except OSError as exc:
+            log.warning("could not write the trace to %s: %s", chrome.path, exc)

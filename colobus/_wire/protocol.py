@@ -57,7 +57,7 @@ class Kind(enum.IntEnum):
     WELCOME = 2  # C: join accepted, host index and device ids
     REJECT = 3  # C: join refused (protocol version, cluster full, name in use)
     HEARTBEAT = 4  # both: liveness, and the worker's store counters
-    CODE = 5  # C: a pickled function or class, named by digest
+    CODE = 5  # C: a pickled function or class, or a package's files, named by digest
     CALL = 6  # C: run a function or method on this host
     RESULT = 7  # W: the outcome of a CALL, FETCH, CONSTRUCT or STATS
     CANCEL = 8  # C: drop a call that has not started
@@ -123,7 +123,7 @@ _num = (int, float)
 @dataclass(frozen=True, slots=True)
 class Hello(Body):
     kind = Kind.HELLO
-    types = (str, int, str, list, bytes, str)
+    types = (str, int, str, list, bytes, str, dict)
     required = 5
     name: str
     pid: int
@@ -131,6 +131,7 @@ class Hello(Body):
     devices: list[Any]  # [[platform, device_kind, local_id], ...]
     nonce: bytes  # the controller's CHALLENGE to this session, inside the MAC
     data: str = ""  # the worker's data-plane endpoint ("": none; _host/dataplane)
+    versions: dict[str, str] = field(default_factory=dict)  # Python's and packages' (_versions)
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,8 +215,11 @@ class Heartbeat(Body):
 @dataclass(frozen=True, slots=True)
 class Code(Body):
     kind = Kind.CODE
-    types = (bytes,)
+    types = (bytes, str, bool)
+    required = 1
     digest: bytes
+    name: str = ""  # the function's or class's module.qualname, or the package's import name
+    package: bool = False  # the payload: a zip of the user's package (_controller.codeship)
 
 
 @dataclass(frozen=True, slots=True)
@@ -427,14 +431,10 @@ RESET_REJOIN = "declared lost; join again"
 RESET_EXIT = "exit"  # its process was seen to end (a launcher): it exits, never rejoins
 
 
-BODIES: dict[Kind, type[Body]] = {
-    cls.kind: cls
-    for cls in (
-        Hello, Welcome, Reject, Join, Challenge, Heartbeat, Code, Call, Result, Cancel, Put, Fetch,
-        Release, Construct, Destroy, Stats, Shutdown, Reset, Reshard, Piece, TreePut,
-    )
-}
-
+BODIES: dict[Kind, type[Body]] = {cls.kind: cls for cls in (
+    Hello, Welcome, Reject, Join, Challenge, Heartbeat, Code, Call, Result, Cancel, Put, Fetch,
+    Release, Construct, Destroy, Stats, Shutdown, Reset, Reshard, Piece, TreePut,
+)}
 
 _BY_INT: dict[int, type[Body]] = {int(k): v for k, v in BODIES.items()}  # by wire int
 

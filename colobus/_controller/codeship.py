@@ -1,0 +1,317 @@
+"""The user's own code, sent to hosts: which modules travel, their files, the size limit.
+
+A module the driver imported from outside its installed environment (not the
+standard library, not site-packages or dist-packages, not colobus) is the
+user's: its top-level package (or the lone module) travels to a host with the
+first code that names it, as a zip of its source and data files, named by the
+digest of its contents. :class:`CodeShipper` keeps one snapshot per package
+and controller (read once, when first needed), so a session ships what the
+files held when it first needed them; the next controller reads them again.
+Trust runs one way: packages go to hosts; nothing here reads what a host sent.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import io
+import itertools
+import logging
+import os
+import site
+import sys
+import sysconfig
+import threading
+import types
+import zipfile
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from .._errors import SerializationError
+from .._wire import protocol as P
+
+if TYPE_CHECKING:
+    from .._wire.envelope import Buffer
+    from .hosts import Host
+
+__all__ = ["DEFAULT_MAX_CODE_BYTES", "CodeShipper", "Package", "imports_of", "snapshot",
+           "user_package"]
+
+log = logging.getLogger("colobus.controller")
+
+DEFAULT_MAX_CODE_BYTES = 64 << 20
+# Never travel: caches, version control, virtual environments, build leftovers.
+SKIP_DIRS = frozenset({"__pycache__", "node_modules"})
+SKIP_SUFFIXES = (".pyc", ".pyo", ".so", ".pyd", ".dylib", ".dll", ".o", ".a")
+_ZIP_TIME = (1980, 1, 1, 0, 0, 0)  # fixed, so equal files make equal archives
+
+
+@dataclass(frozen=True, slots=True)
+class Package:
+    """One package's files, as read once: its import name, digest, zip and size."""
+
+    name: str
+    root: str  # the package directory, or the lone module's file
+    digest: bytes
+    archive: bytes
+    nbytes: int  # of the files themselves
+
+
+@functools.cache
+def _installed_roots() -> tuple[str, ...]:
+    """Directories whose modules are installed, not the user's: the standard library,
+    site-packages (the environment's, the base interpreter's, the user's) and colobus."""
+    roots: set[str] = set()
+    for base in ({}, {"base": sys.base_prefix, "platbase": sys.base_exec_prefix}):
+        paths = sysconfig.get_paths(vars=base)
+        roots.update(paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")
+                     if k in paths)
+    try:
+        roots.update(site.getsitepackages())
+    except AttributeError:  # some virtualenvs' site lacks it
+        pass
+    if site.ENABLE_USER_SITE and site.USER_SITE:
+        roots.add(site.USER_SITE)
+    roots.add(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # colobus itself
+    return tuple(os.path.join(os.path.realpath(r), "") for r in roots if r)
+
+
+def _module_root(module: types.ModuleType) -> str | None:
+    """Where a top-level module's source lives: its package directory or its file."""
+    file: str | None = getattr(module, "__file__", None)
+    if file:
+        path = os.path.realpath(file)
+        if os.path.basename(path).startswith("__init__."):
+            return os.path.dirname(path)
+        return path if path.endswith(".py") else None  # an extension module stays home
+    paths = list(getattr(module, "__path__", None) or [])
+    return os.path.realpath(paths[0]) if len(paths) == 1 else None  # a namespace package
+
+
+_serials = itertools.count(1)
+_user_roots: dict[str, str | None] = {}  # top-level name -> its root if the user's (cache)
+
+
+def user_package(module_name: str) -> str | None:
+    """The top-level name of ``module_name`` if that module is the user's own code
+    (imported here from outside the installed environment), else None."""
+    top = module_name.partition(".")[0]
+    if top in _user_roots:
+        return top if _user_roots[top] is not None else None
+    if top in sys.stdlib_module_names or top in ("__main__", "colobus") or not top:
+        return None
+    module = sys.modules.get(top)
+    if module is None:
+        return None  # not imported (yet): ask again later
+    root = _module_root(module)
+    if root is not None:
+        parts = root.split(os.sep)
+        if "site-packages" in parts or "dist-packages" in parts or (
+                root.startswith(_installed_roots())):
+            root = None
+    _user_roots[top] = root
+    return top if root is not None else None
+
+
+def imports_of(top: str) -> tuple[str, ...]:
+    """The user's other packages that the imported modules of package ``top`` hold in
+    their globals: modules, classes and functions (``import b``, ``from b import f``)."""
+    found: dict[str, None] = {}
+    for mod_name, module in list(sys.modules.items()):
+        if module is None or not (mod_name == top or mod_name.startswith(top + ".")):
+            continue
+        for value in list(vars(module).values()):
+            if isinstance(value, types.ModuleType):
+                ref = value.__name__
+            elif isinstance(value, type | types.FunctionType):
+                ref = getattr(value, "__module__", None) or ""
+            else:
+                continue
+            other = user_package(ref) if isinstance(ref, str) else None
+            if other is not None and other != top:
+                found[other] = None
+    return tuple(found)
+
+
+def _files(root: str) -> list[tuple[str, str]]:
+    """``(relative path in the archive, path)`` of every file that travels, sorted."""
+    if os.path.isfile(root):
+        return [(os.path.basename(root), root)]
+    name = os.path.basename(root)
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(
+            d for d in dirnames if not (d.startswith(".") or d in SKIP_DIRS
+                                        or d.endswith(".egg-info") or _environment(dirpath, d)))
+        rel = os.path.relpath(dirpath, root)
+        for f in sorted(filenames):
+            if f.startswith(".") or f.endswith(SKIP_SUFFIXES):
+                continue
+            path = os.path.join(dirpath, f)
+            if os.path.isfile(path):
+                out.append((os.path.normpath(os.path.join(name, rel, f)).replace(os.sep, "/"),
+                            path))
+    return out
+
+
+def _environment(dirpath: str, d: str) -> bool:
+    """Whether ``dirpath/d`` is a virtual or conda environment."""
+    return any(os.path.exists(os.path.join(dirpath, d, mark)) for mark in ("pyvenv.cfg",
+                                                                           "conda-meta"))
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e6:.1f} MB" if n >= 100_000 else f"{n / 1e3:.1f} kB"
+
+
+def too_large(what: str, sizes: list[tuple[int, str]], total: int, limit: int) -> str:
+    """The error text of a session that would ship more than ``limit`` bytes of code."""
+    largest = ", ".join(f"{path} ({_size(size)})" for size, path in
+                        sorted(sizes, reverse=True)[:3])
+    return (f"shipping {what} would make this session's code {total / 1e6:.1f} MB, over "
+            f"max_code_bytes={limit}; its largest files: {largest}. Keep data out of the "
+            "package (or install it on the hosts and pass ship_code=False), or raise "
+            "max_code_bytes")
+
+
+def snapshot(name: str, root: str, used: int = 0, limit: int | None = None) -> Package:
+    """Read a package's files once: a zip of them and the digest of their contents.
+
+    Raises:
+        SerializationError: with ``used`` bytes shipped before, the files would pass
+            ``limit`` (the message names the largest), or they cannot be read.
+    """
+    files = _files(root)
+    try:
+        sizes = [(os.path.getsize(path), rel) for rel, path in files]
+    except OSError as exc:
+        raise SerializationError(f"cannot read the files of {name!r} to ship: {exc}") from exc
+    nbytes = sum(s for s, _ in sizes)
+    if limit is not None and used + nbytes > limit:
+        raise SerializationError(too_large(f"{name!r} ({root})", sizes, used + nbytes, limit))
+    digest = hashlib.blake2b(b"colobus package\0" + name.encode(), digest_size=16)
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as archive:
+        for rel, path in files:
+            try:
+                with open(path, "rb") as f:
+                    data = f.read()
+            except OSError as exc:
+                raise SerializationError(f"cannot read {path} to ship: {exc}") from exc
+            digest.update(b"%d\0%s\0" % (len(data), rel.encode()))
+            digest.update(data)
+            archive.writestr(zipfile.ZipInfo(rel, _ZIP_TIME), data,
+                             compress_type=zipfile.ZIP_DEFLATED, compresslevel=1)
+    return Package(name, root, digest.digest(), out.getvalue(), nbytes)
+
+
+def _resolve(spec: Any) -> tuple[str, str]:
+    """``(import name, root)`` of a ``py_modules`` entry: a module, or a path."""
+    if isinstance(spec, types.ModuleType):
+        top = spec.__name__.partition(".")[0]
+        root = _module_root(sys.modules.get(top, spec))
+        if root is None:
+            raise ValueError(f"py_modules: {spec.__name__!r} has no Python source to ship")
+        return top, root
+    path = os.path.realpath(os.fspath(spec))
+    if os.path.isdir(path):
+        return os.path.basename(path), path
+    if os.path.isfile(path) and path.endswith(".py"):
+        return os.path.basename(path)[:-3], path
+    raise ValueError(f"py_modules: {os.fspath(spec)!r} is neither a package directory nor "
+                     "a .py file")
+
+
+class _Controller(Protocol):
+    def _send(self, host: Host, body: P.Body, payload: Buffer = b"") -> None: ...
+
+    def _count(self, name: str, n: int = 1) -> None: ...
+
+
+class CodeShipper:
+    """One controller's code that travels: the ``py_modules``, and the user's packages
+    as calls need them, each read once and sent once per host.
+
+    Args:
+        py_modules: modules or paths shipped to every host with its first code.
+        ship_code: also ship the user's own packages that code names (automatic).
+        max_code_bytes: the most bytes of files one session ships.
+
+    Raises:
+        ValueError: a ``py_modules`` entry is no module, package directory or .py file.
+        SerializationError: the ``py_modules`` alone pass ``max_code_bytes``.
+    """
+
+    def __init__(self, py_modules: Iterable[Any] = (), ship_code: bool = True,
+                 max_code_bytes: int = DEFAULT_MAX_CODE_BYTES) -> None:
+        self.auto = ship_code
+        self.serial = next(_serials)  # what code remembers it by (not the object: no cycle)
+        self.limit = max_code_bytes
+        self._lock = threading.Lock()
+        self._packages: dict[str, Package | None] = {}  # by name; None: not shipped
+        self._deps: dict[str, tuple[str, ...]] = {}  # the user's packages each imports
+        self._resolved: dict[tuple[str, ...], list[Package]] = {}  # by the names code needs
+        self.total = 0
+        self.always: list[Package] = []
+        for spec in py_modules:
+            name, root = _resolve(spec)
+            if name not in self._packages:
+                self.always.append(self._admit(name, root))
+
+    def _admit(self, name: str, root: str) -> Package:
+        pkg = snapshot(name, root, self.total, self.limit)
+        self._packages[name] = pkg
+        self.total += pkg.nbytes
+        return pkg
+
+    def packages(self, names: tuple[str, ...]) -> list[Package]:
+        """The packages to send with code that names ``names``: those, the user's packages
+        they import, and the ``py_modules`` (each read on first need).
+
+        Raises:
+            SerializationError: one would pass ``max_code_bytes`` (that one is not sent).
+        """
+        if not self.auto:
+            return self.always
+        done = self._resolved.get(names)
+        if done is not None:
+            return done
+        out = list(self.always)
+        todo, seen = list(names), set()
+        while todo:
+            name = todo.pop()
+            if name in seen:
+                continue
+            seen.add(name)
+            if name not in self._packages:
+                with self._lock:
+                    if name not in self._packages:
+                        self._first_need(name)
+            pkg = self._packages[name]
+            if pkg is not None:
+                if pkg not in out:
+                    out.append(pkg)
+                todo.extend(self._deps.get(name, ()))
+        self._resolved[names] = out
+        return out
+
+    def _first_need(self, name: str) -> None:
+        root = _user_roots.get(name)
+        if root is None:
+            self._packages[name] = None
+            return
+        pkg = self._admit(name, root)
+        self._deps[name] = imports_of(name)
+        log.info("shipping %s (%s, %.1f MB) to the hosts with the first code that needs it",
+                 name, root, pkg.nbytes / 1e6)
+
+    def ship(self, ctl: _Controller, host: Host, names: tuple[str, ...]) -> None:
+        """Loop thread: send ``host`` the packages code naming ``names`` needs, unless sent."""
+        sent = host.packages_sent
+        for pkg in self.packages(names):
+            if pkg.digest not in sent:
+                sent.add(pkg.digest)
+                ctl._count("packages_sent")
+                ctl._count("package_bytes", len(pkg.archive))
+                ctl._send(host, P.Code(pkg.digest, pkg.name, True), pkg.archive)

@@ -1,0 +1,358 @@
+"""Code that travels: the user's own package reaches workers that do not have it.
+
+The workers here are started by hand, as on a remote machine: ``python -m colobus
+worker`` in another directory, with no ``PYTHONPATH`` to the user's package. They
+live across the tests, so each test's controller is a new session of the same
+long-lived workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import importlib
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import cloudpickle
+import numpy as np
+import pytest
+
+import colobus as cb
+from colobus._controller.codeship import snapshot
+from colobus._host.shipped import PREFIX, _in_memory, _sweep
+
+HOSTS = 2
+FAST = {"heartbeat_interval": 0.2, "liveness_timeout": 5.0, "join_timeout": 90.0}
+
+
+def _clean_env() -> dict[str, str]:
+    """A worker's environment: nothing that points at the driver's code or key."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "COLOBUS_KEY_FILE") and not k.startswith("PYTEST")}
+    env["COLOBUS_PARENT_PID"] = str(os.getpid())  # no orphans if this process dies
+    env.setdefault("COLOBUS_LOG_LEVEL", "WARNING")
+    return env
+
+
+def start_worker(address: str, key_file: str, name: str, cwd: Path,
+                 prelude: str = "") -> subprocess.Popen[str]:
+    """``python -m colobus worker`` in ``cwd``; ``prelude`` runs first (test-only fakes)."""
+    if prelude:
+        argv = [sys.executable, "-c", prelude + "\nfrom colobus._tools.cli import main\n"
+                "raise SystemExit(main(sys.argv[1:]))"]
+    else:
+        argv = [sys.executable, "-m", "colobus"]
+    return subprocess.Popen(
+        [*argv, "worker", "--connect", address, "--key-file", key_file, "--name", name,
+         "--devices", "1"],
+        cwd=cwd, env=_clean_env(), stdin=subprocess.DEVNULL,
+        stderr=subprocess.PIPE if prelude else None, text=True)
+
+
+class Elsewhere:
+    """Workers started by hand in another directory, and the driver's source directory."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.src = root / "src"
+        self.src.mkdir()
+        (root / "elsewhere").mkdir()
+        self.address = f"ipc://{root}/ctl.sock"
+        self.key = b"c" * 32
+        self.key_file = str(root / "key")
+        Path(self.key_file).write_text(self.key.hex())
+        os.chmod(self.key_file, 0o600)
+        self.procs = [start_worker(self.address, self.key_file, f"far-{i}", root / "elsewhere")
+                      for i in range(HOSTS)]
+
+    def controller(self, **options: Any) -> cb.Controller:
+        return cb.Controller(self.address, hosts=HOSTS, key=self.key, **{**FAST, **options})
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.terminate()  # a worker leaves its session on SIGTERM: its code directory goes
+        for p in self.procs:
+            try:
+                p.communicate(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.communicate(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def far(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Elsewhere]:
+    bed = Elsewhere(tmp_path_factory.mktemp("codeship"))
+    sys.path.insert(0, str(bed.src))  # the driver imports its package from its directory
+    try:
+        yield bed
+    finally:
+        sys.path.remove(str(bed.src))
+        bed.close()
+
+
+def write_package(src: Path, name: str, scale: int, extra: dict[str, bytes] | None = None
+                  ) -> Path:
+    """A package with decorated functions, a sibling import and a colocated class."""
+    pkg = src / name
+    pkg.mkdir(exist_ok=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "helpers.py").write_text(f"SCALE = {scale}\n")
+    (pkg / "steps.py").write_text(textwrap.dedent("""
+        import colobus as cb
+
+        from . import helpers
+
+
+        @cb.colocated_python
+        def step(x):
+            return x * helpers.SCALE
+
+
+        @cb.colocated_python_class
+        class Counter:
+            def __init__(self, start):
+                self.n = start
+
+            def bump(self, x):
+                self.n += helpers.SCALE
+                return x + self.n
+    """))
+    for rel, data in (extra or {}).items():
+        (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / rel).write_bytes(data)
+    return pkg
+
+
+def fresh_import(module: str) -> Any:
+    """Import ``module`` anew, as a new run of the driver would."""
+    top = module.partition(".")[0]
+    for name in [n for n in sys.modules if n == top or n.startswith(top + ".")]:
+        del sys.modules[name]
+    importlib.invalidate_caches()
+    return importlib.import_module(module)
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:8]}"
+
+
+def per_host(ctl: cb.Controller) -> cb.Array:
+    mesh = cb.Mesh(np.array(ctl.devices()), ("h",))
+    return cb.device_put(np.arange(HOSTS, dtype=np.float32),
+                         cb.NamedSharding(mesh, cb.PartitionSpec("h")))
+
+
+async def fetch(fut: cb.Future[Any]) -> list[float]:
+    return list((await cb.device_get(await fut)).tolist())
+
+
+async def test_the_users_package_travels_and_an_edit_reaches_the_next_session(
+        far: Elsewhere) -> None:
+    name = unique("mytrain")
+    write_package(far.src, name, scale=2)
+    steps = fresh_import(f"{name}.steps")
+    async with far.controller() as ctl:
+        x = per_host(ctl)
+        assert await fetch(steps.step(x)) == [0.0, 2.0]  # helpers, a sibling, came along
+        counter = steps.Counter(10)
+        assert await fetch(counter.bump(x)) == [12.0, 13.0]
+        assert await fetch(counter.bump(x)) == [14.0, 15.0]  # one instance per host
+        stats = ctl.stats()
+        assert stats["code_sent"] == 2 * HOSTS  # a function and a class, once per host
+        assert ctl.stats()["packages_sent"] == HOSTS  # the package, once per host
+        versions = [h.versions for h in ctl.hosts()]
+        assert all(v["python"].split(".")[:2] == [str(n) for n in sys.version_info[:2]]
+                   and v["colobus"] == cb.__version__ and v["numpy"] == np.__version__
+                   for v in versions), versions
+    # The user edits the package and runs the driver again: the same workers run the edit.
+    write_package(far.src, name, scale=5)
+    steps = fresh_import(f"{name}.steps")
+    async with far.controller() as ctl:
+        assert await fetch(steps.step(per_host(ctl))) == [0.0, 5.0]
+        assert await fetch(steps.Counter(0).bump(per_host(ctl))) == [5.0, 6.0]
+        # Each worker holds this session's directory only: the last one went with it.
+        base = _in_memory() or tempfile.gettempdir()
+        for h in ctl.hosts():
+            assert len(glob.glob(os.path.join(base, f"{PREFIX}{h.pid}-*"))) == 1
+
+
+def test_what_dead_workers_left_is_swept(tmp_path: Path) -> None:
+    dead, live = tmp_path / f"{PREFIX}999999999-x", tmp_path / f"{PREFIX}{os.getpid()}-y"
+    for d in (dead, live):
+        (d / "pkg").mkdir(parents=True)
+    _sweep(str(tmp_path))
+    assert not dead.exists() and live.exists()
+
+
+async def test_code_pickled_by_value_takes_the_packages_it_names_along(far: Elsewhere) -> None:
+    name = unique("named")
+    write_package(far.src, name, scale=9)
+    helpers = fresh_import(f"{name}.helpers")
+
+    @cb.colocated_python
+    def scaled(x: Any) -> Any:  # defined in a function: by value, naming the user's module
+        return x * helpers.SCALE
+
+    async with far.controller() as ctl:
+        assert await fetch(scaled(per_host(ctl))) == [0.0, 9.0]
+        # the package it names, and this module (its __module__: shipped, never needed)
+        assert ctl.stats()["packages_sent"] == 2 * HOSTS
+
+
+async def test_without_shipping_the_error_names_the_function_and_the_remedy(
+        far: Elsewhere) -> None:
+    name = unique("noship")
+    pkg = write_package(far.src, name, scale=3)
+    steps = fresh_import(f"{name}.steps")
+    async with far.controller(ship_code=False) as ctl:
+        with pytest.raises(ModuleNotFoundError, match=name) as info:
+            await asyncio.wait_for(steps.step(per_host(ctl)), 60)
+        notes = "\n".join(getattr(info.value, "__notes__", []))
+        assert f"{name}.steps.step cannot be loaded on" in notes, notes
+        assert "py_modules=" in notes and "ship_code=True" in notes, notes
+        assert "raised on colobus host" in notes, notes
+    # py_modules= ships it even so, here as a directory.
+    async with far.controller(ship_code=False, py_modules=[pkg]) as ctl:
+        assert await fetch(steps.step(per_host(ctl))) == [0.0, 3.0]
+
+
+async def test_modules_registered_by_value_travel_in_the_pickle(far: Elsewhere) -> None:
+    name = unique("byvalue")
+    (far.src / f"{name}.py").write_text(textwrap.dedent("""
+        import colobus as cb
+
+        OFFSET = 7
+
+
+        @cb.colocated_python
+        def shift(x):
+            return x + OFFSET
+    """))
+    module = fresh_import(name)
+    cloudpickle.register_pickle_by_value(module)
+    try:
+        async with far.controller(ship_code=False) as ctl:  # nothing ships but the pickle
+            assert await fetch(module.shift(per_host(ctl))) == [7.0, 8.0]
+            assert ctl.stats()["packages_sent"] == 0
+        async with far.controller() as ctl:  # nor with shipping on: its code is in the pickle
+            assert await fetch(module.shift(per_host(ctl))) == [7.0, 8.0]
+            assert ctl.stats()["packages_sent"] == 0
+    finally:
+        cloudpickle.unregister_pickle_by_value(module)
+
+
+async def test_the_size_limit_names_the_largest_files_and_junk_never_travels(
+        far: Elsewhere) -> None:
+    junk = {".git/objects/pack": b"g" * 400_000, "__pycache__/steps.cpython.pyc": b"c" * 400_000,
+            "venv/pyvenv.cfg": b"home = /usr\n", "venv/lib/big.py": b"#" * 400_000,
+            "ext.so": b"\0" * 400_000}
+    small = unique("small")
+    write_package(far.src, small, scale=4, extra={"data/table.json": b"{}", **junk})
+    big = unique("big")
+    write_package(far.src, big, scale=6, extra={"data/weights.bin": b"w" * 300_000,
+                                                "data/vocab.txt": b"v" * 50_000})
+    small_steps, big_steps = fresh_import(f"{small}.steps"), fresh_import(f"{big}.steps")
+    shipped = snapshot(small, str(far.src / small))
+    assert shipped.nbytes < 10_000
+    async with far.controller(max_code_bytes=200_000) as ctl:
+        assert await fetch(small_steps.step(per_host(ctl))) == [0.0, 4.0]
+        with pytest.raises(cb.SerializationError, match="max_code_bytes=200000") as info:
+            await asyncio.wait_for(big_steps.step(per_host(ctl)), 60)
+        text = str(info.value)
+        assert "weights.bin (0.3 MB)" in text and text.index("weights.bin") < text.index(
+            "vocab.txt"), text
+        assert await fetch(small_steps.step(per_host(ctl))) == [0.0, 4.0]  # the rest goes on
+
+
+FAKE = """import sys
+import colobus._wire.versions as v
+real = v.local_versions
+v.local_versions = lambda: {{**real(), {fake}}}  # test only: what this worker claims
+"""
+
+
+async def test_versions_are_checked_at_the_door(tmp_path: Path,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, "colobus.controller")
+    address, key = f"ipc://{tmp_path}/door.sock", b"d" * 32
+    key_file = tmp_path / "key"
+    key_file.write_text(key.hex())
+    key_file.chmod(0o600)
+    procs = [start_worker(address, str(key_file), name, tmp_path, FAKE.format(fake=fake))
+             for name, fake in (("old", '"python": "3.9.18", "colobus": "0.0.1"'),
+                                ("other-jax", '"jax": "0.0.1"'))]
+    try:
+        async with cb.Controller(address, hosts=1, key=key, **FAST) as ctl:
+            _, err = await asyncio.to_thread(procs[0].communicate, timeout=60)
+            assert procs[0].returncode not in (0, None)  # it exits, saying why in one line
+            (line,) = [ln for ln in err.splitlines() if "refused" in ln]
+            python = ".".join(map(str, sys.version_info[:3]))
+            assert f"python 3.9.18 on the host, {python} on the controller" in line, err
+            assert f"colobus 0.0.1 on the host, {cb.__version__} on the controller" in line, err
+            (host,) = ctl.hosts()
+            assert host.name == "other-jax" and host.versions["jax"] == "0.0.1"
+            warned = [r.getMessage() for r in caplog.records]
+            assert any("'other-jax'" in w and "jax 0.0.1 on the host" in w for w in warned)
+            assert any("'old'" in w and "refused" in w for w in warned), warned
+    finally:
+        for p in procs:
+            p.kill()
+            p.communicate(timeout=10)
+
+
+async def test_what_a_host_reports_at_join_is_bounded_strings_only() -> None:
+    """Versions are compared and shown, never imported: a non-string is malformed, and a
+    raw peer claiming another Python gets the refusal."""
+    import secrets
+
+    import zmq
+    import zmq.asyncio
+
+    from colobus._wire import protocol as P
+    from colobus._wire.envelope import Envelope, decode, encode
+
+    key = secrets.token_bytes(32)
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    session, seq = secrets.token_bytes(16), 0
+
+    async def ask(body: P.Body) -> Envelope:
+        nonlocal seq
+        seq += 1
+        await sock.send_multipart(encode(key, Envelope(body.kind, session, b"", seq,
+                                                       body.to_wire())))
+        return decode(key, await asyncio.wait_for(sock.recv_multipart(), 10))
+
+    try:
+        async with cb.Controller("tcp://127.0.0.1:*", hosts=0, key=key, relays=0) as ctl:
+            sock.connect(ctl.address)
+            for versions, what in (({"python": 3}, "malformed"),
+                                   ({"python": "2.7.18", "numpy": "os.system"}, "reject")):
+                nonce = bytes((await ask(P.Join())).body[0])
+                hello = P.Hello("raw", 1, "raw", [], nonce, "", versions)  # type: ignore[arg-type]
+                if what == "malformed":
+                    seq += 1
+                    await sock.send_multipart(encode(key, Envelope(
+                        hello.kind, session, b"", seq, hello.to_wire())))
+                    deadline = asyncio.get_running_loop().time() + 10
+                    while ctl.stats()["dropped"].get("malformed", 0) < 1:
+                        assert asyncio.get_running_loop().time() < deadline
+                        await asyncio.sleep(0.02)
+                    continue
+                reply = await ask(hello)
+                assert reply.kind == P.Kind.REJECT
+                assert "python 2.7.18 on the host" in reply.body[0], reply.body
+            assert ctl.hosts() == []
+    finally:
+        sock.close(0)
+        ctx.term()
