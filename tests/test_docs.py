@@ -91,8 +91,6 @@ NOT_RUN = {
         "slurm_cluster needs a Slurm cluster",
     ("deployment.md", "with cb.Controller() as ctl:     # binds $COLOBUS_ADDRESS, waits for "
                       "$COLOBUS_HOSTS"): "runs under colobus launch",
-    ("deployment.md", "cloudpickle.register_pickle_by_value(mypkg.steps)"):
-        "a package of the reader's (mypkg)",
     ("index.md", 'async with cb.Controller("tcp://0.0.0.0:5555", hosts=4, '
                  'key=cb.load_key("colobus.key")):'): "waits for 4 remote workers",
     ("jax_comparison.md", "cpu_devices = cp.colocated_cpu_devices(jax.devices())"):
