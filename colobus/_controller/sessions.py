@@ -35,7 +35,6 @@ from .._wire.envelope import (
 from .._wire.guard import RESET_SEQ, UNKNOWN_PEER_MAX_BYTES, Challenges, PeerWarnings
 from .._wire.protocol import Kind
 from .hosts import Host
-from .joinwait import JoinOrder
 from .ops import Parts
 
 if TYPE_CHECKING:
@@ -99,8 +98,9 @@ class Sessions:
         self.hosts_dropped = 0  # joined hosts dropped for breaking the protocol
         self.challenges = Challenges()  # join nonces: bounded, expiring
         self._peer_warnings = PeerWarnings(log)
-        # local_cluster numbers its hosts by name: the first HELLOs wait for each other.
-        self.join_order: JoinOrder[tuple[bytes, Envelope, P.Hello]] | None = None
+        # Names a launcher numbers its hosts by (names[0] is host 0), set from any thread
+        # before its workers start; the loop thread reserves their numbers at the next HELLO.
+        self.number_by_name: list[str] | None = None
         # Keyed by Kind, found by the plain int off the wire (IntEnum hashes as int).
         self._handlers: dict[int, Callable[[Host, Any, Envelope], None]] = {
             Kind.HEARTBEAT: self._on_heartbeat,
@@ -313,14 +313,9 @@ class Sessions:
             raise ValueError("bad device list")
         if len(hello.name) > MAX_NAME or len(hello.hostname) > MAX_NAME:
             raise ValueError("host name too long")
-        if self.join_order is not None:  # local_cluster: number hosts by name
-            ready = self.join_order.offer(hello.name, (identity, env, hello))
-            if not (len(ready) == 1 and ready[0][1] is env):
-                if ready:
-                    self.join_order = None
-                    for held in ready:
-                        self._admit(*held)
-                return
+        names, self.number_by_name = self.number_by_name, None
+        if names is not None:
+            ctl._hosts.reserve(names)
         self._admit(identity, env, hello)
 
     def _admit(self, identity: bytes, env: Envelope, hello: P.Hello) -> None:
@@ -369,7 +364,8 @@ class Sessions:
             relays.welcome(host, relay, welcome)  # its session moves to that relay
         else:
             ctl._send(host, welcome)
-        log.info("%s", hosts.describe(host, old is not None, ctl._expected_hosts))
+        log.info("%s", hosts.describe(host, old is not None and old.joined,
+                                      ctl._expected_hosts))
         ctl._joined()
 
     def _gone(self, host: Host) -> str | None:
