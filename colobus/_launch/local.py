@@ -41,11 +41,15 @@ class LocalLauncher(Launcher):
     def env(self) -> dict[str, str]:
         if self._env is None:
             env = with_huge_pages(dict(os.environ))  # the workers receive the large PUTs
-            # This process's path less the working directory ("" or its name): a module
-            # someone left there must not run in a worker (which starts with -P for the
-            # same reason); user code travels with the calls.
+            # This process's path less the working directory ("" or its name, unless
+            # $PYTHONPATH names it): a module someone left there must not run in a
+            # worker (which starts with -P for the same reason); user code travels
+            # with the calls.
             cwd = os.getcwd()
-            paths = [p for p in self._paths if p and os.path.abspath(p) != cwd]
+            chosen = {os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep)
+                      if p}
+            paths = [p for p in self._paths
+                     if p and (os.path.abspath(p) != cwd or os.path.abspath(p) in chosen)]
             env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
             env["COLOBUS_PARENT_PID"] = str(os.getpid())
             # Local workers share the user's terminal: only warnings and errors.
