@@ -101,6 +101,8 @@ class Sessions:
         # Names a launcher numbers its hosts by (names[0] is host 0), set from any thread
         # before its workers start; the loop thread reserves their numbers at the next HELLO.
         self.number_by_name: list[str] | None = None
+        # Names of hosts that never reached the relay they were sent to: served directly.
+        self.direct: set[str] = set()
         # Keyed by Kind, found by the plain int off the wire (IntEnum hashes as int).
         self._handlers: dict[int, Callable[[Host, Any, Envelope], None]] = {
             Kind.HEARTBEAT: self._on_heartbeat,
@@ -355,7 +357,7 @@ class Sessions:
         host = hosts.join(identity, hello, env.sender, ctl._session, env.seq)
         host.peer.max_window = max(host.peer.window, ctl.send_window_bytes)
         relays = ctl._relays
-        relay = relays.pick() if relays is not None else None
+        relay = relays.pick() if relays is not None and hello.name not in self.direct else None
         welcome = P.Welcome(host.index, [d.id for d in host.devices], ctl.heartbeat_interval,
                             ctl.liveness_timeout, ctl._exit_workers, ctl.max_message_bytes,
                             ctl.observer is not None, max(ctl._expected_hosts, len(hosts)),
@@ -448,6 +450,13 @@ class Sessions:
             return
         log.warning("host %d (%r) lost: %s", host.index, host.name, why)
         if host.peer.via is not None and self._ctl._relays is not None:
+            if not host.heard_via_relay and last_word == P.RESET_REJOIN:
+                # It reached our port but never its relay's (a firewall, NAT): rejoining
+                # through the relay again would only be lost again.
+                self.direct.add(host.name)
+                log.warning("host %d (%r) never reached its relay: from its next join on it "
+                            "is served directly (open the relays' ports to it, or relays=0)",
+                            host.index, host.name)
             self._ctl._relays.drop(host, last_word)
         self._ctl._ops.host_lost(host, why)
         self._ctl._uploads.on_release()  # puts waiting for it go on (and fail)
