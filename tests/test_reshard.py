@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
+from lifecycle import SHARED_LIVENESS_S, all_joined
 
 import colobus as cb
 
@@ -127,7 +128,7 @@ def test_one_file_per_host_named_by_host_index(ctl: cb.Controller, tmp_path: Pat
 @pytest.fixture(scope="module")
 def four_cluster() -> Iterator[cb.Controller]:
     """4 hosts x 2 CPU devices (ids 2h, 2h+1 on host h)."""
-    with cb.local_cluster(hosts=4, devices_per_host=2) as c:
+    with cb.local_cluster(hosts=4, devices_per_host=2, liveness_timeout=SHARED_LIVENESS_S) as c:
         yield c
 
 
@@ -135,6 +136,7 @@ def four_cluster() -> Iterator[cb.Controller]:
 def four(four_cluster: cb.Controller) -> Iterator[cb.Controller]:
     from colobus._controller.controller import _pop_current, _push_current
 
+    all_joined(four_cluster)
     _push_current(four_cluster)
     try:
         yield four_cluster
