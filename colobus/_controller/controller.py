@@ -239,7 +239,7 @@ class Controller:
         return self._hosts.devices()
 
     def hosts(self) -> list[HostInfo]:
-        """Every host that ever joined, by index, with its state."""
+        """Every host that ever joined (or was numbered by name), by index, with its state."""
         return [h.info() for h in self._hosts.hosts]
 
     def stats(self) -> dict[str, Any]:
