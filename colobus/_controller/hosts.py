@@ -115,7 +115,6 @@ class Host:
     conn_fd: int = -1  # the connection it was last heard on (see _hangups)
     hung_up: float = 0.0  # when that connection closed, until it is heard from again
     data: str = ""  # its data-plane endpoint (colobus._host.dataplane), "" if none
-    heard_via_relay: float = 0.0  # when a relay last passed on its word (0: never)
 
     @property
     def session(self) -> bytes:

@@ -491,7 +491,7 @@ class Relays:
                 host = self._carried(relay, i)
                 if host is None:
                     continue
-                host.last_seen = host.heard_via_relay = now
+                host.last_seen = now
                 b = body
                 if extras is not None and isinstance(body, P.Result):
                     times = extras[j]

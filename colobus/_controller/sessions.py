@@ -34,6 +34,7 @@ from .._wire.envelope import (
 )
 from .._wire.guard import RESET_SEQ, UNKNOWN_PEER_MAX_BYTES, Challenges, PeerWarnings
 from .._wire.protocol import Kind
+from .._wire.relaywire import NEVER_REACHED
 from .hosts import Host
 from .ops import Parts
 
@@ -450,13 +451,12 @@ class Sessions:
             return
         log.warning("host %d (%r) lost: %s", host.index, host.name, why)
         if host.peer.via is not None and self._ctl._relays is not None:
-            if not host.heard_via_relay and last_word == P.RESET_REJOIN:
+            if why.startswith(NEVER_REACHED):  # the relay's word: it never heard it
                 # It reached our port but never its relay's (a firewall, NAT): rejoining
                 # through the relay again would only be lost again.
                 self.direct.add(host.name)
-                log.warning("host %d (%r) never reached its relay: from its next join on it "
-                            "is served directly (open the relays' ports to it, or relays=0)",
-                            host.index, host.name)
+                log.warning("host %d (%r) is served directly from its next join on (open "
+                            "the relays' ports to it, or relays=0)", host.index, host.name)
             self._ctl._relays.drop(host, last_word)
         self._ctl._ops.host_lost(host, why)
         self._ctl._uploads.on_release()  # puts waiting for it go on (and fail)
