@@ -174,6 +174,24 @@ async def test_version_mismatch_is_refused_and_the_worker_exits_2(
         assert ctl.hosts() == []
 
 
+async def test_a_worker_answered_but_not_yet_welcomed_is_not_told_its_key_is_wrong(
+        procs: Procs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from colobus._controller.sessions import Sessions
+
+    key_file = tmp_path / "k"
+    key = write_key(key_file)
+    # This controller challenges the worker (so its key is right) and then holds its
+    # HELLO for good, as a controller with a reason to wait would.
+    monkeypatch.setattr(Sessions, "_admit", lambda self, identity, env, hello: None)
+    async with cb.Controller("tcp://127.0.0.1:*", hosts=0, key=key) as ctl:
+        worker = procs.start(str(SCRIPT), "worker", "--connect", ctl.address,
+                             "--key-file", str(key_file))
+        assert worker.stderr is not None
+        lines = await asyncio.to_thread(_read_until, worker.stderr, "cannot join", 60)
+        assert "wrong key" not in lines[-1], lines
+        assert f"the controller answers (key id {key_id(key)} is right)" in lines[-1], lines
+
+
 def test_names_are_numbered_before_they_join_and_keep_their_device_ids_in_order() -> None:
     from colobus._controller.hosts import HostRegistry
     from colobus._wire import protocol as P
