@@ -45,15 +45,22 @@ def _forbid_unpickling(record: str) -> None:
 if os.environ.get("COLOBUS_TEST_FORBID_UNPICKLE"):
     _forbid_unpickling(os.environ["COLOBUS_TEST_FORBID_UNPICKLE"])
 
+from lifecycle import SHARED_LIVENESS_S, all_joined  # noqa: E402
+
 import colobus as cb  # noqa: E402  (after the patch: no module keeps the real loads)
 
 
 @pytest.fixture(scope="session")
 def cluster() -> collections.abc.Iterator[cb.Controller]:
     """One 2-host x 4-CPU-device local cluster shared by the whole session (sync face);
-    a star whatever ``COLOBUS_RELAYS`` says (``tests/relayed.py`` has one with a relay)."""
-    with cb.local_cluster(hosts=2, devices_per_host=4, relays=0) as ctl:
+    a star whatever ``COLOBUS_RELAYS`` says (``tests/relayed.py`` has one with a relay).
+
+    No test loses its hosts on purpose: a long liveness timeout keeps a machine
+    loaded by another run from starving a host into loss (see :func:`all_joined`)."""
+    with cb.local_cluster(hosts=2, devices_per_host=4, relays=0,
+                          liveness_timeout=SHARED_LIVENESS_S) as ctl:
         yield ctl
+
 
 
 @pytest.fixture
@@ -61,6 +68,7 @@ def ctl(cluster: cb.Controller) -> collections.abc.Iterator[cb.Controller]:
     """The shared cluster, made the default controller for this test."""
     from colobus._controller.controller import _pop_current, _push_current
 
+    all_joined(cluster)
     _push_current(cluster)
     try:
         yield cluster

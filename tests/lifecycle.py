@@ -22,6 +22,16 @@ T = TypeVar("T")
 
 SETTLE_S = 20.0  # a future that should settle does so within this (generous on 2 loaded cores)
 STORE_KEYS = ("arrays", "results", "objects")
+# The liveness timeout of clusters shared by many tests, none of which loses a host on
+# purpose: a machine loaded by another run does not starve their hosts into loss.
+SHARED_LIVENESS_S = 30.0
+
+
+def all_joined(cluster: cb.Controller) -> None:
+    """Wait until every host of a shared (sync-face) cluster is alive: one lost for
+    silence rejoins, and a test that started meanwhile would find its devices missing
+    (``Number of devices 0 must be >= the product of mesh_shape``)."""
+    cluster.run_sync(cluster.wait_for_hosts(timeout=120))
 
 
 async def bounded(aw: Awaitable[T], seconds: float = SETTLE_S, what: str = "operation") -> T:

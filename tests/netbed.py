@@ -20,10 +20,20 @@ way (netem, the kernel's delay, is missing from some kernels). Workers run as
 ``ip netns exec NS python -m colobus worker ...`` with the key in a 0600 file
 (never on a command line).
 
+Where the root namespace's iptables ``FORWARD`` chain filters (a Docker host:
+policy DROP, with ``bridge-nf-call-iptables=1`` so that frames between two
+ports of a bridge pass through it), the bed inserts its own ``ACCEPT`` rules
+for its bridge (``-i``/``-o`` it) in each iptables backend that filters.
+Several beds (of this run or another one beside it) coexist: each picks its
+subnet and tag under a lock file, and names its namespaces and links after its
+process.
+
 Everything the bed creates is removed by :meth:`NetBed.close` (idempotent;
 called from fixtures' ``finally``). Leftovers of a crashed earlier run (their
-creating process is gone) are removed when a new bed starts. Tests use
-:func:`unavailable_reason` to skip where namespaces cannot be made.
+creating process is gone; FORWARD rules whose bridge is gone) are removed when
+a new bed starts and by ``python tests/netbed.py --cleanup``; a live process's
+bed is never touched. Tests use :func:`unavailable_reason` to skip where
+namespaces cannot be made.
 """
 
 from __future__ import annotations
@@ -169,7 +179,68 @@ def cleanup_leftovers() -> list[str]:
             if pid_text.isdigit() and not pid_alive(int(pid_text)):
                 _ip("link", "del", link, check=False)
                 removed.append(link)
+    # A bed's FORWARD rules name its bridge: once the bridge is gone (its bed's process
+    # died, above), they are leftovers. A live bed's bridge exists before its rules do.
+    for cmd, spec, dev in _bed_bridge_rules():
+        if not os.path.exists(os.path.join(net, dev)):
+            subprocess.run([cmd, "-w", "-D", "FORWARD", *spec], capture_output=True,
+                           timeout=30)
+            removed.append(f"FORWARD rule {' '.join(spec)}")
     return removed
+
+
+def _iptables_backends() -> list[str]:
+    """One iptables command per backend this machine has (nf_tables, legacy)."""
+    found: dict[str, str] = {}
+    for cmd in ("iptables", "iptables-nft", "iptables-legacy"):
+        path = shutil.which(cmd) or shutil.which(cmd, path="/usr/sbin:/sbin")
+        if path is None:
+            continue
+        proc = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30)
+        backend = proc.stdout.strip().rsplit(" ", 1)[-1] if proc.returncode == 0 else ""
+        if backend == "(legacy)" and not _legacy_tables():
+            continue  # (asking would load legacy tables where nothing uses them)
+        if backend and backend not in found:
+            found[backend] = path
+    return list(found.values())
+
+
+def _legacy_tables() -> bool:
+    """Whether the kernel holds legacy iptables tables (something here uses them)."""
+    try:
+        with open("/proc/net/ip_tables_names") as f:
+            return bool(f.read().strip())
+    except OSError:
+        return False
+
+
+def _forward_rules(cmd: str) -> list[list[str]]:
+    """The rules of ``cmd``'s FORWARD chain as ``-S`` prints them, split into words."""
+    proc = subprocess.run([cmd, "-w", "-S", "FORWARD"], capture_output=True, text=True,
+                          timeout=30)
+    return [line.split() for line in proc.stdout.splitlines()] if proc.returncode == 0 else []
+
+
+def _filtering_backends() -> list[str]:
+    """The iptables backends whose FORWARD chain may drop what crosses a bridge: a DROP
+    policy or any rule (what a Docker engine leaves, with ``bridge-nf-call-iptables``
+    on: then frames between two ports of any bridge pass through FORWARD)."""
+    return [cmd for cmd in _iptables_backends()
+            if _forward_rules(cmd) not in ([], [["-P", "FORWARD", "ACCEPT"]])]
+
+
+def _bed_bridge_rules() -> Iterator[tuple[str, list[str], str]]:
+    """(iptables, rule spec, bridge) for each FORWARD rule naming a bed's bridge."""
+    for cmd in _iptables_backends():
+        for words in _forward_rules(cmd):
+            if words[:2] != ["-A", "FORWARD"]:
+                continue
+            for flag in ("-i", "-o"):
+                if flag in words[:-1]:
+                    dev = words[words.index(flag) + 1]
+                    if dev.startswith(IF_PREFIX) and dev.endswith("br"):
+                        yield cmd, words[2:], dev
+                        break
 
 
 def _free_subnet() -> ipaddress.IPv4Network:
@@ -181,6 +252,24 @@ def _free_subnet() -> ipaddress.IPv4Network:
         if prefix not in used and prefix not in routes:
             return net
     raise RuntimeError(f"no free {SUBNET_BASE}.X.0/24 for the netns test bed")
+
+
+# The same file for every run on this machine, whatever its TMPDIR (beds run as root).
+LOCK_FILE = os.path.join("/run/lock" if os.path.isdir("/run/lock") else "/tmp",
+                         "colobus-netbed.lock")
+
+
+@contextlib.contextmanager
+def _bed_lock() -> Iterator[None]:
+    """Held while a bed picks its subnet and tag, against every other process here."""
+    import fcntl
+
+    with open(LOCK_FILE, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -222,6 +311,7 @@ class NetBed:
         self.controller_ip = ""
         self._made_links: list[str] = []
         self._made_ns: list[str] = []
+        self._made_rules: list[tuple[str, list[str]]] = []  # (iptables, FORWARD rule spec)
         self._closed = False
 
     # -- building and tearing down -------------------------------------------------
@@ -237,15 +327,22 @@ class NetBed:
 
     def _create(self) -> None:
         cleanup_leftovers()
-        net = _free_subnet()
-        addrs = list(net.hosts())
-        self.controller_ip = str(addrs[0])
         alias = f"{ALIAS_PREFIX}{os.getpid()}"
-        _ip("link", "add", "name", self.bridge, "type", "bridge")
-        self._made_links.append(self.bridge)
-        _ip("link", "set", "dev", self.bridge, "alias", alias)
-        _ip("addr", "add", f"{self.controller_ip}/24", "dev", self.bridge)
+        # Another run's bed may be choosing at the same moment: a subnet (and a tag)
+        # is taken only under the lock, and taken once its address is on our bridge.
+        with _bed_lock():
+            while os.path.exists(f"/sys/class/net/{self.bridge}"):
+                self.tag = secrets.token_hex(2)
+                self.bridge = f"{IF_PREFIX}{self.tag}br"
+            net = _free_subnet()
+            addrs = list(net.hosts())
+            self.controller_ip = str(addrs[0])
+            _ip("link", "add", "name", self.bridge, "type", "bridge")
+            self._made_links.append(self.bridge)
+            _ip("link", "set", "dev", self.bridge, "alias", alias)
+            _ip("addr", "add", f"{self.controller_ip}/24", "dev", self.bridge)
         _ip("link", "set", "dev", self.bridge, "up")
+        self._accept_forwarding()
         for i in range(self._n):
             h = NetHost(i, f"{NS_PREFIX}{os.getpid()}-{self.tag}-{i}",
                         f"{IF_PREFIX}{self.tag}h{i}", f"{IF_PREFIX}{self.tag}w{i}",
@@ -263,6 +360,20 @@ class NetBed:
             _ip("-n", h.ns, "link", "set", h.ns_if, "up")
             self.hosts.append(h)
         self._check_reachable()
+
+    def _accept_forwarding(self) -> None:
+        """Let the bridge's traffic through a FORWARD chain that would drop it (a Docker
+        host's DROP policy): our own ACCEPT rules, first in the chain, for this bridge
+        only; :meth:`close` removes them (and :func:`cleanup_leftovers` a dead bed's)."""
+        for cmd in _filtering_backends():
+            for flag in ("-i", "-o"):
+                spec = [flag, self.bridge, "-j", "ACCEPT"]
+                proc = subprocess.run([cmd, "-w", "-I", "FORWARD", *spec], capture_output=True,
+                                      text=True, timeout=30)
+                if proc.returncode != 0:
+                    raise RuntimeError(f"netns bed: cannot let {self.bridge} through FORWARD "
+                                       f"({cmd}): {proc.stderr.strip()}")
+                self._made_rules.append((cmd, spec))
 
     def _check_reachable(self) -> None:
         """Each namespace can open TCP to the controller's address (else a clear error)."""
@@ -296,6 +407,9 @@ class NetBed:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     p.wait(10)
         finally:
+            for cmd, spec in reversed(self._made_rules):
+                subprocess.run([cmd, "-w", "-D", "FORWARD", *spec], capture_output=True,
+                               timeout=30)
             for ns in reversed(self._made_ns):
                 _ip("netns", "del", ns, check=False)  # takes the veth pair with it
             for link in reversed(self._made_links):

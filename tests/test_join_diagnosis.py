@@ -174,15 +174,45 @@ async def test_version_mismatch_is_refused_and_the_worker_exits_2(
         assert ctl.hosts() == []
 
 
-def test_join_order_releases_every_expected_name_in_order() -> None:
-    from colobus._controller.joinwait import JoinOrder
+async def test_a_worker_answered_but_not_yet_welcomed_is_not_told_its_key_is_wrong(
+        procs: Procs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from colobus._controller.sessions import Sessions
 
-    order: JoinOrder[str] = JoinOrder(["local-0", "local-1", "local-2"])
-    assert order.offer("local-2", "hello 2") == []
-    assert order.offer("stranger", "hello x") == ["hello x"]  # not held
-    assert order.offer("local-0", "hello 0") == []
-    assert order.offer("local-2", "hello 2, resent") == []  # replaces the first
-    assert order.offer("local-1", "hello 1") == ["hello 0", "hello 1", "hello 2, resent"]
+    key_file = tmp_path / "k"
+    key = write_key(key_file)
+    # This controller challenges the worker (so its key is right) and then holds its
+    # HELLO for good, as a controller with a reason to wait would.
+    monkeypatch.setattr(Sessions, "_admit", lambda self, identity, env, hello: None)
+    async with cb.Controller("tcp://127.0.0.1:*", hosts=0, key=key) as ctl:
+        worker = procs.start(str(SCRIPT), "worker", "--connect", ctl.address,
+                             "--key-file", str(key_file))
+        assert worker.stderr is not None
+        lines = await asyncio.to_thread(_read_until, worker.stderr, "cannot join", 60)
+        assert "wrong key" not in lines[-1], lines
+        assert f"the controller answers (key id {key_id(key)} is right)" in lines[-1], lines
+
+
+def test_names_are_numbered_before_they_join_and_keep_their_device_ids_in_order() -> None:
+    from colobus._controller.hosts import HostRegistry
+    from colobus._wire import protocol as P
+
+    hosts = HostRegistry()
+    hosts.reserve(["local-0", "local-1", "local-2"])
+
+    def join(name: str, devices: int) -> tuple[int, list[int]]:
+        hello = P.Hello(name, 1, "here", [["cpu", "cpu", i] for i in range(devices)], b"n")
+        host = hosts.join(name.encode(), hello, b"s", b"c", 0)
+        return host.index, [d.id for d in host.devices]
+
+    assert [h.state for h in (h.info() for h in hosts.hosts)] == ["joining"] * 3
+    assert join("local-2", 2) == (2, [4, 5])  # first to come: no wait for the others
+    assert hosts.missing_names() == ["local-0", "local-1"]
+    assert join("stranger", 2) == (3, [6, 7])  # a name not numbered comes after them
+    assert join("local-0", 2) == (0, [0, 1])
+    assert join("local-1", 2) == (1, [2, 3])
+    assert hosts.missing_names() == [] and hosts.alive_count() == 4
+    assert [d.id for d in hosts.devices()] == list(range(8))
+    assert [d.host for d in hosts.devices()] == [0, 0, 1, 1, 2, 2, 3, 3]  # ids in host order
 
 
 def test_worker_refuses_a_malformed_endpoint_before_zeromq() -> None:

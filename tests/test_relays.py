@@ -317,3 +317,30 @@ async def test_a_host_lost_right_after_answering_keeps_its_answer(tmp_path: Any)
         assert not a.done(), "host 1 still runs it"
         gate.touch()
         assert await a is None  # host 0's answer came before its loss: it counts
+
+
+async def test_a_host_that_cannot_reach_its_relay_is_served_directly(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    from colobus._controller.relays import Relays
+
+    start = Relays.start
+
+    async def start_unreachable(self: Relays) -> None:
+        await start(self)
+        for r in self.relays:  # the relay runs, but no host can connect to it
+            os.unlink(r.endpoint[len("ipc://"):])
+
+    monkeypatch.setattr(Relays, "start", start_unreachable)
+    async with cb.local_cluster(hosts=2, relays=1, heartbeat_interval=HB,
+                                liveness_timeout=2.0) as ctl:
+        # Each joins, moves to the relay, is never heard there and is lost; it joins
+        # again, and from then on the controller serves it without the relay.
+        await eventually(lambda: ctl.stats()["relays"][0]["hosts"] == [] and all(
+            h.alive and h.generation > 0 and h.peer.via is None for h in ctl._hosts.hosts),
+            60, "both hosts served directly")
+        x = cb.device_put(np.zeros(2, np.float32), cb.NamedSharding(
+            cb.Mesh(np.array(ctl.devices()), ("d",)), cb.PartitionSpec("d")))
+        assert np.asarray(await cb.device_get(await where(x))).tolist() == [0, 1]
+        assert all(h.generation == 1 for h in ctl._hosts.hosts)  # lost once, not cycling
+    said = [r.getMessage() for r in caplog.records]
+    assert sum("never reached its relay" in m for m in said) == 2, said

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 import pytest
+from lifecycle import SHARED_LIVENESS_S, all_joined
 
 import colobus as cb
 
@@ -126,7 +128,7 @@ def test_one_file_per_host_named_by_host_index(ctl: cb.Controller, tmp_path: Pat
 @pytest.fixture(scope="module")
 def four_cluster() -> Iterator[cb.Controller]:
     """4 hosts x 2 CPU devices (ids 2h, 2h+1 on host h)."""
-    with cb.local_cluster(hosts=4, devices_per_host=2) as c:
+    with cb.local_cluster(hosts=4, devices_per_host=2, liveness_timeout=SHARED_LIVENESS_S) as c:
         yield c
 
 
@@ -134,6 +136,7 @@ def four_cluster() -> Iterator[cb.Controller]:
 def four(four_cluster: cb.Controller) -> Iterator[cb.Controller]:
     from colobus._controller.controller import _pop_current, _push_current
 
+    all_joined(four_cluster)
     _push_current(four_cluster)
     try:
         yield four_cluster
@@ -344,6 +347,48 @@ async def test_a_host_lost_mid_reshard_fails_that_operation_and_leaves_nothing()
         np.testing.assert_array_equal(await cb.device_get(keep), np.arange(3.0))
         moved = cb.device_put(keep, cb.SingleDeviceSharding(cb.devices()[0]))
         np.testing.assert_array_equal(await cb.device_get(moved), np.arange(3.0))
+
+
+@cb.colocated_python
+def _host_1_waits_for(x: Any, go: str) -> Any:
+    while cb.host_index() == 1 and not Path(go).exists():  # the test's cue
+        time.sleep(0.01)
+    return x
+
+
+async def test_replies_owed_by_survivors_are_no_violation_once_closing_began(
+        tmp_path: Path) -> None:
+    from colobus._wire.protocol import Kind
+
+    async with cb.local_cluster(hosts=3, devices_per_host=1, heartbeat_interval=0.2) as c:
+        x = cb.device_put(np.arange(3.0), cb.NamedSharding(cb.make_mesh((3,), ("x",)), P("x")))
+        await cb.block_until_ready(x)
+        replies: list[tuple[int, int]] = []
+        on_result = c._sessions._handlers[Kind.RESULT]
+
+        def seen(host: Any, body: Any, env: Any) -> None:
+            replies.append((host.index, body.call_id))
+            on_result(host, body, env)
+
+        c._sessions._handlers[Kind.RESULT] = seen
+        pid = c.hosts()[0].pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            out = _host_1_waits_for(x, str(tmp_path / "go"))
+        finally:
+            os.kill(pid, signal.SIGKILL)
+        with pytest.raises(cb.HostLostError):  # host 0 lost: the call fails, host 1 owes
+            await out
+        (call_id,) = [k for k, mask in c._ops.late.items() if mask & 2]
+        c._ops.close("closing")  # what leaving the context does first: every operation ends
+        (tmp_path / "go").touch()
+
+        async def answered() -> bool:
+            return (1, call_id) in replies
+
+        await _until(answered, "host 1's reply")
+        assert [h.state for h in c.hosts()] == ["lost", "alive", "alive"]
+        assert c._sessions.dropped["unsolicited"] == 0 and not c._ops.late
 
 
 # -- a checkpoint dispatcher ----------------------------------------------------------------

@@ -15,7 +15,6 @@ from .._errors import ControllerClosedError
 from .._wire import protocol as P
 from .controller import Controller, State
 from .environ import join_level
-from .joinwait import JoinOrder
 
 __all__ = ["announce_joins", "host_process_ended", "number_hosts_by_name"]
 
@@ -23,10 +22,11 @@ __all__ = ["announce_joins", "host_process_ended", "number_hosts_by_name"]
 def number_hosts_by_name(ctl: Controller, names: Sequence[str]) -> None:
     """Give the first hosts to join these names the numbers 0, 1, ... in this order.
 
-    Before the workers start: HELLOs wait until all of ``names`` said HELLO
-    (see :mod:`colobus._controller.joinwait`).
+    Before the workers start: each name's number is reserved at the next HELLO
+    (:meth:`HostRegistry.reserve`), so each worker joins as soon as it says HELLO,
+    whatever the others do.
     """
-    ctl._sessions.join_order = JoinOrder(names)
+    ctl._sessions.number_by_name = list(names)
 
 
 def announce_joins(ctl: Controller) -> None:

@@ -42,7 +42,7 @@ from .future import Future
 from .hangups import Hangups
 from .hosts import Host, HostInfo, HostRegistry
 from .inbox import Inbox
-from .joinwait import JoinOrder, JoinProgress, JoinWaiters, key_words
+from .joinwait import JoinProgress, JoinWaiters, key_words
 from .ops import Operations
 from .relays import Relays
 from .sessions import Sessions
@@ -210,7 +210,7 @@ class Controller:
         self._closing: asyncio.Task[None] | None = None  # a close begun on the loop thread
         self._close_reason: str | None = None  # why it closed, when not by the user
         self._sessions = Sessions(self)
-        self._sessions.join_order = JoinOrder(names) if names else None  # colobus launch
+        self._sessions.number_by_name = list(names) if names else None  # colobus launch
 
     def __repr__(self) -> str:
         return f"<colobus.Controller {self._address or self._bind} {self.state.value}>"
@@ -248,7 +248,7 @@ class Controller:
         return self._hosts.devices()
 
     def hosts(self) -> list[HostInfo]:
-        """Every host that ever joined, by index, with its state."""
+        """Every host that ever joined (or was numbered by name), by index, with its state."""
         return [h.info() for h in self._hosts.hosts]
 
     def stats(self) -> dict[str, Any]:
@@ -350,8 +350,8 @@ class Controller:
         """
         n = self._expected_hosts if n is None else n
         assert self._loop is not None
-        await self._join_waiters.wait(
-            self._loop, n, self._hosts.alive_count, JoinProgress(self._address, self._key, n),
+        await self._join_waiters.wait(self._loop, n, self._hosts.alive_count, JoinProgress(
+            self._address, self._key, n, self._hosts.missing_names),
             self.join_timeout if timeout is None else timeout, self._check_open)
 
     async def aclose(self) -> None:

@@ -1,9 +1,11 @@
 """The controller's host registry: who joined, under which index, with which devices.
 
-Hosts are numbered in join order. A worker that joins again under the same
-name gets its old index and device ids back, with a new *generation*: handles
-made before remember the generation they saw, so data of the old session is
-known to be gone. Everything here runs on the controller's loop thread.
+Hosts are numbered in join order, or by name where the cluster started the
+workers itself (:meth:`HostRegistry.reserve`: each name's number is set before
+any joins, so no join waits for another). A worker that joins again under the
+same name gets its old index and device ids back, with a new *generation*:
+handles made before remember the generation they saw, so data of the old
+session is known to be gone. Everything here runs on the controller's loop thread.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,7 +75,8 @@ class HostInfo:
         address: the worker's host name as it reported it.
         pid: the worker process id.
         devices: the host's devices, sorted by id.
-        state: ``"alive"`` or ``"lost"``.
+        state: ``"alive"``, ``"lost"``, or ``"joining"`` (a host the cluster
+            numbered by name that has not joined yet).
         versions: what the worker reported at join: ``python``, ``colobus``, ``jax``,
             ``jaxlib``, ``numpy`` and ``cloudpickle`` versions (``""``: not installed).
     """
@@ -110,7 +114,8 @@ class Host:
     store: tuple[int, int, int, int] = (0, 0, 0, 0)
     health: P.Heartbeat | None = None  # the worker's last heartbeat
     rtt: float | None = None  # the last heartbeat round trip, seconds
-    generation: int = 0  # bumps on every (re)join; handles remember the one they saw
+    # bumps on every (re)join; handles remember the one they saw (-1: numbered, not joined)
+    generation: int = 0
     conn_fd: int = -1  # the connection it was last heard on (see _hangups)
     hung_up: float = 0.0  # when that connection closed, until it is heard from again
     data: str = ""  # its data-plane endpoint (colobus._host.dataplane), "" if none
@@ -120,9 +125,15 @@ class Host:
     def session(self) -> bytes:
         return self.peer.their_session
 
+    @property
+    def joined(self) -> bool:
+        """False for a number reserved under a name whose worker has not joined yet."""
+        return self.generation >= 0
+
     def info(self) -> HostInfo:
         return HostInfo(self.index, self.name, self.address, self.pid, self.devices,
-                        "alive" if self.alive else "lost", dict(self.versions))
+                        "alive" if self.alive else "lost" if self.joined else "joining",
+                        dict(self.versions))
 
     def lost_error(self, why: str) -> HostLostError:
         return HostLostError(f"Host {self.index} ({self.name!r}) was lost: {why}", self.index)
@@ -142,6 +153,7 @@ class HostRegistry:
         # sessions of lost hosts (-> the RESET reason their worker gets), oldest first: bounded
         self.dead_sessions: collections.OrderedDict[bytes, str] = collections.OrderedDict()
         self._next_device_id = 0
+        self._device_ids: set[int] = set()  # every id given out
         # Bumped whenever a host joins, rejoins or is lost: what a fan-out worked out per
         # host (generations, who is alive, which relay carries whom) holds while it holds.
         self.changes = 0
@@ -201,7 +213,9 @@ class HostRegistry:
         if old is not None:
             index = old.index
             ids = [d.id for d in old.devices]
-            if len(ids) != len(devices_raw):
+            if not old.joined:
+                ids = self._slot_device_ids(index, len(devices_raw))
+            elif len(ids) != len(devices_raw):
                 ids = self._new_device_ids(len(devices_raw))
             generation = old.generation + 1
         else:
@@ -230,9 +244,44 @@ class HostRegistry:
         self.by_identity[identity] = host
         return host
 
+    def reserve(self, names: Sequence[str]) -> None:
+        """Number these names 0, 1, ... (after any host already known) before they join.
+
+        Each gets a host that is not alive and not joined (``"joining"``): its
+        worker's HELLO takes that number whenever it comes, so a slow host holds up
+        no other. Names already known keep theirs.
+        """
+        for name in names:
+            if name not in self.by_name:
+                host = Host(index=len(self.hosts), name=name, identity=b"", pid=0, address="",
+                            devices=(), peer=Peer([], b"", b""), alive=False, generation=-1)
+                self.hosts.append(host)
+                self.by_name[name] = host
+
+    def missing_names(self) -> list[str]:
+        """The names numbered by :meth:`reserve` whose worker has not joined yet."""
+        return [h.name for h in self.hosts if not h.joined]
+
+    def _slot_device_ids(self, index: int, n: int) -> list[int]:
+        """Device ids for the first join of a reserved number: those it would have had if
+        the hosts before it had joined first (all of them joined, or each with ``n``
+        devices, as in a cluster of one kind of host), unless taken."""
+        before = self.hosts[:index]
+        if all(h.joined for h in before):
+            base = sum(len(h.devices) for h in before)
+        else:
+            base = index * n
+        ids = list(range(base, base + n))
+        if self._device_ids.intersection(ids):
+            return self._new_device_ids(n)
+        self._device_ids.update(ids)
+        self._next_device_id = max(self._next_device_id, base + n)
+        return ids
+
     def _new_device_ids(self, n: int) -> list[int]:
         ids = list(range(self._next_device_id, self._next_device_id + n))
         self._next_device_id += n
+        self._device_ids.update(ids)
         return ids
 
     def mark_lost(self, host: Host, last_word: str = P.RESET_REJOIN) -> bool:

@@ -14,12 +14,11 @@ import logging
 import socket
 import time
 from collections.abc import Callable, Sequence
-from typing import Generic, TypeVar
 from urllib.parse import urlsplit
 
 from .._wire.keys import key_file_of, key_id
 
-__all__ = ["JoinOrder", "JoinProgress", "JoinWaiters", "worker_command"]
+__all__ = ["JoinProgress", "JoinWaiters", "worker_command"]
 
 log = logging.getLogger("colobus.controller")
 
@@ -53,10 +52,12 @@ def key_words(key: bytes) -> str:
 class JoinProgress:
     """Logs, during one wait for ``expected`` hosts, how far the joining got."""
 
-    def __init__(self, address: str, key: bytes, expected: int) -> None:
+    def __init__(self, address: str, key: bytes, expected: int,
+                 missing: Callable[[], Sequence[str]] | None = None) -> None:
         self._address = address
         self._key = key
         self._expected = expected
+        self._missing = missing  # the names numbered before they joined, not joined yet
         self._next = time.monotonic() + FIRST_AFTER_S
 
     def next_report_in(self) -> float:
@@ -74,43 +75,13 @@ class JoinProgress:
 
     def timeout_message(self, alive: int, timeout: float) -> str:
         """The text of the ``TimeoutError`` that ends a wait."""
+        names = self._missing() if self._missing is not None else ()
+        missing = ", ".join(repr(name) for name in names[:20]) + (" ..." if len(names) > 20 else "")
         return (f"only {alive} of {self._expected} colobus hosts joined {self._address} within "
-                f"{timeout:.0f} s; start workers with `{worker_command(self._address, self._key)}` "
-                f"({key_words(self._key)}; a worker with another key is never answered and "
-                f"logs 'wrong key or wrong address?')")
-
-
-# Host numbers that follow names in a local cluster: ``local-0`` is host 0.
-#
-# Workers start together and say HELLO in whatever order the OS runs them.
-# :class:`JoinOrder` holds the first HELLO of each expected name until all of
-# them arrived, then hands them back sorted by that order, so the controller
-# numbers hosts by name at no cost in join time: the last worker to say HELLO
-# sets the time either way. A name it does not expect passes straight through.
-# Used once, for the first join of a local cluster; rejoins keep their number.
-T = TypeVar("T")
-
-
-class JoinOrder(Generic[T]):
-    """Collects one item (a HELLO) per expected name; releases all in name order."""
-
-    def __init__(self, names: Sequence[str]) -> None:
-        self._order = {name: i for i, name in enumerate(names)}
-        self._held: dict[str, T] = {}
-
-    def offer(self, name: str, item: T) -> list[T]:
-        """Hold ``item``; return what may go now (nothing, or every held item in order).
-
-        A later item under a name already held replaces it (a resent HELLO).
-        """
-        if name not in self._order:
-            return [item]
-        self._held[name] = item
-        if len(self._held) < len(self._order):
-            return []
-        ready = [self._held[n] for n in sorted(self._held, key=self._order.__getitem__)]
-        self._held.clear()
-        return ready
+                f"{timeout:.0f} s{f'; missing: {missing}' if missing else ''}; start workers "
+                f"with `{worker_command(self._address, self._key)}` ({key_words(self._key)}; "
+                "a worker with another key is never answered and logs 'wrong key or wrong "
+                "address?')")
 
 
 class JoinWaiters:

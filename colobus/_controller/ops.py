@@ -354,7 +354,8 @@ class Operations:
         for op in list(self.pending.values()):
             op.outputs = {}  # the hosts drop everything of this session themselves
             op.end(self, err)
-        self.late.clear()
+        # (``late`` stays: hosts still answer while the controller closes, and a reply
+        # owed by an operation that ended is no violation then either)
         backlog, self.backlog = self.backlog, collections.deque()
         for item in backlog:
             if isinstance(item, Operation):

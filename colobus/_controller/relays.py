@@ -264,7 +264,7 @@ class Relays:
             "times": ctl.observer is not None and ctl.observer.records,  # (traces read them)
         }
         data = msgpack.packb(settings)
-        proc = subprocess.Popen([sys.executable, "-c", BOOT, PACKAGE], stdin=subprocess.PIPE,
+        proc = subprocess.Popen([sys.executable, "-P", "-c", BOOT, PACKAGE], stdin=subprocess.PIPE,
                                 close_fds=True)
         assert proc.stdin is not None
         proc.stdin.write(struct.pack("!I", len(data)) + data)  # the key: never argv or env

@@ -34,10 +34,10 @@ from .._wire.envelope import (
 )
 from .._wire.guard import RESET_SEQ, UNKNOWN_PEER_MAX_BYTES, Challenges, PeerWarnings
 from .._wire.protocol import Kind
+from .._wire.relaywire import NEVER_REACHED
 from .._wire.versions import compare, local_versions
 from .environ import join_level
 from .hosts import Host
-from .joinwait import JoinOrder
 from .ops import Parts
 
 if TYPE_CHECKING:
@@ -101,9 +101,12 @@ class Sessions:
         self.hosts_dropped = 0  # joined hosts dropped for breaking the protocol
         self.challenges = Challenges()  # join nonces: bounded, expiring
         self._peer_warnings = PeerWarnings(log)
-        # local_cluster numbers its hosts by name: the first HELLOs wait for each other.
-        self.join_order: JoinOrder[tuple[bytes, Envelope, P.Hello]] | None = None
         self.join_level = join_level(launched=False)  # launchers: cluster.announce_joins
+        # Names a launcher numbers its hosts by (names[0] is host 0), set from any thread
+        # before its workers start; the loop thread reserves their numbers at the next HELLO.
+        self.number_by_name: list[str] | None = None
+        # Names of hosts that never reached the relay they were sent to: served directly.
+        self.direct: set[str] = set()
         # Keyed by Kind, found by the plain int off the wire (IntEnum hashes as int).
         self._handlers: dict[int, Callable[[Host, Any, Envelope], None]] = {
             Kind.HEARTBEAT: self._on_heartbeat,
@@ -327,14 +330,9 @@ class Sessions:
             return
         for line in warnings:
             log.warning("host %r (%s): %s", hello.name, hello.hostname, line)
-        if self.join_order is not None:  # local_cluster: number hosts by name
-            ready = self.join_order.offer(hello.name, (identity, env, hello))
-            if not (len(ready) == 1 and ready[0][1] is env):
-                if ready:
-                    self.join_order = None
-                    for held in ready:
-                        self._admit(*held)
-                return
+        names, self.number_by_name = self.number_by_name, None
+        if names is not None:
+            ctl._hosts.reserve(names)
         self._admit(identity, env, hello)
 
     def _admit(self, identity: bytes, env: Envelope, hello: P.Hello) -> None:
@@ -374,7 +372,7 @@ class Sessions:
         host = hosts.join(identity, hello, env.sender, ctl._session, env.seq)
         host.peer.max_window = max(host.peer.window, ctl.send_window_bytes)
         relays = ctl._relays
-        relay = relays.pick() if relays is not None else None
+        relay = relays.pick() if relays is not None and hello.name not in self.direct else None
         welcome = P.Welcome(host.index, [d.id for d in host.devices], ctl.heartbeat_interval,
                             ctl.liveness_timeout, ctl._exit_workers, ctl.max_message_bytes,
                             ctl.observer is not None, max(ctl._expected_hosts, len(hosts)),
@@ -383,7 +381,8 @@ class Sessions:
             relays.welcome(host, relay, welcome)  # its session moves to that relay
         else:
             ctl._send(host, welcome)
-        log.log(self.join_level, "%s", hosts.describe(host, old is not None, ctl._expected_hosts))
+        log.log(self.join_level, "%s", hosts.describe(host, old is not None and old.joined,
+                                                        ctl._expected_hosts))
         ctl._joined()
 
     def _gone(self, host: Host) -> str | None:
@@ -466,6 +465,12 @@ class Sessions:
             return
         log.warning("host %d (%r) lost: %s", host.index, host.name, why)
         if host.peer.via is not None and self._ctl._relays is not None:
+            if why.startswith(NEVER_REACHED):  # the relay's word: it never heard it
+                # It reached our port but never its relay's (a firewall, NAT): rejoining
+                # through the relay again would only be lost again.
+                self.direct.add(host.name)
+                log.warning("host %d (%r) is served directly from its next join on (open "
+                            "the relays' ports to it, or relays=0)", host.index, host.name)
             self._ctl._relays.drop(host, last_word)
         self._ctl._ops.host_lost(host, why)
         self._ctl._uploads.on_release()  # puts waiting for it go on (and fail)

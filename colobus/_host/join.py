@@ -5,7 +5,9 @@ cannot authenticate with nothing at all (nothing it could be tricked by), so
 silence alone cannot tell a wrong key from a wrong address. A few seconds into
 the wait, :class:`JoinDiagnosis` looks closer: does the name resolve, does
 anything listen at that port (a plain TCP connect) or socket path; if something
-does, the likely causes left are a wrong key or a wrong address. It logs that
+does, the likely causes left are a wrong key or a wrong address (unless the
+controller answered with a CHALLENGE, which only the right key opens: then the
+key and address are right and it says so instead). It logs that
 at WARNING (the default level shows it), again every ``REPEAT_S`` while the
 wait goes on; a worker that already joined once logs it at INFO (its driver
 went away, and waiting for the next is normal).
@@ -120,12 +122,16 @@ class JoinDiagnosis:
         self._start = time.monotonic()
         self._next = self._start + FIRST_AFTER_S
         self.tries = 0
+        self.answered = False  # the controller challenged us: our key is its key
         self.last: str | None = None
         self._probe: asyncio.Task[None] | None = None
 
-    def after_hello(self) -> None:
-        """Count one HELLO sent; when due, probe (in the background) and log what is wrong."""
+    def after_hello(self, answered: bool = False) -> None:
+        """Count one join round (``answered``: the controller's authenticated CHALLENGE
+        came, so key and address are right); when due, probe (in the background) and
+        log what is wrong."""
         self.tries += 1
+        self.answered = self.answered or answered
         now = time.monotonic()
         if now < self._next or (self._probe is not None and not self._probe.done()):
             return
@@ -138,8 +144,12 @@ class JoinDiagnosis:
             self._probe.cancel()
 
     async def _report(self, now: float) -> None:
-        why = await probe(self._endpoint)
-        if why is None:
+        why = None if self.answered else await probe(self._endpoint)
+        if self.answered:  # (a controller that refuses us says why in a REJECT)
+            why = (f"the controller answers (key id {self._key_id} is right) but has not "
+                   f"welcomed this worker after {self.tries} tries in {now - self._start:.0f} "
+                   "s; its driver's log says why")
+        elif why is None:
             why = (f"no WELCOME after {self.tries} tries in {now - self._start:.0f} s: wrong "
                    f"key or wrong address? (something listens at {self._endpoint.text}; this "
                    f"worker's key id is {self._key_id}, the driver logs its own"

@@ -262,7 +262,7 @@ class Worker:
                 if self._ended.done():
                     return False, self._ended.result()
                 backoff = min(backoff * 2, BACKOFF_MAX_S)
-                diagnosis.after_hello()
+                diagnosis.after_hello(self._answered)
             joined = True
             diagnosis.close()
             log.info("host %s joined %s as host %d", self.name, self.connect, self.host_index)

@@ -328,10 +328,20 @@ class LaunchedCluster:
         ctl = self.controller
         n = len(self.launcher.names)
         joined = ctl._hosts.alive_count()
+        missing = [i for i, name in enumerate(self.launcher.names)
+                   if not ((h := ctl._hosts.by_name.get(name)) is not None and h.alive)]
+        said = ", ".join(self._missing_words(i) for i in missing[:10])
         return TimeoutError(
             f"only {joined} of {n} {self.launcher.kind} workers joined {ctl.address} within "
-            f"{ctl.join_timeout:g} s (they connect to {self.connect_address()}); their "
-            "[host N] log lines say why")
+            f"{ctl.join_timeout:g} s; missing: {said}{' ...' if len(missing) > 10 else ''} "
+            f"(they connect to {self.connect_address()}; their [host N] log lines say why)")
+
+    def _missing_words(self, i: int) -> str:
+        """Host ``i``, which has not joined, in words: its name and its last line."""
+        current = self.workers.current if self.workers is not None else []
+        tail = list(current[i].stderr_tail) if i < len(current) else []
+        last = next((line for line in reversed(tail) if line.strip()), "")
+        return self.launcher.describe(i) + (f": {last.strip()[-200:]!r}" if last else "")
 
     def _closing(self) -> None:
         """From now on a worker that ends is ours stopping it: no news, no restart."""

@@ -41,7 +41,15 @@ class LocalLauncher(Launcher):
     def env(self) -> dict[str, str]:
         if self._env is None:
             env = with_huge_pages(dict(os.environ))  # the workers receive the large PUTs
-            paths = [p if p else os.getcwd() for p in self._paths]
+            # This process's path less the working directory ("" or its name, unless
+            # $PYTHONPATH names it): a module someone left there must not run in a
+            # worker (which starts with -P for the same reason); user code travels
+            # with the calls.
+            cwd = os.getcwd()
+            chosen = {os.path.abspath(p) for p in env.get("PYTHONPATH", "").split(os.pathsep)
+                      if p}
+            paths = [p for p in self._paths
+                     if p and (os.path.abspath(p) != cwd or os.path.abspath(p) in chosen)]
             env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
             env["COLOBUS_PARENT_PID"] = str(os.getpid())
             # Local workers share the user's terminal: only warnings and errors.
@@ -55,7 +63,7 @@ class LocalLauncher(Launcher):
         return self._env
 
     def start(self, i: int, connect: str, key: bytes) -> subprocess.Popen[bytes]:
-        cmd = [sys.executable, "-m", "colobus", "worker", "--connect", connect,
+        cmd = [sys.executable, "-P", "-m", "colobus", "worker", "--connect", connect,
                "--devices", str(self.devices_per_host), "--name", self.names[i],
                "--key-file", "-"]
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -123,8 +131,9 @@ def local_cluster(hosts: int | None = None, devices_per_host: int | None = None,
     Use as ``async with`` (the controller runs on your loop) or ``with`` (it runs
     on a thread of its own). Entry waits until every worker joined; exit stops
     and reaps them all, also on error or Ctrl-C. Workers get a fresh random key on
-    their stdin, this process's ``sys.path`` and working directory, and exit by
-    themselves if this process dies.
+    their stdin, this process's ``sys.path`` less its working directory (they start
+    with ``python -P``: a module left in that directory is never imported there),
+    its working directory as theirs, and exit by themselves if this process dies.
 
     Under ``colobus launch`` (``$COLOBUS_ADDRESS`` set) it starts no workers: it
     is a :class:`Controller` that binds the launch's address and waits for the

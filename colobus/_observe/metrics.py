@@ -78,7 +78,7 @@ class _Collector:
         s = self._stats()
         hosts = GaugeMetricFamily("colobus_hosts", "Hosts by state.", labels=["state"])
         states = [h["state"] for h in s["hosts"].values()]
-        for state in ("alive", "lost"):
+        for state in ("alive", "lost", "joining"):
             hosts.add_metric([state], states.count(state))
         yield hosts
 

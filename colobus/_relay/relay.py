@@ -40,7 +40,7 @@ from .._wire.envelope import (
     unpack_batch,
 )
 from .._wire.guard import RESET_SEQ, UNKNOWN_PEER_MAX_BYTES
-from .._wire.relaywire import SMALL, Adopt, Gather, Gone, Ready, entries
+from .._wire.relaywire import NEVER_REACHED, SMALL, Adopt, Gather, Gone, Ready, entries
 from .._wire.sockio import router_socket
 from .hold import HOLD_S, ReplyHold
 
@@ -340,7 +340,8 @@ class Relay:
             silent = now - self.last_seen[h]
             waited = now - peer.ack_wait if peer.unacked else 0.0
             if silent > self.liveness:
-                self._lose(h, f"no message for {silent:.1f} s")
+                said = "no message" if h in self.arrived else f"{NEVER_REACHED}: no message"
+                self._lose(h, f"{said} for {silent:.1f} s")
             elif waited > self.liveness:
                 self._lose(h, f"it acknowledged nothing for {waited:.1f} s")
             else:

@@ -24,7 +24,7 @@ from typing import Any
 from . import protocol as P
 from .envelope import Buffer, Dropped
 
-__all__ = ["Adopt", "Entry", "Gather", "Gone", "Ready", "entries"]
+__all__ = ["NEVER_REACHED", "Adopt", "Entry", "Gather", "Gone", "Ready", "entries"]
 
 SMALL = 4096  # payloads up to this size are shared by value (replies), larger by identity
 
@@ -55,6 +55,12 @@ class Gone(P.Body):
     host: int
     why: str
     reason: str = ""
+
+
+# How a relay's GONE ``why`` begins for a host silent since it was adopted that never
+# said a word there (it reaches the controller's port, not the relay's): the controller
+# serves it directly from its next join on.
+NEVER_REACHED = "it never reached its relay"
 
 
 @dataclass(frozen=True, slots=True)
