@@ -43,10 +43,27 @@ import colobus as cb
 SHIM = r'''
 import os, sys, threading
 COUNTERS = []
+DETAIL = bool(os.environ.get("COLOBUS_COUNT_DETAIL"))
+NAMES = []  # with DETAIL: per thread, (kind, where) -> count
 
 def _counter():
     c = [0, 0]
     COUNTERS.append(c)
+    if DETAIL:
+        names = {}
+        NAMES.append(names)
+        def prof(frame, event, arg):
+            if event == "call":
+                c[0] += 1
+                code = frame.f_code
+                key = ("py", f"{code.co_filename.rsplit('/', 1)[-1]}:{code.co_name}")
+            elif event == "c_call":
+                c[1] += 1
+                key = ("c", f"{getattr(arg, '__qualname__', arg)}")
+            else:
+                return
+            names[key] = names.get(key, 0) + 1
+        return prof
     def prof(frame, event, arg):
         if event == "call":
             c[0] += 1
@@ -60,13 +77,25 @@ def _first(frame, event, arg):
     prof(frame, event, arg)
 
 def totals():
-    """(Python calls, C calls) so far, every thread of this process."""
+    # (Python calls, C calls) so far, every thread of this process
     return sum(c[0] for c in COUNTERS), sum(c[1] for c in COUNTERS)
+
+def names():
+    out = {}
+    for d in NAMES:
+        for k, v in list(d.items()):
+            out[k] = out.get(k, 0) + v
+    return out
 
 def mark(tag):
     calls, c_calls = totals()
-    with open(os.path.join(os.environ["COLOBUS_COUNT_DIR"], f"{os.getpid()}.txt"), "a") as f:
+    d = os.environ["COLOBUS_COUNT_DIR"]
+    with open(os.path.join(d, f"{os.getpid()}.txt"), "a") as f:
         f.write(f"{tag} {calls} {c_calls}\n")
+    if DETAIL:
+        import pickle
+        with open(os.path.join(d, f"{os.getpid()}.{tag.replace(':', '.')}.names"), "wb") as f:
+            pickle.dump(names(), f)
 
 if os.environ.get("COLOBUS_COUNT_DIR"):
     sys.setprofile(_counter())
@@ -91,10 +120,17 @@ def _mark(x: Any, tag: str) -> Any:
     return x
 
 
-def _controller_totals() -> tuple[int, int]:
+def _controller_totals(tag: str) -> tuple[int, int]:
+    import pickle
+
     import sitecustomize
 
-    return sitecustomize.totals()  # type: ignore[no-any-return]
+    got: tuple[int, int] = sitecustomize.totals()
+    if sitecustomize.DETAIL:
+        with open(os.path.join(os.environ["COLOBUS_COUNT_DIR"], f"controller.{tag}.names"),
+                  "wb") as f:
+            pickle.dump(sitecustomize.names(), f)
+    return got
 
 
 # -- in the counted child -----------------------------------------------------------------
@@ -106,10 +142,10 @@ async def _measured(name: str, fn: Callable[[], Awaitable[Any]], x: Any, n: int,
         await fn()
     await _mark(x, f"{name}:a")
     await _mark(x, f"{name}:b")
-    c0 = _controller_totals()
+    c0 = _controller_totals(f"{name}.0")
     for _ in range(n):
         await fn()
-    c1 = _controller_totals()
+    c1 = _controller_totals(f"{name}.1")
     await _mark(x, f"{name}:c")
     print(f"ROW {name} {c1[0] - c0[0]} {c1[1] - c0[1]}", flush=True)
 
@@ -148,10 +184,10 @@ def _sync_row(n: int, warm: int) -> None:
             bench_ident(x).result()
         _mark(x, "sync:a").result()
         _mark(x, "sync:b").result()
-        c0 = _controller_totals()
+        c0 = _controller_totals("sync.0")
         for _ in range(n):
             bench_ident(x).result()
-        c1 = _controller_totals()
+        c1 = _controller_totals("sync.1")
         _mark(x, "sync:c").result()
     print(f"ROW sync {c1[0] - c0[0]} {c1[1] - c0[1]}", flush=True)
 
@@ -169,7 +205,7 @@ def _worker_counts(directory: str) -> dict[str, list[tuple[int, int]]]:
     """Per row, each worker's (calls, C calls) over the measured calls."""
     marks: dict[tuple[str, str], dict[str, tuple[int, int]]] = {}
     for name in os.listdir(directory):
-        if not name.endswith(".txt"):
+        if not name.endswith(".txt") or name.startswith("controller"):
             continue
         with open(os.path.join(directory, name)) as f:
             for line in f:
@@ -184,17 +220,50 @@ def _worker_counts(directory: str) -> dict[str, list[tuple[int, int]]]:
     return out
 
 
-def count(patterns: list[str], n: int, warm: int) -> dict[str, dict[str, float]]:
-    """Run the counted child; per pattern its counts per call on both sides."""
+def _names(path: str) -> dict[tuple[str, str], int]:
+    import pickle
+
+    with open(path, "rb") as f:
+        got: dict[tuple[str, str], int] = pickle.load(f)
+    return got
+
+
+def _detail(d: str, row: str, n: int, top: int) -> None:
+    """Print, per side, the functions called per call over ``row``'s measured calls."""
+    def diff(after: dict[tuple[str, str], int], before: dict[tuple[str, str], int],
+             ) -> dict[tuple[str, str], int]:
+        return {k: v - before.get(k, 0) for k, v in after.items()}
+
+    sides = {"controller": diff(_names(os.path.join(d, f"controller.{row}.1.names")),
+                                _names(os.path.join(d, f"controller.{row}.0.names")))}
+    pid = sorted(f.split(".")[0] for f in os.listdir(d) if f.endswith(f".{row}.a.names"))[0]
+    a, b, c = (_names(os.path.join(d, f"{pid}.{row}.{p}.names")) for p in "abc")
+    one, marker = diff(c, b), diff(b, a)
+    sides["worker"] = {k: v - marker.get(k, 0) for k, v in one.items()}
+    for side, got in sides.items():
+        for kind in ("py", "c"):
+            rows = sorted(((v / n, k[1]) for k, v in got.items() if k[0] == kind and v),
+                          reverse=True)
+            print(f"{row} {side} {kind}: {sum(v for v, _ in rows):.1f} per call")
+            for v, where in rows[:top]:
+                print(f"  {v:7.2f} {where}")
+
+
+def count(patterns: list[str], n: int, warm: int, detail: int = 0,
+          ) -> dict[str, dict[str, float]]:
+    """Run the counted child; per pattern its counts per call on both sides (with
+    ``detail``, print that many functions per side, most called first)."""
     with tempfile.TemporaryDirectory() as d:
         with open(os.path.join(d, "sitecustomize.py"), "w") as f:
             f.write(SHIM)
-        env = dict(os.environ, COLOBUS_COUNT_DIR=d,
+        env = dict(os.environ, COLOBUS_COUNT_DIR=d, COLOBUS_COUNT_DETAIL="1" if detail else "",
                    PYTHONPATH=os.pathsep.join([d, *filter(None, [os.environ.get("PYTHONPATH")])]))
         proc = subprocess.run([sys.executable, __file__, "--child", "--calls", str(n),
                                "--warm", str(warm), "--pattern", *patterns],
                               env=env, stdout=subprocess.PIPE, text=True, check=True)
         workers = _worker_counts(d)
+        for row in patterns if detail else []:
+            _detail(d, row, n, detail)
     out: dict[str, dict[str, float]] = {}
     for line in proc.stdout.splitlines():
         if not line.startswith("ROW "):
@@ -212,12 +281,14 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=1000)
     ap.add_argument("--warm", type=int, default=200)
     ap.add_argument("--pattern", nargs="+", default=list(PATTERNS), choices=PATTERNS)
+    ap.add_argument("--detail", type=int, default=0, metavar="N",
+                    help="also print the N functions called most per call, per side")
     ap.add_argument("--child", action="store_true", help="(internal) the counted process")
     args = ap.parse_args()
     if args.child:
         _child(args.pattern, args.calls, args.warm)
         return
-    got = count(args.pattern, args.calls, args.warm)
+    got = count(args.pattern, args.calls, args.warm, args.detail)
     print(f"Python calls ('call') and C calls ('c_call') per call, {args.calls} calls after "
           f"{args.warm}")
     print(f"  {'pattern':52s} {'ctl calls':>9s} {'ctl C':>7s} {'wrk calls':>9s} {'wrk C':>7s}")
