@@ -15,6 +15,8 @@ events (C functions called from Python) of every thread. For each pattern this r
   measured calls alone. On the fan-out row the worker's figure is per host (the mean).
 
 Patterns: ``noop`` (a no-op, awaited one at a time), ``ident`` (``return x``, awaited),
+``kept`` (the same, each future kept: no frees ride along; the difference from
+``ident`` is what freeing a call's result and output costs),
 ``sync`` (``return x`` from ``.result()`` on a plain thread, ``with local_cluster``),
 ``method`` (a colocated object's no-op method, awaited), ``fanout4`` (``return x`` on
 an array over 4 hosts, awaited).
@@ -102,10 +104,11 @@ if os.environ.get("COLOBUS_COUNT_DIR"):
     threading.setprofile(_first)
 '''
 
-PATTERNS = ("noop", "ident", "sync", "method", "fanout4")
+PATTERNS = ("noop", "ident", "kept", "sync", "method", "fanout4")
 LABELS = {
     "noop": "no-op, awaited, 1 host",
     "ident": "`return x`, awaited, 1 host",
+    "kept": "`return x`, awaited, futures kept (no frees)",
     "sync": "`return x`, .result() from a plain thread",
     "method": "object method (no-op), awaited",
     "fanout4": "`return x`, awaited, 4 hosts (worker: per host)",
@@ -154,17 +157,25 @@ async def _async_rows(patterns: list[str], n: int, warm: int) -> None:
     from colobus._tools.bench_base import BenchObject, _fanout_array, _one_device_array, bench_noop
     from colobus._tools.bench_calls import bench_ident
 
-    one = [p for p in patterns if p in ("noop", "ident", "method")]
+    one = [p for p in patterns if p in ("noop", "ident", "kept", "method")]
     if one:
         async with cb.local_cluster(hosts=1, devices_per_host=1) as ctl:
             x = _one_device_array(ctl)
             await cb.block_until_ready(x)
             obj: Any = BenchObject(0)
+            kept: list[Any] = []
+
+            async def keep() -> None:  # nothing to free while the futures (and outputs) live
+                fut = bench_ident(x)
+                await fut
+                kept.append(fut)
+
             calls: dict[str, Callable[[], Awaitable[Any]]] = {
                 "noop": lambda: bench_noop(x), "ident": lambda: bench_ident(x),
-                "method": lambda: obj.ping(x)}
+                "kept": keep, "method": lambda: obj.ping(x)}
             for name in one:
                 await _measured(name, calls[name], x, n, warm)
+                kept.clear()
             await obj.aclose()
     if "fanout4" in patterns:
         async with cb.local_cluster(hosts=4, devices_per_host=1) as ctl:

@@ -175,7 +175,12 @@ def invoke(target: Target, args: tuple[Any, ...], kwargs: dict[str, Any], *,
 
     ctl = default_controller()
     tree = (args, kwargs)
-    if not kwargs and all(type(a) is Array for a in args):  # f(x, y): the common call
+    common = not kwargs  # f(x, y): the common call (loops here, not generators: fewer calls)
+    for a in args if common else ():
+        if type(a) is not Array:
+            common = False
+            break
+    if common:
         leaves, treedef = list(args), _positional_treedef(len(args))
     else:
         leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=_is_handle)
@@ -241,8 +246,11 @@ def _check_buried(keep: list[Any], leaves: list[Any], plan: CallPlan,
     would take its block for the whole. Returns every future among the inputs.
     """
     inputs: list[Future[Any]] = []
-    all_leaves = len(keep) == len(leaves) and all(
-        a is b for a, b in zip(keep, leaves, strict=True))
+    all_leaves = len(keep) == len(leaves)
+    for a, b in zip(keep, leaves, strict=True) if all_leaves else ():
+        if a is not b:
+            all_leaves = False
+            break
     leaf_ids = set() if all_leaves else {id(x) for x in leaves}
     for h in keep:
         if isinstance(h, Future):
@@ -303,8 +311,10 @@ class _CallOp:
         assert pickled is not None
         self.pickled = None  # argument handles live until the call is sent, no longer
         if pickled.keep:  # an output laid out like an argument gets its global sharding
-            self.ref_shardings = tuple(k.sharding if isinstance(k, Array) else None
-                                       for k in pickled.keep)
+            shardings = []
+            for k in pickled.keep:
+                shardings.append(k.sharding if isinstance(k, Array) else None)
+            self.ref_shardings = tuple(shardings)
         payload, bufs = pickled.payload, pickled.buffers
         hosts = max(ctl._expected_hosts, len(ctl._hosts))  # cb.host_count() on the hosts
         # P.Call's fields; all but the host's mesh and the host count packed once
