@@ -409,6 +409,8 @@ class ColocatedFunction:
         self._in_specs = in_specs
         self._out_specs_fn = out_specs_fn
         self._devices = tuple(devices) if devices is not None else None
+        # the common call's lane (colobus._api.lane): no specs, no fixed devices
+        self._lane = _lane.ON and in_specs is None and out_specs_fn is None and devices is None
 
     def __repr__(self) -> str:
         return f"<colocated_python {self._target.name}>"
@@ -428,6 +430,10 @@ class ColocatedFunction:
         return self._target.signatures.info(self._code.shipped)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Future[Any]:
+        if self._lane and not kwargs:
+            fut = _lane.call(self._target, args)
+            if fut is not None:
+                return fut
         return invoke(self._target, args, kwargs, in_specs=self._in_specs,
                       out_specs_fn=self._out_specs_fn, devices=self._devices)
 
@@ -460,3 +466,6 @@ def colocated_python(fn: Callable[..., Any]) -> ColocatedFunction:
     are. Calls return a ``cb.Future`` of the outputs as ``cb.Array`` handles.
     """
     return ColocatedFunction(fn)
+
+
+from . import lane as _lane  # noqa: E402  (it uses this module's parts)
