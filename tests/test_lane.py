@@ -111,3 +111,20 @@ def test_the_switch_picks_the_helpers_when_off() -> None:
                              env={**__import__("os").environ, "COLOBUS_CALL_LANE": value},
                              check=True).stdout.strip()
         assert out == want
+
+
+@pytest.mark.parametrize("call_id, stream, refs, hosts", [
+    (1, 1, [], 1), (300, 70000, [[5, 0]], 4), (2**40, 3, [[1, 2], [3, 4]] * 20, 200)])
+def test_a_call_body_spliced_by_the_lane_is_the_one_packed_whole(
+        call_id: int, stream: int, refs: list[Any], hosts: int) -> None:
+    """colobus._api.lane.call_body: the CALL's body from bytes packed once, as P.Call
+    packs it (digest, object, method in the middle; the host's mesh near the end)."""
+    from colobus._api.lane import call_body
+    from colobus._wire import protocol as P
+    from colobus._wire.splice import pack_body
+
+    digest, obj, method, mesh = b"d" * 32, 0, "", [[0], [1], ["devices"]]
+    whole = pack_body(P.Call(call_id, stream, digest, obj, method, refs, mesh,
+                             hosts).to_wire())
+    mid = L.pack(digest) + L.pack(obj) + L.pack(method)
+    assert call_body(call_id, stream, mid, refs, pack_body(mesh), hosts) == whole

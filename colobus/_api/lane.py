@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 from .._controller.controller import default_controller
 from .._controller.future import Future
 from .._controller.operation import Operation
-from .._wire.lane import ON
+from .._wire import protocol as P
+from .._wire.lane import ON, pack
 from .array import Array, check_owner
 from .func import (
     FunctionTarget,
@@ -38,7 +39,7 @@ from .serialization import pickle_args
 if TYPE_CHECKING:
     from .._controller.controller import Controller
 
-__all__ = ["ON", "call"]
+__all__ = ["ON", "call", "call_body"]
 
 _get_ident = threading.get_ident
 _MAX_PLANS = 64  # argument shardings remembered per function
@@ -115,9 +116,9 @@ def call(target: FunctionTarget, args: tuple[Any, ...]) -> Future[Any] | None:
             return _submit_usual(ctl, target, plan, pickled, digest, inputs)
     changes, gens = registry.generations(plan.hosts)
     ops = ctl._ops
-    op = _CallOp(ctl, target, plan, pickled, _stream_id(), digest, gens, ops.next_id(), None,
-                 changes)
     hosts = plan.hosts
+    op = (_LaneOp if len(hosts) == 1 and not pickled.objects else _CallOp)(
+        ctl, target, plan, pickled, _stream_id(), digest, gens, ops.next_id(), None, changes)
     if (_get_ident() != ctl._loop_thread_id or ops.backlog or ctl._closed
             or (len(ops.pending) >= ops.max_inflight and ops._full(hosts))):
         fut = ops.submit(hosts, op.send, _decode_result, op, call_id=op.call_id,
@@ -152,3 +153,51 @@ def _submit_usual(ctl: Controller, target: FunctionTarget, plan: CallPlan, pickl
     _cancel_with(fut, inputs)
     ctl._frees.release_when_gone(fut, gens, call=op.call_id)
     return fut
+
+
+def call_body(call_id: int, stream: int, mid: bytes, refs: list[Any], mesh: bytes,
+              hosts: int) -> bytes:
+    """A CALL's body: ``pack_body(P.Call(call_id, stream, digest, obj_id, method, refs,
+    mesh, hosts).to_wire())`` for ``mid``, the three middle fields packed, and ``mesh``
+    packed (tests/test_lane.py compares them)."""
+    body: bytes = b"\x98" + pack(call_id) + pack(stream) + mid + pack(refs) + mesh + pack(hosts)
+    return body
+
+
+class _LaneOp(_CallOp):
+    """A one-host call's sending: :meth:`_CallOp.send` with the CALL's body spliced from
+    bytes packed once per function (digest, object, method) and per plan (the mesh)."""
+
+    __slots__ = ()
+
+    def send(self, call_id: int) -> None:
+        ctl, target, plan, pickled = self.ctl, self.target, self.plan, self.pickled
+        assert pickled is not None
+        self.pickled = None  # argument handles live until the call is sent, no longer
+        if pickled.keep:  # an output laid out like an argument gets its global sharding
+            shardings = []
+            for k in pickled.keep:
+                shardings.append(k.sharding if isinstance(k, Array) else None)
+            self.ref_shardings = tuple(shardings)
+        hosts = max(ctl._expected_hosts, len(ctl._hosts))  # cb.host_count() on the hosts
+        digest = self.digest
+        mid = target.__dict__.get("lane_mid")
+        if mid is None or mid[0] != digest:
+            mid = target.lane_mid = (  # type: ignore[attr-defined]
+                digest, pack(digest) + pack(target.obj_id) + pack(target.method))
+        meshes = plan.packed_mesh or plan.packed_meshes()
+        for h in plan.hosts:
+            body = call_body(call_id, self.stream, mid[1], pickled.refs, meshes[h], hosts)
+            host = ctl._hosts.hosts[h]
+            if host.generation != self.gens[h]:
+                raise host.lost_error("it rejoined after this call was made")
+            code = target.code
+            if code is None:
+                target.prepare(ctl, host)
+            elif digest not in host.code_sent:  # (what code.ship looks at, inline)
+                code.ship(ctl, host)
+            chan = ctl._chan
+            if host.alive and chan is not None:  # as ctl._send does
+                chan.send_packed(host.peer, P.Kind.CALL, body, pickled.payload,
+                                 pickled.buffers, len(pickled.buffers))
+        ctl._count("calls")

@@ -47,11 +47,12 @@ from .envelope import (
 )
 from .splice import pack_body
 
-__all__ = ["ON", "batched", "decode", "encode", "envelope_bytes"]
+__all__ = ["ON", "batched", "decode", "encode", "envelope_bytes", "pack"]
 
 ON = os.environ.get("COLOBUS_CALL_LANE", "1") != "0"
 
-_pack = msgpack.Packer(use_bin_type=True).pack  # what msgpack.packb does, without its call
+# what msgpack.packb does, without its call (the packer resets itself, on errors too)
+_pack = pack = msgpack.Packer(use_bin_type=True).pack
 _unpack = msgpack.unpackb
 _Frame = zmq.Frame
 _UINTS = [msgpack.packb(i) for i in range(128)]
