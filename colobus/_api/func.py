@@ -395,6 +395,10 @@ HOST_BLIND.add(_decode_result)  # equal replies of a relay's hosts: decoded once
 
 # -- the decorator ---------------------------------------------------------------------------------
 
+# The common call's lane, set by colobus._api.lane as the package loads (None: off)
+_LANE: list[Callable[[FunctionTarget, tuple[Any, ...]], Future[Any] | None] | None] = [None]
+
+
 
 class ColocatedFunction:
     """A function that runs on every host of its device set; calls return ``cb.Future``."""
@@ -410,7 +414,8 @@ class ColocatedFunction:
         self._out_specs_fn = out_specs_fn
         self._devices = tuple(devices) if devices is not None else None
         # the common call's lane (colobus._api.lane): no specs, no fixed devices
-        self._lane = _lane.ON and in_specs is None and out_specs_fn is None and devices is None
+        self._lane = (_LANE[0] is not None and in_specs is None and out_specs_fn is None
+                      and devices is None)
 
     def __repr__(self) -> str:
         return f"<colocated_python {self._target.name}>"
@@ -431,7 +436,7 @@ class ColocatedFunction:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Future[Any]:
         if self._lane and not kwargs:
-            fut = _lane.call(self._target, args)
+            fut = _LANE[0](self._target, args)  # type: ignore[misc]
             if fut is not None:
                 return fut
         return invoke(self._target, args, kwargs, in_specs=self._in_specs,
@@ -466,6 +471,3 @@ def colocated_python(fn: Callable[..., Any]) -> ColocatedFunction:
     are. Calls return a ``cb.Future`` of the outputs as ``cb.Array`` handles.
     """
     return ColocatedFunction(fn)
-
-
-from . import lane as _lane  # noqa: E402  (it uses this module's parts)

@@ -11,7 +11,8 @@ the same checks in the same order, raises the same errors, numbers, sends, cance
 and frees the call exactly as that path does: only the Python calls in between are
 fewer. Anything else returns None before doing anything, and takes the usual path.
 
-``COLOBUS_CALL_LANE=0`` (read at import) turns the lane off.
+``COLOBUS_CALL_LANE=0`` (read at import) turns the lane off. ``colobus._api`` imports
+this module as it loads, which sets the hook that ``ColocatedFunction`` calls.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from .._wire import protocol as P
 from .._wire.lane import ON, pack
 from .array import Array, check_owner
 from .func import (
+    _LANE,
     FunctionTarget,
     _CallOp,
     _check_buried,
@@ -201,3 +203,7 @@ class _LaneOp(_CallOp):
                 chan.send_packed(host.peer, P.Kind.CALL, body, pickled.payload,
                                  pickled.buffers, len(pickled.buffers))
         ctl._count("calls")
+
+
+if ON:
+    _LANE[0] = call

@@ -109,22 +109,21 @@ class Frees:
         chan = self._ctl._chan
         assert chan is not None
         first = items[0][0]
-        if len(first) == 1 and len(items) <= 2:  # one host's (a call's result and output)
-            for host, gen in first.items():
-                g, ref, call = items[-1]
-                h = hosts[host]
-                if (g is first or g == first) and h.alive and h.generation == gen:
-                    refs, calls = [], []
-                    for _, r, c in items:
-                        if r:
-                            refs.append(r)
-                        if c:
-                            calls.append(c)
-                    chan.enqueue_packed(h.peer, P.Kind.RELEASE,
-                                        pack_body(P.Release(refs, calls).to_wire()))
-                    return
-                if g is first or g == first:
-                    return  # its host is gone, or rejoined: nothing of these is there
+        last = items[-1][0]
+        if len(first) == 1 and len(items) <= 2 and (last is first or last == first):
+            # One host's (a call's result slot and its output): its RELEASE, packed here
+            ((host, gen),) = first.items()
+            h = hosts[host]
+            if h.alive and h.generation == gen:  # (else nothing of these is there now)
+                refs, calls = [], []
+                for _, r, c in items:
+                    if r:
+                        refs.append(r)
+                    if c:
+                        calls.append(c)
+                chan.enqueue_packed(h.peer, P.Kind.RELEASE,
+                                    pack_body(P.Release(refs, calls).to_wire()))
+            return
         alike = True  # (a loop, not a generator: fewer calls on every call's free)
         for g, _, _ in items:
             if g is not first and g != first:
