@@ -132,6 +132,23 @@ def test_critical_path_times_every_link_of_colobus_and_the_minimal_call() -> Non
     assert "raw pyzmq round trip" in out and "minimal" in out
 
 
+def test_call_counts_prints_both_sides_for_every_pattern() -> None:
+    """benchmarks/call_counts.py: the profiler counts Python and C calls in the controller
+    and in its workers (a shim that missed the workers would leave no marks: the script
+    then fails), one row per pattern, each count a plausible number per call."""
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "call_counts.py"
+    proc = subprocess.run([sys.executable, str(script), "--calls", "30", "--warm", "10"],
+                          capture_output=True, text=True, timeout=300, cwd=tempfile.gettempdir())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    for label in ("no-op, awaited", "`return x`, awaited, 1 host", "no frees", ".result()",
+                  "object method", "4 hosts"):
+        row = next(line for line in lines if label in line)
+        counts = [float(v) for v in row.split()[-4:]]
+        # A call runs some Python on each side, and not tens of thousands of functions
+        assert all(5 < c < 5000 for c in counts), row
+
+
 def test_gpu_check_runs_its_whole_path_with_cpu_devices_standing_in() -> None:
     """benchmarks/gpu_check.py (run on a machine with an accelerator): here, CPU devices
     stand in for the accelerators, and the script still puts, computes and gets back."""

@@ -50,11 +50,15 @@ def _spec_of(sharding: Sharding) -> PartitionSpec:
     return sharding.spec if isinstance(sharding, NamedSharding) else PartitionSpec()
 
 
+_ONE_HOST: dict[int, tuple[int]] = {}  # host -> (host,): one tuple, which generations cache
+
+
 def _hosts_of(sharding: Sharding) -> tuple[int, ...]:
     """The hosts of ``sharding``, sorted (a mesh's: one tuple made once, on which the
     registry's generations cache)."""
     if isinstance(sharding, SingleDeviceSharding):
-        return (sharding.device.host,)
+        host = sharding.device.host
+        return _ONE_HOST.get(host) or _ONE_HOST.setdefault(host, (host,))
     assert isinstance(sharding, NamedSharding)
     return sharding.mesh.host_tuple
 

@@ -179,7 +179,12 @@ def invoke(target: Target, args: tuple[Any, ...], kwargs: dict[str, Any], *,
 
     ctl = default_controller()
     tree = (args, kwargs)
-    if not kwargs and all(type(a) is Array for a in args):  # f(x, y): the common call
+    common = not kwargs  # f(x, y): the common call (loops here, not generators: fewer calls)
+    for a in args if common else ():
+        if type(a) is not Array:
+            common = False
+            break
+    if common:
         leaves, treedef = list(args), _positional_treedef(len(args))
     else:
         leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=_is_handle)
@@ -245,8 +250,11 @@ def _check_buried(keep: list[Any], leaves: list[Any], plan: CallPlan,
     would take its block for the whole. Returns every future among the inputs.
     """
     inputs: list[Future[Any]] = []
-    all_leaves = len(keep) == len(leaves) and all(
-        a is b for a, b in zip(keep, leaves, strict=True))
+    all_leaves = len(keep) == len(leaves)
+    for a, b in zip(keep, leaves, strict=True) if all_leaves else ():
+        if a is not b:
+            all_leaves = False
+            break
     leaf_ids = set() if all_leaves else {id(x) for x in leaves}
     for h in keep:
         if isinstance(h, Future):
@@ -307,8 +315,10 @@ class _CallOp:
         assert pickled is not None
         self.pickled = None  # argument handles live until the call is sent, no longer
         if pickled.keep:  # an output laid out like an argument gets its global sharding
-            self.ref_shardings = tuple(k.sharding if isinstance(k, Array) else None
-                                       for k in pickled.keep)
+            shardings = []
+            for k in pickled.keep:
+                shardings.append(k.sharding if isinstance(k, Array) else None)
+            self.ref_shardings = tuple(shardings)
         payload, bufs = pickled.payload, pickled.buffers
         hosts = max(ctl._expected_hosts, len(ctl._hosts))  # cb.host_count() on the hosts
         # P.Call's fields; all but the host's mesh and the host count packed once
@@ -389,6 +399,10 @@ HOST_BLIND.add(_decode_result)  # equal replies of a relay's hosts: decoded once
 
 # -- the decorator ---------------------------------------------------------------------------------
 
+# The common call's lane, set by colobus._api.lane as the package loads (None: off)
+_LANE: list[Callable[[FunctionTarget, tuple[Any, ...]], Future[Any] | None] | None] = [None]
+
+
 
 class ColocatedFunction:
     """A function that runs on every host of its device set; calls return ``cb.Future``."""
@@ -403,6 +417,9 @@ class ColocatedFunction:
         self._in_specs = in_specs
         self._out_specs_fn = out_specs_fn
         self._devices = tuple(devices) if devices is not None else None
+        # the common call's lane (colobus._api.lane): no specs, no fixed devices
+        self._lane = (_LANE[0] is not None and in_specs is None and out_specs_fn is None
+                      and devices is None)
 
     def __repr__(self) -> str:
         return f"<colocated_python {self._target.name}>"
@@ -422,6 +439,10 @@ class ColocatedFunction:
         return self._target.signatures.info(self._code.shipped)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Future[Any]:
+        if self._lane and not kwargs:
+            fut = _LANE[0](self._target, args)  # type: ignore[misc]
+            if fut is not None:
+                return fut
         return invoke(self._target, args, kwargs, in_specs=self._in_specs,
                       out_specs_fn=self._out_specs_fn, devices=self._devices)
 

@@ -91,6 +91,9 @@ class Frees:
             self._timer = loop.call_later(RELEASE_DELAY_S, self._on_timer)
 
     def _on_timer(self) -> None:
+        # The timer is not cancelled when the frees ride along (arming and cancelling one
+        # per call costs more than its firing once per RELEASE_DELAY_S while calls flow):
+        # it may find nothing to send, or frees queued since, which leave sooner.
         self._timer = None
         chan = self._ctl._chan
         if self._queue and chan is not None and chan.open:
@@ -101,15 +104,32 @@ class Frees:
         """Queue the waiting frees as one RELEASE per host (called before any flush)."""
         if not self._queue:
             return
-        if self._timer is not None:  # they ride along: no wake-up of the loop for them
-            self._timer.cancel()
-            self._timer = None
         items, self._queue = self._queue, collections.deque()
         hosts = self._ctl._hosts.hosts
         chan = self._ctl._chan
         assert chan is not None
         first = items[0][0]
-        if all(g is first or g == first for g, _, _ in items):  # frees of fan-outs alike:
+        last = items[-1][0]
+        if len(first) == 1 and len(items) <= 2 and (last is first or last == first):
+            # One host's (a call's result slot and its output): its RELEASE, packed here
+            ((host, gen),) = first.items()
+            h = hosts[host]
+            if h.alive and h.generation == gen:  # (else nothing of these is there now)
+                refs, calls = [], []
+                for _, r, c in items:
+                    if r:
+                        refs.append(r)
+                    if c:
+                        calls.append(c)
+                chan.enqueue_packed(h.peer, P.Kind.RELEASE,
+                                    pack_body(P.Release(refs, calls).to_wire()))
+            return
+        alike = True  # (a loop, not a generator: fewer calls on every call's free)
+        for g, _, _ in items:
+            if g is not first and g != first:
+                alike = False
+                break
+        if alike:  # frees of fan-outs alike:
             # one RELEASE for all their hosts, packed once, one relay entry; where the
             # hosts are as when these generations were last looked at, as worked out then
             changes = self._ctl._hosts.changes
@@ -128,8 +148,13 @@ class Frees:
                         self._fans.clear()
                     self._fans[id(first)] = (first, changes, to)
             if to.direct or to.relayed:
-                one = pack_body(P.Release([r for _, r, _ in items if r],
-                                          [c for _, _, c in items if c]).to_wire())
+                refs, calls = [], []
+                for _, r, c in items:
+                    if r:
+                        refs.append(r)
+                    if c:
+                        calls.append(c)
+                one = pack_body(P.Release(refs, calls).to_wire())
                 chan.enqueue_packed_many(to, P.Kind.RELEASE, one)
             return
         per_host: dict[int, tuple[list[int], list[int]]] = {}

@@ -29,10 +29,10 @@ from .._wire.envelope import (
     PROTOCOL_VERSION,
     Dropped,
     Envelope,
-    decode,
     unpack_batch,
 )
 from .._wire.guard import RESET_SEQ, UNKNOWN_PEER_MAX_BYTES, Challenges, PeerWarnings
+from .._wire.lane import decode
 from .._wire.protocol import Kind
 from .._wire.relaywire import NEVER_REACHED
 from .._wire.versions import compare, local_versions

@@ -7,10 +7,9 @@ plain calls queued behind it form one run, and the runs of all streams wait in o
 queue that as few pool jobs as keep it moving take (:mod:`colobus._host.runners`:
 one hop per burst, not one per call or per stream); each call's reply goes out as
 it finishes. The host's only call in flight, when quick, runs inline on the loop's
-thread instead (:mod:`colobus._host.leader`). ``async def`` functions run on the
-loop, alone. A DESTROY runs in its stream like a call:
-after that caller's earlier calls, before its later ones, once every call of
-the object already received (from any stream) has finished.
+thread instead (:mod:`colobus._host.leader`). ``async def`` functions run on the loop,
+alone. A DESTROY runs in its stream like a call: after that caller's earlier calls,
+before its later ones, once every call of the object received (any stream) has finished.
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ import logging
 import os
 import threading
 import time
+from types import FunctionType
 from typing import TYPE_CHECKING, Any
 
 from .._model.jaxside import set_host_count
@@ -78,7 +78,7 @@ class Scheduler:
         # The brief wait (see wait_briefly): the loop thread waits on this event
         # while ``_sync_wait``; a pool thread that finishes a call sets it instead of
         # waking the loop through its self-pipe.
-        self._sync_wait = False
+        self._sync_wait: bool | int = False  # (2: the loop thread runs the call inline)
         self._done_event = threading.Event()
         self.started = False  # the current drain started a batch on the pool
         self._quick = True  # the last batch took less than BRIEF_WAIT_S
@@ -194,7 +194,8 @@ class Scheduler:
                 queue.popleft()
                 self._fail(call, exc)
                 continue
-            if inspect.iscoroutinefunction(fn):
+            if ((type(fn) is not FunctionType or fn.__code__.co_flags & inspect.CO_COROUTINE
+                 or fn.__dict__) and inspect.iscoroutinefunction(fn)):  # (plain: no calls)
                 if batch:
                     break
                 queue.popleft()
@@ -242,7 +243,7 @@ class Scheduler:
         if deferred is None or self.baton is None:
             return
         with self._done_lock:
-            self._sync_wait = True  # what finishes meanwhile is collected after it
+            self._sync_wait = 2  # what finishes meanwhile is collected after it
         self.baton.inline(functools.partial(self._run_batch, *deferred))
 
     def inline_ended(self) -> None:
@@ -353,8 +354,9 @@ class Scheduler:
             if self._flush_scheduled:
                 return
             self._flush_scheduled = True
-            if self._sync_wait:
-                self._done_event.set()  # the loop thread is waiting for it
+            if self._sync_wait:  # the loop thread waits for it, or is running it inline
+                if self._sync_wait is True:
+                    self._done_event.set()
                 return
         loop = self._w.loop
         assert loop is not None

@@ -3,9 +3,8 @@
 It joins a controller (HELLO -> WELCOME) and serves until the controller closes,
 goes silent or declares it lost; then it drops the session's
 :class:`~colobus._host.store.Store` and joins again, with back-off. Calls run
-through :class:`~colobus._host.sched.Scheduler`. Its DEALER keeps one routing id
-per session, so a TCP connection that ZeroMQ re-establishes within the liveness
-timeout continues the session (see :mod:`colobus._wire.channel`).
+through :class:`~colobus._host.sched.Scheduler`. Its DEALER keeps one routing id per session,
+so a TCP connection ZeroMQ re-establishes in time continues it (:mod:`colobus._wire.channel`).
 """
 
 from __future__ import annotations
@@ -34,9 +33,10 @@ from .._wire.calltimes import HEARTBEAT_BUDGET, HostCallTimes
 from .._wire.channel import Channel, Peer
 from .._wire.chunks import CHUNK_BYTES, MAX_PART
 from .._wire.endpoint import parse_connect
-from .._wire.envelope import Buffer, Dropped, Envelope, decode, unpack_batch
+from .._wire.envelope import Buffer, Dropped, Envelope, unpack_batch
 from .._wire.failures import describe_error
 from .._wire.keys import check_key
+from .._wire.lane import decode
 from .._wire.protocol import Kind, Status
 from .._wire.sockio import NOBLOCK
 from .._wire.tasks import supervise

@@ -29,8 +29,9 @@ from typing import Any
 import zmq
 
 from . import protocol as P
-from .chunks import ACK_KIND, CHUNKED_KIND, PART_KIND, Splitter, envelope_bytes, part_size
-from .envelope import BATCH_KIND, Buffer, Envelope, batched, encode, pack_body
+from .chunks import ACK_KIND, CHUNKED_KIND, PART_KIND, Splitter, part_size
+from .envelope import BATCH_KIND, Buffer, Envelope, pack_body
+from .lane import batched, encode, envelope_bytes
 from .peer import ACK_AFTER, DEFAULT_MAX_WINDOW, HEARTBEAT_KIND, Peer, Via, data_bytes
 from .sockio import readable, recv_frames, send_frames, socket_fd
 
@@ -323,7 +324,9 @@ class Channel:
         env.seq = peer.send_seq
         env.ack = peer.recv_seq
         frames = encode(self._key, env)
-        size = sum(len(f) if type(f) is bytes else memoryview(f).nbytes for f in frames)
+        size = 0
+        for f in frames:
+            size += len(f) if type(f) is bytes else memoryview(f).nbytes
         if not peer.unacked:
             peer.ack_wait = now
         peer.unacked.append((env.seq, now, frames, size, envelope_bytes(env)))

@@ -35,6 +35,7 @@ RCVMORE = int(zmq.RCVMORE)
 COPY_BELOW = 1 << 16
 _send = zmq.backend.Socket.send  # the compiled methods, below pyzmq's Python wrappers
 _recv = zmq.backend.Socket.recv
+_poll = zmq.backend.zmq_poll
 
 
 def send_frames(sock: zmq.Socket[Any], frames: Sequence[Any], flags: int = 0) -> None:
@@ -47,8 +48,12 @@ def send_frames(sock: zmq.Socket[Any], frames: Sequence[Any], flags: int = 0) ->
 
 
 def readable(sock: zmq.Socket[Any]) -> bool:
-    """Whether a message is waiting (the FD is edge-triggered: ask after every I/O)."""
-    return bool(cast(int, sock.getsockopt(EVENTS)) & POLLIN)
+    """Whether a message is waiting (the FD is edge-triggered: ask after every I/O).
+
+    ``zmq_poll`` with no timeout, not ``getsockopt(EVENTS)``: the same answer for the
+    same time, without the two Python calls pyzmq makes to build the option's enum.
+    """
+    return bool(_poll([(sock, POLLIN)], 0))
 
 
 def socket_fd(sock: zmq.Socket[Any]) -> int:

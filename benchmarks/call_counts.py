@@ -1,0 +1,322 @@
+"""Python calls per call, counted on both sides: what a change to the hot path removes.
+
+Times move with the machine; counts do not. A ``sitecustomize`` on ``PYTHONPATH`` (which
+the controller and its local workers share) installs ``sys.setprofile`` and
+``threading.setprofile`` as each process starts, counting the ``'call'`` events (Python
+functions entered, coroutine and generator resumptions included) and the ``'c_call'``
+events (C functions called from Python) of every thread. For each pattern this runs
+``--warm`` calls, then ``--calls`` calls, and prints both sides' counts divided by
+``--calls``:
+
+* controller: its counts over the measured calls, read before and after them;
+* worker: each host reads its own counts in a marker call (``_mark``) made before the
+  measured calls, again right after it, and after the measured calls; the second
+  interval (one marker call's overhead) is taken from the third, so what is left is the
+  measured calls alone. On the fan-out row the worker's figure is per host (the mean).
+
+Patterns: ``noop`` (a no-op, awaited one at a time), ``ident`` (``return x``, awaited),
+``kept`` (the same, each future kept: no frees ride along; the difference from
+``ident`` is what freeing a call's result and output costs),
+``sync`` (``return x`` from ``.result()`` on a plain thread, ``with local_cluster``),
+``method`` (a colocated object's no-op method, awaited), ``fanout4`` (``return x`` on
+an array over 4 hosts, awaited).
+
+    python benchmarks/call_counts.py                  # 1,000 calls after 200
+    python benchmarks/call_counts.py --calls 100 --warm 20 --pattern noop ident
+
+The counts include whatever else the processes do meanwhile (heartbeats: a few per
+second), so they can move by a fraction of a call between runs; the profiler slows
+both processes several times, so no time is printed. The worker's inline-call watchdog
+(``colobus-loop-watch``) is not counted: it wakes every 2 ms while inline calls run,
+whatever they do, so its share per call would follow the profiler's slowness.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import colobus as cb
+
+SHIM = r'''
+import os, sys, threading
+COUNTERS = []
+DETAIL = bool(os.environ.get("COLOBUS_COUNT_DETAIL"))
+NAMES = []  # with DETAIL: per thread, (kind, where) -> count
+
+def _counter():
+    c = [0, 0]
+    COUNTERS.append(c)
+    if DETAIL:
+        names = {}
+        NAMES.append(names)
+        def prof(frame, event, arg):
+            if event == "call":
+                c[0] += 1
+                code = frame.f_code
+                key = ("py", f"{code.co_filename.rsplit('/', 1)[-1]}:{code.co_name}")
+            elif event == "c_call":
+                c[1] += 1
+                key = ("c", f"{getattr(arg, '__qualname__', arg)}")
+            else:
+                return
+            names[key] = names.get(key, 0) + 1
+        return prof
+    def prof(frame, event, arg):
+        if event == "call":
+            c[0] += 1
+        elif event == "c_call":
+            c[1] += 1
+    return prof
+
+# Threads whose work follows the clock, not the calls: not counted
+UNCOUNTED = ("colobus-loop-watch",)
+
+def _first(frame, event, arg):
+    if threading.current_thread().name in UNCOUNTED:
+        sys.setprofile(None)
+        return
+    prof = _counter()
+    sys.setprofile(prof)
+    prof(frame, event, arg)
+
+def totals():
+    # (Python calls, C calls) so far, every thread of this process
+    return sum(c[0] for c in COUNTERS), sum(c[1] for c in COUNTERS)
+
+def names():
+    out = {}
+    for d in NAMES:
+        for k, v in list(d.items()):
+            out[k] = out.get(k, 0) + v
+    return out
+
+def mark(tag):
+    calls, c_calls = totals()
+    d = os.environ["COLOBUS_COUNT_DIR"]
+    with open(os.path.join(d, f"{os.getpid()}.txt"), "a") as f:
+        f.write(f"{tag} {calls} {c_calls}\n")
+    if DETAIL:
+        import pickle
+        with open(os.path.join(d, f"{os.getpid()}.{tag.replace(':', '.')}.names"), "wb") as f:
+            pickle.dump(names(), f)
+
+if os.environ.get("COLOBUS_COUNT_DIR"):
+    sys.setprofile(_counter())
+    threading.setprofile(_first)
+'''
+
+PATTERNS = ("noop", "ident", "kept", "sync", "method", "fanout4")
+LABELS = {
+    "noop": "no-op, awaited, 1 host",
+    "ident": "`return x`, awaited, 1 host",
+    "kept": "`return x`, awaited, futures kept (no frees)",
+    "sync": "`return x`, .result() from a plain thread",
+    "method": "object method (no-op), awaited",
+    "fanout4": "`return x`, awaited, 4 hosts (worker: per host)",
+}
+
+
+@cb.colocated_python
+def _mark(x: Any, tag: str) -> Any:
+    import sitecustomize  # the shim: this process's counters
+
+    sitecustomize.mark(tag)
+    return x
+
+
+def _controller_totals(tag: str) -> tuple[int, int]:
+    import pickle
+
+    import sitecustomize
+
+    got: tuple[int, int] = sitecustomize.totals()
+    if sitecustomize.DETAIL:
+        with open(os.path.join(os.environ["COLOBUS_COUNT_DIR"], f"controller.{tag}.names"),
+                  "wb") as f:
+            pickle.dump(sitecustomize.names(), f)
+    return got
+
+
+# -- in the counted child -----------------------------------------------------------------
+
+
+async def _measured(name: str, fn: Callable[[], Awaitable[Any]], x: Any, n: int,
+                    warm: int) -> None:
+    for _ in range(warm):
+        await fn()
+    await _mark(x, f"{name}:a")
+    await _mark(x, f"{name}:b")
+    c0 = _controller_totals(f"{name}.0")
+    for _ in range(n):
+        await fn()
+    c1 = _controller_totals(f"{name}.1")
+    await _mark(x, f"{name}:c")
+    print(f"ROW {name} {c1[0] - c0[0]} {c1[1] - c0[1]}", flush=True)
+
+
+async def _async_rows(patterns: list[str], n: int, warm: int) -> None:
+    from colobus._tools.bench_base import BenchObject, _fanout_array, _one_device_array, bench_noop
+    from colobus._tools.bench_calls import bench_ident
+
+    one = [p for p in patterns if p in ("noop", "ident", "kept", "method")]
+    if one:
+        async with cb.local_cluster(hosts=1, devices_per_host=1) as ctl:
+            x = _one_device_array(ctl)
+            await cb.block_until_ready(x)
+            obj: Any = BenchObject(0)
+            kept: list[Any] = []
+
+            async def keep() -> None:  # nothing to free while the futures (and outputs) live
+                fut = bench_ident(x)
+                await fut
+                kept.append(fut)
+
+            calls: dict[str, Callable[[], Awaitable[Any]]] = {
+                "noop": lambda: bench_noop(x), "ident": lambda: bench_ident(x),
+                "kept": keep, "method": lambda: obj.ping(x)}
+            for name in one:
+                await _measured(name, calls[name], x, n, warm)
+                kept.clear()
+            await obj.aclose()
+    if "fanout4" in patterns:
+        async with cb.local_cluster(hosts=4, devices_per_host=1) as ctl:
+            x = _fanout_array(ctl, 4)
+            await cb.block_until_ready(x)
+            await _measured("fanout4", lambda: bench_ident(x), x, n, warm)
+
+
+def _sync_row(n: int, warm: int) -> None:
+    from colobus._tools.bench_base import _one_device_array
+    from colobus._tools.bench_calls import bench_ident
+
+    with cb.local_cluster(hosts=1, devices_per_host=1) as ctl:
+        x = _one_device_array(ctl)
+        cb.block_until_ready(x).result()
+        for _ in range(warm):
+            bench_ident(x).result()
+        _mark(x, "sync:a").result()
+        _mark(x, "sync:b").result()
+        c0 = _controller_totals("sync.0")
+        for _ in range(n):
+            bench_ident(x).result()
+        c1 = _controller_totals("sync.1")
+        _mark(x, "sync:c").result()
+    print(f"ROW sync {c1[0] - c0[0]} {c1[1] - c0[1]}", flush=True)
+
+
+def _child(patterns: list[str], n: int, warm: int) -> None:
+    asyncio.run(_async_rows(patterns, n, warm))
+    if "sync" in patterns:
+        _sync_row(n, warm)
+
+
+# -- in the parent ------------------------------------------------------------------------
+
+
+def _worker_counts(directory: str) -> dict[str, list[tuple[int, int]]]:
+    """Per row, each worker's (calls, C calls) over the measured calls."""
+    marks: dict[tuple[str, str], dict[str, tuple[int, int]]] = {}
+    for name in os.listdir(directory):
+        if not name.endswith(".txt") or name.startswith("controller"):
+            continue
+        with open(os.path.join(directory, name)) as f:
+            for line in f:
+                tag, calls, c_calls = line.split()
+                row, point = tag.split(":")
+                marks.setdefault((row, name), {})[point] = (int(calls), int(c_calls))
+    out: dict[str, list[tuple[int, int]]] = {}
+    for (row, _), m in marks.items():
+        a, b, c = m["a"], m["b"], m["c"]
+        out.setdefault(row, []).append(((c[0] - b[0]) - (b[0] - a[0]),
+                                        (c[1] - b[1]) - (b[1] - a[1])))
+    return out
+
+
+def _names(path: str) -> dict[tuple[str, str], int]:
+    import pickle
+
+    with open(path, "rb") as f:
+        got: dict[tuple[str, str], int] = pickle.load(f)
+    return got
+
+
+def _detail(d: str, row: str, n: int, top: int) -> None:
+    """Print, per side, the functions called per call over ``row``'s measured calls."""
+    def diff(after: dict[tuple[str, str], int], before: dict[tuple[str, str], int],
+             ) -> dict[tuple[str, str], int]:
+        return {k: v - before.get(k, 0) for k, v in after.items()}
+
+    sides = {"controller": diff(_names(os.path.join(d, f"controller.{row}.1.names")),
+                                _names(os.path.join(d, f"controller.{row}.0.names")))}
+    pid = sorted(f.split(".")[0] for f in os.listdir(d) if f.endswith(f".{row}.a.names"))[0]
+    a, b, c = (_names(os.path.join(d, f"{pid}.{row}.{p}.names")) for p in "abc")
+    one, marker = diff(c, b), diff(b, a)
+    sides["worker"] = {k: v - marker.get(k, 0) for k, v in one.items()}
+    for side, got in sides.items():
+        for kind in ("py", "c"):
+            rows = sorted(((v / n, k[1]) for k, v in got.items() if k[0] == kind and v),
+                          reverse=True)
+            print(f"{row} {side} {kind}: {sum(v for v, _ in rows):.1f} per call")
+            for v, where in rows[:top]:
+                print(f"  {v:7.2f} {where}")
+
+
+def count(patterns: list[str], n: int, warm: int, detail: int = 0,
+          ) -> dict[str, dict[str, float]]:
+    """Run the counted child; per pattern its counts per call on both sides (with
+    ``detail``, print that many functions per side, most called first)."""
+    with tempfile.TemporaryDirectory() as d:
+        with open(os.path.join(d, "sitecustomize.py"), "w") as f:
+            f.write(SHIM)
+        env = dict(os.environ, COLOBUS_COUNT_DIR=d, COLOBUS_COUNT_DETAIL="1" if detail else "",
+                   PYTHONPATH=os.pathsep.join([d, *filter(None, [os.environ.get("PYTHONPATH")])]))
+        proc = subprocess.run([sys.executable, __file__, "--child", "--calls", str(n),
+                               "--warm", str(warm), "--pattern", *patterns],
+                              env=env, stdout=subprocess.PIPE, text=True, check=True)
+        workers = _worker_counts(d)
+        for row in patterns if detail else []:
+            _detail(d, row, n, detail)
+    out: dict[str, dict[str, float]] = {}
+    for line in proc.stdout.splitlines():
+        if not line.startswith("ROW "):
+            continue
+        _, row, calls, c_calls = line.split()
+        ws = workers[row]
+        out[row] = {"controller_calls": int(calls) / n, "controller_c_calls": int(c_calls) / n,
+                    "worker_calls": sum(w[0] for w in ws) / len(ws) / n,
+                    "worker_c_calls": sum(w[1] for w in ws) / len(ws) / n}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--calls", type=int, default=1000)
+    ap.add_argument("--warm", type=int, default=200)
+    ap.add_argument("--pattern", nargs="+", default=list(PATTERNS), choices=PATTERNS)
+    ap.add_argument("--detail", type=int, default=0, metavar="N",
+                    help="also print the N functions called most per call, per side")
+    ap.add_argument("--child", action="store_true", help="(internal) the counted process")
+    args = ap.parse_args()
+    if args.child:
+        _child(args.pattern, args.calls, args.warm)
+        return
+    got = count(args.pattern, args.calls, args.warm, args.detail)
+    print(f"Python calls ('call') and C calls ('c_call') per call, {args.calls} calls after "
+          f"{args.warm}")
+    print(f"  {'pattern':52s} {'ctl calls':>9s} {'ctl C':>7s} {'wrk calls':>9s} {'wrk C':>7s}")
+    for name in args.pattern:
+        r = got[name]
+        print(f"  {LABELS[name]:52s} {r['controller_calls']:9.1f} "
+              f"{r['controller_c_calls']:7.1f} {r['worker_calls']:9.1f} "
+              f"{r['worker_c_calls']:7.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,265 @@
+"""The common message's lane: envelopes encoded, batched and decoded in few Python calls.
+
+Every call is at least two messages, and most carry a free riding ahead of them (a
+BATCH of two). :mod:`colobus._wire.envelope` writes and reads them with small helpers
+(a length, a frame's bytes, a packed integer: one Python call each, a dozen per
+message); the functions here do the same work in one function each, with the same
+bytes on the wire and the same checks, in the same order, on what comes in
+(``tests/test_wire.py`` and ``tests/test_lane.py`` compare them). Which ones the
+channels use is chosen at import: ``COLOBUS_CALL_LANE=0`` keeps the helpers'
+versions (to compare, or to rule the lane out).
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import msgpack
+import zmq
+
+from . import envelope as E
+from .envelope import (
+    _ARRAY9,
+    _ARRAY10,
+    _KEYED,
+    _KEYED_MAX,
+    _LEN,
+    _NIL,
+    BATCH_KIND,
+    BATCH_MAX_BUFFERS,
+    BATCH_MAX_BYTES,
+    BATCH_MAX_ITEMS,
+    BATCH_MAX_PAYLOAD,
+    BODY_INLINE_MAX,
+    COUNT_ABOVE,
+    MAC_SIZE,
+    MAX_FRAMES,
+    MAX_HEADER_BYTES,
+    Buffer,
+    Dropped,
+    Envelope,
+    Outgoing,
+    mac_key,
+    unpack_bounded,
+)
+from .splice import pack_body
+
+__all__ = ["ON", "batched", "decode", "encode", "envelope_bytes", "pack"]
+
+ON = os.environ.get("COLOBUS_CALL_LANE", "1") != "0"
+
+# what msgpack.packb does, without its call (the packer resets itself, on errors too)
+_pack = pack = msgpack.Packer(use_bin_type=True).pack
+_unpack = msgpack.unpackb
+_Frame = zmq.Frame
+_UINTS = [msgpack.packb(i) for i in range(128)]
+_compare = hmac.compare_digest
+
+
+def _keyed(key: bytes) -> Any:
+    keyed = _KEYED.get(key)
+    if keyed is None:
+        if len(_KEYED) >= _KEYED_MAX:
+            _KEYED.clear()
+        import hashlib
+
+        keyed = _KEYED[key] = hashlib.blake2b(key=mac_key(key), digest_size=MAC_SIZE)
+    return keyed
+
+
+def fast_encode(key: bytes, env: Envelope) -> list[Buffer]:
+    """:func:`colobus._wire.envelope.encode`, the same frames."""
+    bufs = env.buffers
+    buflens = []
+    for b in bufs:
+        buflens.append(b.nbytes if type(b) is memoryview else len(b))
+    packed = env.packed_body
+    if packed is None:
+        packed = pack_body(env.body)
+    head = _pack([env.version, env.kind, env.sender, env.receiver, env.seq, env.ack, buflens,
+                  env.pbufs])
+    payload = env.payload
+    if len(packed) <= BODY_INLINE_MAX:
+        header = _ARRAY9 + head[1:] + packed
+    else:
+        header = _ARRAY10 + head[1:] + _NIL + _pack(len(packed))
+        payload = packed + bytes(payload) if payload else packed
+    keyed = _KEYED.get(key)
+    h = (keyed if keyed is not None else _keyed(key)).copy()
+    h.update(_LEN.pack(len(header)))
+    h.update(header)
+    h.update(_LEN.pack(payload.nbytes if type(payload) is memoryview else len(payload)))
+    h.update(payload)
+    if bufs:
+        return [header, payload, h.digest(), *bufs]
+    return [header, payload, h.digest()]
+
+
+def fast_batched(items: Sequence[Outgoing], sender: bytes, receiver: bytes) -> list[Envelope]:
+    """:func:`colobus._wire.envelope.batched`, the same envelopes."""
+    if len(items) == 1:
+        kind, body, payload, bufs, pbufs = items[0]
+        return [Envelope(kind, sender, receiver, 0, None, payload, list(bufs), pbufs,
+                         packed_body=body if type(body) is bytes else pack_body(body))]
+    out: list[Envelope] = []
+    run: list[Outgoing] = []
+    run_bytes = run_bufs = 0
+    for kind, body, payload, bufs, pbufs in items:
+        if type(body) is not bytes:
+            body = pack_body(body)
+        plen = payload.nbytes if type(payload) is memoryview else len(payload)
+        size = len(body) + plen
+        for b in bufs:
+            size += b.nbytes if type(b) is memoryview else len(b)
+        item = (kind, body, payload, bufs, pbufs)
+        if size >= BATCH_MAX_PAYLOAD:
+            if run:
+                _close(run, out, sender, receiver)
+                run = []
+            run_bytes = run_bufs = 0
+            out.append(Envelope(kind, sender, receiver, 0, None, payload, list(bufs), pbufs,
+                                packed_body=body))
+            continue
+        if run and (len(run) >= BATCH_MAX_ITEMS or run_bytes + size > BATCH_MAX_BYTES
+                    or run_bufs + len(bufs) > BATCH_MAX_BUFFERS):
+            _close(run, out, sender, receiver)
+            run = []
+            run_bytes = run_bufs = 0
+        run.append(item)
+        run_bytes += size + 16
+        run_bufs += len(bufs)
+    if run:
+        _close(run, out, sender, receiver)
+    return out
+
+
+def _close(run: list[Outgoing], out: list[Envelope], sender: bytes, receiver: bytes) -> None:
+    """One run of messages as one envelope: itself alone, else a BATCH."""
+    if len(run) == 1:
+        kind, body, payload, bufs, pbufs = run[0]
+        out.append(Envelope(kind, sender, receiver, 0, None, payload, list(bufs), pbufs,
+                            packed_body=body))
+        return
+    n = len(run)
+    parts = [bytes((0x90 | n,)) if n < 16 else
+             b"\xdc" + n.to_bytes(2, "big") if n < 1 << 16 else b"\xdd" + n.to_bytes(4, "big")]
+    entries: list[Any] = []
+    payloads: list[Buffer] = []
+    buffers: list[Buffer] = []
+    uints = _UINTS
+    for kind, body, payload, bufs, pbufs in run:
+        plen = payload.nbytes if type(payload) is memoryview else len(payload)
+        nb = len(bufs)
+        entries.append([kind, body, plen, nb, pbufs])
+        parts += (b"\x95", uints[kind] if kind < 128 else _pack(kind), body,
+                  uints[plen] if plen < 128 else _pack(plen),
+                  uints[nb] if nb < 128 else _pack(nb),
+                  uints[pbufs] if pbufs < 128 else _pack(pbufs))
+        if plen:
+            payloads.append(payload)
+        if nb:
+            buffers.extend(bufs)
+    out.append(Envelope(BATCH_KIND, sender, receiver, 0, entries, b"".join(payloads), buffers,
+                        packed_body=b"".join(parts)))
+
+
+def fast_envelope_bytes(env: Envelope) -> int:
+    """:func:`colobus._wire.chunks.envelope_bytes`: payload and buffers."""
+    p = env.payload
+    n = p.nbytes if type(p) is memoryview else len(p)
+    for b in env.buffers:
+        n += b.nbytes if type(b) is memoryview else len(b)
+    return n
+
+
+def fast_decode(
+    key: bytes, frames: Sequence[Any], *, max_payload: int = 1 << 40,
+    max_total: int | None = None, max_frames: int = MAX_FRAMES,
+    max_body: int = 1 << 40, max_objects: int | None = None,
+) -> Envelope:
+    """:func:`colobus._wire.envelope.decode`: the same checks, in the same order."""
+    nframes = len(frames)
+    if nframes < 3:
+        raise Dropped("malformed", f"{nframes} frames")
+    if nframes > max_frames:
+        raise Dropped("oversized", f"{nframes} frames")
+    f = frames[0]
+    header = f.buffer if type(f) is _Frame else E._frame_bytes(f)
+    f = frames[1]
+    payload = f.buffer if type(f) is _Frame else E._frame_bytes(f)
+    f = frames[2]
+    tag = f.buffer if type(f) is _Frame else E._frame_bytes(f)
+    hlen = header.nbytes if type(header) is memoryview else len(header)
+    plen = payload.nbytes if type(payload) is memoryview else len(payload)
+    if hlen > MAX_HEADER_BYTES or plen > max_payload:
+        raise Dropped("oversized")
+    if max_total is not None:
+        total = hlen + plen
+        for f in frames[2:]:
+            b = f.buffer if type(f) is _Frame else E._frame_bytes(f)
+            total += b.nbytes if type(b) is memoryview else len(b)
+        if total > max_total:
+            raise Dropped("oversized", f"{total} bytes")
+    if (tag.nbytes if type(tag) is memoryview else len(tag)) != MAC_SIZE:
+        raise Dropped("malformed", "bad mac frame")
+    keyed = _KEYED.get(key)
+    h = (keyed if keyed is not None else _keyed(key)).copy()
+    h.update(_LEN.pack(hlen))
+    h.update(header)
+    h.update(_LEN.pack(plen))
+    h.update(payload)
+    if not _compare(h.digest(), bytes(tag)):
+        raise Dropped("unauthenticated")
+    try:
+        fields = (_unpack(header, raw=False, use_list=True)
+                  if max_objects is None or hlen <= COUNT_ABOVE
+                  else unpack_bounded(header, max_objects))
+        if isinstance(fields, list) and len(fields) == 8:  # protocol 2: no ack (version check)
+            fields.insert(5, 0)
+        body_len = fields.pop() if isinstance(fields, list) and len(fields) == 10 else None
+        version, kind, sender, receiver, seq, ack, buflens, pbufs, body = fields
+    except Exception as exc:  # msgpack raises several types on garbage
+        raise Dropped("malformed", f"header: {exc}") from None
+    if body_len is not None:  # the body heads the payload (inside the MAC)
+        if not (type(body_len) is int and body is None and 0 < body_len <= plen):
+            raise Dropped("malformed", "body length")
+        if body_len > max_body:
+            raise Dropped("oversized", f"a {body_len}-byte body")
+        view = memoryview(payload)
+        try:
+            body = (_unpack(view[:body_len], raw=False, use_list=True)
+                    if max_objects is None else unpack_bounded(view[:body_len], max_objects))
+        except Exception as exc:
+            raise Dropped("malformed", f"body: {exc}") from None
+        payload = view[body_len:] if body_len < len(view) else b""
+    if not ((type(version) is int or isinstance(version, int))
+            and (type(kind) is int or isinstance(kind, int))
+            and (type(sender) is bytes or isinstance(sender, bytes))
+            and (type(receiver) is bytes or isinstance(receiver, bytes))
+            and (type(seq) is int or isinstance(seq, int))
+            and (type(ack) is int or isinstance(ack, int))
+            and (type(buflens) is list or isinstance(buflens, list))
+            and (type(pbufs) is int or isinstance(pbufs, int))):
+        raise Dropped("malformed", "header field types")
+    buffers: list[Buffer] = []
+    if nframes > 3:
+        for f in frames[3:]:
+            buffers.append(f.buffer if type(f) is _Frame else E._frame_bytes(f))
+    if len(buffers) != len(buflens) or not 0 <= pbufs <= len(buffers):
+        raise Dropped("malformed", "buffer count")
+    for b, n in zip(buffers, buflens, strict=True):
+        if (b.nbytes if type(b) is memoryview else len(b)) != n:
+            raise Dropped("malformed", "buffer length")
+    return Envelope(kind, sender, receiver, seq, body, payload, buffers, pbufs, version, ack)
+
+
+if ON:
+    encode, batched, decode, envelope_bytes = (fast_encode, fast_batched, fast_decode,
+                                               fast_envelope_bytes)
+else:
+    from .chunks import envelope_bytes
+
+    encode, batched, decode = E.encode, E.batched, E.decode

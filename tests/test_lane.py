@@ -1,0 +1,130 @@
+"""The common message's lane (colobus._wire.lane): the same bytes and the same checks as
+colobus._wire.envelope, in fewer Python calls."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import pytest
+import zmq
+
+from colobus._wire import envelope as E
+from colobus._wire import lane as L
+from colobus._wire.chunks import envelope_bytes
+
+KEY = b"k" * 32
+
+
+def _items() -> list[list[Any]]:
+    big = b"p" * (E.BATCH_MAX_PAYLOAD + 1)
+    arr = np.arange(12, dtype=np.float32)
+    return [
+        [(3, b"\x91\x01", b"", (), 0)],  # one message
+        [(5, [1, [2, 3]], b"pay", (), 0), (3, b"\x91\x01", b"x" * 200, (b"buf",), 1)],
+        [(5, [1, 2], b"", (), 0)] * 20,  # a long batch (array header over 15)
+        [(5, [1, 2], b"a", (), 0), (7, b"\x90", big, (), 0), (5, [3], b"", (), 0)],
+        [(200, [1], memoryview(b"abc"), (memoryview(arr.tobytes()), b"zz"), 1),
+         (6, [2], b"q" * 300, (), 0)],
+        [(5, [i], b"", (), 0) for i in range(E.BATCH_MAX_ITEMS + 3)],  # two batches
+    ]
+
+
+def _same(a: E.Envelope, b: E.Envelope) -> None:
+    assert (a.kind, a.sender, a.receiver, a.seq, a.body, a.pbufs, a.packed_body) == (
+        b.kind, b.sender, b.receiver, b.seq, b.body, b.pbufs, b.packed_body)
+    assert bytes(a.payload) == bytes(b.payload)
+    assert [bytes(x) for x in a.buffers] == [bytes(x) for x in b.buffers]
+
+
+@pytest.mark.parametrize("items", _items())
+def test_batched_and_encoded_as_the_envelope_module_does(items: list[Any]) -> None:
+    ours, theirs = L.fast_batched(items, b"s", b"r"), E.batched(items, b"s", b"r")
+    assert len(ours) == len(theirs)
+    for a, b in zip(ours, theirs, strict=True):
+        _same(a, b)
+        assert L.fast_envelope_bytes(a) == envelope_bytes(b)
+        a.seq = b.seq = 7
+        fa, fb = L.fast_encode(KEY, a), E.encode(KEY, b)
+        assert [bytes(x) for x in fa] == [bytes(x) for x in fb]
+        _same(L.fast_decode(KEY, fa), E.decode(KEY, fb))
+
+
+def test_a_body_too_large_for_the_header_travels_in_the_payload_alike() -> None:
+    env = E.Envelope(5, b"s", b"r", 1, list(range(40000)), b"tail")
+    ours, theirs = L.fast_encode(KEY, env), E.encode(KEY, env)
+    assert [bytes(x) for x in ours] == [bytes(x) for x in theirs]
+    _same(L.fast_decode(KEY, ours), E.decode(KEY, theirs))
+    _same(L.fast_decode(KEY, ours, max_objects=10**6), E.decode(KEY, theirs))
+
+
+def _reason(fn: Any, frames: list[Any], **kw: Any) -> str:
+    try:
+        fn(KEY, frames, **kw)
+    except E.Dropped as exc:
+        return str(exc)
+    return "accepted"
+
+
+def test_what_comes_in_is_refused_for_the_same_reasons() -> None:
+    """Frames cut, grown, flipped or forged: both readers refuse them alike (or accept
+    them alike), as zmq frames and as bytes."""
+    rng = random.Random(5)
+    good = E.encode(KEY, E.Envelope(5, b"s", b"r", 3, [1, 2], b"pay", [b"b1", b"bb2"], 1))
+    cases: list[tuple[list[Any], dict[str, Any]]] = [
+        (good, {}), (good[:2], {}), (good, {"max_frames": 4}), (good, {"max_payload": 2}),
+        (good, {"max_total": 10}), ([good[0], good[1], b"short", *good[3:]], {}),
+        ([good[0], good[1], bytes(32), *good[3:]], {}), (good[:3], {}), (good[:4], {}),
+        ([*good, b"extra"], {}),
+    ]
+    for _ in range(60):  # a byte flipped somewhere: the MAC catches it
+        frames = [bytearray(bytes(f)) for f in good]
+        f = rng.randrange(len(frames))
+        if frames[f]:
+            frames[f][rng.randrange(len(frames[f]))] ^= 1 << rng.randrange(8)
+        cases.append(([bytes(x) for x in frames], {}))
+    # Forged with the key: malformed headers behind a valid MAC
+    for fields in ([9, 5, b"s", b"r", 3, 0, [], 0, None, 5], [9, True, b"s", b"r", 3, 0, [], 0, 1],
+                   [9, 5, "s", b"r", 3, 0, [], 0, 1], [9, 5, b"s", b"r", 3, 0, [4], 0, 1],
+                   [9, 5, b"s", b"r", 3, 0, [], 2, 1], "junk", [1, 2, 3]):
+        import msgpack
+
+        header = msgpack.packb(fields, use_bin_type=True)
+        cases.append(([header, b"", E.mac(KEY, header, b"")], {}))
+    for frames, kw in cases:
+        want = _reason(E.decode, frames, **kw)
+        assert _reason(L.fast_decode, frames, **kw) == want, (frames, kw)
+        as_frames = [zmq.Frame(bytes(f)) for f in frames]
+        assert _reason(L.fast_decode, as_frames, **kw) == want, (frames, kw)
+
+
+def test_the_switch_picks_the_helpers_when_off() -> None:
+    """COLOBUS_CALL_LANE=0 (read at import) keeps envelope's own functions."""
+    import subprocess
+    import sys
+
+    code = ("from colobus._wire import lane, envelope; "
+            "print(lane.ON, lane.encode is envelope.encode, lane.decode is envelope.decode)")
+    for value, want in (("0", "False True True"), ("1", "True False False")):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env={**__import__("os").environ, "COLOBUS_CALL_LANE": value},
+                             check=True).stdout.strip()
+        assert out == want
+
+
+@pytest.mark.parametrize("call_id, stream, refs, hosts", [
+    (1, 1, [], 1), (300, 70000, [[5, 0]], 4), (2**40, 3, [[1, 2], [3, 4]] * 20, 200)])
+def test_a_call_body_spliced_by_the_lane_is_the_one_packed_whole(
+        call_id: int, stream: int, refs: list[Any], hosts: int) -> None:
+    """colobus._api.lane.call_body: the CALL's body from bytes packed once, as P.Call
+    packs it (digest, object, method in the middle; the host's mesh near the end)."""
+    from colobus._api.lane import call_body
+    from colobus._wire import protocol as P
+    from colobus._wire.splice import pack_body
+
+    digest, obj, method, mesh = b"d" * 32, 0, "", [[0], [1], ["devices"]]
+    whole = pack_body(P.Call(call_id, stream, digest, obj, method, refs, mesh,
+                             hosts).to_wire())
+    mid = L.pack(digest) + L.pack(obj) + L.pack(method)
+    assert call_body(call_id, stream, mid, refs, pack_body(mesh), hosts) == whole
