@@ -64,6 +64,7 @@ class Relay:
         self.ups = 0  # UP messages from it
         self.carried_up = 0  # host messages those carried
         self.most_buffers = 0  # the most buffers one FORWARD or UP carried (stats)
+        self.most_bytes = 0  # the most payload and buffer bytes one carried
         # Per host index: payload and buffer bytes given to it for the host, and of
         # those, what the relay said the host acknowledged (Delivered; since ADOPT).
         self.given: collections.Counter[int] = collections.Counter()
@@ -147,6 +148,7 @@ class Relay:
             chan.enqueue_packed(self.link, P.Kind.FORWARD, pack_body(body), payload, bufs, 0)
             self.forwards += 1
             self.most_buffers = max(self.most_buffers, len(bufs))
+            self.most_bytes = max(self.most_bytes, data_bytes(payload, bufs))
             if len(body) > 1:  # several messages in one: counted as a batch
                 chan.batches_sent += 1
         return self.link

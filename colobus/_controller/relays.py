@@ -33,6 +33,7 @@ import zmq
 
 from .._wire import protocol as P
 from .._wire.envelope import Dropped, Envelope, decode, unpack_batch, unpack_bounded
+from .._wire.peer import data_bytes
 from .._wire.relaywire import Adopt, Delivered, Gone, Ready, entries
 from .._wire.sockio import send_frames
 from .coalesced import on_results
@@ -208,7 +209,8 @@ class Relays:
         """Each relay, for :meth:`Controller.stats`."""
         return [{"index": r.index, "pid": r.proc.pid, "endpoint": r.endpoint, "alive": r.alive,
                  "hosts": sorted(r.carries.values()), "forwards": r.forwards, "ups": r.ups,
-                 "carried_up": r.carried_up, "most_buffers": r.most_buffers}
+                 "carried_up": r.carried_up, "most_buffers": r.most_buffers,
+                 "most_bytes": r.most_bytes}
                 for r in self.relays]
 
     def pick(self) -> Relay | None:
@@ -380,6 +382,7 @@ class Relays:
         session = self._ctl._session
         relay.ups += 1
         relay.most_buffers = max(relay.most_buffers, len(env.buffers))
+        relay.most_bytes = max(relay.most_bytes, data_bytes(env.payload, env.buffers))
         if len(env.body) > 1:  # several hosts' messages, or several of one: a batch
             sessions.batches_received += 1
         for hosts, kind, packed, payload, bufs, pbufs, extras in entries(
