@@ -347,10 +347,6 @@ class Relays:
                 if type(n) is int and n > relay.dropped.get(reason, 0):
                     counts[str(reason)[:64]] += n - relay.dropped.get(reason, 0)
                     relay.dropped[reason] = n
-        elif kind == P.Kind.DELIVERED:
-            d = Delivered.from_wire(env.body)
-            assert isinstance(d, Delivered)
-            relay.on_delivered(d)
         elif kind == P.Kind.GONE:
             g = Gone.from_wire(env.body)
             assert isinstance(g, Gone)
@@ -388,6 +384,11 @@ class Relays:
         for hosts, kind, packed, payload, bufs, pbufs, extras in entries(
                 env.body, env.payload, env.buffers):
             raw = unpack_bounded(packed)
+            if kind == P.Kind.DELIVERED:  # what the relay's hosts acknowledged
+                report = Delivered.from_wire(raw)
+                assert isinstance(report, Delivered)
+                relay.on_delivered(report)
+                continue
             sub = Envelope(kind, b"", session, 0, raw, payload, bufs, pbufs)
             try:
                 body = P.parse(kind, raw)

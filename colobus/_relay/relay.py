@@ -52,6 +52,10 @@ DEAD_MAX = 4096
 RESULT = int(P.Kind.RESULT)
 CALL = int(P.Kind.CALL)
 HEARTBEAT = int(P.Kind.HEARTBEAT)
+DELIVERED = int(P.Kind.DELIVERED)
+# Hosts' acknowledgements that freed this many bytes since the last report go up at
+# once (an upload may wait for them); fewer ride with the next UP.
+DELIVER_NOW = 1 << 18
 # A host's heartbeat goes up when its figures other than memory, CPU time and the ping
 # echo changed, or this long after the last that went up; the relay judges liveness.
 HEALTH_EVERY_S = 5.0
@@ -87,9 +91,11 @@ class Relay:
         self._due = False  # self.ups holds more than heartbeats
         self._beat_timer: asyncio.TimerHandle | None = None
         self.ctl = Peer([], self.session, self.ctl_session)
-        # Per host: the payload and buffer bytes FORWARDs gave it, and the hosts whose
-        # acknowledgements freed some since the last DELIVERED (.relaywire.Delivered).
+        # Per host: the payload and buffer bytes FORWARDs gave it, of those what the last
+        # DELIVERED said it acknowledged, and the hosts whose acknowledgements freed
+        # some since (.relaywire.Delivered).
         self.given: dict[int, int] = {}
+        self.reported: dict[int, int] = {}
         self.released: set[int] = set()
         self.ctl_heard = time.monotonic()
         self.done: asyncio.Future[None] | None = None
@@ -183,7 +189,7 @@ class Relay:
             peer.send_seq = a.send_seq
             peer.max_part = a.max_part
             self.peers[a.host] = peer
-            self.given[a.host] = 0
+            self.given[a.host] = self.reported[a.host] = 0
             self.by_identity[a.identity] = a.host
             self.last_seen[a.host] = time.monotonic()
         elif kind == P.Kind.GONE:
@@ -290,19 +296,31 @@ class Relay:
         if h is not None:
             self.released.add(h)
 
+    def _delivered(self) -> None:
+        """What the hosts acknowledged, as an entry of the next UP: it goes now if that
+        freed DELIVER_NOW bytes or more (uploads may wait for them), else with the next
+        UP that goes anyway (a call's arguments: its RESULT's UP follows soon)."""
+        counts: list[int] = []
+        freed = 0
+        for h in self.released:
+            peer = self.peers.get(h)
+            if peer is not None:
+                n = self.given.get(h, 0) - peer.held
+                freed += n - self.reported.get(h, 0)
+                self.reported[h] = n
+                counts += (h, n)
+        self.released.clear()
+        if counts:
+            self.ups.add_many([], DELIVERED, pack_body(Delivered(counts).to_wire()), b"", (), 0)
+            if freed >= DELIVER_NOW:
+                self._due = True
+
     def _flush_up(self) -> None:
         """After the hosts' messages were read: say what they acknowledged, and send
         their messages up, unless they wait for the rest of their calls' replies
         (:mod:`.hold`)."""
         if self.released:
-            counts: list[int] = []
-            for h in self.released:
-                peer = self.peers.get(h)
-                if peer is not None:
-                    counts += (h, self.given.get(h, 0) - peer.held)
-            self.released.clear()
-            if counts:
-                self.up.send(self.ctl, Delivered(counts))
+            self._delivered()
         if not self.ups:
             return
         if self.hold.holding:
@@ -390,6 +408,7 @@ class Relay:
         self.last_seen.pop(h, None)
         self.health_up.pop(h, None)
         self.given.pop(h, None)
+        self.reported.pop(h, None)
         self.released.discard(h)
         self.arrived.discard(h)
         self.dead[peer.their_session] = (peer.route[0], last_word)

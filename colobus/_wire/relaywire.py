@@ -13,8 +13,9 @@ controller would, and talks to the controller in few, large messages:
   each host's ``times`` in ``extras``.
 * ADOPT, GONE, READY: a host joined and moves to the relay; a host the relay
   no longer carries (either side); the relay is up, at this endpoint.
-* DELIVERED (relay to controller): how many of the bytes it was given for each
-  host that host acknowledged (the controller's upload back-pressure counts the rest).
+* DELIVERED, an entry of an UP (no hosts): how many of the bytes the relay was
+  given for each host that host acknowledged (the controller's upload back-pressure
+  counts the rest).
 
 Each FORWARD and UP stays within :mod:`.limits` (``GATHER_MAX_*``): a gather
 closes one message before the next would pass a limit and goes on in another.
