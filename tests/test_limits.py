@@ -204,6 +204,21 @@ def test_a_put_at_and_past_the_byte_limit_in_one_step(
             assert after["most_bytes"] == L.GATHER_MAX_BYTES  # both in one FORWARD
 
 
+def test_what_is_asked_after_a_put_in_slices_waits_for_all_of_it(
+        pair: cb.Controller, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A put's messages leave in slices (here one leaf each), the loop running between
+    them: a read and a call asked right after the put still find every leaf there."""
+    monkeypatch.setattr(put_module, "SLICE_S", 0.0)
+    ctl = pair
+    sharding = cb.NamedSharding(cb.Mesh(np.array(ctl.devices()), ("h",)), cb.PartitionSpec("h"))
+    n = 300
+    out = cb.device_put([np.array([i, i], np.int32) for i in range(n)], sharding)
+    last = cb.device_get(out[-1])  # submitted while the slices are still leaving
+    everything = cb.device_get(out)
+    assert list(last.result(timeout=120)) == [n - 1, n - 1]
+    assert [int(x[0]) for x in everything.result(timeout=120)] == list(range(n))
+
+
 @pytest.mark.slow
 def test_a_put_of_more_buffers_than_a_message_takes_through_one_relay(
         monkeypatch: pytest.MonkeyPatch) -> None:

@@ -197,7 +197,12 @@ class Operations:
             loop = asyncio.get_running_loop()
 
             def more() -> None:
-                if step() and not self.ctl._closed:
+                try:
+                    left = step() and not self.ctl._closed
+                except Exception:  # (a bug) what waits behind it must not wait forever
+                    log.exception("a sliced send failed")
+                    left = False
+                if left:
                     loop.call_soon(more)
                 else:
                     self._open(gate)
