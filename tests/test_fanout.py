@@ -39,7 +39,7 @@ def test_a_message_for_many_hosts_is_one_entry_after_each_hosts_earlier_ones() -
     g.add(1, 4, pack_body([1]), b"", (), 0)  # then host 1 gets more
     g.add(5, 9, call, b"args", (), 0)  # a host added later joins the fan-out's entry
     g.add(2, 9, call, b"args", (), 0)  # the same again for host 2: a new entry, after
-    body, payload, bufs = g.take()
+    [(body, payload, bufs)] = g.take()
     got = list(entries(body, payload, bufs))
     assert [e[0] for e in got] == [[2], [0, 1, 2, 3, 5], [1], [2]]
     assert payload == b"args"  # the shared arguments travel once

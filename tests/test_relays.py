@@ -64,7 +64,7 @@ def test_equal_replies_coalesce_and_each_host_keeps_its_order() -> None:
     g.add(1, 4, b"\x90", b"", (), 0, alone=True)  # host 1 says something else
     g.add(1, 7, pack_body([8, 0, 0]), b"desc", (), 0, [9, 9])
     g.add(2, 7, pack_body([8, 0, 0]), b"desc", (), 0, [5, 5])
-    body, payload, bufs = g.take()
+    [(body, payload, bufs)] = g.take()
     got = list(entries(body, payload, bufs))
     assert [e[0] for e in got] == [[0, 1, 2, 3], [1], [1, 2]]
     assert got[0][6] == [[0, 0], [1, 1], [2, 2], [3, 3]] and bytes(got[0][3]) == b"desc"
@@ -75,7 +75,7 @@ def test_equal_replies_coalesce_and_each_host_keeps_its_order() -> None:
     g.add(3, 7, ok, b"", (), 0, [1])
     g.add(3, 7, pack_body([9, 0, 0]), b"", (), 0, [1])
     g.add(2, 7, pack_body([9, 0, 0]), b"", (), 0, [1])
-    body, payload, bufs = g.take()
+    [(body, payload, bufs)] = g.take()
     order: dict[int, list[int]] = {}
     for i, e in enumerate(entries(body, payload, bufs)):
         for h in e[0]:

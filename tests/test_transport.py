@@ -534,18 +534,23 @@ async def test_a_1_s_partition_in_the_middle_of_a_transfer_costs_nothing(shaped:
 
 
 @netns
-def test_uploads_faster_than_the_link_wait_with_bounded_bytes_queued(shaped: Any) -> None:
+@pytest.mark.parametrize("relays", [0, 1], ids=["star", "relay"])
+def test_uploads_faster_than_the_link_wait_with_bounded_bytes_queued(shaped: Any,
+                                                                     relays: int) -> None:
     """A loop of puts over a 40 Mbit/s link: each waits while the host has
     ``max_queued_bytes`` queued, on a plain thread (in ``device_put``) and on an
-    event loop (in ``wait_capacity``); what the controller holds stays bounded."""
+    event loop (in ``wait_capacity``); what the controller holds stays bounded. Through
+    a relay too: what it holds for the host until the host acknowledges it counts."""
     bound, size, n = 2 << 20, 1 << 19, 8
-    ctl = cb.Controller(shaped.bind(), hosts=0, key=shaped.key, max_queued_bytes=bound)
+    ctl = cb.Controller(shaped.bind(), hosts=0, key=shaped.key, max_queued_bytes=bound,
+                        relays=relays)
     ctl.start_in_thread()
     _push_current(ctl)
     try:
         shaped.shape(0, "40mbit")
         shaped.start_worker(0, ctl.address, name="slow", devices=1)
         ctl.run_sync(ctl.wait_for_hosts(1, timeout=60))
+        assert [r["hosts"] for r in ctl.stats()["relays"]] == [[0]] * relays
         dev = ctl.devices()[0]
         queued: list[int] = []
 

@@ -3,6 +3,8 @@ from where it lives), by the star or down broadcast trees."""
 
 from __future__ import annotations
 
+import collections
+import time
 from typing import Any
 
 import numpy as np
@@ -22,6 +24,7 @@ from .array import Array, _is_array_leaf, _spec_of, check_owner
 from .reshard import Reshard, mesh_message
 from .treeput import plan_trees, upload_sizes
 
+SLICE_S = 0.005  # a put's messages leave in slices of this long on the loop thread
 BOX_HEADROOM = 1 << 17  # a reshard box plus its FETCH reply's or PIECE's header fits a part
 
 __all__ = ["device_put"]
@@ -178,25 +181,48 @@ def device_put(x: Any, device_or_sharding: Any) -> Any:
 
     out = jax.tree_util.tree_map(finish, prepared, is_leaf=_is_prepared_leaf)
     if sends:
-        sizes = upload_sizes([(p.msgs, p.trees) for _, p in sends])
-        ctl._uploads.reserve(sizes)  # back-pressure: a plain thread may wait here
-
-        def send() -> None:
-            try:
-                for arr, p in sends:
-                    for h, body, buf in p.msgs:
-                        host = ctl._hosts[h]
-                        if host.alive and host.generation == arr._gens[h]:
-                            ctl._send(host, body, b"", [buf])
-                            ctl._count("bytes_put", buf.nbytes)
-                    for tree in p.trees:
-                        tree.start(arr._gens)
-            finally:  # the channel counts them now (or nobody: a lost host's)
-                for h, n in sizes.items():
-                    ctl._uploads.handed(h, n)
-
-        ctl._ops.post(send)
+        _send_all(ctl, sends)
     return out
+
+
+def _send_all(ctl: Controller, sends: list[tuple[Array, _PreparedPut]]) -> None:
+    """Send a put's messages, in order with everything asked of the controller before
+    and after it, in slices of :data:`SLICE_S` on the loop thread (a pytree of many
+    leaves: reads and heartbeats go on between them); a tree's digests, when the caller
+    is the loop thread, are computed on another thread first."""
+    ctl._uploads.reserve(upload_sizes([(p.msgs, p.trees) for _, p in sends]))  # may wait
+    hashing = [t for _, p in sends for t in p.trees if t.digests is None]
+    if hashing:  # (only on the loop thread: a plain thread hashed in TreePut)
+        def digests() -> None:
+            for t in hashing:
+                t.hash()
+
+        ctl._ops.hold_for(digests)
+    leaves = iter(sends)
+
+    def step() -> bool:
+        """One slice: True while leaves are left."""
+        handed: collections.Counter[int] = collections.Counter()
+        end = time.monotonic() + SLICE_S
+        try:
+            for arr, p in leaves:
+                for h, body, buf in p.msgs:
+                    handed[h] += buf.nbytes
+                    host = ctl._hosts[h]
+                    if host.alive and host.generation == arr._gens[h]:
+                        ctl._send(host, body, b"", [buf])
+                        ctl._count("bytes_put", buf.nbytes)
+                for tree in p.trees:
+                    handed.update(tree.sizes())
+                    tree.start(arr._gens)
+                if time.monotonic() > end:
+                    return True
+            return False
+        finally:  # the channel counts them now (or nobody: a lost host's)
+            for h, n in handed.items():
+                ctl._uploads.handed(h, n)
+
+    ctl._ops.post_steps(step)
 
 
 def _is_prepared_leaf(x: Any) -> bool:

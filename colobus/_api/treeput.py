@@ -12,9 +12,10 @@ a block reaches ``N`` hosts in ``log2(N)`` pipelined hops.
 Every host of the tree gets its own TREEPUT over its authenticated link, in
 order with everything else (later calls wait for the block on the host, as after
 a PUT): the layout, the SHA-256 of every 4 MiB chunk (computed once, on the
-caller's thread), the parent to pull from with a random token, and the tokens
-of its children. A host takes only chunks that match their digests, so a relay
-can delay a block but never change it.
+caller's thread, or on another if the caller is the controller's loop), the
+parent to pull from with a random token, and the tokens of its children. A host
+takes only chunks that match their digests, so a relay can delay a block but never
+change it.
 
 Each host's TREEPUT is an operation of its own, answered once the block is
 stored: a lost host fails only its own, and each of its children that has not
@@ -97,7 +98,9 @@ class TreePut:
         buf = msgs[0][2]
         self.buf: memoryview | None = buf.cast("B") if buf.ndim != 1 or buf.format != "B" else buf
         self.nbytes = buf.nbytes
-        self.digests = chunk_digests(self.buf, TREE_CHUNK_BYTES)  # the caller's thread
+        # SHA-256 at ~1 GB/s: on the caller's thread, never on the loop's (there, the
+        # put hashes on another thread before its messages leave: Operations.hold_for)
+        self.digests: list[bytes] | None = None if ctl._on_loop_thread() else self.hash()
         n = len(msgs)
         self.tokens = [secrets.token_bytes(TOKEN_BYTES) for _ in range(n)]
         self.call_ids: dict[int, int] = {}
@@ -105,6 +108,12 @@ class TreePut:
         self.direct: set[int] = set()  # positions sent the block whole (a lost parent)
         self.settled: set[int] = set()
         self.left = n
+
+    def hash(self) -> list[bytes]:
+        """The digests of the block's chunks (any thread; hashlib lets go of the GIL)."""
+        assert self.buf is not None
+        self.digests = chunk_digests(self.buf, TREE_CHUNK_BYTES)
+        return self.digests
 
     def sizes(self) -> dict[int, int]:
         """The bytes the controller sends, by host (the roots), for back-pressure."""
@@ -128,8 +137,9 @@ class TreePut:
         if not whole:
             parent = self.hosts[p // FANOUT - 1]
             source = [self.ctl._hosts[parent].data, self.tokens[p]]
+        digests = self.digests if self.digests is not None else self.hash()  # (a failed hash)
         return P.TreePut(call_id, put.ref, put.shape, put.dtype, put.mesh, put.spec,
-                         put.key_impl, put.memory_kind, self.nbytes, TREE_CHUNK_BYTES, self.digests,
+                         put.key_impl, put.memory_kind, self.nbytes, TREE_CHUNK_BYTES, digests,
                          source, [self.tokens[c] for c in self.children(p)])
 
     def _send(self, p: int, call_id: int) -> None:

@@ -143,6 +143,10 @@ def _data_endpoint(text: str) -> bool:
     return len(text) <= 512 and text.startswith(("tcp://", "ipc://"))
 
 
+def _gone(what: str) -> str:
+    return f"its {what} {'are' if what == 'devices' else 'is'} gone"
+
+
 class HostRegistry:
     """Hosts by index, by routing identity and by name; device ids; lost sessions."""
 
@@ -198,9 +202,9 @@ class HostRegistry:
         for i in hosts:
             h = self.hosts[i]
             if not h.alive:
-                raise h.lost_error(f"its {what} is gone")
+                raise h.lost_error(_gone(what))
             if generations is not None and generations.get(i, h.generation) != h.generation:
-                raise h.lost_error(f"it rejoined since, and its {what} is gone")
+                raise h.lost_error(f"it rejoined since, and {_gone(what)}")
 
     def join(self, identity: bytes, hello: P.Hello, their_session: bytes, our_session: bytes,
              seq: int) -> Host:

@@ -13,6 +13,13 @@ Back-pressure: operations submitted but not yet sent are counted; a caller on a
 plain thread waits in :meth:`Operations.submit` while ``max_backlog`` are
 queued; code on any event loop never blocks there and awaits
 :meth:`Operations.wait_capacity` instead.
+
+Work that would hold the loop thread for more than a few milliseconds keeps its
+place in that order without holding the loop: a :class:`Gate` in the backlog
+stops what comes after it until the work is done, on another thread
+(:meth:`Operations.hold_for`: a tree put's digests) or in slices that the loop
+runs between its other work (:meth:`Operations.post_steps`: the messages of a
+put of many leaves).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import asyncio
 import collections
 import functools
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -41,9 +49,24 @@ if TYPE_CHECKING:
     from .hosts import Host, HostRegistry
 
 __all__ = [
-    "Combiner", "Decoder", "Operation", "Operations", "OpsOwner", "Parts", "ProtocolJudge",
-    "rebuild_exception",
+    "Combiner", "Decoder", "Gate", "Operation", "Operations", "OpsOwner", "Parts",
+    "ProtocolJudge", "rebuild_exception",
 ]
+
+log = logging.getLogger("colobus.controller")
+
+
+class Gate:
+    """A place in the backlog that nothing behind it passes until it opens."""
+
+    __slots__ = ("open",)
+
+    def __init__(self) -> None:
+        self.open = False
+
+    def __call__(self) -> None:  # (passed once open: nothing to do)
+        pass
+
 
 class ProtocolJudge(Protocol):
     """What judges a host that broke the protocol (the controller's sessions)."""
@@ -148,6 +171,50 @@ class Operations:
             return
         self.ctl._call_soon(self._start_posted, functools.partial(fn, *args) if args else fn)
 
+    def hold_for(self, work: Callable[[], None]) -> None:
+        """Loop thread: run ``work`` on another thread; what is submitted or posted from
+        now on waits in the backlog, in order, until it is done (or failed: logged)."""
+        gate = Gate()
+        self.backlog.append(gate)
+
+        def done(fut: asyncio.Future[None]) -> None:
+            if not fut.cancelled() and fut.exception() is not None:
+                log.error("work held off the loop thread failed", exc_info=fut.exception())
+            self._open(gate)
+
+        asyncio.get_running_loop().run_in_executor(None, work).add_done_callback(done)
+
+    def post_steps(self, step: Callable[[], bool]) -> None:
+        """:meth:`post` of work done in slices: ``step()`` does a few milliseconds of it
+        and says whether more is left. The loop runs its other work (reads, heartbeats)
+        between slices; nothing submitted or posted after this passes it."""
+
+        def first() -> None:
+            if not step():
+                return
+            gate = Gate()
+            self.backlog.appendleft(gate)  # (run at the front: it keeps its place)
+            loop = asyncio.get_running_loop()
+
+            def more() -> None:
+                try:
+                    left = step() and not self.ctl._closed
+                except Exception:  # (a bug) what waits behind it must not wait forever
+                    log.exception("a sliced send failed")
+                    left = False
+                if left:
+                    loop.call_soon(more)
+                else:
+                    self._open(gate)
+
+            loop.call_soon(more)
+
+        self.post(first)
+
+    def _open(self, gate: Gate) -> None:
+        gate.open = True
+        self.pump()
+
     def _start_posted(self, fn: Callable[[], None]) -> None:
         if self.backlog:
             self.backlog.append(fn)
@@ -228,6 +295,8 @@ class Operations:
                 backlog.popleft()
                 self._go(head)
             else:
+                if type(head) is Gate and not head.open:
+                    return
                 backlog.popleft()
                 head()
 

@@ -26,25 +26,22 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import msgpack
 import zmq
 
 from .._wire import protocol as P
-from .._wire.channel import Peer
-from .._wire.envelope import Dropped, Envelope, decode, pack_body, unpack_batch, unpack_bounded
-from .._wire.relaywire import Adopt, Gather, Gone, Ready, entries
+from .._wire.envelope import Dropped, Envelope, decode, unpack_batch, unpack_bounded
+from .._wire.peer import data_bytes
+from .._wire.relaywire import Adopt, Delivered, Gone, Ready, entries
 from .._wire.sockio import send_frames
 from .coalesced import on_results
-from .ops import Parts
+from .relaylink import LinkOwner, Relay
 
 if TYPE_CHECKING:
-    from .._wire.envelope import Buffer
     from .hosts import Host
     from .ops import Operations
-    from .uploads import Uploads
 
 __all__ = ["Relay", "Relays", "relay_count"]
 
@@ -70,17 +67,13 @@ class Judge(Protocol):
     def handle(self, host: Host, identity: bytes, env: Envelope, body: P.Body) -> None: ...
 
 
-class RelaysOwner(Parts, Protocol):
+class RelaysOwner(LinkOwner, Protocol):
     """What :class:`Relays` uses of the controller."""
 
     @property
     def _sessions(self) -> Judge: ...
     @property
-    def _uploads(self) -> Uploads: ...
-    @property
     def _ops(self) -> Operations: ...
-    @property
-    def _session(self) -> bytes: ...
     @property
     def _key(self) -> bytes: ...
     @property
@@ -95,8 +88,6 @@ class RelaysOwner(Parts, Protocol):
     def liveness_timeout(self) -> float: ...
     @property
     def max_message_bytes(self) -> int: ...
-    @property
-    def send_window_bytes(self) -> int: ...
 
 
 def relay_count(relays: int | None, threshold: int, hosts: int) -> int:
@@ -113,86 +104,6 @@ def relay_count(relays: int | None, threshold: int, hosts: int) -> int:
         return 0
     cores = os.cpu_count() or 2
     return max(1, min(-(-hosts // HOSTS_PER_RELAY), cores - 1))
-
-
-class Relay:
-    """One relay process, as the controller sees it (a :class:`~colobus._wire.peer.Via`
-    for the hosts it carries)."""
-
-    def __init__(self, index: int, ctl: RelaysOwner, proc: subprocess.Popen[bytes],
-                 identity: bytes, session: bytes) -> None:
-        self.index = index
-        self.proc = proc
-        self.identity = identity
-        self.session = session
-        self.link = Peer([identity], ctl._session, session, 0, ctl.send_window_bytes)
-        self.endpoint = ""  # where hosts connect, once it said READY
-        self.carries: dict[bytes, int] = {}  # host routing id -> host index
-        self.carried_mask = 0  # the bits of the hosts it carries
-        self.last_seen = time.monotonic()
-        self.alive = True
-        self.dropped: dict[str, int] = {}
-        self.forwards = 0  # FORWARD messages sent to it
-        self.ups = 0  # UP messages from it
-        self.carried_up = 0  # host messages those carried
-        self._gather = Gather()
-        self._ctl = ctl
-
-    def collect(self, peer: Peer) -> None:
-        items, peer.outbox = peer.outbox, []
-        h = self.carries.get(peer.route[0])
-        held = peer.held
-        peer.held = 0  # it is the relay's to hold now (self.link.held)
-        if held:
-            self._ctl._uploads.on_release(peer)
-        if h is None:
-            return  # a host it no longer carries: nothing more goes to it
-        add = self._gather.add
-        for kind, body, payload, bufs, pbufs in items:
-            add(h, kind, body if type(body) is bytes else pack_body(body), payload, bufs, pbufs)
-
-    def add(self, peer: Peer, kind: int, packed: bytes, payload: Buffer,
-            buffers: Sequence[Buffer], pbufs: int) -> None:
-        if peer.outbox:  # queued before it moved here: those go first
-            self.collect(peer)
-        h = self.carries.get(peer.route[0])
-        if h is not None:  # else a host it no longer carries: nothing more goes to it
-            self._gather.add(h, kind, packed, payload, buffers, pbufs)
-
-    def carried(self, peers: list[Peer]) -> list[int]:
-        carries = self.carries
-        for peer in peers:
-            if peer.outbox:  # (rare) queued before it moved here: those go first
-                self.collect(peer)
-        hosts = [carries.get(p.route[0], -1) for p in peers]
-        if -1 in hosts:  # hosts it no longer carries: nothing more goes to them
-            hosts = [h for h in hosts if h >= 0]
-        return hosts
-
-    def add_indices(self, hosts: list[int], kind: int, packed: bytes, payload: Buffer,
-                    buffers: Sequence[Buffer], pbufs: int) -> None:
-        # a copy: the entry's list grows when a later message joins it
-        self._gather.add_many(list(hosts), kind, packed, payload, buffers, pbufs)
-
-    def emit(self) -> Peer | None:
-        if not self._gather:
-            return None
-        body, payload, bufs = self._gather.take()
-        chan = self._ctl._chan
-        if chan is None:
-            return None
-        chan.enqueue_packed(self.link, P.Kind.FORWARD, pack_body(body), payload, bufs, 0)
-        self.forwards += 1
-        if len(body) > 1:  # several messages in one: counted as a batch
-            chan.batches_sent += 1
-        return self.link
-
-    def welcome_endpoint(self) -> str:
-        """The endpoint a WELCOME names: a TCP one as ``tcp://*:PORT`` (the host reaches
-        it at the address it reached the controller at)."""
-        if self.endpoint.startswith("tcp://"):
-            return "tcp://*:" + self.endpoint.rsplit(":", 1)[1]
-        return self.endpoint
 
 
 class Relays:
@@ -298,7 +209,9 @@ class Relays:
         """Each relay, for :meth:`Controller.stats`."""
         return [{"index": r.index, "pid": r.proc.pid, "endpoint": r.endpoint, "alive": r.alive,
                  "hosts": sorted(r.carries.values()), "forwards": r.forwards, "ups": r.ups,
-                 "carried_up": r.carried_up} for r in self.relays]
+                 "carried_up": r.carried_up, "most_buffers": r.most_buffers,
+                 "most_bytes": r.most_bytes}
+                for r in self.relays]
 
     def pick(self) -> Relay | None:
         """The live relay carrying fewest hosts (None: there is none)."""
@@ -326,6 +239,7 @@ class Relays:
                                         peer.send_seq, peer.recv_seq, peer.max_window,
                                         peer.max_part))
         relay.carries[host.identity] = host.index
+        relay.adopted(host.index)
         relay.carried_mask |= 1 << host.index
         peer.via = relay
         self._ctl._hosts.changes += 1  # (fan-outs worked out before go another way now)
@@ -463,11 +377,18 @@ class Relays:
         now = time.monotonic()
         session = self._ctl._session
         relay.ups += 1
+        relay.most_buffers = max(relay.most_buffers, len(env.buffers))
+        relay.most_bytes = max(relay.most_bytes, data_bytes(env.payload, env.buffers))
         if len(env.body) > 1:  # several hosts' messages, or several of one: a batch
             sessions.batches_received += 1
         for hosts, kind, packed, payload, bufs, pbufs, extras in entries(
                 env.body, env.payload, env.buffers):
             raw = unpack_bounded(packed)
+            if kind == P.Kind.DELIVERED:  # what the relay's hosts acknowledged
+                report = Delivered.from_wire(raw)
+                assert isinstance(report, Delivered)
+                relay.on_delivered(report)
+                continue
             sub = Envelope(kind, b"", session, 0, raw, payload, bufs, pbufs)
             try:
                 body = P.parse(kind, raw)

@@ -23,16 +23,10 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from .._wire import protocol as P
 from .._wire.chunks import ACK_KIND
-from .._wire.envelope import (
-    MAX_HEADER_BYTES,
-    MAX_OBJECTS,
-    PROTOCOL_VERSION,
-    Dropped,
-    Envelope,
-    unpack_batch,
-)
-from .._wire.guard import RESET_SEQ, UNKNOWN_PEER_MAX_BYTES, Challenges, PeerWarnings
+from .._wire.envelope import PROTOCOL_VERSION, Dropped, Envelope, unpack_batch
+from .._wire.guard import RESET_SEQ, Challenges, PeerWarnings
 from .._wire.lane import decode
+from .._wire.limits import MAX_HEADER_BYTES, MAX_OBJECTS, UNKNOWN_PEER_MAX_BYTES
 from .._wire.protocol import Kind
 from .._wire.relaywire import NEVER_REACHED
 from .._wire.versions import compare, local_versions

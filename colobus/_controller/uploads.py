@@ -6,11 +6,12 @@ that puts faster than a link carries would hold all of it. So each host counts
 what the controller holds for it: bytes of puts not yet handed to the channel
 (reserved here, on the caller's thread) and what the channel holds for the peer
 (:attr:`colobus._wire.channel.Peer.held`: queued, waiting for the window, or sent
-and not acknowledged). A put to a host holding ``max_queued_bytes`` or more
-waits, the way calls wait for room in the backlog: a plain thread blocks in
-``device_put``; code on an event loop never blocks there and awaits
-:meth:`Uploads.wait_room` (``ctl.wait_capacity()``) instead. A put larger than
-the bound leaves alone once its hosts are below it.
+and not acknowledged; for a host behind a relay, what the relay was given for it
+and has not seen it acknowledge, :meth:`.relaylink.Relay.held_for`). A put to a
+host holding ``max_queued_bytes`` or more waits, the way calls wait for room in the
+backlog: a plain thread blocks in ``device_put``; code on an event loop never blocks
+there and awaits :meth:`Uploads.wait_room` (``ctl.wait_capacity()``) instead. A put
+larger than the bound leaves alone once its hosts are below it.
 """
 
 from __future__ import annotations
@@ -57,10 +58,10 @@ class Uploads:
         """The bytes the controller holds for host ``index`` (any thread; a snapshot)."""
         hosts = self.ctl._hosts
         peer = hosts[index].peer if 0 <= index < len(hosts) else None
-        if peer is not None and peer.via is not None:
-            peer = peer.via.link  # a relay's hosts share what it holds
-        held = peer.held if peer is not None else 0
-        return self.reserved[index] + held
+        if peer is None:
+            return self.reserved[index]
+        via = peer.via  # a relayed host's: what its relay was given and it not acknowledged
+        return self.reserved[index] + (peer.held if via is None else via.held_for(index))
 
     def _full(self, indices: Iterable[int]) -> bool:
         hosts = self.ctl._hosts

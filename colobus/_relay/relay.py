@@ -30,8 +30,6 @@ import zmq
 from .._wire import protocol as P
 from .._wire.channel import Channel, Peer
 from .._wire.envelope import (
-    MAX_HEADER_BYTES,
-    MAX_OBJECTS,
     PROTOCOL_VERSION,
     Dropped,
     Envelope,
@@ -39,8 +37,10 @@ from .._wire.envelope import (
     pack_body,
     unpack_batch,
 )
-from .._wire.guard import RESET_SEQ, UNKNOWN_PEER_MAX_BYTES
-from .._wire.relaywire import NEVER_REACHED, SMALL, Adopt, Gather, Gone, Ready, entries
+from .._wire.guard import RESET_SEQ
+from .._wire.limits import MAX_HEADER_BYTES, MAX_OBJECTS, UNKNOWN_PEER_MAX_BYTES
+from .._wire.peer import data_bytes
+from .._wire.relaywire import NEVER_REACHED, SMALL, Adopt, Delivered, Gather, Gone, Ready, entries
 from .._wire.sockio import router_socket
 from .hold import HOLD_S, ReplyHold
 
@@ -52,6 +52,10 @@ DEAD_MAX = 4096
 RESULT = int(P.Kind.RESULT)
 CALL = int(P.Kind.CALL)
 HEARTBEAT = int(P.Kind.HEARTBEAT)
+DELIVERED = int(P.Kind.DELIVERED)
+# Hosts' acknowledgements that freed this many bytes since the last report go up at
+# once (an upload may wait for them); fewer ride with the next UP.
+DELIVER_NOW = 1 << 18
 # A host's heartbeat goes up when its figures other than memory, CPU time and the ping
 # echo changed, or this long after the last that went up; the relay judges liveness.
 HEALTH_EVERY_S = 5.0
@@ -87,6 +91,12 @@ class Relay:
         self._due = False  # self.ups holds more than heartbeats
         self._beat_timer: asyncio.TimerHandle | None = None
         self.ctl = Peer([], self.session, self.ctl_session)
+        # Per host: the payload and buffer bytes FORWARDs gave it, of those what the last
+        # DELIVERED said it acknowledged, and the hosts whose acknowledgements freed
+        # some since (.relaywire.Delivered).
+        self.given: dict[int, int] = {}
+        self.reported: dict[int, int] = {}
+        self.released: set[int] = set()
         self.ctl_heard = time.monotonic()
         self.done: asyncio.Future[None] | None = None
 
@@ -104,7 +114,8 @@ class Relay:
         down.bind(self.cfg["bind"])
         self.up = Channel(up, self.key, loop, self._from_controller, send_flags=zmq.NOBLOCK,
                           after_reads=self._flush_down)
-        self.down = Channel(down, self.key, loop, self._from_host, after_reads=self._flush_up)
+        self.down = Channel(down, self.key, loop, self._from_host, after_reads=self._flush_up,
+                            on_release=self._released)
         self.up.send(self.ctl, Ready(down.getsockopt_string(zmq.LAST_ENDPOINT)))
         loop.add_reader(0, self._stdin)
         ticks = loop.create_task(self._ticks())
@@ -150,14 +161,18 @@ class Relay:
         if kind == P.Kind.FORWARD:
             enqueue = self.down.enqueue_packed
             peers = self.peers
+            given = self.given
             for hosts, k, packed, payload, bufs, pbufs, _ in entries(
                     env.body, env.payload, env.buffers):
                 sent = 0
+                n = data_bytes(payload, bufs) if payload or bufs else 0
                 for h in hosts:
                     peer = peers.get(h)
                     if peer is not None:
                         enqueue(peer, k, packed, payload, bufs, pbufs)
                         sent += 1
+                        if n:
+                            given[h] += n
                 if k == CALL and sent:
                     call = msgpack.unpackb(packed)  # authenticated: the FORWARD's MAC
                     if isinstance(call, list) and call and type(call[0]) is int:
@@ -174,6 +189,7 @@ class Relay:
             peer.send_seq = a.send_seq
             peer.max_part = a.max_part
             self.peers[a.host] = peer
+            self.given[a.host] = self.reported[a.host] = 0
             self.by_identity[a.identity] = a.host
             self.last_seen[a.host] = time.monotonic()
         elif kind == P.Kind.GONE:
@@ -275,9 +291,36 @@ class Relay:
         self.health_up[h] = (now, figures)
         return True
 
+    def _released(self, peer: Peer) -> None:
+        h = self.by_identity.get(peer.route[0])
+        if h is not None:
+            self.released.add(h)
+
+    def _delivered(self) -> None:
+        """What the hosts acknowledged, as an entry of the next UP: it goes now if that
+        freed DELIVER_NOW bytes or more (uploads may wait for them), else with the next
+        UP that goes anyway (a call's arguments: its RESULT's UP follows soon)."""
+        counts: list[int] = []
+        freed = 0
+        for h in self.released:
+            peer = self.peers.get(h)
+            if peer is not None:
+                n = self.given.get(h, 0) - peer.held
+                freed += n - self.reported.get(h, 0)
+                self.reported[h] = n
+                counts += (h, n)
+        self.released.clear()
+        if counts:
+            self.ups.add_many([], DELIVERED, pack_body(Delivered(counts).to_wire()), b"", (), 0)
+            if freed >= DELIVER_NOW:
+                self._due = True
+
     def _flush_up(self) -> None:
-        """After the hosts' messages were read: send them up, unless they wait for the
-        rest of their calls' replies (:mod:`.hold`)."""
+        """After the hosts' messages were read: say what they acknowledged, and send
+        their messages up, unless they wait for the rest of their calls' replies
+        (:mod:`.hold`)."""
+        if self.released:
+            self._delivered()
         if not self.ups:
             return
         if self.hold.holding:
@@ -311,8 +354,8 @@ class Relay:
         self._hold_timer = self._beat_timer = None
         self._due = False
         self.hold.sent()
-        body, payload, bufs = self.ups.take()
-        self.up.send_packed(self.ctl, P.Kind.UP, pack_body(body), payload, bufs, 0)
+        for body, payload, bufs in self.ups.take():  # each within the limits (.limits)
+            self.up.send_packed(self.ctl, P.Kind.UP, pack_body(body), payload, bufs, 0)
 
     # -- liveness ------------------------------------------------------------------------
 
@@ -365,6 +408,9 @@ class Relay:
         self.by_identity.pop(peer.route[0], None)
         self.last_seen.pop(h, None)
         self.health_up.pop(h, None)
+        self.given.pop(h, None)
+        self.reported.pop(h, None)
+        self.released.discard(h)
         self.arrived.discard(h)
         self.dead[peer.their_session] = (peer.route[0], last_word)
         while len(self.dead) > DEAD_MAX:

@@ -34,7 +34,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from .envelope import MAX_FRAMES, Buffer, Dropped, Envelope, pack_body
+from .envelope import Buffer, Dropped, Envelope, pack_body
+from .limits import CHUNK_BYTES, MAX_BUFFERS, MAX_PART
 
 __all__ = ["ACK_KIND", "CHUNKED_KIND", "CHUNK_BYTES", "MAX_PART", "PART_KIND", "Assembly",
            "Splitter", "envelope_bytes", "part_size", "split"]
@@ -42,13 +43,10 @@ __all__ = ["ACK_KIND", "CHUNKED_KIND", "CHUNK_BYTES", "MAX_PART", "PART_KIND", "
 CHUNKED_KIND = 20  # protocol.Kind.CHUNKED: the head of a message sent in parts
 PART_KIND = 21  # protocol.Kind.PART: the next bytes of that message
 ACK_KIND = 22  # protocol.Kind.ACK: acknowledgement only, outside the numbering
-# The smallest part, and the largest message always sent whole: a heartbeat waits
-# behind at most a few of them on a slow link (256 KiB is 26 ms at 80 Mbit/s).
-CHUNK_BYTES = 1 << 18
-# The largest part, and the largest message sent whole where the window allows:
-# under the controller's 4 MiB frame limit (ZMQ_MAXMSGSIZE), with room for the
-# header. Per-envelope costs (both loops, the acknowledgement) are noise at this size.
-MAX_PART = (1 << 22) - (1 << 16)
+# CHUNK_BYTES (.limits), the smallest part: a heartbeat waits behind at most a few of
+# them on a slow link (256 KiB is 26 ms at 80 Mbit/s). MAX_PART, the largest: under the
+# controller's 4 MiB frame limit (ZMQ_MAXMSGSIZE), with room for the header;
+# per-envelope costs (both loops, the acknowledgement) are noise at that size.
 DIGEST_SIZE = 32
 
 _ARRAY6 = b"\x96"
@@ -181,7 +179,7 @@ class Assembly:
         kind, body, pbufs, buflens, plen, digest = raw
         if not (type(kind) is int and kind not in (CHUNKED_KIND, PART_KIND, ACK_KIND)
                 and type(pbufs) is int and isinstance(buflens, list)
-                and len(buflens) < MAX_FRAMES and all(type(n) is int and n >= 0 for n in buflens)
+                and len(buflens) <= MAX_BUFFERS and all(type(n) is int and n >= 0 for n in buflens)
                 and type(plen) is int and plen >= 0 and 0 <= pbufs <= len(buflens)
                 and isinstance(digest, bytes) and len(digest) == (DIGEST_SIZE if plen else 0)
                 and not head.payload and not head.buffers):

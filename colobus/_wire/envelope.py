@@ -36,6 +36,17 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from .limits import (
+    BATCH_MAX_BUFFERS,
+    BATCH_MAX_BYTES,
+    BATCH_MAX_ITEMS,
+    BATCH_MAX_PAYLOAD,
+    BODY_INLINE_MAX,
+    COUNT_ABOVE,
+    MAX_FRAMES,
+    MAX_HEADER_BYTES,
+    MAX_OBJECTS,
+)
 from .pickling import ByValue, StdPickler, dumps, loads, oob_callback
 from .splice import array_header, pack_body, uint
 
@@ -73,10 +84,6 @@ PROTOCOL_VERSION = 9  # 2: BATCH envelopes; 3: acknowledgements (ack) in every h
 # 9: relays (a WELCOME may move the session to one; ADOPT, FORWARD, UP, GONE, READY)
 BATCH_KIND = 17  # _protocol.Kind.BATCH (this module does not import the kinds)
 MAC_SIZE = 32
-MAX_HEADER_BYTES = 1 << 20
-# A body packed larger than this travels at the head of the payload (see encode).
-BODY_INLINE_MAX = 1 << 16
-MAX_FRAMES = 1 << 16  # frames in one envelope (a batch's buffers included)
 
 _LEN = struct.Struct("<Q")
 
@@ -180,10 +187,6 @@ class TooManyObjects(ValueError):
     """A msgpack document holds more containers than its reader allows."""
 
 
-# Headers and bodies up to this size are read without counting their containers
-# (they cannot hold many); larger ones count them against a budget.
-COUNT_ABOVE = 1 << 12
-MAX_OBJECTS = 1 << 17  # containers (lists, maps) in one header or body, at most
 
 
 def unpack_bounded(data: Buffer, max_objects: int = MAX_OBJECTS, **limits: Any) -> Any:
@@ -309,13 +312,9 @@ def pack_batch(items: Sequence[Outgoing]) -> tuple[list[Any], bytes, list[Buffer
     return entries, b"".join(payloads), buffers
 
 
-BATCH_MAX_ITEMS = 256  # messages in one BATCH, at most
-# A message this large (body, payload and buffers together) travels alone, not copied
-# into a batch; and a batch stops short of BATCH_MAX_BYTES and BATCH_MAX_BUFFERS frames,
-# so it never nears a receiver's limits (max_message_bytes, MAX_FRAMES, max_body).
-BATCH_MAX_PAYLOAD = 1 << 18
-BATCH_MAX_BYTES = 1 << 20
-BATCH_MAX_BUFFERS = 4096
+# A message of BATCH_MAX_PAYLOAD or more (body, payload and buffers together) travels
+# alone, not copied into a batch; and a batch stops short of BATCH_MAX_BYTES and
+# BATCH_MAX_BUFFERS frames, so it never nears a receiver's limits (.limits).
 
 
 def _packed(item: Outgoing) -> Outgoing:

@@ -15,10 +15,9 @@ import secrets
 import time
 from typing import Generic, TypeVar
 
-__all__ = ["RESET_SEQ", "UNKNOWN_PEER_MAX_BYTES", "BoundedDict", "Challenges", "PeerWarnings"]
+__all__ = ["RESET_SEQ", "BoundedDict", "Challenges", "PeerWarnings"]
 
 RESET_SEQ = 1 << 62  # sequence number of a RESET: above any a session reaches
-UNKNOWN_PEER_MAX_BYTES = 1 << 18  # a message from a peer that has not joined, at most
 
 K = TypeVar("K")
 V = TypeVar("V")

@@ -29,21 +29,23 @@ from .envelope import (
     _LEN,
     _NIL,
     BATCH_KIND,
-    BATCH_MAX_BUFFERS,
-    BATCH_MAX_BYTES,
-    BATCH_MAX_ITEMS,
-    BATCH_MAX_PAYLOAD,
-    BODY_INLINE_MAX,
-    COUNT_ABOVE,
     MAC_SIZE,
-    MAX_FRAMES,
-    MAX_HEADER_BYTES,
     Buffer,
     Dropped,
     Envelope,
     Outgoing,
     mac_key,
     unpack_bounded,
+)
+from .limits import (
+    BATCH_MAX_BUFFERS,
+    BATCH_MAX_BYTES,
+    BATCH_MAX_ITEMS,
+    BATCH_MAX_PAYLOAD,
+    BODY_INLINE_MAX,
+    COUNT_ABOVE,
+    MAX_FRAMES,
+    MAX_HEADER_BYTES,
 )
 from .splice import pack_body
 

@@ -62,6 +62,10 @@ class Via(Protocol):
     def emit(self) -> Peer | None:
         """Queue what was collected on the relay's own peer; that peer, or None."""
 
+    def held_for(self, index: int) -> int:
+        """The payload and buffer bytes given for host ``index`` that it has not yet
+        acknowledged (to the relay)."""
+
 
 class Peer:
     """The other end of one session: sequence numbers both ways, the outbox, what waits

@@ -84,6 +84,7 @@ class Kind(enum.IntEnum):
     UP = 28  # R: messages your hosts sent, authenticated, same replies coalesced
     GONE = 29  # both: a host the relay no longer carries (lost, or it broke the protocol)
     READY = 30  # R: the relay is up, hosts connect to this endpoint
+    DELIVERED = 31  # R: the bytes your hosts acknowledged (upload back-pressure)
 
 
 class Status(enum.IntEnum):

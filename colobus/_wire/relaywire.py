@@ -13,6 +13,12 @@ controller would, and talks to the controller in few, large messages:
   each host's ``times`` in ``extras``.
 * ADOPT, GONE, READY: a host joined and moves to the relay; a host the relay
   no longer carries (either side); the relay is up, at this endpoint.
+* DELIVERED, an entry of an UP (no hosts): how many of the bytes the relay was
+  given for each host that host acknowledged (the controller's upload back-pressure
+  counts the rest).
+
+Each FORWARD and UP stays within :mod:`.limits` (``GATHER_MAX_*``): a gather
+closes one message before the next would pass a limit and goes on in another.
 """
 
 from __future__ import annotations
@@ -23,10 +29,16 @@ from typing import Any
 
 from . import protocol as P
 from .envelope import Buffer, Dropped
+from .limits import GATHER_MAX_BODY, GATHER_MAX_BUFFERS, GATHER_MAX_BYTES
 
-__all__ = ["NEVER_REACHED", "Adopt", "Entry", "Gather", "Gone", "Ready", "entries"]
+__all__ = ["NEVER_REACHED", "Adopt", "Delivered", "Entry", "Gather", "Gone", "Ready", "entries"]
 
 SMALL = 4096  # payloads up to this size are shared by value (replies), larger by identity
+# What an entry adds to its message's packed body besides the host's packed body (an
+# estimate, on the high side): the entry's fields, each host index, a reply's times.
+ENTRY_BYTES = 48
+HOST_BYTES = 5
+EXTRA_BYTES = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +76,18 @@ NEVER_REACHED = "it never reached its relay"
 
 
 @dataclass(frozen=True, slots=True)
+class Delivered(P.Body):
+    """Of the payload and buffer bytes FORWARDs gave the relay for each host since it
+    adopted it, how many the host acknowledged: ``counts`` is ``[host, bytes, ...]``.
+    The relay acknowledges a FORWARD as soon as it reads it; the controller counts what
+    it gave each host until it hears here that the host has it (upload back-pressure)."""
+
+    kind = P.Kind.DELIVERED
+    types = (list,)
+    counts: list[int]
+
+
+@dataclass(frozen=True, slots=True)
 class Ready(P.Body):
     kind = P.Kind.READY
     types = (str,)
@@ -75,23 +99,41 @@ def _nbytes(b: Buffer) -> int:
 
 
 class Gather:
-    """Messages for (or from) many hosts, gathered into one message's entries."""
+    """Messages for (or from) many hosts, gathered into the entries of as few messages
+    as the limits allow (:data:`~.limits.GATHER_MAX_BUFFERS`, ``GATHER_MAX_BYTES``,
+    ``GATHER_MAX_BODY``): one closes before a message would take it past a limit, and
+    the next goes on where it stopped (entries are delivered in order, message after
+    message). A message over a limit on its own travels alone, as on the star."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_buffers: int = GATHER_MAX_BUFFERS,
+                 max_bytes: int = GATHER_MAX_BYTES, max_body: int = GATHER_MAX_BODY) -> None:
+        self.max_buffers = max_buffers
+        self.max_bytes = max_bytes
+        self.max_body = max_body
+        self._closed: list[tuple[list[list[Any]], bytes, list[Buffer]]] = []
+        self._open()
+
+    def _open(self) -> None:
         self.entries: list[list[Any]] = []
         self.buffers: list[Buffer] = []
         self._same: dict[tuple[Any, ...], tuple[list[Any], int]] = {}
         self._last: dict[int, int] = {}  # host -> the index of its last entry
         self._payloads: list[Buffer] = []
-        self._size = 0
+        self._size = 0  # payload bytes placed
+        self._data = 0  # payload and buffer bytes placed
+        self._body = 0  # about what the entries pack to
         self._pay_at: dict[Any, int] = {}
         self._buf_at: dict[tuple[int, ...], int] = {}
         self._pay_last: Any = None  # the last payload and buffers added, and where they
         self._bufs_last: Any = None  # went: a fan-out adds the same objects per host
         self._pay_last_at = self._bufs_last_at = 0
 
+    def _close(self) -> None:
+        self._closed.append((self.entries, b"".join(self._payloads), self.buffers))
+        self._open()
+
     def __bool__(self) -> bool:
-        return bool(self.entries)
+        return bool(self.entries) or bool(self._closed)
 
     def add_many(self, hosts: list[int], kind: int, body: bytes, payload: Buffer,
                  bufs: Sequence[Buffer], pbufs: int) -> None:
@@ -103,36 +145,55 @@ class Gather:
         self.entries.append(entry)
         self._same[(kind, body, at, plen, boff, len(bufs), pbufs, True)] = (entry, n)
         self._last.update(dict.fromkeys(hosts, n))
+        self._grew(len(body) + ENTRY_BYTES + HOST_BYTES * len(hosts))
+
+    def _grew(self, body: int) -> None:
+        self._body += body
+        if self._body >= self.max_body:
+            self._close()
 
     def _place(self, payload: Buffer, bufs: Sequence[Buffer]) -> tuple[int, int, int]:
         """Where ``payload`` and ``bufs`` sit in the message (each added once): the
-        payload's offset and length, the first buffer's index."""
+        payload's offset and length, the first buffer's index. If placing them would take
+        the message past a limit, it closes first and they go in the next one."""
         plen = _nbytes(payload)
-        at = 0
+        at = boff = -1  # -1: not in this message yet
+        pkey: Any = None
+        bkey: tuple[int, ...] = ()
+        if not plen:
+            at = 0
+        elif payload is self._pay_last:
+            at = self._pay_last_at
+        else:
+            pkey = bytes(payload) if plen <= SMALL else id(payload)
+            at = self._pay_at.get(pkey, -1)
+        if not bufs:
+            boff = 0
+        elif bufs is self._bufs_last:
+            boff = self._bufs_last_at
+        else:
+            bkey = tuple(map(id, bufs))
+            boff = self._buf_at.get(bkey, -1)
+        data = (plen if at < 0 else 0) + (sum(map(_nbytes, bufs)) if boff < 0 else 0)
+        nbufs = len(bufs) if boff < 0 else 0
+        if self.entries and (len(self.buffers) + nbufs > self.max_buffers
+                             or self._data + data > self.max_bytes):
+            self._close()
+            return self._place(payload, bufs)
+        self._data += data
+        if at < 0:
+            at = self._pay_at[pkey] = self._size
+            self._payloads.append(payload)  # (held: its id stays its own)
+            self._size += plen
         if plen:
-            if payload is self._pay_last:
-                at = self._pay_last_at
-            else:
-                pkey: Any = bytes(payload) if plen <= SMALL else id(payload)
-                found = self._pay_at.get(pkey)
-                if found is None:
-                    found = self._pay_at[pkey] = self._size
-                    self._payloads.append(payload)  # (held: its id stays its own)
-                    self._size += plen
-                at = self._pay_last_at = found
-                self._pay_last = payload
-        boff = 0
+            self._pay_last = payload
+            self._pay_last_at = at
+        if boff < 0:
+            boff = self._buf_at[bkey] = len(self.buffers)
+            self.buffers.extend(bufs)
         if bufs:
-            if bufs is self._bufs_last:
-                boff = self._bufs_last_at
-            else:
-                bkey = tuple(map(id, bufs))
-                bfound = self._buf_at.get(bkey)
-                if bfound is None:
-                    bfound = self._buf_at[bkey] = len(self.buffers)
-                    self.buffers.extend(bufs)
-                boff = self._bufs_last_at = bfound
-                self._bufs_last = bufs
+            self._bufs_last = bufs
+            self._bufs_last_at = boff
         return at, plen, boff
 
     def add(self, host: int, kind: int, body: bytes, payload: Buffer, bufs: Sequence[Buffer],
@@ -152,17 +213,21 @@ class Gather:
             self._last[host] = n
             if not alone:
                 self._same[key] = (self.entries[n], n)
+            self._grew(len(body) + ENTRY_BYTES + (EXTRA_BYTES if extra is not None else 0))
             return
         entry, n = same
         entry[0].append(host)
         self._last[host] = n
         if extra is not None:
             entry[8].append(extra)
+        self._grew(HOST_BYTES + (EXTRA_BYTES if extra is not None else 0))
 
-    def take(self) -> tuple[list[list[Any]], bytes, list[Buffer]]:
-        """The entries, payload and buffers of one message; empties this gather."""
-        out = self.entries, b"".join(self._payloads), self.buffers
-        self.__init__()  # type: ignore[misc]
+    def take(self) -> list[tuple[list[list[Any]], bytes, list[Buffer]]]:
+        """The entries, payload and buffers of each message gathered, in order; empties
+        this gather."""
+        if self.entries:
+            self._close()
+        out, self._closed = self._closed, []
         return out
 
 

@@ -20,8 +20,10 @@ from typing import Any, cast
 
 import zmq
 
+from .limits import MAX_FRAME_BYTES
+
 __all__ = [
-    "MAX_FRAME_BYTES", "router_socket",
+    "router_socket",
     "COPY_BELOW", "EVENTS", "NOBLOCK", "POLLIN", "readable", "recv_frames", "send_frames",
     "socket_fd",
 ]
@@ -71,7 +73,6 @@ def recv_frames(sock: zmq.Socket[Any], flags: int = NOBLOCK) -> list[Any]:
     return parts
 
 
-MAX_FRAME_BYTES = 1 << 22  # one incoming frame at the controller, at most (ZMQ_MAXMSGSIZE)
 
 
 def router_socket(ctx: zmq.Context[Any], max_message_bytes: int) -> zmq.Socket[Any]:
