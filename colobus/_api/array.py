@@ -133,6 +133,24 @@ class Array:
         """Every device's shard, in the sharding's device order; ``.data`` is a Future."""
         return addressable_shards(self)
 
+    def is_ready(self) -> Future[bool]:
+        """A Future of whether the array is stored on every host and its value computed
+        there (JAX's ``is_ready``: the hosts answer at once, never waiting for it)."""
+        self.check_usable()
+        ctl = self._ctl
+        fut: Future[bool]
+        if self._ready:
+            fut = ctl._ops.new_future()
+            fut.set_result(True)
+            return fut
+        ref = self.ref
+
+        def send(call_id: int) -> None:
+            for h in self.hosts:
+                ctl._send(ctl._hosts[h], P.Fetch(call_id, ref, False, [], True))
+
+        return ctl._ops.submit(self.hosts, send, _answer, _all_true, backpressure=False)
+
     def is_deleted(self) -> bool:
         return self._deleted
 
@@ -187,6 +205,14 @@ class Array:
                 seen.add(key)
                 chosen[h] = b
         return chosen
+
+
+def _answer(host: Host, body: P.Result, env: Envelope) -> bool:
+    return body.meta is True
+
+
+def _all_true(values: dict[int, bool]) -> bool:
+    return all(values.values())
 
 
 def _is_array_leaf(x: Any) -> bool:
@@ -310,13 +336,17 @@ def device_get(tree: Any) -> Future[Any]:
 
 
 def block_until_ready(tree: Any) -> Future[Any]:
-    """A Future that resolves to ``tree`` once every ``cb.Array`` in it is stored on its hosts."""
+    """A Future that resolves to ``tree`` once every ``cb.Array`` in it is ready: stored on
+    its hosts and its value computed there (each host waits with JAX's
+    ``block_until_ready``, off its loop thread)."""
     import jax
 
     arrays = [x for x in jax.tree_util.tree_leaves(tree, is_leaf=_is_array_leaf)
               if isinstance(x, Array)]
 
     def finish(_: list[Any]) -> Any:
+        for a in arrays:  # stored and computed: later waits need no round trip
+            a._ready = True
         return tree
 
     return _fetch_many(arrays, False, finish)

@@ -9,9 +9,12 @@ session never answers into the next one (its call ids would mean something else)
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import gc
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from .._wire import protocol as P
 from .._wire.codec import from_buffer, to_buffer
@@ -36,6 +39,7 @@ class HostArrays:
         self._w = worker
         self.reshards = HostReshards(worker)
         self.trees = HostTreePuts(worker, self)
+        self._waits: concurrent.futures.ThreadPoolExecutor | None = None
 
     def handlers(self) -> dict[int, Any]:
         """The worker's dispatch entries for array messages."""
@@ -154,8 +158,33 @@ class HostArrays:
 
     def on_fetch(self, body: P.Fetch, env: Envelope) -> None:
         fut = self._w.store.arrays.get(body.ref)
+        if body.probe:
+            self._probe(body.call_id, body.ref, fut)
+            return
         self._w._spawn(self._fetch(body.call_id, body.ref, fut, body.data, self._w.epoch,
                                    body.box))
+
+    def _probe(self, call_id: int, ref: int, fut: asyncio.Future[Any] | None) -> None:
+        """Answer whether array ``ref`` is stored and computed, without waiting (is_ready)."""
+        try:
+            if fut is None:
+                raise KeyError(f"array {ref} is not on host {self._w.host_index} (deleted?)")
+            ready = fut.done() and is_computed(fut.result())
+        except Exception as exc:
+            self._w.reply_error(call_id, exc)
+            return
+        self._w.send(P.Result(call_id, Status.OK, ready))
+
+    async def computed(self, value: Any) -> None:
+        """Wait until JAX finished computing ``value`` (off the loop thread: JAX's
+        ``block_until_ready`` holds its thread until the device is done)."""
+        if is_computed(value):
+            return
+        if self._waits is None:
+            # Its own threads: a wait must not hold a slot that calls run in.
+            self._waits = concurrent.futures.ThreadPoolExecutor(
+                4, thread_name_prefix="colobus-ready")
+        await asyncio.get_running_loop().run_in_executor(self._waits, value.block_until_ready)
 
     async def _fetch(self, call_id: int, ref: int, fut: asyncio.Future[Any] | None,
                      data: bool, epoch: int, box: list[Any]) -> None:
@@ -163,6 +192,7 @@ class HostArrays:
             if fut is None:
                 raise KeyError(f"array {ref} is not on host {self._w.host_index} (deleted?)")
             value = await fut
+            await self.computed(value)
             if isinstance(value, PiecedBlock) and data:  # made whole off the loop
                 value = await asyncio.get_running_loop().run_in_executor(
                     self._w._pool, value.materialize)
@@ -186,6 +216,15 @@ class HostArrays:
                 self._w.reply_error(call_id, exc)
             return
         self._w.send(P.Result(call_id, Status.OK, [list(arr.shape), descr, impl]), b"", [buf])
+
+
+def is_computed(value: Any) -> bool:
+    """Whether a stored value's data is there: a ``jax.Array`` JAX still computes is not
+    (JAX dispatches asynchronously); numpy data always is."""
+    if isinstance(value, np.ndarray):
+        return True
+    check = getattr(value, "is_ready", None)
+    return True if check is None else bool(check())
 
 
 def chain_future(dst: asyncio.Future[Any], src: asyncio.Future[Any]) -> None:

@@ -280,12 +280,13 @@ class Put(Body):
 @dataclass(frozen=True, slots=True)
 class Fetch(Body):
     kind = Kind.FETCH
-    types = (int, int, bool, list)
+    types = (int, int, bool, list, bool)
     required = 3
     call_id: int
     ref: int
-    data: bool  # False: only answer once the array is stored (block_until_ready)
+    data: bool  # False: only answer once the array is stored and computed (block_until_ready)
     box: list[Any] = field(default_factory=list)  # [[start, stop], ...]: only that box
+    probe: bool = False  # answer at once whether it is ready (is_ready), never wait
 
 
 @dataclass(frozen=True, slots=True)
