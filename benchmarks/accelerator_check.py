@@ -235,7 +235,8 @@ def main() -> int:
             "awaited_extra_round_trips": round(extra / rt, 2), "awaited_goal_met": extra <= rt}
     out["two_workers"] = asyncio.run(two_workers())
     ex = subprocess.run([sys.executable, str(ROOT / "examples" / "accelerator_training.py"),
-                         "--steps", "10" if QUICK else "200"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                         "--steps", "10" if QUICK else "200"], cwd=ROOT, capture_output=True,
+                        text=True, timeout=600)
     out["example"] = {"exit": ex.returncode, "last_line": (ex.stdout.strip().splitlines() or
                                                           [ex.stderr[-500:]])[-1]}
     text = json.dumps(out, indent=1)

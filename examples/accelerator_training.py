@@ -82,9 +82,8 @@ class Model:
 
     def snapshot(self, like: Any) -> Any:
         """The parameters as one flat row, laid out as ``like`` (on the accelerator)."""
-        import jax.numpy as jnp
-
         import jax
+        import jax.numpy as jnp
 
         flat = jnp.concatenate([self.params["w1"].ravel(), self.params["w2"].ravel()])
         return jax.device_put(flat[None], like.sharding)  # this host's row, on its accelerator
