@@ -116,7 +116,6 @@ def test_workers_get_their_chips_and_one_that_cannot_open_joins_cpu_only(
             x = cb.device_put(np.zeros(1, np.float32), cb.SingleDeviceSharding(dev))
             views.append(str(np.asarray(_worker_view(x).result())[0]))
     assert views == ["0 1,1,1 tpu,cpu cpu", "1 1,1,1 tpu,cpu cpu", "- - cpu cpu"]
-    assert "2 tpu accelerators for 3 hosts: hosts 0-1 get 1 each, the other 1 are CPU-only" \
-        in caplog.text
+    assert "2 tpu chips for 3 hosts: hosts 0-1 get 1 each, host 2 is CPU-only" in caplog.text
     err = capfd.readouterr().err
     assert err.count("could not open its accelerator") == 2, err

@@ -183,7 +183,16 @@ def local_worker_envs(hosts: int, per_host: int | None) -> list[dict[str, str]]:
             "before using JAX on the accelerator in this process, run this process with "
             "JAX_PLATFORMS=cpu, or pass accelerators_per_host=0 for CPU-only workers")
     if given < hosts:
-        log.warning("%d %s accelerators for %d hosts: hosts 0-%d get %d each, the other %d "
-                    "are CPU-only", acc.count, acc.kind, hosts, given - 1,
-                    acc.count // given, hosts - given)
+        per = acc.count // given
+        log.warning("%d %s %s for %d hosts: %s, %s CPU-only", acc.count, acc.kind,
+                    "chip" if acc.count == 1 else "chips", hosts,
+                    _hosts(0, given, f"gets {per}", f"get {per} each"),
+                    _hosts(given, hosts, "is", "are"))
     return envs
+
+
+def _hosts(start: int, stop: int, one: str, many: str) -> str:
+    """``"host 2 is"`` or ``"hosts 2-5 are"``."""
+    if stop - start == 1:
+        return f"host {start} {one}"
+    return f"hosts {start}-{stop - 1} {many}"
