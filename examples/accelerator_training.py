@@ -3,7 +3,7 @@
 What runs where, on every host at once:
 
 * ``Model`` (a ``colocated_python_class``, one instance per host) keeps its
-  parameters on that host's accelerators and trains them with a jitted step;
+  parameters on that host's first accelerator and trains them with a jitted step;
   the controller never sees them, only a loss per step (a ``cb.Array`` still
   being computed: JAX dispatches asynchronously, and so does colobus);
 * ``make_batch`` prepares each batch on the host's colocated CPU device (the

@@ -17,7 +17,7 @@ import pytest
 import ready_hostside as hs
 
 import colobus as cb
-from colobus._launch.accel import Accelerators, share_out
+from colobus._launch.accel import Accelerators, local_worker_envs, share_out
 
 
 def test_block_until_ready_waits_until_the_host_says_computed(ctl: cb.Controller) -> None:
@@ -92,6 +92,8 @@ def test_share_out_gives_each_worker_its_chips() -> None:
         "0,1", "2,3"]
     with pytest.raises(ValueError, match="only 4"):
         share_out(Accelerators("tpu", 4), 2, per_host=4)
+    # accelerators_per_host=0: CPU-only, also where the detector finds nothing
+    assert local_worker_envs(2, 0) == [{"JAX_PLATFORMS": "cpu"}] * 2
 
 
 @cb.colocated_python

@@ -169,7 +169,9 @@ def local_worker_envs(hosts: int, per_host: int | None) -> list[dict[str, str]]:
     """Detect, check that this process does not hold the chips, and share them out."""
     if per_host is not None and per_host < 0:
         raise ValueError(f"accelerators_per_host must be >= 0 or None, got {per_host}")
-    acc = NONE if per_host == 0 else detect()
+    if per_host == 0:  # CPU-only, whatever the machine has (nothing to detect)
+        return [{"JAX_PLATFORMS": "cpu"} for _ in range(hosts)]
+    acc = detect()
     envs = share_out(acc, hosts, per_host)
     given = sum(1 for e in envs if e.get("JAX_PLATFORMS", "cpu") != "cpu")
     if not given:
