@@ -138,18 +138,18 @@ async def colobus_timings(kind: str, dev: cb.Device) -> dict[str, float]:
     sharding = cb.SingleDeviceSharding(dev)
     like = cb.device_put(np.zeros(1, np.float32), sharding)
     t: Any = HostTrainer(kind)
-    await cb.block_until_ready(await t.step(like))  # built and compiled
+    await cb.block_until_ready(t.step(like))  # built and compiled
     best = 0.0
     for _ in range(REPEATS):
         t0 = time.perf_counter()
         futs = [t.step(like) for _ in range(PIPELINED)]
-        await cb.block_until_ready(await futs[-1])
+        await cb.block_until_ready(futs[-1])
         best = max(best, PIPELINED / (time.perf_counter() - t0))
         await asyncio.gather(*futs)
     waits = []
     for _ in range(REPEATS * AWAITED):
         t0 = time.perf_counter()
-        await cb.block_until_ready(await t.step(like))
+        await cb.block_until_ready(t.step(like))  # the wait leaves behind the call
         waits.append(time.perf_counter() - t0)
     await t.aclose()
     return {"steps_per_s": best, "awaited_us": statistics.median(waits) * 1e6}

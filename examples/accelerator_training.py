@@ -157,8 +157,8 @@ async def train(steps: int, every: int, where: str) -> dict[str, Any]:
             steps_arr = cb.device_put(np.full(len(cpus), step, np.int32), on_cpu)
             saving = asyncio.ensure_future(ckpt.save(flat, steps_arr))
             saves += 1
-    last = await losses[-1]
-    await cb.block_until_ready(last)  # the accelerators are done, not only dispatched
+    # the accelerators are done, not only dispatched (the wait leaves behind the call)
+    last = await cb.block_until_ready(losses[-1])
     seconds = time.perf_counter() - t0
     if saving is not None:
         await saving

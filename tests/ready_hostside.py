@@ -76,6 +76,11 @@ def unpatch(x: Any) -> Any:
 
 
 @cb.colocated_python
+def fail(x: Any) -> Any:
+    raise LookupError("no such thing")
+
+
+@cb.colocated_python
 def long_computation(x: Any) -> Any:
     """A real CPU computation of a second or more, returned as JAX dispatched it."""
     import jax

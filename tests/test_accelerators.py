@@ -55,6 +55,36 @@ def test_a_fetch_waits_for_the_computation_too(ctl: cb.Controller) -> None:
         hs.unpatch(x).result()
 
 
+def test_block_until_ready_of_a_calls_future_waits_behind_the_call(ctl: cb.Controller) -> None:
+    dev = next(d for d in cb.devices() if d.host == 0)
+    x = cb.device_put(np.arange(4, dtype=np.float32), cb.SingleDeviceSharding(dev))
+    try:
+        call = hs.hold(x)
+        waiter = cb.block_until_ready({"y": call, "x": x})  # sent before the call answered
+        y = call.result()
+        assert y.is_ready().result() is False
+        assert not waiter.done()
+        hs.release(x).result()
+        got = waiter.result(timeout=60)
+        assert got["y"] is y and got["x"] is x  # the Future replaced by its value
+        assert y._ready  # the hosts said so: a later wait sends nothing
+        np.testing.assert_array_equal(np.asarray(y), np.arange(4, dtype=np.float32) * 2)
+    finally:
+        hs.release(x).result()
+        hs.unpatch(x).result()
+
+
+def test_block_until_ready_of_a_failed_call_raises_its_error(ctl: cb.Controller) -> None:
+    dev = next(d for d in cb.devices() if d.host == 1)
+    x = cb.device_put(np.arange(4, dtype=np.float32), cb.SingleDeviceSharding(dev))
+    with pytest.raises(Exception, match="no such thing"):
+        cb.block_until_ready(hs.fail(x)).result(timeout=60)
+    # a finished call's Future: its outputs are waited for as arrays
+    done = hs.long_computation(x)
+    done.result()
+    assert cb.block_until_ready(done).result(timeout=120).shape == (768, 768)
+
+
 def test_after_block_until_ready_a_long_computation_is_done_on_its_host(
         ctl: cb.Controller) -> None:
     dev = next(d for d in cb.devices() if d.host == 0)

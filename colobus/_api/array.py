@@ -26,7 +26,7 @@ from .reshard import mesh_message
 from .shards import Shard, addressable_shards
 
 __all__ = ["Array", "MisusedHandle", "block_until_ready", "check_owner", "device_get",
-           "mesh_message"]
+           "fetch_many", "mesh_message"]
 
 
 class MisusedHandle(ValueError):
@@ -147,7 +147,7 @@ class Array:
 
         def send(call_id: int) -> None:
             for h in self.hosts:
-                ctl._send(ctl._hosts[h], P.Fetch(call_id, ref, False, [], True))
+                ctl._send(ctl._hosts[h], P.Fetch(call_id, ref, False, [], P.FETCH_PROBE))
 
         return ctl._ops.submit(self.hosts, send, _answer, _all_true, backpressure=False)
 
@@ -219,6 +219,10 @@ def _is_array_leaf(x: Any) -> bool:
     return isinstance(x, Array)
 
 
+def _is_handle_leaf(x: Any) -> bool:
+    return isinstance(x, Array | Future)
+
+
 # -- device_get / block_until_ready ------------------------------------------------------
 
 
@@ -229,7 +233,7 @@ def _ctl_of(leaves: list[Array]) -> Controller:
     return ctl
 
 
-def _fetch_many(arrays: list[Array], data: bool,
+def fetch_many(arrays: list[Array], data: bool,
                 finish: Callable[[list[Any]], Any]) -> Future[Any]:
     """One operation fetching (or only awaiting) every array's blocks."""
     ctl = _ctl_of(arrays)
@@ -332,21 +336,30 @@ def device_get(tree: Any) -> Future[Any]:
         it = iter(_assemble(a, r) for a, r in zip(arrays, results, strict=True))
         return tdef.unflatten([next(it) if isinstance(x, Array) else x for x in leaves])
 
-    return _fetch_many(arrays, True, finish)
+    return fetch_many(arrays, True, finish)
 
 
 def block_until_ready(tree: Any) -> Future[Any]:
     """A Future that resolves to ``tree`` once every ``cb.Array`` in it is ready: stored on
     its hosts and its value computed there (each host waits with JAX's
-    ``block_until_ready``, off its loop thread)."""
+    ``block_until_ready``, off its loop thread).
+
+    A colocated call's Future in ``tree`` is waited for too, and replaced by its value
+    (its arrays, ready): the wait leaves right behind the call, so
+    ``await cb.block_until_ready(step(x))`` costs one round trip."""
     import jax
 
-    arrays = [x for x in jax.tree_util.tree_leaves(tree, is_leaf=_is_array_leaf)
-              if isinstance(x, Array)]
+    leaves = jax.tree_util.tree_leaves(tree, is_leaf=_is_handle_leaf)
+    arrays = [x for x in leaves if isinstance(x, Array)]
+    calls = [x for x in leaves if isinstance(x, Future)]
+    if calls:
+        from .ready import wait_with_calls
+
+        return wait_with_calls(tree, arrays, calls)
 
     def finish(_: list[Any]) -> Any:
         for a in arrays:  # stored and computed: later waits need no round trip
             a._ready = True
         return tree
 
-    return _fetch_many(arrays, False, finish)
+    return fetch_many(arrays, False, finish)

@@ -21,6 +21,7 @@ from .._wire.codec import from_buffer, to_buffer
 from .._wire.envelope import Envelope
 from .._wire.protocol import Kind, Status
 from .reshard import HostReshards, as_numpy, box_index
+from .store import CallResult
 from .treeput import HostTreePuts
 from .values import LAZY_PUT_BYTES, NumpyBlock, PiecedBlock, jax_exact, numpy_block, present
 
@@ -158,8 +159,11 @@ class HostArrays:
 
     def on_fetch(self, body: P.Fetch, env: Envelope) -> None:
         fut = self._w.store.arrays.get(body.ref)
-        if body.probe:
+        if body.mode == P.FETCH_PROBE:
             self._probe(body.call_id, body.ref, fut)
+            return
+        if body.mode == P.FETCH_CALL:
+            self._w._spawn(self._wait_call(body.call_id, body.ref, self._w.epoch))
             return
         self._w._spawn(self._fetch(body.call_id, body.ref, fut, body.data, self._w.epoch,
                                    body.box))
@@ -174,6 +178,30 @@ class HostArrays:
             self._w.reply_error(call_id, exc)
             return
         self._w.send(P.Result(call_id, Status.OK, ready))
+
+    async def _wait_call(self, call_id: int, call: int, epoch: int) -> None:
+        """Answer True once every output of ``call`` is computed; False where this host
+        cannot tell (the call is unknown here or failed, an output is gone)."""
+        store = self._w.store
+        entry = store.results.get(call)
+        try:
+            if isinstance(entry, asyncio.Future):  # queued or running here
+                try:
+                    entry = await entry
+                except BaseException:  # the call's own reply says why
+                    entry = None
+            refs = entry.refs if isinstance(entry, CallResult) else None
+            entries = [store.arrays.get(ref) for ref in refs or ()]
+            known = refs is not None and None not in entries
+            for fut in entries if known else ():
+                assert fut is not None
+                await self.computed(await fut)
+        except Exception as exc:
+            if epoch == self._w.epoch:
+                self._w.reply_error(call_id, exc)
+            return
+        if epoch == self._w.epoch:
+            self._w.send(P.Result(call_id, Status.OK, known))
 
     async def computed(self, value: Any) -> None:
         """Wait until JAX finished computing ``value`` (off the loop thread: JAX's
