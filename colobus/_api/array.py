@@ -147,7 +147,7 @@ class Array:
 
         def send(call_id: int) -> None:
             for h in self.hosts:
-                ctl._send(ctl._hosts[h], P.Fetch(call_id, ref, False, [], P.FETCH_PROBE))
+                ctl._send(ctl._hosts[h], P.Fetch(call_id, ref, P.FETCH_PROBE))
 
         return ctl._ops.submit(self.hosts, send, _answer, _all_true, backpressure=False)
 

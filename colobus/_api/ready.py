@@ -44,7 +44,7 @@ def _ask_hosts(ctl: Controller, call: Future[Any]) -> Future[bool] | None:
 
     def send(call_id: int) -> None:
         for h in hosts:
-            ctl._send(ctl._hosts[h], P.Fetch(call_id, ref, False, [], P.FETCH_CALL))
+            ctl._send(ctl._hosts[h], P.Fetch(call_id, ref, P.FETCH_CALL))
 
     return ctl._ops.submit(hosts, send, _answer, _all_true, backpressure=False)
 

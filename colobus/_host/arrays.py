@@ -160,14 +160,14 @@ class HostArrays:
 
     def on_fetch(self, body: P.Fetch, env: Envelope) -> None:
         fut = self._w.store.arrays.get(body.ref)
-        if body.mode == P.FETCH_PROBE:
+        if body.data == P.FETCH_PROBE:
             self._probe(body.call_id, body.ref, fut)
             return
-        if body.mode == P.FETCH_CALL:
+        if body.data == P.FETCH_CALL:
             self._w._spawn(self._wait_call(body.call_id, body.ref, self._w.epoch))
             return
-        self._w._spawn(self._fetch(body.call_id, body.ref, fut, body.data, self._w.epoch,
-                                   body.box))
+        self._w._spawn(self._fetch(body.call_id, body.ref, fut, body.data == P.FETCH_DATA,
+                                   self._w.epoch, body.box))
 
     def _probe(self, call_id: int, ref: int, fut: asyncio.Future[Any] | None) -> None:
         """Answer whether array ``ref`` is stored and computed, without waiting (is_ready)."""
@@ -205,8 +205,9 @@ class HostArrays:
             self._w.send(P.Result(call_id, Status.OK, known))
 
     async def computed(self, value: Any) -> None:
-        """Wait until JAX finished computing ``value`` (off the loop thread: JAX's
-        ``block_until_ready`` holds its thread until the device is done)."""
+        """Wait until JAX finished computing ``value``: asked on the loop for up to
+        ``SPIN_SECONDS``, then JAX's ``block_until_ready`` on a thread of its own (it
+        holds its thread until the device is done: never the loop's)."""
         if is_computed(value):
             return
         # First ask JAX between the loop's other work, for a short while: a thread woken

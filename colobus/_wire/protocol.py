@@ -280,21 +280,14 @@ class Put(Body):
 @dataclass(frozen=True, slots=True)
 class Fetch(Body):
     kind = Kind.FETCH
-    types = (int, int, bool, list, int)
+    types = (int, int, int, list)
     required = 3
     call_id: int
     ref: int
-    data: bool  # False: only answer once the array is stored and computed (block_until_ready)
+    data: int  # what to answer when: a FETCH_ below (True: FETCH_DATA); see docs/protocol.md
     box: list[Any] = field(default_factory=list)  # [[start, stop], ...]: only that box
-    mode: int = 0  # FETCH_ARRAY, FETCH_PROBE or FETCH_CALL (then ``ref`` is a call id)
 
-
-FETCH_ARRAY = 0  # the array ``ref``: its data, or (``data`` False) once it is computed
-FETCH_PROBE = 1  # answer at once whether array ``ref`` is stored and computed (is_ready)
-# once every output of call ``ref`` is computed: True; False where the host cannot
-# tell (the call is unknown there, failed, or an output is gone): the controller waits
-FETCH_CALL = 2
-
+FETCH_WAIT, FETCH_DATA, FETCH_PROBE, FETCH_CALL = 0, 1, 2, 3  # computed; data; now?; a call's
 
 @dataclass(frozen=True, slots=True)
 class Reshard(Body):
