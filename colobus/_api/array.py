@@ -25,8 +25,8 @@ from .._wire.envelope import Envelope
 from .reshard import mesh_message
 from .shards import Shard, addressable_shards
 
-__all__ = ["Array", "MisusedHandle", "block_until_ready", "check_owner", "device_get",
-           "fetch_many", "mesh_message"]
+__all__ = ["Array", "MisusedHandle", "check_owner", "device_get", "fetch_many",
+           "mesh_message"]
 
 
 class MisusedHandle(ValueError):
@@ -219,10 +219,6 @@ def _is_array_leaf(x: Any) -> bool:
     return isinstance(x, Array)
 
 
-def _is_handle_leaf(x: Any) -> bool:
-    return isinstance(x, Array | Future)
-
-
 # -- device_get / block_until_ready ------------------------------------------------------
 
 
@@ -337,29 +333,3 @@ def device_get(tree: Any) -> Future[Any]:
         return tdef.unflatten([next(it) if isinstance(x, Array) else x for x in leaves])
 
     return fetch_many(arrays, True, finish)
-
-
-def block_until_ready(tree: Any) -> Future[Any]:
-    """A Future that resolves to ``tree`` once every ``cb.Array`` in it is ready: stored on
-    its hosts and its value computed there (each host waits with JAX's
-    ``block_until_ready``, off its loop thread).
-
-    A colocated call's Future in ``tree`` is waited for too, and replaced by its value
-    (its arrays, ready): the wait leaves right behind the call, so
-    ``await cb.block_until_ready(step(x))`` costs one round trip."""
-    import jax
-
-    leaves = jax.tree_util.tree_leaves(tree, is_leaf=_is_handle_leaf)
-    arrays = [x for x in leaves if isinstance(x, Array)]
-    calls = [x for x in leaves if isinstance(x, Future)]
-    if calls:
-        from .ready import wait_with_calls
-
-        return wait_with_calls(tree, arrays, calls)
-
-    def finish(_: list[Any]) -> Any:
-        for a in arrays:  # stored and computed: later waits need no round trip
-            a._ready = True
-        return tree
-
-    return fetch_many(arrays, False, finish)

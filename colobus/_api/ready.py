@@ -1,10 +1,12 @@
-"""``cb.block_until_ready`` of a call's Future: the wait leaves right behind the call.
+"""``cb.block_until_ready``: every array stored and computed on its hosts.
 
-Each host of the call is asked to answer once the call's outputs are computed
-(``FETCH_CALL``), so awaiting a step costs one round trip, not two (the call's
-reply, then a wait). A host that cannot tell (the call went another way, through a
-relay, or already ended and an output is gone) answers False: the wait then
-happens after the call's reply, as for any array.
+Arrays are waited for with one FETCH per host, answered once JAX there says the
+value is computed. For a call's Future, each host of the call is asked to answer
+once the call's outputs are computed (``FETCH_CALL``), so awaiting a step costs
+one round trip, not two (the call's reply, then a wait). A host that cannot tell
+(the call went another way, through a relay, or already ended and an output is
+gone) answers False: the wait then happens after the call's reply, as for any
+array.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from .._wire.envelope import Envelope
 from .array import Array, check_owner, fetch_many
 from .plan import CallPlan
 
-__all__ = ["wait_with_calls"]
+__all__ = ["block_until_ready"]
 
 
 def _is_handle(x: Any) -> bool:
@@ -113,7 +115,31 @@ class _Wait:
         self.outer.set_result(jax.tree_util.tree_map(value, self.tree, is_leaf=_is_handle))
 
 
-def wait_with_calls(tree: Any, arrays: list[Array], calls: list[Future[Any]]) -> Future[Any]:
+def block_until_ready(tree: Any) -> Future[Any]:
+    """A Future that resolves to ``tree`` once every ``cb.Array`` in it is ready: stored on
+    its hosts and its value computed there (each host waits with JAX's
+    ``block_until_ready``, off its loop thread).
+
+    A colocated call's Future in ``tree`` is waited for too, and replaced by its value
+    (its arrays, ready): the wait leaves right behind the call, so
+    ``await cb.block_until_ready(step(x))`` costs one round trip."""
+    import jax
+
+    leaves = jax.tree_util.tree_leaves(tree, is_leaf=_is_handle)
+    arrays = [x for x in leaves if isinstance(x, Array)]
+    calls = [x for x in leaves if isinstance(x, Future)]
+    if calls:
+        return _with_calls(tree, arrays, calls)
+
+    def finish(_: list[Any]) -> Any:
+        for a in arrays:  # stored and computed: later waits need no round trip
+            a._ready = True
+        return tree
+
+    return fetch_many(arrays, False, finish)
+
+
+def _with_calls(tree: Any, arrays: list[Array], calls: list[Future[Any]]) -> Future[Any]:
     """``block_until_ready`` of a tree holding calls' Futures; it resolves to the tree
     with each Future replaced by its value."""
     owner = calls[0]._owner
