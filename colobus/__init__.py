@@ -5,7 +5,6 @@ returns a :class:`Future` that can be awaited from any event loop.
 """
 
 from ._api.array import Array as Array
-from ._api.array import block_until_ready as block_until_ready
 from ._api.array import device_get as device_get
 from ._api.entry import colocated_cpu_devices as colocated_cpu_devices
 from ._api.entry import devices as devices
@@ -14,6 +13,7 @@ from ._api.func import colocated_python as colocated_python
 from ._api.gather import gather as gather
 from ._api.obj import colocated_python_class as colocated_python_class
 from ._api.put import device_put as device_put
+from ._api.ready import block_until_ready as block_until_ready
 from ._controller.controller import Controller as Controller
 from ._controller.controller import HostInfo as HostInfo
 from ._controller.future import Future as Future

@@ -203,6 +203,20 @@ def test_async_training_loop_runs(tmp_path: Path) -> None:
     assert sorted(os.listdir(ckpt)) == ["step_000004.npy", "step_000005.npy"]
 
 
+def test_accelerator_training_runs_on_cpu_and_says_so(tmp_path: Path) -> None:
+    proc = _run([str(EXAMPLES / "accelerator_training.py"), "--steps", "6", "--hosts", "1",
+                 "--checkpoint-every", "3", "--checkpoint-dir", str(tmp_path)])
+    assert "no accelerator here: CPU devices stand in" in proc.stdout
+    assert "waited with block_until_ready" in proc.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["host0-step3.npy", "host0-step6.npy"]
+
+
+def test_every_example_is_run_here() -> None:
+    text = Path(__file__).read_text()
+    for example in EXAMPLES.glob("*.py"):
+        assert f'"{example.name}"' in text, f"{example.name} has no test in {__file__}"
+
+
 def test_demo_exits_cleanly_and_reaps_its_workers() -> None:
     proc = _run(["-m", "colobus", "demo", "--steps", "5", "--devices", "2"])
     hosts = _HOST_LINE.findall(proc.stdout)

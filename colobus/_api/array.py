@@ -25,7 +25,7 @@ from .._wire.envelope import Envelope
 from .reshard import mesh_message
 from .shards import Shard, addressable_shards
 
-__all__ = ["Array", "MisusedHandle", "block_until_ready", "check_owner", "device_get",
+__all__ = ["Array", "MisusedHandle", "check_owner", "device_get", "fetch_many",
            "mesh_message"]
 
 
@@ -137,6 +137,24 @@ class Array:
         """Every device's shard, in the sharding's device order; ``.data`` is a Future."""
         return addressable_shards(self)
 
+    def is_ready(self) -> Future[bool]:
+        """A Future of whether the array is stored on every host and its value computed
+        there (JAX's ``is_ready``: the hosts answer at once, never waiting for it)."""
+        self.check_usable()
+        ctl = self._ctl
+        fut: Future[bool]
+        if self._ready:
+            fut = ctl._ops.new_future()
+            fut.set_result(True)
+            return fut
+        ref = self.ref
+
+        def send(call_id: int) -> None:
+            for h in self.hosts:
+                ctl._send(ctl._hosts[h], P.Fetch(call_id, ref, P.FETCH_PROBE))
+
+        return ctl._ops.submit(self.hosts, send, _answer, _all_true, backpressure=False)
+
     def is_deleted(self) -> bool:
         return self._deleted
 
@@ -193,6 +211,14 @@ class Array:
         return chosen
 
 
+def _answer(host: Host, body: P.Result, env: Envelope) -> bool:
+    return body.meta is True
+
+
+def _all_true(values: dict[int, bool]) -> bool:
+    return all(values.values())
+
+
 def _is_array_leaf(x: Any) -> bool:
     return isinstance(x, Array)
 
@@ -207,7 +233,7 @@ def _ctl_of(leaves: list[Array]) -> Controller:
     return ctl
 
 
-def _fetch_many(arrays: list[Array], data: bool,
+def fetch_many(arrays: list[Array], data: bool,
                 finish: Callable[[list[Any]], Any]) -> Future[Any]:
     """One operation fetching (or only awaiting) every array's blocks."""
     ctl = _ctl_of(arrays)
@@ -310,17 +336,4 @@ def device_get(tree: Any) -> Future[Any]:
         it = iter(_assemble(a, r) for a, r in zip(arrays, results, strict=True))
         return tdef.unflatten([next(it) if isinstance(x, Array) else x for x in leaves])
 
-    return _fetch_many(arrays, True, finish)
-
-
-def block_until_ready(tree: Any) -> Future[Any]:
-    """A Future that resolves to ``tree`` once every ``cb.Array`` in it is stored on its hosts."""
-    import jax
-
-    arrays = [x for x in jax.tree_util.tree_leaves(tree, is_leaf=_is_array_leaf)
-              if isinstance(x, Array)]
-
-    def finish(_: list[Any]) -> Any:
-        return tree
-
-    return _fetch_many(arrays, False, finish)
+    return fetch_many(arrays, True, finish)

@@ -113,5 +113,5 @@ def build_outputs(ctl: Controller, call_id: int, plan: CallPlan,
         if leaf0.digest is not None and len(hosts) > 1:
             _outlayout.check_replicas(i, sharding, shape, metas)
         outs.append(Array(ctl, P.output_ref(call_id, i), shape, dtype, sharding,
-                          key_impl=leaf0.key_impl, ready=True))
+                          key_impl=leaf0.key_impl))
     return tree0.unflatten(outs)

@@ -10,6 +10,7 @@ host stores and the description it reports.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import threading
 from collections.abc import Sequence
@@ -28,6 +29,8 @@ __all__ = [
     "LAZY_PUT_BYTES", "ChunkedBlock", "HostValues", "NumpyBlock", "PiecedBlock", "is_string",
     "jax_exact",
     "numpy_block", "present", "setup_jax", "local_devices"]
+
+log = logging.getLogger("colobus.worker")
 
 LAZY_PUT_BYTES = 1 << 20  # PUT blocks this large become jax.Arrays on first use
 
@@ -326,10 +329,14 @@ def local_devices(jax: Any) -> list[Any]:
     """This host's JAX devices: its accelerators (if any), then its CPU devices."""
     devices: list[Any] = []
     try:
-        if jax.default_backend() != "cpu":
-            devices.extend(jax.devices())
-    except RuntimeError:
-        pass
+        backend = jax.default_backend()
+    except RuntimeError as exc:  # e.g. the chip is held by another process
+        log.warning("this host could not open its accelerator, so it joins with CPU devices "
+                    "only: %s", exc)
+        jax.config.update("jax_platforms", "cpu")
+        backend = "cpu"
+    if backend != "cpu":
+        devices.extend(jax.devices())
     devices.extend(jax.devices("cpu"))
     return devices
 

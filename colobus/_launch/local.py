@@ -18,6 +18,7 @@ from .._controller.environ import check_launched
 from .._controller.procwatch import Emit, describe_exit
 from .._process import with_huge_pages
 from .._wire.keys import generate_key
+from .accel import local_worker_envs
 from .base import LaunchedCluster, Launcher
 
 __all__ = ["LocalCluster", "LocalLauncher", "init", "local_cluster", "shutdown"]
@@ -32,11 +33,27 @@ class LocalLauncher(Launcher):
     log = log
 
     def __init__(self, hosts: int, devices_per_host: int,
-                 paths: Sequence[str] | None = None) -> None:
+                 paths: Sequence[str] | None = None,
+                 accelerators: Sequence[dict[str, str]] | None = None) -> None:
         super().__init__([f"local-{i}" for i in range(hosts)])
         self.devices_per_host = devices_per_host
         self._paths = list(sys.path if paths is None else paths)
         self._env: dict[str, str] | None = None
+        # each worker's share of this machine's accelerators (_launch/accel.py)
+        self._accelerators = list(accelerators or [{} for _ in range(hosts)])
+
+    def worker_env(self, i: int) -> dict[str, str]:
+        """Worker ``i``'s environment: the common one and its accelerators."""
+        env = self.env()
+        mine = self._accelerators[i]
+        if not mine:
+            return env
+        env = dict(env)
+        for name, value in mine.items():
+            # a JAX_PLATFORMS of the user's own stays, unless this worker gets no chip
+            if name != "JAX_PLATFORMS" or value == "cpu" or name not in env:
+                env[name] = value
+        return env
 
     def env(self) -> dict[str, str]:
         if self._env is None:
@@ -67,7 +84,8 @@ class LocalLauncher(Launcher):
                "--devices", str(self.devices_per_host), "--name", self.names[i],
                "--key-file", "-"]
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, env=self.env(), cwd=os.getcwd())
+                                stderr=subprocess.PIPE, env=self.worker_env(i),
+                                cwd=os.getcwd())
         assert proc.stdin is not None
         # The key travels on the worker's stdin, never on a command line.
         proc.stdin.write(key.hex().encode() + b"\n")
@@ -89,7 +107,8 @@ class LocalCluster(LaunchedCluster):
     """A controller and ``hosts`` worker subprocesses; see :func:`local_cluster`."""
 
     def __init__(self, hosts: int = 2, devices_per_host: int = 1, *, transport: str = "ipc",
-                 restart: int = 0, **options: Any) -> None:
+                 restart: int = 0, accelerators_per_host: int | None = None,
+                 **options: Any) -> None:
         if transport not in ("ipc", "tcp"):
             raise ValueError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
         if hosts < 1 or devices_per_host < 1:
@@ -97,6 +116,7 @@ class LocalCluster(LaunchedCluster):
         self.hosts = hosts
         self.devices_per_host = devices_per_host
         self.transport = transport
+        accelerators = local_worker_envs(hosts, accelerators_per_host)
         key = generate_key()
         self._ipc_path: str | None = None
         if transport == "ipc":
@@ -111,7 +131,7 @@ class LocalCluster(LaunchedCluster):
                 "loopback on this machine); use cb.Controller(..., curve_secret_key=...) and "
                 "`colobus worker --curve-key-file ... --server-key ...` (docs/security.md)")
         options.setdefault("exit_workers_on_close", True)
-        super().__init__(LocalLauncher(hosts, devices_per_host),
+        super().__init__(LocalLauncher(hosts, devices_per_host, accelerators=accelerators),
                          Controller(bind, hosts=hosts, key=key, **options), key,
                          restart=restart)
 
@@ -125,6 +145,7 @@ class LocalCluster(LaunchedCluster):
 
 def local_cluster(hosts: int | None = None, devices_per_host: int | None = None, *,
                   transport: str = "ipc", restart: int = 0,
+                  accelerators_per_host: int | None = None,
                   **options: Any) -> LocalCluster | Controller:
     """A controller plus ``hosts`` worker subprocesses on this machine.
 
@@ -146,6 +167,11 @@ def local_cluster(hosts: int | None = None, devices_per_host: int | None = None,
         restart: how often each host's worker process may be started again after
             it died; it rejoins under its name (same host index and device ids),
             and what the dead process held is lost as for any lost host.
+        accelerators_per_host: this machine's accelerators (TPU chips, GPUs) each
+            worker gets, seeing only its own. None: K // hosts of K each; with fewer
+            than hosts, the first ones get one each and the rest are CPU-only. 0:
+            CPU-only workers. Raises ``RuntimeError`` at once if this process already
+            opened the accelerator with JAX (docs/accelerators.md).
         **options: passed to :class:`Controller` (``heartbeat_interval``, ``metrics``,
             ``trace``, ...).
 
@@ -157,7 +183,8 @@ def local_cluster(hosts: int | None = None, devices_per_host: int | None = None,
         return Controller(**options)
     return LocalCluster(2 if hosts is None else hosts,
                         1 if devices_per_host is None else devices_per_host,
-                        transport=transport, restart=restart, **options)
+                        transport=transport, restart=restart,
+                        accelerators_per_host=accelerators_per_host, **options)
 
 
 _default_cluster: LocalCluster | Controller | None = None

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import os
 import shutil
@@ -373,9 +374,13 @@ def print_metrics(ctl: cb.Controller) -> None:
 
 def describe_hosts(ctl: cb.Controller) -> str:
     """One line per host that joined: index, name, where it runs, its devices."""
+    def counted(devices: Sequence[cb.Device]) -> str:  # "4 cpu", "1 tpu + 4 cpu"
+        by = collections.Counter(d.platform for d in devices)
+        return " + ".join(f"{n} {platform}" for platform, n in by.items())
+
     return "\n".join(
-        f"host {h.index}: {h.name!r}, pid {h.pid} on {h.address}, {len(h.devices)} "
-        f"{h.devices[0].platform if h.devices else ''} devices" for h in ctl.hosts())
+        f"host {h.index}: {h.name!r}, pid {h.pid} on {h.address}, {counted(h.devices)} "
+        "devices" for h in ctl.hosts())
 
 
 HOST_LOST_STATUS = 3  # the exit status when a host was lost mid-run

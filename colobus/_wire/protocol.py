@@ -285,13 +285,14 @@ class Put(Body):
 @dataclass(frozen=True, slots=True)
 class Fetch(Body):
     kind = Kind.FETCH
-    types = (int, int, bool, list)
+    types = (int, int, int, list)
     required = 3
     call_id: int
     ref: int
-    data: bool  # False: only answer once the array is stored (block_until_ready)
+    data: int  # what to answer when: a FETCH_ below (True: FETCH_DATA); see docs/protocol.md
     box: list[Any] = field(default_factory=list)  # [[start, stop], ...]: only that box
 
+FETCH_WAIT, FETCH_DATA, FETCH_PROBE, FETCH_CALL = 0, 1, 2, 3  # computed; data; now?; a call's
 
 @dataclass(frozen=True, slots=True)
 class Reshard(Body):
