@@ -100,6 +100,8 @@ NOT_RUN = {
     ("reliability.md", "async with cb.Controller(bind, hosts=4, key=key,"):
         "waits for 4 remote workers",
     ("security.md", "ctl = cb.Controller("): "waits for 4 remote workers with CurveZMQ keys",
+    ("accelerators.md", 'hosts = ["tpu-vm-0", "tpu-vm-1", "tpu-vm-2", "tpu-vm-3"]   # a slice\'s '
+                        "hosts, by ssh name"): "ssh_cluster needs ssh hosts",
 }
 
 
@@ -195,6 +197,18 @@ class Loader:
     def next_batch(self, like):
         self.step += 1
         return jax.device_put(np.full(like.shape, self.step, like.dtype), like.sharding)
+""",
+    "accelerators.md": """
+batch = x
+
+
+@cb.colocated_python_class
+class Model:
+    def step(self, batch):
+        return batch * 2
+
+
+model = Model()
 """,
     "functions.md": 'open("mymodule.py", "w").write("cache = None\\n")  # a module of yours',
 }

@@ -15,8 +15,7 @@ from typing import Any, ClassVar
 __all__ = [
     "BODIES",
     "Body",
-    "Call",
-    "Cancel",
+    "Call", "Cancel",
     "Challenge",
     "Code",
     "Construct",
