@@ -320,7 +320,7 @@ def pickle_args(tree: Any, what: str, ctl: Controller | None = None) -> PickledA
     import jax
 
     args, kwargs = tree
-    if not kwargs and type(args) is tuple and all(type(a) is Array for a in args):
+    if not kwargs and type(args) is tuple and (not args or set(map(type, args)) == {Array}):
         # Only arrays, by position (``f(x)``, ``f(x, y)``): the payload names
         # persistent ids 0..n-1 and is the same bytes every time.
         refs = []

@@ -186,7 +186,7 @@ class Controller:
             curve_secret_key, curve_public_key, curve_allow)
         self._auth: Any = None  # zmq.auth.thread.ThreadAuthenticator while running
         self._relays = Relays.configure(self, relays, relay_threshold, hosts)
-        self.state = State.NEW
+        self.state, self._closed = State.NEW, False  # (_closed: a plain read per call)
         # Metrics and traces (None when both are off: one check per call site).
         self.observer, self._metrics, self._trace = observing(
             metrics, metrics_public, trace, functools.partial(scrape_stats, self))
@@ -312,7 +312,7 @@ class Controller:
             sock.close(0)
             self._stop_curve()
             self._ctx.term()
-            self.state = State.CLOSED
+            self.state, self._closed = State.CLOSED, True
             stop_observing(self._metrics, self._trace)
             raise OSError(f"colobus controller cannot bind {self._bind!r}: {exc}") from exc
         self._address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -360,7 +360,7 @@ class Controller:
         if self.state is State.CLOSED:
             return
         if self.state is State.NEW:
-            self.state = State.CLOSED
+            self.state, self._closed = State.CLOSED, True
             return
         chan = self._chan
         assert chan is not None and self._ctx is not None
@@ -370,7 +370,7 @@ class Controller:
         for h in self._hosts.alive():
             self._send(h, P.Shutdown(reason))
         chan.flush()
-        self.state = State.CLOSED
+        self.state, self._closed = State.CLOSED, True
         self._ops.close(self._close_reason)
         self._uploads.on_release()
         self._join_waiters.wake()
@@ -439,12 +439,8 @@ class Controller:
 
     # -- internals the API layers use (package-private) -------------------------------------
 
-    @property
-    def _closed(self) -> bool:
-        return self.state is State.CLOSED
-
     def _set_closed(self) -> None:
-        self.state = State.CLOSED
+        self.state, self._closed = State.CLOSED, True
 
     def _check_open(self) -> None:
         if self.state is State.CLOSED:

@@ -433,8 +433,9 @@ class Scheduler:
                 result = w.store.store_outputs(body.call_id, values, treedef)
                 if not call.results.done():
                     call.results.set_result(result)
-                w.send(P.Result(body.call_id, Status.OK, len(values), call.times()), payload,
-                       bufs, len(bufs))
+                times = [call.started - call.arrived, call.ran] if call.started else []
+                w.send(P.Result(body.call_id, Status.OK, len(values), times), payload, bufs,
+                       len(bufs))  # (times: call.times(), written out)
             else:
                 if not call.results.done():
                     call.results.set_exception(_settable(outcome))

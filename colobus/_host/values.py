@@ -197,9 +197,15 @@ class HostValues:
         self.jax = jax
         self._by_local = by_local
         self._mesh_cache: dict[str, Any] = {}
+        # A call's output description, per output layout (see ``outputs``): key -> (the
+        # description, the objects whose ids the key holds, kept alive so no other
+        # object can take their ids while the entry lives).
+        self._described: dict[tuple[Any, ...], tuple[bytes, list[Any]]] = {}
+        self._described_types: set[type] = set()  # jax.Array types seen kept (ArrayImpl)
 
     def clear(self) -> None:
         self._mesh_cache.clear()
+        self._described.clear()
 
     def local_mesh(self, raw: list[Any]) -> Any:
         """A jax ``Mesh`` (or one ``jax.Device``) from ``[[platform, id]...], shape, names]``."""
@@ -264,9 +270,49 @@ class HostValues:
         leaves, treedef = jax.tree_util.tree_flatten(out)
         if len(leaves) >= P.MAX_OUTPUTS:
             raise ValueError(f"a call may return at most {P.MAX_OUTPUTS - 1} arrays")
+        # The common case: arrays kept as the function made them, in a layout described
+        # before. The key is exact: the tree (cached only when made of None, tuples, lists
+        # and namedtuples, whose description the tree's equality fixes: dict keys and
+        # custom nodes' data can compare equal and pack differently, e.g. True and 1),
+        # the mesh, and per leaf its type, sharding and dtype (by identity), shape and ref.
+        parts: list[Any] = [treedef, id(mesh)]
+        args: Sequence[Any] | None = None
+        kept = self._described_types
+        key: tuple[Any, ...] | None = None
+        for leaf in leaves:
+            if type(leaf) not in kept:
+                break
+            sh = leaf.sharding
+            if args is None:
+                args = _pinned_values(pins) if pins else ()
+            ref = -1
+            for k, value in enumerate(args):
+                if value is leaf or getattr(value, "sharding", None) is sh:
+                    ref = k
+                    break
+            parts += (type(leaf), id(sh), id(leaf.dtype), leaf.shape, ref)
+        else:
+            key = tuple(parts)
+            hit = self._described.get(key)
+            if hit is not None:
+                return leaves, treedef, hit[0], []
+        values, description, keep = self._outputs(jax, out, leaves, treedef, mesh, pins, fn)
+        if key is not None and keep is not None:
+            if len(self._described) >= _DESCRIBED_MAX:
+                self._described.clear()
+            self._described[key] = (description, keep)
+        return values, treedef, description, []
+
+    def _outputs(self, jax: Any, out: Any, leaves: list[Any], treedef: Any, mesh: Any,
+                 pins: Sequence[asyncio.Future[Any]], fn: Any,
+                 ) -> tuple[list[Any], bytes, list[Any] | None]:
+        """``outputs`` the long way: the values, the description, and what a cached
+        description's key must keep alive (None: this description is not cached)."""
         metas: list[P.OutLeaf] = []
         values: list[Any] = []
         is_mesh = isinstance(mesh, jax.sharding.Mesh)
+        # cached where nothing in it depends on the values (a mesh's digests do)
+        keep: list[Any] | None = None if is_mesh or not _exact_tree(treedef, 0) else [mesh]
         for i, leaf in enumerate(leaves):
             spec = None
             layout = None
@@ -310,8 +356,32 @@ class HostValues:
                                    _outlayout.digest(value) if is_mesh else None, ref,
                                    None if memory in (None, "device") else memory))
             values.append(value)
+            if keep is not None:
+                if layout is None or impl is not None or type(value) is not type(leaf):
+                    keep = None  # not kept as made, or a key array: described each time
+                else:
+                    keep += (leaf.sharding, leaf.dtype)
+        if keep is not None:
+            self._described_types.update(type(v) for v in values)
         # msgpack, never a pickle: the controller does not unpickle what hosts send.
-        return values, treedef, describe_outputs(treedef, metas), []
+        return values, describe_outputs(treedef, metas), keep
+
+
+_DESCRIBED_MAX = 1024  # output descriptions cached per host; all dropped when full
+
+
+def _exact_tree(t: Any, depth: int) -> bool:
+    """Whether an output tree's description follows from the tree's equality: nodes
+    that are None, tuples, lists or namedtuples only (dict keys and custom nodes' data
+    can compare equal and pack differently: True and 1)."""
+    data = t.node_data()
+    if data is None:
+        return True
+    cls = data[0]
+    if not (cls is type(None) or cls is tuple or cls is list
+            or (issubclass(cls, tuple) and hasattr(cls, "_fields"))) or depth > 64:
+        return False
+    return all(_exact_tree(c, depth + 1) for c in t.children())
 
 
 def _pinned_values(pins: Sequence[asyncio.Future[Any]]) -> list[Any]:

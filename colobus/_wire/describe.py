@@ -213,6 +213,8 @@ def read_outputs(payload: Any, count: int) -> Any:
     # layouts): parsed and checked once, then only the tree is rebuilt.
     leaves, raw_tree = (_parsed(raw, count) if len(raw) <= PARSED_CACHE_MAX_BYTES
                         else _parse(raw, count))
+    if raw_tree == "*" and len(leaves) == 1:
+        return leaves[0]  # one array: what the reader below returns, without it
     reader = _TreeReader(leaves)
     tree = reader.read(raw_tree, 0)
     if reader.next != len(leaves):

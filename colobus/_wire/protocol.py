@@ -102,7 +102,7 @@ class Body:
     required: ClassVar[int | None] = None  # fields a body must carry (None: all of them)
 
     def to_wire(self) -> list[Any]:
-        return [getattr(self, name) for name in self.__slots__]  # type: ignore[attr-defined]
+        return list(map(self.__getattribute__, self.__slots__))  # type: ignore[attr-defined]
 
     @classmethod
     def from_wire(cls, raw: Any) -> Body:
