@@ -1,6 +1,7 @@
 """Property-based fuzzing of the pure envelope decoder and the body parser.
 
-``colobus._wire.envelope.decode`` must only ever raise ``Dropped`` and
+``colobus._wire.envelope.decode`` (and the lane's ``fast_decode``, with the same
+verdict) must only ever raise ``Dropped`` and
 ``colobus._wire.protocol.parse`` only ``ValueError``, whatever the bytes; nothing is
 unpickled by either (a payload whose unpickling would create a file proves it).
 Example counts are bounded so this runs in a few seconds in CI.
@@ -20,6 +21,7 @@ from hypothesis import strategies as st
 
 from colobus._wire import protocol as P
 from colobus._wire.envelope import MAC_SIZE, Dropped, Envelope, decode, encode, mac
+from colobus._wire.lane import fast_decode
 
 KEY = b"k" * 32
 OTHER_KEY = b"x" * 32
@@ -57,11 +59,29 @@ class _Touch:
         return (pathlib.Path.touch, (pathlib.Path(self.path),))
 
 
-def _decode_or_drop(frames: list[bytes], key: bytes = KEY, **kw: Any) -> Envelope | Dropped:
+def _one(fn: Any, frames: list[bytes], key: bytes, **kw: Any) -> Envelope | Dropped:
     try:
-        return decode(key, frames, **kw)
+        return fn(key, frames, **kw)  # type: ignore[no-any-return]
     except Dropped as d:  # the only exception decode may raise
         return d
+
+
+def _decode_or_drop(frames: list[bytes], key: bytes = KEY, **kw: Any) -> Envelope | Dropped:
+    """``decode``'s verdict, which the lane's decoder (what the controller and the workers
+    run: ``colobus._wire.lane.fast_decode``) must give too, for every input fuzzed here."""
+    out = _one(decode, frames, key, **kw)
+    fast = _one(fast_decode, frames, key, **kw)
+    if isinstance(out, Dropped):
+        assert isinstance(fast, Dropped) and fast.reason == out.reason, (out, fast)
+    else:
+        assert isinstance(fast, Envelope), fast
+        assert (fast.kind, fast.sender, fast.receiver, fast.seq, fast.pbufs) == (
+            out.kind, out.sender, out.receiver, out.seq, out.pbufs)
+        # the bodies packed (a NaN in a body is equal to itself only as bytes)
+        assert msgpack.packb(fast.body) == msgpack.packb(out.body)
+        assert bytes(fast.payload) == bytes(out.payload)
+        assert [bytes(x) for x in fast.buffers] == [bytes(x) for x in out.buffers]
+    return out
 
 
 @FUZZ
