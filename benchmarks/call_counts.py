@@ -48,6 +48,7 @@ SHIM = r'''
 import os, sys, threading
 COUNTERS = []
 DETAIL = bool(os.environ.get("COLOBUS_COUNT_DETAIL"))
+WHERE = os.environ.get("COLOBUS_COUNT_DETAIL") == "where"  # C calls named with their caller
 NAMES = []  # with DETAIL: per thread, (kind, where) -> count
 
 def _counter():
@@ -64,6 +65,10 @@ def _counter():
             elif event == "c_call":
                 c[1] += 1
                 key = ("c", f"{getattr(arg, '__qualname__', arg)}")
+                if WHERE:
+                    code = frame.f_code
+                    key = ("c", key[1] + " <- " + code.co_filename.rsplit('/', 1)[-1]
+                           + ":" + code.co_name)
             else:
                 return
             names[key] = names.get(key, 0) + 1
@@ -275,7 +280,8 @@ def count(patterns: list[str], n: int, warm: int, detail: int = 0,
     with tempfile.TemporaryDirectory() as d:
         with open(os.path.join(d, "sitecustomize.py"), "w") as f:
             f.write(SHIM)
-        env = dict(os.environ, COLOBUS_COUNT_DIR=d, COLOBUS_COUNT_DETAIL="1" if detail else "",
+        env = dict(os.environ, COLOBUS_COUNT_DIR=d, COLOBUS_COUNT_DETAIL=(
+                       os.environ.get("COLOBUS_COUNT_DETAIL") or "1") if detail else "",
                    PYTHONPATH=os.pathsep.join([d, *filter(None, [os.environ.get("PYTHONPATH")])]))
         proc = subprocess.run([sys.executable, __file__, "--child", "--calls", str(n),
                                "--warm", str(warm), "--pattern", *patterns],
