@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 
 import colobus as cb
-from colobus._controller.codeship import snapshot
+from colobus._controller.codeship import snapshot, user_package
 from colobus._host.shipped import PREFIX, _in_memory, _sweep
 
 HOSTS = 2
@@ -183,6 +183,25 @@ async def test_the_users_package_travels_and_an_edit_reaches_the_next_session(
         base = _in_memory() or tempfile.gettempdir()
         for h in ctl.hosts():
             assert len(glob.glob(os.path.join(base, f"{PREFIX}{h.pid}-*"))) == 1
+
+
+def test_packages_pip_installed_into_a_folder_on_the_path_stay_home(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # ``pip install --target DIR`` + PYTHONPATH (how some machines ship JAX itself): the
+    # folder is no site-packages, but its ``*.dist-info`` RECORD says what is installed.
+    installed, mine = unique("installed"), unique("mine")
+    target = tmp_path / "target"
+    for name in (installed, mine):
+        (target / name).mkdir(parents=True)
+        (target / name / "__init__.py").write_text("X = 1\n")
+    info = target / f"{installed}-1.0.dist-info"
+    info.mkdir()
+    (info / "RECORD").write_text(f"{installed}/__init__.py,sha256=x,6\n"
+                                 f"{installed}-1.0.dist-info/RECORD,,\n")
+    monkeypatch.syspath_prepend(str(target))
+    fresh_import(installed), fresh_import(mine)
+    assert user_package(f"{installed}.sub") is None  # installed: never shipped
+    assert user_package(mine) == mine  # beside it, without a RECORD: the user's
 
 
 def test_what_dead_workers_left_is_swept(tmp_path: Path) -> None:

@@ -1,12 +1,13 @@
 """The user's own code, sent to hosts: which modules travel, their files, the size limit.
 
 A module the driver imported from outside its installed environment (not the
-standard library, not site-packages or dist-packages, not colobus) is the
-user's: its top-level package (or the lone module) travels to a host with the
-first code that names it, as a zip of its source and data files, named by the
-digest of its contents. :class:`CodeShipper` keeps one snapshot per package
-and controller (read once, when first needed), so a session ships what the
-files held when it first needed them; the next controller reads them again.
+standard library, not site-packages or dist-packages, not a folder where pip
+installed it, not colobus) is the user's: its top-level package (or the lone
+module) travels to a host with the first code that names it, as a zip of its
+source and data files, named by the digest of its contents. :class:`CodeShipper`
+keeps one snapshot per package and controller (read once, when first needed), so a
+session ships what the files held when it first needed them; the next controller
+reads them again.
 Trust runs one way: packages go to hosts; nothing here reads what a host sent.
 """
 
@@ -89,6 +90,29 @@ def _module_root(module: types.ModuleType) -> str | None:
     return os.path.realpath(paths[0]) if len(paths) == 1 else None  # a namespace package
 
 
+@functools.cache
+def _distributed(directory: str) -> frozenset[str]:
+    """Top-level names the distributions installed in ``directory`` provide: what the
+    ``RECORD`` of each ``*.dist-info`` there lists (a ``pip install --target`` folder on
+    ``PYTHONPATH`` is installed code, wherever it is)."""
+    try:
+        entries = os.listdir(directory)
+    except OSError:
+        return frozenset()
+    names: set[str] = set()
+    for entry in entries:
+        if not entry.endswith(".dist-info"):
+            continue
+        try:
+            with open(os.path.join(directory, entry, "RECORD"), encoding="utf-8") as f:
+                for line in f:
+                    top = line.partition(",")[0].partition("/")[0]
+                    names.add(top[:-3] if top.endswith(".py") else top)
+        except OSError:
+            continue
+    return frozenset(names)
+
+
 _serials = itertools.count(1)
 _user_roots: dict[str, str | None] = {}  # top-level name -> its root if the user's (cache)
 
@@ -108,7 +132,8 @@ def user_package(module_name: str) -> str | None:
     if root is not None:
         parts = root.split(os.sep)
         if "site-packages" in parts or "dist-packages" in parts or (
-                root.startswith(_installed_roots())):
+                root.startswith(_installed_roots())) or (
+                top in _distributed(os.path.dirname(root))):
             root = None
     _user_roots[top] = root
     return top if root is not None else None

@@ -277,8 +277,9 @@ class Relays:
 
     # -- liveness ------------------------------------------------------------------------
 
-    def tick(self) -> None:
-        """Heartbeats to the relays; a relay whose process ended, or that is silent, is lost."""
+    def tick(self, frozen: float = 0.0) -> None:
+        """Heartbeats to the relays; a relay whose process ended, or that is silent, is lost
+        (``frozen``: seconds this process did not run, see :mod:`colobus._wire.stalls`)."""
         chan = self._ctl._chan
         assert chan is not None
         now = time.monotonic()
@@ -286,6 +287,7 @@ class Relays:
         for r in self.relays:
             if not r.alive:
                 continue
+            r.last_seen += frozen
             code = r.proc.poll()
             if code is not None:
                 self.lost(r, f"its process exited with status {code}")

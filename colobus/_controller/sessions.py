@@ -29,6 +29,7 @@ from .._wire.lane import decode
 from .._wire.limits import MAX_HEADER_BYTES, MAX_OBJECTS, UNKNOWN_PEER_MAX_BYTES
 from .._wire.protocol import Kind
 from .._wire.relaywire import NEVER_REACHED
+from .._wire.stalls import StallClock
 from .._wire.versions import compare, local_versions
 from .environ import join_level
 from .hosts import Host
@@ -102,6 +103,7 @@ class Sessions:
         # Names of hosts that never reached the relay they were sent to: served directly.
         self.direct: set[str] = set()
         # Keyed by Kind, found by the plain int off the wire (IntEnum hashes as int).
+        self._stalls = StallClock(ctl.heartbeat_interval)
         self._handlers: dict[int, Callable[[Host, Any, Envelope], None]] = {
             Kind.HEARTBEAT: self._on_heartbeat,
             Kind.RESULT: ctl._ops.on_result,
@@ -430,12 +432,16 @@ class Sessions:
         chan.drain()
         self._peer_warnings.flush()
         now = time.monotonic()
+        frozen = self._stalls.frozen(now)  # this process did not run: nobody's silence
         alive = []
         if ctl._relays is not None:
-            ctl._relays.tick()
+            ctl._relays.tick(frozen)
         for h in ctl._hosts.alive():
             if h.peer.via is not None:
                 continue  # its relay judges its silence and sends its heartbeats
+            if frozen:
+                h.last_seen += frozen
+                h.peer.ack_wait += frozen
             silent = now - h.last_seen
             waited = now - h.peer.ack_wait if h.peer.unacked else 0.0
             if silent > ctl.liveness_timeout:

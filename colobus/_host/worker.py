@@ -1,10 +1,9 @@
 """The worker: one DEALER socket, one controller session at a time.
 
-It joins a controller (HELLO -> WELCOME) and serves until the controller closes,
-goes silent or declares it lost; then it drops the session's
-:class:`~colobus._host.store.Store` and joins again, with back-off. Calls run
-through :class:`~colobus._host.sched.Scheduler`. Its DEALER keeps one routing id per session,
-so a TCP connection ZeroMQ re-establishes in time continues it (:mod:`colobus._wire.channel`).
+It joins a controller (HELLO -> WELCOME) and serves until the controller closes, goes
+silent or declares it lost; then it drops the session's store and joins again, with
+back-off. Calls run through :class:`~colobus._host.sched.Scheduler`. Its DEALER keeps one
+routing id per session: a TCP connection ZeroMQ re-establishes in time continues it.
 """
 
 from __future__ import annotations
@@ -39,6 +38,7 @@ from .._wire.keys import check_key
 from .._wire.lane import decode
 from .._wire.protocol import Kind, Status
 from .._wire.sockio import NOBLOCK
+from .._wire.stalls import StallClock
 from .._wire.tasks import supervise
 from .arrays import HostArrays
 from .construct import on_construct
@@ -60,8 +60,7 @@ MAX_HEARTBEAT_RESTARTS = 3  # per session; then the worker leaves it and joins a
 
 
 class _Exit(Exception):
-    def __init__(self, code: int) -> None:
-        self.code = code
+    def __init__(self, code: int) -> None: self.code = code
 
 
 class Worker:
@@ -73,9 +72,8 @@ class Worker:
         key: the shared key, at least 32 bytes (there is no unauthenticated mode).
         cpu_devices: XLA host-platform device count.
         parent_pid: exit when this process is no longer our parent (local clusters).
-        curve_keypair: ``(public, secret)`` Z85 CurveZMQ key pair of this worker;
-            with ``curve_server_key`` it turns on encryption.
-        curve_server_key: the controller's Z85 CurveZMQ public key.
+        curve_keypair, curve_server_key: this worker's ``(public, secret)`` Z85 CurveZMQ
+            key pair and the controller's public key (encryption).
     """
 
     def __init__(
@@ -294,11 +292,13 @@ class Worker:
     async def _heartbeats(self) -> None:
         assert self._ended is not None and self._chan is not None and self._peer is not None
         resend_after = max(2 * self._heartbeat, self._liveness / 3)
+        stalls = StallClock(self._heartbeat)
         while not self._ended.done():
             await asyncio.sleep(self._heartbeat)
             self._chan.drain()  # judge silence only after reading what already arrived
             if self._ended.done():
                 return
+            self._last_heard += stalls.frozen(time.monotonic())  # not the controller's
             if time.monotonic() - self._last_heard > self._liveness:
                 log.warning("controller silent for %.1f s", time.monotonic() - self._last_heard)
                 self._end("relay" if self._chan.moved else "lost")  # a relay lost: rejoin

@@ -42,6 +42,7 @@ from .._wire.limits import MAX_HEADER_BYTES, MAX_OBJECTS, UNKNOWN_PEER_MAX_BYTES
 from .._wire.peer import data_bytes
 from .._wire.relaywire import NEVER_REACHED, SMALL, Adopt, Delivered, Gather, Gone, Ready, entries
 from .._wire.sockio import router_socket
+from .._wire.stalls import StallClock
 from .hold import HOLD_S, ReplyHold
 
 __all__ = ["Relay", "main"]
@@ -98,6 +99,7 @@ class Relay:
         self.reported: dict[int, int] = {}
         self.released: set[int] = set()
         self.ctl_heard = time.monotonic()
+        self._stalls = StallClock(self.heartbeat)  # liveness ticks that came late
         self.done: asyncio.Future[None] | None = None
 
     async def run(self) -> None:
@@ -371,6 +373,11 @@ class Relay:
         self.down.drain()
         self.up.drain()
         now = time.monotonic()
+        frozen = self._stalls.frozen(now)  # this process did not run: nobody's silence
+        if frozen:
+            self.ctl_heard += frozen
+            for h in self.last_seen:
+                self.last_seen[h] += frozen
         if now - self.ctl_heard > 2 * self.liveness and self.done is not None:
             log.warning("relay: the controller is silent; exiting")
             if not self.done.done():
