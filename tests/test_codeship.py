@@ -202,6 +202,10 @@ def test_packages_pip_installed_into_a_folder_on_the_path_stay_home(
     fresh_import(installed), fresh_import(mine)
     assert user_package(f"{installed}.sub") is None  # installed: never shipped
     assert user_package(mine) == mine  # beside it, without a RECORD: the user's
+    sitecustomize = target / "sitecustomize.py"  # each process's own start-up hook
+    sitecustomize.write_text("")
+    monkeypatch.setitem(sys.modules, "sitecustomize", fresh_import("sitecustomize"))
+    assert user_package("sitecustomize") is None
 
 
 def test_what_dead_workers_left_is_swept(tmp_path: Path) -> None:

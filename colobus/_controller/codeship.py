@@ -113,6 +113,9 @@ def _distributed(directory: str) -> frozenset[str]:
     return frozenset(names)
 
 
+# Never the user's to ship: the script, colobus, and what each Python process imports
+# at start from its own path (a host has its own, or none).
+_NEVER = frozenset({"__main__", "colobus", "sitecustomize", "usercustomize"})
 _serials = itertools.count(1)
 _user_roots: dict[str, str | None] = {}  # top-level name -> its root if the user's (cache)
 
@@ -123,7 +126,7 @@ def user_package(module_name: str) -> str | None:
     top = module_name.partition(".")[0]
     if top in _user_roots:
         return top if _user_roots[top] is not None else None
-    if top in sys.stdlib_module_names or top in ("__main__", "colobus") or not top:
+    if top in sys.stdlib_module_names or top in _NEVER or not top:
         return None
     module = sys.modules.get(top)
     if module is None:
