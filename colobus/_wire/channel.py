@@ -33,6 +33,7 @@ from .chunks import ACK_KIND, CHUNKED_KIND, PART_KIND, Splitter, part_size
 from .envelope import BATCH_KIND, Buffer, Envelope, pack_body
 from .lane import batched, encode, envelope_bytes
 from .peer import ACK_AFTER, DEFAULT_MAX_WINDOW, HEARTBEAT_KIND, Peer, Via, data_bytes
+from .resends import resend, resend_stale
 from .sockio import readable, recv_frames, send_frames, socket_fd
 
 __all__ = ["DEFAULT_MAX_WINDOW", "Channel", "Peer"]
@@ -46,7 +47,6 @@ DRAIN_BUDGET_S = 0.01  # one drain reads this long at most, then lets the loop r
 EAGER_BATCH = int(os.environ.get("COLOBUS_EAGER_BATCH", "64"))
 # An ACK's body: empty, or this (a NACK: "I have a gap after ack, resend from there").
 NACK_BODY = [1]
-BACKOFF_MAX = 16  # resends back off to 16 x resend_after while nothing is acknowledged
 
 
 class Channel:
@@ -400,46 +400,12 @@ class Channel:
         it gets of each and drops the rest. Each envelope (a part of a large message
         is one) is resent on its own, at most a window's worth per round, and while
         nothing is acknowledged the rounds back off (``after`` doubling up to
-        :data:`BACKOFF_MAX` times).
+        :data:`colobus._wire.resends.BACKOFF_MAX` times).
         """
-        sock = self.sock
-        if sock.closed:
-            return
-        now = time.monotonic()
-        resent = self.resent
-        for peer in peers:
-            unacked = peer.unacked
-            wait = after * peer.backoff
-            if not unacked or now - unacked[0][1] < wait:
-                continue
-            peer.backoff = min(peer.backoff * 2, BACKOFF_MAX)
-            log.debug("resending unacknowledged messages (%d waiting)", len(unacked))
-            self._resend(peer, now, wait)
-        if self._owed:
-            self._send_acks()
-        if self.resent != resent and readable(sock):
-            # The FD is edge-triggered: a send can take the edge that announced a
-            # message waiting to be read, and nothing else would read it.
-            self._loop.call_soon(self.drain)
+        resend_stale(self, peers, after)
 
     def _resend(self, peer: Peer, now: float, wait: float) -> None:
-        """Send again, from the oldest, what ``peer`` left unacknowledged for ``wait``
-        seconds (0: all of it, the peer asked), at most a window's worth."""
-        unacked = peer.unacked
-        budget = peer.window
-        for i, (seq, sent, frames, n, d) in enumerate(unacked):
-            if now - sent < wait or budget <= 0:
-                break
-            unacked[i] = (seq, now, frames, n, d)
-            budget -= n
-            self.resent += 1
-            try:
-                send_frames(self.sock, [*peer.route, *frames], self._flags)
-            except zmq.ZMQError:
-                break
-        if peer.recv_seq:  # the copies carry old acks: say what we have now
-            peer.ack_due = True
-            self._owed.add(peer)
+        resend(self, peer, now, wait)
 
     def _end_step(self) -> None:
         self._step_scheduled = False
