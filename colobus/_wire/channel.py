@@ -59,9 +59,11 @@ class Channel:
         on_frames: called with each received multipart message (loop thread).
         send_flags: flags for sends (the worker sends ``NOBLOCK``: with no
             connection a message waits in ``unacked`` for a resend instead).
-        before_flush: called before messages are queued or sent (the
-            controller moves its queued frees into the outboxes there, so a
-            message never overtakes a free asked for earlier).
+        before_flush: called before messages are queued or sent, while
+            :attr:`before_flush_due` is set (the owner sets it as it queues work for
+            the hook; the channel clears it as it calls): the controller moves its
+            queued frees into the outboxes there, so a message never overtakes a
+            free asked for earlier.
         after_flush: called after each flush inside a drain; True means read
             again (the worker's brief wait for calls it just started).
         before_drain: called as each drain starts (the worker forgets the calls
@@ -94,6 +96,7 @@ class Channel:
         self._on_frames = on_frames
         self._flags = send_flags
         self._before_flush = before_flush
+        self.before_flush_due = False  # before_flush has work (see the class docstring)
         self._after_flush = after_flush
         self._before_drain = before_drain
         self._on_release = on_release
@@ -141,7 +144,8 @@ class Channel:
         """:meth:`send` of a body already packed (a fan-out's CALLs share most bytes)."""
         if self.sock.closed:
             return
-        if self._before_flush is not None:
+        if self.before_flush_due and self._before_flush is not None:
+            self.before_flush_due = False
             self._before_flush()
         self.enqueue_packed(peer, kind, packed, payload, buffers, pbufs)
         if self._corked:
@@ -208,7 +212,8 @@ class Channel:
 
     def flush(self) -> bool:
         """Send every peer's queued messages now, batched; True if anything was sent."""
-        if self._before_flush is not None:
+        if self.before_flush_due and self._before_flush is not None:
+            self.before_flush_due = False
             self._before_flush()
         peers, self._dirty = self._dirty, []
         vias, self._gathered = self._gathered, []
