@@ -29,10 +29,11 @@ from typing import Any
 import zmq
 
 from . import protocol as P
-from .chunks import ACK_KIND, CHUNKED_KIND, PART_KIND, Splitter, part_size
-from .envelope import BATCH_KIND, Buffer, Envelope, pack_body
-from .lane import batched, encode, envelope_bytes
-from .peer import ACK_AFTER, DEFAULT_MAX_WINDOW, HEARTBEAT_KIND, Peer, Via, data_bytes
+from .chunks import ACK_KIND, CHUNKED_KIND, PART_KIND
+from .envelope import Buffer, Envelope, pack_body
+from .lane import encode, envelope_bytes
+from .outflow import Outflow
+from .peer import ACK_AFTER, DEFAULT_MAX_WINDOW, Peer, Via, data_bytes
 from .resends import resend, resend_stale
 from .sockio import readable, recv_frames, send_frames, socket_fd
 
@@ -49,7 +50,7 @@ EAGER_BATCH = int(os.environ.get("COLOBUS_EAGER_BATCH", "64"))
 NACK_BODY = [1]
 
 
-class Channel:
+class Channel(Outflow):
     """A socket on the event loop: drain-all reads, batched sends, resends.
 
     Args:
@@ -241,14 +242,6 @@ class Channel:
             sent = True  # the sends may have taken the FD's edge
         return sent
 
-    def _emit(self, via: Via, now: float) -> None:
-        """What ``via`` collected, as a message to its relay, sent now."""
-        link = via.emit()
-        if link is not None:
-            if link in self._dirty:
-                self._dirty.remove(link)
-            self._send_outbox(link, now)
-
     def send_now(self, peer: Peer) -> None:
         """Send what ``peer``'s outbox holds now, past the end of the loop step."""
         if peer in self._dirty:
@@ -269,84 +262,6 @@ class Channel:
         peer.ack_due = True
         self._owed.add(peer)
         self._loop.call_soon(self._end_step)
-
-    def _send_outbox(self, peer: Peer, now: float) -> None:
-        """Send ``peer``'s queued messages, batched (the caller took it off ``_dirty``).
-
-        Heartbeats leave at once, ahead of anything waiting for the window; large
-        messages go in parts (:mod:`colobus._wire.chunks`); the rest leaves in order
-        as the window has room.
-        """
-        via = peer.via
-        if via is not None:  # a relayed host's messages leave in its relay's
-            via.collect(peer)
-            self._emit(via, now)
-            return
-        items, peer.outbox = peer.outbox, []
-        pending = peer.pending
-        rest = items
-        if len(items) > 1 or pending or peer.inflight >= peer.window:
-            rest = []
-            for item in items:
-                if item[0] == HEARTBEAT_KIND:
-                    self._transmit(peer, Envelope(item[0], peer.session, peer.their_session,
-                                                  0, None, packed_body=item[1]), now)
-                else:
-                    rest.append(item)
-        if rest:
-            whole = part_size(peer.window, peer.max_part)  # more travels in parts
-            for env in batched(rest, peer.session, peer.their_session):
-                # the body counts (one over 64 KiB shares the payload's frame), but a
-                # message of body alone travels whole: it has nothing to cut
-                n = envelope_bytes(env)
-                body = env.packed_body
-                if n and n + (len(body) if body is not None else 0) > whole:
-                    pending.append(Splitter(env))
-                else:
-                    pending.append(env)
-        self._pump(peer, now)
-
-    def _pump(self, peer: Peer, now: float) -> None:
-        """Send what waits for ``peer`` while its window has room (always one envelope
-        when nothing is in flight)."""
-        pending = peer.pending
-        while pending and (peer.inflight < peer.window or not peer.unacked):
-            head = pending[0]
-            if not isinstance(head, Splitter):
-                self._transmit(peer, pending.popleft(), now)  # type: ignore[arg-type]
-                continue
-            self._transmit(peer, head.next(part_size(peer.window, peer.max_part)), now)
-            if head.done:
-                pending.popleft()
-        if pending:
-            self._blocked.add(peer)
-        else:
-            self._blocked.discard(peer)
-
-    def _transmit(self, peer: Peer, env: Envelope, now: float) -> None:
-        """Number ``env``, keep it until acknowledged, and send it."""
-        peer.send_seq += 1
-        env.seq = peer.send_seq
-        env.ack = peer.recv_seq
-        frames = encode(self._key, env)
-        size = 0
-        for f in frames:
-            size += len(f) if type(f) is bytes else memoryview(f).nbytes
-        if not peer.unacked:
-            peer.ack_wait = now
-        peer.unacked.append((env.seq, now, frames, size, envelope_bytes(env)))
-        peer.inflight += size
-        peer.acked_sent = peer.recv_seq
-        peer.recv_owed = 0
-        if env.kind == BATCH_KIND:
-            self.batches_sent += 1
-        try:
-            send_frames(self.sock, [*peer.route, *frames], self._flags)
-        except zmq.ZMQError as exc:
-            # No connection to that peer now (EHOSTUNREACH on a ROUTER, EAGAIN
-            # on a DEALER): the message waits in ``unacked`` for a resend.
-            peer.undelivered = True
-            log.debug("send failed (%s); resent once the peer is back", exc)
 
     def take(self, peer: Peer, env: Envelope, max_total: int) -> Envelope | str | None:
         """An authenticated envelope of ``peer``'s session, in: the message it completes
