@@ -51,6 +51,47 @@ def test_batched_and_encoded_as_the_envelope_module_does(items: list[Any]) -> No
         _same(L.fast_decode(KEY, fa), E.decode(KEY, fb))
 
 
+def _packed(items: list[Any]) -> list[Any]:
+    return [(k, b if type(b) is bytes else E.pack_body(b), p, bs, pb) for k, b, p, bs, pb in items]
+
+
+@pytest.mark.parametrize("items", [
+    *map(_packed, _items()),
+    [(6, b"\x91" + b"\xc4\x00", b"", (), 0)] * 2,
+    [(6, b"\x90", b"z" * 300_000, (), 0)],  # over ``whole`` below: in parts
+    [(6, b"\x90", b"z" * 60_000, (), 0), (6, b"\x90", b"y" * 60_000, (), 0)],
+    [(int(E.BATCH_KIND) - 1, b"\x90", b"", (), 0), (6, b"\x90", b"", (), 0)],
+    [(2, b"\x90", b"", (), 0), (6, b"\x90", b"", (), 0)],  # a heartbeat among two
+    [(6, bytes(range(256)) * 300, b"tail", (), 0)],  # a body over BODY_INLINE_MAX
+    [(6, [1], b"", (), 0)],  # not packed
+])
+def test_one_envelope_sent_whole_is_the_general_paths(items: list[Any]) -> None:
+    """lane.fast_one_envelope: the frames the channel's general path sends (batched,
+    numbered, encoded), or None wherever that path would not send one whole envelope."""
+    from colobus._wire.chunks import part_size
+    from colobus._wire.peer import HEARTBEAT_KIND
+
+    whole = part_size(1 << 18)
+    got = L.fast_one_envelope(KEY, items, b"s", b"r", 9, 4, whole)
+    packed = all(type(i[1]) is bytes for i in items)
+    envs = E.batched(items, b"s", b"r") if packed else []
+    alone = [i for i in items if i[0] == HEARTBEAT_KIND] if len(items) > 1 else []
+    body = envs[0].packed_body if envs else None
+    n = envelope_bytes(envs[0]) if envs else 0
+    if (len(envs) != 1 or alone or body is None or (n and n + len(body) > whole)):
+        assert got is None
+        return
+    assert got is not None
+    frames, size, data, batch = got
+    env = envs[0]
+    env.seq, env.ack = 9, 4
+    theirs = E.encode(KEY, env)
+    assert [bytes(x) for x in frames] == [bytes(x) for x in theirs]
+    assert size == sum(len(bytes(x)) for x in theirs)
+    assert data == envelope_bytes(env)
+    assert batch == (env.kind == E.BATCH_KIND)
+
+
 def test_a_body_too_large_for_the_header_travels_in_the_payload_alike() -> None:
     env = E.Envelope(5, b"s", b"r", 1, list(range(40000)), b"tail")
     ours, theirs = L.fast_encode(KEY, env), E.encode(KEY, env)
