@@ -169,3 +169,29 @@ def test_a_call_body_spliced_by_the_lane_is_the_one_packed_whole(
                              hosts).to_wire())
     mid = L.pack(digest) + L.pack(obj) + L.pack(method)
     assert call_body(call_id, stream, mid, refs, pack_body(mesh), hosts) == whole
+
+
+@pytest.mark.parametrize("cap", [4096, 1])
+def test_cache_info_counts_the_lanes_calls_as_note_does(ctl: Any, cap: int,
+                                                        monkeypatch: Any) -> None:
+    """The lane counts a call like the last one as a hit without making its key; the
+    counts are those of ``Signatures.note`` (also when the set of signatures starts over:
+    ``MAX_SIGNATURES`` of 1 makes every change of signature a miss)."""
+    import colobus as cb
+    from colobus._api import cacheinfo
+
+    monkeypatch.setattr(cacheinfo, "MAX_SIGNATURES", cap)
+
+    @cb.colocated_python
+    def same(x: Any) -> Any:
+        return x
+
+    d0 = cb.devices()[0]
+    x, y = cb.device_put(np.zeros(2), d0), cb.device_put(np.zeros(3), d0)
+    x2 = cb.device_put(np.ones(2), d0)  # x's signature (its sharding equal, maybe not x's)
+    z = cb.device_put(np.zeros(2, np.int32), d0)  # x's shape and sharding, not its dtype
+    for arg in (x, x, y, y, x, x2, z, z, x):
+        same(arg).result()
+    info = same.cache_info()
+    # distinct: x, y, z; with a cap of 1 every change starts the set over: x y x z x
+    assert (info.misses, info.hits) == ((3, 6) if cap > 1 else (5, 4))
