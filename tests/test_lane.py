@@ -195,3 +195,53 @@ def test_cache_info_counts_the_lanes_calls_as_note_does(ctl: Any, cap: int,
     info = same.cache_info()
     # distinct: x, y, z; with a cap of 1 every change starts the set over: x y x z x
     assert (info.misses, info.hits) == ((3, 6) if cap > 1 else (5, 4))
+
+
+async def test_calls_on_the_controllers_loop_free_and_order_as_the_general_path() -> None:
+    """Calls made on the controller's own loop thread (the lane that sends in one go):
+    results, stream order behind a full window (max_inflight=1 sends later calls through
+    the backlog), errors, and frees (each call's output and result slot, whatever thread
+    drops them) leave the host holding only what the program still holds."""
+    import asyncio
+    import gc
+    import threading
+
+    from lifecycle import quiesced
+
+    import colobus as cb
+
+    @cb.colocated_python
+    def plus(x: Any, y: Any) -> Any:
+        return x + y
+
+    @cb.colocated_python
+    def same(x: Any) -> Any:
+        return x
+
+    async with cb.local_cluster(hosts=1, devices_per_host=1, max_inflight=1) as ctl:
+        d0 = ctl.devices()[0]
+        x = cb.device_put(np.arange(4.0), d0)
+        assert np.asarray(await cb.device_get(await same(x))).tolist() == [0, 1, 2, 3]
+        y = x
+        for _ in range(20):  # awaited one by one: each frees the one before
+            y = await plus(y, x)
+        assert np.asarray(await cb.device_get(y)).tolist() == [21 * v for v in range(4)]
+        futs = [same(x) for _ in range(10)]  # behind the window: the backlog, in order
+        outs = await cb.gather(*futs)
+        assert all(o.shape == (4,) for o in outs)
+        gone = cb.device_put(np.zeros(2), d0)
+        gone.delete()
+        with pytest.raises(RuntimeError, match="deleted"):
+            same(gone)
+        kept = await asyncio.gather(*[asyncio.create_task(_awaited(same, x)) for _ in range(5)])
+        dropped = threading.Thread(target=kept.clear)  # dropped on another thread
+        dropped.start()
+        dropped.join()
+        del futs, outs, y
+        gc.collect()
+        hosts = await quiesced(ctl, base={0: {"arrays": 1, "bytes": 32}})
+        assert (hosts[0]["arrays"], hosts[0]["results"]) == (1, 0), hosts
+
+
+async def _awaited(fn: Any, *args: Any) -> Any:
+    return await fn(*args)  # (the Future dropped here, on the loop thread)

@@ -137,6 +137,7 @@ class Target:
     signatures: Signatures | None = None  # counted where cache_info() reports them
     observed: tuple[Observer, FunctionStats] | None = None  # its counters, and whose
     code: Code | None = None  # a function's: all prepare() does is ship it
+    lane_mid: tuple[bytes, bytes] | None = None  # the lane's: digest, obj_id, method packed
 
     def digest(self) -> bytes:
         return b""
@@ -298,9 +299,9 @@ class _CallOp:
     __slots__ = ("call_id", "changes", "ctl", "digest", "gens", "out_specs", "pickled", "plan",
                  "ref_shardings", "stream", "target")
 
-    def __init__(self, ctl: Controller, target: Target, plan: CallPlan, pickled: PickledArgs,
-                 stream: int, digest: bytes, gens: dict[int, int], call_id: int,
-                 out_specs: Any, changes: int) -> None:
+    def __init__(self, ctl: Controller, target: Target, plan: CallPlan,
+                 pickled: PickledArgs | None, stream: int, digest: bytes,
+                 gens: dict[int, int], call_id: int, out_specs: Any, changes: int) -> None:
         self.changes = changes  # the host registry's, when ``gens`` were read
         self.ctl = ctl
         self.target = target

@@ -20,10 +20,11 @@ from __future__ import annotations
 import asyncio
 import threading
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._controller.controller import _current, default_controller
 from .._controller.current import State
+from .._controller.frees import WATCHED, release_now
 from .._controller.future import Future
 from .._controller.operation import Operation
 from .._wire import protocol as P
@@ -40,13 +41,19 @@ from .func import (
 from .plan import CallPlan, make_plan
 from .serialization import PickledArgs, _handles_payload
 
+if TYPE_CHECKING:
+    from .._controller.controller import Controller
+
 __all__ = ["ON", "call", "call_body"]
 
 _get_ident = threading.get_ident
 _current_task = asyncio.current_task
 _controllers = _current._stack  # the entered controllers, most recent last
 _RUNNING = State.RUNNING
-_last_stream: tuple[weakref.ref[asyncio.Task[Any]], int] | None = None  # see _loop_stream
+# the loop thread's last caller: (its task, by a weak reference; its stream)
+_last_stream: list[tuple[weakref.ref[asyncio.Task[Any]], int] | None] = [None]
+_ref = weakref.ref
+_CALL = int(P.Kind.CALL)
 _MAX_PLANS = 64  # argument shardings remembered per function
 
 
@@ -130,8 +137,6 @@ def call(target: FunctionTarget, args: tuple[Any, ...]) -> Future[Any] | None:
         refs.append([0, a.ref])
     blob = code._blob  # (target.digest(), inline once the code is pickled)
     digest = blob[0] if blob is not None else target.digest()  # SerializationError now
-    # pickle_args of handles alone, inline: its checks are those just made
-    pickled = PickledArgs(_handles_payload(len(args)), [], refs, list(args), [])
     hosts = plan.hosts
     g = target.lane_gens  # (registry.generations, kept while no host joins or is lost)
     if g is not None and g[0] is hosts and g[1] == changes:
@@ -141,15 +146,25 @@ def call(target: FunctionTarget, args: tuple[Any, ...]) -> Future[Any] | None:
         target.lane_gens = (hosts, changes, gens)
     ops = ctl._ops
     call_id = next(ops._ids)  # (ops.next_id, inline)
-    Op = _LaneOp if len(hosts) == 1 else _CallOp
     if _get_ident() != ctl._loop_thread_id:
-        op = Op(ctl, target, plan, pickled, _stream_id(), digest, gens, call_id, None, changes)
+        op = (_LaneOp if len(hosts) == 1 else _CallOp)(
+            ctl, target, plan, PickledArgs(_handles_payload(len(args)), [], refs, list(args), []),
+            _stream_id(), digest, gens, call_id, None, changes)
         fut = ops.submit(hosts, op.send, _decode_result, op, call_id=call_id, cancellable=True)
     else:
-        op = Op(ctl, target, plan, pickled, _loop_stream(), digest, gens, call_id, None,
-                changes)
+        # _stream_id() on the loop thread: the last task's, kept (by a weak reference)
+        task = _current_task()
+        last_stream = _last_stream[0]
+        if task is not None and last_stream is not None and last_stream[0]() is task:
+            stream = last_stream[1]
+        else:
+            stream = _stream_id()
+            _last_stream[0] = (weakref.ref(task), stream) if task is not None else None
         if (ops.backlog or ctl._closed
                 or (len(ops.pending) >= ops.max_inflight and ops._full(hosts))):
+            op = (_LaneOp if len(hosts) == 1 else _CallOp)(
+                ctl, target, plan, _pickled(args, refs), stream, digest, gens, call_id, None,
+                changes)
             fut = ops.submit(hosts, op.send, _decode_result, op, call_id=call_id,
                              cancellable=True)
         else:
@@ -157,23 +172,68 @@ def call(target: FunctionTarget, args: tuple[Any, ...]) -> Future[Any] | None:
             # queues, so it takes no back-pressure slot (and gives none back).
             fut = Future(ctl._loop_thread_id, call_id, ctl)
             fut._canceller = ops._canceller
-            ops._go(Operation(call_id, fut, hosts, op.send, _decode_result, op, False))
+            if len(hosts) == 1:
+                _go_one(ctl, target, plan, args, refs, stream, digest, gens, call_id, changes,
+                        fut)
+            else:
+                op = _CallOp(ctl, target, plan, _pickled(args, refs), stream, digest, gens,
+                             call_id, None, changes)
+                ops._go(Operation(call_id, fut, hosts, op.send, _decode_result, op, False))
     fut.info = plan
-    ctl._frees.release_when_gone(fut, gens, call=call_id)
+    WATCHED[_ref(fut, release_now)] = (ctl._frees, gens, 0, call_id)  # (release_when_gone)
     return fut
 
 
-def _loop_stream() -> int:
-    """:func:`_stream_id` on the loop thread: the last task's, kept (by a weak reference)."""
-    global _last_stream
-    task = _current_task()
-    last = _last_stream
-    if task is not None and last is not None and last[0]() is task:
-        return last[1]
-    sid = _stream_id()
-    if task is not None:
-        _last_stream = (weakref.ref(task), sid)
-    return sid
+def _pickled(args: tuple[Any, ...], refs: list[list[int]]) -> PickledArgs:
+    """``pickle_args((args, {}), ...)`` of handles alone (their checks made by the caller)."""
+    return PickledArgs(_handles_payload(len(args)), [], refs, list(args), [])
+
+
+def _go_one(ctl: Controller, target: FunctionTarget, plan: CallPlan, args: tuple[Any, ...],
+            refs: list[list[int]], stream: int, digest: bytes, gens: dict[int, int],
+            call_id: int, changes: int, fut: Future[Any]) -> None:
+    """``ops._go`` of a one-host call that leaves now (loop thread; ``fut`` is new): when
+    its host is alive, as when the call was made, and has its code, the CALL is queued
+    here as :meth:`_LaneOp.send` would; otherwise ``_go`` does what it does."""
+    ops = ctl._ops
+    (h,) = plan.hosts
+    host = ctl._hosts.hosts[h]
+    chan = ctl._chan
+    if not (host.alive and host.generation == gens[h] and digest in host.code_sent
+            and chan is not None):
+        op = _LaneOp(ctl, target, plan, _pickled(args, refs), stream, digest, gens, call_id,
+                     None, changes)
+        ops._go(Operation(call_id, fut, plan.hosts, op.send, _decode_result, op, False))
+        return
+    op = _LaneOp(ctl, target, plan, None, stream, digest, gens, call_id, None, changes)
+    operation = Operation(call_id, fut, plan.hosts, op.send, _decode_result, op, False)
+    operation.send = None  # (sent here)
+    host.inflight.add(call_id)
+    host.awaiting.add(call_id)
+    ops.pending[call_id] = operation
+    try:
+        if len(args) == 1:  # an output laid out like an argument gets its global sharding
+            op.ref_shardings = (args[0].sharding,)
+        else:
+            shardings = []
+            for a in args:
+                shardings.append(a.sharding)
+            op.ref_shardings = tuple(shardings)
+        n = len(ctl._hosts.hosts)  # cb.host_count() on the hosts
+        if n < ctl._expected_hosts:
+            n = ctl._expected_hosts
+        mid = target.lane_mid
+        if mid is None or mid[0] != digest:
+            mid = target.lane_mid = (
+                digest, pack(digest) + pack(target.obj_id) + pack(target.method))
+        meshes = plan.packed_mesh or plan.packed_meshes()
+        # (call_body, inline)
+        body = (b"\x98" + pack(call_id) + pack(stream) + mid[1] + pack(refs) + meshes[h]
+                + pack(n))
+        chan.send_packed(host.peer, _CALL, body, _handles_payload(len(args)))
+        ctl._counters["calls"] += 1  # (ctl._count, inline)
+    except BaseException as exc:  # as _go
+        operation.end(ops, exc)
 
 
 def call_body(call_id: int, stream: int, mid: bytes, refs: list[Any], mesh: bytes,
@@ -203,9 +263,9 @@ class _LaneOp(_CallOp):
         if hosts < ctl._expected_hosts:
             hosts = ctl._expected_hosts
         digest = self.digest
-        mid = target.__dict__.get("lane_mid")
+        mid = target.lane_mid
         if mid is None or mid[0] != digest:
-            mid = target.lane_mid = (  # type: ignore[attr-defined]
+            mid = target.lane_mid = (
                 digest, pack(digest) + pack(target.obj_id) + pack(target.method))
         meshes = plan.packed_mesh or plan.packed_meshes()
         head = b"\x98" + pack(call_id) + pack(self.stream) + mid[1] + pack(pickled.refs)

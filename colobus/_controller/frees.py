@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from .._wire.fanout import Fanout
     from .ops import Operations
 
-__all__ = ["Frees", "FreesOwner", "release_now"]
+__all__ = ["WATCHED", "Frees", "FreesOwner", "release_now"]
 
 RELEASE_DELAY_S = 0.002  # frees wait this long for a message to ride along with
 _get_ident = threading.get_ident
@@ -43,13 +43,13 @@ _RELEASE = int(P.Kind.RELEASE)
 # What each watched handle frees when it goes: its weak reference -> (the queue, host ->
 # generation, array ref, call id). A weak reference with a callback, held here, costs a
 # third of a ``weakref.finalize``.
-_WATCHED: dict[weakref.ref[Any], tuple[Frees, dict[int, int], int, int]] = {}
+WATCHED: dict[weakref.ref[Any], tuple[Frees, dict[int, int], int, int]] = {}
 
 
 def release_now(handle: weakref.ref[Any]) -> None:
     """Free what ``handle`` (from :meth:`Frees.release_when_gone`) watches, once: when its
     object goes, or earlier (an array's ``delete``); any thread."""
-    entry = _WATCHED.pop(handle, None)
+    entry = WATCHED.pop(handle, None)
     if entry is None:
         return
     frees, generations, ref, call = entry
@@ -112,7 +112,7 @@ class Frees:
         """:meth:`release_on` once ``obj`` (a handle) is collected; the weak reference
         returned frees at once with :func:`release_now`."""
         handle = weakref.ref(obj, release_now)
-        _WATCHED[handle] = (self, generations, ref, call)
+        WATCHED[handle] = (self, generations, ref, call)
         return handle
 
     def _queue_many(self, entries: list[tuple[dict[int, int], int, int]]) -> None:
