@@ -17,6 +17,7 @@ called by the channel only while frees wait).
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 import weakref
 from typing import TYPE_CHECKING, Any, Protocol
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
     import asyncio
 
     from .._wire.fanout import Fanout
+    from .inbox import Inbox
     from .ops import Operations
 
 __all__ = ["WATCHED", "Frees", "FreesOwner", "release_now"]
@@ -56,7 +58,17 @@ def release_now(handle: weakref.ref[Any]) -> None:
     ctl = frees._ctl
     if ctl._closed:
         return
-    if _get_ident() != ctl._loop_thread_id or ctl._ops.backlog:
+    if _get_ident() != ctl._loop_thread_id:
+        # ops.post's hop, straight to the loop's inbox (posted after, and so run after,
+        # whatever this thread submitted before): Frees._posted queues it there
+        inbox = ctl._inbox
+        if inbox is not None:
+            try:
+                inbox.post(frees._posted, (generations, ref, call))
+            except RuntimeError:  # the loop closed under us: nothing to free any more
+                pass
+        return
+    if ctl._ops.backlog:
         frees.release_on(generations, ref=ref, call=call)
         return
     # ops.post's own case, inline (run at once: on the loop thread, nothing queued ahead)
@@ -82,6 +94,8 @@ class FreesOwner(Parts, Protocol):
     def _loop(self) -> asyncio.AbstractEventLoop | None: ...
     @property
     def _loop_thread_id(self) -> int | None: ...
+    @property
+    def _inbox(self) -> Inbox | None: ...
 
 
 class Frees:
@@ -114,6 +128,15 @@ class Frees:
         handle = weakref.ref(obj, release_now)
         WATCHED[handle] = (self, generations, ref, call)
         return handle
+
+    def _posted(self, entry: tuple[dict[int, int], int, int]) -> None:
+        """A free asked for on another thread, on the loop thread now: as ``ops.post``
+        runs what it was given (behind the backlog, if operations wait there)."""
+        backlog = self._ctl._ops.backlog
+        if backlog:
+            backlog.append(functools.partial(self._queue_many, [entry]))
+        else:
+            self._queue_many([entry])
 
     def _queue_many(self, entries: list[tuple[dict[int, int], int, int]]) -> None:
         self._queue.extend(entries)
