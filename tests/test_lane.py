@@ -82,12 +82,13 @@ def test_one_envelope_sent_whole_is_the_general_paths(items: list[Any]) -> None:
         assert got is None
         return
     assert got is not None
-    frames, size, data, batch = got
+    frames, size, data, plen, batch = got
     env = envs[0]
     env.seq, env.ack = 9, 4
     theirs = E.encode(KEY, env)
     assert [bytes(x) for x in frames] == [bytes(x) for x in theirs]
     assert size == sum(len(bytes(x)) for x in theirs)
+    assert plen == len(bytes(theirs[1]))
     assert data == envelope_bytes(env)
     assert batch == (env.kind == E.BATCH_KIND)
 

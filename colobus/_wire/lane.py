@@ -172,14 +172,15 @@ def _close(run: list[Outgoing], out: list[Envelope], sender: bytes, receiver: by
 
 def fast_one_envelope(key: bytes, items: Sequence[Outgoing], sender: bytes, receiver: bytes,
                       seq: int, ack: int, whole: int,
-                      ) -> tuple[list[Buffer], int, int, bool] | None:
+                      ) -> tuple[list[Buffer], int, int, int, bool] | None:
     """What a channel sends of ``items`` when they leave as one envelope, whole: the
     frames of ``encode(key, env)`` for the one envelope :func:`fast_batched` makes of
     them, numbered ``seq`` with ``ack``; with the frames' size in bytes, the envelope's
-    :func:`fast_envelope_bytes`, and whether it is a BATCH. None (nothing spent) when
-    they would not: more than one envelope, a heartbeat among several (it leaves
-    first, on its own), a body not packed yet, or a message over ``whole`` bytes (it
-    travels in parts). ``tests/test_lane.py`` compares it with the general path."""
+    :func:`fast_envelope_bytes`, the payload frame's size, and whether it is a BATCH.
+    None (nothing spent) when they would not: more than one envelope, a heartbeat among
+    several (it leaves first, on its own), a body not packed yet, or a message over
+    ``whole`` bytes (it travels in parts). ``tests/test_lane.py`` compares it with the
+    general path."""
     n = len(items)
     bufsum = 0
     if n == 1:
@@ -207,12 +208,14 @@ def fast_one_envelope(key: bytes, items: Sequence[Outgoing], sender: bytes, rece
                 return None
             pl = p.nbytes if type(p) is memoryview else len(p)
             size = len(b) + pl
-            nb = len(bs)
-            for x in bs:
-                m = x.nbytes if type(x) is memoryview else len(x)
-                buflens.append(m)
-                size += m
-                bufsum += m
+            nb = 0
+            if bs:
+                nb = len(bs)
+                for x in bs:
+                    m = x.nbytes if type(x) is memoryview else len(x)
+                    buflens.append(m)
+                    size += m
+                    bufsum += m
             if size >= BATCH_MAX_PAYLOAD or (run_bytes and run_bytes + size > BATCH_MAX_BYTES):
                 return None  # (fast_batched would start another envelope)
             run_bytes += size + 16
@@ -223,12 +226,15 @@ def fast_one_envelope(key: bytes, items: Sequence[Outgoing], sender: bytes, rece
             if pl:
                 payloads.append(p)
                 plen += pl
+                last = p
             if nb:
                 buffers.extend(bs)
-        if len(buffers) > BATCH_MAX_BUFFERS:
+        if buffers and len(buffers) > BATCH_MAX_BUFFERS:
             return None
         body = b"".join(parts)
-        payload = b"".join(payloads)
+        # (one payload among them, the common case, is itself: no join; as bytes)
+        payload = (b"" if not plen else b"".join(payloads) if len(payloads) > 1
+                   or type(last) is not bytes else last)
         bufs = buffers
     data = plen + bufsum
     blen = len(body)
@@ -244,14 +250,16 @@ def fast_one_envelope(key: bytes, items: Sequence[Outgoing], sender: bytes, rece
     hlen = len(header)
     keyed = _KEYED.get(key)
     h = (keyed if keyed is not None else _keyed(key)).copy()
-    h.update(_LEN.pack(hlen))
-    h.update(header)
-    h.update(_LEN.pack(plen))
-    h.update(payload)
+    h.update(_LEN.pack(hlen) + header)  # (the same bytes hashed: mac() updates four times)
+    if type(payload) is bytes and plen < 4096:
+        h.update(_LEN.pack(plen) + payload)
+    else:
+        h.update(_LEN.pack(plen))
+        h.update(payload)
     size = hlen + plen + MAC_SIZE + bufsum
     if bufs:
-        return [header, payload, h.digest(), *bufs], size, data, n > 1
-    return [header, payload, h.digest()], size, data, n > 1
+        return [header, payload, h.digest(), *bufs], size, data, plen, n > 1
+    return [header, payload, h.digest()], size, data, plen, n > 1
 
 
 def fast_envelope_bytes(env: Envelope) -> int:

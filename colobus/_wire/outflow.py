@@ -19,7 +19,7 @@ from .chunks import CHUNK_BYTES, Splitter, part_size
 from .envelope import BATCH_KIND, Envelope
 from .lane import ON, batched, encode, envelope_bytes, fast_one_envelope
 from .peer import HEARTBEAT_KIND, Peer, Via
-from .sockio import send_frames
+from .sockio import send_envelope, send_frames
 
 __all__ = ["Outflow"]
 
@@ -67,7 +67,7 @@ class Outflow:
             one = fast_one_envelope(self._key, items, peer.session, peer.their_session, seq,
                                     peer.recv_seq, whole if whole > CHUNK_BYTES else CHUNK_BYTES)
             if one is not None:
-                frames, size, data, batch = one
+                frames, size, data, plen, batch = one
                 peer.send_seq = seq
                 if not peer.unacked:
                     peer.ack_wait = now
@@ -80,7 +80,7 @@ class Outflow:
                 if self._blocked:
                     self._blocked.discard(peer)
                 try:
-                    send_frames(self.sock, [*peer.route, *frames], self._flags)
+                    send_envelope(self.sock, peer.route, frames, plen, self._flags)
                 except zmq.ZMQError as exc:  # (as _transmit)
                     peer.undelivered = True
                     log.debug("send failed (%s); resent once the peer is back", exc)
