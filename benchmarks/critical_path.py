@@ -9,8 +9,7 @@ latency is the sum of the links. This benchmark timestamps each link in both pro
 without changing the library: a ``sitecustomize`` on ``PYTHONPATH`` wraps
 ``colobus._wire.sockio``'s ``send_frames``/``send_envelope``/``recv_frames`` as the
 module loads, and ``selectors.EpollSelector.select`` (the moment a blocked loop wakes
-with work), in
-the controller and in its worker. It prints the median of each link over ``--calls``
+with work), in the controller and in its worker. It prints the median of each link over ``--calls``
 calls (a no-op on one host, awaited one at a time) beside the same links of a
 *minimal* call of the same design, timed the same way: an asyncio loop reading the
 ROUTER, an asyncio Future per call, a msgpack header and a keyed BLAKE2b MAC on each
