@@ -110,20 +110,21 @@ def call(target: FunctionTarget, args: tuple[Any, ...]) -> Future[Any] | None:
     sigs = target.signatures
     assert sigs is not None
     a = args[0]
+    n = len(args)
     # The input signature counted for cache_info(): a call like the last one of one
     # argument (the same sharding object, shape and dtype, and its key still in the set
     # of those seen) is a hit, counted without making its key (hashing a sharding).
     last = target.lane_last
     if (last is not None and last[0] is a.sharding and last[1] == a.shape
-            and last[2] == a.dtype and last[3] is sigs.seen and len(args) == 1):
+            and last[2] == a.dtype and last[3] is sigs.seen and n == 1):
         plan: CallPlan = last[4]
         with sigs.lock:
             sigs.hits += 1
     else:
         plan = _plan(target, args)
         seen = sigs.seen  # (read before note: a set that note replaces lacks the key)
-        sigs.note(_positional_treedef(len(args)), list(args), plan)
-        if len(args) == 1:
+        sigs.note(_positional_treedef(n), list(args), plan)
+        if n == 1:
             target.lane_last = (a.sharding, a.shape, a.dtype, seen, plan)
     code = target.code
     if code.ready != ctl._shipper.serial:  # (target.check, inline)
@@ -148,7 +149,7 @@ def call(target: FunctionTarget, args: tuple[Any, ...]) -> Future[Any] | None:
     call_id = next(ops._ids)  # (ops.next_id, inline)
     if _get_ident() != ctl._loop_thread_id:
         op = (_LaneOp if len(hosts) == 1 else _CallOp)(
-            ctl, target, plan, PickledArgs(_handles_payload(len(args)), [], refs, list(args), []),
+            ctl, target, plan, PickledArgs(_handles_payload(n), [], refs, list(args), []),
             _stream_id(), digest, gens, call_id, None, changes)
         fut = ops.submit(hosts, op.send, _decode_result, op, call_id=call_id, cancellable=True)
     else:
@@ -173,8 +174,8 @@ def call(target: FunctionTarget, args: tuple[Any, ...]) -> Future[Any] | None:
             fut = Future(ctl._loop_thread_id, call_id, ctl)
             fut._canceller = ops._canceller
             if len(hosts) == 1:
-                _go_one(ctl, target, plan, args, refs, stream, digest, gens, call_id, changes,
-                        fut)
+                _go_one(ctl, target, plan, args, n, refs, stream, digest, gens, call_id,
+                        changes, fut)
             else:
                 op = _CallOp(ctl, target, plan, _pickled(args, refs), stream, digest, gens,
                              call_id, None, changes)
@@ -190,7 +191,7 @@ def _pickled(args: tuple[Any, ...], refs: list[list[int]]) -> PickledArgs:
 
 
 def _go_one(ctl: Controller, target: FunctionTarget, plan: CallPlan, args: tuple[Any, ...],
-            refs: list[list[int]], stream: int, digest: bytes, gens: dict[int, int],
+            nargs: int, refs: list[list[int]], stream: int, digest: bytes, gens: dict[int, int],
             call_id: int, changes: int, fut: Future[Any]) -> None:
     """``ops._go`` of a one-host call that leaves now (loop thread; ``fut`` is new): when
     its host is alive, as when the call was made, and has its code, the CALL is queued
@@ -212,7 +213,7 @@ def _go_one(ctl: Controller, target: FunctionTarget, plan: CallPlan, args: tuple
     host.awaiting.add(call_id)
     ops.pending[call_id] = operation
     try:
-        if len(args) == 1:  # an output laid out like an argument gets its global sharding
+        if nargs == 1:  # an output laid out like an argument gets its global sharding
             op.ref_shardings = (args[0].sharding,)
         else:
             shardings = []
@@ -230,7 +231,7 @@ def _go_one(ctl: Controller, target: FunctionTarget, plan: CallPlan, args: tuple
         # (call_body, inline)
         body = (b"\x98" + pack(call_id) + pack(stream) + mid[1] + pack(refs) + meshes[h]
                 + pack(n))
-        chan.send_packed(host.peer, _CALL, body, _handles_payload(len(args)))
+        chan.send_packed(host.peer, _CALL, body, _handles_payload(nargs))
         ctl._counters["calls"] += 1  # (ctl._count, inline)
     except BaseException as exc:  # as _go
         operation.end(ops, exc)
