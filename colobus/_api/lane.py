@@ -154,7 +154,7 @@ def call(target: FunctionTarget, args: tuple[Any, ...]) -> Future[Any] | None:
         fut = ops.submit(hosts, op.send, _decode_result, op, call_id=call_id, cancellable=True)
     else:
         # _stream_id() on the loop thread: the last task's, kept (by a weak reference)
-        task = _current_task()
+        task = _current_task(ctl._loop)  # (the running loop: this is its thread)
         last_stream = _last_stream[0]
         if task is not None and last_stream is not None and last_stream[0]() is task:
             stream = last_stream[1]
