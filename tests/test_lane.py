@@ -246,3 +246,25 @@ async def test_calls_on_the_controllers_loop_free_and_order_as_the_general_path(
 
 async def _awaited(fn: Any, *args: Any) -> Any:
     return await fn(*args)  # (the Future dropped here, on the loop thread)
+
+
+async def test_a_function_called_under_one_controller_then_another() -> None:
+    """What the lane keeps per function (plans, generations, the packed digest) is the
+    registry's it was read from: a second controller's calls run, and free, as its own."""
+    from lifecycle import quiesced
+
+    import colobus as cb
+
+    @cb.colocated_python
+    def same(x: Any) -> Any:
+        return x
+
+    for _ in range(2):
+        async with cb.local_cluster(hosts=1, devices_per_host=1) as ctl:
+            x = cb.device_put(np.arange(3.0), ctl.devices()[0])
+            for _ in range(5):
+                y = await same(x)
+            assert np.asarray(await cb.device_get(y)).tolist() == [0.0, 1.0, 2.0]
+            del y
+            hosts = await quiesced(ctl, base={0: {"arrays": 1, "bytes": 24}})
+            assert (hosts[0]["arrays"], hosts[0]["results"]) == (1, 0), hosts

@@ -156,9 +156,10 @@ class Target:
 class FunctionTarget(Target):
     code: Code
     # the call's lane (colobus._api.lane): the last one-argument call's (sharding, shape,
-    # dtype, signature set, plan), and the generations of its plan's hosts
+    # dtype, signature set, plan), and the generations of its plan's hosts (registry, hosts,
+    # registry.changes, generations)
     lane_last: tuple[Any, Any, Any, Any, CallPlan] | None = None
-    lane_gens: tuple[tuple[int, ...], int, dict[int, int]] | None = None
+    lane_gens: tuple[Any, tuple[int, ...], int, dict[int, int]] | None = None
 
     def __init__(self, code: Code, name: str) -> None:
         self.code = code

@@ -139,12 +139,14 @@ def call(target: FunctionTarget, args: tuple[Any, ...]) -> Future[Any] | None:
     blob = code._blob  # (target.digest(), inline once the code is pickled)
     digest = blob[0] if blob is not None else target.digest()  # SerializationError now
     hosts = plan.hosts
-    g = target.lane_gens  # (registry.generations, kept while no host joins or is lost)
-    if g is not None and g[0] is hosts and g[1] == changes:
-        gens = g[2]
+    # registry.generations, kept per function while this registry's hosts stay as they
+    # are (the registry's own: ``changes`` of another controller's may be equal)
+    g = target.lane_gens
+    if g is not None and g[0] is registry and g[1] is hosts and g[2] == changes:
+        gens = g[3]
     else:
         changes, gens = registry.generations(hosts)
-        target.lane_gens = (hosts, changes, gens)
+        target.lane_gens = (registry, hosts, changes, gens)
     ops = ctl._ops
     call_id = next(ops._ids)  # (ops.next_id, inline)
     if _get_ident() != ctl._loop_thread_id:
