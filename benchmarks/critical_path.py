@@ -7,9 +7,9 @@ the Future, and the coroutine makes the next call. The processes take turns, so 
 latency is the sum of the links. This benchmark timestamps each link in both processes
 (``time.perf_counter`` is CLOCK_MONOTONIC, one clock for every process on the machine)
 without changing the library: a ``sitecustomize`` on ``PYTHONPATH`` wraps
-``colobus._wire.sockio``'s ``send_frames``/``recv_frames`` as the module loads, and
-``selectors.EpollSelector.select`` (the moment a blocked loop wakes with work), in
-the controller and in its worker. It prints the median of each link over ``--calls``
+``colobus._wire.sockio``'s ``send_frames``/``send_envelope``/``recv_frames`` as the
+module loads, and ``selectors.EpollSelector.select`` (the moment a blocked loop wakes
+with work), in the controller and in its worker. It prints the median of each link over ``--calls``
 calls (a no-op on one host, awaited one at a time) beside the same links of a
 *minimal* call of the same design, timed the same way: an asyncio loop reading the
 ROUTER, an asyncio Future per call, a msgpack header and a keyed BLAKE2b MAC on each
@@ -57,6 +57,12 @@ def _patch(mod):
         _rec((_pc(), "r"))
         return parts
     mod.send_frames, mod.recv_frames = send_frames, recv_frames
+    envelope = getattr(mod, "send_envelope", None)  # (the channel's one-envelope sends)
+    if envelope is not None:
+        def send_envelope(sock, route, frames, plen, flags=0):
+            _rec((_pc(), "s"))
+            return envelope(sock, route, frames, plen, flags)
+        mod.send_envelope = send_envelope
 
 class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):

@@ -40,13 +40,13 @@ class CacheInfo(NamedTuple):
 class Signatures:
     """Input signatures of one (specialized) colocated function; thread-safe."""
 
-    __slots__ = ("_lock", "hits", "misses", "seen")
+    __slots__ = ("hits", "lock", "misses", "seen")
 
     def __init__(self) -> None:
         self.hits = 0
         self.misses = 0
         self.seen: set[Any] = set()
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()  # (the call's lane counts a hit under it too)
 
     def note(self, treedef: Any, leaves: Sequence[Any], plan: Any) -> None:
         """Count one call with these flattened inputs on ``plan`` (its device set)."""
@@ -54,12 +54,12 @@ class Signatures:
         for x in leaves:
             sig.append((x.shape, x.dtype, x.sharding) if type(x) is Array else type(x))
         key = (treedef, plan.serial, tuple(sig))
-        with self._lock:
+        with self.lock:
             if key in self.seen:
                 self.hits += 1
                 return
             if len(self.seen) >= MAX_SIGNATURES:
-                self.seen.clear()
+                self.seen = set()  # (a new set: the lane knows a key it saw is gone)
             self.seen.add(key)
             self.misses += 1
 

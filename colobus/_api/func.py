@@ -137,6 +137,7 @@ class Target:
     signatures: Signatures | None = None  # counted where cache_info() reports them
     observed: tuple[Observer, FunctionStats] | None = None  # its counters, and whose
     code: Code | None = None  # a function's: all prepare() does is ship it
+    lane_mid: tuple[bytes, bytes] | None = None  # the lane's: digest, obj_id, method packed
 
     def digest(self) -> bytes:
         return b""
@@ -154,6 +155,11 @@ class Target:
 
 class FunctionTarget(Target):
     code: Code
+    # the call's lane (colobus._api.lane): the last one-argument call's (sharding, shape,
+    # dtype, signature set, plan), and the generations of its plan's hosts (registry, hosts,
+    # registry.changes, generations)
+    lane_last: tuple[Any, Any, Any, Any, CallPlan] | None = None
+    lane_gens: tuple[Any, tuple[int, ...], int, dict[int, int]] | None = None
 
     def __init__(self, code: Code, name: str) -> None:
         self.code = code
@@ -294,9 +300,9 @@ class _CallOp:
     __slots__ = ("call_id", "changes", "ctl", "digest", "gens", "out_specs", "pickled", "plan",
                  "ref_shardings", "stream", "target")
 
-    def __init__(self, ctl: Controller, target: Target, plan: CallPlan, pickled: PickledArgs,
-                 stream: int, digest: bytes, gens: dict[int, int], call_id: int,
-                 out_specs: Any, changes: int) -> None:
+    def __init__(self, ctl: Controller, target: Target, plan: CallPlan,
+                 pickled: PickledArgs | None, stream: int, digest: bytes,
+                 gens: dict[int, int], call_id: int, out_specs: Any, changes: int) -> None:
         self.changes = changes  # the host registry's, when ``gens`` were read
         self.ctl = ctl
         self.target = target

@@ -17,10 +17,14 @@ this module as it loads, which sets the hook that ``ColocatedFunction`` calls.
 
 from __future__ import annotations
 
+import asyncio
 import threading
+import weakref
 from typing import TYPE_CHECKING, Any
 
-from .._controller.controller import default_controller
+from .._controller.controller import _current, default_controller
+from .._controller.current import State
+from .._controller.frees import WATCHED, release_now
 from .._controller.future import Future
 from .._controller.operation import Operation
 from .._wire import protocol as P
@@ -30,13 +34,12 @@ from .func import (
     _LANE,
     FunctionTarget,
     _CallOp,
-    _check_buried,
     _decode_result,
     _positional_treedef,
     _stream_id,
 )
 from .plan import CallPlan, make_plan
-from .serialization import pickle_args
+from .serialization import PickledArgs, _handles_payload
 
 if TYPE_CHECKING:
     from .._controller.controller import Controller
@@ -44,6 +47,13 @@ if TYPE_CHECKING:
 __all__ = ["ON", "call", "call_body"]
 
 _get_ident = threading.get_ident
+_current_task = asyncio.current_task
+_controllers = _current._stack  # the entered controllers, most recent last
+_RUNNING = State.RUNNING
+# the loop thread's last caller: (its task, by a weak reference; its stream)
+_last_stream: list[tuple[weakref.ref[asyncio.Task[Any]], int] | None] = [None]
+_ref = weakref.ref
+_CALL = int(P.Kind.CALL)
 _MAX_PLANS = 64  # argument shardings remembered per function
 
 
@@ -86,75 +96,147 @@ def call(target: FunctionTarget, args: tuple[Any, ...]) -> Future[Any] | None:
     for a in args:
         if type(a) is not Array:
             return None
-    ctl = default_controller()
+    try:  # default_controller(), read inline (any thread: a list's last item)
+        ctl = _controllers[-1]
+    except IndexError:
+        ctl = None
+    if ctl is None or ctl.state is not _RUNNING:
+        ctl = default_controller()  # (raises what it raises)
     if ctl.observer is not None:
         return None
     for a in args:
         if a._ctl is not ctl:
             check_owner(a, ctl)
-    plan = _plan(target, args)
-    leaves = list(args)
-    assert target.signatures is not None
-    target.signatures.note(_positional_treedef(len(args)), leaves, plan)
-    target.check(ctl, plan)
+    sigs = target.signatures
+    assert sigs is not None
+    a = args[0]
+    n = len(args)
+    # The input signature counted for cache_info(): a call like the last one of one
+    # argument (the same sharding object, shape and dtype, and its key still in the set
+    # of those seen) is a hit, counted without making its key (hashing a sharding).
+    last = target.lane_last
+    if (last is not None and last[0] is a.sharding and last[1] == a.shape
+            and last[2] == a.dtype and last[3] is sigs.seen and n == 1):
+        plan: CallPlan = last[4]
+        with sigs.lock:
+            sigs.hits += 1
+    else:
+        plan = _plan(target, args)
+        seen = sigs.seen  # (read before note: a set that note replaces lacks the key)
+        sigs.note(_positional_treedef(n), list(args), plan)
+        if n == 1:
+            target.lane_last = (a.sharding, a.shape, a.dtype, seen, plan)
+    code = target.code
+    if code.ready != ctl._shipper.serial:  # (target.check, inline)
+        target.check(ctl, plan)
     registry = ctl._hosts
     changes = registry.changes
+    refs = []
     for a in args:
         if a._deleted or a._failed is not None or a._checked != changes:
             a.check_usable()
-    digest = target.digest()  # pickles the code now: SerializationError at the call
-    pickled = pickle_args((args, {}), target.name, ctl)
-    keep = pickled.keep
-    buried = len(keep) != len(leaves)
-    for k, leaf in zip(keep, leaves, strict=False) if not buried else ():
-        if k is not leaf:
-            buried = True
-            break
-    if buried or pickled.objects:  # (not from Arrays alone; as invoke does, if so)
-        inputs = _check_buried(keep, leaves, plan, target.name)
-        for state in pickled.objects:
-            state.bind(ctl)
-        if inputs:
-            return _submit_usual(ctl, target, plan, pickled, digest, inputs)
-    changes, gens = registry.generations(plan.hosts)
-    ops = ctl._ops
+        refs.append([0, a.ref])
+    blob = code._blob  # (target.digest(), inline once the code is pickled)
+    digest = blob[0] if blob is not None else target.digest()  # SerializationError now
     hosts = plan.hosts
-    op = (_LaneOp if len(hosts) == 1 and not pickled.objects else _CallOp)(
-        ctl, target, plan, pickled, _stream_id(), digest, gens, ops.next_id(), None, changes)
-    if (_get_ident() != ctl._loop_thread_id or ops.backlog or ctl._closed
-            or (len(ops.pending) >= ops.max_inflight and ops._full(hosts))):
-        fut = ops.submit(hosts, op.send, _decode_result, op, call_id=op.call_id,
-                         cancellable=True)
+    # registry.generations, kept per function while this registry's hosts stay as they
+    # are (the registry's own: ``changes`` of another controller's may be equal)
+    g = target.lane_gens
+    if g is not None and g[0] is registry and g[1] is hosts and g[2] == changes:
+        gens = g[3]
     else:
-        # ops.submit -> _start -> _go, for an operation that leaves now: it never queues,
-        # so it takes no back-pressure slot (and gives none back).
-        fut = Future(ctl._loop_thread_id, op.call_id, ctl)
-        fut._canceller = ops._canceller
-        ops._go(Operation(op.call_id, fut, hosts, op.send, _decode_result, op, False))
+        changes, gens = registry.generations(hosts)
+        target.lane_gens = (registry, hosts, changes, gens)
+    ops = ctl._ops
+    call_id = next(ops._ids)  # (ops.next_id, inline)
+    if _get_ident() != ctl._loop_thread_id:
+        op = (_LaneOp if len(hosts) == 1 else _CallOp)(
+            ctl, target, plan, PickledArgs(_handles_payload(n), [], refs, list(args), []),
+            _stream_id(), digest, gens, call_id, None, changes)
+        fut = ops.submit(hosts, op.send, _decode_result, op, call_id=call_id, cancellable=True)
+    else:
+        # _stream_id() on the loop thread: the last task's, kept (by a weak reference)
+        task = _current_task(ctl._loop)  # (the running loop: this is its thread)
+        last_stream = _last_stream[0]
+        if task is not None and last_stream is not None and last_stream[0]() is task:
+            stream = last_stream[1]
+        else:
+            stream = _stream_id()
+            _last_stream[0] = (weakref.ref(task), stream) if task is not None else None
+        if (ops.backlog or ctl._closed
+                or (len(ops.pending) >= ops.max_inflight and ops._full(hosts))):
+            op = (_LaneOp if len(hosts) == 1 else _CallOp)(
+                ctl, target, plan, _pickled(args, refs), stream, digest, gens, call_id, None,
+                changes)
+            fut = ops.submit(hosts, op.send, _decode_result, op, call_id=call_id,
+                             cancellable=True)
+        else:
+            # ops.submit -> _start -> _go, for an operation that leaves now: it never
+            # queues, so it takes no back-pressure slot (and gives none back).
+            fut = Future(ctl._loop_thread_id, call_id, ctl)
+            fut._canceller = ops._canceller
+            if len(hosts) == 1:
+                _go_one(ctl, target, plan, args, n, refs, stream, digest, gens, call_id,
+                        changes, fut)
+            else:
+                op = _CallOp(ctl, target, plan, _pickled(args, refs), stream, digest, gens,
+                             call_id, None, changes)
+                ops._go(Operation(call_id, fut, hosts, op.send, _decode_result, op, False))
     fut.info = plan
-    ctl._frees.release_when_gone(fut, gens, call=op.call_id)
+    WATCHED[_ref(fut, release_now)] = (ctl._frees, gens, 0, call_id)  # (release_when_gone)
     return fut
 
 
-def _submit_usual(ctl: Controller, target: FunctionTarget, plan: CallPlan, pickled: Any,
-                  digest: bytes, inputs: list[Future[Any]]) -> Future[Any]:
-    """A call with futures among its inputs: as :func:`colobus._api.func.invoke` ends."""
-    from .func import _cancel_with
+def _pickled(args: tuple[Any, ...], refs: list[list[int]]) -> PickledArgs:
+    """``pickle_args((args, {}), ...)`` of handles alone (their checks made by the caller)."""
+    return PickledArgs(_handles_payload(len(args)), [], refs, list(args), [])
 
-    if any(f.cancelled() for f in inputs):  # nothing to run it on: never sent
-        fut = ctl._ops.new_future(ctl._ops.next_id())
-        fut.info = plan
-        fut._set_cancelled()
-        return fut
-    changes, gens = ctl._hosts.generations(plan.hosts)
-    op = _CallOp(ctl, target, plan, pickled, _stream_id(), digest, gens, ctl._ops.next_id(),
-                 None, changes)
-    fut = ctl._ops.submit(plan.hosts, op.send, _decode_result, op, call_id=op.call_id,
-                          cancellable=True)
-    fut.info = plan
-    _cancel_with(fut, inputs)
-    ctl._frees.release_when_gone(fut, gens, call=op.call_id)
-    return fut
+
+def _go_one(ctl: Controller, target: FunctionTarget, plan: CallPlan, args: tuple[Any, ...],
+            nargs: int, refs: list[list[int]], stream: int, digest: bytes, gens: dict[int, int],
+            call_id: int, changes: int, fut: Future[Any]) -> None:
+    """``ops._go`` of a one-host call that leaves now (loop thread; ``fut`` is new): when
+    its host is alive, as when the call was made, and has its code, the CALL is queued
+    here as :meth:`_LaneOp.send` would; otherwise ``_go`` does what it does."""
+    ops = ctl._ops
+    (h,) = plan.hosts
+    host = ctl._hosts.hosts[h]
+    chan = ctl._chan
+    if not (host.alive and host.generation == gens[h] and digest in host.code_sent
+            and chan is not None):
+        op = _LaneOp(ctl, target, plan, _pickled(args, refs), stream, digest, gens, call_id,
+                     None, changes)
+        ops._go(Operation(call_id, fut, plan.hosts, op.send, _decode_result, op, False))
+        return
+    op = _LaneOp(ctl, target, plan, None, stream, digest, gens, call_id, None, changes)
+    operation = Operation(call_id, fut, plan.hosts, op.send, _decode_result, op, False)
+    operation.send = None  # (sent here)
+    host.inflight.add(call_id)
+    host.awaiting.add(call_id)
+    ops.pending[call_id] = operation
+    try:
+        if nargs == 1:  # an output laid out like an argument gets its global sharding
+            op.ref_shardings = (args[0].sharding,)
+        else:
+            shardings = []
+            for a in args:
+                shardings.append(a.sharding)
+            op.ref_shardings = tuple(shardings)
+        n = len(ctl._hosts.hosts)  # cb.host_count() on the hosts
+        if n < ctl._expected_hosts:
+            n = ctl._expected_hosts
+        mid = target.lane_mid
+        if mid is None or mid[0] != digest:
+            mid = target.lane_mid = (
+                digest, pack(digest) + pack(target.obj_id) + pack(target.method))
+        meshes = plan.packed_mesh or plan.packed_meshes()
+        # (call_body, inline)
+        body = (b"\x98" + pack(call_id) + pack(stream) + mid[1] + pack(refs) + meshes[h]
+                + pack(n))
+        chan.send_packed(host.peer, _CALL, body, _handles_payload(nargs))
+        ctl._counters["calls"] += 1  # (ctl._count, inline)
+    except BaseException as exc:  # as _go
+        operation.end(ops, exc)
 
 
 def call_body(call_id: int, stream: int, mid: bytes, refs: list[Any], mesh: bytes,
@@ -176,20 +258,22 @@ class _LaneOp(_CallOp):
         ctl, target, plan, pickled = self.ctl, self.target, self.plan, self.pickled
         assert pickled is not None
         self.pickled = None  # argument handles live until the call is sent, no longer
-        if pickled.keep:  # an output laid out like an argument gets its global sharding
-            shardings = []
-            for k in pickled.keep:
-                shardings.append(k.sharding if isinstance(k, Array) else None)
-            self.ref_shardings = tuple(shardings)
-        hosts = max(ctl._expected_hosts, len(ctl._hosts))  # cb.host_count() on the hosts
+        shardings = []  # an output laid out like an argument gets its global sharding
+        for k in pickled.keep:  # (handles only)
+            shardings.append(k.sharding)
+        self.ref_shardings = tuple(shardings)
+        hosts = len(ctl._hosts.hosts)  # cb.host_count() on the hosts
+        if hosts < ctl._expected_hosts:
+            hosts = ctl._expected_hosts
         digest = self.digest
-        mid = target.__dict__.get("lane_mid")
+        mid = target.lane_mid
         if mid is None or mid[0] != digest:
-            mid = target.lane_mid = (  # type: ignore[attr-defined]
+            mid = target.lane_mid = (
                 digest, pack(digest) + pack(target.obj_id) + pack(target.method))
         meshes = plan.packed_mesh or plan.packed_meshes()
+        head = b"\x98" + pack(call_id) + pack(self.stream) + mid[1] + pack(pickled.refs)
         for h in plan.hosts:
-            body = call_body(call_id, self.stream, mid[1], pickled.refs, meshes[h], hosts)
+            body = head + meshes[h] + pack(hosts)  # (call_body, inline)
             host = ctl._hosts.hosts[h]
             if host.generation != self.gens[h]:
                 raise host.lost_error("it rejoined after this call was made")
@@ -202,7 +286,7 @@ class _LaneOp(_CallOp):
             if host.alive and chan is not None:  # as ctl._send does
                 chan.send_packed(host.peer, P.Kind.CALL, body, pickled.payload,
                                  pickled.buffers, len(pickled.buffers))
-        ctl._count("calls")
+        ctl._counters["calls"] += 1  # (ctl._count, inline)
 
 
 if ON:

@@ -4,44 +4,85 @@ A handle's finalizer may run on any thread, during interpreter shutdown too.
 A free goes through the operation backlog, so it never overtakes the PUT or
 call that makes what it frees (which may still be queued); on the loop thread
 it waits for the next message to its host (one RELEASE per host rides along,
-ahead of it) or leaves on its own after ``RELEASE_DELAY_S``.
+ahead of it) or leaves on its own after ``RELEASE_DELAY_S``, or with the flush
+that ends the drain it was asked for in (the channel is corked: that flush comes).
+
+The common case, a call's Future and output dropped on the loop thread while
+nothing waits in the backlog (a task awaiting calls one after another), costs one
+Python call per free (:func:`release_now`, the weak reference's callback) and one per
+call to queue both as a RELEASE ahead of the next message (:meth:`Frees.move_to_outboxes`,
+called by the channel only while frees wait).
 """
 
 from __future__ import annotations
 
 import collections
+import functools
+import threading
 import weakref
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .._errors import ColobusError
 from .._wire import protocol as P
 from .._wire.envelope import pack_body
+from .._wire.lane import pack
 from .ops import Parts
 
 if TYPE_CHECKING:
     import asyncio
 
     from .._wire.fanout import Fanout
+    from .inbox import Inbox
     from .ops import Operations
 
-__all__ = ["Frees", "FreesOwner", "release_now"]
+__all__ = ["WATCHED", "Frees", "FreesOwner", "release_now"]
 
 RELEASE_DELAY_S = 0.002  # frees wait this long for a message to ride along with
+_get_ident = threading.get_ident
+_RELEASE = int(P.Kind.RELEASE)
 
 
 # What each watched handle frees when it goes: its weak reference -> (the queue, host ->
 # generation, array ref, call id). A weak reference with a callback, held here, costs a
 # third of a ``weakref.finalize``.
-_WATCHED: dict[weakref.ref[Any], tuple[Frees, dict[int, int], int, int]] = {}
+WATCHED: dict[weakref.ref[Any], tuple[Frees, dict[int, int], int, int]] = {}
 
 
 def release_now(handle: weakref.ref[Any]) -> None:
     """Free what ``handle`` (from :meth:`Frees.release_when_gone`) watches, once: when its
     object goes, or earlier (an array's ``delete``); any thread."""
-    entry = _WATCHED.pop(handle, None)
-    if entry is not None:
-        frees, generations, ref, call = entry
+    entry = WATCHED.pop(handle, None)
+    if entry is None:
+        return
+    frees, generations, ref, call = entry
+    ctl = frees._ctl
+    if ctl._closed:
+        return
+    if _get_ident() != ctl._loop_thread_id:
+        # ops.post's hop, straight to the loop's inbox (posted after, and so run after,
+        # whatever this thread submitted before): Frees._posted queues it there
+        inbox = ctl._inbox
+        if inbox is not None:
+            try:
+                inbox.post(frees._posted, (generations, ref, call))
+            except RuntimeError:  # the loop closed under us: nothing to free any more
+                pass
+        return
+    if ctl._ops.backlog:
         frees.release_on(generations, ref=ref, call=call)
+        return
+    # ops.post's own case, inline (run at once: on the loop thread, nothing queued ahead)
+    frees._queue.append((generations, ref, call))
+    chan = ctl._chan
+    if chan is None:
+        return
+    chan.before_flush_due = True
+    # Corked (inside a drain or a burst), the channel flushes before it lets go: the
+    # free leaves then, or with the next message queued meanwhile; no timer needed.
+    if frees._timer is None and not chan._corked:
+        loop = ctl._loop
+        if loop is not None:
+            frees._timer = loop.call_later(RELEASE_DELAY_S, frees._on_timer)
 
 
 class FreesOwner(Parts, Protocol):
@@ -51,6 +92,10 @@ class FreesOwner(Parts, Protocol):
     def _ops(self) -> Operations: ...
     @property
     def _loop(self) -> asyncio.AbstractEventLoop | None: ...
+    @property
+    def _loop_thread_id(self) -> int | None: ...
+    @property
+    def _inbox(self) -> Inbox | None: ...
 
 
 class Frees:
@@ -81,12 +126,27 @@ class Frees:
         """:meth:`release_on` once ``obj`` (a handle) is collected; the weak reference
         returned frees at once with :func:`release_now`."""
         handle = weakref.ref(obj, release_now)
-        _WATCHED[handle] = (self, generations, ref, call)
+        WATCHED[handle] = (self, generations, ref, call)
         return handle
+
+    def _posted(self, entry: tuple[dict[int, int], int, int]) -> None:
+        """A free asked for on another thread, on the loop thread now: as ``ops.post``
+        runs what it was given (behind the backlog, if operations wait there)."""
+        backlog = self._ctl._ops.backlog
+        if backlog:
+            backlog.append(functools.partial(self._queue_many, [entry]))
+        else:
+            self._queue_many([entry])
 
     def _queue_many(self, entries: list[tuple[dict[int, int], int, int]]) -> None:
         self._queue.extend(entries)
-        loop = self._ctl._loop
+        ctl = self._ctl
+        chan = ctl._chan
+        if chan is not None:
+            chan.before_flush_due = True
+            if chan._corked:  # (as in release_now)
+                return
+        loop = ctl._loop
         if self._timer is None and loop is not None:
             self._timer = loop.call_later(RELEASE_DELAY_S, self._on_timer)
 
@@ -121,8 +181,9 @@ class Frees:
                         refs.append(r)
                     if c:
                         calls.append(c)
-                # (P.Release(refs, calls).to_wire(), written out: the same bytes)
-                chan.enqueue_packed(h.peer, P.Kind.RELEASE, pack_body([refs, calls, []]))
+                # (pack_body(P.Release(refs, calls).to_wire()), written out: the same
+                # bytes; lists of ints always pack)
+                chan.enqueue_packed(h.peer, _RELEASE, pack([refs, calls, []]))
             return
         alike = True  # (a loop, not a generator: fewer calls on every call's free)
         for g, _, _ in items:

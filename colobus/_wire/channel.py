@@ -29,10 +29,12 @@ from typing import Any
 import zmq
 
 from . import protocol as P
-from .chunks import ACK_KIND, CHUNKED_KIND, PART_KIND, Splitter, part_size
-from .envelope import BATCH_KIND, Buffer, Envelope, pack_body
-from .lane import batched, encode, envelope_bytes
-from .peer import ACK_AFTER, DEFAULT_MAX_WINDOW, HEARTBEAT_KIND, Peer, Via, data_bytes
+from .chunks import ACK_KIND, CHUNKED_KIND, PART_KIND
+from .envelope import Buffer, Envelope, pack_body
+from .lane import encode, envelope_bytes
+from .outflow import Outflow
+from .peer import ACK_AFTER, DEFAULT_MAX_WINDOW, Peer, Via
+from .resends import resend, resend_stale
 from .sockio import readable, recv_frames, send_frames, socket_fd
 
 __all__ = ["DEFAULT_MAX_WINDOW", "Channel", "Peer"]
@@ -46,10 +48,9 @@ DRAIN_BUDGET_S = 0.01  # one drain reads this long at most, then lets the loop r
 EAGER_BATCH = int(os.environ.get("COLOBUS_EAGER_BATCH", "64"))
 # An ACK's body: empty, or this (a NACK: "I have a gap after ack, resend from there").
 NACK_BODY = [1]
-BACKOFF_MAX = 16  # resends back off to 16 x resend_after while nothing is acknowledged
 
 
-class Channel:
+class Channel(Outflow):
     """A socket on the event loop: drain-all reads, batched sends, resends.
 
     Args:
@@ -59,9 +60,11 @@ class Channel:
         on_frames: called with each received multipart message (loop thread).
         send_flags: flags for sends (the worker sends ``NOBLOCK``: with no
             connection a message waits in ``unacked`` for a resend instead).
-        before_flush: called before messages are queued or sent (the
-            controller moves its queued frees into the outboxes there, so a
-            message never overtakes a free asked for earlier).
+        before_flush: called before messages are queued or sent, while
+            :attr:`before_flush_due` is set (the owner sets it as it queues work for
+            the hook; the channel clears it as it calls): the controller moves its
+            queued frees into the outboxes there, so a message never overtakes a
+            free asked for earlier.
         after_flush: called after each flush inside a drain; True means read
             again (the worker's brief wait for calls it just started).
         before_drain: called as each drain starts (the worker forgets the calls
@@ -94,6 +97,7 @@ class Channel:
         self._on_frames = on_frames
         self._flags = send_flags
         self._before_flush = before_flush
+        self.before_flush_due = False  # before_flush has work (see the class docstring)
         self._after_flush = after_flush
         self._before_drain = before_drain
         self._on_release = on_release
@@ -141,13 +145,24 @@ class Channel:
         """:meth:`send` of a body already packed (a fan-out's CALLs share most bytes)."""
         if self.sock.closed:
             return
-        if self._before_flush is not None:
+        if self.before_flush_due and self._before_flush is not None:
+            self.before_flush_due = False
             self._before_flush()
-        self.enqueue_packed(peer, kind, packed, payload, buffers, pbufs)
+        outbox = peer.outbox
+        if peer.via is not None:
+            self.enqueue_packed(peer, kind, packed, payload, buffers, pbufs)
+        else:  # (enqueue_packed, inline: one call less on every call)
+            outbox.append((kind, packed, payload, buffers, pbufs))
+            n = len(payload) if type(payload) is bytes else memoryview(payload).nbytes
+            for b in buffers:
+                n += len(b) if type(b) is bytes else memoryview(b).nbytes
+            peer.held += n
+            if len(outbox) == 1:
+                self._dirty.append(peer)
         if self._corked:
             return
         if self._step_scheduled:
-            if len(peer.outbox) >= EAGER_BATCH:  # a long step: the peer starts on these now
+            if len(outbox) >= EAGER_BATCH:  # a long step: the peer starts on these now
                 self.send_now(peer)
             return
         self._step_scheduled = True
@@ -178,9 +193,13 @@ class Channel:
             if via not in self._gathered:
                 self._gathered.append(via)
             return
-        peer.outbox.append((kind, packed, payload, buffers, pbufs))
-        peer.held += data_bytes(payload, buffers)
-        if len(peer.outbox) == 1:
+        outbox = peer.outbox
+        outbox.append((kind, packed, payload, buffers, pbufs))
+        n = len(payload) if type(payload) is bytes else memoryview(payload).nbytes
+        for b in buffers:  # (peer.data_bytes, inline)
+            n += len(b) if type(b) is bytes else memoryview(b).nbytes
+        peer.held += n
+        if len(outbox) == 1:
             self._dirty.append(peer)
 
     def send_raw(self, route: list[bytes], env: Envelope) -> None:
@@ -208,8 +227,11 @@ class Channel:
 
     def flush(self) -> bool:
         """Send every peer's queued messages now, batched; True if anything was sent."""
-        if self._before_flush is not None:
+        if self.before_flush_due and self._before_flush is not None:
+            self.before_flush_due = False
             self._before_flush()
+        if not (self._dirty or self._gathered or self._blocked or self._owed):
+            return False  # (nothing to send: the end of most drains)
         peers, self._dirty = self._dirty, []
         vias, self._gathered = self._gathered, []
         sock = self.sock
@@ -236,14 +258,6 @@ class Channel:
             sent = True  # the sends may have taken the FD's edge
         return sent
 
-    def _emit(self, via: Via, now: float) -> None:
-        """What ``via`` collected, as a message to its relay, sent now."""
-        link = via.emit()
-        if link is not None:
-            if link in self._dirty:
-                self._dirty.remove(link)
-            self._send_outbox(link, now)
-
     def send_now(self, peer: Peer) -> None:
         """Send what ``peer``'s outbox holds now, past the end of the loop step."""
         if peer in self._dirty:
@@ -264,84 +278,6 @@ class Channel:
         peer.ack_due = True
         self._owed.add(peer)
         self._loop.call_soon(self._end_step)
-
-    def _send_outbox(self, peer: Peer, now: float) -> None:
-        """Send ``peer``'s queued messages, batched (the caller took it off ``_dirty``).
-
-        Heartbeats leave at once, ahead of anything waiting for the window; large
-        messages go in parts (:mod:`colobus._wire.chunks`); the rest leaves in order
-        as the window has room.
-        """
-        via = peer.via
-        if via is not None:  # a relayed host's messages leave in its relay's
-            via.collect(peer)
-            self._emit(via, now)
-            return
-        items, peer.outbox = peer.outbox, []
-        pending = peer.pending
-        rest = items
-        if len(items) > 1 or pending or peer.inflight >= peer.window:
-            rest = []
-            for item in items:
-                if item[0] == HEARTBEAT_KIND:
-                    self._transmit(peer, Envelope(item[0], peer.session, peer.their_session,
-                                                  0, None, packed_body=item[1]), now)
-                else:
-                    rest.append(item)
-        if rest:
-            whole = part_size(peer.window, peer.max_part)  # more travels in parts
-            for env in batched(rest, peer.session, peer.their_session):
-                # the body counts (one over 64 KiB shares the payload's frame), but a
-                # message of body alone travels whole: it has nothing to cut
-                n = envelope_bytes(env)
-                body = env.packed_body
-                if n and n + (len(body) if body is not None else 0) > whole:
-                    pending.append(Splitter(env))
-                else:
-                    pending.append(env)
-        self._pump(peer, now)
-
-    def _pump(self, peer: Peer, now: float) -> None:
-        """Send what waits for ``peer`` while its window has room (always one envelope
-        when nothing is in flight)."""
-        pending = peer.pending
-        while pending and (peer.inflight < peer.window or not peer.unacked):
-            head = pending[0]
-            if not isinstance(head, Splitter):
-                self._transmit(peer, pending.popleft(), now)  # type: ignore[arg-type]
-                continue
-            self._transmit(peer, head.next(part_size(peer.window, peer.max_part)), now)
-            if head.done:
-                pending.popleft()
-        if pending:
-            self._blocked.add(peer)
-        else:
-            self._blocked.discard(peer)
-
-    def _transmit(self, peer: Peer, env: Envelope, now: float) -> None:
-        """Number ``env``, keep it until acknowledged, and send it."""
-        peer.send_seq += 1
-        env.seq = peer.send_seq
-        env.ack = peer.recv_seq
-        frames = encode(self._key, env)
-        size = 0
-        for f in frames:
-            size += len(f) if type(f) is bytes else memoryview(f).nbytes
-        if not peer.unacked:
-            peer.ack_wait = now
-        peer.unacked.append((env.seq, now, frames, size, envelope_bytes(env)))
-        peer.inflight += size
-        peer.acked_sent = peer.recv_seq
-        peer.recv_owed = 0
-        if env.kind == BATCH_KIND:
-            self.batches_sent += 1
-        try:
-            send_frames(self.sock, [*peer.route, *frames], self._flags)
-        except zmq.ZMQError as exc:
-            # No connection to that peer now (EHOSTUNREACH on a ROUTER, EAGAIN
-            # on a DEALER): the message waits in ``unacked`` for a resend.
-            peer.undelivered = True
-            log.debug("send failed (%s); resent once the peer is back", exc)
 
     def take(self, peer: Peer, env: Envelope, max_total: int) -> Envelope | str | None:
         """An authenticated envelope of ``peer``'s session, in: the message it completes
@@ -400,46 +336,12 @@ class Channel:
         it gets of each and drops the rest. Each envelope (a part of a large message
         is one) is resent on its own, at most a window's worth per round, and while
         nothing is acknowledged the rounds back off (``after`` doubling up to
-        :data:`BACKOFF_MAX` times).
+        :data:`colobus._wire.resends.BACKOFF_MAX` times).
         """
-        sock = self.sock
-        if sock.closed:
-            return
-        now = time.monotonic()
-        resent = self.resent
-        for peer in peers:
-            unacked = peer.unacked
-            wait = after * peer.backoff
-            if not unacked or now - unacked[0][1] < wait:
-                continue
-            peer.backoff = min(peer.backoff * 2, BACKOFF_MAX)
-            log.debug("resending unacknowledged messages (%d waiting)", len(unacked))
-            self._resend(peer, now, wait)
-        if self._owed:
-            self._send_acks()
-        if self.resent != resent and readable(sock):
-            # The FD is edge-triggered: a send can take the edge that announced a
-            # message waiting to be read, and nothing else would read it.
-            self._loop.call_soon(self.drain)
+        resend_stale(self, peers, after)
 
     def _resend(self, peer: Peer, now: float, wait: float) -> None:
-        """Send again, from the oldest, what ``peer`` left unacknowledged for ``wait``
-        seconds (0: all of it, the peer asked), at most a window's worth."""
-        unacked = peer.unacked
-        budget = peer.window
-        for i, (seq, sent, frames, n, d) in enumerate(unacked):
-            if now - sent < wait or budget <= 0:
-                break
-            unacked[i] = (seq, now, frames, n, d)
-            budget -= n
-            self.resent += 1
-            try:
-                send_frames(self.sock, [*peer.route, *frames], self._flags)
-            except zmq.ZMQError:
-                break
-        if peer.recv_seq:  # the copies carry old acks: say what we have now
-            peer.ack_due = True
-            self._owed.add(peer)
+        resend(self, peer, now, wait)
 
     def _end_step(self) -> None:
         self._step_scheduled = False

@@ -59,7 +59,8 @@ class FanoutChannel(Channel):
         :data:`EAGER_BATCH`)."""
         if self.sock.closed:
             return
-        if self._before_flush is not None:
+        if self.before_flush_due and self._before_flush is not None:
+            self.before_flush_due = False
             self._before_flush()
         direct = self.enqueue_packed_many(peers, kind, packed, payload, buffers, pbufs)
         if self._corked:

@@ -30,6 +30,7 @@ from .envelope import (
     _NIL,
     BATCH_KIND,
     MAC_SIZE,
+    PROTOCOL_VERSION,
     Buffer,
     Dropped,
     Envelope,
@@ -47,9 +48,10 @@ from .limits import (
     MAX_FRAMES,
     MAX_HEADER_BYTES,
 )
+from .peer import HEARTBEAT_KIND
 from .splice import pack_body
 
-__all__ = ["ON", "batched", "decode", "encode", "envelope_bytes", "pack"]
+__all__ = ["ON", "batched", "decode", "encode", "envelope_bytes", "fast_one_envelope", "pack"]
 
 ON = os.environ.get("COLOBUS_CALL_LANE", "1") != "0"
 
@@ -166,6 +168,98 @@ def _close(run: list[Outgoing], out: list[Envelope], sender: bytes, receiver: by
             buffers.extend(bufs)
     out.append(Envelope(BATCH_KIND, sender, receiver, 0, entries, b"".join(payloads), buffers,
                         packed_body=b"".join(parts)))
+
+
+def fast_one_envelope(key: bytes, items: Sequence[Outgoing], sender: bytes, receiver: bytes,
+                      seq: int, ack: int, whole: int,
+                      ) -> tuple[list[Buffer], int, int, int, bool] | None:
+    """What a channel sends of ``items`` when they leave as one envelope, whole: the
+    frames of ``encode(key, env)`` for the one envelope :func:`fast_batched` makes of
+    them, numbered ``seq`` with ``ack``; with the frames' size in bytes, the envelope's
+    :func:`fast_envelope_bytes`, the payload frame's size, and whether it is a BATCH.
+    None (nothing spent) when they would not: more than one envelope, a heartbeat among
+    several (it leaves first, on its own), a body not packed yet, or a message over
+    ``whole`` bytes (it travels in parts). ``tests/test_lane.py`` compares it with the
+    general path."""
+    n = len(items)
+    bufsum = 0
+    if n == 1:
+        kind, body, payload, bufs, pbufs = items[0]
+        if type(body) is not bytes:
+            return None
+        plen = payload.nbytes if type(payload) is memoryview else len(payload)
+        buflens = []
+        for b in bufs:
+            m = b.nbytes if type(b) is memoryview else len(b)
+            buflens.append(m)
+            bufsum += m
+    else:
+        if n > BATCH_MAX_ITEMS:
+            return None
+        kind, pbufs = BATCH_KIND, 0
+        parts = [bytes((0x90 | n,)) if n < 16 else b"\xdc" + n.to_bytes(2, "big")]
+        payloads: list[Buffer] = []
+        buffers: list[Buffer] = []
+        buflens = []
+        uints = _UINTS
+        run_bytes = plen = 0
+        for k, b, p, bs, pb in items:
+            if type(b) is not bytes or k == HEARTBEAT_KIND:
+                return None
+            pl = p.nbytes if type(p) is memoryview else len(p)
+            size = len(b) + pl
+            nb = 0
+            if bs:
+                nb = len(bs)
+                for x in bs:
+                    m = x.nbytes if type(x) is memoryview else len(x)
+                    buflens.append(m)
+                    size += m
+                    bufsum += m
+            if size >= BATCH_MAX_PAYLOAD or (run_bytes and run_bytes + size > BATCH_MAX_BYTES):
+                return None  # (fast_batched would start another envelope)
+            run_bytes += size + 16
+            parts += (b"\x95", uints[k] if k < 128 else _pack(k), b,
+                      uints[pl] if pl < 128 else _pack(pl),
+                      uints[nb] if nb < 128 else _pack(nb),
+                      uints[pb] if pb < 128 else _pack(pb))
+            if pl:
+                payloads.append(p)
+                plen += pl
+                last = p
+            if nb:
+                buffers.extend(bs)
+        if buffers and len(buffers) > BATCH_MAX_BUFFERS:
+            return None
+        body = b"".join(parts)
+        # (one payload among them, the common case, is itself: no join; as bytes)
+        payload = (b"" if not plen else b"".join(payloads) if len(payloads) > 1
+                   or type(last) is not bytes else last)
+        bufs = buffers
+    data = plen + bufsum
+    blen = len(body)
+    if data and data + blen > whole:
+        return None
+    head = _pack([PROTOCOL_VERSION, kind, sender, receiver, seq, ack, buflens, pbufs])
+    if blen <= BODY_INLINE_MAX:
+        header = _ARRAY9 + head[1:] + body
+    else:
+        header = _ARRAY10 + head[1:] + _NIL + _pack(blen)
+        payload = body + bytes(payload) if payload else body
+        plen += blen
+    hlen = len(header)
+    keyed = _KEYED.get(key)
+    h = (keyed if keyed is not None else _keyed(key)).copy()
+    h.update(_LEN.pack(hlen) + header)  # (the same bytes hashed: mac() updates four times)
+    if type(payload) is bytes and plen < 4096:
+        h.update(_LEN.pack(plen) + payload)
+    else:
+        h.update(_LEN.pack(plen))
+        h.update(payload)
+    size = hlen + plen + MAC_SIZE + bufsum
+    if bufs:
+        return [header, payload, h.digest(), *bufs], size, data, plen, n > 1
+    return [header, payload, h.digest()], size, data, plen, n > 1
 
 
 def fast_envelope_bytes(env: Envelope) -> int:

@@ -24,8 +24,8 @@ from .limits import MAX_FRAME_BYTES
 
 __all__ = [
     "router_socket",
-    "COPY_BELOW", "EVENTS", "NOBLOCK", "POLLIN", "readable", "recv_frames", "send_frames",
-    "socket_fd",
+    "COPY_BELOW", "EVENTS", "NOBLOCK", "POLLIN", "readable", "recv_frames", "send_envelope",
+    "send_frames", "socket_fd",
 ]
 
 SNDMORE = int(zmq.SNDMORE)
@@ -45,6 +45,30 @@ def send_frames(sock: zmq.Socket[Any], frames: Sequence[Any], flags: int = 0) ->
     more = flags | SNDMORE
     last = len(frames) - 1
     for i, f in enumerate(frames):
+        n = len(f) if type(f) is bytes else memoryview(f).nbytes
+        _send(sock, f, more if i < last else flags, n < COPY_BELOW)
+
+
+def send_envelope(sock: zmq.Socket[Any], route: Sequence[bytes], frames: Sequence[Any],
+                  plen: int, flags: int = 0) -> None:
+    """:func:`send_frames` of ``[*route, *frames]`` for an envelope's frames (header,
+    payload of ``plen`` bytes, MAC, buffers) whose sizes the caller knows: the routing
+    frames, the header and the MAC are small and copied, the payload and the buffers
+    go as send_frames sends them."""
+    more = flags | SNDMORE
+    for r in route:
+        _send(sock, r, more, True)
+    if len(frames) == 3:
+        header, payload, mac = frames
+        _send(sock, header, more, True)
+        _send(sock, payload, more, plen < COPY_BELOW)
+        _send(sock, mac, flags, True)
+        return
+    _send(sock, frames[0], more, True)
+    _send(sock, frames[1], more, plen < COPY_BELOW)
+    last = len(frames) - 1
+    for i in range(2, last + 1):
+        f = frames[i]
         n = len(f) if type(f) is bytes else memoryview(f).nbytes
         _send(sock, f, more if i < last else flags, n < COPY_BELOW)
 
