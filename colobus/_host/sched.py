@@ -8,8 +8,9 @@ queue that as few pool jobs as keep it moving take (:mod:`colobus._host.runners`
 one hop per burst, not one per call or per stream); each call's reply goes out as
 it finishes. The host's only call in flight, when quick, runs inline on the loop's
 thread instead (:mod:`colobus._host.leader`). ``async def`` functions run on the loop,
-alone. A DESTROY runs in its stream like a call: after that caller's earlier calls,
-before its later ones, once every call of the object received (any stream) has finished.
+alone (:mod:`colobus._host.onloop`). A DESTROY runs in its stream like a call: after
+that caller's earlier calls, before its later ones, once every call of the object
+received (any stream) has finished.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from .calls import (
     _Stream,
     call_args,
 )
+from .onloop import destroy, run_async
 from .pool import CallPool
 from .runners import Runners
 
@@ -171,7 +173,7 @@ class Scheduler:
                     break
                 queue.popleft()
                 stream.busy = True
-                task = asyncio.get_running_loop().create_task(self._destroy(call, stream))
+                task = asyncio.get_running_loop().create_task(destroy(self, call, stream))
                 self._async_calls.add(task)
                 task.add_done_callback(self._async_calls.discard)
                 return
@@ -201,7 +203,7 @@ class Scheduler:
                 queue.popleft()
                 call.state = _RUNNING  # no lock: CANCEL also runs on this thread
                 stream.busy = True
-                task = asyncio.get_running_loop().create_task(self._run_async(call, fn))
+                task = asyncio.get_running_loop().create_task(run_async(self, call, fn))
                 self._async_calls.add(task)
                 task.add_done_callback(self._async_calls.discard)
                 return
@@ -446,55 +448,3 @@ class Scheduler:
         if call.last:
             call.stream.busy = False
             self.pump(call.stream)
-
-    async def _run_async(self, call: _Call, fn: Any) -> None:
-        """An ``async def`` call, on the loop."""
-        call.started = time.perf_counter_ns()
-        try:
-            args, kwargs = call_args(call, self._w.present)
-            out = await fn(*args, **kwargs)
-            call.outcome = self._w.values.outputs(out, call.mesh, call.pins, fn)
-            call.ok = True
-        except asyncio.CancelledError as exc:
-            if call.epoch != self._w.epoch:
-                raise  # the session ended
-            call.outcome = exc
-        except BaseException as exc:
-            call.outcome = exc
-        call.ran = time.perf_counter_ns() - call.started
-        del fn
-        call.last = True
-        if call.ok or not isinstance(call.outcome, asyncio.CancelledError):
-            self._finish(call)
-            return
-        # The function itself was cancelled (it awaited something cancelled).
-        call.state = _DONE
-        self._forget(call)
-        call.outcome = None
-        if not call.results.done():
-            call.results.set_exception(asyncio.CancelledError())
-            call.results.exception()
-        self._w.send(P.Result(call.body.call_id, Status.CANCELLED, None))
-        call.stream.busy = False
-        self.pump(call.stream)
-
-    async def _destroy(self, item: _Destroy, stream: _Stream) -> None:
-        """Drop an object once its calls finished; its stream waits meanwhile."""
-        store = self._w.store
-        epoch = self._w.epoch
-        try:
-            if item.calls:  # each call's result slot: settled once the call finished
-                await asyncio.wait(item.calls)
-            fut = store.objects.get(item.obj)
-            if fut is not None:
-                if not fut.done():
-                    await asyncio.wait({fut})
-                if epoch == self._w.epoch and store.objects.get(item.obj) is fut:
-                    del store.objects[item.obj]
-                    store.classes.pop(item.obj, None)
-                del fut  # the last reference: the instance's __del__ runs here
-        finally:
-            item.calls = set()
-            stream.busy = False
-            self.pump(stream)
-
