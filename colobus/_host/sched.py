@@ -25,10 +25,13 @@ import time
 from types import FunctionType
 from typing import TYPE_CHECKING, Any
 
+import msgpack
+
 from .._model.jaxside import set_host_count
+from .._wire import lane
 from .._wire import protocol as P
 from .._wire.envelope import Envelope
-from .._wire.protocol import Status
+from .._wire.protocol import Kind, Status
 from .calls import (
     _CANCELLED,
     _DONE,
@@ -59,6 +62,10 @@ CALL_START_TIMEOUT_S = 60.0
 _WAITING, _TAKEN, _EXPIRED = range(3)  # a pool job's claim: taken by a thread, or expired
 BRIEF_WAIT_S = 0.0005  # after starting quick calls, the loop waits this long for them
 BRIEF_WAIT_NS = int(BRIEF_WAIT_S * 1e9)
+_OK = int(Status.OK)
+_RESULT = int(Kind.RESULT)
+_pack = msgpack.Packer(use_bin_type=True).pack  # a RESULT's body (loop thread only)
+_Future = asyncio.Future  # made directly: create_future is one Python call more
 
 class Scheduler:
     """Runs the CALLs and DESTROYs of one worker, stream by stream."""
@@ -87,12 +94,18 @@ class Scheduler:
         self.baton: Baton | None = None  # inline calls (colobus._host.leader), if on
         self._deferred: tuple[list[_Call], list[int]] | None = None  # to run inline
         self._draining = False  # inside a drain of the socket
+        # The host's only call, arrived on an idle stream: no stream of its own unless
+        # another call or DESTROY arrives before it ends (_adopt; see on_call).
+        self._lone: _Call | None = None
+        self._hosts = 0  # the host count the last CALL said
 
     def clear(self) -> None:
         """The session ended: forget its calls (running ones finish into nothing)."""
         self.pool.new_session()
         self.runners.clear()
         self._deferred = None
+        self._lone = None
+        self._hosts = 0
         for t in list(self._async_calls):
             t.cancel()
         self._calls.clear()
@@ -101,7 +114,15 @@ class Scheduler:
     # -- arrivals ------------------------------------------------------------------------
 
     def on_call(self, body: P.Call, env: Envelope) -> None:
-        set_host_count(body.hosts)
+        if body.hosts != self._hosts:
+            self._hosts = body.hosts
+            set_host_count(body.hosts)
+        if self._lone is not None:
+            self._adopt()  # not alone any more: it keeps its place in its stream
+        elif (not self._calls and self._quick and not self.started and self.baton is not None
+              and lane.ON and not body.obj and body.stream not in self._streams
+              and self._lone_call(body, env)):
+            return
         w = self._w
         store = w.store
         loop = asyncio.get_running_loop()
@@ -121,7 +142,55 @@ class Scheduler:
         stream.queue.append(call)
         self.pump(stream)
 
+    def _lone_call(self, body: P.Call, env: Envelope) -> bool:
+        """The host's only call, on an idle stream: deferred to run inline with no stream,
+        as ``pump`` would defer it (False: not a plain function whose inputs and mesh are
+        all here, or no thread could take it over; then it takes the general path)."""
+        w = self._w
+        store = w.store
+        code = store.code.get(body.digest)
+        if code is None or code[0] != "ok":
+            return False
+        fn = code[1]
+        if (type(fn) is not FunctionType or fn.__code__.co_flags & inspect.CO_COROUTINE
+                or fn.__dict__):
+            return False  # (pump tells plain from async for these)
+        mesh = w.values.meshes.get(repr(body.mesh))
+        if mesh is None or not self.pool.has_room():
+            return False
+        pins = []
+        arrays = store.arrays
+        for ref in body.refs:
+            fut = arrays.get(ref[1]) if ref[0] == 0 else store.pin(ref, w.host_index, env.seq)
+            if fut is None or not fut.done():
+                return False
+            pins.append(fut)
+        loop = asyncio.get_running_loop()
+        results: asyncio.Future[Any] = _Future(loop=loop)
+        store.results[body.call_id] = results
+        call = _Call(body, env, pins, None, results, None, w.epoch)
+        call.arrived = time.perf_counter_ns()
+        call.fn = fn
+        call.mesh = mesh
+        call.last = True
+        self._calls[body.call_id] = call
+        self._lone = call
+        self._deferred = ([call], [_WAITING])
+        if not self._draining:  # a drain hands it over as it ends (wait_briefly)
+            loop.call_soon(self._hand_inline)
+        return True
+
+    def _adopt(self) -> None:
+        """The lone call gets its stream, busy with it until it ends (another call or a
+        DESTROY arrived: one of its stream's must wait for it)."""
+        call, self._lone = self._lone, None
+        assert call is not None
+        stream = call.stream = self._stream(call.body.stream)
+        stream.busy = True
+
     def on_destroy(self, body: P.Destroy) -> None:
+        if self._lone is not None:
+            self._adopt()
         store = self._w.store
         calls = store.obj_calls.pop(body.obj, set())
         if body.obj not in store.objects:
@@ -152,7 +221,8 @@ class Scheduler:
             call.results.exception()  # retrieved: no "never retrieved" log when dropped
         self._w.send(P.Result(body.call_id, Status.CANCELLED, None))
         stream = call.stream
-        if stream.waiting is not None and stream.queue and stream.queue[0] is call:
+        if (stream is not None and stream.waiting is not None and stream.queue
+                and stream.queue[0] is call):
             stream.waiting = None  # it waited for this call's inputs: not any more
             self.pump(stream)
 
@@ -217,6 +287,8 @@ class Scheduler:
             deferred = self._deferred
             if deferred is not None:  # not alone: the deferred call goes to the pool too
                 self._deferred = None
+                if self._lone is not None:
+                    self._adopt()
                 self._submit(*deferred)
             elif (len(batch) == 1 and len(self._calls) == 1 and self._quick and not self.started
                   and self.baton is not None and not self.baton.busy and self.runners.idle()
@@ -254,9 +326,20 @@ class Scheduler:
         the thread left in its call) wakes the loop as usual."""
         with self._done_lock:
             self._sync_wait = False
-            pending = bool(self._done)
-        if pending:
-            self._flush_done()
+            done = self._done
+            if not done:
+                return
+            self._done = []
+            self._flush_scheduled = False
+        if len(done) == 1:
+            self._finish(done[0])  # one reply: it leaves at once, uncorked
+            return
+        corked = self._w.cork()  # the replies leave as one batch
+        try:
+            for call in done:
+                self._finish(call)
+        finally:
+            self._w.uncork(corked)
 
     def _resume(self, stream: _Stream, fut: asyncio.Future[Any]) -> None:
         if stream.waiting is fut:
@@ -315,6 +398,7 @@ class Scheduler:
             else:
                 self._forget(call)
         stream = batch[-1].stream
+        assert stream is not None  # (a lone call goes to the pool only with its stream)
         stream.busy = False
         self.pump(stream)
 
@@ -344,7 +428,7 @@ class Scheduler:
             fn, call.fn = call.fn, None
             args, kwargs = call_args(call, self._w.present)
             out = fn(*args, **kwargs)
-            call.outcome = self._w.values.outputs(out, call.mesh, call.pins, fn)
+            call.outcome = self._w.values.outputs(out, call.mesh, call.pins, fn, call.argvals)
             call.ok = True
         except BaseException as exc:
             call.outcome = exc
@@ -409,6 +493,9 @@ class Scheduler:
         with self._done_lock:
             done, self._done = self._done, []
             self._flush_scheduled = False
+        if len(done) == 1:
+            self._finish(done[0])  # one reply: it leaves at once, uncorked
+            return
         corked = self._w.cork()  # the replies leave as one batch
         try:
             for call in done:
@@ -436,8 +523,10 @@ class Scheduler:
                 if not call.results.done():
                     call.results.set_result(result)
                 times = [call.started - call.arrived, call.ran] if call.started else []
-                w.send(P.Result(body.call_id, Status.OK, len(values), times), payload, bufs,
-                       len(bufs))  # (times: call.times(), written out)
+                chan, peer = w._chan, w._peer  # (what w.send does, for a body packed here)
+                if chan is not None and peer is not None:  # P.Result(...).to_wire(), packed
+                    chan.send_packed(peer, _RESULT, _pack([body.call_id, _OK, len(values),
+                                                          times]), payload, bufs, len(bufs))
             else:
                 if not call.results.done():
                     call.results.set_exception(_settable(outcome))
@@ -446,5 +535,9 @@ class Scheduler:
         else:
             self._forget(call)
         if call.last:
-            call.stream.busy = False
-            self.pump(call.stream)
+            stream = call.stream
+            if stream is None:  # the lone call, alone to its end
+                self._lone = None
+            else:
+                stream.busy = False
+                self.pump(stream)
