@@ -98,6 +98,7 @@ class Scheduler:
         # another call or DESTROY arrives before it ends (_adopt; see on_call).
         self._lone: _Call | None = None
         self._hosts = 0  # the host count the last CALL said
+        self.lone_calls = 0  # calls that ran so (tests read it)
 
     def clear(self) -> None:
         """The session ended: forget its calls (running ones finish into nothing)."""
@@ -175,6 +176,7 @@ class Scheduler:
         call.last = True
         self._calls[body.call_id] = call
         self._lone = call
+        self.lone_calls += 1
         self._deferred = ([call], [_WAITING])
         if not self._draining:  # a drain hands it over as it ends (wait_briefly)
             loop.call_soon(self._hand_inline)
