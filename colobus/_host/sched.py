@@ -121,9 +121,47 @@ class Scheduler:
         if self._lone is not None:
             self._adopt()  # not alone any more: it keeps its place in its stream
         elif (not self._calls and self._quick and not self.started and self.baton is not None
-              and lane.ON and not body.obj and body.stream not in self._streams
-              and self._lone_call(body, env)):
-            return
+              and lane.ON and not body.obj and body.stream not in self._streams):
+            # The host's only call, on an idle stream: deferred to run inline as ``pump``
+            # would defer it, with no stream, when it is a plain function whose inputs and
+            # mesh are all here and a thread could take the loop over from it.
+            w = self._w
+            store = w.store
+            code = store.code.get(body.digest)
+            fn = code[1] if code is not None and code[0] == "ok" else None
+            mesh = w.values.meshes.get(repr(body.mesh))
+            pool = self.pool
+            if (type(fn) is FunctionType and not fn.__code__.co_flags & inspect.CO_COROUTINE
+                    and not fn.__dict__ and mesh is not None  # (else pump tells async apart)
+                    and (pool.idle or pool.has_room())):
+                pins = []
+                arrays = store.arrays
+                for ref in body.refs:
+                    fut = (arrays.get(ref[1]) if ref[0] == 0
+                           else store.pin(ref, w.host_index, env.seq))
+                    if fut is None or not fut.done():
+                        break
+                    pins.append(fut)
+                else:
+                    loop = asyncio.get_running_loop()
+                    results: asyncio.Future[Any] = _Future(loop=loop)
+                    store.results[body.call_id] = results
+                    call = _Call(body, env, pins, None, results, None, w.epoch)
+                    call.arrived = time.perf_counter_ns()
+                    call.fn = fn
+                    call.mesh = mesh
+                    call.last = True
+                    self._calls[body.call_id] = call
+                    self._lone = call
+                    self.lone_calls += 1
+                    self._deferred = ([call], [_WAITING])
+                    if not self._draining:  # a drain hands it over as it ends
+                        loop.call_soon(self._hand_inline)
+                    return
+        self._queue(body, env)
+
+    def _queue(self, body: P.Call, env: Envelope) -> None:
+        """A CALL into its stream's queue, started as its turn comes."""
         w = self._w
         store = w.store
         loop = asyncio.get_running_loop()
@@ -142,45 +180,6 @@ class Scheduler:
             store.obj_calls.setdefault(body.obj, set()).add(results)
         stream.queue.append(call)
         self.pump(stream)
-
-    def _lone_call(self, body: P.Call, env: Envelope) -> bool:
-        """The host's only call, on an idle stream: deferred to run inline with no stream,
-        as ``pump`` would defer it (False: not a plain function whose inputs and mesh are
-        all here, or no thread could take it over; then it takes the general path)."""
-        w = self._w
-        store = w.store
-        code = store.code.get(body.digest)
-        if code is None or code[0] != "ok":
-            return False
-        fn = code[1]
-        if (type(fn) is not FunctionType or fn.__code__.co_flags & inspect.CO_COROUTINE
-                or fn.__dict__):
-            return False  # (pump tells plain from async for these)
-        mesh = w.values.meshes.get(repr(body.mesh))
-        if mesh is None or not self.pool.has_room():
-            return False
-        pins = []
-        arrays = store.arrays
-        for ref in body.refs:
-            fut = arrays.get(ref[1]) if ref[0] == 0 else store.pin(ref, w.host_index, env.seq)
-            if fut is None or not fut.done():
-                return False
-            pins.append(fut)
-        loop = asyncio.get_running_loop()
-        results: asyncio.Future[Any] = _Future(loop=loop)
-        store.results[body.call_id] = results
-        call = _Call(body, env, pins, None, results, None, w.epoch)
-        call.arrived = time.perf_counter_ns()
-        call.fn = fn
-        call.mesh = mesh
-        call.last = True
-        self._calls[body.call_id] = call
-        self._lone = call
-        self.lone_calls += 1
-        self._deferred = ([call], [_WAITING])
-        if not self._draining:  # a drain hands it over as it ends (wait_briefly)
-            loop.call_soon(self._hand_inline)
-        return True
 
     def _adopt(self) -> None:
         """The lone call gets its stream, busy with it until it ends (another call or a
@@ -320,7 +319,10 @@ class Scheduler:
             return
         with self._done_lock:
             self._sync_wait = 2  # what finishes meanwhile is collected after it
-        self.baton.inline(functools.partial(self._run_batch, *deferred))
+        batch, claim = deferred
+        lone = self._lone
+        self.baton.inline(functools.partial(self._run_lone, lone) if lone is batch[0]
+                          else functools.partial(self._run_batch, batch, claim))
 
     def inline_ended(self) -> None:
         """The loop's leader after an inline call (or a new one that took the loop over):
@@ -423,6 +425,27 @@ class Scheduler:
             self._quick = end - t0 < BRIEF_WAIT_NS
             start = end
             self._post_done(call)
+
+    def _run_lone(self, call: _Call) -> None:
+        """The loop's leader, the loop stopped: the lone call (``_run_batch`` of a batch of
+        one, and ``_run_plain``, written out: no pool thread can claim it, no CANCEL can
+        come meanwhile)."""
+        if call.state == _QUEUED:
+            call.state = _RUNNING
+            start = time.perf_counter_ns()
+            try:
+                fn, call.fn = call.fn, None
+                args, kwargs = call_args(call, self._w.present)
+                out = fn(*args, **kwargs)
+                call.outcome = self._w.values.outputs(out, call.mesh, call.pins, fn,
+                                                      call.argvals)
+                call.ok = True
+            except BaseException as exc:
+                call.outcome = exc
+            end = time.perf_counter_ns()
+            call.started, call.ran = start, end - start
+            self._quick = end - start < BRIEF_WAIT_NS
+        self._post_done(call)
 
     def _run_plain(self, call: _Call) -> None:
         """Pool thread: one call, start to reply bytes; sets ``ok`` and ``outcome``."""

@@ -288,7 +288,8 @@ class HostValues:
         for leaf in leaves:
             if type(leaf) not in kept:
                 break
-            sh = leaf.sharding
+            sh = leaf._sharding  # its sharding, dtype and shape, read in C (see _outputs)
+            aval = leaf.aval
             if args is None:
                 args = _pinned_values(pins) if pins else ()
             ref = -1
@@ -296,7 +297,7 @@ class HostValues:
                 if value is leaf or getattr(value, "sharding", None) is sh:
                     ref = k
                     break
-            parts += (type(leaf), id(sh), id(leaf.dtype), leaf.shape, ref)
+            parts += (type(leaf), id(sh), id(aval.dtype), aval.shape, ref)
         else:
             key = tuple(parts)
             hit = self._described.get(key)
@@ -367,8 +368,11 @@ class HostValues:
                     keep = None  # not kept as made, or a key array: described each time
                 else:
                     keep += (leaf.sharding, leaf.dtype)
-        if keep is not None:
-            self._described_types.update(type(v) for v in values)
+        if keep is not None:  # (types whose C attributes are their properties, as in jax 0.10)
+            self._described_types.update(
+                type(v) for v in values
+                if getattr(v, "_sharding", None) is v.sharding and v.aval.dtype is v.dtype
+                and v.aval.shape == v.shape)
         # msgpack, never a pickle: the controller does not unpickle what hosts send.
         return values, describe_outputs(treedef, metas), keep
 
