@@ -154,7 +154,7 @@ async def test_the_same_answers_with_the_lone_path_and_without(
 
 
 def test_a_result_body_packed_from_its_list_is_the_dataclass_one() -> None:
-    from colobus._host.sched import _OK, _RESULT, _pack
+    from colobus._host.runs import _OK, _RESULT, _pack
 
     for meta, times in [(1, [5, 7]), (0, []), (300, [2**40, 1])]:
         body = P.Result(77, P.Status.OK, meta, times)

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import io
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .._wire import protocol as P
 from .._wire.envelope import Buffer, Envelope
-from .pool import load_args
+from .pool import ArgsLoader
 from .store import CallResult
 from .values import NumpyBlock, PiecedBlock
 
@@ -149,5 +150,7 @@ def call_args(call: _Call, present: Callable[[Any], Any]) -> tuple[Any, Any]:
         call.argvals = values
     env = call.env
     assert env is not None
-    args, kwargs = load_args(env.payload, values, env.buffers[: env.pbufs])
+    unpickler = ArgsLoader(io.BytesIO(env.payload), buffers=env.buffers[: env.pbufs])
+    unpickler._values = values
+    args, kwargs = unpickler.load()
     return args, kwargs

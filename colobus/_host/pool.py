@@ -19,7 +19,7 @@ from .._wire.envelope import Buffer
 
 log = logging.getLogger("colobus.worker")
 
-__all__ = ["ArgsUnpickler", "CallPool", "load_args"]
+__all__ = ["ArgsLoader", "ArgsUnpickler", "CallPool"]
 
 
 class CallPool:
@@ -154,12 +154,8 @@ class ArgsUnpickler(pickle.Unpickler):
             raise pickle.UnpicklingError(f"bad persistent id {pid!r}") from None
 
 
-class _Args(ArgsUnpickler):
-    __init__ = pickle.Unpickler.__init__  # (no Python call to make one)
+class ArgsLoader(ArgsUnpickler):
+    """:class:`ArgsUnpickler` made as ``pickle.Unpickler`` (a file, ``buffers=``), with no
+    Python call; set ``_values`` before ``load()``."""
 
-
-def load_args(data: Buffer, values: Sequence[Any], buffers: Sequence[Buffer]) -> Any:
-    """``ArgsUnpickler(data, values, buffers).load()``, one Python call fewer."""
-    unpickler = _Args(io.BytesIO(data), buffers=buffers)
-    unpickler._values = values
-    return unpickler.load()
+    __init__ = pickle.Unpickler.__init__

@@ -6,11 +6,12 @@ a stream's queue is a plain function with its inputs ready, it and the ready
 plain calls queued behind it form one run, and the runs of all streams wait in one
 queue that as few pool jobs as keep it moving take (:mod:`colobus._host.runners`:
 one hop per burst, not one per call or per stream); each call's reply goes out as
-it finishes. The host's only call in flight, when quick, runs inline on the loop's
-thread instead (:mod:`colobus._host.leader`). ``async def`` functions run on the loop,
-alone (:mod:`colobus._host.onloop`). A DESTROY runs in its stream like a call: after
-that caller's earlier calls, before its later ones, once every call of the object
-received (any stream) has finished.
+it finishes (:mod:`colobus._host.runs`). The host's only call in flight, when quick,
+runs inline on the loop's thread instead (:mod:`colobus._host.leader`); arrived on an
+idle stream, it takes no stream of its own unless another call arrives before it ends.
+``async def`` functions run on the loop, alone (:mod:`colobus._host.onloop`). A DESTROY
+runs in its stream like a call: after that caller's earlier calls, before its later
+ones, once every call of the object received (any stream) has finished.
 """
 
 from __future__ import annotations
@@ -20,18 +21,15 @@ import functools
 import inspect
 import logging
 import os
-import threading
 import time
 from types import FunctionType
 from typing import TYPE_CHECKING, Any
-
-import msgpack
 
 from .._model.jaxside import set_host_count
 from .._wire import lane
 from .._wire import protocol as P
 from .._wire.envelope import Envelope
-from .._wire.protocol import Kind, Status
+from .._wire.protocol import Status
 from .calls import (
     _CANCELLED,
     _DONE,
@@ -42,11 +40,11 @@ from .calls import (
     _Destroy,
     _settable,
     _Stream,
-    call_args,
 )
 from .onloop import destroy, run_async
 from .pool import CallPool
 from .runners import Runners
+from .runs import _EXPIRED, _WAITING, BRIEF_WAIT_S, Runs
 
 if TYPE_CHECKING:
     from .leader import Baton
@@ -59,19 +57,14 @@ MAX_BATCH = 256  # calls of one stream run in one thread-pool job, at most
 # A plain call that no pool thread takes this long after it was ready fails
 # (TimeoutError) instead of waiting forever; COLOBUS_CALL_START_TIMEOUT overrides.
 CALL_START_TIMEOUT_S = 60.0
-_WAITING, _TAKEN, _EXPIRED = range(3)  # a pool job's claim: taken by a thread, or expired
-BRIEF_WAIT_S = 0.0005  # after starting quick calls, the loop waits this long for them
-BRIEF_WAIT_NS = int(BRIEF_WAIT_S * 1e9)
-_OK = int(Status.OK)
-_RESULT = int(Kind.RESULT)
-_pack = msgpack.Packer(use_bin_type=True).pack  # a RESULT's body (loop thread only)
 _Future = asyncio.Future  # made directly: create_future is one Python call more
 
-class Scheduler:
+
+class Scheduler(Runs):
     """Runs the CALLs and DESTROYs of one worker, stream by stream."""
 
     def __init__(self, worker: WorkerServices, max_threads: int) -> None:
-        self._w = worker
+        super().__init__(worker)
         max_threads = int(os.environ.get("COLOBUS_CALL_THREADS", max_threads))
         self.start_timeout = float(os.environ.get("COLOBUS_CALL_START_TIMEOUT",
                                                   CALL_START_TIMEOUT_S))
@@ -80,23 +73,10 @@ class Scheduler:
         self._streams: dict[int, _Stream] = {}
         self._calls: dict[int, _Call] = {}
         self._async_calls: set[asyncio.Task[None]] = set()
-        self._state_lock = threading.Lock()  # a call's QUEUED -> RUNNING | CANCELLED
-        self._done_lock = threading.Lock()
-        self._done: list[_Call] = []  # finished on pool threads, not yet seen by the loop
-        self._flush_scheduled = False
-        # The brief wait (see wait_briefly): the loop thread waits on this event
-        # while ``_sync_wait``; a pool thread that finishes a call sets it instead of
-        # waking the loop through its self-pipe.
-        self._sync_wait: bool | int = False  # (2: the loop thread runs the call inline)
-        self._done_event = threading.Event()
         self.started = False  # the current drain started a batch on the pool
-        self._quick = True  # the last batch took less than BRIEF_WAIT_S
         self.baton: Baton | None = None  # inline calls (colobus._host.leader), if on
         self._deferred: tuple[list[_Call], list[int]] | None = None  # to run inline
         self._draining = False  # inside a drain of the socket
-        # The host's only call, arrived on an idle stream: no stream of its own unless
-        # another call or DESTROY arrives before it ends (_adopt; see on_call).
-        self._lone: _Call | None = None
         self._hosts = 0  # the host count the last CALL said
         self.lone_calls = 0  # calls that ran so (tests read it)
 
@@ -314,36 +294,8 @@ class Scheduler:
 
     def _hand_inline(self) -> None:
         """Loop thread: the deferred lone call runs on this thread once the iteration ends."""
-        deferred, self._deferred = self._deferred, None
-        if deferred is None or self.baton is None:
-            return
-        with self._done_lock:
-            self._sync_wait = 2  # what finishes meanwhile is collected after it
-        batch, claim = deferred
-        lone = self._lone
-        self.baton.inline(functools.partial(self._run_lone, lone) if lone is batch[0]
-                          else functools.partial(self._run_batch, batch, claim))
-
-    def inline_ended(self) -> None:
-        """The loop's leader after an inline call (or a new one that took the loop over):
-        send what finished while the loop was stopped; from now on a pool thread (or
-        the thread left in its call) wakes the loop as usual."""
-        with self._done_lock:
-            self._sync_wait = False
-            done = self._done
-            if not done:
-                return
-            self._done = []
-            self._flush_scheduled = False
-        if len(done) == 1:
-            self._finish(done[0])  # one reply: it leaves at once, uncorked
-            return
-        corked = self._w.cork()  # the replies leave as one batch
-        try:
-            for call in done:
-                self._finish(call)
-        finally:
-            self._w.uncork(corked)
+        if self._deferred is not None:
+            self.wait_briefly()  # (which hands it over first)
 
     def _resume(self, stream: _Stream, fut: asyncio.Future[Any]) -> None:
         if stream.waiting is fut:
@@ -406,76 +358,6 @@ class Scheduler:
         stream.busy = False
         self.pump(stream)
 
-    def _run_batch(self, batch: list[_Call], claim: list[int]) -> None:
-        """Pool thread: run ready plain calls of one stream back to back."""
-        with self._state_lock:
-            if claim[0] == _EXPIRED:
-                return  # failed meanwhile: waited too long for a thread
-            claim[0] = _TAKEN
-        t0 = start = time.perf_counter_ns()
-        for call in batch:
-            with self._state_lock:
-                runs = call.state == _QUEUED
-                if runs:
-                    call.state = _RUNNING
-            if runs:
-                self._run_plain(call)
-            end = time.perf_counter_ns()
-            call.started, call.ran = start, end - start
-            self._quick = end - t0 < BRIEF_WAIT_NS
-            start = end
-            self._post_done(call)
-
-    def _run_lone(self, call: _Call) -> None:
-        """The loop's leader, the loop stopped: the lone call (``_run_batch`` of a batch of
-        one, and ``_run_plain``, written out: no pool thread can claim it, no CANCEL can
-        come meanwhile)."""
-        if call.state == _QUEUED:
-            call.state = _RUNNING
-            start = time.perf_counter_ns()
-            try:
-                fn, call.fn = call.fn, None
-                args, kwargs = call_args(call, self._w.present)
-                out = fn(*args, **kwargs)
-                call.outcome = self._w.values.outputs(out, call.mesh, call.pins, fn,
-                                                      call.argvals)
-                call.ok = True
-            except BaseException as exc:
-                call.outcome = exc
-            end = time.perf_counter_ns()
-            call.started, call.ran = start, end - start
-            self._quick = end - start < BRIEF_WAIT_NS
-        self._post_done(call)
-
-    def _run_plain(self, call: _Call) -> None:
-        """Pool thread: one call, start to reply bytes; sets ``ok`` and ``outcome``."""
-        try:
-            fn, call.fn = call.fn, None
-            args, kwargs = call_args(call, self._w.present)
-            out = fn(*args, **kwargs)
-            call.outcome = self._w.values.outputs(out, call.mesh, call.pins, fn, call.argvals)
-            call.ok = True
-        except BaseException as exc:
-            call.outcome = exc
-
-    def _post_done(self, call: _Call) -> None:
-        """Pool thread: hand a finished call to the loop; one wake-up per burst."""
-        with self._done_lock:
-            self._done.append(call)
-            if self._flush_scheduled:
-                return
-            self._flush_scheduled = True
-            if self._sync_wait:  # the loop thread waits for it, or is running it inline
-                if self._sync_wait is True:
-                    self._done_event.set()
-                return
-        loop = self._w.loop
-        assert loop is not None
-        try:
-            loop.call_soon_threadsafe(self._flush_done)
-        except RuntimeError:  # the loop closed: the worker is exiting
-            pass
-
     def drain_starts(self) -> None:
         """A drain of the socket starts: only the calls it starts are worth a brief wait."""
         self.started = False
@@ -495,8 +377,17 @@ class Scheduler:
         blocks. The wait is bounded (``BRIEF_WAIT_S``) and skipped while calls run
         long, so heartbeats and new messages wait at most that long.
         """
-        if self._deferred is not None:  # a lone call: it runs inline instead
-            self._hand_inline()
+        deferred = self._deferred
+        if deferred is not None:  # a lone call: it runs on this thread once the iteration ends
+            self._deferred = None
+            baton = self.baton
+            assert baton is not None  # (deferred only where there is one)
+            with self._done_lock:
+                self._sync_wait = 2  # what finishes meanwhile is collected after it
+            batch, claim = deferred
+            lone = self._lone
+            baton.inline(functools.partial(self._run_lone, lone) if lone is batch[0]
+                         else functools.partial(self._run_batch, batch, claim))
             return False
         if not (self.started and self._quick):
             return False
@@ -513,56 +404,3 @@ class Scheduler:
             return False
         self._flush_done()
         return True
-
-    def _flush_done(self) -> None:
-        with self._done_lock:
-            done, self._done = self._done, []
-            self._flush_scheduled = False
-        if len(done) == 1:
-            self._finish(done[0])  # one reply: it leaves at once, uncorked
-            return
-        corked = self._w.cork()  # the replies leave as one batch
-        try:
-            for call in done:
-                self._finish(call)
-        finally:
-            self._w.uncork(corked)
-
-    def _finish(self, call: _Call) -> None:
-        """Loop thread: store a finished call's outputs, reply, start what is next."""
-        w = self._w
-        if call.epoch != w.epoch:
-            return  # the session it belonged to is over
-        body = call.body
-        if call.state == _RUNNING:
-            call.state = _DONE
-            self._forget(call)
-            call_times = w.call_times
-            if call_times is not None:  # metrics on: this host counts its calls' times
-                call_times.add((w.store.classes.get(body.obj, b"") if body.obj else body.digest,
-                                body.method), call.started - call.arrived, call.ran)
-            outcome, call.outcome = call.outcome, None
-            if call.ok:
-                values, treedef, payload, bufs = outcome
-                result = w.store.store_outputs(body.call_id, values, treedef)
-                if not call.results.done():
-                    call.results.set_result(result)
-                times = [call.started - call.arrived, call.ran] if call.started else []
-                chan, peer = w._chan, w._peer  # (what w.send does, for a body packed here)
-                if chan is not None and peer is not None:  # P.Result(...).to_wire(), packed
-                    chan.send_packed(peer, _RESULT, _pack([body.call_id, _OK, len(values),
-                                                          times]), payload, bufs, len(bufs))
-            else:
-                if not call.results.done():
-                    call.results.set_exception(_settable(outcome))
-                    call.results.exception()
-                w.reply_error(body.call_id, outcome, call.times())
-        else:
-            self._forget(call)
-        if call.last:
-            stream = call.stream
-            if stream is None:  # the lone call, alone to its end
-                self._lone = None
-            else:
-                stream.busy = False
-                self.pump(stream)
