@@ -231,10 +231,10 @@ class Baton:
                     with self._lock:
                         if self._inline is inline:
                             self._inline = None
-                del job
+                    lost = inline.lost  # (final: the watchdog sets it only before that)
+                del job  # holds the call's batch: nothing of it lives on here (as the pool)
                 self.inlined += 1
-                if inline.lost:  # another thread leads now; this one ends with its call
-                    lost = True
+                if lost:  # another thread leads now; this one ends with its call
                     self._pool.unhold(inline.ident)
                     return False
                 loop._thread_id = me
