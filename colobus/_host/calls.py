@@ -8,18 +8,21 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import io
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .._wire import protocol as P
 from .._wire.envelope import Buffer, Envelope
-from .pool import ArgsUnpickler
+from .pool import ArgsLoader
 from .store import CallResult
+from .values import NumpyBlock, PiecedBlock
 
 if TYPE_CHECKING:
     import concurrent.futures
 
     from .._wire.calltimes import HostCallTimes
+    from .._wire.channel import Channel, Peer
     from .dataplane import DataPlane
     from .store import Store
     from .values import HostValues
@@ -55,12 +58,12 @@ class _Destroy:
 class _Call:
     """One CALL on this host, from arrival to reply."""
 
-    __slots__ = ("arrived", "body", "env", "epoch", "fn", "last", "mesh", "obj", "ok", "outcome",
-                 "pins", "ran", "results", "started", "state", "stream")
+    __slots__ = ("argvals", "arrived", "body", "env", "epoch", "fn", "last", "mesh", "obj", "ok",
+                 "outcome", "pins", "ran", "results", "started", "state", "stream")
 
     def __init__(self, body: P.Call, env: Envelope, pins: list[asyncio.Future[Any]],
                  obj: asyncio.Future[Any] | None, results: asyncio.Future[Any],
-                 stream: _Stream, epoch: int) -> None:
+                 stream: _Stream | None, epoch: int) -> None:
         self.body = body
         self.env: Envelope | None = env
         self.pins = pins
@@ -74,6 +77,8 @@ class _Call:
         self.last = False  # the last of its batch: the stream is free once it is done
         self.ok = False
         self.outcome: Any = None
+        # the pins' values as user code got them, where each is the stored value itself
+        self.argvals: list[Any] | None = None
         # perf_counter_ns on arrival and at start, and ns it ran: the reply's times.
         self.arrived = self.started = self.ran = 0
 
@@ -111,6 +116,8 @@ class WorkerServices(Protocol):
     call_times: HostCallTimes | None
     dataplane: DataPlane | None
     _jax: Any
+    _chan: Channel | None  # (the scheduler sends a RESULT's body packed by itself)
+    _peer: Peer | None
     _max_message: int
     _pool: concurrent.futures.ThreadPoolExecutor
 
@@ -124,13 +131,26 @@ class WorkerServices(Protocol):
     def present(self, value: Any) -> Any: ...
 
 
+# What user code receives otherwise than as stored (``present`` returns any other value).
+_PRESENTED = (CallResult, PiecedBlock, NumpyBlock)
+
+
 def call_args(call: _Call, present: Callable[[Any], Any]) -> tuple[Any, Any]:
-    """A call's arguments: its pickled ones, with the host's values for what it names."""
+    """A call's arguments: its pickled ones, with the host's values for what it names
+    (``present``: the worker's, the identity on all but ``_PRESENTED``)."""
     values = []
+    plain = True
     for p in call.pins:
         v = p.result()
-        values.append(v.tree(present) if isinstance(v, CallResult) else present(v))
+        if isinstance(v, _PRESENTED):
+            plain = False
+            v = v.tree(present) if isinstance(v, CallResult) else present(v)
+        values.append(v)
+    if plain:
+        call.argvals = values
     env = call.env
     assert env is not None
-    args, kwargs = ArgsUnpickler(env.payload, values, env.buffers[: env.pbufs]).load()
+    unpickler = ArgsLoader(io.BytesIO(env.payload), buffers=env.buffers[: env.pbufs])
+    unpickler._values = values
+    args, kwargs = unpickler.load()
     return args, kwargs

@@ -7,6 +7,12 @@ loop (the *leader*) runs such a call itself: the loop stops after its current
 iteration, the leader runs the call with no loop running, then runs the loop
 again (the reply leaves in its first iteration).
 
+A leader runs the loop as ``run_forever`` does, with the calls between its iterations:
+the loop's setup and teardown (running loop, thread, async generator hooks) happen once
+per leader, and around a call only what user code may see (no running loop, no loop
+thread, the thread's own async generator hooks) is put back. Where this Python's loop
+lacks the internals that takes (``_run_once``), it stops and runs ``run_forever`` again.
+
 A watchdog thread keeps the loop moving meanwhile. A call still running after
 :data:`STALL_S` (slow, blocked, or waiting for a call this host has not received
 yet) loses the loop: a new thread takes it over and runs it from then on, so
@@ -26,6 +32,7 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Coroutine
@@ -37,6 +44,12 @@ if TYPE_CHECKING:
 __all__ = ["STALL_S", "Baton", "Batons", "serve_worker"]
 
 log = logging.getLogger("colobus.worker")
+
+_set_running_loop = asyncio.events._set_running_loop
+# The loop's internals run_forever uses (CPython 3.11-3.13), for _drive.
+_DRIVEN = all(hasattr(asyncio.BaseEventLoop, name) for name in (
+    "_run_once", "_check_closed", "_check_running", "_set_coroutine_origin_tracking",
+    "_asyncgen_firstiter_hook", "_asyncgen_finalizer_hook"))
 
 STALL_S = 0.002  # an inline call running this long hands the loop to another thread
 WATCH_IDLE_S = 0.5  # the watchdog sleeps until woken after this long without inline calls
@@ -158,6 +171,12 @@ class Baton:
         try:
             if taking_over:
                 self._with_loop_set(self._on_takeover)
+            if _DRIVEN:
+                ended = self._drive(loop)
+                if ended:
+                    self._ended_on = threading.current_thread()
+                    self._done.set()
+                return
             while True:
                 loop.run_forever()
                 if self._finished:
@@ -167,25 +186,86 @@ class Baton:
                 job, self._job = self._job, None
                 if job is None:
                     continue
-                me = _Inline()
-                self._inline = me  # no lock: the watchdog only reads it, until it ends it
+                if self._run_inline(job):  # another thread leads now; this one ends
+                    return
+                self._with_loop_set(self._after_inline)
+        except BaseException:  # a bug here would stop the worker silently
+            log.exception("the worker's loop thread failed")
+            self._done.set()
+
+    def _drive(self, loop: Any) -> bool:
+        """``loop.run_forever()``, with the inline calls between its iterations; True
+        when the coroutine ended, False when this thread lost the loop in a call."""
+        loop._check_closed()
+        loop._check_running()
+        loop._set_coroutine_origin_tracking(loop._debug)
+        hooks = sys.get_asyncgen_hooks()
+        loop_hooks = (loop._asyncgen_firstiter_hook, loop._asyncgen_finalizer_hook)
+        me = loop._thread_id = threading.get_ident()
+        sys.set_asyncgen_hooks(*loop_hooks)
+        _set_running_loop(loop)
+        run_once = loop._run_once
+        lost = False
+        try:
+            while True:
+                run_once()
+                if not loop._stopping:
+                    continue
+                loop._stopping = False
+                if self._finished:
+                    return True
+                job, self._job = self._job, None
+                if job is None:
+                    continue
+                # As after run_forever: user code sees no loop running, on no thread.
+                loop._thread_id = None
+                _set_running_loop(None)
+                sys.set_asyncgen_hooks(*hooks)
+                inline = _Inline()  # (_run_inline, written out)
+                self._inline = inline
                 if self._watch_asleep:
                     self._wake.set()
                 try:
                     job()
                 finally:
                     with self._lock:
-                        if self._inline is me:
+                        if self._inline is inline:
                             self._inline = None
+                    lost = inline.lost  # (final: the watchdog sets it only before that)
                 del job  # holds the call's batch: nothing of it lives on here (as the pool)
                 self.inlined += 1
-                if me.lost:  # another thread leads now; this one ends with its call
-                    self._pool.unhold(me.ident)
-                    return
-                self._with_loop_set(self._after_inline)
-        except BaseException:  # a bug here would stop the worker silently
-            log.exception("the worker's loop thread failed")
-            self._done.set()
+                if lost:  # another thread leads now; this one ends with its call
+                    self._pool.unhold(inline.ident)
+                    return False
+                loop._thread_id = me
+                sys.set_asyncgen_hooks(*loop_hooks)
+                _set_running_loop(loop)
+                self._after_inline()
+        finally:
+            if not lost:  # (a lost thread leaves the loop as its new leader has it)
+                loop._stopping = False
+                loop._thread_id = None
+                _set_running_loop(None)
+                loop._set_coroutine_origin_tracking(False)
+                sys.set_asyncgen_hooks(*hooks)
+
+    def _run_inline(self, job: Callable[[], None]) -> bool:
+        """Run an inline call's ``job`` (its loop stopped); whether it lost the loop."""
+        me = _Inline()
+        self._inline = me  # no lock: the watchdog only reads it, until it ends it
+        if self._watch_asleep:
+            self._wake.set()
+        try:
+            job()
+        finally:
+            with self._lock:
+                if self._inline is me:
+                    self._inline = None
+        del job  # holds the call's batch: nothing of it lives on here (as the pool)
+        self.inlined += 1
+        if me.lost:
+            self._pool.unhold(me.ident)
+        return me.lost
 
     def _with_loop_set(self, fn: Callable[[], None]) -> None:
         """``fn()`` as if inside the (stopped) loop: the scheduler's code asks for the

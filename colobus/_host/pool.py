@@ -19,7 +19,7 @@ from .._wire.envelope import Buffer
 
 log = logging.getLogger("colobus.worker")
 
-__all__ = ["ArgsUnpickler", "CallPool"]
+__all__ = ["ArgsLoader", "ArgsUnpickler", "CallPool"]
 
 
 class CallPool:
@@ -40,7 +40,7 @@ class CallPool:
     def __init__(self, max_threads: int, name: str, hard_max: int | None = None) -> None:
         self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._idle = 0
+        self.idle = 0  # threads waiting for a job (read without the lock: a snapshot)
         self._threads: list[threading.Thread] = []
         self._max = max_threads
         self._hard_max = max(max_threads, hard_max if hard_max is not None else 4 * max_threads)
@@ -62,8 +62,8 @@ class CallPool:
         """Queue ``job``; whether a thread takes it now (False: all are busy)."""
         with self._lock:
             now = True
-            if self._idle:
-                self._idle -= 1  # that thread takes this job
+            if self.idle:
+                self.idle -= 1  # that thread takes this job
             elif len(self._threads) + self._held < self._limit():
                 self._made += 1
                 t = threading.Thread(target=self._serve, daemon=True,
@@ -83,7 +83,7 @@ class CallPool:
     def has_room(self) -> bool:
         """Whether a job submitted now would find a thread (idle, or one to start)."""
         with self._lock:
-            return bool(self._idle) or len(self._threads) + self._held < self._limit()
+            return bool(self.idle) or len(self._threads) + self._held < self._limit()
 
     def hold(self, ident: int) -> None:
         """Thread ``ident`` (not the pool's) runs a call from now on, as a pool thread would:
@@ -130,7 +130,7 @@ class CallPool:
                 if len(self._threads) > self._limit() and self._queue.empty():
                     self._threads.remove(threading.current_thread())
                     return  # a surplus thread (grown past stuck ones) leaves
-                self._idle += 1
+                self.idle += 1
 
     def shutdown(self) -> None:
         """Let the threads go once their jobs end (daemons: they never hold up exit)."""
@@ -141,6 +141,8 @@ class CallPool:
 class ArgsUnpickler(pickle.Unpickler):
     """Unpickles call arguments; persistent ids name values resolved on this host."""
 
+    _values: Sequence[Any]
+
     def __init__(self, data: Buffer, values: Sequence[Any], buffers: Sequence[Buffer]) -> None:
         super().__init__(io.BytesIO(data), buffers=buffers)
         self._values = values
@@ -150,3 +152,10 @@ class ArgsUnpickler(pickle.Unpickler):
             return self._values[pid]
         except (IndexError, TypeError):
             raise pickle.UnpicklingError(f"bad persistent id {pid!r}") from None
+
+
+class ArgsLoader(ArgsUnpickler):
+    """:class:`ArgsUnpickler` made as ``pickle.Unpickler`` (a file, ``buffers=``), with no
+    Python call; set ``_values`` before ``load()``."""
+
+    __init__ = pickle.Unpickler.__init__

@@ -6,10 +6,12 @@ a stream's queue is a plain function with its inputs ready, it and the ready
 plain calls queued behind it form one run, and the runs of all streams wait in one
 queue that as few pool jobs as keep it moving take (:mod:`colobus._host.runners`:
 one hop per burst, not one per call or per stream); each call's reply goes out as
-it finishes. The host's only call in flight, when quick, runs inline on the loop's
-thread instead (:mod:`colobus._host.leader`). ``async def`` functions run on the loop,
-alone. A DESTROY runs in its stream like a call: after that caller's earlier calls,
-before its later ones, once every call of the object received (any stream) has finished.
+it finishes (:mod:`colobus._host.runs`). The host's only call in flight, when quick,
+runs inline on the loop's thread instead (:mod:`colobus._host.leader`); arrived on an
+idle stream, it takes no stream of its own unless another call arrives before it ends.
+``async def`` functions run on the loop, alone (:mod:`colobus._host.onloop`). A DESTROY
+runs in its stream like a call: after that caller's earlier calls, before its later
+ones, once every call of the object received (any stream) has finished.
 """
 
 from __future__ import annotations
@@ -19,12 +21,12 @@ import functools
 import inspect
 import logging
 import os
-import threading
 import time
 from types import FunctionType
 from typing import TYPE_CHECKING, Any
 
 from .._model.jaxside import set_host_count
+from .._wire import lane
 from .._wire import protocol as P
 from .._wire.envelope import Envelope
 from .._wire.protocol import Status
@@ -38,10 +40,11 @@ from .calls import (
     _Destroy,
     _settable,
     _Stream,
-    call_args,
 )
+from .onloop import destroy, run_async
 from .pool import CallPool
 from .runners import Runners
+from .runs import _EXPIRED, _WAITING, BRIEF_WAIT_S, Runs
 
 if TYPE_CHECKING:
     from .leader import Baton
@@ -54,15 +57,14 @@ MAX_BATCH = 256  # calls of one stream run in one thread-pool job, at most
 # A plain call that no pool thread takes this long after it was ready fails
 # (TimeoutError) instead of waiting forever; COLOBUS_CALL_START_TIMEOUT overrides.
 CALL_START_TIMEOUT_S = 60.0
-_WAITING, _TAKEN, _EXPIRED = range(3)  # a pool job's claim: taken by a thread, or expired
-BRIEF_WAIT_S = 0.0005  # after starting quick calls, the loop waits this long for them
-BRIEF_WAIT_NS = int(BRIEF_WAIT_S * 1e9)
+_Future = asyncio.Future  # made directly: create_future is one Python call more
 
-class Scheduler:
+
+class Scheduler(Runs):
     """Runs the CALLs and DESTROYs of one worker, stream by stream."""
 
     def __init__(self, worker: WorkerServices, max_threads: int) -> None:
-        self._w = worker
+        super().__init__(worker)
         max_threads = int(os.environ.get("COLOBUS_CALL_THREADS", max_threads))
         self.start_timeout = float(os.environ.get("COLOBUS_CALL_START_TIMEOUT",
                                                   CALL_START_TIMEOUT_S))
@@ -71,26 +73,20 @@ class Scheduler:
         self._streams: dict[int, _Stream] = {}
         self._calls: dict[int, _Call] = {}
         self._async_calls: set[asyncio.Task[None]] = set()
-        self._state_lock = threading.Lock()  # a call's QUEUED -> RUNNING | CANCELLED
-        self._done_lock = threading.Lock()
-        self._done: list[_Call] = []  # finished on pool threads, not yet seen by the loop
-        self._flush_scheduled = False
-        # The brief wait (see wait_briefly): the loop thread waits on this event
-        # while ``_sync_wait``; a pool thread that finishes a call sets it instead of
-        # waking the loop through its self-pipe.
-        self._sync_wait: bool | int = False  # (2: the loop thread runs the call inline)
-        self._done_event = threading.Event()
         self.started = False  # the current drain started a batch on the pool
-        self._quick = True  # the last batch took less than BRIEF_WAIT_S
         self.baton: Baton | None = None  # inline calls (colobus._host.leader), if on
         self._deferred: tuple[list[_Call], list[int]] | None = None  # to run inline
         self._draining = False  # inside a drain of the socket
+        self._hosts = 0  # the host count the last CALL said
+        self.lone_calls = 0  # calls that ran so (tests read it)
 
     def clear(self) -> None:
         """The session ended: forget its calls (running ones finish into nothing)."""
         self.pool.new_session()
         self.runners.clear()
         self._deferred = None
+        self._lone = None
+        self._hosts = 0
         for t in list(self._async_calls):
             t.cancel()
         self._calls.clear()
@@ -99,7 +95,53 @@ class Scheduler:
     # -- arrivals ------------------------------------------------------------------------
 
     def on_call(self, body: P.Call, env: Envelope) -> None:
-        set_host_count(body.hosts)
+        if body.hosts != self._hosts:
+            self._hosts = body.hosts
+            set_host_count(body.hosts)
+        if self._lone is not None:
+            self._adopt()  # not alone any more: it keeps its place in its stream
+        elif (not self._calls and self._quick and not self.started and self.baton is not None
+              and lane.ON and not body.obj and body.stream not in self._streams):
+            # The host's only call, on an idle stream: deferred to run inline as ``pump``
+            # would defer it, with no stream, when it is a plain function whose inputs and
+            # mesh are all here and a thread could take the loop over from it.
+            w = self._w
+            store = w.store
+            code = store.code.get(body.digest)
+            fn = code[1] if code is not None and code[0] == "ok" else None
+            mesh = w.values.meshes.get(repr(body.mesh))
+            pool = self.pool
+            if (type(fn) is FunctionType and not fn.__code__.co_flags & inspect.CO_COROUTINE
+                    and not fn.__dict__ and mesh is not None  # (else pump tells async apart)
+                    and (pool.idle or pool.has_room())):
+                pins = []
+                arrays = store.arrays
+                for ref in body.refs:
+                    fut = (arrays.get(ref[1]) if ref[0] == 0
+                           else store.pin(ref, w.host_index, env.seq))
+                    if fut is None or not fut.done():
+                        break
+                    pins.append(fut)
+                else:
+                    loop = asyncio.get_running_loop()
+                    results: asyncio.Future[Any] = _Future(loop=loop)
+                    store.results[body.call_id] = results
+                    call = _Call(body, env, pins, None, results, None, w.epoch)
+                    call.arrived = time.perf_counter_ns()
+                    call.fn = fn
+                    call.mesh = mesh
+                    call.last = True
+                    self._calls[body.call_id] = call
+                    self._lone = call
+                    self.lone_calls += 1
+                    self._deferred = ([call], [_WAITING])
+                    if not self._draining:  # a drain hands it over as it ends
+                        loop.call_soon(self._hand_inline)
+                    return
+        self._queue(body, env)
+
+    def _queue(self, body: P.Call, env: Envelope) -> None:
+        """A CALL into its stream's queue, started as its turn comes."""
         w = self._w
         store = w.store
         loop = asyncio.get_running_loop()
@@ -119,7 +161,17 @@ class Scheduler:
         stream.queue.append(call)
         self.pump(stream)
 
+    def _adopt(self) -> None:
+        """The lone call gets its stream, busy with it until it ends (another call or a
+        DESTROY arrived: one of its stream's must wait for it)."""
+        call, self._lone = self._lone, None
+        assert call is not None
+        stream = call.stream = self._stream(call.body.stream)
+        stream.busy = True
+
     def on_destroy(self, body: P.Destroy) -> None:
+        if self._lone is not None:
+            self._adopt()
         store = self._w.store
         calls = store.obj_calls.pop(body.obj, set())
         if body.obj not in store.objects:
@@ -150,7 +202,8 @@ class Scheduler:
             call.results.exception()  # retrieved: no "never retrieved" log when dropped
         self._w.send(P.Result(body.call_id, Status.CANCELLED, None))
         stream = call.stream
-        if stream.waiting is not None and stream.queue and stream.queue[0] is call:
+        if (stream is not None and stream.waiting is not None and stream.queue
+                and stream.queue[0] is call):
             stream.waiting = None  # it waited for this call's inputs: not any more
             self.pump(stream)
 
@@ -171,7 +224,7 @@ class Scheduler:
                     break
                 queue.popleft()
                 stream.busy = True
-                task = asyncio.get_running_loop().create_task(self._destroy(call, stream))
+                task = asyncio.get_running_loop().create_task(destroy(self, call, stream))
                 self._async_calls.add(task)
                 task.add_done_callback(self._async_calls.discard)
                 return
@@ -201,7 +254,7 @@ class Scheduler:
                 queue.popleft()
                 call.state = _RUNNING  # no lock: CANCEL also runs on this thread
                 stream.busy = True
-                task = asyncio.get_running_loop().create_task(self._run_async(call, fn))
+                task = asyncio.get_running_loop().create_task(run_async(self, call, fn))
                 self._async_calls.add(task)
                 task.add_done_callback(self._async_calls.discard)
                 return
@@ -215,6 +268,8 @@ class Scheduler:
             deferred = self._deferred
             if deferred is not None:  # not alone: the deferred call goes to the pool too
                 self._deferred = None
+                if self._lone is not None:
+                    self._adopt()
                 self._submit(*deferred)
             elif (len(batch) == 1 and len(self._calls) == 1 and self._quick and not self.started
                   and self.baton is not None and not self.baton.busy and self.runners.idle()
@@ -239,22 +294,8 @@ class Scheduler:
 
     def _hand_inline(self) -> None:
         """Loop thread: the deferred lone call runs on this thread once the iteration ends."""
-        deferred, self._deferred = self._deferred, None
-        if deferred is None or self.baton is None:
-            return
-        with self._done_lock:
-            self._sync_wait = 2  # what finishes meanwhile is collected after it
-        self.baton.inline(functools.partial(self._run_batch, *deferred))
-
-    def inline_ended(self) -> None:
-        """The loop's leader after an inline call (or a new one that took the loop over):
-        send what finished while the loop was stopped; from now on a pool thread (or
-        the thread left in its call) wakes the loop as usual."""
-        with self._done_lock:
-            self._sync_wait = False
-            pending = bool(self._done)
-        if pending:
-            self._flush_done()
+        if self._deferred is not None:
+            self.wait_briefly()  # (which hands it over first)
 
     def _resume(self, stream: _Stream, fut: asyncio.Future[Any]) -> None:
         if stream.waiting is fut:
@@ -313,57 +354,9 @@ class Scheduler:
             else:
                 self._forget(call)
         stream = batch[-1].stream
+        assert stream is not None  # (a lone call goes to the pool only with its stream)
         stream.busy = False
         self.pump(stream)
-
-    def _run_batch(self, batch: list[_Call], claim: list[int]) -> None:
-        """Pool thread: run ready plain calls of one stream back to back."""
-        with self._state_lock:
-            if claim[0] == _EXPIRED:
-                return  # failed meanwhile: waited too long for a thread
-            claim[0] = _TAKEN
-        t0 = start = time.perf_counter_ns()
-        for call in batch:
-            with self._state_lock:
-                runs = call.state == _QUEUED
-                if runs:
-                    call.state = _RUNNING
-            if runs:
-                self._run_plain(call)
-            end = time.perf_counter_ns()
-            call.started, call.ran = start, end - start
-            self._quick = end - t0 < BRIEF_WAIT_NS
-            start = end
-            self._post_done(call)
-
-    def _run_plain(self, call: _Call) -> None:
-        """Pool thread: one call, start to reply bytes; sets ``ok`` and ``outcome``."""
-        try:
-            fn, call.fn = call.fn, None
-            args, kwargs = call_args(call, self._w.present)
-            out = fn(*args, **kwargs)
-            call.outcome = self._w.values.outputs(out, call.mesh, call.pins, fn)
-            call.ok = True
-        except BaseException as exc:
-            call.outcome = exc
-
-    def _post_done(self, call: _Call) -> None:
-        """Pool thread: hand a finished call to the loop; one wake-up per burst."""
-        with self._done_lock:
-            self._done.append(call)
-            if self._flush_scheduled:
-                return
-            self._flush_scheduled = True
-            if self._sync_wait:  # the loop thread waits for it, or is running it inline
-                if self._sync_wait is True:
-                    self._done_event.set()
-                return
-        loop = self._w.loop
-        assert loop is not None
-        try:
-            loop.call_soon_threadsafe(self._flush_done)
-        except RuntimeError:  # the loop closed: the worker is exiting
-            pass
 
     def drain_starts(self) -> None:
         """A drain of the socket starts: only the calls it starts are worth a brief wait."""
@@ -384,8 +377,17 @@ class Scheduler:
         blocks. The wait is bounded (``BRIEF_WAIT_S``) and skipped while calls run
         long, so heartbeats and new messages wait at most that long.
         """
-        if self._deferred is not None:  # a lone call: it runs inline instead
-            self._hand_inline()
+        deferred = self._deferred
+        if deferred is not None:  # a lone call: it runs on this thread once the iteration ends
+            self._deferred = None
+            baton = self.baton
+            assert baton is not None  # (deferred only where there is one)
+            with self._done_lock:
+                self._sync_wait = 2  # what finishes meanwhile is collected after it
+            batch, claim = deferred
+            lone = self._lone
+            baton.inline(functools.partial(self._run_lone, lone) if lone is batch[0]
+                         else functools.partial(self._run_batch, batch, claim))
             return False
         if not (self.started and self._quick):
             return False
@@ -402,99 +404,3 @@ class Scheduler:
             return False
         self._flush_done()
         return True
-
-    def _flush_done(self) -> None:
-        with self._done_lock:
-            done, self._done = self._done, []
-            self._flush_scheduled = False
-        corked = self._w.cork()  # the replies leave as one batch
-        try:
-            for call in done:
-                self._finish(call)
-        finally:
-            self._w.uncork(corked)
-
-    def _finish(self, call: _Call) -> None:
-        """Loop thread: store a finished call's outputs, reply, start what is next."""
-        w = self._w
-        if call.epoch != w.epoch:
-            return  # the session it belonged to is over
-        body = call.body
-        if call.state == _RUNNING:
-            call.state = _DONE
-            self._forget(call)
-            call_times = w.call_times
-            if call_times is not None:  # metrics on: this host counts its calls' times
-                call_times.add((w.store.classes.get(body.obj, b"") if body.obj else body.digest,
-                                body.method), call.started - call.arrived, call.ran)
-            outcome, call.outcome = call.outcome, None
-            if call.ok:
-                values, treedef, payload, bufs = outcome
-                result = w.store.store_outputs(body.call_id, values, treedef)
-                if not call.results.done():
-                    call.results.set_result(result)
-                times = [call.started - call.arrived, call.ran] if call.started else []
-                w.send(P.Result(body.call_id, Status.OK, len(values), times), payload, bufs,
-                       len(bufs))  # (times: call.times(), written out)
-            else:
-                if not call.results.done():
-                    call.results.set_exception(_settable(outcome))
-                    call.results.exception()
-                w.reply_error(body.call_id, outcome, call.times())
-        else:
-            self._forget(call)
-        if call.last:
-            call.stream.busy = False
-            self.pump(call.stream)
-
-    async def _run_async(self, call: _Call, fn: Any) -> None:
-        """An ``async def`` call, on the loop."""
-        call.started = time.perf_counter_ns()
-        try:
-            args, kwargs = call_args(call, self._w.present)
-            out = await fn(*args, **kwargs)
-            call.outcome = self._w.values.outputs(out, call.mesh, call.pins, fn)
-            call.ok = True
-        except asyncio.CancelledError as exc:
-            if call.epoch != self._w.epoch:
-                raise  # the session ended
-            call.outcome = exc
-        except BaseException as exc:
-            call.outcome = exc
-        call.ran = time.perf_counter_ns() - call.started
-        del fn
-        call.last = True
-        if call.ok or not isinstance(call.outcome, asyncio.CancelledError):
-            self._finish(call)
-            return
-        # The function itself was cancelled (it awaited something cancelled).
-        call.state = _DONE
-        self._forget(call)
-        call.outcome = None
-        if not call.results.done():
-            call.results.set_exception(asyncio.CancelledError())
-            call.results.exception()
-        self._w.send(P.Result(call.body.call_id, Status.CANCELLED, None))
-        call.stream.busy = False
-        self.pump(call.stream)
-
-    async def _destroy(self, item: _Destroy, stream: _Stream) -> None:
-        """Drop an object once its calls finished; its stream waits meanwhile."""
-        store = self._w.store
-        epoch = self._w.epoch
-        try:
-            if item.calls:  # each call's result slot: settled once the call finished
-                await asyncio.wait(item.calls)
-            fut = store.objects.get(item.obj)
-            if fut is not None:
-                if not fut.done():
-                    await asyncio.wait({fut})
-                if epoch == self._w.epoch and store.objects.get(item.obj) is fut:
-                    del store.objects[item.obj]
-                    store.classes.pop(item.obj, None)
-                del fut  # the last reference: the instance's __del__ runs here
-        finally:
-            item.calls = set()
-            stream.busy = False
-            self.pump(stream)
-

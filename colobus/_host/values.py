@@ -196,21 +196,22 @@ class HostValues:
     def __init__(self, jax: Any, by_local: dict[tuple[str, int], Any]) -> None:
         self.jax = jax
         self._by_local = by_local
-        self._mesh_cache: dict[str, Any] = {}
+        self.meshes: dict[str, Any] = {}  # local_mesh's, by the raw mesh's repr
         # A call's output description, per output layout (see ``outputs``): key -> (the
         # description, the objects whose ids the key holds, kept alive so no other
         # object can take their ids while the entry lives).
         self._described: dict[tuple[Any, ...], tuple[bytes, list[Any]]] = {}
         self._described_types: set[type] = set()  # jax.Array types seen kept (ArrayImpl)
+        self._leaf = None if jax is None else jax.tree_util.tree_structure(0)  # one array's
 
     def clear(self) -> None:
-        self._mesh_cache.clear()
+        self.meshes.clear()
         self._described.clear()
 
     def local_mesh(self, raw: list[Any]) -> Any:
         """A jax ``Mesh`` (or one ``jax.Device``) from ``[[platform, id]...], shape, names]``."""
         key = repr(raw)
-        mesh = self._mesh_cache.get(key)
+        mesh = self.meshes.get(key)
         if mesh is None:
             ids, shape, names = raw
             devs = [self._by_local[(str(p), int(i))] for p, i in ids]
@@ -219,7 +220,7 @@ class HostValues:
             else:
                 mesh = self.jax.sharding.Mesh(
                     np.array(devs, dtype=object).reshape(shape), tuple(names))
-            self._mesh_cache[key] = mesh
+            self.meshes[key] = mesh
         return mesh
 
     def sharding(self, mesh: Any, spec: Any, memory_kind: str | None = None) -> Any:
@@ -259,15 +260,21 @@ class HostValues:
         return ready() if ready is not None else value
 
     def outputs(self, out: Any, mesh: Any, pins: Sequence[asyncio.Future[Any]] = (),
-                fn: Any = None) -> tuple[list[Any], Any, bytes, list[Buffer]]:
+                fn: Any = None, argvals: Sequence[Any] | None = None,
+                ) -> tuple[list[Any], Any, bytes, list[Buffer]]:
         """A call's return value as the values the host stores, their tree, and the
         reply's pickled description (one :class:`~colobus._wire.protocol.OutLeaf` per leaf).
 
         ``pins`` are the call's host-resident arguments (for ``OutLeaf.ref``, see
-        ``_outlayout``); ``fn``, the function that returned ``out``, is named in the
+        ``_outlayout``); ``argvals``, their values where the call knows them (else read
+        from ``pins``); ``fn``, the function that returned ``out``, is named in the
         error for a leaf that is not an array."""
         jax = self.jax
-        leaves, treedef = jax.tree_util.tree_flatten(out)
+        kept = self._described_types
+        if type(out) in kept:  # one jax.Array: a leaf
+            leaves, treedef = [out], self._leaf
+        else:
+            leaves, treedef = jax.tree_util.tree_flatten(out)
         if len(leaves) >= P.MAX_OUTPUTS:
             raise ValueError(f"a call may return at most {P.MAX_OUTPUTS - 1} arrays")
         # The common case: arrays kept as the function made them, in a layout described
@@ -276,13 +283,13 @@ class HostValues:
         # custom nodes' data can compare equal and pack differently, e.g. True and 1),
         # the mesh, and per leaf its type, sharding and dtype (by identity), shape and ref.
         parts: list[Any] = [treedef, id(mesh)]
-        args: Sequence[Any] | None = None
-        kept = self._described_types
+        args = argvals
         key: tuple[Any, ...] | None = None
         for leaf in leaves:
             if type(leaf) not in kept:
                 break
-            sh = leaf.sharding
+            sh = leaf._sharding  # its sharding, dtype and shape, read in C (see _outputs)
+            aval = leaf.aval
             if args is None:
                 args = _pinned_values(pins) if pins else ()
             ref = -1
@@ -290,7 +297,7 @@ class HostValues:
                 if value is leaf or getattr(value, "sharding", None) is sh:
                     ref = k
                     break
-            parts += (type(leaf), id(sh), id(leaf.dtype), leaf.shape, ref)
+            parts += (type(leaf), id(sh), id(aval.dtype), aval.shape, ref)
         else:
             key = tuple(parts)
             hit = self._described.get(key)
@@ -361,8 +368,11 @@ class HostValues:
                     keep = None  # not kept as made, or a key array: described each time
                 else:
                     keep += (leaf.sharding, leaf.dtype)
-        if keep is not None:
-            self._described_types.update(type(v) for v in values)
+        if keep is not None:  # (types whose C attributes are their properties, as in jax 0.10)
+            self._described_types.update(
+                type(v) for v in values
+                if getattr(v, "_sharding", None) is v.sharding and v.aval.dtype is v.dtype
+                and v.aval.shape == v.shape)
         # msgpack, never a pickle: the controller does not unpickle what hosts send.
         return values, describe_outputs(treedef, metas), keep
 

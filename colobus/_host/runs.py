@@ -1,0 +1,202 @@
+"""A host's plain calls run and reply: a batch of one stream's calls on a pool thread, or
+the lone call inline on the loop's leader (:mod:`colobus._host.leader`); each outcome
+handed to the loop, its outputs stored and its RESULT sent there.
+
+:class:`Runs` is the part of :class:`colobus._host.sched.Scheduler` that does this; the
+scheduler decides what runs when.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import msgpack
+
+from .._wire.protocol import Kind, Status
+from .calls import _DONE, _QUEUED, _RUNNING, WorkerServices, _Call, _settable, _Stream, call_args
+
+__all__ = ["BRIEF_WAIT_NS", "BRIEF_WAIT_S", "Runs"]
+
+_WAITING, _TAKEN, _EXPIRED = range(3)  # a pool job's claim: taken by a thread, or expired
+BRIEF_WAIT_S = 0.0005  # after starting quick calls, the loop waits this long for them
+BRIEF_WAIT_NS = int(BRIEF_WAIT_S * 1e9)
+_OK = int(Status.OK)
+_RESULT = int(Kind.RESULT)
+_pack = msgpack.Packer(use_bin_type=True).pack  # a RESULT's body (loop thread only)
+
+
+class Runs:
+    """Calls from their start to their RESULT (see the module docstring)."""
+
+    def __init__(self, worker: WorkerServices) -> None:
+        self._w = worker
+        self._state_lock = threading.Lock()  # a call's QUEUED -> RUNNING | CANCELLED
+        self._done_lock = threading.Lock()
+        self._done: list[_Call] = []  # finished on pool threads, not yet seen by the loop
+        self._flush_scheduled = False
+        # The brief wait (see Scheduler.wait_briefly): the loop thread waits on this
+        # event while ``_sync_wait``; a pool thread that finishes a call sets it instead
+        # of waking the loop through its self-pipe.
+        self._sync_wait: bool | int = False  # (2: the loop thread runs the call inline)
+        self._done_event = threading.Event()
+        self._quick = True  # the last batch took less than BRIEF_WAIT_S
+        # The host's only call, arrived on an idle stream: no stream of its own unless
+        # another call or DESTROY arrives before it ends (Scheduler._adopt, on_call).
+        self._lone: _Call | None = None
+
+    def pump(self, stream: _Stream) -> None:
+        """Start the stream's next calls (the scheduler's)."""
+        raise NotImplementedError
+
+    def _forget(self, call: _Call) -> None:
+        """Drop a call from the bookkeeping (the scheduler's)."""
+        raise NotImplementedError
+
+    def _run_batch(self, batch: list[_Call], claim: list[int]) -> None:
+        """Pool thread: run ready plain calls of one stream back to back."""
+        with self._state_lock:
+            if claim[0] == _EXPIRED:
+                return  # failed meanwhile: waited too long for a thread
+            claim[0] = _TAKEN
+        t0 = start = time.perf_counter_ns()
+        for call in batch:
+            with self._state_lock:
+                runs = call.state == _QUEUED
+                if runs:
+                    call.state = _RUNNING
+            if runs:
+                self._run_plain(call)
+            end = time.perf_counter_ns()
+            call.started, call.ran = start, end - start
+            self._quick = end - t0 < BRIEF_WAIT_NS
+            start = end
+            self._post_done(call)
+
+    def _run_lone(self, call: _Call) -> None:
+        """The loop's leader, the loop stopped: the lone call (``_run_batch`` of a batch of
+        one, and ``_run_plain``, written out: no pool thread can claim it, no CANCEL can
+        come meanwhile)."""
+        if call.state == _QUEUED:
+            call.state = _RUNNING
+            start = time.perf_counter_ns()
+            try:
+                fn, call.fn = call.fn, None
+                args, kwargs = call_args(call, self._w.present)
+                out = fn(*args, **kwargs)
+                call.outcome = self._w.values.outputs(out, call.mesh, call.pins, fn,
+                                                      call.argvals)
+                call.ok = True
+            except BaseException as exc:
+                call.outcome = exc
+            end = time.perf_counter_ns()
+            call.started, call.ran = start, end - start
+            self._quick = end - start < BRIEF_WAIT_NS
+        with self._done_lock:
+            if self._sync_wait == 2:  # (_post_done's case, written out) an inline call's end
+                self._done.append(call)  # collects it: this one's, or if this thread lost
+                return  # the loop, the takeover's or the next inline call's
+        self._post_done(call)
+
+    def _run_plain(self, call: _Call) -> None:
+        """Pool thread: one call, start to reply bytes; sets ``ok`` and ``outcome``."""
+        try:
+            fn, call.fn = call.fn, None
+            args, kwargs = call_args(call, self._w.present)
+            out = fn(*args, **kwargs)
+            call.outcome = self._w.values.outputs(out, call.mesh, call.pins, fn, call.argvals)
+            call.ok = True
+        except BaseException as exc:
+            call.outcome = exc
+
+    def _post_done(self, call: _Call) -> None:
+        """Pool thread: hand a finished call to the loop; one wake-up per burst."""
+        with self._done_lock:
+            self._done.append(call)
+            if self._flush_scheduled:
+                return
+            self._flush_scheduled = True
+            if self._sync_wait:  # the loop thread waits for it, or is running it inline
+                if self._sync_wait is True:
+                    self._done_event.set()
+                return
+        loop = self._w.loop
+        assert loop is not None
+        try:
+            loop.call_soon_threadsafe(self._flush_done)
+        except RuntimeError:  # the loop closed: the worker is exiting
+            pass
+
+    def inline_ended(self) -> None:
+        """The loop's leader after an inline call (or a new one that took the loop over):
+        send what finished while the loop was stopped; from now on a pool thread (or
+        the thread left in its call) wakes the loop as usual."""
+        with self._done_lock:
+            self._sync_wait = False
+            done = self._done
+            if not done:
+                return
+            self._done = []
+            self._flush_scheduled = False
+        if len(done) == 1:
+            self._finish(done[0])  # one reply: it leaves at once, uncorked
+            return
+        corked = self._w.cork()  # the replies leave as one batch
+        try:
+            for call in done:
+                self._finish(call)
+        finally:
+            self._w.uncork(corked)
+
+    def _flush_done(self) -> None:
+        with self._done_lock:
+            done, self._done = self._done, []
+            self._flush_scheduled = False
+        if len(done) == 1:
+            self._finish(done[0])  # one reply: it leaves at once, uncorked
+            return
+        corked = self._w.cork()  # the replies leave as one batch
+        try:
+            for call in done:
+                self._finish(call)
+        finally:
+            self._w.uncork(corked)
+
+    def _finish(self, call: _Call) -> None:
+        """Loop thread: store a finished call's outputs, reply, start what is next."""
+        w = self._w
+        if call.epoch != w.epoch:
+            return  # the session it belonged to is over
+        body = call.body
+        if call.state == _RUNNING:
+            call.state = _DONE
+            self._forget(call)
+            call_times = w.call_times
+            if call_times is not None:  # metrics on: this host counts its calls' times
+                call_times.add((w.store.classes.get(body.obj, b"") if body.obj else body.digest,
+                                body.method), call.started - call.arrived, call.ran)
+            outcome, call.outcome = call.outcome, None
+            if call.ok:
+                values, treedef, payload, bufs = outcome
+                result = w.store.store_outputs(body.call_id, values, treedef)
+                if not call.results.done():
+                    call.results.set_result(result)
+                times = [call.started - call.arrived, call.ran] if call.started else []
+                chan, peer = w._chan, w._peer  # (what w.send does, for a body packed here)
+                if chan is not None and peer is not None:  # P.Result(...).to_wire(), packed
+                    chan.send_packed(peer, _RESULT, _pack([body.call_id, _OK, len(values),
+                                                          times]), payload, bufs, len(bufs))
+            else:
+                if not call.results.done():
+                    call.results.set_exception(_settable(outcome))
+                    call.results.exception()
+                w.reply_error(body.call_id, outcome, call.times())
+        else:
+            self._forget(call)
+        if call.last:
+            stream = call.stream
+            if stream is None:  # the lone call, alone to its end
+                self._lone = None
+            else:
+                stream.busy = False
+                self.pump(stream)
