@@ -456,7 +456,8 @@ class Controller:
         if threading.get_ident() == self._loop_thread_id:
             fn(*args)
             return
-        self._check_open()
+        if self._closed:
+            self._check_open()  # (raises)
         assert self._inbox is not None
         try:
             self._inbox.post(fn, *args)

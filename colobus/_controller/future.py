@@ -254,12 +254,12 @@ class Future(Generic[T]):
                 "use `await fut` inside async code instead."
             )
         with _LOCK:
-            if self._state != _PENDING:
-                return
             lock = self._event
-            if lock is None:
+            if self._state == _PENDING and lock is None:
                 lock = self._event = _new_lock()
                 lock.acquire()  # released by _finish
+        if lock is None:  # done before anyone waited
+            return
         if timeout is None:
             got = lock.acquire()
         elif timeout > 0:

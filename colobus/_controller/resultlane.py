@@ -119,7 +119,7 @@ class ResultLane:
             sessions.on_frames(frames)
             return
         peer = host.peer
-        if (kind != RESULT or sender != host.session or receiver != ctl._session
+        if (kind != RESULT or sender != peer.their_session or receiver != ctl._session
                 or version != PROTOCOL_VERSION or peer.via is not None
                 or peer.assembly is not None):
             # decoded: the rest of the general path

@@ -25,6 +25,16 @@ from .inbox import Inbox
 __all__ = ["Waiter", "drain_ends", "drain_reads_done", "drain_starts", "fire", "wake"]
 
 _get_ident = threading.get_ident
+# Whether a task of ``loop`` runs now (``asyncio.current_task``, a Python function on
+# 3.11: its table read directly where it is asyncio's C one).
+_TASKS: Any = getattr(asyncio.tasks, "_current_tasks", None)
+_BUILTIN: Any = type(len)
+if (_TASKS is not None and type(asyncio.current_task) is not _BUILTIN
+        and type(getattr(asyncio.tasks, "_enter_task", None)) is _BUILTIN):
+    _in_task: Any = _TASKS.__contains__
+else:
+    def _in_task(loop: asyncio.AbstractEventLoop) -> bool:
+        return asyncio.current_task(loop) is not None
 
 
 class _Held(threading.local):
@@ -109,7 +119,7 @@ def drain_reads_done() -> None:
     woken = 0
     while held:
         _HELD.waiters = []
-        if asyncio.current_task() is not None:
+        if _in_task(held[0]._loop):
             for w in held:
                 if not w.done():
                     w.set_result(None)  # (its wake-up is scheduled)
