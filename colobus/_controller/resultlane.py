@@ -89,8 +89,8 @@ class ResultLane:
         header, payload = fh.buffer, fp.buffer
         hlen, plen = header.nbytes, payload.nbytes
         tag = ft.bytes
-        if (hlen > COUNT_ABOVE or hlen + plen + len(tag) > ctl.max_message_bytes
-                or len(tag) != MAC_SIZE):
+        tlen = len(tag)
+        if hlen > COUNT_ABOVE or hlen + plen + tlen > ctl.max_message_bytes or tlen != MAC_SIZE:
             sessions.on_frames(frames)  # (dropped or counted there)
             return
         key = ctl._key
@@ -149,11 +149,12 @@ class ResultLane:
         # The body (P.Result's fields) and the operation it ends.
         ops = ctl._ops
         op = None
-        if type(body) is list and 3 <= len(body) <= 4:
+        n = len(body) if type(body) is list else 0
+        if 3 <= n <= 4:
             call_id, status, meta = body[0], body[1], body[2]
             if (type(call_id) is int and status == OK and type(status) is int
                     and type(meta) is int and 0 <= meta < MAX_OUTPUTS
-                    and (len(body) == 3 or type(body[3]) is list)):
+                    and (n == 3 or type(body[3]) is list)):
                 op = ops.pending.get(call_id)
         if (op is None or op.wide or call_id not in host.awaiting
                 or op.remaining != 1 << host.index):
