@@ -52,7 +52,7 @@ def lane_fails(x: Any) -> Any:
 def _counting(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Count the lane's builds that hit (each a reply settled in the lane)."""
     hits = [0]
-    build, learn = resultlane.SETTLERS[_decode_result]
+    build, learn, read = resultlane.SETTLERS[_decode_result]
 
     def counted(op: Any, host: int, raw: bytes, count: int) -> Any:
         got = build(op, host, raw, count)
@@ -60,7 +60,7 @@ def _counting(monkeypatch: pytest.MonkeyPatch) -> list[int]:
             hits[0] += 1
         return got
 
-    monkeypatch.setitem(resultlane.SETTLERS, _decode_result, (counted, learn))
+    monkeypatch.setitem(resultlane.SETTLERS, _decode_result, (counted, learn, read))
     return hits
 
 
@@ -159,6 +159,25 @@ async def test_two_tasks_awaiting_one_future_both_wake() -> None:
 
 async def _await(fut: Future[Any]) -> Any:
     return await fut
+
+
+async def test_fan_out_results_are_those_of_the_general_path(ctl: cb.Controller) -> None:
+    """A fan-out's replies before its last are recorded in the lane; its outputs are
+    built from all of them as before (the description read per host)."""
+    mesh = cb.Mesh(np.array(cb.devices()).reshape(2, 4), ("hosts", "d"))
+    sharding = cb.NamedSharding(mesh, cb.PartitionSpec("hosts"))
+    x = cb.device_put(np.arange(8.0).reshape(2, 4), sharding)
+    for _ in range(3):
+        out = await lane_pair(x)
+        assert out[0].sharding == x.sharding and out[0].shape == (2, 4)
+        np.testing.assert_array_equal(await cb.device_get(out[1]["a"][0]),
+                                      np.arange(8.0).reshape(2, 4))
+    y = cb.device_put(np.array([[0.0, 1, 2, 3], [100, 100, 100, 100]]), sharding)
+    for _ in range(2):
+        assert isinstance(await lane_fails(x), cb.Array)
+        with pytest.raises(KeyError, match="too big") as info:  # host 1's error, host 0's
+            await lane_fails(y)  # output freed
+        assert any("host 1" in note for note in info.value.__notes__)
 
 
 def test_remembered_outputs_stay_bounded() -> None:

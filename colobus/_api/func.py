@@ -397,7 +397,7 @@ def _decode_result(host: Host, body: P.Result, env: Envelope) -> Any:
 
 
 HOST_BLIND.add(_decode_result)  # equal replies of a relay's hosts: decoded once
-SETTLERS[_decode_result] = (lane_outputs, learn_outputs)  # the common reply's lane
+SETTLERS[_decode_result] = (lane_outputs, learn_outputs, read_outputs)  # the reply's lane
 
 
 # -- the decorator ---------------------------------------------------------------------------------

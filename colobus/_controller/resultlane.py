@@ -44,11 +44,14 @@ __all__ = ["MISS", "SETTLERS", "ResultLane"]
 
 # A builder that cannot build a reply's outputs from what it has seen says so with this.
 MISS: Any = object()
-# A decoder (``Operation.decode``) -> (build, learn): ``build(combiner, host, description
-# bytes, count)`` is the operation's result, or MISS; ``learn(combiner, host, bytes,
-# count, result)`` is told what the general path built for a MISS.
+# A decoder (``Operation.decode``) -> (build, learn, read): ``build(combiner, host,
+# description bytes, count)`` is a one-host operation's result, or MISS; ``learn(combiner,
+# host, bytes, count, result)`` is told what the general path built for a MISS;
+# ``read(payload, count)`` is one host's value (the decoder's, from the payload alone:
+# a fan-out's replies before its last).
 SETTLERS: dict[Any, tuple[Callable[[Any, int, bytes, int], Any],
-                          Callable[[Any, int, bytes, int, Any], None]]] = {}
+                          Callable[[Any, int, bytes, int, Any], None],
+                          Callable[[Any, int], Any]]] = {}
 
 RESULT = int(P.Kind.RESULT)
 OK = int(P.Status.OK)
@@ -156,8 +159,27 @@ class ResultLane:
                     and type(meta) is int and 0 <= meta < MAX_OUTPUTS
                     and (n == 3 or type(body[3]) is list)):
                 op = ops.pending.get(call_id)
+        bit = 1 << host.index
+        if op is not None and op.wide and op.remaining & bit and op.remaining != bit:
+            # one host of a fan-out, not its last: its value recorded (Operation.answered)
+            fut = op.future
+            settler = SETTLERS.get(op.decode)
+            if settler is not None and fut._state == _PENDING and fut._timing is None:
+                try:
+                    value = settler[2](payload, meta)
+                except (KeyboardInterrupt, SystemExit):
+                    raise
+                except BaseException:  # (a bad description) failed there, and counted
+                    value = MISS
+                if value is not MISS:
+                    op.remaining &= ~bit
+                    op.outputs[host.index] = meta
+                    op.values[host.index] = value
+                    if ops.backlog:
+                        ops.pump()
+                    return
         if (op is None or op.wide or call_id not in host.awaiting
-                or op.remaining != 1 << host.index):
+                or op.remaining != bit):
             sessions._dispatch(host, identity, Envelope(kind, sender, receiver, seq, body,
                                                         payload, [], 0, version, ack))
             return
