@@ -20,11 +20,12 @@ keeps the general path for every message.
 
 from __future__ import annotations
 
+import collections
 import hmac
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import msgpack
 import zmq
@@ -36,9 +37,6 @@ from .._wire.limits import COUNT_ABOVE
 from .future import _FINISHED, _LOCK, _PENDING
 from .hangups import SRCFD
 from .wakeups import _HELD, wake
-
-if TYPE_CHECKING:
-    from .sessions import Sessions
 
 __all__ = ["MISS", "SETTLERS", "ResultLane"]
 
@@ -61,6 +59,17 @@ _unpack = msgpack.unpackb
 _compare = hmac.compare_digest
 _monotonic = time.monotonic
 _get_ident = threading.get_ident
+
+
+class Sessions(Protocol):
+    """What the lane uses of the controller's sessions (:class:`.sessions.Sessions`)."""
+
+    _ctl: Any
+    dropped: collections.Counter[str]
+
+    def on_frames(self, frames: list[Any]) -> None: ...
+    def on_envelope(self, identity: bytes, env: Envelope, frame: Any) -> None: ...
+    def _dispatch(self, host: Any, identity: bytes, env: Envelope) -> None: ...
 
 
 class ResultLane:
