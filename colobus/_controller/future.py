@@ -20,7 +20,7 @@ import numpy as np
 
 from .._observe.observer import FOLD_AT
 from . import inbox as _inbox
-from .wakeups import _HELD, Waiter, wake
+from .wakeups import Waiter, wake
 
 if TYPE_CHECKING:
     from .._observe.observer import FunctionStats
@@ -171,16 +171,9 @@ class Future(Generic[T]):
         if event is not None:
             event.release()  # (the threads waiting in result() go on, one after another)
         w = self._waiter
-        if w is not None:  # wake(w), inline: the awaiting task wakes
+        if w is not None:  # the awaiting task wakes
             self._waiter = None
-            if _get_ident() != w._box.thread:
-                wake(w)
-            else:
-                held = _HELD.waiters
-                if held is not None:
-                    held.append(w)  # the drain wakes it once it has read what waits
-                elif not w.done():
-                    w.set_result(None)  # (its wake-up is scheduled)
+            wake(w)
         callbacks, self._callbacks = self._callbacks, None
         if callbacks:
             for cb in callbacks:
