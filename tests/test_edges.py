@@ -59,7 +59,7 @@ def test_1_cancel_from_a_thread_contains_a_raising_callback(ctl: cb.Controller,
     t.start()
     try:
         deadline = time.monotonic() + 20
-        while len(fut._callbacks or ()) < 3:  # the awaiting thread's waker is registered
+        while fut._waiter is None:  # the awaiting thread's waiter is registered
             assert time.monotonic() < deadline, "the awaiting thread never registered"
             time.sleep(0.01)
         assert fut.cancel() is True

@@ -22,6 +22,7 @@ from .._controller.coalesced import HOST_BLIND
 from .._controller.controller import Controller, default_controller
 from .._controller.future import Future
 from .._controller.hosts import Host
+from .._controller.resultlane import SETTLERS
 from .._model.devices import Device
 from .._model.sharding import (
     ShapeDtypeStruct,
@@ -35,6 +36,7 @@ from .._wire.splice import CallSplicer
 from .array import Array, check_owner
 from .cacheinfo import CacheInfo, Signatures
 from .outputs import build_outputs as _build_outputs
+from .outputs import lane_outputs, learn_outputs
 from .plan import CallPlan, make_plan
 from .serialization import Code, ColocatedObjectBase, PickledArgs, arg_path, pickle_args
 
@@ -401,6 +403,7 @@ def _decode_result(host: Host, body: P.Result, env: Envelope) -> Any:
 
 
 HOST_BLIND.add(_decode_result)  # equal replies of a relay's hosts: decoded once
+SETTLERS[_decode_result] = (lane_outputs, learn_outputs, read_outputs)  # the reply's lane
 
 
 # -- the decorator ---------------------------------------------------------------------------------

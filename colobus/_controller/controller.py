@@ -316,7 +316,7 @@ class Controller:
             stop_observing(self._metrics, self._trace)
             raise OSError(f"colobus controller cannot bind {self._bind!r}: {exc}") from exc
         self._address = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._chan = FanoutChannel(sock, self._key, self._loop, self._sessions.on_frames,
+        self._chan = FanoutChannel(sock, self._key, self._loop, self._sessions.reader,
                              before_flush=self._frees.move_to_outboxes,
                              on_release=self._uploads.on_release,
                              before_drain=wakeups.drain_starts,
@@ -456,7 +456,8 @@ class Controller:
         if threading.get_ident() == self._loop_thread_id:
             fn(*args)
             return
-        self._check_open()
+        if self._closed:
+            self._check_open()  # (raises)
         assert self._inbox is not None
         try:
             self._inbox.post(fn, *args)

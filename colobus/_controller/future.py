@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import numpy as np
 
 from .._observe.observer import FOLD_AT
-from .wakeups import Waiter
+from . import inbox as _inbox
+from .wakeups import Waiter, wake
 
 if TYPE_CHECKING:
     from .._observe.observer import FunctionStats
@@ -37,6 +38,10 @@ log = logging.getLogger("colobus.future")
 # attribute writes, and a lock per Future would be one more object per call for
 # the garbage collector to track while calls are in flight.
 _LOCK = threading.Lock()
+_new_lock = threading.Lock
+_get_ident = threading.get_ident
+_get_running_loop = asyncio.get_running_loop
+_local = _inbox._local
 _clock = time.perf_counter  # read per observed call: one global, not an attribute of one
 
 
@@ -61,6 +66,7 @@ class Future(Generic[T]):
         "_stats",
         "_submitted",
         "_timing",
+        "_waiter",
         "call_id",
         "info",
     )
@@ -72,7 +78,9 @@ class Future(Generic[T]):
         self._result: Any = None
         self._exception: BaseException | None = None
         self._callbacks: list[Callable[[Future[T]], object]] | None = None
-        self._event: threading.Event | None = None
+        # held by the first thread that waits in result(), released as it settles
+        self._event: Any = None
+        self._waiter: Waiter | None = None  # the first task awaiting it (wakeups)
         self._loop_thread = loop_thread
         self._canceller: Callable[[Future[T]], object] | None = None
         self.call_id = call_id
@@ -161,7 +169,11 @@ class Future(Generic[T]):
                 rec.observer.settled(rec, outcome)
         event = self._event
         if event is not None:
-            event.set()
+            event.release()  # (the threads waiting in result() go on, one after another)
+        w = self._waiter
+        if w is not None:  # the awaiting task wakes
+            self._waiter = None
+            wake(w)
         callbacks, self._callbacks = self._callbacks, None
         if callbacks:
             for cb in callbacks:
@@ -217,23 +229,39 @@ class Future(Generic[T]):
             TimeoutError: not done within ``timeout`` seconds.
             RuntimeError: called on the controller's event-loop thread.
         """
-        self._wait(timeout)
+        if self._state == _PENDING:
+            self._wait(timeout)
+        if self._state == _FINISHED and self._exception is None:
+            return self._result  # type: ignore[no-any-return]
         return self._get()
 
     def _wait(self, timeout: float | None) -> None:
+        """Wait until done: on a lock held until the Future settles (a raw lock, not a
+        ``threading.Event``: its Python-level condition costs a dozen calls per wait).
+        Each waiting thread, once in, lets the next one in."""
         if self._state != _PENDING:
             return
-        if self._loop_thread is not None and threading.get_ident() == self._loop_thread:
+        if self._loop_thread is not None and _get_ident() == self._loop_thread:
             raise RuntimeError(
                 "Future.result() would block the colobus controller's event loop; "
                 "use `await fut` inside async code instead."
             )
         with _LOCK:
-            if self._state == _PENDING and self._event is None:
-                self._event = threading.Event()
-            event = self._event
-        if event is not None and not event.wait(timeout):
+            lock = self._event
+            if self._state == _PENDING and lock is None:
+                lock = self._event = _new_lock()
+                lock.acquire()  # released by _finish
+        if lock is None:  # done before anyone waited
+            return
+        if timeout is None:
+            got = lock.acquire()
+        elif timeout > 0:
+            got = lock.acquire(True, timeout)
+        else:
+            got = lock.acquire(False)
+        if not got:
             raise TimeoutError(f"colobus operation not done after {timeout} s")
+        lock.release()
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> Any:
         """``np.asarray(fut)``: ``np.asarray`` of the value, waiting like :meth:`result`.
@@ -248,14 +276,32 @@ class Future(Generic[T]):
 
     def __await__(self) -> Generator[Any, None, T]:
         if self._state == _PENDING:
-            try:
-                # the task waits on it, woken in the drain that settles this future
-                yield Waiter(self, asyncio.get_running_loop())
-            except asyncio.CancelledError:
-                # The awaiting task was cancelled: cancel the operation too, as
-                # asyncio does for a future awaited by a cancelled task.
-                self.cancel()
-                raise
+            # the task waits on a Waiter, woken in the drain that settles this future
+            loop = _get_running_loop()
+            w = Waiter(loop=loop)
+            box = getattr(_local, "inbox", None)  # inbox_of(loop), its hit inline
+            w._box = box if box is not None and box.loop is loop else _inbox.inbox_of(loop)
+            w._fut = self
+            with _LOCK:
+                waits = self._state == _PENDING
+                if waits:
+                    if self._waiter is None:
+                        self._waiter = w
+                    elif self._callbacks is None:
+                        self._callbacks = [w._settled]
+                    else:
+                        self._callbacks.append(w._settled)
+            if waits:
+                w._asyncio_future_blocking = True
+                try:
+                    yield w
+                except asyncio.CancelledError:
+                    # The awaiting task was cancelled: cancel the operation too, as
+                    # asyncio does for a future awaited by a cancelled task.
+                    self.cancel()
+                    raise
+        if self._state == _FINISHED and self._exception is None:
+            return self._result  # type: ignore[no-any-return]
         return self._get()
 
 

@@ -38,7 +38,7 @@ from .._errors import ControllerClosedError, HostLostError
 from .._wire import protocol as P
 from .._wire.describe import BadReply
 from .._wire.envelope import Envelope
-from .future import Future, in_event_loop
+from .future import _PENDING, Future, in_event_loop
 from .operation import Combiner, Decoder, Operation, Sender, rebuild_exception
 
 if TYPE_CHECKING:
@@ -117,7 +117,11 @@ class Operations:
         # Operations (and posted functions) waiting to leave, in submission order.
         self.backlog: collections.deque[Operation | Callable[[], None]] = collections.deque()
         self._ids = itertools.count(1)  # next() is atomic under the GIL
-        self._capacity = threading.Condition()
+        # Guards ``queued`` and the waiters; a raw lock (its ``with`` costs no Python call),
+        # under a condition for the plain threads that wait for room (``_blocked`` of them).
+        self._slots = threading.Lock()
+        self._capacity = threading.Condition(self._slots)
+        self._blocked = 0
         self.queued = 0  # submitted with back-pressure, not yet sent
         self._capacity_waiters: list[Future[None]] = []
         self._canceller = self._cancel_future  # one bound method, not one per call
@@ -149,15 +153,16 @@ class Operations:
         wait for it, it would never leave).
         """
         ctl = self.ctl
-        ctl._check_open()
+        if ctl._closed:
+            ctl._check_open()  # (raises)
         if backpressure:
             self._take_slot()
         call_id = self.next_id() if call_id is None else call_id
-        fut = self.new_future(call_id)
+        fut: Future[Any] = Future(ctl._loop_thread_id, call_id, ctl)  # (new_future)
         if stats is not None:  # observed (before the loop can settle it)
             fut._stats, fut._submitted, fut._timing = stats, _clock(), timing
         if cancellable:
-            fut._set_canceller(self._canceller)
+            fut._canceller = self._canceller
         op = Operation(call_id, fut, tuple(hosts), send, decode, combine, backpressure)
         ctl._call_soon(self._start, op, urgent)
         return fut
@@ -225,7 +230,7 @@ class Operations:
         stats = op.future._stats
         if stats is not None:
             stats.started += 1  # only this thread writes it
-        if op.future.done():  # cancelled before it reached the loop
+        if op.future._state != _PENDING:  # cancelled before it reached the loop
             if op.backpressure:
                 self._give_slot()
             return
@@ -235,7 +240,10 @@ class Operations:
             op.future.set_exception(ControllerClosedError("the colobus controller is closed"))
             return
         # Nothing overtakes an earlier operation of any kind: the backlog is FIFO.
-        if not urgent and (self.backlog or (op.backpressure and self._full(op.hosts))):
+        # (_full's own first test inline: no call while fewer than max_inflight are pending)
+        if not urgent and (self.backlog or (
+                op.backpressure and len(self.pending) >= self.max_inflight
+                and self._full(op.hosts))):
             self.backlog.append(op)
             return
         self._go(op)
@@ -440,20 +448,26 @@ class Operations:
         loop drains the queue; blocking any other would stall its tasks): async
         code awaits :meth:`wait_capacity` instead.
         """
-        with self._capacity:
-            if not self.ctl._on_loop_thread() and not in_event_loop():
-                while self.queued >= self.max_backlog and not self.ctl._closed:
-                    self._capacity.wait()
+        with self._slots:
+            if (self.queued >= self.max_backlog and not self.ctl._on_loop_thread()
+                    and not in_event_loop()):
+                self._blocked += 1
+                try:
+                    while self.queued >= self.max_backlog and not self.ctl._closed:
+                        self._capacity.wait()
+                finally:
+                    self._blocked -= 1
                 self.ctl._check_open()
             self.queued += 1
 
     def _give_slot(self) -> None:
         """A queued operation left the queue (sent, cancelled or failed); loop thread."""
-        with self._capacity:
+        with self._slots:
             self.queued = max(0, self.queued - 1)
             if self.queued >= self.max_backlog:
                 return
-            self._capacity.notify()
+            if self._blocked:
+                self._capacity.notify()
             waiters = self._capacity_waiters
             if not waiters:
                 return
@@ -462,7 +476,7 @@ class Operations:
             w.set_result(None)
 
     def _wake_all_waiting(self) -> None:
-        with self._capacity:
+        with self._slots:
             self.queued = 0
             self._capacity.notify_all()
             waiters, self._capacity_waiters = self._capacity_waiters, []
@@ -473,7 +487,7 @@ class Operations:
         """Wait until a new operation would not queue beyond ``max_backlog``."""
         while True:
             self.ctl._check_open()
-            with self._capacity:
+            with self._slots:
                 if self.queued < self.max_backlog:
                     return
                 waiter: Future[None] = Future()

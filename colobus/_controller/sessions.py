@@ -25,7 +25,7 @@ from .._wire import protocol as P
 from .._wire.chunks import ACK_KIND
 from .._wire.envelope import PROTOCOL_VERSION, Dropped, Envelope, unpack_batch
 from .._wire.guard import RESET_SEQ, Challenges, PeerWarnings
-from .._wire.lane import decode
+from .._wire.lane import ON, decode
 from .._wire.limits import MAX_HEADER_BYTES, MAX_OBJECTS, UNKNOWN_PEER_MAX_BYTES
 from .._wire.protocol import Kind
 from .._wire.relaywire import NEVER_REACHED
@@ -34,6 +34,7 @@ from .._wire.versions import compare, local_versions
 from .environ import join_level
 from .hosts import Host
 from .ops import Parts
+from .resultlane import ResultLane
 
 if TYPE_CHECKING:
     from .._wire.envelope import Buffer
@@ -102,6 +103,10 @@ class Sessions:
         self.number_by_name: list[str] | None = None
         # Names of hosts that never reached the relay they were sent to: served directly.
         self.direct: set[str] = set()
+        # What the channel calls with each message: the common reply's lane, which
+        # hands everything else to on_frames (COLOBUS_CALL_LANE=0: on_frames itself).
+        self.reader: Callable[[list[Any]], None] = (ResultLane(self).on_frames if ON
+                                                    else self.on_frames)
         # Keyed by Kind, found by the plain int off the wire (IntEnum hashes as int).
         self._stalls = StallClock(ctl.heartbeat_interval)
         self._handlers: dict[int, Callable[[Host, Any, Envelope], None]] = {
@@ -136,7 +141,6 @@ class Sessions:
         if relays is not None and identity in relays.by_identity:
             relays.on_frames(relays.by_identity[identity], frames)
             return
-        host: Host | None = None
         # A peer that has not joined sends small messages only (JOIN, HELLO): anything
         # larger is dropped from its frame lengths, before any MAC work.
         limit = (ctl.max_message_bytes if identity in ctl._hosts.by_identity
@@ -152,6 +156,13 @@ class Sessions:
             else:
                 self.drop(d.reason, identity, d.detail)
             return
+        self.on_envelope(identity, env, frames[0])
+
+    def on_envelope(self, identity: bytes, env: Envelope, frame: Any) -> None:
+        """One authenticated envelope that came in ``frame``'s connection: check it
+        against its session, then handle or drop it."""
+        ctl = self._ctl
+        host: Host | None = None
         try:
             if env.kind == Kind.JOIN:
                 self._on_join(identity, env)
@@ -187,7 +198,7 @@ class Sessions:
                 return
             host.last_seen = time.monotonic()
             if ctl._hangups is not None:
-                ctl._hangups.heard(host, frames[0])
+                ctl._hangups.heard(host, frame)
             if got is None:  # an ACK, or a part of a larger message
                 return
             env = got

@@ -1,36 +1,40 @@
 """How a task that awaits a colobus Future is woken: in the drain that settled it.
 
-``await fut`` hands the task a :class:`Waiter`, which asyncio's Task takes as the
-future it waits on (it speaks the part of the ``asyncio.Future`` protocol a Task
-uses: ``_asyncio_future_blocking``, ``get_loop``, ``add_done_callback``,
-``result``, ``cancel``). An ``asyncio.Future`` would schedule the task's wake-up
-with ``call_soon``, one more turn of the loop per call; a Waiter settled while the
-controller's channel drains its socket on the task's own loop thread wakes the
-task once the drain has read what waits, before it sends: the task's next call
-leaves with that drain's sends, in the same turn of the loop. Settled anywhere
-else it wakes the task with ``call_soon`` (same thread) or through the loop's
-inbox (another thread), as an ``asyncio.Future`` would.
+``await fut`` hands the task a :class:`Waiter`, an ``asyncio.Future`` of the task's
+loop that stands for the colobus Future: the Task waits on it as on any future, and
+its methods (``get_loop``, ``add_done_callback``, ``result``) are asyncio's own, in
+C. Settling it the usual way (``set_result``) would schedule the task's wake-up with
+``call_soon``, one more turn of the loop per call; a Waiter whose colobus Future is
+settled while the controller's channel drains its socket on the task's own loop
+thread is held instead, and woken once the drain has read what waits, before it
+sends: its callbacks (the task's wake-up) are taken off, it is set, and they run
+there, so the task's next call leaves with that drain's sends, in the same turn of
+the loop. Settled anywhere else it is set as an ``asyncio.Future`` would be (same
+thread) or woken through the loop's inbox (another thread).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import contextvars
 import threading
-from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
-from .inbox import inbox_of
+from .inbox import Inbox
 
-__all__ = ["Waiter", "drain_ends", "drain_reads_done", "drain_starts"]
+__all__ = ["Waiter", "drain_ends", "drain_reads_done", "drain_starts", "fire", "wake"]
 
-
-class Awaited(Protocol):
-    """What a Waiter uses of the colobus Future it stands for (``future.Future``)."""
-
-    def add_done_callback(self, fn: Callable[[Any], object]) -> None: ...
-    def cancel(self) -> bool: ...
+_get_ident = threading.get_ident
+# Whether a task of ``loop`` runs now (``asyncio.current_task``, a Python function on
+# 3.11: its table read directly where it is asyncio's C one).
+_TASKS: Any = getattr(asyncio.tasks, "_current_tasks", None)
+_BUILTIN: Any = type(len)
+if (_TASKS is not None and type(asyncio.current_task) is not _BUILTIN
+        and type(getattr(asyncio.tasks, "_enter_task", None)) is _BUILTIN):
+    _in_task: Any = _TASKS.__contains__
+else:
+    def _in_task(loop: asyncio.AbstractEventLoop) -> bool:
+        return asyncio.current_task(loop) is not None
 
 
 class _Held(threading.local):
@@ -41,80 +45,59 @@ class _Held(threading.local):
 _HELD = _Held()
 
 
-class Waiter:
-    """What a task waits on while it awaits one colobus Future."""
+class Waiter(asyncio.Future):  # type: ignore[type-arg]
+    """What a task waits on while it awaits one colobus Future (made with ``loop=``, on
+    that loop's thread; ``_fut`` and ``_box`` set by the awaiting Future)."""
 
-    __slots__ = ("_asyncio_future_blocking", "_callbacks", "_cancel_msg", "_fired", "_fut",
-                 "_inbox", "_loop")
+    __slots__ = ("_box", "_fut")
 
-    def __init__(self, fut: Awaited, loop: asyncio.AbstractEventLoop) -> None:
-        self._asyncio_future_blocking = True  # the Task takes it as the future it waits on
-        self._fut = fut
-        self._loop = loop
-        self._inbox = inbox_of(loop)  # made on the loop's thread: how other threads wake it
-        self._callbacks: list[tuple[Callable[[Any], object], contextvars.Context | None]] = []
-        self._fired = False
-        self._cancel_msg: object = None  # set when the task was cancelled while waiting
-        fut.add_done_callback(self._settled)
-
-    # -- the part of asyncio.Future's protocol a Task uses ------------------------------------
-
-    def get_loop(self) -> asyncio.AbstractEventLoop:
-        return self._loop
-
-    def add_done_callback(self, fn: Callable[[Any], object], *,
-                          context: contextvars.Context | None = None) -> None:
-        if self._fired:
-            self._loop.call_soon(fn, self, context=context)
-        else:
-            self._callbacks.append((fn, context))
-
-    def result(self) -> None:
-        """Nothing (the awaiting generator reads the Future), or the task's cancellation."""
-        if self._cancel_msg is not None:
-            msg = self._cancel_msg
-            raise asyncio.CancelledError() if msg is _NO_MSG else asyncio.CancelledError(msg)
+    _fut: Any  # the colobus Future it stands for
+    _box: Inbox  # the inbox of its loop: how other threads wake it
 
     def cancel(self, msg: Any = None) -> bool:
         """The awaiting task was cancelled: so is the operation, and the task wakes."""
-        if self._fired or self._cancel_msg is not None:
+        if self.done():
             return False
-        self._cancel_msg = _NO_MSG if msg is None else msg
-        self._fut.cancel()  # settles it (unless done): _settled schedules the wake-up
-        if not self._fired:
-            self._loop.call_soon(self._fire)
-        return True
-
-    # -- waking -----------------------------------------------------------------------
+        cancelled = super().cancel(msg)  # first: its wake-up (below) then finds it done
+        self._fut.cancel()
+        return cancelled
 
     def _settled(self, _: object) -> None:
-        """The Future is done (on the thread that settled it): wake the task."""
-        inbox = self._inbox
-        if threading.get_ident() != inbox.thread:
-            try:
-                inbox.post(self._fire)
-            except RuntimeError:  # the awaiting loop closed: nobody waits any more
-                pass
-            return
-        held = _HELD.waiters
-        if held is not None:
-            held.append(self)  # the drain wakes it once it has read what waits
-        else:
-            self._loop.call_soon(self._fire)
-
-    def _fire(self) -> None:
-        if self._fired:
-            return
-        self._fired = True
-        callbacks, self._callbacks = self._callbacks, []
-        for fn, context in callbacks:
-            if context is None:
-                fn(self)
-            else:
-                context.run(fn, self)
+        """A done-callback of the colobus Future (a second task awaiting it)."""
+        wake(self)
 
 
-_NO_MSG = object()  # cancelled without a message
+def fire(w: Waiter) -> None:
+    """Wake ``w``'s task now (loop thread, outside any task): its callbacks (the task's
+    wake-up) run here instead of being scheduled."""
+    if w.done():  # cancelled meanwhile: its cancellation woke the task
+        return
+    callbacks = w._callbacks
+    if not callbacks:
+        w.set_result(None)
+        return
+    for fn, _ in callbacks:
+        w.remove_done_callback(fn)
+    w.set_result(None)
+    for fn, context in callbacks:
+        context.run(fn, w)
+
+
+def wake(w: Waiter) -> None:
+    """``w``'s colobus Future is done (on the thread that settled it): wake the task --
+    after the reads of a drain running on its thread, else as soon as its loop can."""
+    box = w._box
+    if _get_ident() != box.thread:
+        try:
+            box.post(fire, w)
+        except RuntimeError:  # the awaiting loop closed: nobody waits any more
+            pass
+        return
+    held = _HELD.waiters
+    if held is not None:
+        held.append(w)  # the drain wakes it once it has read what waits
+    elif not w.done():
+        w.set_result(None)  # the task's wake-up is scheduled, as for any future
 
 
 def drain_starts() -> None:
@@ -136,16 +119,27 @@ def drain_reads_done() -> None:
     woken = 0
     while held:
         _HELD.waiters = []
-        if asyncio.current_task() is not None:
+        if _in_task(held[0]._loop):
             for w in held:
-                w._loop.call_soon(w._fire)
+                if not w.done():
+                    w.set_result(None)  # (its wake-up is scheduled)
         else:
             backlog = _HELD.backlog
             if backlog and backlog[0]._loop is not held[0]._loop:  # a loop that ended
                 backlog = _HELD.backlog = None
             room = 0 if backlog else WAKE_CHUNK - woken  # none ahead of those waiting
-            for w in held[:room]:
-                w._fire()
+            for w in held[:room]:  # fire(w), inline: one Python call less per call
+                if w.done():  # cancelled meanwhile: its cancellation woke the task
+                    continue
+                callbacks = w._callbacks
+                if callbacks:
+                    for fn, _ in callbacks:
+                        w.remove_done_callback(fn)
+                    w.set_result(None)
+                    for fn, context in callbacks:
+                        context.run(fn, w)
+                else:
+                    w.set_result(None)
             woken += len(held[:room])
             if len(held) > room:
                 if backlog is None:
@@ -171,8 +165,7 @@ def _wake_backlog() -> None:
     if backlog is None:
         return
     for _ in range(min(WAKE_CHUNK, len(backlog))):
-        w = backlog.popleft()
-        w._fire()
+        fire(backlog.popleft())
     if backlog:
         backlog[0]._loop.call_soon(_wake_backlog)
     else:
@@ -183,4 +176,4 @@ def drain_ends() -> None:
     """The drain is over: nothing is held any more (what is left is scheduled)."""
     held, _HELD.waiters = _HELD.waiters, None
     for w in held or ():
-        w._loop.call_soon(w._fire)
+        w._loop.call_soon(fire, w)

@@ -1,0 +1,244 @@
+"""The common reply's lane, controller side: a RESULT off the socket to its Future's
+result in few Python calls.
+
+A RESULT that ends a one-host call (the common call's reply: one message in its own
+envelope, no buffers, its body inside the header) goes through the steps the general
+path takes -- :meth:`Sessions.on_frames`, ``decode``, :meth:`Channel.take`,
+:meth:`Operations.on_result`, :meth:`Operation.answered` and :meth:`Operation.end`, the
+combiner, :meth:`Future.set_result` -- in one function here: the same checks in the
+same order (sizes, MAC, header, session, sequence, acknowledgement, liveness, body,
+owed), with no intermediate objects. Its outputs come from :data:`SETTLERS`: the
+colocated call's one registers a builder that makes the output handles from what the
+same description built before (``colobus._api.outputs``).
+
+Whatever else comes in, or anything unusual about a RESULT (an error, a cancelled call,
+a reply nobody owes, a traced call, a malformed field, a relay), takes the general path
+where it stands, with what was read so far, so that every message is checked and
+counted (drops, violations) exactly as there. ``COLOBUS_CALL_LANE=0`` (read at import)
+keeps the general path for every message.
+"""
+
+from __future__ import annotations
+
+import collections
+import hmac
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import msgpack
+import zmq
+
+from .._wire import protocol as P
+from .._wire.envelope import _KEYED, _LEN, MAC_SIZE, PROTOCOL_VERSION, Envelope
+from .._wire.lane import _keyed
+from .._wire.limits import COUNT_ABOVE
+from .future import _FINISHED, _LOCK, _PENDING
+from .hangups import SRCFD
+from .wakeups import _HELD, wake
+
+__all__ = ["MISS", "SETTLERS", "ResultLane"]
+
+# A builder that cannot build a reply's outputs from what it has seen says so with this.
+MISS: Any = object()
+# A decoder (``Operation.decode``) -> (build, learn, read): ``build(combiner, host,
+# description bytes, count)`` is a one-host operation's result, or MISS; ``learn(combiner,
+# host, bytes, count, result)`` is told what the general path built for a MISS;
+# ``read(payload, count)`` is one host's value (the decoder's, from the payload alone:
+# a fan-out's replies before its last).
+SETTLERS: dict[Any, tuple[Callable[[Any, int, bytes, int], Any],
+                          Callable[[Any, int, bytes, int, Any], None],
+                          Callable[[Any, int], Any]]] = {}
+
+RESULT = int(P.Kind.RESULT)
+OK = int(P.Status.OK)
+MAX_OUTPUTS = P.MAX_OUTPUTS
+_Frame = zmq.Frame
+_unpack = msgpack.unpackb
+_compare = hmac.compare_digest
+_monotonic = time.monotonic
+_get_ident = threading.get_ident
+
+
+class Sessions(Protocol):
+    """What the lane uses of the controller's sessions (:class:`.sessions.Sessions`)."""
+
+    _ctl: Any
+    dropped: collections.Counter[str]
+
+    def on_frames(self, frames: list[Any]) -> None: ...
+    def on_envelope(self, identity: bytes, env: Envelope, frame: Any) -> None: ...
+    def _dispatch(self, host: Any, identity: bytes, env: Envelope) -> None: ...
+
+
+class ResultLane:
+    """The controller's reader of one multipart message (the channel's ``on_frames``)."""
+
+    __slots__ = ("_ctl", "_sessions")
+
+    def __init__(self, sessions: Sessions) -> None:
+        self._sessions = sessions
+        self._ctl = sessions._ctl
+
+    def on_frames(self, frames: list[Any]) -> None:
+        """:meth:`Sessions.on_frames`, a one-host call's RESULT settled here."""
+        sessions = self._sessions
+        ctl = self._ctl
+        relays = ctl._relays
+        if len(frames) != 4:
+            sessions.on_frames(frames)
+            return
+        f0 = frames[0]
+        identity = f0.bytes
+        host = ctl._hosts.by_identity.get(identity)
+        fh, fp, ft = frames[1], frames[2], frames[3]
+        if (host is None or (relays is not None and identity in relays.by_identity)
+                or type(fh) is not _Frame or type(fp) is not _Frame or type(ft) is not _Frame):
+            sessions.on_frames(frames)
+            return
+        # As ``decode`` checks, in its order: sizes, the MAC, the header.
+        header, payload = fh.buffer, fp.buffer
+        hlen, plen = header.nbytes, payload.nbytes
+        tag = ft.bytes
+        tlen = len(tag)
+        if hlen > COUNT_ABOVE or hlen + plen + tlen > ctl.max_message_bytes or tlen != MAC_SIZE:
+            sessions.on_frames(frames)  # (dropped or counted there)
+            return
+        key = ctl._key
+        keyed = _KEYED.get(key)
+        h = (keyed if keyed is not None else _keyed(key)).copy()
+        h.update(_LEN.pack(hlen))
+        h.update(header)
+        h.update(_LEN.pack(plen))
+        h.update(payload)
+        if not _compare(h.digest(), tag):
+            sessions.on_frames(frames)
+            return
+        try:
+            fields = _unpack(header, raw=False, use_list=True)
+        except Exception:  # (msgpack raises several types): dropped there
+            sessions.on_frames(frames)
+            return
+        if type(fields) is not list or len(fields) != 9:
+            sessions.on_frames(frames)
+            return
+        version, kind, sender, receiver, seq, ack, buflens, pbufs, body = fields
+        if not (type(version) is int and type(kind) is int and type(sender) is bytes
+                and type(receiver) is bytes and type(seq) is int and type(ack) is int
+                and type(buflens) is list and not buflens and type(pbufs) is int
+                and pbufs == 0):
+            sessions.on_frames(frames)
+            return
+        peer = host.peer
+        if (kind != RESULT or sender != peer.their_session or receiver != ctl._session
+                or version != PROTOCOL_VERSION or peer.via is not None
+                or peer.assembly is not None):
+            # decoded: the rest of the general path
+            sessions.on_envelope(identity, Envelope(kind, sender, receiver, seq, body, payload,
+                                                    [], 0, version, ack), f0)
+            return
+        # Channel.take -> Peer.accept: the acknowledgement counts even if refused
+        held = peer.held
+        unacked = peer.unacked
+        if unacked and unacked[0][0] <= ack:
+            peer.acked(ack)
+            if peer.held < held:  # the channel's on_release, its no-op inline
+                uploads = ctl._uploads
+                if uploads._blocked or uploads._waiters:
+                    uploads.on_release(peer)
+        if seq != peer.recv_seq + 1:  # a replay or a gap: refused and counted there
+            sessions.on_envelope(identity, Envelope(kind, sender, receiver, seq, body, payload,
+                                                    [], 0, version, ack), f0)
+            return
+        peer.recv_seq = seq
+        host.last_seen = _monotonic()
+        hangups = ctl._hangups
+        if hangups is not None:  # Hangups.heard, its common case inline
+            host.hung_up = 0.0
+            if f0.get(SRCFD) != host.conn_fd:
+                hangups.heard(host, f0)
+        # The body (P.Result's fields) and the operation it ends.
+        ops = ctl._ops
+        op = None
+        n = len(body) if type(body) is list else 0
+        if 3 <= n <= 4:
+            call_id, status, meta = body[0], body[1], body[2]
+            if (type(call_id) is int and status == OK and type(status) is int
+                    and type(meta) is int and 0 <= meta < MAX_OUTPUTS
+                    and (n == 3 or type(body[3]) is list)):
+                op = ops.pending.get(call_id)
+        bit = 1 << host.index
+        if op is not None and op.wide and op.remaining & bit and op.remaining != bit:
+            # one host of a fan-out, not its last: its value recorded (Operation.answered)
+            fut = op.future
+            settler = SETTLERS.get(op.decode)
+            if settler is not None and fut._state == _PENDING and fut._timing is None:
+                try:
+                    value = settler[2](payload, meta)
+                except (KeyboardInterrupt, SystemExit):
+                    raise
+                except BaseException:  # (a bad description) failed there, and counted
+                    value = MISS
+                if value is not MISS:
+                    op.remaining &= ~bit
+                    op.outputs[host.index] = meta
+                    op.values[host.index] = value
+                    if ops.backlog:
+                        ops.pump()
+                    return
+        if (op is None or op.wide or call_id not in host.awaiting
+                or op.remaining != bit):
+            sessions._dispatch(host, identity, Envelope(kind, sender, receiver, seq, body,
+                                                        payload, [], 0, version, ack))
+            return
+        fut = op.future
+        settler = SETTLERS.get(op.decode)
+        if settler is None or fut._state != _PENDING or fut._timing is not None:
+            sessions._dispatch(host, identity, Envelope(kind, sender, receiver, seq, body,
+                                                        payload, [], 0, version, ack))
+            return
+        raw = bytes(payload)
+        try:
+            result = settler[0](op.combine, host.index, raw, meta)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException:  # (a bug) as Sessions.handle counts one
+            result = MISS
+            sessions.dropped["lane_error"] += 1
+        if result is MISS:  # the general path, then what it built is remembered
+            sessions._dispatch(host, identity, Envelope(kind, sender, receiver, seq, body,
+                                                        payload, [], 0, version, ack))
+            if fut._state == _FINISHED and fut._exception is None:
+                settler[1](op.combine, host.index, raw, meta, fut._result)
+            return
+        # Operations.on_result -> Operation.answered -> Operation.end, for the one host
+        host.awaiting.discard(call_id)
+        host.inflight.discard(call_id)
+        op.remaining = 0
+        ops.pending.pop(call_id, None)
+        op.send = None
+        # Future.set_result -> _finish, its common case inline
+        with _LOCK:
+            settled = fut._state == _PENDING
+            if settled:
+                fut._result = result
+                fut._state = _FINISHED
+        if settled:
+            if fut._stats is not None or fut._callbacks is not None:
+                fut._finish()
+            else:
+                fut._canceller = None
+                event = fut._event
+                if event is not None:
+                    event.release()  # the thread waiting in result() goes on
+                w = fut._waiter
+                if w is not None:
+                    fut._waiter = None
+                    waiters = _HELD.waiters
+                    if waiters is not None and _get_ident() == w._box.thread:
+                        waiters.append(w)  # woken by the drain once it has read what waits
+                    else:
+                        wake(w)
+        if ops.backlog:
+            ops.pump()

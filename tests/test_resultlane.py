@@ -1,0 +1,185 @@
+"""The common reply's lane (colobus._controller.resultlane) and the Future's waits: the
+same outputs, errors and wake-ups as the general path.
+
+A function's first reply takes the general path (its outputs are built from the
+description and remembered); the same description again is settled in the lane. Each
+test here compares what the two made, on the shared 2-host cluster (whose controller
+runs on its own loop thread: the awaiting task here is woken across threads).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+
+import colobus as cb
+from colobus._api import outputs
+from colobus._api.array import Array
+from colobus._api.func import _decode_result
+from colobus._controller import resultlane
+from colobus._controller.future import Future
+from colobus._wire.lane import ON
+
+WAIT_S = 60.0
+
+
+@cb.colocated_python
+def lane_ident(x: Any) -> Any:
+    return x
+
+
+@cb.colocated_python
+def lane_pair(x: Any) -> Any:
+    return (x, {"b": x, "a": [x]})
+
+
+@cb.colocated_python
+def lane_nothing(x: Any) -> Any:
+    return None
+
+
+@cb.colocated_python
+def lane_fails(x: Any) -> Any:
+    if int(np.asarray(x).sum()) > 100:
+        raise KeyError("too big")
+    return x
+
+
+def _counting(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Count the lane's builds that hit (each a reply settled in the lane)."""
+    hits = [0]
+    build, learn, read = resultlane.SETTLERS[_decode_result]
+
+    def counted(op: Any, host: int, raw: bytes, count: int) -> Any:
+        got = build(op, host, raw, count)
+        if got is not resultlane.MISS:
+            hits[0] += 1
+        return got
+
+    monkeypatch.setitem(resultlane.SETTLERS, _decode_result, (counted, learn, read))
+    return hits
+
+
+def _same_arrays(a: Array, b: Array) -> None:
+    """Two outputs of the same function and arguments, made by different calls."""
+    for slot in Array.__slots__:
+        if slot == "__weakref__":
+            continue
+        va, vb = getattr(a, slot), getattr(b, slot)  # every slot set (none missing)
+        if slot == "ref":
+            assert va & 0xFFFF == vb & 0xFFFF
+            assert va >> 16 != vb >> 16
+        elif slot == "_finalizer":
+            assert va is not None and vb is not None and va() is a and vb() is b
+        else:
+            assert va == vb, slot
+
+
+async def test_outputs_settled_in_the_lane_are_those_the_general_path_builds(
+        ctl: cb.Controller, monkeypatch: pytest.MonkeyPatch) -> None:
+    hits = _counting(monkeypatch)
+    x = cb.device_put(np.arange(6.0), cb.devices()[0])
+    for fn in (lane_ident, lane_pair):
+        first = await fn(x)  # (learnt, if not already)
+        leaves0 = [first] if isinstance(first, Array) else _leaves(first)
+        for _ in range(3):
+            again = await fn(x)
+            leaves = [again] if isinstance(again, Array) else _leaves(again)
+            assert type(again) is type(first)
+            assert len(leaves) == len(leaves0)
+            for a, b in zip(leaves, leaves0, strict=True):
+                _same_arrays(a, b)
+                np.testing.assert_array_equal(await cb.device_get(a), np.arange(6.0))
+        if not isinstance(first, Array):
+            assert list(again[1]) == list(first[1]) and isinstance(again[1]["a"], list)
+    assert await lane_nothing(x) is None
+    assert await lane_nothing(x) is None
+    if ON:
+        assert hits[0] >= 7
+
+
+def _leaves(tree: Any) -> list[Any]:
+    import jax
+
+    return list(jax.tree_util.tree_leaves(tree))
+
+
+async def test_errors_and_cancellations_after_lane_hits(ctl: cb.Controller,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    hits = _counting(monkeypatch)
+    small = cb.device_put(np.arange(3.0), cb.devices()[0])
+    big = cb.device_put(np.arange(30.0), cb.devices()[0])
+    for _ in range(3):
+        assert isinstance(await lane_fails(small), Array)
+    with pytest.raises(KeyError, match="too big"):
+        await lane_fails(big)
+    fut = lane_fails(small)
+    fut.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await fut
+    assert isinstance(await lane_fails(small), Array)  # the lane still serves it
+    if ON:
+        assert hits[0] >= 3
+
+
+def test_result_from_threads_waits_and_times_out(ctl: cb.Controller) -> None:
+    x = cb.device_put(np.arange(4.0), cb.devices()[0])
+    for _ in range(3):
+        np.testing.assert_array_equal(np.asarray(lane_ident(x).result(WAIT_S)), np.arange(4.0))
+    fut: Future[int] = Future()
+    with pytest.raises(TimeoutError):
+        fut.result(0.01)
+    with pytest.raises(TimeoutError):
+        fut.result(0)  # no wait at all
+    got: list[Any] = []
+    threads = [threading.Thread(target=lambda: got.append(fut.result(WAIT_S))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    fut.set_result(5)  # every waiting thread goes on (each lets the next one in)
+    for t in threads:
+        t.join(WAIT_S)
+    assert got == [5, 5, 5, 5]
+    assert fut.result(0) == 5
+
+
+async def test_two_tasks_awaiting_one_future_both_wake() -> None:
+    fut: Future[str] = Future()
+    tasks = [asyncio.ensure_future(_await(fut)) for _ in range(3)]
+    await asyncio.sleep(0)
+    fut.set_result("v")
+    assert await asyncio.wait_for(asyncio.gather(*tasks), WAIT_S) == ["v"] * 3
+    done: Future[str] = Future()
+    done.set_result("w")
+    assert await done == "w"  # done before awaited: no wait at all
+
+
+async def _await(fut: Future[Any]) -> Any:
+    return await fut
+
+
+async def test_fan_out_results_are_those_of_the_general_path(ctl: cb.Controller) -> None:
+    """A fan-out's replies before its last are recorded in the lane; its outputs are
+    built from all of them as before (the description read per host)."""
+    mesh = cb.Mesh(np.array(cb.devices()).reshape(2, 4), ("hosts", "d"))
+    sharding = cb.NamedSharding(mesh, cb.PartitionSpec("hosts"))
+    x = cb.device_put(np.arange(8.0).reshape(2, 4), sharding)
+    for _ in range(3):
+        out = await lane_pair(x)
+        assert out[0].sharding == x.sharding and out[0].shape == (2, 4)
+        np.testing.assert_array_equal(await cb.device_get(out[1]["a"][0]),
+                                      np.arange(8.0).reshape(2, 4))
+    y = cb.device_put(np.array([[0.0, 1, 2, 3], [100, 100, 100, 100]]), sharding)
+    for _ in range(2):
+        assert isinstance(await lane_fails(x), cb.Array)
+        with pytest.raises(KeyError, match="too big") as info:  # host 1's error, host 0's
+            await lane_fails(y)  # output freed
+        assert any("host 1" in note for note in info.value.__notes__)
+
+
+def test_remembered_outputs_stay_bounded() -> None:
+    assert outputs._BUILT_MAX >= 64
+    assert len(outputs._BUILT) <= outputs._BUILT_MAX
