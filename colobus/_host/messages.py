@@ -8,21 +8,53 @@ its handlers and scheduler answer.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import zmq
 
 from .._wire import protocol as P
-from .._wire.channel import Channel, Peer
-from .._wire.envelope import Buffer, Dropped, Envelope, unpack_batch
+from .._wire.channel import DRAIN_BUDGET_S, Channel, Peer
+from .._wire.chunks import CHUNK_BYTES
+from .._wire.envelope import (
+    _ARRAY9,
+    _KEYED,
+    _LEN,
+    BATCH_KIND,
+    MAC_SIZE,
+    PROTOCOL_VERSION,
+    Buffer,
+    Dropped,
+    Envelope,
+    unpack_batch,
+)
 from .._wire.failures import describe_error
-from .._wire.lane import decode
+from .._wire.lane import ON, _keyed, decode, pack
+from .._wire.limits import BODY_INLINE_MAX
+from .._wire.peer import ACK_AFTER
 from .._wire.protocol import Kind, Status
+from .._wire.sockio import COPY_BELOW, NOBLOCK, POLLIN, SNDMORE
+from .._wire.splice import pack_body
+
+if TYPE_CHECKING:
+    from .arrays import HostArrays
+    from .sched import Scheduler
+    from .store import Store
 
 __all__ = ["Exit", "MessagePath"]
 
 log = logging.getLogger("colobus.worker")
+
+_CALL, _RELEASE = int(Kind.CALL), int(Kind.RELEASE)
+_LANE_KINDS = (BATCH_KIND, _CALL, _RELEASE)  # what the lane reads (the rest: the general path)
+_send: Any = zmq.backend.Socket.send  # (sockio's: the compiled methods)
+_recv = zmq.backend.Socket.recv
+_poll = zmq.backend.zmq_poll
+_monotonic = time.monotonic
+_Call = P.Call
 
 
 class Exit(Exception):
@@ -44,6 +76,12 @@ class MessagePath:
     _joined: bool
     _last_heard: float
     _handlers: dict[int, Any]
+    _lane_call: Any  # the CALL and RELEASE handlers the lane stands for (while in place)
+    _lane_release: Any
+    sched: Scheduler
+    store: Store
+    arrays: HostArrays
+    loop: asyncio.AbstractEventLoop | None
 
     def _on_reset(self, env: Envelope) -> None:
         raise NotImplementedError
@@ -52,16 +90,124 @@ class MessagePath:
 
     def send(self, body: P.Body, payload: Buffer = b"", buffers: Sequence[Buffer] = (),
              pbufs: int = 0) -> None:
-        """Send a message to this session's controller (batched while corked)."""
-        if self._chan is not None and self._peer is not None:
-            self._chan.send(self._peer, body, payload, buffers, pbufs)
+        """Send a message to this session's controller (batched while corked).
+
+        Raises:
+            SerializationError: the body cannot be encoded (nothing was queued).
+        """
+        try:
+            packed = pack(body.to_wire())
+        except (TypeError, ValueError, OverflowError):
+            packed = pack_body(body.to_wire())  # raises the SerializationError
+        self.send_packed(body.kind, packed, payload, buffers, pbufs)
+
+    def send_packed(self, kind: int, packed: bytes, payload: Buffer = b"",
+                    buffers: Sequence[Buffer] = (), pbufs: int = 0) -> None:
+        """:meth:`send` of a body already packed (a RESULT packed by its maker)."""
+        chan, peer = self._chan, self._peer
+        if chan is None or peer is None:
+            return
+        if not (ON and chan._corked and peer.via is None):
+            chan.send_packed(peer, kind, packed, payload, buffers, pbufs)
+            return
+        # Channel.enqueue_packed, while corked (the lane: it leaves at uncork)
+        outbox = peer.outbox
+        outbox.append((kind, packed, payload, buffers, pbufs))
+        n = len(payload) if type(payload) is bytes else memoryview(payload).nbytes
+        for b in buffers:
+            n += len(b) if type(b) is bytes else memoryview(b).nbytes
+        peer.held += n
+        if len(outbox) == 1:
+            chan._dirty.append(peer)
 
     def cork(self) -> bool:
-        return self._chan.cork() if self._chan is not None else False
+        """Hold sends until :meth:`uncork`; the previous state, for it."""
+        chan = self._chan
+        if chan is None:
+            return False
+        corked, chan._corked = chan._corked, True
+        return corked
 
     def uncork(self, corked: bool) -> None:
-        if self._chan is not None:
-            self._chan.uncork(corked)
+        """Undo :meth:`cork`: what was held leaves now.
+
+        The lane: one message waits, for the session's peer alone, with nothing ahead
+        of it (no envelope waiting for the window, no acknowledgement owed) and room in
+        the window for it whole; it is numbered, kept until acknowledged and sent here,
+        as :meth:`Channel.flush` would, and the socket read after only if a message
+        waits (the send may have taken the FD's edge). Else :meth:`Channel.uncork`.
+        """
+        chan, peer = self._chan, self._peer
+        if chan is None:
+            return
+        if corked or peer is None or not ON:
+            chan.uncork(corked)
+            return
+        sock = chan.sock
+        outbox = peer.outbox
+        if not (len(outbox) == 1 and chan._dirty == [peer] and not chan._gathered
+                and not chan._blocked and not chan._owed and not peer.pending
+                and peer.via is None and (peer.inflight < peer.window or not peer.unacked)
+                and not sock.closed):
+            chan.uncork(corked)
+            return
+        kind, packed, payload, bufs, pbufs = outbox[0]
+        data = len(payload) if type(payload) is bytes else memoryview(payload).nbytes
+        for b in bufs:
+            data += len(b) if type(b) is bytes else memoryview(b).nbytes
+        blen = len(packed)
+        if blen > BODY_INLINE_MAX or (data and data + blen > max(
+                CHUNK_BYTES, min(peer.max_part, peer.window >> 2))):  # chunks.part_size
+            chan.uncork(corked)
+            return
+        chan._corked = False
+        chan._dirty = []
+        peer.outbox = []
+        # Channel._transmit: numbered, kept until acknowledged, sent
+        peer.send_seq += 1
+        seq = peer.send_seq
+        # lane.fast_encode, a body inside the header
+        head = pack([PROTOCOL_VERSION, kind, peer.session, peer.their_session, seq,
+                     peer.recv_seq, [len(b) if type(b) is bytes else memoryview(b).nbytes
+                                     for b in bufs] if bufs else [], pbufs])
+        header = _ARRAY9 + head[1:] + packed
+        hlen = len(header)
+        plen = len(payload) if type(payload) is bytes else memoryview(payload).nbytes
+        keyed = _KEYED.get(self._key)
+        h = (keyed if keyed is not None else _keyed(self._key)).copy()
+        h.update(_LEN.pack(hlen))
+        h.update(header)
+        h.update(_LEN.pack(plen))
+        h.update(payload)
+        tag = h.digest()
+        frames: list[Buffer] = [header, payload, tag, *bufs] if bufs else [header, payload, tag]
+        size = hlen + MAC_SIZE + data
+        now = _monotonic()
+        unacked = peer.unacked
+        if not unacked:
+            peer.ack_wait = now
+        unacked.append((seq, now, frames, size, data))
+        peer.inflight += size
+        peer.acked_sent = peer.recv_seq
+        peer.recv_owed = 0
+        flags = chan._flags
+        more = flags | SNDMORE
+        try:  # sockio.send_frames (a DEALER's route is empty)
+            _send(sock, header, more, hlen < COPY_BELOW)
+            _send(sock, payload, more, plen < COPY_BELOW)
+            if bufs:
+                _send(sock, tag, more, True)
+                last = len(bufs) - 1
+                for i, b in enumerate(bufs):
+                    _send(sock, b, more if i < last else flags,
+                          (len(b) if type(b) is bytes else memoryview(b).nbytes) < COPY_BELOW)
+            else:
+                _send(sock, tag, flags, True)
+        except zmq.ZMQError as exc:
+            peer.undelivered = True
+            log.debug("send failed (%s); resent once the peer is back", exc)
+        if _poll([(sock, POLLIN)], 0) and self.loop is not None:
+            self.loop.call_soon(self._read)
 
     def reply_error(self, call_id: int, exc: BaseException, times: list[int] | None = None
                     ) -> None:
@@ -82,6 +228,49 @@ class MessagePath:
         self.dropped[reason] = self.dropped.get(reason, 0) + 1
         log.debug("dropped message (%s) %s", reason, detail)
 
+    def _read(self) -> None:
+        """The socket's reader on the lane: :meth:`Channel.drain`'s loop, with the
+        socket read in place and the channel flushed only when something waits."""
+        chan = self._chan
+        if chan is None:
+            return
+        sock = chan.sock
+        if sock.closed:
+            return
+        sched = self.sched
+        sched.drain_starts()
+        corked, chan._corked = chan._corked, True
+        start = _monotonic()
+        on_frames = self._on_frames
+        try:
+            while True:
+                while _poll([(sock, POLLIN)], 0):
+                    frame = _recv(sock, NOBLOCK, False)  # sockio.recv_frames
+                    frames = [frame]
+                    while frame.more:
+                        frame = _recv(sock, NOBLOCK, False)
+                        frames.append(frame)
+                    on_frames(frames)
+                    if sock.closed:
+                        return
+                    if _monotonic() - start > DRAIN_BUDGET_S:  # as Channel.drain
+                        chan.flush()
+                        if self.loop is not None:
+                            self.loop.call_soon(self._read)
+                        return
+                sent = (chan.flush() if chan._dirty or chan._blocked or chan._owed
+                        or chan._gathered else False)
+                if sched.wait_briefly():
+                    continue
+                if not sent:
+                    break  # else read again: the sends may have taken the FD's edge
+        except zmq.ZMQError as exc:
+            if exc.errno not in (zmq.EAGAIN, zmq.ENOTSOCK):
+                log.warning("socket error: %s", exc)
+        finally:
+            chan._corked = corked
+            sched.drain_ends()
+
     def _on_frames(self, frames: list[Any]) -> None:
         peer = self._peer
         if peer is None:
@@ -97,23 +286,45 @@ class MessagePath:
         if env.receiver != peer.session:
             self._drop("stale")
             return
+        kind = env.kind
         if not self._joined:
-            if env.kind not in (Kind.WELCOME, Kind.REJECT, Kind.CHALLENGE):
+            if kind not in (Kind.WELCOME, Kind.REJECT, Kind.CHALLENGE):
                 self._drop("unexpected_kind")
                 return
             peer.recv_seq = env.seq - 1
         elif env.sender != peer.their_session:
             self._drop("stale")
             return
-        elif env.kind == Kind.RESET:  # the controller's last word, outside the numbering
+        elif kind == Kind.RESET:  # the controller's last word, outside the numbering
             self._on_reset(env)
+            return
+        elif (ON and kind in _LANE_KINDS and env.seq == peer.recv_seq + 1
+              and peer.assembly is None and self._chan is not None):
+            # The lane: Channel.take of the next envelope in sequence (Peer.accept, the
+            # acknowledgement owed for large amounts), then unbatched and handled.
+            if peer.unacked and peer.unacked[0][0] <= env.ack:
+                peer.acked(env.ack)
+            peer.recv_seq = env.seq
+            if env.buffers:
+                owed = peer.recv_owed  # (lane.envelope_bytes)
+                for b in env.buffers:
+                    owed += b.nbytes if type(b) is memoryview else len(b)
+                p = env.payload
+                peer.recv_owed = owed + (p.nbytes if type(p) is memoryview else len(p))
+                if peer.recv_owed >= ACK_AFTER:
+                    self._chan._owed.add(peer)
+            self._last_heard = _monotonic()
+            if kind == BATCH_KIND:
+                self._unbatch(env)
+            else:
+                self._handle(kind, env.body, env)
             return
         try:
             got = self._chan.take(peer, env, 1 << 62) if self._chan is not None else None
             if isinstance(got, str):
                 self._drop(got, f"seq {env.seq}, expecting {peer.recv_seq + 1}")
                 return
-            self._last_heard = time.monotonic()
+            self._last_heard = _monotonic()
             if got is None:  # an ACK, or a part of a larger message
                 return
             env = got
@@ -126,6 +337,106 @@ class MessagePath:
             return
         for sub in subs:
             self._dispatch(sub)
+
+    def _unbatch(self, env: Envelope) -> None:
+        """:func:`unpack_batch` and a dispatch of each message, on the lane: the same
+        checks first (a malformed batch is dropped whole), then no envelope made for a
+        RELEASE, and the last message's made of the batch's own."""
+        entries = env.body
+        payload, buffers = env.payload, env.buffers
+        total = payload.nbytes if type(payload) is memoryview else len(payload)
+        nbuf = len(buffers)
+        at = nb = 0
+        if type(entries) is list and entries:
+            for entry in entries:
+                if type(entry) is not list:
+                    break
+                try:
+                    kind, body, plen, nbufs, pbufs = entry
+                except ValueError:
+                    break
+                if not (type(kind) is int and type(plen) is int and type(nbufs) is int
+                        and type(pbufs) is int and kind != BATCH_KIND and plen >= 0
+                        and 0 <= pbufs <= nbufs and at + plen <= total and nb + nbufs <= nbuf):
+                    break
+                at += plen
+                nb += nbufs
+            else:
+                if at == total and nb == nbuf:
+                    at = nb = 0
+                    last = entries[-1]
+                    for entry in entries:
+                        kind, body, plen, nbufs, pbufs = entry
+                        if kind == _RELEASE and not plen and not nbufs:
+                            self._handle(kind, body, env)  # (it reads only the seq)
+                            continue
+                        if entry is last:  # the batch's envelope, made this message's
+                            env.kind, env.body, env.pbufs = kind, body, pbufs
+                            env.payload = (memoryview(payload)[at:] if at else
+                                           payload if plen else b"")
+                            if nb:
+                                env.buffers = buffers[nb:]
+                            self._handle(kind, body, env)
+                            return
+                        self._handle(kind, body, Envelope(
+                            kind, env.sender, env.receiver, env.seq, body,
+                            memoryview(payload)[at:at + plen] if plen else b"",
+                            buffers[nb:nb + nbufs], pbufs, env.version, env.ack))
+                        at += plen
+                        nb += nbufs
+                    return
+        try:
+            subs = unpack_batch(env)  # what is wrong with it
+        except Dropped as d:
+            self._drop(d.reason, d.detail)
+            return
+        for sub in subs:  # (not reached: the checks above are unpack_batch's)
+            self._dispatch(sub)
+
+    def _handle(self, kind: int, body: Any, env: Envelope) -> None:
+        """:meth:`_dispatch` of a message of the lane: a CALL's or RELEASE's fields read
+        from the decoded list when they are what :func:`P.parse` accepts at once."""
+        try:
+            if kind == _CALL:
+                handler = self._handlers[kind]
+                if (handler is self._lane_call and type(body) is list and len(body) == 8):
+                    call_id, stream, digest, obj, method, refs, mesh, hosts = body
+                    if (type(call_id) is int and type(stream) is int and type(digest) is bytes
+                            and type(obj) is int and type(method) is str and type(refs) is list
+                            and type(mesh) is list and type(hosts) is int):
+                        handler(_Call(call_id, stream, digest, obj, method, refs, mesh, hosts),
+                                env)
+                        return
+                handler(P.parse(kind, body), env)
+                return
+            if kind == _RELEASE:
+                handler = self._handlers[kind]
+                if handler is self._lane_release and type(body) is list:
+                    n = len(body)
+                    refs = calls = code = None
+                    if n == 2:
+                        refs, calls = body
+                        code = []
+                    elif n == 3:
+                        refs, calls, code = body
+                    if type(refs) is list and type(calls) is list and type(code) is list:
+                        store = self.store
+                        store.release(refs, calls, code, env.seq)  # (HostArrays.on_release)
+                        if calls and store.trees:
+                            self.arrays.trees.release(calls)
+                        return
+                if env.kind != kind:  # (a RELEASE of a batch, read without an envelope)
+                    env = Envelope(kind, env.sender, env.receiver, env.seq, body, b"", [], 0,
+                                   env.version, env.ack)
+                handler(P.parse(kind, body), env)
+                return
+            self._dispatch(env)
+        except (ValueError, KeyError) as exc:
+            self._drop("malformed", str(exc))
+        except Exit:
+            raise
+        except Exception:
+            log.exception("error handling %s", kind)
 
     def _dispatch(self, env: Envelope) -> None:
         """Handle one authenticated message of this session's controller."""

@@ -36,8 +36,9 @@ from .._wire.chunks import CHUNK_BYTES, MAX_PART
 from .._wire.endpoint import parse_connect
 from .._wire.envelope import Envelope
 from .._wire.keys import check_key
+from .._wire.lane import ON as LANE
 from .._wire.protocol import Kind, Status
-from .._wire.sockio import NOBLOCK
+from .._wire.sockio import NOBLOCK, socket_fd
 from .._wire.tasks import supervise
 from .arrays import HostArrays
 from .construct import on_construct
@@ -147,6 +148,8 @@ class Worker(MessagePath):
             Kind.CHALLENGE: self._on_challenge,
         }
         self.store.shipped.attach(self._handlers, self._dispatch)  # (held while it unpacks)
+        self._lane_call = self._handlers[Kind.CALL]  # what the lane stands for, in place
+        self._lane_release = self._handlers[Kind.RELEASE]
 
     def _spawn(self, coro: Any) -> None:
         """A background task of this session, kept referenced until it ends."""
@@ -245,6 +248,8 @@ class Worker(MessagePath):
         chan = self._chan = Channel(sock, self._key, loop, self._on_frames, send_flags=NOBLOCK,
                                     after_flush=sched.wait_briefly, before_drain=sched.drain_starts,
                                     after_drain=sched.drain_ends)
+        if LANE:  # the socket read by the lane's reader (MessagePath._read)
+            loop.add_reader(socket_fd(sock), self._read)
         joined = False
         try:
             while not self._welcome.done():
@@ -357,6 +362,8 @@ class Worker(MessagePath):
     def _to_relay(self, relay: str, peer: Peer | None) -> None:
         if (chan := self._chan) and self._ctx and chan.open and peer and self._peer is peer:
             chan.move(relay_socket(self._ctx, self.connect, relay, self._curve, chan.sock), peer)
+            if LANE:
+                chan._loop.add_reader(socket_fd(chan.sock), self._read)
 
     def _on_challenge(self, body: P.Challenge, env: Envelope) -> None:
         """The controller's nonce for this session: join with a HELLO that carries it."""
