@@ -112,12 +112,14 @@ class MessagePath:
             return
         # Channel.enqueue_packed, while corked (the lane: it leaves at uncork)
         outbox = peer.outbox
+        first = not outbox
         outbox.append((kind, packed, payload, buffers, pbufs))
-        n = len(payload) if type(payload) is bytes else memoryview(payload).nbytes
+        n = (0 if not payload else
+             len(payload) if type(payload) is bytes else memoryview(payload).nbytes)
         for b in buffers:
             n += len(b) if type(b) is bytes else memoryview(b).nbytes
         peer.held += n
-        if len(outbox) == 1:
+        if first:
             chan._dirty.append(peer)
 
     def cork(self) -> bool:
@@ -152,7 +154,8 @@ class MessagePath:
             chan.uncork(corked)
             return
         kind, packed, payload, bufs, pbufs = outbox[0]
-        data = len(payload) if type(payload) is bytes else memoryview(payload).nbytes
+        plen = data = (0 if not payload else
+                       len(payload) if type(payload) is bytes else memoryview(payload).nbytes)
         for b in bufs:
             data += len(b) if type(b) is bytes else memoryview(b).nbytes
         blen = len(packed)
@@ -172,13 +175,11 @@ class MessagePath:
                                      for b in bufs] if bufs else [], pbufs])
         header = _ARRAY9 + head[1:] + packed
         hlen = len(header)
-        plen = len(payload) if type(payload) is bytes else memoryview(payload).nbytes
         keyed = _KEYED.get(self._key)
         h = (keyed if keyed is not None else _keyed(self._key)).copy()
-        h.update(_LEN.pack(hlen))
-        h.update(header)
-        h.update(_LEN.pack(plen))
-        h.update(payload)
+        h.update(_LEN.pack(hlen) + header + _LEN.pack(plen))  # (envelope.mac's bytes)
+        if plen:
+            h.update(payload)
         tag = h.digest()
         frames: list[Buffer] = [header, payload, tag, *bufs] if bufs else [header, payload, tag]
         size = hlen + MAC_SIZE + data
@@ -314,10 +315,7 @@ class MessagePath:
                 if peer.recv_owed >= ACK_AFTER:
                     self._chan._owed.add(peer)
             self._last_heard = _monotonic()
-            if kind == BATCH_KIND:
-                self._unbatch(env)
-            else:
-                self._handle(kind, env.body, env)
+            self._lane_in(env)
             return
         try:
             got = self._chan.take(peer, env, 1 << 62) if self._chan is not None else None
@@ -338,105 +336,117 @@ class MessagePath:
         for sub in subs:
             self._dispatch(sub)
 
-    def _unbatch(self, env: Envelope) -> None:
-        """:func:`unpack_batch` and a dispatch of each message, on the lane: the same
-        checks first (a malformed batch is dropped whole), then no envelope made for a
-        RELEASE, and the last message's made of the batch's own."""
-        entries = env.body
+    def _lane_in(self, env: Envelope) -> None:
+        """The messages of an accepted envelope of the lane, handled in order.
+
+        A BATCH gets :func:`unpack_batch`'s checks first (a malformed one is dropped
+        whole); then no envelope is made for a RELEASE (it reads only the sequence
+        number) and the last message's is made of the batch's own. A CALL's fields
+        and a RELEASE's are read from the decoded list where they are exactly what
+        :func:`P.parse` accepts (else it parses them), and handled as
+        :meth:`_dispatch` would.
+        """
         payload, buffers = env.payload, env.buffers
-        total = payload.nbytes if type(payload) is memoryview else len(payload)
-        nbuf = len(buffers)
-        at = nb = 0
-        if type(entries) is list and entries:
-            for entry in entries:
-                if type(entry) is not list:
-                    break
+        entries: Any = env.body
+        count = 1
+        if env.kind == BATCH_KIND:
+            total = payload.nbytes if type(payload) is memoryview else len(payload)
+            nbuf = len(buffers)
+            at = nb = count = 0
+            if type(entries) is list:
+                for entry in entries:  # unpack_batch's checks
+                    if type(entry) is not list:
+                        break
+                    try:
+                        kind, body, plen, nbufs, pbufs = entry
+                    except ValueError:
+                        break
+                    if not (type(kind) is int and type(plen) is int and type(nbufs) is int
+                            and type(pbufs) is int and kind != BATCH_KIND and plen >= 0
+                            and 0 <= pbufs <= nbufs and at + plen <= total
+                            and nb + nbufs <= nbuf):
+                        break
+                    at += plen
+                    nb += nbufs
+                    count += 1
+                else:
+                    if not (count and at == total and nb == nbuf):
+                        count = 0
+            if not count or count != len(entries):
                 try:
-                    kind, body, plen, nbufs, pbufs = entry
-                except ValueError:
-                    break
-                if not (type(kind) is int and type(plen) is int and type(nbufs) is int
-                        and type(pbufs) is int and kind != BATCH_KIND and plen >= 0
-                        and 0 <= pbufs <= nbufs and at + plen <= total and nb + nbufs <= nbuf):
-                    break
+                    unpack_batch(env)  # what is wrong with it
+                except Dropped as d:
+                    self._drop(d.reason, d.detail)
+                return
+            at = nb = 0
+        handlers = self._handlers
+        i = 0
+        while i < count:
+            sub: Envelope | None = env
+            if env.kind != BATCH_KIND:  # alone (or the batch's last, made its own)
+                kind, body = env.kind, env.body
+            else:
+                kind, body, plen, nbufs, pbufs = entries[i]
+                if i == count - 1:  # the batch's envelope, made this message's
+                    env.kind, env.body, env.pbufs = kind, body, pbufs
+                    env.payload = (memoryview(payload)[at:] if at else
+                                   payload if plen else b"")
+                    if nb:
+                        env.buffers = buffers[nb:]
+                elif kind == _RELEASE and not plen and not nbufs:
+                    sub = None  # made only if it is not read here
+                else:
+                    sub = Envelope(kind, env.sender, env.receiver, env.seq, body,
+                                   memoryview(payload)[at:at + plen] if plen else b"",
+                                   buffers[nb:nb + nbufs], pbufs, env.version, env.ack)
                 at += plen
                 nb += nbufs
-            else:
-                if at == total and nb == nbuf:
-                    at = nb = 0
-                    last = entries[-1]
-                    for entry in entries:
-                        kind, body, plen, nbufs, pbufs = entry
-                        if kind == _RELEASE and not plen and not nbufs:
-                            self._handle(kind, body, env)  # (it reads only the seq)
+            i += 1
+            try:
+                if kind == _CALL:
+                    handler = handlers[kind]
+                    if (handler is self._lane_call and type(body) is list
+                            and len(body) == 8):
+                        call_id, stream, digest, obj, method, refs, mesh, hosts = body
+                        if (type(call_id) is int and type(stream) is int
+                                and type(digest) is bytes and type(obj) is int
+                                and type(method) is str and type(refs) is list
+                                and type(mesh) is list and type(hosts) is int):
+                            handler(_Call(call_id, stream, digest, obj, method, refs, mesh,
+                                          hosts), sub)
                             continue
-                        if entry is last:  # the batch's envelope, made this message's
-                            env.kind, env.body, env.pbufs = kind, body, pbufs
-                            env.payload = (memoryview(payload)[at:] if at else
-                                           payload if plen else b"")
-                            if nb:
-                                env.buffers = buffers[nb:]
-                            self._handle(kind, body, env)
-                            return
-                        self._handle(kind, body, Envelope(
-                            kind, env.sender, env.receiver, env.seq, body,
-                            memoryview(payload)[at:at + plen] if plen else b"",
-                            buffers[nb:nb + nbufs], pbufs, env.version, env.ack))
-                        at += plen
-                        nb += nbufs
-                    return
-        try:
-            subs = unpack_batch(env)  # what is wrong with it
-        except Dropped as d:
-            self._drop(d.reason, d.detail)
-            return
-        for sub in subs:  # (not reached: the checks above are unpack_batch's)
-            self._dispatch(sub)
-
-    def _handle(self, kind: int, body: Any, env: Envelope) -> None:
-        """:meth:`_dispatch` of a message of the lane: a CALL's or RELEASE's fields read
-        from the decoded list when they are what :func:`P.parse` accepts at once."""
-        try:
-            if kind == _CALL:
-                handler = self._handlers[kind]
-                if (handler is self._lane_call and type(body) is list and len(body) == 8):
-                    call_id, stream, digest, obj, method, refs, mesh, hosts = body
-                    if (type(call_id) is int and type(stream) is int and type(digest) is bytes
-                            and type(obj) is int and type(method) is str and type(refs) is list
-                            and type(mesh) is list and type(hosts) is int):
-                        handler(_Call(call_id, stream, digest, obj, method, refs, mesh, hosts),
-                                env)
-                        return
-                handler(P.parse(kind, body), env)
-                return
-            if kind == _RELEASE:
-                handler = self._handlers[kind]
-                if handler is self._lane_release and type(body) is list:
-                    n = len(body)
-                    refs = calls = code = None
-                    if n == 2:
-                        refs, calls = body
-                        code = []
-                    elif n == 3:
-                        refs, calls, code = body
-                    if type(refs) is list and type(calls) is list and type(code) is list:
-                        store = self.store
-                        store.release(refs, calls, code, env.seq)  # (HostArrays.on_release)
-                        if calls and store.trees:
-                            self.arrays.trees.release(calls)
-                        return
-                if env.kind != kind:  # (a RELEASE of a batch, read without an envelope)
-                    env = Envelope(kind, env.sender, env.receiver, env.seq, body, b"", [], 0,
-                                   env.version, env.ack)
-                handler(P.parse(kind, body), env)
-                return
-            self._dispatch(env)
-        except (ValueError, KeyError) as exc:
-            self._drop("malformed", str(exc))
-        except Exit:
-            raise
-        except Exception:
-            log.exception("error handling %s", kind)
+                    handler(P.parse(kind, body), sub)
+                    continue
+                if kind == _RELEASE:
+                    handler = handlers[kind]
+                    if handler is self._lane_release and type(body) is list:
+                        n = len(body)
+                        refs = calls = code = None
+                        if n == 2:
+                            refs, calls = body
+                            code = []
+                        elif n == 3:
+                            refs, calls, code = body
+                        if type(refs) is list and type(calls) is list and type(code) is list:
+                            store = self.store  # HostArrays.on_release
+                            store.release(refs, calls, code, env.seq)
+                            if calls and store.trees:
+                                self.arrays.trees.release(calls)
+                            continue
+                    if sub is None:
+                        sub = Envelope(kind, env.sender, env.receiver, env.seq, body, b"", [],
+                                       0, env.version, env.ack)
+                    handler(P.parse(kind, body), sub)
+                    continue
+                assert sub is not None
+                parsed = P.parse(kind, body)
+                handlers[kind](parsed, sub)
+            except (ValueError, KeyError) as exc:
+                self._drop("malformed", str(exc))
+            except Exit:
+                raise
+            except Exception:
+                log.exception("error handling %s", kind)
 
     def _dispatch(self, env: Envelope) -> None:
         """Handle one authenticated message of this session's controller."""
