@@ -233,3 +233,6 @@ def test_what_leaves_is_the_same_bytes_both_ways(pair: Any,
     assert lane_uncorks == [4, 5, 6]  # the lane sent the first three itself
     first = E.decode(KEY, sent[0])
     assert (first.kind, first.seq, first.ack, first.body) == (Kind.RESULT, 1, 4, [1, 0, 1, [5, 6]])
+    bodies = [E.decode(KEY, frames).body for frames in sent[:4]]  # sent whole
+    assert bodies == [P.Result(1, 0, 1, [5, 6]).to_wire(), P.Result(2, 0, None).to_wire(),
+                      P.Result(3, 0, 2).to_wire(), P.Result(4, 0, list(range(40000))).to_wire()]

@@ -54,7 +54,7 @@ _send: Any = zmq.backend.Socket.send  # (sockio's: the compiled methods)
 _recv = zmq.backend.Socket.recv
 _poll = zmq.backend.zmq_poll
 _monotonic = time.monotonic
-_Call = P.Call
+_Call, _Result = P.Call, P.Result
 
 
 class Exit(Exception):
@@ -96,10 +96,27 @@ class MessagePath:
             SerializationError: the body cannot be encoded (nothing was queued).
         """
         try:
-            packed = pack(body.to_wire())
+            packed = pack([body.call_id, body.status, body.meta, body.times]  # (to_wire)
+                          if type(body) is _Result else body.to_wire())
         except (TypeError, ValueError, OverflowError):
             packed = pack_body(body.to_wire())  # raises the SerializationError
-        self.send_packed(body.kind, packed, payload, buffers, pbufs)
+        chan, peer = self._chan, self._peer
+        if chan is None or peer is None:
+            return
+        if not (ON and chan._corked and peer.via is None):
+            chan.send_packed(peer, body.kind, packed, payload, buffers, pbufs)
+            return
+        # Channel.enqueue_packed, while corked (the lane: it leaves at uncork)
+        outbox = peer.outbox
+        first = not outbox
+        outbox.append((body.kind, packed, payload, buffers, pbufs))
+        n = (0 if not payload else
+             len(payload) if type(payload) is bytes else memoryview(payload).nbytes)
+        for b in buffers:
+            n += len(b) if type(b) is bytes else memoryview(b).nbytes
+        peer.held += n
+        if first:
+            chan._dirty.append(peer)
 
     def send_packed(self, kind: int, packed: bytes, payload: Buffer = b"",
                     buffers: Sequence[Buffer] = (), pbufs: int = 0) -> None:
@@ -110,8 +127,7 @@ class MessagePath:
         if not (ON and chan._corked and peer.via is None):
             chan.send_packed(peer, kind, packed, payload, buffers, pbufs)
             return
-        # Channel.enqueue_packed, while corked (the lane: it leaves at uncork)
-        outbox = peer.outbox
+        outbox = peer.outbox  # as in send
         first = not outbox
         outbox.append((kind, packed, payload, buffers, pbufs))
         n = (0 if not payload else
