@@ -107,16 +107,21 @@ class MessagePath:
             chan.send_packed(peer, body.kind, packed, payload, buffers, pbufs)
             return
         # Channel.enqueue_packed, while corked (the lane: it leaves at uncork)
-        outbox = peer.outbox
-        first = not outbox
-        outbox.append((body.kind, packed, payload, buffers, pbufs))
+        item = (body.kind, packed, payload, buffers, pbufs)
+        if peer.outbox:
+            peer.outbox.append(item)
+        else:  # (a new list where a list.append would do: it is one C call fewer)
+            peer.outbox = [item]
+            dirty = chan._dirty
+            if dirty:
+                dirty.append(peer)
+            else:
+                chan._dirty = [peer]
         n = (0 if not payload else
              len(payload) if type(payload) is bytes else memoryview(payload).nbytes)
         for b in buffers:
             n += len(b) if type(b) is bytes else memoryview(b).nbytes
         peer.held += n
-        if first:
-            chan._dirty.append(peer)
 
     def send_packed(self, kind: int, packed: bytes, payload: Buffer = b"",
                     buffers: Sequence[Buffer] = (), pbufs: int = 0) -> None:
@@ -127,16 +132,21 @@ class MessagePath:
         if not (ON and chan._corked and peer.via is None):
             chan.send_packed(peer, kind, packed, payload, buffers, pbufs)
             return
-        outbox = peer.outbox  # as in send
-        first = not outbox
-        outbox.append((kind, packed, payload, buffers, pbufs))
+        item = (kind, packed, payload, buffers, pbufs)
+        if peer.outbox:
+            peer.outbox.append(item)
+        else:  # (a new list where a list.append would do: it is one C call fewer)
+            peer.outbox = [item]
+            dirty = chan._dirty
+            if dirty:
+                dirty.append(peer)
+            else:
+                chan._dirty = [peer]
         n = (0 if not payload else
              len(payload) if type(payload) is bytes else memoryview(payload).nbytes)
         for b in buffers:
             n += len(b) if type(b) is bytes else memoryview(b).nbytes
         peer.held += n
-        if first:
-            chan._dirty.append(peer)
 
     def cork(self) -> bool:
         """Hold sends until :meth:`uncork`; the previous state, for it."""
@@ -175,7 +185,7 @@ class MessagePath:
         for b in bufs:
             data += len(b) if type(b) is bytes else memoryview(b).nbytes
         blen = len(packed)
-        if blen > BODY_INLINE_MAX or (data and data + blen > max(
+        if blen > BODY_INLINE_MAX or (data and data + blen > CHUNK_BYTES and data + blen > max(
                 CHUNK_BYTES, min(peer.max_part, peer.window >> 2))):  # chunks.part_size
             chan.uncork(corked)
             return
@@ -367,8 +377,9 @@ class MessagePath:
         count = 1
         if env.kind == BATCH_KIND:
             total = payload.nbytes if type(payload) is memoryview else len(payload)
-            nbuf = len(buffers)
+            nbuf = len(buffers) if buffers else 0
             at = nb = count = 0
+            checked = False
             if type(entries) is list:
                 for entry in entries:  # unpack_batch's checks
                     if type(entry) is not list:
@@ -386,9 +397,8 @@ class MessagePath:
                     nb += nbufs
                     count += 1
                 else:
-                    if not (count and at == total and nb == nbuf):
-                        count = 0
-            if not count or count != len(entries):
+                    checked = count > 0 and at == total and nb == nbuf
+            if not checked:
                 try:
                     unpack_batch(env)  # what is wrong with it
                 except Dropped as d:
