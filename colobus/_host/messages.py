@@ -106,7 +106,8 @@ class MessagePath:
         if not (ON and chan._corked and peer.via is None):
             chan.send_packed(peer, body.kind, packed, payload, buffers, pbufs)
             return
-        # Channel.enqueue_packed, while corked (the lane: it leaves at uncork)
+        # Channel.enqueue_packed, while corked (the lane: it leaves at uncork); the
+        # lines of send_packed written out, one call fewer on every RESULT
         item = (body.kind, packed, payload, buffers, pbufs)
         if peer.outbox:
             peer.outbox.append(item)
