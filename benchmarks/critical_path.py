@@ -8,7 +8,8 @@ latency is the sum of the links. This benchmark timestamps each link in both pro
 (``time.perf_counter`` is CLOCK_MONOTONIC, one clock for every process on the machine)
 without changing the library: a ``sitecustomize`` on ``PYTHONPATH`` wraps
 ``colobus._wire.sockio``'s ``send_frames``/``recv_frames`` (and the frame reads and
-sends of the worker's lane, ``colobus._host.messages``) as the modules load, and
+sends of the worker's lane, ``colobus._host.messages`` and ``outbound``) as the
+modules load, and
 ``selectors.EpollSelector.select`` (the moment a blocked loop wakes with work), in
 the controller and in its worker. It prints the median of each link over ``--calls``
 calls (a no-op on one host, awaited one at a time) beside the same links of a
@@ -60,24 +61,29 @@ def _patch(mod):
     mod.send_frames, mod.recv_frames = send_frames, recv_frames
 
 def _patch_lane(mod):
-    # The worker's lane (colobus._host.messages) reads and sends frame by frame with
-    # the compiled methods: "r" once a message's last frame is in, "s" as its first
-    # frame leaves (the one after a frame sent without SNDMORE).
-    recv, send, more = mod._recv, mod._send, mod.SNDMORE
-    first = [True]
-    def _recv(sock, flags, copy):
-        frame = recv(sock, flags, copy)
-        if not frame.more:
-            _rec((_pc(), "r"))
-        return frame
-    def _send(sock, data, flags, copy):
-        if first[0]:
-            _rec((_pc(), "s"))
-        first[0] = not flags & more
-        return send(sock, data, flags, copy)
-    mod._recv, mod._send = _recv, _send
+    # The worker's lane reads (colobus._host.messages) and sends (colobus._host.outbound)
+    # frame by frame with the compiled methods: "r" once a message's last frame is in,
+    # "s" as its first frame leaves (the one after a frame sent without SNDMORE).
+    if hasattr(mod, "_recv"):
+        recv = mod._recv
+        def _recv(sock, flags, copy):
+            frame = recv(sock, flags, copy)
+            if not frame.more:
+                _rec((_pc(), "r"))
+            return frame
+        mod._recv = _recv
+    if hasattr(mod, "_send"):
+        send, more = mod._send, mod.SNDMORE
+        first = [True]
+        def _send(sock, data, flags, copy):
+            if first[0]:
+                _rec((_pc(), "s"))
+            first[0] = not flags & more
+            return send(sock, data, flags, copy)
+        mod._send = _send
 
-PATCHES = {"colobus._wire.sockio": _patch, "colobus._host.messages": _patch_lane}
+PATCHES = {"colobus._wire.sockio": _patch, "colobus._host.messages": _patch_lane,
+           "colobus._host.outbound": _patch_lane}
 
 class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):

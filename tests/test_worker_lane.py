@@ -1,4 +1,4 @@
-"""The worker's lane (colobus._host.messages): what arrives is handled, refused and
+"""The worker's lane (colobus._host.messages and outbound): what arrives is handled, refused and
 counted, and what leaves is numbered, kept and sent, exactly as on the general path
 (``COLOBUS_CALL_LANE=0``). The same sequences run both ways on real sockets and the
 outcomes are compared."""
@@ -13,7 +13,7 @@ import msgpack
 import pytest
 import zmq
 
-from colobus._host import messages
+from colobus._host import messages, outbound
 from colobus._host.messages import MessagePath
 from colobus._wire import envelope as E
 from colobus._wire import protocol as P
@@ -144,6 +144,7 @@ def _run(lane: bool, pair: Any, monkeypatch: pytest.MonkeyPatch,
          envs: list[tuple[E.Envelope, int | None]]) -> tuple[Any, ...]:
     _router, dealer, loop = pair
     monkeypatch.setattr(messages, "ON", lane)
+    monkeypatch.setattr(outbound, "ON", lane)
     chan = Channel(dealer, KEY, loop, lambda frames: None)
     path = _Path(chan, loop)
     peer = path._peer
@@ -178,6 +179,7 @@ def _send_all(lane: bool, pair: Any, monkeypatch: pytest.MonkeyPatch,
     """Results sent one per step; ``uncorks``: which left through Channel.uncork."""
     router, dealer, loop = pair
     monkeypatch.setattr(messages, "ON", lane)
+    monkeypatch.setattr(outbound, "ON", lane)
     chan = Channel(dealer, KEY, loop, lambda frames: None, send_flags=zmq.NOBLOCK)
     general_uncork = chan.uncork
     current = [0]
