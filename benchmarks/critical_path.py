@@ -7,9 +7,10 @@ the Future, and the coroutine makes the next call. The processes take turns, so 
 latency is the sum of the links. This benchmark timestamps each link in both processes
 (``time.perf_counter`` is CLOCK_MONOTONIC, one clock for every process on the machine)
 without changing the library: a ``sitecustomize`` on ``PYTHONPATH`` wraps
-``colobus._wire.sockio``'s ``send_frames``/``send_envelope``/``recv_frames`` as the
-module loads, and ``selectors.EpollSelector.select`` (the moment a blocked loop wakes
-with work), in the controller and in its worker. It prints the median of each link over ``--calls``
+``colobus._wire.sockio``'s ``send_frames``/``send_envelope``/``recv_frames`` (and the
+frame reads and sends of the worker's lane, ``colobus._host.messages``) as the modules
+load, and ``selectors.EpollSelector.select`` (the moment a blocked loop wakes with
+work), in the controller and in its worker. It prints the median of each link over ``--calls``
 calls (a no-op on one host, awaited one at a time) beside the same links of a
 *minimal* call of the same design, timed the same way: an asyncio loop reading the
 ROUTER, an asyncio Future per call, a msgpack header and a keyed BLAKE2b MAC on each
@@ -64,9 +65,34 @@ def _patch(mod):
             return envelope(sock, route, frames, plen, flags)
         mod.send_envelope = send_envelope
 
+def _patch_lane(mod):
+    # The worker's lane reads (colobus._host.messages) and sends (colobus._host.outbound)
+    # frame by frame with the compiled methods: "r" once a message's last frame is in,
+    # "s" as its first frame leaves (the one after a frame sent without SNDMORE).
+    if hasattr(mod, "_recv"):
+        recv = mod._recv
+        def _recv(sock, flags, copy):
+            frame = recv(sock, flags, copy)
+            if not frame.more:
+                _rec((_pc(), "r"))
+            return frame
+        mod._recv = _recv
+    if hasattr(mod, "_send"):
+        send, more = mod._send, mod.SNDMORE
+        first = [True]
+        def _send(sock, data, flags, copy):
+            if first[0]:
+                _rec((_pc(), "s"))
+            first[0] = not flags & more
+            return send(sock, data, flags, copy)
+        mod._send = _send
+
+PATCHES = {"colobus._wire.sockio": _patch, "colobus._host.messages": _patch_lane,
+           "colobus._host.outbound": _patch_lane}
+
 class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name != "colobus._wire.sockio":
+        if name not in PATCHES:
             return None
         sys.meta_path.remove(self)
         try:
@@ -76,7 +102,7 @@ class _Finder(importlib.abc.MetaPathFinder):
         run = spec.loader.exec_module
         def exec_module(module):
             run(module)
-            _patch(module)
+            PATCHES[name](module)
         spec.loader.exec_module = exec_module
         return spec
 

@@ -1,9 +1,12 @@
 """The worker: one DEALER socket, one controller session at a time.
 
-It joins a controller (HELLO -> WELCOME) and serves until the controller closes, goes
-silent or declares it lost; then it drops the session's store and joins again, with
-back-off. Calls run through :class:`~colobus._host.sched.Scheduler`. Its DEALER keeps one
-routing id per session: a TCP connection ZeroMQ re-establishes in time continues it.
+It joins a controller (HELLO -> WELCOME) and serves until the controller closes,
+goes silent or declares it lost; then it drops the session's
+:class:`~colobus._host.store.Store` and joins again, with back-off. Calls run
+through :class:`~colobus._host.sched.Scheduler`; what arrives and leaves goes
+through its base, :class:`~colobus._host.messages.MessagePath`. Its DEALER keeps
+one routing id per session, so a TCP connection ZeroMQ re-establishes in time
+continues it (:mod:`colobus._wire.channel`).
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import zmq
@@ -32,12 +34,11 @@ from .._wire.calltimes import HEARTBEAT_BUDGET, HostCallTimes
 from .._wire.channel import Channel, Peer
 from .._wire.chunks import CHUNK_BYTES, MAX_PART
 from .._wire.endpoint import parse_connect
-from .._wire.envelope import Buffer, Dropped, Envelope, unpack_batch
-from .._wire.failures import describe_error
+from .._wire.envelope import Envelope
 from .._wire.keys import check_key
-from .._wire.lane import decode
+from .._wire.lane import ON as LANE
 from .._wire.protocol import Kind, Status
-from .._wire.sockio import NOBLOCK
+from .._wire.sockio import NOBLOCK, socket_fd
 from .._wire.stalls import StallClock
 from .._wire.tasks import supervise
 from .arrays import HostArrays
@@ -45,6 +46,7 @@ from .construct import on_construct
 from .dataplane import DataPlane, start_dataplane
 from .join import JoinDiagnosis, relay_socket, session_socket
 from .leader import serve_worker
+from .messages import Exit, MessagePath
 from .process import cpu_ns, end_context, rss_bytes
 from .sched import Scheduler
 from .store import Store
@@ -59,11 +61,7 @@ BACKOFF_MAX_S = 5.0
 MAX_HEARTBEAT_RESTARTS = 3  # per session; then the worker leaves it and joins afresh
 
 
-class _Exit(Exception):
-    def __init__(self, code: int) -> None: self.code = code
-
-
-class Worker:
+class Worker(MessagePath):
     """One host: joins ``connect`` and runs what the controller sends.
 
     Args:
@@ -150,6 +148,8 @@ class Worker:
             Kind.CHALLENGE: self._on_challenge,
         }
         self.store.shipped.attach(self._handlers, self._dispatch)  # (held while it unpacks)
+        self._lane_call = self._handlers[Kind.CALL]  # what the lane stands for, in place
+        self._lane_release = self._handlers[Kind.RELEASE]
 
     def _spawn(self, coro: Any) -> None:
         """A background task of this session, kept referenced until it ends."""
@@ -196,7 +196,7 @@ class Worker:
                     return 0
                 backoff = BACKOFF_MIN_S if joined else min(backoff * 2, BACKOFF_MAX_S)
                 log.info("host %s: controller session ended (%s); rejoining", self.name, outcome)
-        except _Exit as e:
+        except Exit as e:
             return e.code
         finally:
             if on_main:
@@ -248,6 +248,8 @@ class Worker:
         chan = self._chan = Channel(sock, self._key, loop, self._on_frames, send_flags=NOBLOCK,
                                     after_flush=sched.wait_briefly, before_drain=sched.drain_starts,
                                     after_drain=sched.drain_ends)
+        if LANE:  # the socket read by the lane's reader (MessagePath._read)
+            loop.add_reader(socket_fd(sock), self._read)
         joined = False
         try:
             while not self._welcome.done():
@@ -333,95 +335,6 @@ class Worker:
         self.values.clear()
         self.call_times = None
 
-    # -- socket I/O (used by the scheduler) --------------------------------------------------
-
-    def send(self, body: P.Body, payload: Buffer = b"", buffers: Sequence[Buffer] = (),
-             pbufs: int = 0) -> None:
-        """Send a message to this session's controller (batched while corked)."""
-        if self._chan is not None and self._peer is not None:
-            self._chan.send(self._peer, body, payload, buffers, pbufs)
-
-    def cork(self) -> bool:
-        return self._chan.cork() if self._chan is not None else False
-
-    def uncork(self, corked: bool) -> None:
-        if self._chan is not None:
-            self._chan.uncork(corked)
-
-    def reply_error(self, call_id: int, exc: BaseException, times: list[int] | None = None
-                    ) -> None:
-        """Report ``exc`` as data (type name, plain args, message, notes, traceback)."""
-        self.send(P.Result(call_id, Status.ERROR, None, times or []),
-                  describe_error(exc, self._hostname))
-
-    def _send_join_raw(self, body: P.Body) -> None:
-        """JOIN and HELLO: numbered outside the session's acknowledged stream."""
-        assert self._chan is not None and self._peer is not None
-        self._peer.send_seq += 1
-        self._chan.send_raw([], Envelope(body.kind, self._peer.session, b"",
-                                         self._peer.send_seq, body.to_wire()))
-
-    def _drop(self, reason: str, detail: str = "") -> None:
-        self.dropped[reason] = self.dropped.get(reason, 0) + 1
-        log.debug("dropped message (%s) %s", reason, detail)
-
-    def _on_frames(self, frames: list[Any]) -> None:
-        peer = self._peer
-        if peer is None:
-            return
-        try:
-            env = decode(self._key, frames)
-        except Dropped as d:
-            if d.reason == "unauthenticated" and not self._joined:
-                log.warning("a message from %s failed authentication: is the key the same "
-                            "on both sides?", self.connect)
-            self._drop(d.reason, d.detail)
-            return
-        if env.receiver != peer.session:
-            self._drop("stale")
-            return
-        if not self._joined:
-            if env.kind not in (Kind.WELCOME, Kind.REJECT, Kind.CHALLENGE):
-                self._drop("unexpected_kind")
-                return
-            peer.recv_seq = env.seq - 1
-        elif env.sender != peer.their_session:
-            self._drop("stale")
-            return
-        elif env.kind == Kind.RESET:  # the controller's last word, outside the numbering
-            self._on_reset(env)
-            return
-        try:
-            got = self._chan.take(peer, env, 1 << 62) if self._chan is not None else None
-            if isinstance(got, str):
-                self._drop(got, f"seq {env.seq}, expecting {peer.recv_seq + 1}")
-                return
-            self._last_heard = time.monotonic()
-            if got is None:  # an ACK, or a part of a larger message
-                return
-            env = got
-            if env.kind != Kind.BATCH:
-                self._dispatch(env)
-                return
-            subs = unpack_batch(env)
-        except Dropped as d:
-            self._drop(d.reason, d.detail)
-            return
-        for sub in subs:
-            self._dispatch(sub)
-
-    def _dispatch(self, env: Envelope) -> None:
-        """Handle one authenticated message of this session's controller."""
-        try:
-            body = P.parse(env.kind, env.body)
-            self._handlers[env.kind](body, env)
-        except (ValueError, KeyError) as exc:
-            self._drop("malformed", str(exc))
-        except _Exit:
-            raise
-        except Exception:
-            log.exception("error handling %s", env.kind)
-
     # -- session handlers ---------------------------------------------------------------
 
     def _on_welcome(self, body: P.Welcome, env: Envelope) -> None:
@@ -451,6 +364,8 @@ class Worker:
     def _to_relay(self, relay: str, peer: Peer | None) -> None:
         if (chan := self._chan) and self._ctx and chan.open and peer and self._peer is peer:
             chan.move(relay_socket(self._ctx, self.connect, relay, self._curve, chan.sock), peer)
+            if LANE:
+                chan._loop.add_reader(socket_fd(chan.sock), self._read)
 
     def _on_challenge(self, body: P.Challenge, env: Envelope) -> None:
         """The controller's nonce for this session: join with a HELLO that carries it."""

@@ -384,24 +384,26 @@ def unpack_batch(env: Envelope) -> list[Envelope]:
     if not isinstance(entries, list) or not entries:
         raise Dropped("malformed", "batch body")
     view = memoryview(env.payload)
+    total, buffers = len(view), env.buffers
+    nbuf = len(buffers)
     out: list[Envelope] = []
     at = nb = 0
     for entry in entries:
-        if not (isinstance(entry, list) and len(entry) == 5):
+        if not ((type(entry) is list or isinstance(entry, list)) and len(entry) == 5):
             raise Dropped("malformed", "batch entry")
         kind, body, plen, nbufs, pbufs = entry
         if not (type(kind) is int and type(plen) is int and type(nbufs) is int
                 and type(pbufs) is int and kind != BATCH_KIND and plen >= 0
                 and 0 <= pbufs <= nbufs):
             raise Dropped("malformed", "batch entry fields")
-        if at + plen > len(view) or nb + nbufs > len(env.buffers):
+        if at + plen > total or nb + nbufs > nbuf:
             raise Dropped("malformed", "batch lengths")
         payload: Buffer = view[at:at + plen] if plen else b""
         out.append(Envelope(kind, env.sender, env.receiver, env.seq, body, payload,
-                            env.buffers[nb:nb + nbufs], pbufs, env.version, env.ack))
+                            buffers[nb:nb + nbufs], pbufs, env.version, env.ack))
         at += plen
         nb += nbufs
-    if at != len(view) or nb != len(env.buffers):
+    if at != total or nb != nbuf:
         raise Dropped("malformed", "batch lengths")
     return out
 

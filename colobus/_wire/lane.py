@@ -303,19 +303,21 @@ def fast_decode(
         raise Dropped("malformed", "bad mac frame")
     keyed = _KEYED.get(key)
     h = (keyed if keyed is not None else _keyed(key)).copy()
-    h.update(_LEN.pack(hlen))
-    h.update(header)
-    h.update(_LEN.pack(plen))
-    h.update(payload)
+    # (the same bytes as four updates: the lengths and the header in one)
+    h.update(_LEN.pack(hlen) + header + _LEN.pack(plen))
+    if plen:
+        h.update(payload)
     if not _compare(h.digest(), bytes(tag)):
         raise Dropped("unauthenticated")
     try:
         fields = (_unpack(header, raw=False, use_list=True)
                   if max_objects is None or hlen <= COUNT_ABOVE
                   else unpack_bounded(header, max_objects))
-        if isinstance(fields, list) and len(fields) == 8:  # protocol 2: no ack (version check)
+        nfields = len(fields) if type(fields) is list or isinstance(fields, list) else 0
+        if nfields == 8:  # protocol 2: no ack (version check)
             fields.insert(5, 0)
-        body_len = fields.pop() if isinstance(fields, list) and len(fields) == 10 else None
+            nfields = 9
+        body_len = fields.pop() if nfields == 10 else None
         version, kind, sender, receiver, seq, ack, buflens, pbufs, body = fields
     except Exception as exc:  # msgpack raises several types on garbage
         raise Dropped("malformed", f"header: {exc}") from None
@@ -341,9 +343,13 @@ def fast_decode(
             and (type(pbufs) is int or isinstance(pbufs, int))):
         raise Dropped("malformed", "header field types")
     buffers: list[Buffer] = []
-    if nframes > 3:
-        for f in frames[3:]:
-            buffers.append(f.buffer if type(f) is _Frame else E._frame_bytes(f))
+    if nframes == 3:  # (the checks below, for no buffers)
+        if buflens or pbufs != 0:
+            raise Dropped("malformed", "buffer count")
+        return Envelope(kind, sender, receiver, seq, body, payload, buffers, pbufs, version,
+                        ack)
+    for f in frames[3:]:
+        buffers.append(f.buffer if type(f) is _Frame else E._frame_bytes(f))
     if len(buffers) != len(buflens) or not 0 <= pbufs <= len(buffers):
         raise Dropped("malformed", "buffer count")
     for b, n in zip(buffers, buflens, strict=True):

@@ -161,10 +161,12 @@ class Peer:
         self.ack_wait = now
         self.backoff = 1.0
         delay = now - sent
-        self.base_delay = min(self.base_delay, delay)
+        if delay < self.base_delay:
+            self.base_delay = delay
         queued = delay - self.base_delay  # what the window adds to the round trip
         if queued < TARGET_DELAY_S:
-            self.window = min(self.max_window, self.window + freed)
+            window = self.window + freed
+            self.window = window if window < self.max_window else self.max_window
         elif queued > 2 * TARGET_DELAY_S and now - self.last_cut > delay:
             self.window = max(WINDOW_MIN, self.window * 7 // 10)
             self.last_cut = now
