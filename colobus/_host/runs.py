@@ -138,10 +138,7 @@ class Runs:
                 return
             self._done = []
             self._flush_scheduled = False
-        if len(done) == 1:
-            self._finish(done[0])  # one reply: it leaves at once, uncorked
-            return
-        corked = self._w.cork()  # the replies leave as one batch
+        corked = self._w.cork()  # the replies leave as one batch (one: sent at uncork)
         try:
             for call in done:
                 self._finish(call)
@@ -152,10 +149,7 @@ class Runs:
         with self._done_lock:
             done, self._done = self._done, []
             self._flush_scheduled = False
-        if len(done) == 1:
-            self._finish(done[0])  # one reply: it leaves at once, uncorked
-            return
-        corked = self._w.cork()  # the replies leave as one batch
+        corked = self._w.cork()  # the replies leave as one batch (one: sent at uncork)
         try:
             for call in done:
                 self._finish(call)
@@ -182,10 +176,8 @@ class Runs:
                 if not call.results.done():
                     call.results.set_result(result)
                 times = [call.started - call.arrived, call.ran] if call.started else []
-                chan, peer = w._chan, w._peer  # (what w.send does, for a body packed here)
-                if chan is not None and peer is not None:  # P.Result(...).to_wire(), packed
-                    chan.send_packed(peer, _RESULT, _pack([body.call_id, _OK, len(values),
-                                                          times]), payload, bufs, len(bufs))
+                w.send_packed(_RESULT, _pack([body.call_id, _OK, len(values), times]),
+                              payload, bufs, len(bufs))  # P.Result(...).to_wire(), packed
             else:
                 if not call.results.done():
                     call.results.set_exception(_settable(outcome))
