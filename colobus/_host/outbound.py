@@ -60,29 +60,7 @@ class Outbound:
                           if type(body) is _Result else body.to_wire())
         except (TypeError, ValueError, OverflowError):
             packed = pack_body(body.to_wire())  # raises the SerializationError
-        chan, peer = self._chan, self._peer
-        if chan is None or peer is None:
-            return
-        if not (ON and chan._corked and peer.via is None):
-            chan.send_packed(peer, body.kind, packed, payload, buffers, pbufs)
-            return
-        # Channel.enqueue_packed, while corked (the lane: it leaves at uncork); the
-        # lines of send_packed written out, one call fewer on every RESULT
-        item = (body.kind, packed, payload, buffers, pbufs)
-        if peer.outbox:
-            peer.outbox.append(item)
-        else:  # (a new list where a list.append would do: it is one C call fewer)
-            peer.outbox = [item]
-            dirty = chan._dirty
-            if dirty:
-                dirty.append(peer)
-            else:
-                chan._dirty = [peer]
-        n = (0 if not payload else
-             len(payload) if type(payload) is bytes else memoryview(payload).nbytes)
-        for b in buffers:
-            n += len(b) if type(b) is bytes else memoryview(b).nbytes
-        peer.held += n
+        self.send_packed(body.kind, packed, payload, buffers, pbufs)
 
     def send_packed(self, kind: int, packed: bytes, payload: Buffer = b"",
                     buffers: Sequence[Buffer] = (), pbufs: int = 0) -> None:
@@ -93,6 +71,7 @@ class Outbound:
         if not (ON and chan._corked and peer.via is None):
             chan.send_packed(peer, kind, packed, payload, buffers, pbufs)
             return
+        # Channel.enqueue_packed, while corked (the lane: it leaves at uncork), written out
         item = (kind, packed, payload, buffers, pbufs)
         if peer.outbox:
             peer.outbox.append(item)

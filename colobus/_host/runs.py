@@ -138,18 +138,17 @@ class Runs:
                 return
             self._done = []
             self._flush_scheduled = False
-        corked = self._w.cork()  # the replies leave as one batch (one: sent at uncork)
-        try:
-            for call in done:
-                self._finish(call)
-        finally:
-            self._w.uncork(corked)
+        self._finish_all(done)
 
     def _flush_done(self) -> None:
         with self._done_lock:
             done, self._done = self._done, []
             self._flush_scheduled = False
-        corked = self._w.cork()  # the replies leave as one batch (one: sent at uncork)
+        self._finish_all(done)
+
+    def _finish_all(self, done: list[_Call]) -> None:
+        """Loop thread: :meth:`_finish` each; the replies leave as one batch at uncork."""
+        corked = self._w.cork()
         try:
             for call in done:
                 self._finish(call)
