@@ -34,7 +34,7 @@ from .._wire.sockio import router_socket
 from .._wire.tasks import supervise
 from . import syncface as _syncface
 from . import wakeups
-from .codeship import DEFAULT_MAX_CODE_BYTES, CodeShipper
+from .codeship import DEFAULT_MAX_CODE_BYTES, CodeShipper, Secrets
 from .current import Current, State
 from .environ import from_environment, from_environment_modules
 from .frees import Frees
@@ -157,7 +157,6 @@ class Controller:
         max_code_bytes: int = DEFAULT_MAX_CODE_BYTES,
     ) -> None:
         bind, hosts, key, names = from_environment(bind, hosts, key)  # colobus launch's
-        self._shipper = CodeShipper(from_environment_modules(py_modules), ship_code, max_code_bytes)
         if key is not None:
             key = _keys.check_key(key, "Controller(key=...)")
         if hosts < 0:
@@ -184,6 +183,12 @@ class Controller:
         # (public, secret) Z85 and the allowed workers' keys, when CurveZMQ is on
         self._curve, self._curve_allow = _keys.curve_server_config(
             curve_secret_key, curve_public_key, curve_allow)
+        # Never shipped with the user's code: the key and CurveZMQ secret, as files and values.
+        self._shipper = CodeShipper(
+            from_environment_modules(py_modules), ship_code, max_code_bytes, Secrets.of(
+                (_keys.key_file_of(self._key), curve_secret_key),
+                (self._key, self._key.hex().encode(), self._key.hex().upper().encode(),
+                 self._curve[1] if self._curve is not None else None)))
         self._auth: Any = None  # zmq.auth.thread.ThreadAuthenticator while running
         self._relays = Relays.configure(self, relays, relay_threshold, hosts)
         self.state, self._closed = State.NEW, False  # (_closed: a plain read per call)
