@@ -28,7 +28,7 @@ import pytest
 
 import colobus as cb
 from colobus._controller.codeship import snapshot, user_package
-from colobus._host.shipped import PREFIX, _in_memory, _sweep
+from colobus._host.shipped import LOCK, PREFIX, _in_memory, _make_dir, _sweep
 
 HOSTS = 2
 FAST = {"heartbeat_interval": 0.2, "liveness_timeout": 5.0, "join_timeout": 90.0}
@@ -209,11 +209,19 @@ def test_packages_pip_installed_into_a_folder_on_the_path_stay_home(
 
 
 def test_what_dead_workers_left_is_swept(tmp_path: Path) -> None:
-    dead, live = tmp_path / f"{PREFIX}999999999-x", tmp_path / f"{PREFIX}{os.getpid()}-y"
-    for d in (dead, live):
-        (d / "pkg").mkdir(parents=True)
-    _sweep(str(tmp_path))
-    assert not dead.exists() and live.exists()
+    # Judged by each directory's lock, never by a PID: a live session's directory holds
+    # its lock; a dead worker's lock went with it; one without a lock file is not ours.
+    live, fd = _make_dir(str(tmp_path))
+    dead, dead_fd = _make_dir(str(tmp_path))
+    os.close(dead_fd)  # its worker is gone: the kernel dropped its lock
+    assert (Path(dead) / LOCK).exists()
+    unknown = tmp_path / f"{PREFIX}999999999-z"
+    (unknown / "pkg").mkdir(parents=True)
+    try:
+        _sweep(str(tmp_path))
+        assert Path(live).exists() and not Path(dead).exists() and unknown.exists()
+    finally:
+        os.close(fd)
 
 
 async def test_code_pickled_by_value_takes_the_packages_it_names_along(far: Elsewhere) -> None:
