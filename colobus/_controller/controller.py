@@ -183,12 +183,8 @@ class Controller:
         # (public, secret) Z85 and the allowed workers' keys, when CurveZMQ is on
         self._curve, self._curve_allow = _keys.curve_server_config(
             curve_secret_key, curve_public_key, curve_allow)
-        # Never shipped with the user's code: the key and CurveZMQ secret, as files and values.
-        self._shipper = CodeShipper(
-            from_environment_modules(py_modules), ship_code, max_code_bytes, Secrets.of(
-                (_keys.key_file_of(self._key), curve_secret_key),
-                (self._key, self._key.hex().encode(), self._key.hex().upper().encode(),
-                 self._curve[1] if self._curve is not None else None)))
+        self._shipper = CodeShipper(from_environment_modules(py_modules), ship_code, max_code_bytes,
+                                    Secrets.of_keys(self._key, curve_secret_key, self._curve))
         self._auth: Any = None  # zmq.auth.thread.ThreadAuthenticator while running
         self._relays = Relays.configure(self, relays, relay_threshold, hosts)
         self.state, self._closed = State.NEW, False  # (_closed: a plain read per call)
