@@ -97,7 +97,7 @@ class Secrets:
         if data is not None:
             if any(v in data for v in self.contents):
                 return "it holds the controller's key"
-            if _CURVE_SECRET.search(data):
+            if b"secret-key" in data and _CURVE_SECRET.search(data):  # (find first: fast)
                 return "it is a CurveZMQ secret-key file"
         return None
 
@@ -203,16 +203,19 @@ def _open(path: str) -> tuple[int, os.stat_result] | None:
     return fd, st
 
 
-def _read(fd: int, most: int) -> bytes:
+def _read(fd: int, most: int, size: int) -> bytes:
     """Up to ``most`` bytes from ``fd``, read until its end: what it holds now, whatever
-    its size said (a file that grew, a ``/proc`` file)."""
+    its size said (``size``: the first read asks for that and one byte more, so a file
+    that kept its size takes two reads; one that grew, or a ``/proc`` file, takes more)."""
     chunks, got = [], 0
+    ask = size + 1
     while got < most:
-        chunk = os.read(fd, min(most - got, 1 << 20))
+        chunk = os.read(fd, min(most - got, ask))
         if not chunk:
             break
         chunks.append(chunk)
         got += len(chunk)
+        ask = 1 << 20
     return b"".join(chunks)
 
 
@@ -271,7 +274,7 @@ def snapshot(name: str, root: str, used: int = 0, limit: int | None = None,
                     why = _stays(st, secrets)  # as it stands now: it may have changed
                     # (one byte past the room left: enough to know it is over)
                     data = b"" if why else _read(
-                        fd, (1 << 62) if room is None else room - nbytes + 1)
+                        fd, (1 << 62) if room is None else room - nbytes + 1, st.st_size)
                 finally:
                     os.close(fd)
             except OSError as exc:
