@@ -116,14 +116,14 @@ def _files(root: str) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
     out, out_links = [], []
     for dirpath, dirnames, filenames in os.walk(root):
         rel = os.path.relpath(dirpath, root)
+        dirnames[:] = sorted(
+            d for d in dirnames if not (d.startswith(".") or d in SKIP_DIRS
+                                        or d.endswith(".egg-info") or _environment(dirpath, d)))
         for d in dirnames:  # (os.walk never descends a link to a directory)
             path = os.path.join(dirpath, d)
             if os.path.islink(path) and not os.path.realpath(path).startswith(inside):
                 out_links.append((_archive_path(name, rel, d), "a link to a directory outside "
                                                                "the package"))
-        dirnames[:] = sorted(
-            d for d in dirnames if not (d.startswith(".") or d in SKIP_DIRS
-                                        or d.endswith(".egg-info") or _environment(dirpath, d)))
         for f in sorted(filenames):
             if f.startswith(".") or f.endswith(SKIP_SUFFIXES):
                 continue
