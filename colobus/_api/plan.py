@@ -17,7 +17,7 @@ import numpy as np
 from .._controller.future import Future
 from .._model.blocks import host_blocks
 from .._model.devices import Device, Mesh
-from .._model.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+from .._model.sharding import NamedSharding, SingleDeviceSharding
 from .._wire.splice import pack_body
 from .array import Array, mesh_message
 
@@ -87,6 +87,8 @@ def _make_plan(devices: tuple[Device, ...], mesh: Mesh | Device) -> CallPlan:
     if isinstance(mesh, Device):
         host_mesh = {mesh.host: [[[mesh.platform, mesh.local_id]], [], []]}
     else:
+        from jax.sharding import PartitionSpec
+
         blocks = host_blocks(NamedSharding(mesh, PartitionSpec()), ())
         host_mesh = {h: mesh_message(b) for h, b in blocks.items()}
     return CallPlan(devices, mesh, hosts, host_mesh)

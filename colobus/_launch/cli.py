@@ -35,12 +35,13 @@ import tempfile
 import threading
 from collections.abc import Sequence
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .._controller.environ import DEVICES_ENV, PY_MODULES_ENV
-from .._controller.procwatch import Emit
-from .._wire.keys import KEY_ENV, write_key
-from .base import Launcher, Workers, log_emit
+# The parsers below are built for every `colobus` command, `--version` included: what
+# running a launch needs is imported when one runs.
+if TYPE_CHECKING:
+    from .._controller.procwatch import Emit
+    from .base import Launcher, Workers
 
 __all__ = ["LAUNCH_KINDS", "add_launch_parsers", "run_launch", "split_command"]
 
@@ -148,6 +149,7 @@ def _tcp_address(bind: str | None, toward: str) -> str:
 
 def _local_launcher(hosts: int, devices: int) -> Launcher:
     """``launch local``: local workers whose lines go to logging as ``[host N]``."""
+    from .base import log_emit
     from .local import LocalLauncher
 
     class Local(LocalLauncher):
@@ -289,6 +291,10 @@ def run_launch(args: argparse.Namespace, command: list[str] | None,
 
 
 def _run(args: argparse.Namespace, command: list[str]) -> int:
+    from .._controller.environ import DEVICES_ENV, PY_MODULES_ENV
+    from .._wire.keys import KEY_ENV, write_key
+    from .base import Workers
+
     tmp = tempfile.mkdtemp(prefix="colobus-launch-")  # mode 0700
     try:
         key_file = os.path.join(tmp, "key")

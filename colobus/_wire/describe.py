@@ -143,10 +143,16 @@ def describe_outputs(treedef: Any, leaves: list[P.OutLeaf]) -> bytes:
         ValueError: the output tree holds a node that cannot be described
             (a pytree node whose auxiliary data is not plain data).
     """
+    global _NONE_TREEDEF
     if not leaves and treedef == _NONE_TREEDEF:
         return _NONE_DESCRIPTION  # a function that returns None: the common case, packed once
-    return pack({"v": VERSION, "tree": _tree_to_wire(treedef, 0),
-                  "leaves": [_leaf_to_wire(m) for m in leaves]})
+    tree = _tree_to_wire(treedef, 0)
+    if tree is None:
+        # The treedef of None, met for the first time: remembered here rather than
+        # built at import, so that importing colobus does not import JAX.
+        _NONE_TREEDEF = treedef
+        return _NONE_DESCRIPTION
+    return pack({"v": VERSION, "tree": tree, "leaves": [_leaf_to_wire(m) for m in leaves]})
 
 
 def _leaf_to_wire(m: P.OutLeaf) -> dict[str, Any]:
@@ -241,14 +247,9 @@ def _parse(raw: bytes, count: int) -> tuple[tuple[P.OutLeaf, ...], Any]:
 _parsed = functools.lru_cache(maxsize=512)(_parse)
 
 
-def _none_description() -> tuple[Any, bytes]:
-    import jax
-
-    treedef = jax.tree_util.tree_structure(None)
-    return treedef, pack({"v": VERSION, "tree": _tree_to_wire(treedef, 0), "leaves": []})
-
-
-_NONE_TREEDEF, _NONE_DESCRIPTION = _none_description()
+# What a function that returns None replies (the tree of None is described as None).
+_NONE_DESCRIPTION = pack({"v": VERSION, "tree": None, "leaves": []})
+_NONE_TREEDEF: Any = object()  # JAX's treedef of None once describe_outputs has met it
 
 
 def _leaf_from_wire(i: int, raw: Any) -> P.OutLeaf:

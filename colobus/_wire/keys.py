@@ -16,11 +16,12 @@ import stat
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
-
-import zmq
+from typing import TYPE_CHECKING, Any
 
 from .._errors import AuthenticationError
+
+if TYPE_CHECKING:
+    import zmq
 
 __all__ = [
     "curve_server_config",
@@ -333,6 +334,7 @@ def start_curve_server(ctx: zmq.Context[Any], sock: zmq.Socket[Any], public: byt
 
     Returns the authenticator, to ``stop()`` when the socket closes.
     """
+    import zmq
     from zmq.auth import CURVE_ALLOW_ANY
     from zmq.auth.thread import ThreadAuthenticator
 
