@@ -44,7 +44,7 @@ import zmq
 from .._wire.endpoint import Endpoint
 from .._wire.protocol import TOKEN_BYTES
 
-__all__ = ["Blob", "DataPlane", "start_dataplane"]
+__all__ = ["Blob", "DataPlane", "data_address", "start_dataplane"]
 
 log = logging.getLogger("colobus.host.dataplane")
 
@@ -428,7 +428,12 @@ def start_dataplane(loop: asyncio.AbstractEventLoop, ctx: zmq.Context[Any],
     thread once found, so the first join never waits for it."""
     import ipaddress
 
-    lookup = endpoint.transport == "tcp" and not os.environ.get("COLOBUS_DATA_ADDRESS")
+    chosen = os.environ.get("COLOBUS_DATA_ADDRESS", "").strip()
+    try:  # an address given (or none wanted): nothing to look up
+        given = chosen == "off" or bool(data_address(chosen)[0])
+    except ValueError:
+        given = True  # _start says what is wrong with it
+    lookup = endpoint.transport == "tcp" and not given
     if lookup:
         try:
             ipaddress.ip_address(endpoint.host)
@@ -445,16 +450,17 @@ def start_dataplane(loop: asyncio.AbstractEventLoop, ctx: zmq.Context[Any],
 def _start(ctx: zmq.Context[Any], endpoint: Endpoint, curve: bool) -> DataPlane | None:
     """This worker's data plane, bound where other hosts can reach it, or None.
 
-    ``$COLOBUS_DATA_ADDRESS`` names the address to bind and announce (``off``: no
-    data plane); by default, the address of the interface that reaches the
-    controller (an ``ipc://`` controller: an ``ipc://`` path beside it). Under
-    CurveZMQ there is none: the data plane is not encrypted, so blocks keep to
-    the encrypted links (the star).
+    ``$COLOBUS_DATA_ADDRESS`` names the address to bind and announce, with a port to pin
+    it to (``ADDRESS``, ``ADDRESS:PORT``, ``:PORT``, ``[IPV6]:PORT``; ``off``: no data
+    plane); by default, the address of the interface that reaches the controller, on an
+    ephemeral port (an ``ipc://`` controller: an ``ipc://`` path beside it). Under
+    CurveZMQ there is none: the data plane is not encrypted, so blocks keep to the
+    encrypted links (the star).
     """
     import secrets
     import tempfile
 
-    chosen = os.environ.get("COLOBUS_DATA_ADDRESS", "")
+    chosen = os.environ.get("COLOBUS_DATA_ADDRESS", "").strip()
     if curve or chosen == "off":
         return None
     try:
@@ -463,11 +469,37 @@ def _start(ctx: zmq.Context[Any], endpoint: Endpoint, curve: bool) -> DataPlane 
                                 f"colobus-data-{os.getpid()}-{secrets.token_hex(4)}")
             bind = f"ipc://{path}"
         else:
-            address = chosen or _local_address(endpoint.host, endpoint.port)
-            bind = f"tcp://[{address}]:*" if ":" in address else f"tcp://{address}:*"
+            address, port = data_address(chosen)
+            address = address or _local_address(endpoint.host, endpoint.port)
+            bind = f"tcp://[{address}]:{port}" if ":" in address else f"tcp://{address}:{port}"
         plane = DataPlane(ctx, bind)
-    except (OSError, zmq.ZMQError) as exc:
+    except (OSError, ValueError, zmq.ZMQError) as exc:
         log.warning("no data plane (%s): replicated blocks come from the controller", exc)
         return None
-    log.info("data plane at %s", plane.endpoint)
+    log.info("data plane at %s (other hosts fetch broadcast blocks here; "
+             "$COLOBUS_DATA_ADDRESS sets it)", plane.endpoint)
     return plane
+
+
+def data_address(text: str) -> tuple[str, str]:
+    """``(address, port)`` of a ``$COLOBUS_DATA_ADDRESS`` (``""``: the default address;
+    ``"*"``: an ephemeral port).
+
+    Raises:
+        ValueError: a port that is not a number from 1 to 65535.
+    """
+    text = text.strip()
+    if text.startswith("tcp://"):
+        text = text[len("tcp://"):]
+    if text.startswith("["):  # [IPV6] or [IPV6]:PORT
+        address, _, rest = text[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else ""
+    elif text.count(":") == 1:  # ADDRESS:PORT or :PORT
+        address, _, port = text.partition(":")
+    else:  # ADDRESS (an IPv6 address without brackets has no port)
+        address, port = text, ""
+    if port in ("", "*"):
+        return address, "*"
+    if not (port.isdigit() and 1 <= int(port) <= 65535):
+        raise ValueError(f"COLOBUS_DATA_ADDRESS={text!r}: the port must be 1 to 65535")
+    return address, port

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -43,7 +44,8 @@ if TYPE_CHECKING:
     from .._controller.procwatch import Emit
     from .base import Launcher, Workers
 
-__all__ = ["LAUNCH_KINDS", "add_launch_parsers", "run_launch", "split_command"]
+__all__ = ["LAUNCH_KINDS", "add_launch_parsers", "driver_command", "run_launch",
+           "split_command"]
 
 log = logging.getLogger("colobus.launch")
 
@@ -122,6 +124,31 @@ def add_launch_parsers(sub: Any, positive_int: Any) -> None:
     from .kubernetes import add_manifest_parser
 
     add_manifest_parser(sub, positive_int)
+
+
+_BARE_PYTHON = re.compile(r"python(3(\.\d+)?)?")
+
+
+def driver_command(command: list[str]) -> list[str]:
+    """``command`` with a bare ``python``/``python3`` run as this launcher's own Python.
+
+    ``colobus launch`` is often run as ``.venv/bin/colobus`` without the virtual
+    environment activated; the ``python`` on ``PATH`` is then another interpreter,
+    one without colobus (or the user's packages), and the driver would fail with
+    ``No module named 'colobus'``. The local workers run on this interpreter too, and
+    hosts with another Python version are refused, so the driver's must be this one.
+    A ``pythonX.Y`` of another version, or a path, is run as written.
+    """
+    head = command[0] if command else ""
+    match = _BARE_PYTHON.fullmatch(head)
+    if match is None or (match.group(2) is not None
+                         and head != f"python{sys.version_info[0]}.{sys.version_info[1]}"):
+        return command
+    found = shutil.which(head)
+    if found is None or os.path.realpath(found) != os.path.realpath(sys.executable):
+        log.info("running the driver's %r as %s, the Python colobus launch runs on "
+                 "(the %s on PATH is %s)", head, sys.executable, head, found or "missing")
+    return [sys.executable, *command[1:]]
 
 
 class _LaunchError(Exception):
@@ -318,7 +345,7 @@ def _run(args: argparse.Namespace, command: list[str]) -> int:
             try:
                 workers.start_all()
                 try:
-                    signals.driver = subprocess.Popen(command, env=env)
+                    signals.driver = subprocess.Popen(driver_command(command), env=env)
                 except OSError as exc:
                     raise _LaunchError(f"cannot run {command[0]!r}: {exc.strerror or exc}",
                                        127) from None
