@@ -21,7 +21,7 @@ from typing import Any
 
 import zmq
 
-from .._errors import ControllerClosedError, NoControllerError
+from .._errors import ClusterClosedError, ControllerClosedError, NoControllerError
 from .._model.devices import Device
 from .._observe.metrics import observing, stop_observing
 from .._process import freeze_once
@@ -493,5 +493,8 @@ def default_controller() -> Controller:
     """The default controller, or ``NoControllerError`` saying how to start one."""
     ctl = current_controller()
     if ctl is None or ctl.state is not State.RUNNING:
+        gone = ctl if ctl is not None else _current.left_last()
+        if gone is not None and gone.state is State.CLOSED:
+            raise ClusterClosedError(repr(gone))
         raise NoControllerError()
     return ctl

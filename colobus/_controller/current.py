@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import enum
 import threading
-from typing import Generic, TypeVar
+import weakref
+from typing import Any, Generic, TypeVar
 
 __all__ = ["Current", "State"]
 
@@ -26,6 +27,7 @@ class Current(Generic[T]):
     def __init__(self) -> None:
         self._stack: list[T] = []
         self._lock = threading.Lock()
+        self._left: Any = None  # a weak reference to the controller that left the stack last
 
     def push(self, ctl: T) -> None:
         with self._lock:
@@ -35,6 +37,13 @@ class Current(Generic[T]):
         with self._lock:
             if ctl in self._stack:
                 self._stack.remove(ctl)
+                self._left = weakref.ref(ctl)
+
+    def left_last(self) -> T | None:
+        """The controller that left the stack last (closed), while it is alive."""
+        left = self._left
+        found: T | None = left() if left is not None else None
+        return found
 
     def top(self) -> T | None:
         with self._lock:
