@@ -347,19 +347,44 @@ class _TreeReader:
         return [self.read(c, depth + 1) for c in raw]
 
     def _custom(self, rest: list[Any], depth: int) -> Any:
-        from jax._src import tree_util
-
         cls = lookup_class(rest[0], rest[1])
-        entry = tree_util._registry.get(cls) if isinstance(cls, type) else None
-        if entry is None:
+        unflatten = _registered_unflatten(cls) if isinstance(cls, type) else None
+        if unflatten is None:
             raise BadReply(
                 f"output pytree node {_name(rest)} is not a registered pytree node here "
                 "(import its module in the controller)")
         kids = self._kids(rest[3], depth)
         try:
-            return entry.from_iter(_tuples(rest[2]), kids)
+            return unflatten(_tuples(rest[2]), kids)
         except Exception as exc:
             raise BadReply(f"output pytree node {_name(rest)} does not rebuild: {exc}") from None
+
+
+def _registered_unflatten(cls: type) -> Any:
+    """JAX's unflatten function for a registered pytree node class, or None.
+
+    JAX has no public lookup of its pytree registry, so this reads a private one
+    (``jax._src.tree_util._registry``, a dict of entries with ``from_iter``), and JAX
+    may change it in any release (the requirement has no upper bound): a JAX without
+    it gives a clear error for outputs with custom nodes, and every other output
+    still works.
+
+    Raises:
+        BadReply: this JAX no longer has the registry colobus reads.
+    """
+    try:
+        from jax._src import tree_util
+
+        registry = tree_util._registry
+        entry = registry.get(cls)
+        return None if entry is None else entry.from_iter
+    except (ImportError, AttributeError, TypeError) as exc:
+        import jax
+
+        raise BadReply(
+            f"output pytree node {cls.__qualname__}: custom pytree nodes in outputs need "
+            f"JAX's pytree registry, which colobus cannot read in jax {jax.__version__} "
+            f"({exc!r}); return a dict or tuple instead") from None
 
 
 def _name(rest: list[Any]) -> str:
