@@ -167,6 +167,8 @@ class Controller:
         self._expected_hosts = hosts
         self._key = key if key is not None else _keys.generate_key()
         self._write_key_file = key is None
+        if key is None:  # the key file it makes goes on SIGTERM too (set on this thread)
+            _keys.catch_sigterm()
         self.key_file: str | None = None  # where a generated key was written (on start)
         self.heartbeat_interval = heartbeat_interval
         self.liveness_timeout = liveness_timeout
@@ -332,9 +334,9 @@ class Controller:
         if self._write_key_file:
             self.key_file = str(_keys.write_private_key(self._key))
             _keys.note_key_file(self._key, self.key_file)
-            log.info("no key given: wrote a fresh key to %s; standalone workers join with "
-                     "`colobus worker --connect %s --key-file %s`",
-                     self.key_file, self._address, self.key_file)
+            log.info("no key given: wrote a fresh key to %s (removed when this controller "
+                     "closes); standalone workers join with `colobus worker --connect %s "
+                     "--key-file %s`", self.key_file, self._address, self.key_file)
         self._chan.drain()
 
     def _stop_curve(self) -> None:
