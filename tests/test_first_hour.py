@@ -216,6 +216,19 @@ def test_the_ports_the_docs_name_are_the_ones_workers_listen_on(tmp_path: Path) 
             assert f"data plane at tcp://{a}:{p} " in plane, lines
 
 
+@pytest.mark.parametrize(("text", "parsed"), [
+    ("", ("", "*")), ("10.0.0.5", ("10.0.0.5", "*")), ("10.0.0.5:7000", ("10.0.0.5", "7000")),
+    (":7000", ("", "7000")), ("[::1]:7000", ("::1", "7000")), ("::1", ("::1", "*")),
+    ("tcp://node7:7001", ("node7", "7001")),
+])
+def test_the_data_address_forms_the_docs_name(text: str, parsed: tuple[str, str]) -> None:
+    from colobus._wire.endpoint import data_address
+
+    assert data_address(text) == parsed
+    with pytest.raises(ValueError, match="the port must be 1 to 65535"):
+        data_address("10.0.0.5:0")
+
+
 def _keygen(path: Path) -> Path:
     assert run_cli(["keygen", str(path)]).returncode == 0
     return path

@@ -21,7 +21,7 @@ from typing import Any
 
 import zmq
 
-from .._errors import ClusterClosedError, ControllerClosedError, NoControllerError
+from .._errors import ControllerClosedError
 from .._model.devices import Device
 from .._observe.metrics import observing, stop_observing
 from .._process import freeze_once
@@ -35,7 +35,7 @@ from .._wire.tasks import supervise
 from . import syncface as _syncface
 from . import wakeups
 from .codeship import DEFAULT_MAX_CODE_BYTES, CodeShipper
-from .current import Current, State
+from .current import Current, State, no_controller_error
 from .environ import from_environment, from_environment_modules
 from .frees import Frees
 from .future import Future
@@ -167,8 +167,6 @@ class Controller:
         self._expected_hosts = hosts
         self._key = key if key is not None else _keys.generate_key()
         self._write_key_file = key is None
-        if key is None:  # the key file it makes goes on SIGTERM too (set on this thread)
-            _keys.catch_sigterm()
         self.key_file: str | None = None  # where a generated key was written (on start)
         self.heartbeat_interval = heartbeat_interval
         self.liveness_timeout = liveness_timeout
@@ -495,8 +493,5 @@ def default_controller() -> Controller:
     """The default controller, or ``NoControllerError`` saying how to start one."""
     ctl = current_controller()
     if ctl is None or ctl.state is not State.RUNNING:
-        gone = ctl if ctl is not None else _current.left_last()
-        if gone is not None and gone.state is State.CLOSED:
-            raise ClusterClosedError(repr(gone))
-        raise NoControllerError()
+        raise no_controller_error(ctl if ctl is not None else _current.left_last())
     return ctl

@@ -7,7 +7,9 @@ import threading
 import weakref
 from typing import Any, Generic, TypeVar
 
-__all__ = ["Current", "State"]
+from .._errors import ClusterClosedError, NoControllerError
+
+__all__ = ["Current", "State", "no_controller_error"]
 
 
 class State(enum.Enum):
@@ -48,3 +50,11 @@ class Current(Generic[T]):
     def top(self) -> T | None:
         with self._lock:
             return self._stack[-1] if self._stack else None
+
+
+def no_controller_error(gone: Any) -> NoControllerError:
+    """The error of a call made while no controller runs; ``gone`` is the controller that
+    was the default last (None: none), which says the cluster was closed if it was."""
+    if gone is not None and gone.state is State.CLOSED:
+        return ClusterClosedError(repr(gone))
+    return NoControllerError()

@@ -41,10 +41,10 @@ from typing import Any
 
 import zmq
 
-from .._wire.endpoint import Endpoint
+from .._wire.endpoint import Endpoint, data_address
 from .._wire.protocol import TOKEN_BYTES
 
-__all__ = ["Blob", "DataPlane", "data_address", "start_dataplane"]
+__all__ = ["Blob", "DataPlane", "start_dataplane"]
 
 log = logging.getLogger("colobus.host.dataplane")
 
@@ -479,27 +479,3 @@ def _start(ctx: zmq.Context[Any], endpoint: Endpoint, curve: bool) -> DataPlane 
     log.info("data plane at %s (other hosts fetch broadcast blocks here; "
              "$COLOBUS_DATA_ADDRESS sets it)", plane.endpoint)
     return plane
-
-
-def data_address(text: str) -> tuple[str, str]:
-    """``(address, port)`` of a ``$COLOBUS_DATA_ADDRESS`` (``""``: the default address;
-    ``"*"``: an ephemeral port).
-
-    Raises:
-        ValueError: a port that is not a number from 1 to 65535.
-    """
-    text = text.strip()
-    if text.startswith("tcp://"):
-        text = text[len("tcp://"):]
-    if text.startswith("["):  # [IPV6] or [IPV6]:PORT
-        address, _, rest = text[1:].partition("]")
-        port = rest[1:] if rest.startswith(":") else ""
-    elif text.count(":") == 1:  # ADDRESS:PORT or :PORT
-        address, _, port = text.partition(":")
-    else:  # ADDRESS (an IPv6 address without brackets has no port)
-        address, port = text, ""
-    if port in ("", "*"):
-        return address, "*"
-    if not (port.isdigit() and 1 <= int(port) <= 65535):
-        raise ValueError(f"COLOBUS_DATA_ADDRESS={text!r}: the port must be 1 to 65535")
-    return address, port
