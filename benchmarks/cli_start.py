@@ -63,7 +63,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         rows = _rows(args.with_jax, tmp)
         times: dict[str, list[tuple[float, float]]] = {name: [] for name, _ in rows}
-        for name, argv in rows:  # a first, unmeasured run of each: the page cache
+        for _, argv in rows:  # a first, unmeasured run of each: the page cache
             _one(argv)
         for _ in range(args.runs):
             for name, argv in rows:
