@@ -83,6 +83,15 @@ def test_import_colobus_imports_no_jax_and_partitionspec_is_jaxs() -> None:
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
 
 
+def test_every_public_name_resolves_where_the_package_says_it_lives() -> None:
+    """The names come on first use: each one in ``__all__`` must have a home there."""
+    assert set(cb._WHERE) == set(cb.__all__)
+    for name in cb.__all__:
+        value = getattr(cb, name)
+        if name != "PartitionSpec":  # (JAX's own class, named P in recent JAX)
+            assert getattr(value, "__name__", name) == name, (name, value)
+
+
 def test_misused_options_are_named_with_the_close_one() -> None:
     # run for real: the console script, as a user types it
     line = _one_line_error(_colobus("worker", "--conect", "tcp://127.0.0.1:9"))
