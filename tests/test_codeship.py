@@ -269,6 +269,40 @@ async def test_without_shipping_the_error_names_the_function_and_the_remedy(
         assert await fetch(steps.step(per_host(ctl))) == [0.0, 3.0]
 
 
+async def test_a_dependency_missing_on_the_hosts_is_named_and_is_the_users_to_install(
+        far: Elsewhere) -> None:
+    """The user's package travels; a package it imports that is installed on the driver
+    but not on the hosts is named, as the user's to install there."""
+    name, dep = unique("needsdep"), unique("colobus_absent_dependency")
+    pkg = far.src / name
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "steps.py").write_text(textwrap.dedent(f"""
+        import os
+
+        import colobus as cb
+
+        if os.getpid() != {os.getpid()}:  # on the hosts only: installed here, not there
+            import {dep}
+
+
+        @cb.colocated_python
+        def step(x):
+            return x
+    """))
+    steps = fresh_import(f"{name}.steps")
+    async with far.controller() as ctl:
+        with pytest.raises(ModuleNotFoundError, match=dep) as info:
+            await asyncio.wait_for(steps.step(per_host(ctl)), 60)
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert f"{name}.steps.step cannot be loaded on" in notes, notes
+    assert f"it needs the module {dep!r}, which is not installed there" in notes, notes
+    assert "Installed dependencies are yours to install on the hosts" in notes, notes
+    # the advice to ship code is kept for the user's own modules, and says so
+    assert f"If {dep!r} is a module of yours, name it in py_modules=" in notes, notes
+    assert "install its package there" not in notes, notes
+
+
 async def test_modules_registered_by_value_travel_in_the_pickle(far: Elsewhere) -> None:
     name = unique("byvalue")
     (far.src / f"{name}.py").write_text(textwrap.dedent("""

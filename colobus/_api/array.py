@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -18,12 +18,15 @@ from .._errors import HostLostError
 from .._model.blocks import HostBlock, assemble, host_blocks
 from .._model.devices import Device
 from .._model.jaxside import is_key_array
-from .._model.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
+from .._model.sharding import NamedSharding, Sharding, SingleDeviceSharding
 from .._wire import protocol as P
 from .._wire.describe import read_fetched
 from .._wire.envelope import Envelope
 from .reshard import mesh_message
 from .shards import Shard, addressable_shards
+
+if TYPE_CHECKING:
+    from jax.sharding import PartitionSpec
 
 __all__ = ["Array", "MisusedHandle", "check_owner", "device_get", "fetch_many",
            "mesh_message"]
@@ -47,6 +50,8 @@ def check_owner(handle: Any, ctl: Controller) -> None:
 
 
 def _spec_of(sharding: Sharding) -> PartitionSpec:
+    from jax.sharding import PartitionSpec
+
     return sharding.spec if isinstance(sharding, NamedSharding) else PartitionSpec()
 
 

@@ -17,7 +17,6 @@ from .._model.blocks import global_shape_from_host, host_blocks, layout_from_hos
 from .._model.devices import Device, Mesh
 from .._model.sharding import (
     NamedSharding,
-    PartitionSpec,
     SingleDeviceSharding,
     with_memory_kind,
 )
@@ -117,7 +116,7 @@ def build_outputs(ctl: Controller, call_id: int, plan: CallPlan,
                         f"{h} returned {m.shape} {m.dtype}")
             shape = tuple(leaf0.shape)
             sharding = (SingleDeviceSharding(plan.mesh) if isinstance(plan.mesh, Device)
-                        else NamedSharding(plan.mesh, PartitionSpec()))
+                        else NamedSharding(plan.mesh, jax.sharding.PartitionSpec()))
         if leaf0.memory_kind is not None:  # the host's own memory kind (JAX's sharding)
             sharding = with_memory_kind(sharding, leaf0.memory_kind)
         if leaf0.digest is not None and len(hosts) > 1:

@@ -31,7 +31,7 @@ from .._controller.hosts import Host
 from .._errors import HostLostError
 from .._model.blocks import HostBlock
 from .._model.moves import Box, Move, ReshardPlan
-from .._model.sharding import NamedSharding, PartitionSpec, Sharding
+from .._model.sharding import NamedSharding, Sharding
 from .._wire import protocol as P
 from .._wire.codec import dtype_to_wire, to_buffer
 from .._wire.describe import BadReply, read_fetched
@@ -104,6 +104,8 @@ class Reshard:
 
     def _send(self, call_id: int) -> None:
         """Loop thread: one RESHARD per host of the plan, then the first moves."""
+        from jax.sharding import PartitionSpec
+
         ctl, plan = self.ctl, self.plan
         src = self.src
         assert src is not None

@@ -21,7 +21,7 @@ from typing import Any
 
 import zmq
 
-from .._errors import ControllerClosedError, NoControllerError
+from .._errors import ControllerClosedError
 from .._model.devices import Device
 from .._observe.metrics import observing, stop_observing
 from .._process import freeze_once
@@ -35,7 +35,7 @@ from .._wire.tasks import supervise
 from . import syncface as _syncface
 from . import wakeups
 from .codeship import DEFAULT_MAX_CODE_BYTES, CodeShipper, Secrets
-from .current import Current, State
+from .current import Current, State, no_controller_error
 from .environ import from_environment, from_environment_modules
 from .frees import Frees
 from .future import Future
@@ -333,9 +333,9 @@ class Controller:
         if self._write_key_file:
             self.key_file = str(_keys.write_private_key(self._key))
             _keys.note_key_file(self._key, self.key_file)
-            log.info("no key given: wrote a fresh key to %s; standalone workers join with "
-                     "`colobus worker --connect %s --key-file %s`",
-                     self.key_file, self._address, self.key_file)
+            log.info("no key given: wrote a fresh key to %s (removed when this controller "
+                     "closes); standalone workers join with `colobus worker --connect %s "
+                     "--key-file %s`", self.key_file, self._address, self.key_file)
         self._chan.drain()
 
     def _stop_curve(self) -> None:
@@ -494,5 +494,5 @@ def default_controller() -> Controller:
     """The default controller, or ``NoControllerError`` saying how to start one."""
     ctl = current_controller()
     if ctl is None or ctl.state is not State.RUNNING:
-        raise NoControllerError()
+        raise no_controller_error(ctl if ctl is not None else _current.left_last())
     return ctl

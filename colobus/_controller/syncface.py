@@ -16,6 +16,8 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, Protocol, TypeVar
 
+from .._wire.keys import catch_sigterm
+
 __all__ = [
     "LoopThread", "SyncOwner", "close", "new_event_loop", "run_sync", "start_in_thread",
     "uvloop_in_use",
@@ -82,6 +84,7 @@ class SyncOwner(Protocol):
 
     _own_thread: LoopThread | None
     _closing: asyncio.Task[None] | None
+    _write_key_file: bool  # it makes its own key file (on its loop thread)
 
     @property
     def _loop(self) -> asyncio.AbstractEventLoop | None: ...
@@ -95,6 +98,8 @@ class SyncOwner(Protocol):
 
 def start_in_thread(ctl: SyncOwner, timeout: float) -> None:
     """Start ``ctl`` on a private event-loop thread; no thread outlives a failed start."""
+    if ctl._write_key_file:  # the key file it makes there goes on SIGTERM too (set here:
+        catch_sigterm()      # Python sets signal handlers on the main thread only)
     thread = LoopThread()
     thread.start(timeout)
     ctl._own_thread = thread

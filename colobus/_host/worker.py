@@ -35,7 +35,7 @@ from .._wire.channel import Channel, Peer
 from .._wire.chunks import CHUNK_BYTES, MAX_PART
 from .._wire.endpoint import parse_connect
 from .._wire.envelope import Envelope
-from .._wire.keys import check_key
+from .._wire.keys import check_key, key_id
 from .._wire.lane import ON as LANE
 from .._wire.protocol import Kind, Status
 from .._wire.sockio import NOBLOCK, socket_fd
@@ -163,6 +163,10 @@ class Worker(MessagePath):
 
     async def serve(self) -> int:
         self.loop = asyncio.get_running_loop()
+        # The first line says where this worker goes and with which key (its id, never
+        # the key): what to compare with the driver's log when the join does not come.
+        log.info("host %s: connecting to %s with key id %s%s", self.name, self.connect,
+                 key_id(self._key), " (CurveZMQ)" if self._curve is not None else "")
         # As PID 1 in a container, SIGTERM without a handler is ignored (docker stop
         # would wait and SIGKILL); with one, the worker leaves its session and exits.
         on_main = threading.current_thread() is threading.main_thread()

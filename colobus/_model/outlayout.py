@@ -44,7 +44,7 @@ from . import jaxside as _hostside
 from .blocks import host_blocks, host_sub_mesh
 from .devices import Device, Mesh
 from .jaxside import is_key_array
-from .sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
+from .sharding import NamedSharding, Sharding, SingleDeviceSharding
 
 __all__ = ["DIGEST_CHUNK_BYTES", "check_replicas", "digest", "global_sharding", "kept_layout"]
 
@@ -174,6 +174,8 @@ def _reports(plan: Any, metas: Mapping[int, Any]) -> dict[int, _Report]:
                 local = NamedSharding(Mesh(arr.reshape(shape), tuple(names)), m.spec)
             out[h] = (int(ref), local, bool(replicated))
         elif m.spec is not None and isinstance(plan.mesh, Mesh):
+            from jax.sharding import PartitionSpec
+
             _, sub = host_sub_mesh(NamedSharding(plan.mesh, PartitionSpec()), h)
             local = NamedSharding(sub, m.spec)
             out[h] = (int(ref), local, local.is_fully_replicated)
