@@ -44,6 +44,7 @@ from .._wire.tasks import supervise
 from .arrays import HostArrays
 from .construct import on_construct
 from .dataplane import DataPlane, start_dataplane
+from .jaxnames import answer_colobus_process_index
 from .join import JoinDiagnosis, relay_socket, session_socket
 from .leader import serve_worker
 from .messages import Exit, MessagePath
@@ -169,6 +170,7 @@ class Worker(MessagePath):
         if on_main:
             self.loop.add_signal_handler(signal.SIGTERM, self._on_sigterm)
         self._jax = setup_jax(self._cpu_devices)
+        answer_colobus_process_index(self._jax)  # (before any user code runs here)
         self._discover_devices()
         # Everything imported so far (JAX: ~100k objects) lives as long as the process:
         # keep it out of the collector's scans, which otherwise cost every call.

@@ -95,7 +95,7 @@ def _where() -> str:
 def host_index() -> int:
     """In host code, the colobus index of this host (0, 1, ... in join order).
 
-    ``jax.process_index()`` there is the worker's own JAX's, always 0.
+    ``jax.process_index()`` answers the same there (see ``colobus._host.jaxnames``).
 
     Raises:
         RuntimeError: outside host code (on the controller).
