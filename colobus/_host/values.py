@@ -193,9 +193,10 @@ def is_string(dtype: Any) -> bool:
 class HostValues:
     """Conversions that need the host's JAX and its devices (thread-safe)."""
 
-    def __init__(self, jax: Any, by_local: dict[tuple[str, int], Any]) -> None:
+    def __init__(self, jax: Any, by_local: dict[tuple[str, int], Any], job: Any = None) -> None:
         self.jax = jax
         self._by_local = by_local
+        self.job = job  # the worker's HostJob while in the cluster's JAX job, else None
         self.meshes: dict[str, Any] = {}  # local_mesh's, by the raw mesh's repr
         # A call's output description, per output layout (see ``outputs``): key -> (the
         # description, the objects whose ids the key holds, kept alive so no other
@@ -270,6 +271,8 @@ class HostValues:
         from ``pins``); ``fn``, the function that returned ``out``, is named in the
         error for a leaf that is not an array."""
         jax = self.jax
+        if self.job is not None:  # global arrays: this host's blocks of them
+            out = self.job.to_blocks(out)
         kept = self._described_types
         if type(out) in kept:  # one jax.Array: a leaf
             leaves, treedef = [out], self._leaf

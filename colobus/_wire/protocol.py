@@ -21,6 +21,7 @@ __all__ = [
     "Construct",
     "Destroy",
     "Fetch",
+    "Form",
     "Heartbeat",
     "Hello",
     "Join",
@@ -84,6 +85,7 @@ class Kind(enum.IntEnum):
     GONE = 29  # both: a host the relay no longer carries (lost, or it broke the protocol)
     READY = 30  # R: the relay is up, hosts connect to this endpoint
     DELIVERED = 31  # R: the bytes your hosts acknowledged (upload back-pressure)
+    FORM = 40  # C: join the cluster's JAX job (jax_distributed); answered with a RESULT
 
 
 class Status(enum.IntEnum):
@@ -137,7 +139,7 @@ class Hello(Body):
 @dataclass(frozen=True, slots=True)
 class Welcome(Body):
     kind = Kind.WELCOME
-    types = (int, list, _num, _num, bool, int, bool, int, str)
+    types = (int, list, _num, _num, bool, int, bool, int, str, bool)
     required = 6
     host: int
     device_ids: list[int]
@@ -148,6 +150,7 @@ class Welcome(Body):
     host_stats: bool = False  # count calls' queued and run times; send them in heartbeats
     host_count: int = 0  # the cluster's host count (cb.host_count() in host code)
     relay: str = ""  # the relay to move this session to ("tcp://*:PORT": the controller's host)
+    jax_job: bool = False  # the hosts form one JAX job (a FORM comes once all joined)
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,7 +230,9 @@ class Call(Body):
     """Run ``digest`` (or method ``method`` of object ``obj``) on this host.
 
     ``refs`` lists the persistent ids of the pickled arguments: ``[tag, id]``
-    with tag 0 an array ref, 1 a call's result tree, 2 an object. ``mesh`` is
+    with tag 0 an array ref, 1 a call's result tree, 2 an object; in a JAX job an
+    array's entry may be ``[0, id, layout]``, ``layout`` the packed global layout
+    host code sees it in (``colobus._model.jaxside.job_layout``). ``mesh`` is
     this host's part of the call's mesh: ``[local ids, shape, axis names]``.
     """
 
@@ -420,6 +425,27 @@ class Shutdown(Body):
 
 
 @dataclass(frozen=True, slots=True)
+class Form(Body):
+    """Join the cluster's JAX job as process ``host index`` of ``processes``.
+
+    ``coordinator`` is JAX's coordination service, ``HOST:PORT`` (``*:PORT``: the
+    address this worker reached the controller at); ``devices`` lists every host's
+    global device ids, host 0 first, each in the order its worker reported them.
+    The RESULT of ``call_id`` carries this host's JAX device ids in the job, in that
+    order (or the error that kept it out of the job).
+    """
+
+    kind = Kind.FORM
+    types = (int, int, str, int, list, _num)
+    call_id: int
+    generation: int
+    coordinator: str
+    processes: int
+    devices: list[list[int]]
+    timeout: float
+
+
+@dataclass(frozen=True, slots=True)
 class Reset(Body):
     """The controller's last word to a lost session: rejoin, or (``RESET_EXIT``) exit."""
 
@@ -434,7 +460,7 @@ RESET_EXIT = "exit"  # its process was seen to end (a launcher): it exits, never
 
 BODIES: dict[Kind, type[Body]] = {cls.kind: cls for cls in (
     Hello, Welcome, Reject, Join, Challenge, Heartbeat, Code, Call, Result, Cancel, Put, Fetch,
-    Release, Construct, Destroy, Stats, Shutdown, Reset, Reshard, Piece, TreePut,
+    Release, Construct, Destroy, Stats, Shutdown, Reset, Reshard, Piece, TreePut, Form,
 )}
 
 _BY_INT: dict[int, type[Body]] = {int(k): v for k, v in BODIES.items()}  # by wire int
