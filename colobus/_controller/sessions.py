@@ -396,6 +396,8 @@ class Sessions:
                                                         ctl._expected_hosts))
         ctl._joined()
         if ctl._job is not None:  # the JAX job forms once every host joined
+            if ctl._chan is not None:  # the WELCOME leaves alone: a worker not joined
+                ctl._chan.flush()      # yet drops a batch (a FORM would ride with it)
             ctl._job.host_joined(host)
 
     def _gone(self, host: Host) -> str | None:

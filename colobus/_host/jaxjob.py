@@ -102,7 +102,7 @@ class HostJob:
                                f"colobus joins one: {exc}") from exc
         address = coordinator_address(body.coordinator, connect)
         self._drop_backend(jax, xb)
-        if jax.config.read("jax_cpu_collectives_implementation") in (None, "", "none"):
+        if getattr(jax.config, "jax_cpu_collectives_implementation", None) in (None, "", "none"):
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
         timeout = max(1, int(body.timeout))
         client = _jax.get_distributed_runtime_client(
@@ -120,7 +120,7 @@ class HostJob:
         state.num_processes = body.processes
         state.coordinator_address = address
         try:
-            if jax.config.read("jax_enable_preemption_service"):
+            if getattr(jax.config, "jax_enable_preemption_service", False):
                 manager = _jax.create_preemption_sync_manager()
                 manager.initialize(client)
                 state.preemption_sync_manager = manager
