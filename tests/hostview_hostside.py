@@ -29,3 +29,97 @@ def process_numbers(x: Any) -> Any:
         return np.array([row] * len(range(*index[0].indices(x.shape[0]))), dtype=np.int32)
 
     return jax.make_array_from_callback((x.shape[0], len(row)), x.sharding, rows)
+
+
+# -- a JAX job (tests/test_jaxjob.py) ----------------------------------------------------
+
+
+def _replicated(mesh: Any) -> Any:
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
+@cb.colocated_python
+def global_view(x: Any) -> Any:
+    """What host code sees of ``x``, the same on every host, as a replicated int array:
+    [global length, fully addressable, jax.process_count(), len(jax.devices())], then
+    [JAX device id, process index] for each device of its mesh, in mesh order."""
+    rows = [[x.shape[0], int(x.is_fully_addressable), jax.process_count(), len(jax.devices())]]
+    rows += [[d.id, d.process_index, 0, 0] for d in x.sharding.mesh.devices.flat]
+    return np.array(rows, dtype=np.int32)
+
+
+@cb.colocated_python
+def my_shards(x: Any) -> Any:
+    """Per device of the 1-D x's mesh, [JAX device id, start, stop] of its shard of the
+    global x, each host giving its own devices' rows: an (n devices, 3) array."""
+    pieces = [jax.device_put(np.array([[s.device.id, s.index[0].start or 0,
+                                        s.index[0].stop or x.shape[0]]], dtype=np.int32),
+                             s.device) for s in x.addressable_shards]
+    return jax.make_array_from_single_device_arrays((x.sharding.mesh.size, 3), x.sharding,
+                                                    pieces)
+
+
+@cb.colocated_python
+def cross_host_sum(x: Any) -> Any:
+    """A jitted sum over the global x: a collective across the hosts (gloo on CPU)."""
+    return jax.jit(lambda v: v.sum(), out_shardings=_replicated(x.sharding.mesh))(x)
+
+
+@cb.colocated_python
+def psum_shard_map(x: Any) -> Any:
+    """``jax.lax.psum`` across every device of the job, in shard_map."""
+    from jax.experimental.shard_map import shard_map
+
+    mesh = x.sharding.mesh
+    f = shard_map(lambda v: jax.lax.psum(v, mesh.axis_names), mesh=mesh,
+                  in_specs=x.sharding.spec, out_specs=x.sharding.spec)
+    return jax.jit(f)(x)
+
+
+@cb.colocated_python
+def plus_one_global(x: Any) -> Any:
+    """JAX's multiprocess test body: a global array from this host's pieces."""
+    return jax.make_array_from_single_device_arrays(
+        x.shape, x.sharding, [s.data + 1 for s in x.addressable_shards])
+
+
+@cb.colocated_python
+def block_output(x: Any) -> Any:
+    """The block model's output form, in a job: this host's block (of a 1-D x sharded
+    over every device), times 10, over the host's part of the mesh."""
+    local = x.sharding.mesh.local_mesh
+    shards = [s.data * 10 for s in x.addressable_shards]
+    size = sum(s.shape[0] for s in shards)
+    return jax.make_array_from_single_device_arrays(
+        (size,), jax.sharding.NamedSharding(local, x.sharding.spec), shards)
+
+
+@cb.colocated_python
+def devices_seen(x: Any, devices: Any) -> Any:
+    """The colobus devices ``devices`` as they arrive: [JAX id, process index] each."""
+    return np.array([[d.id, d.process_index] for d in devices], dtype=np.int32)
+
+
+@cb.colocated_python
+def wait_or_collect(x: Any, folder: str) -> Any:
+    """Host 1 says it started, then waits for a file that never comes (it is killed);
+    the others enter a collective with it."""
+    import os
+    import time
+
+    if jax.process_index() == 1:
+        open(os.path.join(folder, "started"), "w").close()
+        while not os.path.exists(os.path.join(folder, "never")):
+            time.sleep(0.01)
+    return jax.jit(lambda v: v.sum(), out_shardings=_replicated(x.sharding.mesh))(x)
+
+
+@cb.colocated_python
+def wait_for_file(x: Any, path: str) -> Any:
+    """Wait until ``path`` exists (a call that stays in flight on its host)."""
+    import os
+    import time
+
+    while not os.path.exists(path):
+        time.sleep(0.01)
+    return x

@@ -163,8 +163,12 @@ def call_args(call: _Call, present: Callable[[Any], Any]) -> tuple[Any, Any]:
     if plain:
         call.argvals = values
     job = _JOB[0]
-    if job is not None:
-        values = _global_views(job, call.body.refs, values)
+    if job is not None:  # (only where an array is global: a layout, or a global output)
+        views = job._views
+        for k, ref in enumerate(call.body.refs):
+            if len(ref) > 2 or (views and id(values[k]) in views):
+                values = _global_views(job, call.body.refs, values)
+                break
     env = call.env
     assert env is not None
     unpickler = ArgsLoader(io.BytesIO(env.payload), buffers=env.buffers[: env.pbufs])

@@ -76,6 +76,8 @@ class HostJob:
         # id(global view) -> a weak reference to the stored value it was made of
         self._blocks: dict[int, Any] = {}
         self._shardings: dict[bytes, tuple[tuple[int, ...], Any]] = {}  # layout -> sharding
+        # id(a sharding outputs had) -> (it, whether this process addresses all of it)
+        self.addressable: dict[int, tuple[Any, bool]] = {}
         self._local_meshes: dict[tuple[Any, ...], Any] = {}
 
     # -- joining and leaving ------------------------------------------------------------
@@ -182,6 +184,7 @@ class HostJob:
             self._blocks.clear()
             self._shardings.clear()
             self._local_meshes.clear()
+            self.addressable.clear()
 
     # -- the global view of arguments -------------------------------------------------------
 
@@ -282,7 +285,14 @@ class HostJob:
             hit = self._views.get(id(ref()))
             if hit is not None and hit[2] is x:
                 return hit[0]()
-        if x.is_fully_addressable:
+        sh = x.sharding
+        known = self.addressable.get(id(sh))
+        if known is None or known[0] is not sh:
+            known = (sh, bool(sh.is_fully_addressable))
+            if len(self.addressable) > 1024:
+                self.addressable.clear()
+            self.addressable[id(sh)] = known  # (held: its id stays its own)
+        if known[1]:
             return x
         block = self._local_part(x)
         self._remember(block, b"", x)  # (passed on as a future, it arrives global again)

@@ -271,9 +271,17 @@ class HostValues:
         from ``pins``); ``fn``, the function that returned ``out``, is named in the
         error for a leaf that is not an array."""
         jax = self.jax
-        if self.job is not None:  # global arrays: this host's blocks of them
-            out = self.job.to_blocks(out)
         kept = self._described_types
+        job = self.job
+        if job is not None:  # global arrays: this host's blocks of them (the common
+            # case inline: one array of a sharding this host addresses whole)
+            if type(out) in kept and id(out) not in job._blocks:
+                sh = out._sharding
+                hit = job.addressable.get(id(sh))
+                if hit is None or hit[0] is not sh or not hit[1]:
+                    out = job.to_blocks(out)
+            else:
+                out = job.to_blocks(out)
         if type(out) in kept:  # one jax.Array: a leaf
             leaves, treedef = [out], self._leaf
         else:
