@@ -25,7 +25,6 @@ from .._controller.hosts import Host
 from .._model.devices import Device
 from .._wire import protocol as P
 from .array import check_owner
-from .joblayout import job_refs
 from .func import (
     CallPlan,
     Code,
@@ -37,6 +36,7 @@ from .func import (
     merge_specialization,
     pickle_args,
 )
+from .joblayout import job_refs
 
 __all__ = ["colocated_python_class"]
 

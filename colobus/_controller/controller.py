@@ -32,7 +32,6 @@ from .._wire.envelope import Buffer
 from .._wire.fanout import FanoutChannel
 from .._wire.sockio import router_socket
 from .._wire.tasks import supervise
-from . import syncface as _syncface
 from . import wakeups
 from .codeship import DEFAULT_MAX_CODE_BYTES, CodeShipper
 from .current import Current, State
@@ -48,7 +47,7 @@ from .ops import Operations
 from .relays import Relays
 from .sessions import Sessions
 from .stats import collect_stats, refresh_stats, scrape_stats
-from .syncface import LoopThread
+from .syncface import LoopThread, SyncFace
 from .uploads import DEFAULT_MAX_QUEUED_BYTES, Uploads
 
 __all__ = ["Controller", "HostInfo", "State", "current_controller"]
@@ -65,7 +64,7 @@ def current_controller() -> Controller | None:
     return _current.top()
 
 
-class Controller:
+class Controller(SyncFace):
     """Binds a ROUTER socket and drives the workers that join it.
 
     Args:
@@ -118,9 +117,8 @@ class Controller:
         py_modules: modules or paths (package dirs, ``.py`` files) shipped to hosts too (None:
             ``$COLOBUS_PY_MODULES``); ``ship_code=False``: only those, not your modules calls
             need; ``max_code_bytes``: the most one session ships. docs/deployment.md.
-        jax_distributed: once the ``hosts`` joined, every worker joins one JAX
-            multi-controller job (host ``i`` is JAX process ``i``; the coordinator runs
-            in this process), so host code sees every host's devices and global arrays
+        jax_distributed: once the ``hosts`` joined, the workers form one JAX job (host ``i``
+            is JAX process ``i``): host code sees every host's devices and global arrays
             (docs/jax_job.md). None: ``$COLOBUS_JAX_DISTRIBUTED``, else off.
 
     Raises:
@@ -422,28 +420,7 @@ class Controller:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    # -- sync face (colobus._controller.syncface) ----------------------------------
-
-    def start_in_thread(self, timeout: float = 30.0) -> None:
-        """Start the controller on a private event-loop thread (the sync face)."""
-        _syncface.start_in_thread(self, timeout)
-
-    def run_sync(self, coro: Any, timeout: float | None = None) -> Any:
-        """Run a coroutine on the controller's loop and wait for it (not from that loop).
-
-        Raises:
-            RuntimeError: called on the controller's own loop thread (it would
-                deadlock); ``await`` the coroutine there instead.
-        """
-        return _syncface.run_sync(self, coro, timeout)
-
-    def close(self) -> None:
-        """Close the controller from plain code (``with``), or from any other thread.
-
-        On the controller's own loop thread (a done-callback), closing starts at
-        once and finishes in the background: nothing may block that thread.
-        """
-        _syncface.close(self)
+    # -- sync face (start_in_thread, run_sync, close: colobus._controller.syncface) ------
 
     def __enter__(self) -> Controller:
         self.start_in_thread()

@@ -370,7 +370,7 @@ class JaxJob:
     def _start_service(self, processes: int) -> str:
         """Start it; returns the address hosts reach it at (``*:PORT``: where they
         reach the controller)."""
-        from jax._src.lib import _jax  # JAX's runtime library: no backend is made
+        from jax._src.lib import _jax  # type: ignore[attr-defined]  # (no backend is made)
 
         bind_host, advertise = _service_host(self._ctl._address)
         fixed = os.environ.get(JAX_PORT_ENV, "").strip()

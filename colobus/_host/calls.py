@@ -21,11 +21,10 @@ from .values import NumpyBlock, PiecedBlock
 if TYPE_CHECKING:
     import concurrent.futures
 
-    from .jaxjob import HostJob
-
     from .._wire.calltimes import HostCallTimes
     from .._wire.channel import Channel, Peer
     from .dataplane import DataPlane
+    from .jaxjob import HostJob
     from .store import Store
     from .values import HostValues
 

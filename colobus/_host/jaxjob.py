@@ -98,7 +98,7 @@ class HostJob:
         try:
             from jax._src import distributed
             from jax._src import xla_bridge as xb
-            from jax._src.lib import _jax
+            from jax._src.lib import _jax  # type: ignore[attr-defined]
         except ImportError as exc:  # pragma: no cover - a JAX without these
             raise RuntimeError(f"this JAX ({jax.__version__}) cannot join a job the way "
                                f"colobus joins one: {exc}") from exc

@@ -36,7 +36,7 @@ _done = False
 def _jax_caller() -> bool:
     """Whether the function that called our replacement's caller is JAX's own."""
     name = sys._getframe(2).f_globals.get("__name__", "")
-    return type(name) is str and name.startswith(("jax.", "jaxlib.")) or name in ("jax", "jaxlib")
+    return (type(name) is str and name.startswith(("jax.", "jaxlib."))) or name in ("jax", "jaxlib")
 
 
 def _index(original: Callable[..., int]) -> Callable[..., int]:

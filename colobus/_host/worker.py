@@ -42,9 +42,9 @@ from .._wire.sockio import NOBLOCK, socket_fd
 from .._wire.stalls import StallClock
 from .._wire.tasks import supervise
 from .arrays import HostArrays
+from .calls import set_job
 from .construct import on_construct
 from .dataplane import DataPlane, start_dataplane
-from .calls import set_job
 from .jaxjob import HostJob
 from .jaxnames import answer_colobus_process_index
 from .join import JoinDiagnosis, relay_socket, session_socket

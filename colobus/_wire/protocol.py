@@ -12,6 +12,8 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from .specs import decode_spec, encode_spec
+
 __all__ = [
     "BODIES",
     "Body",
@@ -20,8 +22,7 @@ __all__ = [
     "Code",
     "Construct",
     "Destroy",
-    "Fetch",
-    "Form",
+    "Fetch", "Form",
     "Heartbeat",
     "Hello",
     "Join",
@@ -230,9 +231,8 @@ class Call(Body):
     """Run ``digest`` (or method ``method`` of object ``obj``) on this host.
 
     ``refs`` lists the persistent ids of the pickled arguments: ``[tag, id]``
-    with tag 0 an array ref, 1 a call's result tree, 2 an object; in a JAX job an
-    array's entry may be ``[0, id, layout]``, ``layout`` the packed global layout
-    host code sees it in (``colobus._model.jaxside.job_layout``). ``mesh`` is
+    with tag 0 an array ref, 1 a call's result tree, 2 an object (in a JAX job,
+    ``[0, id, layout]``: ``colobus._api.joblayout``). ``mesh`` is
     this host's part of the call's mesh: ``[local ids, shape, axis names]``.
     """
 
@@ -426,14 +426,9 @@ class Shutdown(Body):
 
 @dataclass(frozen=True, slots=True)
 class Form(Body):
-    """Join the cluster's JAX job as process ``host index`` of ``processes``.
-
-    ``coordinator`` is JAX's coordination service, ``HOST:PORT`` (``*:PORT``: the
-    address this worker reached the controller at); ``devices`` lists every host's
-    global device ids, host 0 first, each in the order its worker reported them.
-    The RESULT of ``call_id`` carries this host's JAX device ids in the job, in that
-    order (or the error that kept it out of the job).
-    """
+    """Join the JAX job of ``coordinator`` (``*:PORT``: at the controller's address) as
+    process (host index) of ``processes``; ``devices``: every host's device ids, host 0
+    first. The RESULT carries the host's JAX device ids in the job (``_host.jaxjob``)."""
 
     kind = Kind.FORM
     types = (int, int, str, int, list, _num)
@@ -503,24 +498,3 @@ MAX_OUTPUTS = 1 << 16
 def output_ref(call_id: int, index: int) -> int:
     """The array ref under which a host stores output leaf ``index`` of ``call_id``."""
     return (call_id << 16) | index
-
-
-def encode_spec(spec: Any) -> list[Any]:
-    """A ``PartitionSpec`` as msgpack: entries None, str, or list of str."""
-    return [list(e) if isinstance(e, tuple) else e for e in spec]
-
-
-def decode_spec(raw: Any) -> Any:
-    from jax.sharding import PartitionSpec
-
-    if not isinstance(raw, list):
-        raise ValueError("bad partition spec")
-    entries: list[Any] = []
-    for e in raw:
-        if e is None or isinstance(e, str):
-            entries.append(e)
-        elif isinstance(e, list) and all(isinstance(x, str) for x in e):
-            entries.append(tuple(e))
-        else:
-            raise ValueError("bad partition spec entry")
-    return PartitionSpec(*entries)
