@@ -1,13 +1,12 @@
 """The hosts as one JAX job (``jax_distributed=True``): host code's global view,
 collectives across hosts, global outputs, and a lost host (``docs/jax_job.md``).
 
-One 2-host x 2-CPU-device cluster for the file, whose workers may be restarted once;
-the loss test runs last and leaves the job formed again.
+The session's job cluster (``job`` in tests/conftest.py: 2 hosts x 2 CPU devices, each
+worker restartable once); the loss test runs last and leaves the job formed again.
 """
 
 from __future__ import annotations
 
-import collections.abc
 import os
 import signal
 from pathlib import Path
@@ -26,29 +25,11 @@ from hostview_hostside import (
     wait_for_file,
     wait_or_collect,
 )
-from lifecycle import SETTLE_S, SHARED_LIVENESS_S
+from lifecycle import SETTLE_S
 
 import colobus as cb
-from colobus._controller.controller import _pop_current, _push_current
 
 P = cb.PartitionSpec
-
-
-@pytest.fixture(scope="module")
-def job_cluster() -> collections.abc.Iterator[cb.Controller]:
-    with cb.local_cluster(hosts=2, devices_per_host=2, jax_distributed=True, restart=1,
-                          relays=0, liveness_timeout=SHARED_LIVENESS_S) as ctl:
-        yield ctl
-
-
-@pytest.fixture
-def job(job_cluster: cb.Controller) -> collections.abc.Iterator[cb.Controller]:
-    job_cluster.run_sync(job_cluster.wait_for_hosts(timeout=120))
-    _push_current(job_cluster)
-    try:
-        yield job_cluster
-    finally:
-        _pop_current(job_cluster)
 
 
 def _over_all(ctl: cb.Controller, n: int = 8, dtype: object = np.float32) -> cb.Array:
