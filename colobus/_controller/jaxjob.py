@@ -30,6 +30,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .._errors import HostLostError
@@ -109,8 +110,11 @@ class JaxJob:
         self.coordinator = ""  # HOST:PORT hosts reach the coordination service at
         self.error: BaseException | None = None  # why it failed to form
         self.formed_count = 0  # times it formed (re-forms included)
+        self.form_s = 0.0  # how long the last forming took, FORM sent to every host in
+        self._form_began = 0.0
         self._members: dict[int, int] = {}  # host index -> its generation in this job
         self._service: Any = None
+        self._stopping: list[threading.Thread] = []  # services being shut down
         self._gate: Gate | None = None
         self._waiters: list[asyncio.Future[None]] = []
         self._expiry: asyncio.TimerHandle | None = None
@@ -173,9 +177,14 @@ class JaxJob:
             raise self.error
 
     def close(self) -> None:
-        """The controller closes: the coordination service stops; waiters are told."""
+        """The controller closes: the coordination service stops (waited for, briefly: a
+        gRPC server still stopping as the process exits would abort it); waiters are
+        told."""
         self._cancel_expiry()
         self._stop_service()
+        for thread in self._stopping:
+            thread.join(SERVICE_SHUTDOWN_S)
+        self._stopping.clear()
         self.state = "failed" if self.state != "formed" else "closed"
         if self.error is None:
             self.error = RuntimeError("the controller closed before the JAX job formed")
@@ -185,6 +194,7 @@ class JaxJob:
         """What ``ctl.stats()["jax_job"]`` shows."""
         return {"state": self.state, "generation": self.generation,
                 "coordinator": self.coordinator, "formed": self.formed_count,
+                "form_s": self.form_s,
                 "processes": self._ctl._expected_hosts,
                 "error": None if self.error is None else str(self.error)}
 
@@ -214,6 +224,7 @@ class JaxJob:
             for i in indices:
                 ctl._send(hosts[i], P.Form(call_id, *form))
 
+        self._form_began = time.monotonic()
         fut = ctl._ops.submit(tuple(indices), send, _decode_ids, dict, backpressure=False,
                               urgent=True)
         generation = self.generation
@@ -242,6 +253,7 @@ class JaxJob:
             _renumber(hosts[i], local_ids)
         hosts.changes += 1  # (plans and fan-outs worked out per host see the new ids)
         self.state = "formed"
+        self.form_s = time.monotonic() - self._form_began
         self.error = None
         self._failures = 0
         self._lost = None
@@ -405,7 +417,9 @@ class JaxJob:
             except Exception as exc:
                 log.debug("stopping the JAX coordination service: %s", exc)
 
-        threading.Thread(target=stop, name="colobus-jax-service", daemon=True).start()
+        thread = threading.Thread(target=stop, name="colobus-jax-service", daemon=True)
+        thread.start()
+        self._stopping = [t for t in self._stopping if t.is_alive()] + [thread]
 
 
 def _decode_ids(host: Host, body: P.Result, env: Envelope) -> list[int]:
