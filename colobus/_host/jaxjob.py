@@ -28,6 +28,7 @@ block, which the host stores and reports as every output.
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import weakref
 from collections.abc import Sequence
@@ -70,6 +71,8 @@ class HostJob:
         self.index = -1  # this host's process index in the job (-1: not in one)
         self.generation = 0
         self.ever = False  # a job formed in this process once (exit skips finalization)
+        self.gloo_host: str | None = None  # where this host's gloo listens (None: JAX's pick)
+        self._cpu_factory = False  # JAX's CPU backend is made by _own_cpu_backend's
         self._lock = threading.Lock()
         # id(stored value) -> (a weak reference to it, the layout, its global view)
         self._views: dict[int, tuple[Any, bytes, Any]] = {}
@@ -106,6 +109,8 @@ class HostJob:
         self._drop_backend(jax, xb)
         if getattr(jax.config, "jax_cpu_collectives_implementation", None) in (None, "", "none"):
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        self.gloo_host = _facing(connect)
+        self._own_cpu_backend(jax, xb, distributed, _jax)
         timeout = max(1, int(body.timeout))
         client = _jax.get_distributed_runtime_client(
             address, host, init_timeout=timeout, heartbeat_timeout=JAX_HEARTBEAT_S,
@@ -171,6 +176,26 @@ class HostJob:
                     log.debug("leaving the JAX job: %s", exc)
 
         threading.Thread(target=shut, name="colobus-jax-leave", daemon=True).start()
+
+    def _own_cpu_backend(self, jax: Any, xb: Any, distributed: Any, _jax: Any) -> None:
+        """JAX's CPU backend, made so that gloo listens where the other hosts reach this
+        one: the address this worker reaches the controller from. JAX's own factory lets
+        gloo take the machine's name, which often resolves to a loopback address
+        (127.0.1.1 on Debian, 127.0.0.1 in a container or namespace)."""
+        if self._cpu_factory:
+            return
+
+        def cpu_backend() -> Any:
+            client = distributed.global_state.client
+            host = self.gloo_host
+            if (client is None or host is None or getattr(
+                    jax.config, "jax_cpu_collectives_implementation", None) != "gloo"):
+                return xb.make_cpu_client()
+            return xb.make_cpu_client(collectives=_jax.make_gloo_tcp_collectives(
+                distributed_client=client, hostname=host))
+
+        xb.register_backend_factory("cpu", cpu_backend, priority=0, fail_quietly=False)
+        self._cpu_factory = True
 
     @staticmethod
     def _drop_backend(jax: Any, xb: Any) -> None:
@@ -334,6 +359,23 @@ class HostJob:
         block_sharding = jax.sharding.NamedSharding(local[1], sh.spec, memory_kind=sh.memory_kind)
         return jax.make_array_from_single_device_arrays(
             shape, block_sharding, [s.data for s in x.addressable_shards])
+
+
+def _facing(connect: str) -> str | None:
+    """This machine's address toward the controller at ``connect`` (None: ``ipc://``,
+    the hosts share this machine, or no route to tell)."""
+    if not connect.startswith("tcp://"):
+        return None
+    host, _, port = connect[len("tcp://"):].rpartition(":")
+    host = host.strip("[]")
+    try:
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_DGRAM)
+        family, _, _, _, address = infos[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(address)  # (a datagram socket: nothing is sent)
+            return str(s.getsockname()[0])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _box(indices: Sequence[tuple[slice, ...]], shape: tuple[int, ...]
