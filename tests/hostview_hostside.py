@@ -123,3 +123,13 @@ def wait_for_file(x: Any, path: str) -> Any:
     while not os.path.exists(path):
         time.sleep(0.01)
     return x
+
+
+@cb.colocated_python
+def on_a_mesh_of_its_own(x: Any) -> Any:
+    """A global output over a 2x2 mesh host code makes of the job's 4 devices."""
+    devices = np.array(x.sharding.mesh.devices).reshape(2, 2)
+    mesh = jax.sharding.Mesh(devices, ("a", "b"))
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("a", "b"))
+    whole = np.arange(24, dtype=np.float32).reshape(4, 6)
+    return jax.make_array_from_callback((4, 6), sharding, lambda index: whole[index])

@@ -19,6 +19,7 @@ from hostview_hostside import (
     devices_seen,
     global_view,
     my_shards,
+    on_a_mesh_of_its_own,
     plus_one_global,
     process_numbers,
     psum_shard_map,
@@ -93,6 +94,14 @@ def test_global_arrays_out(job: cb.Controller) -> None:
     # passed on unawaited, the output arrives global again
     z = np.asarray(plus_one_global(plus_one_global(x)).result(timeout=SETTLE_S))
     np.testing.assert_array_equal(z, np.arange(8) + 2)
+
+
+def test_a_global_output_keeps_its_own_mesh(job: cb.Controller) -> None:
+    y = on_a_mesh_of_its_own(_over_all(job)).result(timeout=SETTLE_S)
+    assert y.shape == (4, 6) and y.sharding.spec == cb.PartitionSpec("a", "b")
+    assert y.sharding.mesh.axis_names == ("a", "b") and y.sharding.mesh.devices.shape == (2, 2)
+    assert [d.id for d in y.sharding.mesh.devices.flat] == [d.id for d in job.devices()]
+    np.testing.assert_array_equal(np.asarray(y), np.arange(24).reshape(4, 6))
 
 
 def test_block_outputs_still_work(job: cb.Controller) -> None:
