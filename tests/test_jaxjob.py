@@ -139,6 +139,7 @@ def test_a_lost_host_ends_the_job_and_it_forms_again(job: cb.Controller,
         assert time.monotonic() - t0 < deadline, "host 1 never started the call"
         time.sleep(0.01)
     before = job.stats()["jax_job"]["generation"]
+    survivor = job.hosts()[0].pid
     os.kill(job.hosts()[1].pid, signal.SIGKILL)
     for fut in (both, only0):  # both fail, naming host 1: none hangs
         with pytest.raises(cb.HostLostError, match=r"Host 1 \('local-1'\) was lost") as err:
@@ -150,6 +151,7 @@ def test_a_lost_host_ends_the_job_and_it_forms_again(job: cb.Controller,
     info = job.stats()["jax_job"]
     assert info["state"] == "formed" and info["generation"] > before, info
     assert all(h.state == "alive" for h in job.hosts())
+    assert job.hosts()[0].pid == survivor  # left the job and joined again: JAX ended nobody
     # the old array is gone with the old job; a new one computes across the hosts
     with pytest.raises(cb.HostLostError):
         cross_host_sum(x).result(timeout=SETTLE_S)
