@@ -61,6 +61,10 @@ def test_arguments_are_global_arrays(job: cb.Controller) -> None:
     assert view[0].tolist() == [8, 0, 2, 4]
     want = [[d.local_id, d.host] for d in x.sharding.mesh.devices.flat]
     assert view[1:, :2].tolist() == want
+    # every call form sends the layout: a specialized function too (and methods:
+    # tests/test_clients.py), whatever path the call takes to its hosts
+    fixed = global_view.specialize(devices=list(x.sharding.mesh.devices.flat))
+    np.testing.assert_array_equal(np.asarray(fixed(x).result(timeout=SETTLE_S)), view)
     # each host's addressable shards are its own devices' shards, at their global place
     shards = np.asarray(my_shards(x).result(timeout=SETTLE_S))
     ids = {d.id: d.local_id for d in job.devices()}
