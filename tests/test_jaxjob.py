@@ -176,3 +176,18 @@ def test_who_asks_for_a_job(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("COLOBUS_JAX_DISTRIBUTED", "maybe")
     with pytest.raises(ValueError, match="COLOBUS_JAX_DISTRIBUTED"):
         cb.Controller(hosts=2)
+
+
+def test_a_job_that_cannot_form_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The coordination service's port is taken: entering the cluster raises, naming it
+    (jaxlib's service would end the controller's process on a taken port)."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        monkeypatch.setenv("COLOBUS_JAX_PORT", str(port))
+        with pytest.raises(RuntimeError, match=rf"coordination service.*port {port} is in use"):
+            with cb.local_cluster(hosts=1, jax_distributed=True, relays=0):
+                pass

@@ -33,7 +33,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .._errors import HostLostError
+from .._errors import ControllerClosedError, HostLostError
 from .._wire import protocol as P
 from .._wire.describe import BadReply
 from .ops import Gate, Operation
@@ -185,9 +185,10 @@ class JaxJob:
         for thread in self._stopping:
             thread.join(SERVICE_SHUTDOWN_S)
         self._stopping.clear()
+        if self.state != "formed" and self.error is None:
+            self.error = ControllerClosedError(
+                "the colobus controller closed before the cluster's JAX job formed")
         self.state = "failed" if self.state != "formed" else "closed"
-        if self.error is None:
-            self.error = RuntimeError("the controller closed before the JAX job formed")
         self._wake()
 
     def describe(self) -> dict[str, Any]:
@@ -301,12 +302,15 @@ class JaxJob:
         self._arm_expiry()
 
     def _fail(self, exc: BaseException) -> None:
-        """It cannot form: waiters get ``exc``; what waits for it fails now."""
+        """It cannot form: waiters get ``exc``; what waits for it fails now, and what is
+        submitted later within ``join_timeout`` (it forms again only once a host was
+        lost and is back)."""
         self.state = "failed"
         self.error = exc
         self._stop_service()
         self._wake()
         self._fail_waiting(lambda: RuntimeError(f"the cluster's JAX job could not form: {exc}"))
+        self._arm_expiry()
 
     # -- the gate: nothing reaches a host before the job formed -------------------------
 
@@ -346,8 +350,13 @@ class JaxJob:
                 else f"it is {self.state}")
         text = (f"the cluster's JAX job has not formed again within "
                 f"{ctl.join_timeout:.0f} s ({what}); operations waiting for it fail")
-        log.warning("%s", text)
-        self._fail_waiting(lambda: HostLostError(text, first))
+        error = self.error
+        if self.state == "failed" and error is not None:
+            self._fail_waiting(lambda: RuntimeError(
+                f"the cluster's JAX job could not form: {error}"))
+        else:
+            log.warning("%s", text)
+            self._fail_waiting(lambda: HostLostError(text, first))
         self._arm_expiry()
 
     def _fail_waiting(self, error: Any) -> None:
@@ -386,10 +395,17 @@ class JaxJob:
 
         bind_host, advertise = _service_host(self._ctl._address)
         fixed = os.environ.get(JAX_PORT_ENV, "").strip()
+        if fixed and not fixed.isdigit():
+            raise ValueError(f"${JAX_PORT_ENV} is {fixed!r}, not a port number")
         tries = 1 if fixed else 3
         last: Exception | None = None
         for _ in range(tries):
             port = int(fixed) if fixed else _free_port(bind_host)
+            # jaxlib's service ends this process (a segmentation fault) when its port is
+            # taken: it starts only on a port that was free a moment ago
+            if not _port_free(bind_host, port):
+                last = OSError(f"port {port} is in use")
+                continue
             address = f"[{bind_host}]:{port}" if ":" in bind_host else f"{bind_host}:{port}"
             try:
                 try:
@@ -404,7 +420,8 @@ class JaxJob:
                 last = exc
                 continue
             return f"{advertise}:{port}"
-        raise RuntimeError(f"no port for it on {bind_host}: {last}")
+        raise RuntimeError(f"no port for it on {bind_host}: {last}"
+                           + (f" (${JAX_PORT_ENV} names it)" if fixed else ""))
 
     def _stop_service(self) -> None:
         service, self._service = self._service, None
@@ -447,6 +464,18 @@ def _service_host(address: str) -> tuple[str, str]:
     if host in ("*", ""):
         host = "0.0.0.0"
     return host, "*"
+
+
+def _port_free(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+            s.listen(1)
+        except OSError:
+            return False
+    return True
 
 
 def _free_port(host: str) -> int:
