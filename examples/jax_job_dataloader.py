@@ -96,7 +96,7 @@ def train_step(w, x, y):
     @jax.jit  # (global arrays go in as arguments: JAX's rule in a multi-process job)
     def step(w, x, y):
         value, grad = jax.value_and_grad(loss)(w, x, y)
-        return jax.lax.with_sharding_constraint(w - 0.1 * grad, replicated), value
+        return jax.lax.with_sharding_constraint(w - 0.3 * grad, replicated), value
 
     return step(w, x, y)
 

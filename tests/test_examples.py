@@ -178,10 +178,10 @@ def test_sync_script_runs() -> None:
 
 
 def test_jax_job_dataloader_runs() -> None:
-    proc = _run([str(EXAMPLES / "jax_job_dataloader.py"), "--steps", "20"])
+    proc = _run([str(EXAMPLES / "jax_job_dataloader.py"), "--steps", "10"])
     lines = proc.stdout.splitlines()
     assert "2 hosts in one JAX job: formed" in lines
-    assert "step 20: global batch (32, 4), loss " in proc.stdout  # every host's rows
+    assert "step 10: global batch (32, 4), loss " in proc.stdout  # every host's rows
     assert "checkpoint: process_0-of-2.json, process_1-of-2.json" in lines
     done = re.search(r"done: max \|w - w_true\| = ([0-9.]+); restored batch equal: (\w+)",
                      proc.stdout)
