@@ -62,6 +62,7 @@ def my_shards(x: Any) -> Any:
 @cb.colocated_python
 def cross_host_sum(x: Any) -> Any:
     """A jitted sum over the global x: a collective across the hosts (gloo on CPU)."""
+    assert jax.distributed.is_initialized()  # as after jax.distributed.initialize
     return jax.jit(lambda v: v.sum(), out_shardings=_replicated(x.sharding.mesh))(x)
 
 
