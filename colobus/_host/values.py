@@ -280,7 +280,7 @@ class HostValues:
                 hit = job.addressable.get(id(sh))
                 if hit is None or hit[0] is not sh or not hit[1]:
                     out = job.to_blocks(out)
-            else:
+            elif out is not None:
                 out = job.to_blocks(out)
         if type(out) in kept:  # one jax.Array: a leaf
             leaves, treedef = [out], self._leaf
