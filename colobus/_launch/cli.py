@@ -39,7 +39,6 @@ from types import FrameType
 from typing import Any
 
 from .._controller.environ import DEVICES_ENV, PY_MODULES_ENV
-from .._controller.jaxjob import JAX_DISTRIBUTED_ENV
 from .._controller.procwatch import Emit
 from .._wire.keys import KEY_ENV, write_key
 from .base import Launcher, Workers, log_emit
@@ -308,6 +307,8 @@ def _run(args: argparse.Namespace, command: list[str]) -> int:
         if args.py_module:
             env[PY_MODULES_ENV] = os.pathsep.join(os.path.abspath(p) for p in args.py_module)
         if args.jax_distributed:
+            from .._controller.jaxjob import JAX_DISTRIBUTED_ENV
+
             env[JAX_DISTRIBUTED_ENV] = "1"
         env.update({"COLOBUS_ADDRESS": address, KEY_ENV: key_file,
                     "COLOBUS_HOSTS": str(len(launcher.names)),
