@@ -188,6 +188,22 @@ def test_launch_py_module_ships_a_package_the_hosts_lack(tmp_path: Path) -> None
     assert driver_line(out.stdout)[2].startswith("['local-0']")
 
 
+def test_launch_jax_distributed_tells_the_drivers_controller(tmp_path: Path) -> None:
+    """``--jax-distributed`` sets ``$COLOBUS_JAX_DISTRIBUTED=1``: the driver's
+    ``cb.Controller()`` forms a JAX job of the hosts (docs/jax_job.md)."""
+    driver = tmp_path / "drv.py"
+    driver.write_text(textwrap.dedent("""
+        import os, sys
+        import colobus as cb
+        ctl = cb.Controller()  # (not started: what it was told is enough)
+        print("DRIVER", os.environ.get("COLOBUS_JAX_DISTRIBUTED"), ctl._job is not None,
+              flush=True)
+    """))
+    out = launch(["local", "--hosts", "1", "--jax-distributed"], driver, 0)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert driver_line(out.stdout)[1:] == ["1", "True"], out.stdout
+
+
 def test_launch_without_a_driver_command_is_a_usage_error() -> None:
     out = run_cli(["launch", "local"])  # the command's entry point, in this process
     assert out.returncode == 2 and "no driver command" in out.stderr

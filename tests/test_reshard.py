@@ -118,8 +118,8 @@ def test_one_file_per_host_named_by_host_index(ctl: cb.Controller, tmp_path: Pat
     x = cb.device_put(np.arange(8.0, dtype=np.float32), cb.NamedSharding(mesh, P("hosts")))
     _write_host_file(x, str(tmp_path)).result()
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "host-0-of-2-pid0.txt", "host-1-of-2-pid0.txt"]
-    assert (tmp_path / "host-1-of-2-pid0.txt").read_text() == str(4.0 + 5 + 6 + 7)
+        "host-0-of-2-pid0.txt", "host-1-of-2-pid1.txt"]  # jax.process_index(): the host's
+    assert (tmp_path / "host-1-of-2-pid1.txt").read_text() == str(4.0 + 5 + 6 + 7)
 
 
 # -- resharding -----------------------------------------------------------------------------

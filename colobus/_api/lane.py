@@ -38,6 +38,7 @@ from .func import (
     _positional_treedef,
     _stream_id,
 )
+from .joblayout import _LAYOUTS, job_layout
 from .plan import CallPlan, make_plan
 from .serialization import PickledArgs, _handles_payload
 
@@ -132,10 +133,16 @@ def call(target: FunctionTarget, args: tuple[Any, ...]) -> Future[Any] | None:
     registry = ctl._hosts
     changes = registry.changes
     refs = []
+    job = ctl._job
     for a in args:
         if a._deleted or a._failed is not None or a._checked != changes:
             a.check_usable()
-        refs.append([0, a.ref])
+        if job is None:
+            refs.append([0, a.ref])
+        else:  # a JAX job: its global layout beside it (job_refs, inline)
+            hit = _LAYOUTS.get((id(a.sharding), a.shape))
+            layout = hit[1] if hit is not None and hit[0] is a.sharding else job_layout(a)
+            refs.append([0, a.ref] if layout is None else [0, a.ref, layout])
     blob = code._blob  # (target.digest(), inline once the code is pickled)
     digest = blob[0] if blob is not None else target.digest()  # SerializationError now
     hosts = plan.hosts

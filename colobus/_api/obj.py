@@ -36,6 +36,7 @@ from .func import (
     merge_specialization,
     pickle_args,
 )
+from .joblayout import job_refs
 
 __all__ = ["colocated_python_class"]
 
@@ -110,7 +111,8 @@ class ObjectState:
         init = self.init
         for state in init.objects:
             state.ensure_built(ctl, host)
-        ctl._send(host, P.Construct(self.obj_id, digest, init.refs), init.payload, init.buffers,
+        refs = init.refs if ctl._job is None else job_refs(init.refs, init.keep)
+        ctl._send(host, P.Construct(self.obj_id, digest, refs), init.payload, init.buffers,
                  len(init.buffers))
         self.built[host.index] = host.generation
         ctl._count("objects_built")

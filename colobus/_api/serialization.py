@@ -38,6 +38,7 @@ from .._model.jaxside import HOST_REDUCERS, std_dispatch_table
 from .._wire import protocol as P
 from .._wire.envelope import Buffer, StdPickler, oob_callback
 from .array import Array, MisusedHandle, check_owner
+from .joblayout import job_refs
 from .plan import CallPlan
 
 if TYPE_CHECKING:
@@ -315,7 +316,8 @@ def pickle_args(tree: Any, what: str, ctl: Controller | None = None) -> PickledA
     """Pickle ``(args, kwargs)`` once for every host; ``SerializationError`` names the leaf.
 
     With ``ctl``, a handle another controller made raises ``ValueError`` (also one
-    inside an object that is no pytree node).
+    inside an object that is no pytree node); in ``ctl``'s JAX job, each array's ref
+    names its global layout too (``colobus._api.joblayout``).
     """
     import jax
 
@@ -329,13 +331,18 @@ def pickle_args(tree: Any, what: str, ctl: Controller | None = None) -> PickledA
                 check_owner(a, ctl)
             a.check_usable()
             refs.append([0, a.ref])
+        if ctl is not None and ctl._job is not None:
+            refs = job_refs(refs, list(args))
         return PickledArgs(_handles_payload(len(args)), [], refs, list(args), [])
     f = io.BytesIO()
     buffers: list[Buffer] = []
     fast = _FastArgsPickler(f, buffers, ctl)
     try:
         fast.dump(tree)
-        return PickledArgs(f.getvalue(), buffers, fast.refs, fast.keep, fast.objects)
+        refs = fast.refs
+        if ctl is not None and ctl._job is not None:
+            refs = job_refs(refs, fast.keep)
+        return PickledArgs(f.getvalue(), buffers, refs, fast.keep, fast.objects)
     except (SerializationError, RuntimeError, MisusedHandle) as exc:
         if isinstance(exc, SerializationError | MisusedHandle) or "deleted" in str(exc) or (
                 "was closed" in str(exc)):
@@ -366,7 +373,10 @@ def pickle_args(tree: Any, what: str, ctl: Controller | None = None) -> PickledA
                 break
         raise SerializationError(
             f"{where} of {what} cannot be pickled, so nothing was sent: {exc}") from exc
-    return PickledArgs(f.getvalue(), buffers, pickler.refs, pickler.keep, pickler.objects)
+    refs = pickler.refs
+    if ctl is not None and ctl._job is not None:
+        refs = job_refs(refs, pickler.keep)
+    return PickledArgs(f.getvalue(), buffers, refs, pickler.keep, pickler.objects)
 
 
 class _Slot:

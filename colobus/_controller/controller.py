@@ -32,7 +32,6 @@ from .._wire.envelope import Buffer
 from .._wire.fanout import FanoutChannel
 from .._wire.sockio import router_socket
 from .._wire.tasks import supervise
-from . import syncface as _syncface
 from . import wakeups
 from .codeship import DEFAULT_MAX_CODE_BYTES, CodeShipper, Secrets
 from .current import Current, State, no_controller_error
@@ -42,12 +41,13 @@ from .future import Future
 from .hangups import Hangups
 from .hosts import Host, HostInfo, HostRegistry
 from .inbox import Inbox
+from .jaxjob import JaxJob, wants_job
 from .joinwait import JoinProgress, JoinWaiters, key_words
 from .ops import Operations
 from .relays import Relays
 from .sessions import Sessions
 from .stats import collect_stats, refresh_stats, scrape_stats
-from .syncface import LoopThread
+from .syncface import LoopThread, SyncFace
 from .uploads import DEFAULT_MAX_QUEUED_BYTES, Uploads
 
 __all__ = ["Controller", "HostInfo", "State", "current_controller"]
@@ -64,7 +64,7 @@ def current_controller() -> Controller | None:
     return _current.top()
 
 
-class Controller:
+class Controller(SyncFace):
     """Binds a ROUTER socket and drives the workers that join it.
 
     Args:
@@ -117,10 +117,14 @@ class Controller:
         py_modules: modules or paths (package dirs, ``.py`` files) shipped to hosts too (None:
             ``$COLOBUS_PY_MODULES``); ``ship_code=False``: only those, not your modules calls
             need; ``max_code_bytes``: the most one session ships. docs/deployment.md.
+        jax_distributed: once the ``hosts`` joined, the workers form one JAX job (host ``i``
+            is JAX process ``i``): host code sees every host's devices and global arrays
+            (docs/jax_job.md). None: ``$COLOBUS_JAX_DISTRIBUTED``, else off.
 
     Raises:
         ValueError: ``curve_allow`` given without ``curve_secret_key``, ``metrics`` not
-            loopback without ``metrics_public``, or a ``py_modules`` entry is no module.
+            loopback without ``metrics_public``, a ``py_modules`` entry is no module, or
+            ``jax_distributed`` without a cluster size (``hosts=N``).
         SerializationError: the ``py_modules`` pass ``max_code_bytes``.
         ImportError: ``metrics`` given but ``prometheus_client`` is missing.
         AuthenticationError: ``key`` is shorter than 32 bytes, or a CurveZMQ key
@@ -155,6 +159,7 @@ class Controller:
         py_modules: Iterable[Any] | None = None,
         ship_code: bool = True,
         max_code_bytes: int = DEFAULT_MAX_CODE_BYTES,
+        jax_distributed: bool | None = None,
     ) -> None:
         bind, hosts, key, names = from_environment(bind, hosts, key)  # colobus launch's
         if key is not None:
@@ -212,6 +217,8 @@ class Controller:
         self._close_reason: str | None = None  # why it closed, when not by the user
         self._sessions = Sessions(self)
         self._sessions.number_by_name = list(names) if names else None  # colobus launch
+        # the cluster's JAX job (jax_distributed=True), formed once the hosts joined
+        self._job: JaxJob | None = JaxJob(self) if wants_job(jax_distributed) else None
 
     def __repr__(self) -> str:
         return f"<colobus.Controller {self._address or self._bind} {self.state.value}>"
@@ -265,7 +272,8 @@ class Controller:
         relay's ``pid``, ``hosts`` (indices), ``forwards`` and ``ups`` (its messages)."""
         return {**collect_stats(self._sessions, self._counters, self._chan, self._ops,
                                 self._hosts, self._uploads),
-                "relays": self._relays.describe() if self._relays is not None else []}
+                "relays": self._relays.describe() if self._relays is not None else [],
+                "jax_job": self._job.describe() if self._job is not None else None}
 
     def refresh_stats(self) -> Future[dict[str, Any]]:
         """Ask every live host for its store counters now; resolves to :meth:`stats`.
@@ -327,6 +335,8 @@ class Controller:
         self._tasks.append(supervise(self._loop.create_task(self._sessions.liveness()),
                                      "the liveness loop", self._die))
         self.state = State.RUNNING
+        if self._job is not None:  # nothing reaches a host before the job formed
+            self._job.started()
         log.info("controller listening on %s (%s)", self._address, key_words(self._key))
         if self._relays is not None:
             await self._relays.start()
@@ -344,16 +354,23 @@ class Controller:
             self._auth = None
 
     async def wait_for_hosts(self, n: int | None = None, timeout: float | None = None) -> None:
-        """Wait until ``n`` hosts (default: ``hosts``) are alive.
+        """Wait until ``n`` hosts (default: ``hosts``) are alive; with
+        ``jax_distributed``, also until the cluster's JAX job formed (again).
 
         Raises:
-            TimeoutError: fewer joined within ``timeout`` (default ``join_timeout``).
+            TimeoutError: fewer joined within ``timeout`` (default ``join_timeout``), or
+                the JAX job did not form within it.
+            RuntimeError: the JAX job could not form (a host's error says why).
         """
         n = self._expected_hosts if n is None else n
         assert self._loop is not None
+        timeout = self.join_timeout if timeout is None else timeout
+        deadline = self._loop.time() + timeout
         await self._join_waiters.wait(self._loop, n, self._hosts.alive_count, JoinProgress(
-            self._address, self._key, n, self._hosts.missing_names),
-            self.join_timeout if timeout is None else timeout, self._check_open)
+            self._address, self._key, n, self._hosts.missing_names), timeout, self._check_open)
+        if self._job is not None and n >= self._expected_hosts:
+            await self._job.wait_formed(max(0.0, deadline - self._loop.time()))
+            self._check_open()
 
     async def aclose(self) -> None:
         """Close: every pending or queued call ends with ``ControllerClosedError``,
@@ -372,6 +389,8 @@ class Controller:
             self._send(h, P.Shutdown(reason))
         chan.flush()
         self.state, self._closed = State.CLOSED, True
+        if self._job is not None:
+            self._job.close()
         self._ops.close(self._close_reason)
         self._uploads.on_release()
         self._join_waiters.wake()
@@ -402,28 +421,7 @@ class Controller:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    # -- sync face (colobus._controller.syncface) ----------------------------------
-
-    def start_in_thread(self, timeout: float = 30.0) -> None:
-        """Start the controller on a private event-loop thread (the sync face)."""
-        _syncface.start_in_thread(self, timeout)
-
-    def run_sync(self, coro: Any, timeout: float | None = None) -> Any:
-        """Run a coroutine on the controller's loop and wait for it (not from that loop).
-
-        Raises:
-            RuntimeError: called on the controller's own loop thread (it would
-                deadlock); ``await`` the coroutine there instead.
-        """
-        return _syncface.run_sync(self, coro, timeout)
-
-    def close(self) -> None:
-        """Close the controller from plain code (``with``), or from any other thread.
-
-        On the controller's own loop thread (a done-callback), closing starts at
-        once and finishes in the background: nothing may block that thread.
-        """
-        _syncface.close(self)
+    # -- sync face (start_in_thread, run_sync, close: colobus._controller.syncface) ------
 
     def __enter__(self) -> Controller:
         self.start_in_thread()

@@ -39,6 +39,7 @@ from .resultlane import ResultLane
 if TYPE_CHECKING:
     from .._wire.envelope import Buffer
     from .hangups import Hangups
+    from .jaxjob import JaxJob
     from .ops import Operations
     from .relays import Relays
     from .uploads import Uploads
@@ -61,6 +62,8 @@ class SessionsOwner(Parts, Protocol):
     def _hangups(self) -> Hangups | None: ...
     @property
     def _relays(self) -> Relays | None: ...
+    @property
+    def _job(self) -> JaxJob | None: ...
     @property
     def _uploads(self) -> Uploads: ...
     @property
@@ -384,7 +387,8 @@ class Sessions:
         welcome = P.Welcome(host.index, [d.id for d in host.devices], ctl.heartbeat_interval,
                             ctl.liveness_timeout, ctl._exit_workers, ctl.max_message_bytes,
                             ctl.observer is not None, max(ctl._expected_hosts, len(hosts)),
-                            relay.welcome_endpoint() if relay is not None else "")
+                            relay.welcome_endpoint() if relay is not None else "",
+                            ctl._job is not None)
         if relays is not None and relay is not None:
             relays.welcome(host, relay, welcome)  # its session moves to that relay
         else:
@@ -392,6 +396,10 @@ class Sessions:
         log.log(self.join_level, "%s", hosts.describe(host, old is not None and old.joined,
                                                         ctl._expected_hosts))
         ctl._joined()
+        if ctl._job is not None:  # the JAX job forms once every host joined
+            if ctl._chan is not None:  # the WELCOME leaves alone: a worker not joined
+                ctl._chan.flush()      # yet drops a batch (a FORM would ride with it)
+            ctl._job.host_joined(host)
 
     def _gone(self, host: Host) -> str | None:
         """Why a live host's session is over (silent past the liveness timeout, or its
@@ -486,4 +494,6 @@ class Sessions:
                             "the relays' ports to it, or relays=0)", host.index, host.name)
             self._ctl._relays.drop(host, last_word)
         self._ctl._ops.host_lost(host, why)
+        if self._ctl._job is not None:  # a JAX job ends with any of its hosts
+            self._ctl._job.host_lost(host, why)
         self._ctl._uploads.on_release()  # puts waiting for it go on (and fail)

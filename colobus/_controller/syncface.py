@@ -19,8 +19,8 @@ from typing import Any, Protocol, TypeVar
 from .._wire.keys import catch_sigterm
 
 __all__ = [
-    "LoopThread", "SyncOwner", "close", "new_event_loop", "run_sync", "start_in_thread",
-    "uvloop_in_use",
+    "LoopThread", "SyncFace", "SyncOwner", "close", "new_event_loop", "run_sync",
+    "start_in_thread", "uvloop_in_use",
 ]
 
 log = logging.getLogger("colobus.controller")
@@ -94,6 +94,31 @@ class SyncOwner(Protocol):
     def _on_loop_thread(self) -> bool: ...
     async def start(self) -> None: ...
     async def aclose(self) -> None: ...
+
+
+class SyncFace:
+    """The controller's blocking methods for plain code (a base of ``Controller``)."""
+
+    def start_in_thread(self: SyncOwner, timeout: float = 30.0) -> None:
+        """Start the controller on a private event-loop thread (the sync face)."""
+        start_in_thread(self, timeout)
+
+    def run_sync(self: SyncOwner, coro: Any, timeout: float | None = None) -> Any:
+        """Run a coroutine on the controller's loop and wait for it (not from that loop).
+
+        Raises:
+            RuntimeError: called on the controller's own loop thread (it would
+                deadlock); ``await`` the coroutine there instead.
+        """
+        return run_sync(self, coro, timeout)
+
+    def close(self: SyncOwner) -> None:
+        """Close the controller from plain code (``with``), or from any other thread.
+
+        On the controller's own loop thread (a done-callback), closing starts at
+        once and finishes in the background: nothing may block that thread.
+        """
+        close(self)
 
 
 def start_in_thread(ctl: SyncOwner, timeout: float) -> None:

@@ -187,7 +187,7 @@ class Store:
 
         ``seq``: the sequence number of the envelope that names it (for the error).
         """
-        tag, ident = ref
+        tag, ident = ref[0], ref[1]  # (a JAX job's array entries carry a layout third)
         fut: asyncio.Future[Any] | None
         if tag == 1:
             fut = self._pin_result(ident, host_index)

@@ -193,9 +193,10 @@ def is_string(dtype: Any) -> bool:
 class HostValues:
     """Conversions that need the host's JAX and its devices (thread-safe)."""
 
-    def __init__(self, jax: Any, by_local: dict[tuple[str, int], Any]) -> None:
+    def __init__(self, jax: Any, by_local: dict[tuple[str, int], Any], job: Any = None) -> None:
         self.jax = jax
         self._by_local = by_local
+        self.job = job  # the worker's HostJob while in the cluster's JAX job, else None
         self.meshes: dict[str, Any] = {}  # local_mesh's, by the raw mesh's repr
         # A call's output description, per output layout (see ``outputs``): key -> (the
         # description, the objects whose ids the key holds, kept alive so no other
@@ -271,6 +272,16 @@ class HostValues:
         error for a leaf that is not an array."""
         jax = self.jax
         kept = self._described_types
+        job = self.job
+        if job is not None:  # global arrays: this host's blocks of them (the common
+            # case inline: one array of a sharding this host addresses whole)
+            if type(out) in kept and id(out) not in job._blocks:
+                sh = out._sharding
+                hit = job.addressable.get(id(sh))
+                if hit is None or hit[0] is not sh or not hit[1]:
+                    out = job.to_blocks(out)
+            elif out is not None:
+                out = job.to_blocks(out)
         if type(out) in kept:  # one jax.Array: a leaf
             leaves, treedef = [out], self._leaf
         else:

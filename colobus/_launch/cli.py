@@ -12,6 +12,7 @@ keep trying until the driver binds), and runs ``COMMAND`` with
   them as the ``[host N]`` lines here do),
 - ``COLOBUS_DEVICES_PER_HOST``: each worker's ``--devices``,
 - ``COLOBUS_PY_MODULES``: the ``--py-module`` paths, to ship to the hosts,
+- ``COLOBUS_JAX_DISTRIBUTED=1`` with ``--jax-distributed``: the hosts form one JAX job,
 
 which ``cb.Controller()`` with no arguments reads; ``cb.init()`` and
 ``cb.local_cluster()`` serve the driver with these workers too. When the
@@ -86,6 +87,9 @@ def add_launch_parsers(sub: Any, positive_int: Any) -> None:
         p.add_argument("--py-module", action="append", default=[], metavar="PATH",
                        help="a package directory or .py file the driver's controller ships "
                             "to the hosts too (repeat)")
+        p.add_argument("--jax-distributed", action="store_true",
+                       help="the hosts form one JAX multi-controller job once they joined "
+                            "(sets COLOBUS_JAX_DISTRIBUTED=1 for the driver)")
 
     lo = kinds.add_parser("local", help="workers as subprocesses of this machine")
     lo.add_argument("--hosts", type=positive_int, default=2, help="workers (default 2)")
@@ -335,6 +339,10 @@ def _run(args: argparse.Namespace, command: list[str]) -> int:
                 raise _LaunchError(f"--py-module {path}: no package directory or .py file", 2)
         if args.py_module:
             env[PY_MODULES_ENV] = os.pathsep.join(os.path.abspath(p) for p in args.py_module)
+        if args.jax_distributed:
+            from .._controller.jaxjob import JAX_DISTRIBUTED_ENV
+
+            env[JAX_DISTRIBUTED_ENV] = "1"
         env.update({"COLOBUS_ADDRESS": address, KEY_ENV: key_file,
                     "COLOBUS_HOSTS": str(len(launcher.names)),
                     "COLOBUS_HOST_NAMES": ",".join(launcher.names),
