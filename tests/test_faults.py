@@ -32,6 +32,7 @@ from colobus._wire import protocol as P
 from colobus._wire.envelope import Envelope, decode, encode
 from colobus._wire.keys import write_key
 from colobus._wire.protocol import Kind
+from colobus._wire.versions import local_versions
 
 HB = 0.2  # heartbeat interval, both directions
 LIVE = 1.5  # liveness timeout (short, with room for a loaded 2-core CI machine)
@@ -523,7 +524,8 @@ class RawPeer:
         return decode(self.key, frames)
 
     def hello(self, name: str, nonce: bytes, **kw: Any) -> list[bytes | memoryview]:
-        return self.frames(P.Hello(name, os.getpid(), "raw", [["cpu", "cpu", 0]], nonce), **kw)
+        return self.frames(P.Hello(name, os.getpid(), "raw", [["cpu", "cpu", 0]], nonce, "",
+                                   local_versions()), **kw)
 
     async def challenge(self) -> bytes:
         """JOIN, and the nonce of the controller's CHALLENGE."""

@@ -391,7 +391,8 @@ class _CallOp:
 
         The op itself, not its bound method: one object less per call in flight.
         """
-        out = _build_outputs(self.ctl, self.call_id, self.plan, per_host, self.ref_shardings)
+        out = _build_outputs(self.ctl, self.call_id, self.plan, per_host, self.ref_shardings,
+                             self.target.name)
         if self.out_specs is not None:
             _check_specs(out, self.out_specs, f"outputs of {self.target.name}")
         return out

@@ -33,7 +33,7 @@ from .._wire.fanout import FanoutChannel
 from .._wire.sockio import router_socket
 from .._wire.tasks import supervise
 from . import wakeups
-from .codeship import DEFAULT_MAX_CODE_BYTES, CodeShipper
+from .codeship import DEFAULT_MAX_CODE_BYTES, CodeShipper, Secrets
 from .current import Current, State, no_controller_error
 from .environ import from_environment, from_environment_modules
 from .frees import Frees
@@ -162,7 +162,6 @@ class Controller(SyncFace):
         jax_distributed: bool | None = None,
     ) -> None:
         bind, hosts, key, names = from_environment(bind, hosts, key)  # colobus launch's
-        self._shipper = CodeShipper(from_environment_modules(py_modules), ship_code, max_code_bytes)
         if key is not None:
             key = _keys.check_key(key, "Controller(key=...)")
         if hosts < 0:
@@ -189,6 +188,8 @@ class Controller(SyncFace):
         # (public, secret) Z85 and the allowed workers' keys, when CurveZMQ is on
         self._curve, self._curve_allow = _keys.curve_server_config(
             curve_secret_key, curve_public_key, curve_allow)
+        self._shipper = CodeShipper(from_environment_modules(py_modules), ship_code, max_code_bytes,
+                                    Secrets.of_keys(self._key, curve_secret_key, self._curve))
         self._auth: Any = None  # zmq.auth.thread.ThreadAuthenticator while running
         self._relays = Relays.configure(self, relays, relay_threshold, hosts)
         self.state, self._closed = State.NEW, False  # (_closed: a plain read per call)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from .._wire import protocol as P
 from .._wire.chunks import ACK_KIND
 from .._wire.envelope import PROTOCOL_VERSION, Dropped, Envelope, unpack_batch
-from .._wire.guard import RESET_SEQ, Challenges, PeerWarnings
+from .._wire.guard import RESET_SEQ, Challenges, PeerWarnings, Refusals, shown
 from .._wire.lane import ON, decode
 from .._wire.limits import MAX_HEADER_BYTES, MAX_OBJECTS, UNKNOWN_PEER_MAX_BYTES
 from .._wire.protocol import Kind
@@ -100,6 +100,7 @@ class Sessions:
         self.hosts_dropped = 0  # joined hosts dropped for breaking the protocol
         self.challenges = Challenges()  # join nonces: bounded, expiring
         self._peer_warnings = PeerWarnings(log)
+        self.refusals = Refusals(log)  # joins refused, rate-limited
         self.join_level = join_level(launched=False)  # launchers: cluster.announce_joins
         # Names a launcher numbers its hosts by (names[0] is host 0), set from any thread
         # before its workers start; the loop thread reserves their numbers at the next HELLO.
@@ -335,11 +336,11 @@ class Sessions:
             raise ValueError("bad versions")
         why, warnings = compare(hello.versions, local_versions())
         if why is not None:  # one line, on both sides; the worker exits
-            log.warning("host %r (%s) refused: %s", hello.name, hello.hostname, why)
+            self.refusals.note(f"host {hello.name!r} ({shown(hello.hostname)}) refused: {why}")
             self._send_raw(identity, env.sender, P.Reject(why))
             return
-        for line in warnings:
-            log.warning("host %r (%s): %s", hello.name, hello.hostname, line)
+        for line in warnings:  # (the worker's strings quoted: it cannot forge a line)
+            log.warning("host %r (%s): %s", hello.name, shown(hello.hostname), line)
         names, self.number_by_name = self.number_by_name, None
         if names is not None:
             ctl._hosts.reserve(names)
@@ -450,6 +451,7 @@ class Sessions:
         # (a large pickle, a GC pause) must not declare live hosts lost.
         chan.drain()
         self._peer_warnings.flush()
+        self.refusals.flush()
         now = time.monotonic()
         frozen = self._stalls.frozen(now)  # this process did not run: nobody's silence
         alive = []

@@ -152,6 +152,11 @@ class Store:
             self.shipped.install(body.name, digest, bytes(env.payload))
             return
         try:
+            # Its own package did not unpack: fail with why, not with a same-named module
+            # of this worker's sys.path (the pickle's imports meet the same refusal).
+            refused = self.shipped.why_refused(body.name) if self.shipped.refused else None
+            if refused is not None:
+                raise ImportError(refused, name=body.name)
             self.code[digest] = ("ok", loads(env.payload, env.buffers[: env.pbufs]))
             self.code_bytes[digest] = len(env.payload)
         except Exception as exc:

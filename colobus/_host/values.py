@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from .._model import outlayout as _outlayout
-from .._model.jaxside import is_key_array
+from .._model.jaxside import host_count, is_key_array
 from .._wire import protocol as P
 from .._wire.codec import key_impl_name
 from .._wire.describe import describe_outputs
@@ -329,6 +329,7 @@ class HostValues:
         metas: list[P.OutLeaf] = []
         values: list[Any] = []
         is_mesh = isinstance(mesh, jax.sharding.Mesh)
+        several = is_mesh and _host_count() != 1  # (replicas to compare: every size)
         # cached where nothing in it depends on the values (a mesh's digests do)
         keep: list[Any] | None = None if is_mesh or not _exact_tree(treedef, 0) else [mesh]
         for i, leaf in enumerate(leaves):
@@ -370,8 +371,9 @@ class HostValues:
             memory = getattr(getattr(value, "sharding", None), "memory_kind", None)
             metas.append(P.OutLeaf(i, tuple(value.shape), value.dtype if impl is None else None,
                                    spec, impl, layout,
-                                   # one device: no other host can hold a replica
-                                   _outlayout.digest(value) if is_mesh else None, ref,
+                                   # one device, or one host: no other holds a replica
+                                   _outlayout.digest(value) if is_mesh and several else None,
+                                   ref,
                                    None if memory in (None, "device") else memory))
             values.append(value)
             if keep is not None:
@@ -386,6 +388,13 @@ class HostValues:
                 and v.aval.shape == v.shape)
         # msgpack, never a pickle: the controller does not unpickle what hosts send.
         return values, describe_outputs(treedef, metas), keep
+
+
+def _host_count() -> int:
+    try:
+        return host_count()
+    except RuntimeError:  # (not joined: no count yet)
+        return 0
 
 
 _DESCRIBED_MAX = 1024  # output descriptions cached per host; all dropped when full
