@@ -42,7 +42,7 @@ from .serialization import Code, ColocatedObjectBase, PickledArgs, arg_path, pic
 
 __all__ = [
     "CallPlan", "Code", "ColocatedFunction", "ColocatedObjectBase", "PickledArgs",
-    "colocated_python", "invoke", "pickle_args",
+    "colocated_python", "first_call", "invoke", "pickle_args",
 ]
 
 
@@ -140,6 +140,14 @@ class Target:
     observed: tuple[Observer, FunctionStats] | None = None  # its counters, and whose
     code: Code | None = None  # a function's: all prepare() does is ship it
     lane_mid: tuple[bytes, bytes] | None = None  # the lane's: digest, obj_id, method packed
+    # its output specs are known (an out_specs_fn, or a call of it succeeded): calls made
+    # off the controller's loop thread return at once (see first_call)
+    known: bool = False
+
+    def learned(self, fut: Future[Any]) -> None:
+        """A call of it ended (any thread): once one succeeded, its output specs are known."""
+        if fut.done() and not fut.cancelled() and fut._exception is None:
+            self.known = True
 
     def digest(self) -> bytes:
         return b""
@@ -179,6 +187,20 @@ class FunctionTarget(Target):
         self.code.ship(ctl, host)
 
 
+def first_call(target: Target, fut: Future[Any]) -> Future[Any]:
+    """A call of ``target`` whose output specs are not known yet: made off the
+    controller's loop thread, it returns once its hosts have run it (done), as JAX runs
+    that call synchronously to learn them; on the loop thread (async code) it returns at
+    once. Two first calls from two threads wait side by side, each for its own."""
+    loop_thread = fut._loop_thread
+    if loop_thread is not None and threading.get_ident() != loop_thread:
+        fut._wait(None)
+        target.learned(fut)
+    else:
+        fut.add_done_callback(target.learned)
+    return fut
+
+
 def invoke(target: Target, args: tuple[Any, ...], kwargs: dict[str, Any], *,
            in_specs: Any = None, out_specs_fn: Callable[..., Any] | None = None,
            devices: Sequence[Device] | None = None) -> Future[Any]:
@@ -214,6 +236,8 @@ def invoke(target: Target, args: tuple[Any, ...], kwargs: dict[str, Any], *,
             leaf.check_usable()
     digest = target.digest()  # pickles the code now: SerializationError at the call
     pickled = pickle_args(tree, target.name, ctl)
+    if pickled.needs:  # packages past max_code_bytes fail here, nothing sent
+        ctl._shipper.packages(pickled.needs)
     inputs = _check_buried(pickled.keep, leaves, plan, target.name)
     for state in pickled.objects:  # colocated objects passed as arguments
         state.bind(ctl)
@@ -322,6 +346,9 @@ class _CallOp:
         ctl, target, plan, pickled = self.ctl, self.target, self.plan, self.pickled
         assert pickled is not None
         self.pickled = None  # argument handles live until the call is sent, no longer
+        if pickled.needs:  # the user's packages the arguments name go first
+            for h in plan.hosts:
+                ctl._shipper.ship(ctl, ctl._hosts[h], pickled.needs)
         if pickled.keep:  # an output laid out like an argument gets its global sharding
             shardings = []
             for k in pickled.keep:
@@ -423,6 +450,7 @@ class ColocatedFunction:
         self._fn = fn
         self._code = code if code is not None else Code(fn)
         self._target = FunctionTarget(self._code, getattr(fn, "__qualname__", repr(fn)))
+        self._target.known = out_specs_fn is not None
         self._in_specs = in_specs
         self._out_specs_fn = out_specs_fn
         self._devices = tuple(devices) if devices is not None else None
@@ -448,12 +476,14 @@ class ColocatedFunction:
         return self._target.signatures.info(self._code.shipped)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Future[Any]:
+        target = self._target
         if self._lane and not kwargs:
-            fut = _LANE[0](self._target, args)  # type: ignore[misc]
+            fut = _LANE[0](target, args)  # type: ignore[misc]
             if fut is not None:
-                return fut
-        return invoke(self._target, args, kwargs, in_specs=self._in_specs,
-                      out_specs_fn=self._out_specs_fn, devices=self._devices)
+                return fut if target.known else first_call(target, fut)
+        fut = invoke(target, args, kwargs, in_specs=self._in_specs,
+                     out_specs_fn=self._out_specs_fn, devices=self._devices)
+        return fut if target.known else first_call(target, fut)
 
 
 def merge_specialization(current: tuple[Any, Any, Any], in_specs: Any,

@@ -267,6 +267,7 @@ class _HandleIds:
         elif isinstance(obj, Future) and isinstance(obj.info, CallPlan):
             if self.ctl is not None:
                 check_owner(obj, self.ctl)
+            obj._read()  # its error, if any, is the dependent call's: never logged as unread
             self.refs.append([1, obj.call_id])
         elif isinstance(obj, ColocatedObjectBase):
             state = obj._colobus_state
@@ -309,6 +310,27 @@ class PickledArgs:
     refs: list[list[int]]
     keep: list[Any]
     objects: list[Any]
+    # the user's packages the arguments name (a closure's module, a function's, a user
+    # class's): they travel before the call as the function's own do
+    needs: tuple[str, ...] = ()
+
+
+_user_tops: tuple[int, tuple[bytes, ...]] = (-1, ())  # (len(sys.modules), the user's tops)
+
+
+def _packages_in_args(data: bytes) -> tuple[str, ...]:
+    """:func:`_packages_named` of an arguments pickle, read only where it can name one:
+    most arguments (numbers, arrays, strings) hold no user package's name at all."""
+    global _user_tops
+    n, tops = _user_tops
+    if n != len(sys.modules):  # something was imported since: who is the user's again
+        names = {name.partition(".")[0] for name in list(sys.modules)}
+        tops = tuple(sorted(t.encode() for t in names if user_package(t) is not None))
+        _user_tops = (len(sys.modules), tops)
+    for top in tops:
+        if top in data:
+            return _packages_named(data)
+    return ()
 
 
 def pickle_args(tree: Any, what: str, ctl: Controller | None = None) -> PickledArgs:
@@ -335,7 +357,9 @@ def pickle_args(tree: Any, what: str, ctl: Controller | None = None) -> PickledA
     fast = _FastArgsPickler(f, buffers, ctl)
     try:
         fast.dump(tree)
-        return PickledArgs(f.getvalue(), buffers, fast.refs, fast.keep, fast.objects)
+        data = f.getvalue()
+        return PickledArgs(data, buffers, fast.refs, fast.keep, fast.objects,
+                           _packages_in_args(data))
     except (SerializationError, RuntimeError, MisusedHandle) as exc:
         if isinstance(exc, SerializationError | MisusedHandle) or "deleted" in str(exc) or (
                 "was closed" in str(exc)):
@@ -366,7 +390,9 @@ def pickle_args(tree: Any, what: str, ctl: Controller | None = None) -> PickledA
                 break
         raise SerializationError(
             f"{where} of {what} cannot be pickled, so nothing was sent: {exc}") from exc
-    return PickledArgs(f.getvalue(), buffers, pickler.refs, pickler.keep, pickler.objects)
+    data = f.getvalue()
+    return PickledArgs(data, buffers, pickler.refs, pickler.keep, pickler.objects,
+                       _packages_in_args(data))
 
 
 class _Slot:
