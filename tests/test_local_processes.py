@@ -125,5 +125,5 @@ def test_a_module_in_the_drivers_directory_runs_in_no_worker_and_no_relay(
     with cb.local_cluster(hosts=1, relays=1) as ctl:
         assert [r["hosts"] for r in ctl.stats()["relays"]] == [[0]]  # the relay carries it
         x = cb.device_put(np.arange(2.0), ctl.devices()[0])
-        assert cb.device_get(which_msgpack(x).result(60)).result(60).tolist() == [0.0, 1.0]
+        assert cb.device_get(which_msgpack(x).result(60)).tolist() == [0.0, 1.0]
     assert not marker.exists(), marker.read_text()

@@ -136,7 +136,7 @@ def test_scrape_counts_known_work(octl: cb.Controller) -> None:
     outs = [f.result(timeout=60) for f in futs]
     with pytest.raises(ValueError, match="on purpose"):
         obs_fail(x).result(timeout=60)
-    np.testing.assert_array_equal(cb.device_get(outs[-1]).result(timeout=60),
+    np.testing.assert_array_equal(cb.device_get(outs[-1]),
                                   np.arange(floats, dtype=np.float32) + 1)
 
     # A scrape asks the hosts for what they hold and how long each call waited
