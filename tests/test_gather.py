@@ -107,7 +107,7 @@ async def test_cancelling_the_gather_cancels_its_calls(ctl: cb.Controller) -> No
     # call run on a loaded machine, where its CANCEL was still on its way.
     await asyncio.create_task(_call(events))
     hs.open_gate(gate)
-    ran = [int(v) for v in np.asarray(cb.device_get(await asyncio.create_task(
+    ran = [int(v) for v in np.asarray(await cb.device_get(await asyncio.create_task(
         _call(events))))]
     assert queued not in ran  # cancelled before it started: it never ran
 

@@ -4,8 +4,8 @@ holding only its own block), and moving it there and back; dropping the handle (
 
 from __future__ import annotations
 
+import asyncio
 import functools
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -29,7 +29,7 @@ from .shards import Shard, addressable_shards
 __all__ = ["Array", "MisusedHandle", "check_owner", "device_get", "fetch_many", "fetch_tree",
            "mesh_message", "off_loop"]
 
-_get_ident = threading.get_ident
+_running_loop = asyncio._get_running_loop
 
 
 class MisusedHandle(ValueError):
@@ -154,8 +154,8 @@ class Array:
         ``is_ready``: the hosts answer at once, never waiting for the computation).
 
         Returns:
-            A bool off the controller's event-loop thread (as JAX's); on it (async code)
-            a ``cb.Future`` of the bool, to ``await``.
+            A bool on a thread where no event loop runs (as JAX's); in async code (a
+            thread running an event loop) a ``cb.Future`` of the bool, to ``await``.
         """
         return off_loop(self._is_ready())
 
@@ -347,10 +347,10 @@ def _is_handle(x: Any) -> bool:
 
 
 def off_loop(fut: Future[Any]) -> Any:
-    """``fut`` on the controller's event-loop thread (async code awaits it); anywhere
-    else its value, waited for, as JAX's ``device_get`` and ``block_until_ready`` block."""
-    loop_thread = fut._loop_thread
-    if loop_thread is not None and _get_ident() == loop_thread:
+    """``fut`` where an event loop runs on this thread (async code: the controller's
+    loop, or any other, awaits it); on a thread without one, its value, waited for, as
+    JAX's ``device_get`` and ``block_until_ready`` block."""
+    if _running_loop() is not None:
         return fut
     return fut.result()
 
@@ -363,10 +363,10 @@ def device_get(tree: Any) -> Any:
     come back as JAX key arrays.
 
     Returns:
-        Off the controller's event-loop thread (plain scripts, ``with`` clusters,
+        On a thread where no event loop runs (plain scripts under ``with``,
         ``cb.init()``, worker threads), the fetched tree, waited for as JAX's
-        ``device_get`` does; on that thread (async code), a ``cb.Future`` of it, to
-        ``await``.
+        ``device_get`` does; in async code (a thread running an event loop: the
+        controller's own, or another), a ``cb.Future`` of it, to ``await``.
     """
     return off_loop(fetch_tree(tree))
 

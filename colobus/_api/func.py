@@ -188,12 +188,13 @@ class FunctionTarget(Target):
 
 
 def first_call(target: Target, fut: Future[Any]) -> Future[Any]:
-    """A call of ``target`` whose output specs are not known yet: made off the
-    controller's loop thread, it returns once its hosts have run it (done), as JAX runs
-    that call synchronously to learn them; on the loop thread (async code) it returns at
-    once. Two first calls from two threads wait side by side, each for its own."""
-    loop_thread = fut._loop_thread
-    if loop_thread is not None and threading.get_ident() != loop_thread:
+    """A call of ``target`` whose output specs are not known yet: made on a thread where
+    no event loop runs (a script, a worker thread), it returns once its hosts have run
+    it (done), as JAX runs that call synchronously to learn them; in async code (a thread
+    running an event loop, the controller's or another) it returns at once, as every
+    call does there. Two first calls from two threads wait side by side, each for its
+    own."""
+    if asyncio._get_running_loop() is None:
         fut._wait(None)
         target.learned(fut)
     else:

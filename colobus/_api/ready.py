@@ -125,10 +125,11 @@ def block_until_ready(tree: Any) -> Any:
     ``await cb.block_until_ready(step(x))`` costs one round trip.
 
     Returns:
-        Off the controller's event-loop thread (plain scripts, ``with`` clusters,
+        On a thread where no event loop runs (plain scripts under ``with``,
         ``cb.init()``, worker threads), the tree, once ready: it blocks, as JAX's
-        does, so ``cb.block_until_ready(y)`` as a statement waits. On that thread
-        (async code), a ``cb.Future`` of it, to ``await``.
+        does, so ``cb.block_until_ready(y)`` as a statement waits. In async code (a
+        thread running an event loop: the controller's, or another), a ``cb.Future``
+        of it, to ``await``.
     """
     return off_loop(ready_future(tree))
 
