@@ -35,6 +35,7 @@ from .._wire.peer import Peer
 from .._wire.splice import CallSplicer
 from .array import Array, check_owner
 from .cacheinfo import CacheInfo, Signatures
+from .firstcall import first_call
 from .outputs import build_outputs as _build_outputs
 from .outputs import lane_outputs, learn_outputs
 from .plan import CallPlan, make_plan
@@ -42,7 +43,7 @@ from .serialization import Code, ColocatedObjectBase, PickledArgs, arg_path, pic
 
 __all__ = [
     "CallPlan", "Code", "ColocatedFunction", "ColocatedObjectBase", "PickledArgs",
-    "colocated_python", "first_call", "invoke", "pickle_args",
+    "colocated_python", "invoke", "pickle_args",
 ]
 
 
@@ -140,9 +141,7 @@ class Target:
     observed: tuple[Observer, FunctionStats] | None = None  # its counters, and whose
     code: Code | None = None  # a function's: all prepare() does is ship it
     lane_mid: tuple[bytes, bytes] | None = None  # the lane's: digest, obj_id, method packed
-    # its output specs are known (an out_specs_fn, or a call of it succeeded): calls made
-    # off the controller's loop thread return at once (see first_call)
-    known: bool = False
+    known: bool = False  # its output specs are (out_specs_fn, a call succeeded): firstcall
 
     def learned(self, fut: Future[Any]) -> None:
         """A call of it ended (any thread): once one succeeded, its output specs are known."""
@@ -187,21 +186,6 @@ class FunctionTarget(Target):
         self.code.ship(ctl, host)
 
 
-def first_call(target: Target, fut: Future[Any]) -> Future[Any]:
-    """A call of ``target`` whose output specs are not known yet: made on a thread where
-    no event loop runs (a script, a worker thread), it returns once its hosts have run
-    it (done), as JAX runs that call synchronously to learn them; in async code (a thread
-    running an event loop, the controller's or another) it returns at once, as every
-    call does there. Two first calls from two threads wait side by side, each for its
-    own."""
-    if asyncio._get_running_loop() is None:
-        fut._wait(None)
-        target.learned(fut)
-    else:
-        fut.add_done_callback(target.learned)
-    return fut
-
-
 def invoke(target: Target, args: tuple[Any, ...], kwargs: dict[str, Any], *,
            in_specs: Any = None, out_specs_fn: Callable[..., Any] | None = None,
            devices: Sequence[Device] | None = None) -> Future[Any]:
@@ -237,8 +221,6 @@ def invoke(target: Target, args: tuple[Any, ...], kwargs: dict[str, Any], *,
             leaf.check_usable()
     digest = target.digest()  # pickles the code now: SerializationError at the call
     pickled = pickle_args(tree, target.name, ctl)
-    if pickled.needs:  # packages past max_code_bytes fail here, nothing sent
-        ctl._shipper.packages(pickled.needs)
     inputs = _check_buried(pickled.keep, leaves, plan, target.name)
     for state in pickled.objects:  # colocated objects passed as arguments
         state.bind(ctl)

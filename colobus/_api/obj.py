@@ -25,6 +25,7 @@ from .._controller.hosts import Host
 from .._model.devices import Device
 from .._wire import protocol as P
 from .array import check_owner
+from .firstcall import first_call
 from .func import (
     CallPlan,
     Code,
@@ -32,7 +33,6 @@ from .func import (
     PickledArgs,
     Target,
     _stream_id,
-    first_call,
     invoke,
     merge_specialization,
     pickle_args,

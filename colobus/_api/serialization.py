@@ -318,9 +318,11 @@ class PickledArgs:
 _user_tops: tuple[int, tuple[bytes, ...]] = (-1, ())  # (len(sys.modules), the user's tops)
 
 
-def _packages_in_args(data: bytes) -> tuple[str, ...]:
+def _packages_in_args(data: bytes, ctl: Controller | None) -> tuple[str, ...]:
     """:func:`_packages_named` of an arguments pickle, read only where it can name one:
-    most arguments (numbers, arrays, strings) hold no user package's name at all."""
+    most arguments (numbers, arrays, strings) hold no user package's name at all. With
+    ``ctl``, packages that would pass its ``max_code_bytes`` raise ``SerializationError``
+    here, at the call, nothing sent."""
     global _user_tops
     n, tops = _user_tops
     if n != len(sys.modules):  # something was imported since: who is the user's again
@@ -329,7 +331,10 @@ def _packages_in_args(data: bytes) -> tuple[str, ...]:
         _user_tops = (len(sys.modules), tops)
     for top in tops:
         if top in data:
-            return _packages_named(data)
+            needs = _packages_named(data)
+            if needs and ctl is not None:
+                ctl._shipper.packages(needs)
+            return needs
     return ()
 
 
@@ -359,7 +364,7 @@ def pickle_args(tree: Any, what: str, ctl: Controller | None = None) -> PickledA
         fast.dump(tree)
         data = f.getvalue()
         return PickledArgs(data, buffers, fast.refs, fast.keep, fast.objects,
-                           _packages_in_args(data))
+                           _packages_in_args(data, ctl))
     except (SerializationError, RuntimeError, MisusedHandle) as exc:
         if isinstance(exc, SerializationError | MisusedHandle) or "deleted" in str(exc) or (
                 "was closed" in str(exc)):
@@ -392,7 +397,7 @@ def pickle_args(tree: Any, what: str, ctl: Controller | None = None) -> PickledA
             f"{where} of {what} cannot be pickled, so nothing was sent: {exc}") from exc
     data = f.getvalue()
     return PickledArgs(data, buffers, pickler.refs, pickler.keep, pickler.objects,
-                       _packages_in_args(data))
+                       _packages_in_args(data, ctl))
 
 
 class _Slot:
