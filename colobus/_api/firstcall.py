@@ -10,18 +10,23 @@ known once it has an ``out_specs_fn`` or a call of it succeeded (``Target.learne
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from .._controller.future import Future
-    from .func import Target
 
-__all__ = ["first_call"]
+__all__ = ["Learner", "first_call"]
 
 _running_loop = asyncio._get_running_loop
 
 
-def first_call(target: Target, fut: Future[Any]) -> Future[Any]:
+class Learner(Protocol):
+    """What a call's target (``func.Target``) does once one of its calls ended."""
+
+    def learned(self, fut: Future[Any]) -> None: ...
+
+
+def first_call(target: Learner, fut: Future[Any]) -> Future[Any]:
     """``fut`` of a call of ``target`` made while its output specs were unknown: on a
     thread with no event loop, once its hosts have run it (done); in async code (a
     thread running an event loop, the controller's or another) at once. Two first calls
