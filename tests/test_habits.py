@@ -288,3 +288,22 @@ def test_a_jax_without_axis_types_says_so() -> None:
     with pytest.raises(ValueError, match=r"JAX 0\.4\.35 has no mesh axis type 'Explicit'.*0\.5\.3"):
         jax_axis_types(old, ["Explicit"])
     assert jax_axis_types(jax, ["Auto", "Manual"]) == (AxisType.Auto, AxisType.Manual)
+
+
+async def test_errors_gathered_count_as_read(ctl: cb.Controller,
+                                             caplog: pytest.LogCaptureFixture) -> None:
+    """As asyncio.gather retrieves each child's exception: none is logged as unread."""
+    caplog.set_level(logging.ERROR, "colobus.future")
+
+    @cb.colocated_python
+    def broken(x: Any) -> Any:
+        raise KeyError("gathered")
+
+    dev = next(d for d in cb.devices() if d.host == 0)
+    x = cb.device_put(np.zeros(2, np.float32), cb.SingleDeviceSharding(dev))
+    got = await cb.gather(broken(x), broken(x), return_exceptions=True)
+    assert all(isinstance(e, KeyError) for e in got)
+    with pytest.raises(KeyError):
+        await cb.gather(broken(x), broken(x))
+    del got  # (the second gather's other future is read as it settles, whenever that is)
+    assert _unread(caplog) == []
