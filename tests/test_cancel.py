@@ -27,15 +27,9 @@ def _gates() -> Iterator[None]:
 
 
 def _on(dev: cb.Device) -> tuple[object, object, object]:
-    """The host-side helpers, specialized to one device (host of ``dev``); the gate's
-    output specs given, so that its calls return at once from a plain thread too (a first
-    call without them waits there until its hosts ran it)."""
-    return (hs.wait_gate.specialize(devices=[dev], out_specs_fn=_scalar),
-            hs.mark.specialize(devices=[dev]), hs.events.specialize(devices=[dev]))
-
-
-def _scalar(*_: object) -> cb.ShapeDtypeStruct:
-    return cb.ShapeDtypeStruct((), np.int32)
+    """The host-side helpers, specialized to one device (host of ``dev``)."""
+    return (hs.wait_gate.specialize(devices=[dev]), hs.mark.specialize(devices=[dev]),
+            hs.events.specialize(devices=[dev]))
 
 
 async def _events(events: object) -> list[int]:
