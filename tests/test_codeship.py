@@ -252,6 +252,59 @@ async def test_code_pickled_by_value_takes_the_packages_it_names_along(far: Else
         assert ctl.stats()["packages_sent"] == 2 * HOSTS
 
 
+def write_module(src: Path, name: str, scale: int) -> Any:
+    """A lone module of the user's with a function, a class and a constant, imported."""
+    (src / f"{name}.py").write_text(textwrap.dedent(f"""
+        SCALE = {scale}
+
+
+        def triple(v):
+            return v * 3
+
+
+        class Config:
+            def __init__(self, k):
+                self.k = k
+    """))
+    return fresh_import(name)
+
+
+async def test_modules_named_only_by_arguments_travel(far: Elsewhere) -> None:
+    """A call's arguments (a closure over a module, a module's function, an instance of a
+    module's class) and a class's constructor arguments name modules nothing else names:
+    those travel too, as maxtext's closures given to its ``RemoteIterator`` need."""
+    by_call, by_init = write_module(far.src, unique("argmod"), 5), write_module(
+        far.src, unique("initmod"), 7)
+
+    @cb.colocated_python
+    def use(x: Any, fn: Any, cfg: Any, closure: Any) -> Any:  # names neither module
+        return x + fn(1) + cfg.k + closure(1)
+
+    def closure(v: Any) -> Any:
+        return v * by_call.SCALE
+
+    @cb.colocated_python_class
+    class Holder:
+        def __init__(self, fn: Any) -> None:
+            self.fn = fn
+
+        def run(self, x: Any) -> Any:
+            return x + self.fn(2)
+
+    async with far.controller() as ctl:
+        x = per_host(ctl)
+        # 3 (triple) + 4 (Config) + 5 (closure: SCALE) on [0, 1]
+        assert await fetch(use(x, by_call.triple, by_call.Config(4), closure)) == [12.0, 13.0]
+        holder = Holder(lambda v: v * by_init.SCALE)
+        assert await fetch(holder.run(x)) == [14.0, 15.0]
+        holder.close()
+        assert ctl.stats()["packages_sent"] >= 2 * HOSTS  # both modules, on every host
+    # Without shipping, the same call fails on the hosts, naming the module.
+    async with far.controller(ship_code=False) as ctl:
+        with pytest.raises(ModuleNotFoundError, match=by_call.__name__):
+            await asyncio.wait_for(use(per_host(ctl), by_call.triple, 0, closure), 60)
+
+
 async def test_without_shipping_the_error_names_the_function_and_the_remedy(
         far: Elsewhere) -> None:
     name = unique("noship")

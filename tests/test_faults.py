@@ -320,7 +320,7 @@ with cb.Controller(bind, hosts=1, key=cb.load_key(key_file), heartbeat_interval=
     d = ctl.devices()
     arrs = [cb.device_put(np.arange(1000.0) + i, d[i % len(d)]) for i in range(3)]
     keeper = Keeper()
-    cb.block_until_ready(keeper.touch(arrs[0])).result(30)
+    cb.block_until_ready(keeper.touch(arrs[0]))
     stats = ctl.refresh_stats().result(30)
     print("READY", json.dumps({"arrays": stats["hosts"][0]["arrays"],
                                "objects": stats["hosts"][0]["objects"],

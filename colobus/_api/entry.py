@@ -40,22 +40,27 @@ def colocated_cpu_devices(devices_or_mesh: Any) -> Any:
     return colocated_cpu_devices_from(devices_or_mesh, all_devices)
 
 
-def make_mesh(axis_shapes: Sequence[int], axis_names: Sequence[str], *,
-              devices: Sequence[Device] | None = None) -> Mesh:
+def make_mesh(axis_shapes: Sequence[int], axis_names: Sequence[str], axis_types: Any = None,
+              *, devices: Sequence[Device] | None = None) -> Mesh:
     """A mesh of ``axis_shapes`` named ``axis_names``, as ``jax.make_mesh``.
 
     Args:
         axis_shapes: The mesh's shape, e.g. ``(2, 4)``.
         axis_names: One name per axis, e.g. ``("hosts", "devices")``.
+        axis_types: One ``jax.sharding.AxisType`` per axis (see :class:`Mesh`); None:
+            ``Auto`` on every axis, as ``cb.Mesh`` (recent JAX's ``make_mesh`` makes
+            them ``Explicit`` instead; pass them to get that).
         devices: The devices to use, in order; default ``cb.devices()`` (sorted
             by id, so host by host). The first ``prod(axis_shapes)`` are taken.
 
     Raises:
         ValueError: JAX's texts: ``axis_shapes`` not ints, too few devices for
-            the shape, a number of names other than the number of axes.
+            the shape, a number of names (or axis types) other than the number of axes.
+        TypeError: An axis type that is not a ``jax.sharding.AxisType``.
     """
     mesh = make_mesh_from(axis_shapes, axis_names,
-                          default_controller().devices() if devices is None else devices)
+                          default_controller().devices() if devices is None else devices,
+                          axis_types)
     _note_one_host(mesh)
     return mesh
 

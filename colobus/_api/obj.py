@@ -25,6 +25,7 @@ from .._controller.hosts import Host
 from .._model.devices import Device
 from .._wire import protocol as P
 from .array import check_owner
+from .firstcall import first_call
 from .func import (
     CallPlan,
     Code,
@@ -57,6 +58,7 @@ class ObjectState:
         self.built: dict[int, int] = {}  # host -> generation it was built in
         self.closed = False
         self.destroy_sent = False  # loop thread: DESTROY went out, nothing may build it again
+        self.known: set[str] = set()  # methods whose output specs a call taught (first_call)
         self._lock = threading.Lock()
 
     def check_open(self) -> None:
@@ -109,6 +111,8 @@ class ObjectState:
             return
         digest = self.code.ship(ctl, host)
         init = self.init
+        if init.needs:  # the user's packages the constructor's arguments name
+            ctl._shipper.ship(ctl, host, init.needs)
         for state in init.objects:
             state.ensure_built(ctl, host)
         refs = init.refs if ctl._job is None else job_refs(init.refs, init.keep)
@@ -156,6 +160,12 @@ class MethodTarget(Target):
         self.obj_id = state.obj_id
         self.method = method
         self.name = f"{state.cls_name}.{method}"
+        self.known = method in state.known
+
+    def learned(self, fut: Future[Any]) -> None:
+        super().learned(fut)
+        if self.known:
+            self.state.known.add(self.method)
 
     def stats_key(self, digest: bytes) -> tuple[bytes, str]:
         return (self.state.code.get()[0], self.method)  # hosts know the object's class
@@ -164,6 +174,8 @@ class MethodTarget(Target):
         self.state.check_plan(ctl, plan)
         if self.state.code.ready != ctl._shipper.serial:  # its class's first call with ctl
             self.state.code.prepare(ctl)
+        if self.state.init.needs:  # past max_code_bytes: fails here, nothing sent
+            ctl._shipper.packages(self.state.init.needs)
 
     def prepare(self, ctl: Controller, host: Host) -> None:
         self.state.ensure_built(ctl, host)
@@ -187,6 +199,8 @@ class ColocatedMethod:
         self._name = name
         self._fn = fn
         self._target = MethodTarget(state, name)
+        if out_specs_fn is not None:
+            self._target.known = True
         self._in_specs = in_specs
         self._out_specs_fn = out_specs_fn
         self._devices = tuple(devices) if devices is not None else None
@@ -211,8 +225,10 @@ class ColocatedMethod:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Future[Any]:
         self._state.check_open()
-        return invoke(self._target, args, kwargs, in_specs=self._in_specs,
-                      out_specs_fn=self._out_specs_fn, devices=self._devices)
+        target = self._target
+        fut = invoke(target, args, kwargs, in_specs=self._in_specs,
+                     out_specs_fn=self._out_specs_fn, devices=self._devices)
+        return fut if target.known else first_call(target, fut)
 
 
 class _MethodDescriptor:

@@ -72,7 +72,8 @@ def _plan_for(devices: tuple[Device, ...], mesh: Mesh | Device | None) -> CallPl
 def _plan_by_value(devices: tuple[Device, ...], mesh: Mesh | Device) -> CallPlan:
     # Devices compare by id only, and ids repeat across controllers: key on everything.
     full = tuple((d.id, d.host, d.platform, d.local_id) for d in devices)
-    key = (full, None if isinstance(mesh, Device) else (mesh.axis_names, mesh.devices.shape))
+    key = (full, None if isinstance(mesh, Device) else (mesh.axis_names, mesh.devices.shape,
+                                                           mesh.axis_type_names))
     plan = _plans.get(key)
     if plan is None:
         plan = _make_plan(devices, mesh)

@@ -45,11 +45,16 @@ WINDOW_MOVES = 16
 
 
 def mesh_message(block: HostBlock) -> list[Any]:
-    """A host's part of a layout as a message: ``[[[platform, local id]...], shape, names]``."""
+    """A host's part of a layout as a message: ``[[[platform, local id]...], shape, names]``,
+    and the axis types by name where one is not Auto."""
     devs = [[d.platform, d.local_id] for d in block.local_devices.flat]
     sh = block.local_sharding
     if isinstance(sh, NamedSharding):
-        return [devs, list(block.local_devices.shape), list(sh.mesh.axis_names)]
+        mesh = sh.mesh
+        out = [devs, list(block.local_devices.shape), list(mesh.axis_names)]
+        if mesh.has_axis_types:
+            out.append(list(mesh.axis_type_names))
+        return out
     return [devs, [], []]
 
 

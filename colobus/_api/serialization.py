@@ -268,6 +268,7 @@ class _HandleIds:
         elif isinstance(obj, Future) and isinstance(obj.info, CallPlan):
             if self.ctl is not None:
                 check_owner(obj, self.ctl)
+            obj._read()  # its error, if any, is the dependent call's: never logged as unread
             self.refs.append([1, obj.call_id])
         elif isinstance(obj, ColocatedObjectBase):
             state = obj._colobus_state
@@ -310,6 +311,32 @@ class PickledArgs:
     refs: list[list[int]]
     keep: list[Any]
     objects: list[Any]
+    # the user's packages the arguments name (a closure's module, a function's, a user
+    # class's): they travel before the call as the function's own do
+    needs: tuple[str, ...] = ()
+
+
+_user_tops: tuple[int, tuple[bytes, ...]] = (-1, ())  # (len(sys.modules), the user's tops)
+
+
+def _packages_in_args(data: bytes, ctl: Controller | None) -> tuple[str, ...]:
+    """:func:`_packages_named` of an arguments pickle, read only where it can name one:
+    most arguments (numbers, arrays, strings) hold no user package's name at all. With
+    ``ctl``, packages that would pass its ``max_code_bytes`` raise ``SerializationError``
+    here, at the call, nothing sent."""
+    global _user_tops
+    n, tops = _user_tops
+    if n != len(sys.modules):  # something was imported since: who is the user's again
+        names = {name.partition(".")[0] for name in list(sys.modules)}
+        tops = tuple(sorted(t.encode() for t in names if user_package(t) is not None))
+        _user_tops = (len(sys.modules), tops)
+    for top in tops:
+        if top in data:
+            needs = _packages_named(data)
+            if needs and ctl is not None:
+                ctl._shipper.packages(needs)
+            return needs
+    return ()
 
 
 def pickle_args(tree: Any, what: str, ctl: Controller | None = None) -> PickledArgs:
@@ -342,7 +369,9 @@ def pickle_args(tree: Any, what: str, ctl: Controller | None = None) -> PickledA
         refs = fast.refs
         if ctl is not None and ctl._job is not None:
             refs = job_refs(refs, fast.keep)
-        return PickledArgs(f.getvalue(), buffers, refs, fast.keep, fast.objects)
+        data = f.getvalue()
+        return PickledArgs(data, buffers, refs, fast.keep, fast.objects,
+                           _packages_in_args(data, ctl))
     except (SerializationError, RuntimeError, MisusedHandle) as exc:
         if isinstance(exc, SerializationError | MisusedHandle) or "deleted" in str(exc) or (
                 "was closed" in str(exc)):
@@ -376,7 +405,9 @@ def pickle_args(tree: Any, what: str, ctl: Controller | None = None) -> PickledA
     refs = pickler.refs
     if ctl is not None and ctl._job is not None:
         refs = job_refs(refs, pickler.keep)
-    return PickledArgs(f.getvalue(), buffers, refs, pickler.keep, pickler.objects)
+    data = f.getvalue()
+    return PickledArgs(data, buffers, refs, pickler.keep, pickler.objects,
+                       _packages_in_args(data, ctl))
 
 
 class _Slot:

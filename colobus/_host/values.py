@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from .._model import outlayout as _outlayout
+from .._model.devices import jax_axis_types
 from .._model.jaxside import host_count, is_key_array
 from .._wire import protocol as P
 from .._wire.codec import key_impl_name
@@ -210,14 +211,19 @@ class HostValues:
         self._described.clear()
 
     def local_mesh(self, raw: list[Any]) -> Any:
-        """A jax ``Mesh`` (or one ``jax.Device``) from ``[[platform, id]...], shape, names]``."""
+        """A jax ``Mesh`` (or one ``jax.Device``) from ``[[platform, id]...], shape, names]``
+        (and the axis types by name, where one is not Auto)."""
         key = repr(raw)
         mesh = self.meshes.get(key)
         if mesh is None:
-            ids, shape, names = raw
+            ids, shape, names = raw[:3]
             devs = [self._by_local[(str(p), int(i))] for p, i in ids]
             if not shape:
                 mesh = devs[0]
+            elif len(raw) > 3:
+                mesh = self.jax.sharding.Mesh(
+                    np.array(devs, dtype=object).reshape(shape), tuple(names),
+                    axis_types=jax_axis_types(self.jax, [str(t) for t in raw[3]]))
             else:
                 mesh = self.jax.sharding.Mesh(
                     np.array(devs, dtype=object).reshape(shape), tuple(names))

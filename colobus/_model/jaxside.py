@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 
 from .blocks import host_blocks
-from .devices import Device, Mesh
+from .devices import Device, Mesh, jax_axis_types
 from .sharding import NamedSharding, ShapeDtypeStruct, SingleDeviceSharding
 
 __all__ = [
@@ -155,7 +155,8 @@ def _device_raw(d: Device) -> _DeviceRaw:
 
 
 def _mesh_raw(m: Mesh) -> tuple[Any, ...]:
-    return (tuple(_device_raw(d) for d in m.devices.flat), m.devices.shape, m.axis_names)
+    raw = (tuple(_device_raw(d) for d in m.devices.flat), m.devices.shape, m.axis_names)
+    return (*raw, m.axis_type_names) if m.has_axis_types else raw
 
 
 def _sharding_raw(s: Any) -> tuple[str, Any] | None:
@@ -217,10 +218,10 @@ def _device(raw: _DeviceRaw) -> Device:
 
 
 def _mesh(raw: tuple[Any, ...]) -> Mesh:
-    devs, shape, names = raw
+    devs, shape, names = raw[:3]
     arr = np.empty(len(devs), dtype=object)
     arr[:] = [_device(r) for r in devs]
-    return Mesh(arr.reshape(shape), names)
+    return Mesh(arr.reshape(shape), names, raw[3] if len(raw) > 3 else None)
 
 
 def _sharding(raw: tuple[str, Any]) -> Any:
@@ -260,7 +261,8 @@ def _local_device(d: Device) -> Any:
 def _local_mesh(m: Mesh) -> Any:
     import jax
 
-    key = (tuple(d.id for d in m.devices.flat), m.devices.shape, m.axis_names)
+    key = (tuple(d.id for d in m.devices.flat), m.devices.shape, m.axis_names,
+           m.axis_type_names)
     with _lock:
         found = _meshes.get(key)
     if found is not None:
@@ -277,7 +279,11 @@ def _local_mesh(m: Mesh) -> Any:
             "colobus needs each host's devices to be the product of one set of positions "
             "per mesh axis.")
     local = np.vectorize(_mine, otypes=[object])(sub)
-    mesh = jax.sharding.Mesh(local, m.axis_names)
+    if m.has_axis_types:
+        mesh = jax.sharding.Mesh(local, m.axis_names,
+                                 axis_types=jax_axis_types(jax, m.axis_type_names))
+    else:
+        mesh = jax.sharding.Mesh(local, m.axis_names)
     with _lock:
         if len(_meshes) > 256:
             _meshes.clear()
