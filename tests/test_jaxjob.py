@@ -10,7 +10,9 @@ from __future__ import annotations
 import os
 import signal
 from pathlib import Path
+from typing import Any
 
+import jax
 import numpy as np
 import pytest
 from hostview_hostside import (
@@ -71,6 +73,26 @@ def test_arguments_are_global_arrays(job: cb.Controller) -> None:
     want_rows = [[ids[d.id], idx[0].start, idx[0].stop]
                  for d, idx in x.sharding.devices_indices_map((8,)).items()]
     assert sorted(shards.tolist()) == sorted(want_rows)
+
+
+def test_a_meshs_axis_types_reach_the_global_view(job: cb.Controller) -> None:
+    explicit = jax.sharding.AxisType.Explicit
+    mesh = cb.make_mesh((4,), ("x",), axis_types=(explicit,))
+    x = cb.device_put(np.arange(8, dtype=np.float32), cb.NamedSharding(mesh, P("x")))
+
+    @cb.colocated_python
+    def seen(x: Any) -> Any:  # the global array's mesh, as on any JAX job
+        import jax
+
+        return np.asarray([t == jax.sharding.AxisType.Explicit
+                           for t in x.sharding.mesh.axis_types], np.int32)
+
+    np.testing.assert_array_equal(np.asarray(seen(x).result(timeout=SETTLE_S)), [1])
+    # a global output over that mesh comes back as the same layout, axis types and all
+    y = plus_one_global(x).result(timeout=SETTLE_S)
+    assert y.sharding == x.sharding and y.sharding.mesh.axis_types == (explicit,)
+    np.testing.assert_array_equal(np.asarray(seen(y).result(timeout=SETTLE_S)), [1])
+    np.testing.assert_array_equal(np.asarray(y), np.arange(8) + 1)
 
 
 def test_devices_arrive_as_the_jobs_devices(job: cb.Controller) -> None:
