@@ -150,12 +150,15 @@ def test_one_hosts_array_is_whole_there(job: cb.Controller) -> None:
 def test_a_lost_host_ends_the_job_and_it_forms_again(job: cb.Controller,
                                                      tmp_path: Path) -> None:
     x = _over_all(job)
-    # in flight on both hosts (host 0 in a collective with host 1), and on host 0 alone
-    both = wait_or_collect(x, str(tmp_path))
+    # in flight on both hosts (host 0 in a collective with host 1), and on host 0 alone;
+    # their output specs given, so these first calls return at once (SPEC 5)
+    collect = wait_or_collect.specialize(out_specs_fn=lambda x, folder: cb.ShapeDtypeStruct(
+        (), x.dtype, sharding=cb.NamedSharding(x.sharding.mesh, P())))
+    both = collect(x, str(tmp_path))
     mesh0 = cb.Mesh(np.array(job.devices()[:2]), ("x",))
-    only0 = wait_for_file(cb.device_put(np.zeros(2, np.float32),
-                                        cb.NamedSharding(mesh0, P("x"))),
-                          str(tmp_path / "never"))
+    waits = wait_for_file.specialize(out_specs_fn=lambda x, path: x)
+    only0 = waits(cb.device_put(np.zeros(2, np.float32), cb.NamedSharding(mesh0, P("x"))),
+                  str(tmp_path / "never"))
     started = tmp_path / "started"
     deadline = 60.0
     import time
