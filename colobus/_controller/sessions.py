@@ -366,15 +366,16 @@ class Sessions:
             self.lose(old, gone)
         limit = ctl._expected_hosts
         if limit and (old is None or not old.alive) and hosts.alive_count() >= limit:
-            # hosts=N is the cluster's size: a new name beyond it is refused for good;
-            # a returning one waits for a place.
+            # hosts=N is the cluster's size: a returning name waits for a place; a new
+            # one is refused for this session (a long-running worker waits for a place or
+            # the next driver, one a launcher started exits: the worker decides).
             self.dropped["too_many_hosts"] += 1
             self._send_raw(identity, env.sender, P.Reject(
                 f"the controller runs hosts={limit} and {limit} hosts are alive: "
                 + ("this worker waits for a place (retrying)" if old is not None else
                    f"a worker under a new name ({hello.name!r}) is refused; start the "
                    f"controller with a larger hosts= or rejoin under a lost host's name"),
-                retry=old is not None))
+                retry=old is not None, full=old is None))
             return
         host = hosts.join(identity, hello, env.sender, ctl._session, env.seq)
         host.peer.max_window = max(host.peer.window, ctl.send_window_bytes)

@@ -70,6 +70,9 @@ class Worker(MessagePath):
         key: the shared key, at least 32 bytes (there is no unauthenticated mode).
         cpu_devices: XLA host-platform device count.
         parent_pid: exit when this process is no longer our parent (local clusters).
+        launched: a launcher or ``local_cluster`` started this worker for one controller:
+            refused because that cluster is full, it exits (status 2) rather than wait for
+            a place or the next controller. Default: ``parent_pid`` was given.
         curve_keypair, curve_server_key: this worker's ``(public, secret)`` Z85 CurveZMQ
             key pair and the controller's public key (encryption).
     """
@@ -82,6 +85,7 @@ class Worker(MessagePath):
         key: bytes,
         cpu_devices: int | None = None,
         parent_pid: int | None = None,
+        launched: bool | None = None,
         max_threads: int = 64,
         curve_keypair: tuple[bytes, bytes] | None = None,
         curve_server_key: bytes | None = None,
@@ -99,6 +103,8 @@ class Worker(MessagePath):
         self._key = check_key(key, "the worker's key")
         self._cpu_devices = cpu_devices
         self._parent_pid = parent_pid
+        self._launched = parent_pid is not None if launched is None else launched
+        self._refused = ""  # the last refusal logged (each reason once: a spare worker retries)
         self.sched = Scheduler(self, max_threads)
         # PUT conversions and object construction: run_in_executor needs an Executor.
         self._pool = concurrent.futures.ThreadPoolExecutor(max_threads, "colobus-work")
@@ -264,6 +270,7 @@ class Worker(MessagePath):
                 backoff = min(backoff * 2, BACKOFF_MAX_S)
                 diagnosis.after_hello(self._answered)
             joined = True
+            self._refused = ""
             diagnosis.close()
             log.info("host %s joined %s as host %d", self.name, self.connect, self.host_index)
             self._hb_restarts = 0
@@ -379,10 +386,20 @@ class Worker(MessagePath):
                                     body.nonce, data, _versions.local_versions()))
 
     def _on_reject(self, body: P.Reject, env: Envelope) -> None:
-        # retry: the name is in use, or the cluster full, for now: the next JOIN round
-        log.log(logging.WARNING if body.retry else logging.ERROR, "controller %s refused "
-                "this worker%s: %s", self.connect, " for now" * body.retry, body.reason)
-        if not body.retry:
+        # retry: the name is in use, or the cluster full, for now: the next JOIN round.
+        # full (a new name): a long-running worker waits for a place or the next
+        # controller the same way, with back-off; a launched one exits.
+        waits = body.retry or (body.full and not self._launched)
+        if body.reason != self._refused:  # said once: the next rounds are refused alike
+            self._refused = body.reason
+            log.log(logging.WARNING if waits else logging.ERROR,
+                    "controller %s refused this worker%s: %s%s", self.connect,
+                    " for now" * waits, body.reason,
+                    "; it waits for a place or for the next controller (retrying)"
+                    if waits and not body.retry else "")
+        else:
+            log.debug("controller %s refused this worker again: %s", self.connect, body.reason)
+        if not waits:
             self._end("reject")
 
     def _on_reset(self, env: Envelope) -> None:

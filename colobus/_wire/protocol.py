@@ -167,16 +167,21 @@ class Challenge(Body):
 class Reject(Body):
     """A join refused. ``retry``: the refusal may pass (a live host holds the name,
     or the cluster is full): the worker logs it and joins again with back-off; else
-    it exits with a non-zero status."""
+    it exits with a non-zero status. ``full``: the cluster is full and this is a new
+    name: a long-running worker waits for a place, or for the next controller, as it
+    waits when none is up; one a launcher or ``local_cluster`` started exits."""
 
     kind = Kind.REJECT
-    types = (str, bool)
+    types = (str, bool, bool)
     required = 1
     reason: str
     retry: bool = False
+    full: bool = False
 
     def to_wire(self) -> list[Any]:
         # A final refusal keeps its one-field form: workers of any version read it.
+        if self.full:
+            return [self.reason, self.retry, True]
         return [self.reason, True] if self.retry else [self.reason]
 
 
