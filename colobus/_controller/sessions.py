@@ -32,6 +32,7 @@ from .._wire.relaywire import NEVER_REACHED
 from .._wire.stalls import StallClock
 from .._wire.versions import compare, local_versions
 from .environ import join_level
+from .hangups import link_up
 from .hosts import Host
 from .ops import Parts
 from .resultlane import ResultLane
@@ -107,8 +108,12 @@ class Sessions:
         # hands everything else to on_frames (COLOBUS_CALL_LANE=0: on_frames itself).
         self.reader: Callable[[list[Any]], None] = (ResultLane(self).on_frames if ON
                                                     else self.on_frames)
-        # Keyed by Kind, found by the plain int off the wire (IntEnum hashes as int).
+        # Ticks that came late (reset when liveness starts: a controller built long before
+        # it starts was not frozen meanwhile).
         self._stalls = StallClock(ctl.heartbeat_interval)
+        self._last_tick = time.monotonic()
+        self._quiet: set[int] = set()  # hosts silent on a live link, said once each time
+        # Keyed by Kind, found by the plain int off the wire (IntEnum hashes as int).
         self._handlers: dict[int, Callable[[Host, Any, Envelope], None]] = {
             Kind.HEARTBEAT: self._on_heartbeat,
             Kind.RESULT: ctl._ops.on_result,
@@ -168,7 +173,7 @@ class Sessions:
                 self._on_join(identity, env)
                 return
             if env.kind == Kind.HELLO:
-                self._on_hello(identity, env)
+                self._on_hello(identity, env, frame)
                 return
             host = ctl._hosts.by_identity.get(identity)
             if host is None or env.sender != host.session:
@@ -300,7 +305,7 @@ class Sessions:
         if host.peer.via is not None and self._ctl._relays is not None:
             self._ctl._relays.joined_again(host, advanced)
 
-    def _on_hello(self, identity: bytes, env: Envelope) -> None:
+    def _on_hello(self, identity: bytes, env: Envelope, frame: Any = None) -> None:
         ctl = self._ctl
         if self._refuse_version(identity, env):
             return
@@ -340,9 +345,9 @@ class Sessions:
         names, self.number_by_name = self.number_by_name, None
         if names is not None:
             ctl._hosts.reserve(names)
-        self._admit(identity, env, hello)
+        self._admit(identity, env, hello, frame)
 
-    def _admit(self, identity: bytes, env: Envelope, hello: P.Hello) -> None:
+    def _admit(self, identity: bytes, env: Envelope, hello: P.Hello, frame: Any = None) -> None:
         """Join a worker whose HELLO passed every check: a new host, or a rejoin."""
         ctl = self._ctl
         hosts = ctl._hosts
@@ -378,6 +383,8 @@ class Sessions:
                 retry=old is not None, full=old is None))
             return
         host = hosts.join(identity, hello, env.sender, ctl._session, env.seq)
+        if frame is not None and ctl._hangups is not None:
+            ctl._hangups.heard(host, frame)  # its connection, watched from its first word
         host.peer.max_window = max(host.peer.window, ctl.send_window_bytes)
         relays = ctl._relays
         relay = relays.pick() if relays is not None and hello.name not in self.direct else None
@@ -394,14 +401,15 @@ class Sessions:
         ctl._joined()
 
     def _gone(self, host: Host) -> str | None:
-        """Why a live host's session is over (silent past the liveness timeout, or its
-        connection closed and it stayed silent past the grace), or None: it may live."""
+        """Why a live host's session is over (silent past the liveness timeout with its
+        connection closed, or closed and silent past the grace), or None: it may live."""
         ctl = self._ctl
         now = time.monotonic()
         silent = now - host.last_seen
-        if silent > ctl.liveness_timeout and host.peer.via is None:  # (a relay judges its own)
-            return f"no message for {silent:.1f} s"
         hangups = ctl._hangups
+        if (silent > ctl.liveness_timeout and host.peer.via is None  # (a relay judges its own)
+                and not link_up(host, hangups)):
+            return f"no message for {silent:.1f} s"
         if host.hung_up and hangups is not None and now - host.hung_up >= hangups.grace:
             return (f"its connection closed and it did not come back within "
                     f"{hangups.grace:.1f} s; a new worker took its name")
@@ -424,6 +432,10 @@ class Sessions:
     async def liveness(self) -> None:
         """Tick every ``heartbeat_interval``; one bad turn (a bug, a callback's
         BaseException) is logged and counted, and never ends liveness."""
+        # The clock starts with liveness: the time between building the controller and
+        # starting it was no stall (hosts that join at once are judged from then on).
+        self._stalls = StallClock(self._ctl.heartbeat_interval)
+        self._last_tick = time.monotonic()
         while True:
             await asyncio.sleep(self._ctl.heartbeat_interval)
             try:
@@ -435,37 +447,81 @@ class Sessions:
                 log.exception("the liveness tick raised; it runs again next interval")
 
     def tick(self) -> None:
-        """Heartbeats out, silent hosts lost, unacknowledged messages resent."""
+        """Heartbeats out, lost hosts declared, unacknowledged messages resent.
+
+        A host is lost when it has been silent past the liveness timeout and its link
+        does not prove it alive (its connection closed since it last spoke: ZeroMQ's
+        heartbeats close the connection of a process that stopped answering, see
+        :mod:`colobus._wire.links`); a host silent on a live link (its Python code holds
+        the GIL) is waited for. One that talks but acknowledges nothing for the timeout
+        is lost too: only the time it talked counts.
+        """
         ctl = self._ctl
         chan = ctl._chan
         assert chan is not None
         # Read what already arrived before judging silence: a loop that was busy
         # (a large pickle, a GC pause) must not declare live hosts lost.
         chan.drain()
+        hangups = ctl._hangups
+        if hangups is not None:
+            hangups.read()  # and the connections that closed meanwhile
         self._peer_warnings.flush()
         now = time.monotonic()
         frozen = self._stalls.frozen(now)  # this process did not run: nobody's silence
+        elapsed, self._last_tick = now - self._last_tick, now
+        if frozen:
+            self._held(elapsed)
+        live = ctl.liveness_timeout
         alive = []
         if ctl._relays is not None:
             ctl._relays.tick(frozen)
         for h in ctl._hosts.alive():
             if h.peer.via is not None:
                 continue  # its relay judges its silence and sends its heartbeats
+            peer = h.peer
             if frozen:
                 h.last_seen += frozen
-                h.peer.ack_wait += frozen
+            if peer.unacked:
+                if h.last_seen < now - elapsed:  # it said nothing since the last tick: it
+                    peer.ack_wait += elapsed  # could not acknowledge either (stopped, held)
+                elif frozen:
+                    peer.ack_wait += frozen
             silent = now - h.last_seen
-            waited = now - h.peer.ack_wait if h.peer.unacked else 0.0
-            if silent > ctl.liveness_timeout:
+            waited = now - peer.ack_wait if peer.unacked else 0.0
+            if silent > live and not link_up(h, hangups):
                 self.lose(h, f"no message for {silent:.1f} s")
-            elif waited > ctl.liveness_timeout:
+            elif waited > live:
                 # It talks but takes nothing in: as good as silent (what we keep for it
                 # stays bounded by the window meanwhile).
                 self.lose(h, f"it acknowledged nothing for {waited:.1f} s")
             else:
+                if silent > live:
+                    self._silent_on_live_link(h, silent)
+                elif h.index in self._quiet:
+                    self._quiet.discard(h.index)
+                    log.info("host %d (%r) speaks again", h.index, h.name)
                 ctl._send(h, P.Heartbeat(0, 0, 0, 0, time.monotonic_ns()))
-                alive.append(h.peer)
+                alive.append(peer)
         chan.resend_stale(alive, ctl._resend_after)
+
+    def _held(self, elapsed: float) -> None:
+        """This loop ran no tick for ``elapsed`` s: say so once it runs again."""
+        held = elapsed - self._ctl.heartbeat_interval
+        level = (logging.WARNING if held >= self._ctl.liveness_timeout else
+                 logging.INFO if held >= 1.0 else logging.DEBUG)  # (a loaded machine's lag)
+        log.log(level, "the controller's event loop did not run for %.1f s (code on it held "
+                "it: a long computation, input(), a debugger; or the process was stopped); "
+                "hosts stay: liveness is their links', and no host was judged on that time. "
+                "Run long blocking work with `await asyncio.to_thread(...)` to keep the loop "
+                "running", held)
+
+    def _silent_on_live_link(self, host: Host, silent: float) -> None:
+        if host.index not in self._quiet:
+            self._quiet.add(host.index)
+            log.warning("host %d (%r): no message for %.1f s, but its connection is alive "
+                        "(its I/O thread answers): kept. Its Python code holds the GIL or "
+                        "its event loop (a long native call?); calls wait for it",
+                        host.index, host.name, silent)
 
     def lose(self, host: Host, why: str, last_word: str = P.RESET_REJOIN) -> None:
         """A host is gone: exactly the operations waiting for it fail.
@@ -475,6 +531,7 @@ class Sessions:
         """
         if not self._ctl._hosts.mark_lost(host, last_word):
             return
+        self._quiet.discard(host.index)
         log.warning("host %d (%r) lost: %s", host.index, host.name, why)
         if host.peer.via is not None and self._ctl._relays is not None:
             if why.startswith(NEVER_REACHED):  # the relay's word: it never heard it

@@ -37,6 +37,7 @@ from .._wire.endpoint import parse_connect
 from .._wire.envelope import Envelope
 from .._wire.keys import check_key
 from .._wire.lane import ON as LANE
+from .._wire.links import Closes
 from .._wire.protocol import Kind, Status
 from .._wire.sockio import NOBLOCK, socket_fd
 from .._wire.stalls import StallClock
@@ -127,6 +128,13 @@ class Worker(MessagePath):
         self._peer: Peer | None = None
         self._joined = False
         self._last_heard = 0.0
+        # The session's connection closed (its monitor said so) while _last_heard was
+        # _heard_at_close: the controller is judged by its silence only then, since a
+        # connection libzmq keeps open proves its process alive (colobus._wire.links).
+        self._closes: Closes | None = None
+        self._link_closed = False
+        self._heard_at_close = 0.0
+        self._silence_said = False
         self._heartbeat = 1.0
         self._liveness = 5.0
         self._exit_with_controller = False
@@ -254,6 +262,7 @@ class Worker(MessagePath):
         chan = self._chan = Channel(sock, self._key, loop, self._on_frames, send_flags=NOBLOCK,
                                     after_flush=sched.wait_briefly, before_drain=sched.drain_starts,
                                     after_drain=sched.drain_ends)
+        self._watch_link(sock)
         if LANE:  # the socket read by the lane's reader (MessagePath._read)
             loop.add_reader(socket_fd(sock), self._read)
         joined = False
@@ -282,9 +291,45 @@ class Worker(MessagePath):
             return joined, outcome
         finally:
             diagnosis.close()
+            self._watch_link(None)
             chan.close()
             self._chan = None
             self._peer = None
+
+    def _watch_link(self, sock: zmq.Socket[Any] | None) -> None:
+        """Watch ``sock``'s connection close (None: stop watching, before it closes)."""
+        if self._closes is not None:
+            self._closes.close()
+            self._closes = None
+        self._link_closed = False
+        if sock is not None and self.loop is not None:
+            self._closes = Closes(sock, self.loop, self._on_link_closed)
+
+    def _on_link_closed(self, fd: int) -> None:
+        self._link_closed = True
+        self._heard_at_close = self._last_heard
+
+    def _controller_gone(self, now: float) -> bool:
+        """Whether the controller (or relay) is gone: silent past the liveness timeout,
+        with the connection closed since it last spoke. Silent on an open connection, its
+        process lives (libzmq answers ZeroMQ's heartbeats there) and its loop is held: a
+        debugger, ``input()``, a long computation. It is waited for, whatever the time."""
+        if self._closes is not None:
+            self._closes.read()
+        if self._link_closed and self._last_heard != self._heard_at_close:
+            self._link_closed = False  # heard since: the connection is back
+        silent = now - self._last_heard
+        if silent <= self._liveness:
+            self._silence_said = False
+            return False
+        if self._link_closed:
+            log.warning("controller silent for %.1f s, its connection closed", silent)
+            return True
+        if not self._silence_said:
+            self._silence_said = True
+            log.info("controller silent for %.1f s, but its connection is alive: its "
+                     "event loop is held (a debugger? input()?); waiting for it", silent)
+        return False
 
     def _start_heartbeats(self) -> asyncio.Task[None]:
         return supervise(asyncio.get_running_loop().create_task(self._heartbeats()),
@@ -307,9 +352,10 @@ class Worker(MessagePath):
             self._chan.drain()  # judge silence only after reading what already arrived
             if self._ended.done():
                 return
-            self._last_heard += stalls.frozen(time.monotonic())  # not the controller's
-            if time.monotonic() - self._last_heard > self._liveness:
-                log.warning("controller silent for %.1f s", time.monotonic() - self._last_heard)
+            frozen = stalls.frozen(time.monotonic())  # not the controller's silence
+            self._last_heard += frozen
+            self._heard_at_close += frozen
+            if self._controller_gone(time.monotonic()):
                 self._end("relay" if self._chan.moved else "lost")  # a relay lost: rejoin
                 return
             self.send(self._health())
@@ -370,7 +416,10 @@ class Worker(MessagePath):
 
     def _to_relay(self, relay: str, peer: Peer | None) -> None:
         if (chan := self._chan) and self._ctx and chan.open and peer and self._peer is peer:
-            chan.move(relay_socket(self._ctx, self.connect, relay, self._curve, chan.sock), peer)
+            sock = relay_socket(self._ctx, self.connect, relay, self._curve, chan.sock)
+            self._watch_link(None)  # (the old socket closes in the move)
+            chan.move(sock, peer)
+            self._watch_link(sock)
             if LANE:
                 chan._loop.add_reader(socket_fd(chan.sock), self._read)
 

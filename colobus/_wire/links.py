@@ -1,0 +1,99 @@
+"""Liveness of the links themselves, judged where no Python code has to run.
+
+A process is alive while its ZeroMQ I/O thread is: that thread is C, runs without
+the GIL, and answers ZeroMQ's own heartbeats (ZMTP PING and PONG) whatever the
+process's Python code does. So the side that binds (the controller, a relay) sets
+``ZMQ_HEARTBEAT_IVL`` (a PING every heartbeat interval on each connection),
+``ZMQ_HEARTBEAT_TIMEOUT`` (a connection that brings nothing back within
+:func:`link_timeout` of a PING is closed) and ``ZMQ_HEARTBEAT_TTL`` (carried in each
+PING: the connecting side closes a connection that brings nothing for that long).
+libzmq does all of it in its I/O threads, on both sides.
+
+A connection that closes is seen through the socket's monitor
+(``EVENT_DISCONNECTED``, :class:`Closes`). The judges then apply one rule: a peer is
+lost when it has been silent past the liveness timeout *and* its connection closed
+since it last spoke (or was never seen). Silence on a live connection is code that
+holds the GIL or an event loop, a debugger, ``input()``: waited out, never a loss. A
+process that is really gone stops answering PINGs (SIGSTOP, a frozen machine, a
+cut cable) or closes its connection (SIGKILL, a crash), so its silence is judged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from .sockio import NOBLOCK, readable, socket_fd
+
+__all__ = ["SRCFD", "Closes", "heartbeat_options", "link_timeout"]
+
+log = logging.getLogger("colobus.channel")
+
+SRCFD = int(zmq.SRCFD)  # a received frame's connection (its file descriptor)
+DISCONNECTED = int(zmq.EVENT_DISCONNECTED)
+MAX_TTL_MS = 6_553_500  # ZMQ_HEARTBEAT_TTL travels in tenths of a second, 16 bits
+
+
+def link_timeout(heartbeat: float, liveness: float) -> float:
+    """How long a connection may bring nothing back after a PING before libzmq closes it:
+    the liveness timeout less two heartbeat intervals (at least half of it), so that a
+    peer that stops answering has its connection closed, and its silence judged, within
+    the liveness timeout."""
+    return max(liveness - 2 * heartbeat, liveness / 2)
+
+
+def heartbeat_options(sock: zmq.Socket[Any], heartbeat: float, liveness: float) -> None:
+    """ZeroMQ's heartbeats on every connection ``sock`` accepts (before it binds)."""
+    timeout_ms = max(1, round(link_timeout(heartbeat, liveness) * 1000))
+    sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, round(heartbeat * 1000)))
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, min(max(timeout_ms, 100), MAX_TTL_MS))
+
+
+class Closes:
+    """Calls ``closed(fd)`` on the loop thread for each connection of ``sock`` that
+    closes (its monitor's ``EVENT_DISCONNECTED``), until :meth:`close`.
+
+    A socket has one monitor: this is it. Close it before the socket.
+    """
+
+    def __init__(self, sock: zmq.Socket[Any], loop: asyncio.AbstractEventLoop,
+                 closed: Callable[[int], None]) -> None:
+        self._sock = sock
+        self._loop = loop
+        self._closed = closed
+        self._monitor: zmq.Socket[Any] | None = sock.get_monitor_socket(DISCONNECTED)
+        self._fd = socket_fd(self._monitor)
+        loop.add_reader(self._fd, self.read)
+        self.read()  # the FD is edge-triggered: it signals only after EVENTS was read
+
+    def read(self) -> None:
+        """Take what the monitor reported (also called before judging silence)."""
+        monitor = self._monitor
+        if monitor is None or monitor.closed:
+            return
+        try:
+            while readable(monitor):
+                event = parse_monitor_message(monitor.recv_multipart(NOBLOCK))
+                if event["event"] == DISCONNECTED:
+                    self._closed(int(event["value"]))
+        except zmq.ZMQError as exc:
+            if exc.errno not in (zmq.EAGAIN, zmq.ENOTSOCK):
+                log.warning("connection monitor error: %s", exc)
+
+    def close(self) -> None:
+        """Stop watching (before the socket closes)."""
+        monitor, self._monitor = self._monitor, None
+        if monitor is None:
+            return
+        with contextlib.suppress(ValueError, OSError):
+            self._loop.remove_reader(self._fd)
+        with contextlib.suppress(zmq.ZMQError):
+            self._sock.disable_monitor()
+        monitor.close(0)
