@@ -128,10 +128,12 @@ class Worker(MessagePath):
         self._peer: Peer | None = None
         self._joined = False
         self._last_heard = 0.0
-        # The session's connection closed (its monitor said so) while _last_heard was
-        # _heard_at_close: the controller is judged by its silence only then, since a
-        # connection libzmq keeps open proves its process alive (colobus._wire.links).
+        # The session's connection opened (a handshake), and closed while _last_heard
+        # was _heard_at_close: the controller is judged by its silence unless its link
+        # opened and did not close since it last spoke, since a connection libzmq keeps
+        # open proves its process alive (colobus._wire.links).
         self._closes: Closes | None = None
+        self._link_opened = False
         self._link_closed = False
         self._heard_at_close = 0.0
         self._silence_said = False
@@ -248,7 +250,7 @@ class Worker(MessagePath):
     async def _one_session(self, backoff: float) -> tuple[bool, str]:
         loop = asyncio.get_running_loop()
         assert self._ctx is not None
-        sock = session_socket(self._ctx, self.connect, self._curve)
+        sock = session_socket(self._ctx, self.connect, self._curve, watch=self._watch_link)
         session = secrets.token_bytes(16)
         self._peer = Peer([], session, b"")
         self._joined = False
@@ -262,7 +264,6 @@ class Worker(MessagePath):
         chan = self._chan = Channel(sock, self._key, loop, self._on_frames, send_flags=NOBLOCK,
                                     after_flush=sched.wait_briefly, before_drain=sched.drain_starts,
                                     after_drain=sched.drain_ends)
-        self._watch_link(sock)
         if LANE:  # the socket read by the lane's reader (MessagePath._read)
             loop.add_reader(socket_fd(sock), self._read)
         joined = False
@@ -301,17 +302,22 @@ class Worker(MessagePath):
         if self._closes is not None:
             self._closes.close()
             self._closes = None
-        self._link_closed = False
+        self._link_opened = self._link_closed = False
         if sock is not None and self.loop is not None:
-            self._closes = Closes(sock, self.loop, self._on_link_closed)
+            self._closes = Closes(sock, self.loop, self._on_link_closed, self._on_link_opened)
 
     def _on_link_closed(self, fd: int) -> None:
         self._link_closed = True
         self._heard_at_close = self._last_heard
 
+    def _on_link_opened(self, fd: int) -> None:
+        self._link_opened = True  # (a close since the last word still counts: a new
+        # controller at the same address answers ZeroMQ's heartbeats too)
+
     def _controller_gone(self, now: float) -> bool:
         """Whether the controller (or relay) is gone: silent past the liveness timeout,
-        with the connection closed since it last spoke. Silent on an open connection, its
+        with the connection closed since it last spoke (or never opened: a relay that
+        cannot be reached). Silent on an open connection, its
         process lives (libzmq answers ZeroMQ's heartbeats there) and its loop is held: a
         debugger, ``input()``, a long computation. It is waited for, whatever the time."""
         if self._closes is not None:
@@ -322,8 +328,9 @@ class Worker(MessagePath):
         if silent <= self._liveness:
             self._silence_said = False
             return False
-        if self._link_closed:
-            log.warning("controller silent for %.1f s, its connection closed", silent)
+        if self._link_closed or not self._link_opened:
+            log.warning("controller silent for %.1f s, its connection %s", silent,
+                        "closed" if self._link_opened else "never opened")
             return True
         if not self._silence_said:
             self._silence_said = True
@@ -416,10 +423,10 @@ class Worker(MessagePath):
 
     def _to_relay(self, relay: str, peer: Peer | None) -> None:
         if (chan := self._chan) and self._ctx and chan.open and peer and self._peer is peer:
-            sock = relay_socket(self._ctx, self.connect, relay, self._curve, chan.sock)
             self._watch_link(None)  # (the old socket closes in the move)
+            sock = relay_socket(self._ctx, self.connect, relay, self._curve, chan.sock,
+                                self._watch_link)
             chan.move(sock, peer)
-            self._watch_link(sock)
             if LANE:
                 chan._loop.add_reader(socket_fd(chan.sock), self._read)
 

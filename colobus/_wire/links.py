@@ -37,6 +37,7 @@ log = logging.getLogger("colobus.channel")
 
 SRCFD = int(zmq.SRCFD)  # a received frame's connection (its file descriptor)
 DISCONNECTED = int(zmq.EVENT_DISCONNECTED)
+OPENED = int(zmq.EVENT_HANDSHAKE_SUCCEEDED)  # a connection that speaks ZMTP
 MAX_TTL_MS = 6_553_500  # ZMQ_HEARTBEAT_TTL travels in tenths of a second, 16 bits
 
 
@@ -58,17 +59,21 @@ def heartbeat_options(sock: zmq.Socket[Any], heartbeat: float, liveness: float) 
 
 class Closes:
     """Calls ``closed(fd)`` on the loop thread for each connection of ``sock`` that
-    closes (its monitor's ``EVENT_DISCONNECTED``), until :meth:`close`.
+    closes (its monitor's ``EVENT_DISCONNECTED``), and ``opened(fd)`` (if given) for
+    each that completes its handshake, until :meth:`close`.
 
     A socket has one monitor: this is it. Close it before the socket.
     """
 
     def __init__(self, sock: zmq.Socket[Any], loop: asyncio.AbstractEventLoop,
-                 closed: Callable[[int], None]) -> None:
+                 closed: Callable[[int], None],
+                 opened: Callable[[int], None] | None = None) -> None:
         self._sock = sock
         self._loop = loop
         self._closed = closed
-        self._monitor: zmq.Socket[Any] | None = sock.get_monitor_socket(DISCONNECTED)
+        self._opened = opened
+        events = DISCONNECTED | (OPENED if opened is not None else 0)
+        self._monitor: zmq.Socket[Any] | None = sock.get_monitor_socket(events)
         self._fd = socket_fd(self._monitor)
         loop.add_reader(self._fd, self.read)
         self.read()  # the FD is edge-triggered: it signals only after EVENTS was read
@@ -83,6 +88,8 @@ class Closes:
                 event = parse_monitor_message(monitor.recv_multipart(NOBLOCK))
                 if event["event"] == DISCONNECTED:
                     self._closed(int(event["value"]))
+                elif event["event"] == OPENED and self._opened is not None:
+                    self._opened(int(event["value"]))
         except zmq.ZMQError as exc:
             if exc.errno not in (zmq.EAGAIN, zmq.ENOTSOCK):
                 log.warning("connection monitor error: %s", exc)
