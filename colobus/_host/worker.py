@@ -354,6 +354,7 @@ class Worker(MessagePath):
         assert self._ended is not None and self._chan is not None and self._peer is not None
         resend_after = max(2 * self._heartbeat, self._liveness / 3)
         stalls = StallClock(self._heartbeat)
+        beat = 0.0  # when the last heartbeat left
         while not self._ended.done():
             await asyncio.sleep(self._heartbeat)
             self._chan.drain()  # judge silence only after reading what already arrived
@@ -365,7 +366,13 @@ class Worker(MessagePath):
             if self._controller_gone(time.monotonic()):
                 self._end("relay" if self._chan.moved else "lost")  # a relay lost: rejoin
                 return
-            self.send(self._health())
+            now = time.monotonic()
+            # A controller silent past the liveness timeout on a live link reads nothing
+            # (its loop is held): one heartbeat per timeout, not one per interval, waits
+            # for it in its socket, however long the hold.
+            if now - self._last_heard <= self._liveness or now - beat >= self._liveness:
+                beat = now
+                self.send(self._health())
             self._chan.resend_stale([self._peer], resend_after)
 
     def _health(self) -> P.Heartbeat:
