@@ -292,7 +292,7 @@ class Relays:
         for r in self.relays:
             if not r.alive:
                 continue
-            r.last_seen += frozen
+            r.last_seen = min(r.last_seen + frozen, now)  # (what was just read: heard now)
             code = r.proc.poll()
             if code is not None:
                 self.lost(r, f"its process exited with status {code}")

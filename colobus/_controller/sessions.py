@@ -479,13 +479,14 @@ class Sessions:
             if h.peer.via is not None:
                 continue  # its relay judges its silence and sends its heartbeats
             peer = h.peer
-            if frozen:
-                h.last_seen += frozen
+            if frozen:  # (never past now: what the drain just read is heard now)
+                h.last_seen = min(h.last_seen + frozen, now)
             if peer.unacked:
                 if h.last_seen < now - elapsed:  # it said nothing since the last tick: it
-                    peer.ack_wait += elapsed  # could not acknowledge either (stopped, held)
+                    peer.ack_wait = min(peer.ack_wait + elapsed, now)  # could not
+                    # acknowledge either (stopped, its GIL held)
                 elif frozen:
-                    peer.ack_wait += frozen
+                    peer.ack_wait = min(peer.ack_wait + frozen, now)
             silent = now - h.last_seen
             waited = now - peer.ack_wait if peer.unacked else 0.0
             if silent > live and not link_up(h, hangups):

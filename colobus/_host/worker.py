@@ -310,6 +310,10 @@ class Worker(MessagePath):
         self._link_closed = True
         self._heard_at_close = self._last_heard
 
+    def _link_heard(self) -> None:
+        if self._link_closed and self._last_heard != self._heard_at_close:
+            self._link_closed = False  # heard since: the connection is back
+
     def _on_link_opened(self, fd: int) -> None:
         self._link_opened = True  # (a close since the last word still counts: a new
         # controller at the same address answers ZeroMQ's heartbeats too)
@@ -322,8 +326,7 @@ class Worker(MessagePath):
         debugger, ``input()``, a long computation. It is waited for, whatever the time."""
         if self._closes is not None:
             self._closes.read()
-        if self._link_closed and self._last_heard != self._heard_at_close:
-            self._link_closed = False  # heard since: the connection is back
+        self._link_heard()
         silent = now - self._last_heard
         if silent <= self._liveness:
             self._silence_said = False
@@ -360,9 +363,12 @@ class Worker(MessagePath):
             self._chan.drain()  # judge silence only after reading what already arrived
             if self._ended.done():
                 return
-            frozen = stalls.frozen(time.monotonic())  # not the controller's silence
-            self._last_heard += frozen
-            self._heard_at_close += frozen
+            now = time.monotonic()
+            frozen = stalls.frozen(now)  # not the controller's silence
+            if frozen:  # (never past now: what the drain just read was heard now)
+                self._link_heard()
+                self._last_heard = min(self._last_heard + frozen, now)
+                self._heard_at_close = min(self._heard_at_close + frozen, now)
             if self._controller_gone(time.monotonic()):
                 self._end("relay" if self._chan.moved else "lost")  # a relay lost: rejoin
                 return

@@ -423,16 +423,18 @@ class Relay:
         now = time.monotonic()
         frozen = self._stalls.frozen(now)  # this process did not run: nobody's silence
         elapsed, self._last_tick = now - self._last_tick, now
-        if frozen:
-            self.ctl_heard += frozen
-            if self._ctl_closed_at is not None:
-                self._ctl_closed_at += frozen
-            for h in self.last_seen:
-                self.last_seen[h] += frozen
-            for h in self._closed_at:
-                self._closed_at[h] += frozen
         if self._ctl_closed_at is not None and self._ctl_closed_at != self.ctl_heard:
             self._ctl_closed_at = None  # heard since: its connection is back
+        for h in [h for h, at in self._closed_at.items() if at != self.last_seen.get(h)]:
+            del self._closed_at[h]  # heard since: it reconnected
+        if frozen:  # (never past now: what the drains just read was heard now)
+            self.ctl_heard = min(self.ctl_heard + frozen, now)
+            if self._ctl_closed_at is not None:
+                self._ctl_closed_at = min(self._ctl_closed_at + frozen, now)
+            for h in self.last_seen:
+                self.last_seen[h] = min(self.last_seen[h] + frozen, now)
+            for h in self._closed_at:
+                self._closed_at[h] = min(self._closed_at[h] + frozen, now)
         if (now - self.ctl_heard > 2 * self.liveness and self._ctl_closed_at is not None
                 and self.done is not None):
             # (silent on an open connection: its loop is held, and it is waited for)
@@ -446,9 +448,10 @@ class Relay:
         for h, peer in list(self.peers.items()):
             if peer.unacked:
                 if self.last_seen[h] < now - elapsed:  # it said nothing since the last
-                    peer.ack_wait += elapsed  # tick: it could not acknowledge either
-                elif frozen:
-                    peer.ack_wait += frozen  # (a whole-machine freeze: nobody's wait)
+                    peer.ack_wait = min(peer.ack_wait + elapsed, now)  # tick: it could
+                    # not acknowledge either
+                elif frozen:  # (a whole-machine freeze: nobody's wait)
+                    peer.ack_wait = min(peer.ack_wait + frozen, now)
             silent = now - self.last_seen[h]
             waited = now - peer.ack_wait if peer.unacked else 0.0
             if silent > self.liveness and not self._link_up(h):
