@@ -6,9 +6,10 @@ counted by reason. A worker joins by answering a challenge: JOIN gets a fresh
 nonce (CHALLENGE), and a HELLO carrying it joins the worker (a new host, or
 the next generation of a named one). A joined host's messages go to the
 handler of their kind; a joined host that breaks the protocol is dropped.
-Every ``heartbeat_interval`` the controller reads what waits, declares hosts
-silent beyond the liveness timeout lost (exactly their operations fail), sends
-heartbeats, and resends what a host left unacknowledged (a dropped connection).
+Every ``heartbeat_interval`` its liveness tick (:mod:`.liveness`) reads what waits,
+declares lost the hosts silent beyond the liveness timeout whose link does not prove
+them alive (exactly their operations fail), sends heartbeats, and resends what a host
+left unacknowledged (a dropped connection).
 Everything here runs on the controller's loop thread.
 """
 
@@ -29,11 +30,11 @@ from .._wire.lane import ON, decode
 from .._wire.limits import MAX_HEADER_BYTES, MAX_OBJECTS, UNKNOWN_PEER_MAX_BYTES
 from .._wire.protocol import Kind
 from .._wire.relaywire import NEVER_REACHED
-from .._wire.stalls import StallClock
 from .._wire.versions import compare, local_versions
 from .environ import join_level
 from .hangups import link_up
 from .hosts import Host
+from .liveness import Liveness
 from .ops import Parts
 from .resultlane import ResultLane
 
@@ -108,11 +109,7 @@ class Sessions:
         # hands everything else to on_frames (COLOBUS_CALL_LANE=0: on_frames itself).
         self.reader: Callable[[list[Any]], None] = (ResultLane(self).on_frames if ON
                                                     else self.on_frames)
-        # Ticks that came late (reset when liveness starts: a controller built long before
-        # it starts was not frozen meanwhile).
-        self._stalls = StallClock(ctl.heartbeat_interval)
-        self._last_tick = time.monotonic()
-        self._quiet: set[int] = set()  # hosts silent on a live link, said once each time
+        self.judge = Liveness(ctl, self.lose, self._peer_warnings.flush)  # silence, per tick
         # Keyed by Kind, found by the plain int off the wire (IntEnum hashes as int).
         self._handlers: dict[int, Callable[[Host, Any, Envelope], None]] = {
             Kind.HEARTBEAT: self._on_heartbeat,
@@ -432,97 +429,16 @@ class Sessions:
     async def liveness(self) -> None:
         """Tick every ``heartbeat_interval``; one bad turn (a bug, a callback's
         BaseException) is logged and counted, and never ends liveness."""
-        # The clock starts with liveness: the time between building the controller and
-        # starting it was no stall (hosts that join at once are judged from then on).
-        self._stalls = StallClock(self._ctl.heartbeat_interval)
-        self._last_tick = time.monotonic()
+        self.judge.start()  # the stall clock starts now, not when the controller was built
         while True:
             await asyncio.sleep(self._ctl.heartbeat_interval)
             try:
-                self.tick()
+                self.judge.tick()
             except (KeyboardInterrupt, SystemExit):
                 raise
             except BaseException:
                 self.tick_errors += 1
                 log.exception("the liveness tick raised; it runs again next interval")
-
-    def tick(self) -> None:
-        """Heartbeats out, lost hosts declared, unacknowledged messages resent.
-
-        A host is lost when it has been silent past the liveness timeout and its link
-        does not prove it alive (its connection closed since it last spoke: ZeroMQ's
-        heartbeats close the connection of a process that stopped answering, see
-        :mod:`colobus._wire.links`); a host silent on a live link (its Python code holds
-        the GIL) is waited for. One that talks but acknowledges nothing for the timeout
-        is lost too: only the time it talked counts.
-        """
-        ctl = self._ctl
-        chan = ctl._chan
-        assert chan is not None
-        # Read what already arrived before judging silence: a loop that was busy
-        # (a large pickle, a GC pause) must not declare live hosts lost.
-        chan.drain()
-        hangups = ctl._hangups
-        if hangups is not None:
-            hangups.read()  # and the connections that closed meanwhile
-        self._peer_warnings.flush()
-        now = time.monotonic()
-        frozen = self._stalls.frozen(now)  # this process did not run: nobody's silence
-        elapsed, self._last_tick = now - self._last_tick, now
-        if frozen:
-            self._held(elapsed)
-        live = ctl.liveness_timeout
-        alive = []
-        if ctl._relays is not None:
-            ctl._relays.tick(frozen)
-        for h in ctl._hosts.alive():
-            if h.peer.via is not None:
-                continue  # its relay judges its silence and sends its heartbeats
-            peer = h.peer
-            if frozen:  # (never past now: what the drain just read is heard now)
-                h.last_seen = min(h.last_seen + frozen, now)
-            if peer.unacked:
-                if h.last_seen < now - elapsed:  # it said nothing since the last tick: it
-                    peer.ack_wait = min(peer.ack_wait + elapsed, now)  # could not
-                    # acknowledge either (stopped, its GIL held)
-                elif frozen:
-                    peer.ack_wait = min(peer.ack_wait + frozen, now)
-            silent = now - h.last_seen
-            waited = now - peer.ack_wait if peer.unacked else 0.0
-            if silent > live and not link_up(h, hangups):
-                self.lose(h, f"no message for {silent:.1f} s")
-            elif waited > live:
-                # It talks but takes nothing in: as good as silent (what we keep for it
-                # stays bounded by the window meanwhile).
-                self.lose(h, f"it acknowledged nothing for {waited:.1f} s")
-            else:
-                if silent > live:
-                    self._silent_on_live_link(h, silent)
-                elif h.index in self._quiet:
-                    self._quiet.discard(h.index)
-                    log.info("host %d (%r) speaks again", h.index, h.name)
-                ctl._send(h, P.Heartbeat(0, 0, 0, 0, time.monotonic_ns()))
-                alive.append(peer)
-        chan.resend_stale(alive, ctl._resend_after)
-
-    def _held(self, elapsed: float) -> None:
-        """This loop ran no tick for ``elapsed`` s: say so once it runs again."""
-        held = elapsed - self._ctl.heartbeat_interval
-        level = (logging.WARNING if held >= self._ctl.liveness_timeout else
-                 logging.INFO if held >= 1.0 else logging.DEBUG)  # (a loaded machine's lag)
-        log.log(level, "the controller's event loop did not run for %.1f s (code on it held "
-                "it: a long computation, input(), a debugger; or the process was stopped); "
-                "hosts stay: liveness is their links', and no host was judged on that time. "
-                "Run long blocking work with `await asyncio.to_thread(...)` to keep the loop "
-                "running", held)
-
-    def _silent_on_live_link(self, host: Host, silent: float) -> None:
-        if host.index not in self._quiet:
-            self._quiet.add(host.index)
-            log.warning("host %d (%r): no message for %.1f s, but its connection is alive "
-                        "(its I/O thread answers): kept. Its Python code holds the GIL or "
-                        "its event loop (a long native call?); calls wait for it",
-                        host.index, host.name, silent)
 
     def lose(self, host: Host, why: str, last_word: str = P.RESET_REJOIN) -> None:
         """A host is gone: exactly the operations waiting for it fail.
@@ -532,7 +448,7 @@ class Sessions:
         """
         if not self._ctl._hosts.mark_lost(host, last_word):
             return
-        self._quiet.discard(host.index)
+        self.judge.forget(host)
         log.warning("host %d (%r) lost: %s", host.index, host.name, why)
         if host.peer.via is not None and self._ctl._relays is not None:
             if why.startswith(NEVER_REACHED):  # the relay's word: it never heard it

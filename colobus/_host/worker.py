@@ -37,7 +37,6 @@ from .._wire.endpoint import parse_connect
 from .._wire.envelope import Envelope
 from .._wire.keys import check_key
 from .._wire.lane import ON as LANE
-from .._wire.links import Closes
 from .._wire.protocol import Kind, Status
 from .._wire.sockio import NOBLOCK, socket_fd
 from .._wire.stalls import StallClock
@@ -47,6 +46,7 @@ from .construct import on_construct
 from .dataplane import DataPlane, start_dataplane
 from .join import JoinDiagnosis, relay_socket, session_socket
 from .leader import serve_worker
+from .link import ControllerLink
 from .messages import Exit, MessagePath
 from .process import cpu_ns, end_context, rss_bytes
 from .sched import Scheduler
@@ -128,15 +128,7 @@ class Worker(MessagePath):
         self._peer: Peer | None = None
         self._joined = False
         self._last_heard = 0.0
-        # The session's connection opened (a handshake), and closed while _last_heard
-        # was _heard_at_close: the controller is judged by its silence unless its link
-        # opened and did not close since it last spoke, since a connection libzmq keeps
-        # open proves its process alive (colobus._wire.links).
-        self._closes: Closes | None = None
-        self._link_opened = False
-        self._link_closed = False
-        self._heard_at_close = 0.0
-        self._silence_said = False
+        self._link = ControllerLink(lambda: self._last_heard)  # its silence, by its link
         self._heartbeat = 1.0
         self._liveness = 5.0
         self._exit_with_controller = False
@@ -298,48 +290,8 @@ class Worker(MessagePath):
             self._peer = None
 
     def _watch_link(self, sock: zmq.Socket[Any] | None) -> None:
-        """Watch ``sock``'s connection close (None: stop watching, before it closes)."""
-        if self._closes is not None:
-            self._closes.close()
-            self._closes = None
-        self._link_opened = self._link_closed = False
-        if sock is not None and self.loop is not None:
-            self._closes = Closes(sock, self.loop, self._on_link_closed, self._on_link_opened)
-
-    def _on_link_closed(self, fd: int) -> None:
-        self._link_closed = True
-        self._heard_at_close = self._last_heard
-
-    def _link_heard(self) -> None:
-        if self._link_closed and self._last_heard != self._heard_at_close:
-            self._link_closed = False  # heard since: the connection is back
-
-    def _on_link_opened(self, fd: int) -> None:
-        self._link_opened = True  # (a close since the last word still counts: a new
-        # controller at the same address answers ZeroMQ's heartbeats too)
-
-    def _controller_gone(self, now: float) -> bool:
-        """Whether the controller (or relay) is gone: silent past the liveness timeout,
-        with the connection closed since it last spoke (or never opened: a relay that
-        cannot be reached). Silent on an open connection, its
-        process lives (libzmq answers ZeroMQ's heartbeats there) and its loop is held: a
-        debugger, ``input()``, a long computation. It is waited for, whatever the time."""
-        if self._closes is not None:
-            self._closes.read()
-        self._link_heard()
-        silent = now - self._last_heard
-        if silent <= self._liveness:
-            self._silence_said = False
-            return False
-        if self._link_closed or not self._link_opened:
-            log.warning("controller silent for %.1f s, its connection %s", silent,
-                        "closed" if self._link_opened else "never opened")
-            return True
-        if not self._silence_said:
-            self._silence_said = True
-            log.info("controller silent for %.1f s, but its connection is alive: its "
-                     "event loop is held (a debugger? input()?); waiting for it", silent)
-        return False
+        """Watch ``sock``'s link (None: stop watching, before it closes)."""
+        self._link.watch(sock, self.loop)
 
     def _start_heartbeats(self) -> asyncio.Task[None]:
         return supervise(asyncio.get_running_loop().create_task(self._heartbeats()),
@@ -366,10 +318,10 @@ class Worker(MessagePath):
             now = time.monotonic()
             frozen = stalls.frozen(now)  # not the controller's silence
             if frozen:  # (never past now: what the drain just read was heard now)
-                self._link_heard()
+                self._link.settle()
                 self._last_heard = min(self._last_heard + frozen, now)
-                self._heard_at_close = min(self._heard_at_close + frozen, now)
-            if self._controller_gone(time.monotonic()):
+                self._link.shift(frozen, now)
+            if self._link.gone(self._liveness, time.monotonic()):
                 self._end("relay" if self._chan.moved else "lost")  # a relay lost: rejoin
                 return
             now = time.monotonic()

@@ -41,7 +41,7 @@ from .._wire.envelope import (
 )
 from .._wire.guard import RESET_SEQ
 from .._wire.limits import MAX_HEADER_BYTES, MAX_OBJECTS, UNKNOWN_PEER_MAX_BYTES
-from .._wire.links import SRCFD, Closes, heartbeat_options
+from .._wire.links import SRCFD, Closes, PeerLinks, heartbeat_options
 from .._wire.peer import data_bytes
 from .._wire.relaywire import NEVER_REACHED, SMALL, Adopt, Delivered, Gather, Gone, Ready, entries
 from .._wire.sockio import router_socket
@@ -104,12 +104,8 @@ class Relay:
         self.ctl_heard = time.monotonic()
         self._stalls = StallClock(self.heartbeat)  # liveness ticks that came late
         self._last_tick = time.monotonic()
-        # Links (colobus._wire.links): each host's connection (fd), and for those whose
-        # connection closed, what last_seen was then (its silence is judged only while
-        # nothing came since); the same for the controller's.
-        self.conn_fd: dict[int, int] = {}
-        self._fd_host: dict[int, int] = {}
-        self._closed_at: dict[int, float] = {}
+        # The hosts' links, and ctl_heard when the controller's closed (colobus._wire.links)
+        self.links = PeerLinks(self.last_seen)
         self._ctl_closed_at: float | None = None
         self.done: asyncio.Future[None] | None = None
 
@@ -132,7 +128,7 @@ class Relay:
                             on_release=self._released)
         self.up.send(self.ctl, Ready(down.getsockopt_string(zmq.LAST_ENDPOINT)))
         loop.add_reader(0, self._stdin)
-        closes = [Closes(down, loop, self._host_closed), Closes(up, loop, self._ctl_closed)]
+        closes = [Closes(down, loop, self.links.closed), Closes(up, loop, self._ctl_closed)]
         ticks = loop.create_task(self._ticks())
         try:
             await self.done
@@ -259,8 +255,8 @@ class Relay:
                 return
             self.last_seen[h] = time.monotonic()
             fd = frames[0].get(SRCFD)
-            if self.conn_fd.get(h) != fd:
-                self._moved(h, fd)
+            if self.links.conn_fd.get(h) != fd:
+                self.links.heard(h, fd)
             if h not in self.arrived:
                 # Its first word here: what was sent before it connected (ROUTER_MANDATORY
                 # refused it) goes again now, not after a resend timeout.
@@ -379,33 +375,8 @@ class Relay:
 
     # -- liveness ------------------------------------------------------------------------
 
-    def _moved(self, h: int, fd: int) -> None:
-        """Host ``h`` was heard on connection ``fd``, not the one before."""
-        other = self._fd_host.get(fd)
-        if other is not None and other != h:
-            self._host_closed(fd)  # that descriptor was other's connection: it closed
-        old = self.conn_fd.get(h)
-        if old is not None and self._fd_host.get(old) == h:
-            del self._fd_host[old]
-        self.conn_fd[h] = fd
-        self._fd_host[fd] = h
-
-    def _host_closed(self, fd: int) -> None:
-        h = self._fd_host.pop(fd, None)
-        if h is not None and self.conn_fd.get(h) == fd and h in self.last_seen:
-            self._closed_at[h] = self.last_seen[h]
-
     def _ctl_closed(self, fd: int) -> None:
         self._ctl_closed_at = self.ctl_heard
-
-    def _link_up(self, h: int) -> bool:
-        """Whether host ``h``'s connection proves it alive: heard on one that has not
-        closed since (see :mod:`colobus._wire.links`)."""
-        closed = self._closed_at.get(h)
-        if closed is not None and closed != self.last_seen[h]:
-            del self._closed_at[h]  # heard since: it reconnected
-            closed = None
-        return closed is None and h in self.conn_fd
 
     async def _ticks(self) -> None:
         self._stalls = StallClock(self.heartbeat)  # from now: the start was no stall
@@ -425,16 +396,13 @@ class Relay:
         elapsed, self._last_tick = now - self._last_tick, now
         if self._ctl_closed_at is not None and self._ctl_closed_at != self.ctl_heard:
             self._ctl_closed_at = None  # heard since: its connection is back
-        for h in [h for h, at in self._closed_at.items() if at != self.last_seen.get(h)]:
-            del self._closed_at[h]  # heard since: it reconnected
+        self.links.settle(frozen, now)
         if frozen:  # (never past now: what the drains just read was heard now)
             self.ctl_heard = min(self.ctl_heard + frozen, now)
             if self._ctl_closed_at is not None:
                 self._ctl_closed_at = min(self._ctl_closed_at + frozen, now)
             for h in self.last_seen:
                 self.last_seen[h] = min(self.last_seen[h] + frozen, now)
-            for h in self._closed_at:
-                self._closed_at[h] = min(self._closed_at[h] + frozen, now)
         if (now - self.ctl_heard > 2 * self.liveness and self._ctl_closed_at is not None
                 and self.done is not None):
             # (silent on an open connection: its loop is held, and it is waited for)
@@ -454,7 +422,7 @@ class Relay:
                     peer.ack_wait = min(peer.ack_wait + frozen, now)
             silent = now - self.last_seen[h]
             waited = now - peer.ack_wait if peer.unacked else 0.0
-            if silent > self.liveness and not self._link_up(h):
+            if silent > self.liveness and not self.links.up(h):
                 said = "no message" if h in self.arrived else f"{NEVER_REACHED}: no message"
                 self._lose(h, f"{said} for {silent:.1f} s")
             elif waited > self.liveness:
@@ -479,8 +447,7 @@ class Relay:
             return None
         self.by_identity.pop(peer.route[0], None)
         self.last_seen.pop(h, None)
-        self.conn_fd.pop(h, None)
-        self._closed_at.pop(h, None)
+        self.links.forget(h)
         self.health_up.pop(h, None)
         self.given.pop(h, None)
         self.reported.pop(h, None)

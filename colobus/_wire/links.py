@@ -31,7 +31,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from .sockio import NOBLOCK, readable, socket_fd
 
-__all__ = ["SRCFD", "Closes", "heartbeat_options", "link_timeout"]
+__all__ = ["SRCFD", "Closes", "PeerLinks", "heartbeat_options", "link_timeout"]
 
 log = logging.getLogger("colobus.channel")
 
@@ -104,3 +104,53 @@ class Closes:
         with contextlib.suppress(zmq.ZMQError):
             self._sock.disable_monitor()
         monitor.close(0)
+
+
+class PeerLinks:
+    """On a ROUTER's side (a relay's): the connection each peer was last heard on, and
+    the peers whose connection closed since they last spoke (``last_seen``, the
+    owner's: peer -> when it last spoke, which the owner keeps and shifts)."""
+
+    def __init__(self, last_seen: dict[int, float]) -> None:
+        self.conn_fd: dict[int, int] = {}  # peer -> the connection it was last heard on
+        self._peer_on: dict[int, int] = {}  # and back
+        self._closed: dict[int, float] = {}  # peer -> its last_seen when its link closed
+        self._last_seen = last_seen
+
+    def heard(self, peer: int, fd: int) -> None:
+        """``peer`` spoke on connection ``fd``, not the one before (the owner checks
+        ``conn_fd`` first: this runs only when a peer's connection changes)."""
+        other = self._peer_on.get(fd)
+        if other is not None and other != peer:
+            self.closed(fd)  # that descriptor was other's connection: it closed
+        old = self.conn_fd.get(peer)
+        if old is not None and self._peer_on.get(old) == peer:
+            del self._peer_on[old]
+        self.conn_fd[peer] = fd
+        self._peer_on[fd] = peer
+
+    def closed(self, fd: int) -> None:
+        """Connection ``fd`` closed (the socket's monitor said so)."""
+        peer = self._peer_on.pop(fd, None)
+        if peer is not None and self.conn_fd.get(peer) == fd and peer in self._last_seen:
+            self._closed[peer] = self._last_seen[peer]
+
+    def up(self, peer: int) -> bool:
+        """Whether ``peer``'s link proves it alive: heard on a connection that has not
+        closed since."""
+        return peer in self.conn_fd and peer not in self._closed
+
+    def settle(self, frozen: float, now: float) -> None:
+        """Before judging: forget the closes of peers heard since, then move the rest
+        forward by ``frozen`` as the owner moves ``last_seen`` (never past ``now``)."""
+        seen = self._last_seen
+        for peer in [p for p, at in self._closed.items() if at != seen.get(p)]:
+            del self._closed[peer]  # heard since: it reconnected
+        if frozen:
+            for peer, at in self._closed.items():
+                self._closed[peer] = min(at + frozen, now)
+
+    def forget(self, peer: int) -> None:
+        """``peer`` is gone (its last connection's entry goes when that closes)."""
+        self.conn_fd.pop(peer, None)
+        self._closed.pop(peer, None)
