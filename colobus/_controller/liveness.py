@@ -16,19 +16,38 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .._wire import protocol as P
 from .._wire.stalls import StallClock
 from .hangups import link_up
+from .ops import Parts
 
 if TYPE_CHECKING:
+    from .hangups import Hangups
     from .hosts import Host
-    from .sessions import SessionsOwner
+    from .relays import Relays
 
-__all__ = ["Liveness"]
+__all__ = ["Liveness", "LivenessOwner"]
 
 log = logging.getLogger("colobus.controller")
+
+
+class LivenessOwner(Parts, Protocol):
+    """What :class:`Liveness` uses of the controller."""
+
+    @property
+    def _hangups(self) -> Hangups | None: ...
+    @property
+    def _relays(self) -> Relays | None: ...
+    @property
+    def _resend_after(self) -> float: ...
+    @property
+    def heartbeat_interval(self) -> float: ...
+    @property
+    def liveness_timeout(self) -> float: ...
+    def _send(self, host: Host, body: P.Body, payload: Any = b"",
+              buffers: Any = (), pbufs: int = 0) -> None: ...
 
 
 class Liveness:
@@ -40,7 +59,7 @@ class Liveness:
         flush: runs before each judgement (rate-limited warnings, said now).
     """
 
-    def __init__(self, ctl: SessionsOwner, lose: Callable[[Host, str], None],
+    def __init__(self, ctl: LivenessOwner, lose: Callable[[Host, str], None],
                  flush: Callable[[], None]) -> None:
         self._ctl = ctl
         self._lose = lose
