@@ -129,6 +129,34 @@ def test_launch_local_serves_local_cluster_and_init_with_the_launched_workers(
     assert "joined: 'local-0'" not in out.stderr  # not a terminal: the join lines stay INFO
 
 
+SELF_BINDING_DRIVER = textwrap.dedent("""
+    import sys
+    import colobus as cb
+
+    # The README's remote form: an address of its own, where no launched worker connects.
+    with cb.Controller(bind="tcp://127.0.0.1:5999", hosts=1, join_timeout=600,
+                       key=b"k" * 32) as ctl:
+        print("DRIVER joined", flush=True)
+    sys.exit(int(sys.argv[1]))
+""")
+
+
+def test_launch_of_a_driver_that_binds_its_own_address_fails_naming_both(
+        tmp_path: Path) -> None:
+    """A driver under ``colobus launch`` that binds an address of its own fails at once,
+    naming ``colobus launch`` and both addresses, instead of both sides waiting for the
+    join timeout (10 minutes here) without a word."""
+    driver = tmp_path / "drv.py"
+    driver.write_text(SELF_BINDING_DRIVER)
+    out = launch(["local", "--hosts", "1"], driver, 0, timeout=100)
+    assert out.returncode != 0 and "DRIVER joined" not in out.stdout, out.stderr[-3000:]
+    assert ("ValueError: cb.Controller(bind='tcp://127.0.0.1:5999') runs under `colobus "
+            "launch`") in out.stderr, out.stderr[-3000:]
+    (line,) = [ln for ln in out.stderr.splitlines() if ln.startswith("ValueError: ")]
+    assert "'ipc://" in line and "controller.sock' ($COLOBUS_ADDRESS)" in line, line
+    assert processes_with("colobus", "worker", "controller.sock") == []
+
+
 def test_launch_on_a_terminal_shows_a_line_per_host_as_it_joins(tmp_path: Path) -> None:
     """The driver sets up no logging; on a terminal its joins show anyway."""
     import pty

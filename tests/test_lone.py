@@ -161,3 +161,81 @@ def test_a_result_body_packed_from_its_list_is_the_dataclass_one() -> None:
         assert _pack([77, _OK, meta, times]) == pack_body(body.to_wire())
         assert _RESULT == body.kind
         assert msgpack.unpackb(_pack([77, _OK, meta, times])) == [77, 0, meta, times]
+
+
+# -- a CANCEL that arrives while the lone call starts --------------------------------------
+
+
+@cb.colocated_python
+def raced_start(x: Any) -> Any:
+    return x
+
+
+@cb.colocated_python
+def slow_lone_starts(on: Any) -> Any:
+    """Host side: while ``on``, the lone path's check of whether a ``raced_start`` call
+    may start takes 0.5 s (the thread sleeps right after reading the call's state), so
+    a CANCEL that the loop's next leader handles meanwhile meets that check half done."""
+    import time
+
+    from colobus._host import calls
+
+    slot = calls._Call.__dict__["state"]
+    real = getattr(slot, "real", slot)
+    if not bool(np.asarray(on)):
+        calls._Call.state = real
+        return np.int32(0)
+
+    class Slow:
+        """The slot's own descriptor, and the sleep on the lone path's read."""
+
+        def __init__(self) -> None:
+            self.real = real
+
+        def __get__(self, obj: Any, owner: Any = None) -> Any:
+            if obj is None:
+                return self
+            value = real.__get__(obj, owner)
+            if (sys._getframe(1).f_code.co_name == "_run_lone"
+                    and getattr(obj.fn, "__name__", "") == "raced_start"):
+                time.sleep(0.5)
+            return value
+
+        def __set__(self, obj: Any, value: Any) -> None:
+            real.__set__(obj, value)
+
+    import sys
+
+    calls._Call.state = Slow()  # type: ignore[misc]
+    return np.int32(1)
+
+
+async def test_a_cancel_during_the_lone_calls_start_never_gets_a_result_after_it(
+        ctl: cb.Controller) -> None:
+    """The lone path takes a call's start under the state lock, as the pool's path does:
+    a CANCEL that a new loop leader handles meanwhile waits for it, finds the call
+    running, and answers nothing (the call runs to its end and its result is dropped).
+    Without the lock the host answered CANCELLED and then sent the call's result, a reply
+    to an operation already ended: the controller dropped the host for it."""
+    dev = ctl.devices()[0]
+    patch, raced = _on(dev, slow_lone_starts, raced_start)
+    before = dict(ctl.stats()["dropped"])
+    assert int(np.asarray(await cb.device_get(await patch(np.bool_(True))))) == 1
+    try:
+        x = cb.device_put(np.arange(3, dtype=np.int32), dev)
+        ident_ = ident.specialize(devices=[dev])
+        for _ in range(3):
+            # a quick call first: the host's next call takes the lone path
+            assert await _value(await ident_(x)) == [0, 1, 2]
+            fut = raced(x)
+            await asyncio.sleep(0.15)  # the host is inside the lone path's check now
+            assert fut.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await fut
+        # the next call on that host answers: the host is alive and kept in order
+        assert await _value(await ident_(x)) == [0, 1, 2]
+    finally:
+        await cb.device_get(await patch(np.bool_(False)))
+    assert ctl.hosts()[0].state == "alive"
+    after = ctl.stats()["dropped"]
+    assert {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)} == {}

@@ -46,10 +46,14 @@ class Workers:
         self.key_file = key_file
         self.procs: list[subprocess.Popen[bytes]] = []
 
-    def start(self, connect: str, name: str, devices: int = 1) -> subprocess.Popen[bytes]:
+    def start(self, connect: str, name: str, devices: int = 1,
+              parent: bool = True) -> subprocess.Popen[bytes]:
+        """``parent=False``: a long-running worker (no ``COLOBUS_PARENT_PID``), as a
+        user starts one; else one tied to this process, as a launcher's."""
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p or os.getcwd() for p in sys.path))
-        env["COLOBUS_PARENT_PID"] = str(os.getpid())
+        if parent:
+            env["COLOBUS_PARENT_PID"] = str(os.getpid())
         env.pop("COLOBUS_KEY_FILE", None)
         log = self.tmp / f"worker-{len(self.procs)}.log"
         with open(log, "wb") as err:
@@ -136,6 +140,51 @@ async def test_a_live_hosts_name_is_refused_and_hosts_n_bounds_the_cluster(
     finally:
         _pop_current(ctl)
         await ctl.aclose()
+
+
+def test_a_spare_worker_refused_as_full_waits_and_joins_the_next_driver(
+        workers: Workers) -> None:
+    """A long-running ``colobus worker`` refused because the cluster is full says so once
+    and waits (as it waits when no controller is up); the next driver that wants more
+    hosts gets it. A worker a launcher started (``COLOBUS_PARENT_PID``) exits, status 2."""
+    key = _key(workers)
+    first = cb.Controller("tcp://127.0.0.1:*", hosts=1, key=key, heartbeat_interval=HB,
+                          liveness_timeout=60.0)
+    first.start_in_thread()
+    address = first.address
+    zctx: zmq.Context[Any] = zmq.Context()
+    resident = FakeWorker(zctx, address, key, "resident", channel=True)
+    try:
+        resident.join()  # hosts=1: the cluster is full
+        spare = workers.start(address, "spare", parent=False)
+        launched = workers.start(address, "launched")
+        asyncio.run(eventually(lambda: launched.poll() is not None, 120,
+                               "the launched worker to exit"))
+        assert launched.returncode == 2, Workers.log(launched)
+        assert "a worker under a new name ('launched') is refused" in Workers.log(launched)
+        asyncio.run(eventually(lambda: first.stats()["dropped"].get("too_many_hosts", 0) >= 3,
+                               120, "the spare worker refused twice"))
+        assert spare.poll() is None
+        said = Workers.log(spare)
+        assert said.count("refused this worker") == 1, said  # once, however many rounds
+        assert "waits for a place or for the next controller" in said
+        assert [h.name for h in first.hosts()] == ["resident"]
+    finally:
+        resident.close()
+        first.close()
+        zctx.term()
+    second = cb.Controller(address, hosts=1, key=key, **FAST)  # the next driver, same address
+    second.start_in_thread()
+    _push_current(second)
+    try:
+        second.run_sync(second.wait_for_hosts(1, timeout=120))
+        [info] = second.hosts()
+        assert (info.name, info.pid, info.state) == ("spare", spare.pid, "alive")
+        x = cb.device_put(np.arange(3.0), second.devices()[0])
+        np.testing.assert_array_equal(cb.device_get(plus_one(x)).result(60), [1.0, 2.0, 3.0])
+    finally:
+        _pop_current(second)
+        second.close()
 
 
 # -- 2. send-path failures are the caller's ------------------------------------------------

@@ -30,6 +30,7 @@ from .._wire import protocol as P
 from .._wire.channel import DEFAULT_MAX_WINDOW
 from .._wire.envelope import Buffer
 from .._wire.fanout import FanoutChannel
+from .._wire.links import heartbeat_options
 from .._wire.sockio import router_socket
 from .._wire.tasks import supervise
 from . import wakeups
@@ -311,6 +312,8 @@ class Controller(SyncFace):
             self._metrics.start()
         self._ctx = zmq.Context()
         sock = router_socket(self._ctx, self.max_message_bytes)
+        # Liveness in libzmq's I/O thread, not in this loop (colobus._wire.links).
+        heartbeat_options(sock, self.heartbeat_interval, self.liveness_timeout)
         if self._curve is not None:
             from .._wire.keys import start_curve_server
 

@@ -12,16 +12,19 @@ theirs against them (:func:`check_launched`).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import os
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from .._wire import keys as _keys
 
 __all__ = ["ADDRESS_ENV", "DEVICES_ENV", "HOSTS_ENV", "HOST_NAMES_ENV", "PY_MODULES_ENV",
-           "check_launched", "from_environment", "from_environment_modules", "join_level"]
+           "check_launched", "from_environment", "from_environment_modules", "join_level",
+           "own_workers"]
 
 ADDRESS_ENV = "COLOBUS_ADDRESS"
 HOSTS_ENV = "COLOBUS_HOSTS"
@@ -29,6 +32,21 @@ HOST_NAMES_ENV = "COLOBUS_HOST_NAMES"
 DEVICES_ENV = "COLOBUS_DEVICES_PER_HOST"
 PY_MODULES_ENV = "COLOBUS_PY_MODULES"
 DEFAULT_BIND = "tcp://127.0.0.1:*"
+# Set while a launcher (ssh_cluster, slurm_cluster) makes the controller of the workers it
+# starts itself: the address it binds is its own, whatever a surrounding launch says.
+_OWN_WORKERS: contextvars.ContextVar[bool] = contextvars.ContextVar("colobus_own_workers",
+                                                                    default=False)
+
+
+@contextlib.contextmanager
+def own_workers() -> Iterator[None]:
+    """Controllers made inside start workers of their own (a launcher's), so the address
+    they bind is theirs even under ``colobus launch``."""
+    token = _OWN_WORKERS.set(True)
+    try:
+        yield
+    finally:
+        _OWN_WORKERS.reset(token)
 
 
 def from_environment(bind: str | None, hosts: int | None, key: bytes | None
@@ -39,10 +57,21 @@ def from_environment(bind: str | None, hosts: int | None, key: bytes | None
     ``bind`` of the caller's own ignores ``$COLOBUS_HOST_NAMES``.
 
     Raises:
-        ValueError: ``$COLOBUS_HOSTS`` is not a whole number.
+        ValueError: ``$COLOBUS_HOSTS`` is not a whole number, or ``bind`` is not the address
+            ``colobus launch`` chose (its workers connect there, never to ``bind``).
         AuthenticationError, OSError: ``$COLOBUS_KEY_FILE`` is not a readable key.
     """
     names: list[str] = []
+    launched = os.environ.get(ADDRESS_ENV)
+    if bind is not None and launched and bind != launched and not _OWN_WORKERS.get():
+        # Else both sides wait until their join timeouts, neither saying why.
+        raise ValueError(
+            f"cb.Controller(bind={bind!r}) runs under `colobus launch`, whose workers "
+            f"connect to the address it chose, {launched!r} ($COLOBUS_ADDRESS): none would "
+            f"reach a controller bound to {bind!r}. Under `colobus launch`, leave out bind= "
+            "(cb.Controller() binds the launch's address); to bind an address of your own, "
+            "run the script without `colobus launch` and start the workers with `colobus "
+            "worker --connect ...`")
     if bind is None:
         bind = os.environ.get(ADDRESS_ENV) or DEFAULT_BIND
         if os.environ.get(ADDRESS_ENV):

@@ -59,6 +59,8 @@ class Relay:
         self.carried_mask = 0  # the bits of the hosts it carries
         self.last_seen = time.monotonic()
         self.alive = True
+        self.conn_fd = -1  # the connection it was last heard on, and when that closed
+        self.hung_up = 0.0  # (colobus._controller.hangups: its link proves it alive)
         self.dropped: dict[str, int] = {}
         self.forwards = 0  # FORWARD messages sent to it
         self.ups = 0  # UP messages from it

@@ -37,9 +37,11 @@ from .._wire.peer import data_bytes
 from .._wire.relaywire import Adopt, Delivered, Gone, Ready, entries
 from .._wire.sockio import send_frames
 from .coalesced import on_results
+from .hangups import link_up
 from .relaylink import LinkOwner, Relay
 
 if TYPE_CHECKING:
+    from .hangups import Hangups
     from .hosts import Host
     from .ops import Operations
 
@@ -80,6 +82,8 @@ class RelaysOwner(LinkOwner, Protocol):
     def _address(self) -> str: ...
     @property
     def _bind(self) -> str: ...
+    @property
+    def _hangups(self) -> Hangups | None: ...
     @property
     def _resend_after(self) -> float: ...
     @property
@@ -278,8 +282,9 @@ class Relays:
     # -- liveness ------------------------------------------------------------------------
 
     def tick(self, frozen: float = 0.0) -> None:
-        """Heartbeats to the relays; a relay whose process ended, or that is silent, is lost
-        (``frozen``: seconds this process did not run, see :mod:`colobus._wire.stalls`)."""
+        """Heartbeats to the relays; a relay whose process ended, or that is silent with no
+        live link (as a host, ``Sessions.tick``), is lost (``frozen``: seconds this process
+        did not run, see :mod:`colobus._wire.stalls`)."""
         chan = self._ctl._chan
         assert chan is not None
         now = time.monotonic()
@@ -287,11 +292,13 @@ class Relays:
         for r in self.relays:
             if not r.alive:
                 continue
-            r.last_seen += frozen
+            r.last_seen = min(r.last_seen + frozen, now)  # (what was just read: heard now)
             code = r.proc.poll()
             if code is not None:
                 self.lost(r, f"its process exited with status {code}")
-            elif now - r.last_seen > self._ctl.liveness_timeout:
+            elif (r.endpoint  # (until READY, start() waits for it, its process watched)
+                  and now - r.last_seen > self._ctl.liveness_timeout
+                  and not link_up(r, self._ctl._hangups)):
                 self.lost(r, f"no message for {now - r.last_seen:.1f} s")
             else:
                 chan.send(r.link, P.Heartbeat(0, 0, 0, 0, 0))
@@ -327,6 +334,8 @@ class Relays:
             if got is None or isinstance(got, str):
                 return
             relay.last_seen = time.monotonic()
+            if ctl._hangups is not None:
+                ctl._hangups.heard(relay, frames[0])  # (its link proves it alive)
             subs = unpack_batch(got) if got.kind == P.Kind.BATCH else [got]
         except Dropped as d:
             sessions.drop(d.reason, relay.identity, d.detail)

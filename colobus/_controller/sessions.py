@@ -6,9 +6,10 @@ counted by reason. A worker joins by answering a challenge: JOIN gets a fresh
 nonce (CHALLENGE), and a HELLO carrying it joins the worker (a new host, or
 the next generation of a named one). A joined host's messages go to the
 handler of their kind; a joined host that breaks the protocol is dropped.
-Every ``heartbeat_interval`` the controller reads what waits, declares hosts
-silent beyond the liveness timeout lost (exactly their operations fail), sends
-heartbeats, and resends what a host left unacknowledged (a dropped connection).
+Every ``heartbeat_interval`` its liveness tick (:mod:`.liveness`) reads what waits,
+declares lost the hosts silent beyond the liveness timeout whose link does not prove
+them alive (exactly their operations fail), sends heartbeats, and resends what a host
+left unacknowledged (a dropped connection).
 Everything here runs on the controller's loop thread.
 """
 
@@ -29,10 +30,11 @@ from .._wire.lane import ON, decode
 from .._wire.limits import MAX_HEADER_BYTES, MAX_OBJECTS, UNKNOWN_PEER_MAX_BYTES
 from .._wire.protocol import Kind
 from .._wire.relaywire import NEVER_REACHED
-from .._wire.stalls import StallClock
 from .._wire.versions import compare, local_versions
 from .environ import join_level
+from .hangups import link_up
 from .hosts import Host
+from .liveness import Liveness
 from .ops import Parts
 from .resultlane import ResultLane
 
@@ -111,8 +113,8 @@ class Sessions:
         # hands everything else to on_frames (COLOBUS_CALL_LANE=0: on_frames itself).
         self.reader: Callable[[list[Any]], None] = (ResultLane(self).on_frames if ON
                                                     else self.on_frames)
+        self.judge = Liveness(ctl, self.lose, self._flush_warnings)  # silence, per tick
         # Keyed by Kind, found by the plain int off the wire (IntEnum hashes as int).
-        self._stalls = StallClock(ctl.heartbeat_interval)
         self._handlers: dict[int, Callable[[Host, Any, Envelope], None]] = {
             Kind.HEARTBEAT: self._on_heartbeat,
             Kind.RESULT: ctl._ops.on_result,
@@ -172,7 +174,7 @@ class Sessions:
                 self._on_join(identity, env)
                 return
             if env.kind == Kind.HELLO:
-                self._on_hello(identity, env)
+                self._on_hello(identity, env, frame)
                 return
             host = ctl._hosts.by_identity.get(identity)
             if host is None or env.sender != host.session:
@@ -304,7 +306,7 @@ class Sessions:
         if host.peer.via is not None and self._ctl._relays is not None:
             self._ctl._relays.joined_again(host, advanced)
 
-    def _on_hello(self, identity: bytes, env: Envelope) -> None:
+    def _on_hello(self, identity: bytes, env: Envelope, frame: Any = None) -> None:
         ctl = self._ctl
         if self._refuse_version(identity, env):
             return
@@ -344,9 +346,9 @@ class Sessions:
         names, self.number_by_name = self.number_by_name, None
         if names is not None:
             ctl._hosts.reserve(names)
-        self._admit(identity, env, hello)
+        self._admit(identity, env, hello, frame)
 
-    def _admit(self, identity: bytes, env: Envelope, hello: P.Hello) -> None:
+    def _admit(self, identity: bytes, env: Envelope, hello: P.Hello, frame: Any = None) -> None:
         """Join a worker whose HELLO passed every check: a new host, or a rejoin."""
         ctl = self._ctl
         hosts = ctl._hosts
@@ -370,17 +372,20 @@ class Sessions:
             self.lose(old, gone)
         limit = ctl._expected_hosts
         if limit and (old is None or not old.alive) and hosts.alive_count() >= limit:
-            # hosts=N is the cluster's size: a new name beyond it is refused for good;
-            # a returning one waits for a place.
+            # hosts=N is the cluster's size: a returning name waits for a place; a new
+            # one is refused for this session (a long-running worker waits for a place or
+            # the next driver, one a launcher started exits: the worker decides).
             self.dropped["too_many_hosts"] += 1
             self._send_raw(identity, env.sender, P.Reject(
                 f"the controller runs hosts={limit} and {limit} hosts are alive: "
                 + ("this worker waits for a place (retrying)" if old is not None else
                    f"a worker under a new name ({hello.name!r}) is refused; start the "
                    f"controller with a larger hosts= or rejoin under a lost host's name"),
-                retry=old is not None))
+                retry=old is not None, full=old is None))
             return
         host = hosts.join(identity, hello, env.sender, ctl._session, env.seq)
+        if frame is not None and ctl._hangups is not None:
+            ctl._hangups.heard(host, frame)  # its connection, watched from its first word
         host.peer.max_window = max(host.peer.window, ctl.send_window_bytes)
         relays = ctl._relays
         relay = relays.pick() if relays is not None and hello.name not in self.direct else None
@@ -402,14 +407,15 @@ class Sessions:
             ctl._job.host_joined(host)
 
     def _gone(self, host: Host) -> str | None:
-        """Why a live host's session is over (silent past the liveness timeout, or its
-        connection closed and it stayed silent past the grace), or None: it may live."""
+        """Why a live host's session is over (silent past the liveness timeout with its
+        connection closed, or closed and silent past the grace), or None: it may live."""
         ctl = self._ctl
         now = time.monotonic()
         silent = now - host.last_seen
-        if silent > ctl.liveness_timeout and host.peer.via is None:  # (a relay judges its own)
-            return f"no message for {silent:.1f} s"
         hangups = ctl._hangups
+        if (silent > ctl.liveness_timeout and host.peer.via is None  # (a relay judges its own)
+                and not link_up(host, hangups)):
+            return f"no message for {silent:.1f} s"
         if host.hung_up and hangups is not None and now - host.hung_up >= hangups.grace:
             return (f"its connection closed and it did not come back within "
                     f"{hangups.grace:.1f} s; a new worker took its name")
@@ -432,49 +438,21 @@ class Sessions:
     async def liveness(self) -> None:
         """Tick every ``heartbeat_interval``; one bad turn (a bug, a callback's
         BaseException) is logged and counted, and never ends liveness."""
+        self.judge.start()  # the stall clock starts now, not when the controller was built
         while True:
             await asyncio.sleep(self._ctl.heartbeat_interval)
             try:
-                self.tick()
+                self.judge.tick()
             except (KeyboardInterrupt, SystemExit):
                 raise
             except BaseException:
                 self.tick_errors += 1
                 log.exception("the liveness tick raised; it runs again next interval")
 
-    def tick(self) -> None:
-        """Heartbeats out, silent hosts lost, unacknowledged messages resent."""
-        ctl = self._ctl
-        chan = ctl._chan
-        assert chan is not None
-        # Read what already arrived before judging silence: a loop that was busy
-        # (a large pickle, a GC pause) must not declare live hosts lost.
-        chan.drain()
+    def _flush_warnings(self) -> None:
+        """Rate-limited lines said now: unauthenticated peers, refused joins."""
         self._peer_warnings.flush()
         self.refusals.flush()
-        now = time.monotonic()
-        frozen = self._stalls.frozen(now)  # this process did not run: nobody's silence
-        alive = []
-        if ctl._relays is not None:
-            ctl._relays.tick(frozen)
-        for h in ctl._hosts.alive():
-            if h.peer.via is not None:
-                continue  # its relay judges its silence and sends its heartbeats
-            if frozen:
-                h.last_seen += frozen
-                h.peer.ack_wait += frozen
-            silent = now - h.last_seen
-            waited = now - h.peer.ack_wait if h.peer.unacked else 0.0
-            if silent > ctl.liveness_timeout:
-                self.lose(h, f"no message for {silent:.1f} s")
-            elif waited > ctl.liveness_timeout:
-                # It talks but takes nothing in: as good as silent (what we keep for it
-                # stays bounded by the window meanwhile).
-                self.lose(h, f"it acknowledged nothing for {waited:.1f} s")
-            else:
-                ctl._send(h, P.Heartbeat(0, 0, 0, 0, time.monotonic_ns()))
-                alive.append(h.peer)
-        chan.resend_stale(alive, ctl._resend_after)
 
     def lose(self, host: Host, why: str, last_word: str = P.RESET_REJOIN) -> None:
         """A host is gone: exactly the operations waiting for it fail.
@@ -484,6 +462,7 @@ class Sessions:
         """
         if not self._ctl._hosts.mark_lost(host, last_word):
             return
+        self.judge.forget(host)
         log.warning("host %d (%r) lost: %s", host.index, host.name, why)
         if host.peer.via is not None and self._ctl._relays is not None:
             if why.startswith(NEVER_REACHED):  # the relay's word: it never heard it

@@ -23,6 +23,7 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -160,10 +161,12 @@ class JoinDiagnosis:
 
 def session_socket(ctx: zmq.Context[Any], connect: str,
                    curve: tuple[tuple[bytes, bytes], bytes] | None,
-                   routing_id: bytes | None = None) -> zmq.Socket[Any]:
+                   routing_id: bytes | None = None,
+                   watch: Callable[[zmq.Socket[Any]], None] | None = None) -> zmq.Socket[Any]:
     """A session's DEALER, connecting to ``connect`` (CurveZMQ when ``curve`` is
     ``((public, secret), server public)``); ``routing_id``: the one it had (a
-    session moving to a relay keeps it), else a new one.
+    session moving to a relay keeps it), else a new one; ``watch``: called with the
+    socket before it connects (its monitor sees the connection from the start).
 
     Raises:
         ValueError: ZeroMQ cannot connect to that endpoint.
@@ -186,6 +189,8 @@ def session_socket(ctx: zmq.Context[Any], connect: str,
         sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
         sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
         sock.setsockopt(zmq.CURVE_SERVERKEY, server)
+    if watch is not None:
+        watch(sock)
     try:
         sock.connect(connect)
     except zmq.ZMQError as exc:  # an endpoint parse_connect let through
@@ -196,11 +201,12 @@ def session_socket(ctx: zmq.Context[Any], connect: str,
 
 def relay_socket(ctx: zmq.Context[Any], connect: str, relay: str,
                  curve: tuple[tuple[bytes, bytes], bytes] | None,
-                 old: zmq.Socket[Any]) -> zmq.Socket[Any]:
+                 old: zmq.Socket[Any],
+                 watch: Callable[[zmq.Socket[Any]], None] | None = None) -> zmq.Socket[Any]:
     """The socket a session moves to when its WELCOME names a relay: ``tcp://*:PORT``
     is that port at the address ``connect`` reached the controller at."""
     if relay.startswith("tcp://*:"):
         relay = connect.rsplit(":", 1)[0] + ":" + relay.rsplit(":", 1)[1]
     identity = old.getsockopt(zmq.ROUTING_ID)
     assert isinstance(identity, bytes)
-    return session_socket(ctx, relay, curve, identity)
+    return session_socket(ctx, relay, curve, identity, watch)

@@ -75,10 +75,15 @@ class Runs:
 
     def _run_lone(self, call: _Call) -> None:
         """The loop's leader, the loop stopped: the lone call (``_run_batch`` of a batch of
-        one, and ``_run_plain``, written out: no pool thread can claim it, no CANCEL can
-        come meanwhile)."""
-        if call.state == _QUEUED:
-            call.state = _RUNNING
+        one, and ``_run_plain``, written out: no pool thread can claim it). Its start is
+        taken under the state lock as there: past 2 ms another thread leads the loop
+        (:mod:`colobus._host.leader`) and may be handling a CANCEL for it meanwhile, and
+        a call answered CANCELLED must never run (nor send a RESULT after that)."""
+        with self._state_lock:
+            runs = call.state == _QUEUED
+            if runs:
+                call.state = _RUNNING
+        if runs:
             start = time.perf_counter_ns()
             try:
                 fn, call.fn = call.fn, None

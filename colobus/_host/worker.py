@@ -49,6 +49,7 @@ from .jaxjob import HostJob
 from .jaxnames import answer_colobus_process_index
 from .join import JoinDiagnosis, relay_socket, session_socket
 from .leader import serve_worker
+from .link import ControllerLink
 from .messages import Exit, MessagePath
 from .process import cpu_ns, end_context, rss_bytes
 from .sched import Scheduler
@@ -73,6 +74,9 @@ class Worker(MessagePath):
         key: the shared key, at least 32 bytes (there is no unauthenticated mode).
         cpu_devices: XLA host-platform device count.
         parent_pid: exit when this process is no longer our parent (local clusters).
+        launched: a launcher or ``local_cluster`` started this worker for one controller:
+            refused because that cluster is full, it exits (status 2) rather than wait for
+            a place or the next controller. Default: ``parent_pid`` was given.
         curve_keypair, curve_server_key: this worker's ``(public, secret)`` Z85 CurveZMQ
             key pair and the controller's public key (encryption).
     """
@@ -85,6 +89,7 @@ class Worker(MessagePath):
         key: bytes,
         cpu_devices: int | None = None,
         parent_pid: int | None = None,
+        launched: bool | None = None,
         max_threads: int = 64,
         curve_keypair: tuple[bytes, bytes] | None = None,
         curve_server_key: bytes | None = None,
@@ -102,6 +107,8 @@ class Worker(MessagePath):
         self._key = check_key(key, "the worker's key")
         self._cpu_devices = cpu_devices
         self._parent_pid = parent_pid
+        self._launched = parent_pid is not None if launched is None else launched
+        self._refused = ""  # the last refusal logged (each reason once: a spare worker retries)
         self.sched = Scheduler(self, max_threads)
         # PUT conversions and object construction: run_in_executor needs an Executor.
         self._pool = concurrent.futures.ThreadPoolExecutor(max_threads, "colobus-work")
@@ -130,6 +137,7 @@ class Worker(MessagePath):
         self._peer: Peer | None = None
         self._joined = False
         self._last_heard = 0.0
+        self._link = ControllerLink(lambda: self._last_heard)  # its silence, by its link
         self._heartbeat = 1.0
         self._liveness = 5.0
         self._exit_with_controller = False
@@ -259,7 +267,7 @@ class Worker(MessagePath):
     async def _one_session(self, backoff: float) -> tuple[bool, str]:
         loop = asyncio.get_running_loop()
         assert self._ctx is not None
-        sock = session_socket(self._ctx, self.connect, self._curve)
+        sock = session_socket(self._ctx, self.connect, self._curve, watch=self._watch_link)
         session = secrets.token_bytes(16)
         self._peer = Peer([], session, b"")
         self._joined = False
@@ -289,6 +297,7 @@ class Worker(MessagePath):
                 backoff = min(backoff * 2, BACKOFF_MAX_S)
                 diagnosis.after_hello(self._answered)
             joined = True
+            self._refused = ""
             diagnosis.close()
             log.info("host %s joined %s as host %d", self.name, self.connect, self.host_index)
             self._hb_restarts = 0
@@ -300,9 +309,14 @@ class Worker(MessagePath):
             return joined, outcome
         finally:
             diagnosis.close()
+            self._watch_link(None)
             chan.close()
             self._chan = None
             self._peer = None
+
+    def _watch_link(self, sock: zmq.Socket[Any] | None) -> None:
+        """Watch ``sock``'s link (None: stop watching, before it closes)."""
+        self._link.watch(sock, self.loop)
 
     def _start_heartbeats(self) -> asyncio.Task[None]:
         return supervise(asyncio.get_running_loop().create_task(self._heartbeats()),
@@ -320,17 +334,28 @@ class Worker(MessagePath):
         assert self._ended is not None and self._chan is not None and self._peer is not None
         resend_after = max(2 * self._heartbeat, self._liveness / 3)
         stalls = StallClock(self._heartbeat)
+        beat = 0.0  # when the last heartbeat left
         while not self._ended.done():
             await asyncio.sleep(self._heartbeat)
             self._chan.drain()  # judge silence only after reading what already arrived
             if self._ended.done():
                 return
-            self._last_heard += stalls.frozen(time.monotonic())  # not the controller's
-            if time.monotonic() - self._last_heard > self._liveness:
-                log.warning("controller silent for %.1f s", time.monotonic() - self._last_heard)
+            now = time.monotonic()
+            frozen = stalls.frozen(now)  # not the controller's silence
+            if frozen:  # (never past now: what the drain just read was heard now)
+                self._link.settle()
+                self._last_heard = min(self._last_heard + frozen, now)
+                self._link.shift(frozen, now)
+            if self._link.gone(self._liveness, time.monotonic()):
                 self._end("relay" if self._chan.moved else "lost")  # a relay lost: rejoin
                 return
-            self.send(self._health())
+            now = time.monotonic()
+            # A controller silent past the liveness timeout on a live link reads nothing
+            # (its loop is held): one heartbeat per timeout, not one per interval, waits
+            # for it in its socket, however long the hold.
+            if now - self._last_heard <= self._liveness or now - beat >= self._liveness:
+                beat = now
+                self.send(self._health())
             self._chan.resend_stale([self._peer], resend_after)
 
     def _health(self) -> P.Heartbeat:
@@ -399,7 +424,10 @@ class Worker(MessagePath):
 
     def _to_relay(self, relay: str, peer: Peer | None) -> None:
         if (chan := self._chan) and self._ctx and chan.open and peer and self._peer is peer:
-            chan.move(relay_socket(self._ctx, self.connect, relay, self._curve, chan.sock), peer)
+            self._watch_link(None)  # (the old socket closes in the move)
+            sock = relay_socket(self._ctx, self.connect, relay, self._curve, chan.sock,
+                                self._watch_link)
+            chan.move(sock, peer)
             if LANE:
                 chan._loop.add_reader(socket_fd(chan.sock), self._read)
 
@@ -462,10 +490,20 @@ class Worker(MessagePath):
         self.send(P.Result(body.call_id, Status.OK, [d.id for d in mine]))
 
     def _on_reject(self, body: P.Reject, env: Envelope) -> None:
-        # retry: the name is in use, or the cluster full, for now: the next JOIN round
-        log.log(logging.WARNING if body.retry else logging.ERROR, "controller %s refused "
-                "this worker%s: %s", self.connect, " for now" * body.retry, body.reason)
-        if not body.retry:
+        # retry: the name is in use, or the cluster full, for now: the next JOIN round.
+        # full (a new name): a long-running worker waits for a place or the next
+        # controller the same way, with back-off; a launched one exits.
+        waits = body.retry or (body.full and not self._launched)
+        if body.reason != self._refused:  # said once: the next rounds are refused alike
+            self._refused = body.reason
+            log.log(logging.WARNING if waits else logging.ERROR,
+                    "controller %s refused this worker%s: %s%s", self.connect,
+                    " for now" * waits, body.reason,
+                    "; it waits for a place or for the next controller (retrying)"
+                    if waits and not body.retry else "")
+        else:
+            log.debug("controller %s refused this worker again: %s", self.connect, body.reason)
+        if not waits:
             self._end("reject")
 
     def _on_reset(self, env: Envelope) -> None:

@@ -36,6 +36,7 @@ from typing import Any
 
 from .._controller.cluster import number_hosts_by_name
 from .._controller.controller import Controller
+from .._controller.environ import own_workers
 from .._controller.procwatch import describe_exit
 from .._wire.keys import generate_key, write_key
 from .base import LaunchedCluster, Launcher
@@ -193,8 +194,10 @@ class SlurmJobCluster(LaunchedCluster):
         key = generate_key()
         options.setdefault("exit_workers_on_close", True)
         bind = bind or f"tcp://{own_address()}:*"
-        super().__init__(_JobNames([f"slurm-{k}" for k in range(count)]),
-                         Controller(bind, hosts=count, key=key, **options), key, restart=restart,
+        with own_workers():  # its address, whatever a surrounding launch says
+            controller = Controller(bind, hosts=count, key=key, **options)
+        super().__init__(_JobNames([f"slurm-{k}" for k in range(count)]), controller, key,
+                         restart=restart,
                          connect=lambda address: concrete_address(address, own_address))
         self.nodes = nodes
         self.devices = devices_per_host
@@ -413,5 +416,6 @@ def slurm_cluster(nodes: int = 1, devices_per_host: int = 1, *, workers_per_node
             bind = f"tcp://{route_source(names[0])}:*"
         except OSError:
             bind = f"tcp://{own_address()}:*"
-    return LaunchedCluster(launcher, Controller(bind, hosts=len(launcher.names), key=key,
-                                                **options), key, restart=restart)
+    with own_workers():  # its address, whatever a surrounding launch says
+        controller = Controller(bind, hosts=len(launcher.names), key=key, **options)
+    return LaunchedCluster(launcher, controller, key, restart=restart)

@@ -32,6 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .._controller.controller import Controller
+from .._controller.environ import own_workers
 from .._controller.procwatch import describe_exit
 from .._wire.keys import generate_key, write_curve_keypair
 from .base import LaunchedCluster, Launcher
@@ -228,7 +229,8 @@ class SshCluster(LaunchedCluster):
         try:
             if curve_dir is not None:
                 options.update(curve_keys(launcher, curve_dir))
-            controller = Controller(bind, hosts=len(launcher.names), key=key, **options)
+            with own_workers():  # its address, whatever a surrounding launch says
+                controller = Controller(bind, hosts=len(launcher.names), key=key, **options)
         finally:  # the controller has read its secret key: the file goes at once
             if curve_dir is not None:
                 shutil.rmtree(curve_dir, ignore_errors=True)

@@ -4,7 +4,9 @@ Toward its hosts a relay is the controller: it binds a ROUTER, numbers,
 authenticates (the controller's key: a relay shares its trust, see
 ``docs/security.md``) and acknowledges every host's messages, sends each
 host the controller's heartbeats and resends what a host left unacknowledged,
-and declares a host silent past the liveness timeout lost. Toward the
+and declares a host silent past the liveness timeout lost (when its connection,
+kept open by ZeroMQ's heartbeats while its process runs, closed since it last
+spoke: :mod:`colobus._wire.links`). Toward the
 controller it is one peer on the controller's ROUTER: FORWARD messages carry
 what many hosts are sent, UP messages what they sent back, equal replies of
 one call coalesced (:mod:`colobus._wire.relaywire`).
@@ -39,6 +41,7 @@ from .._wire.envelope import (
 )
 from .._wire.guard import RESET_SEQ
 from .._wire.limits import MAX_HEADER_BYTES, MAX_OBJECTS, UNKNOWN_PEER_MAX_BYTES
+from .._wire.links import SRCFD, Closes, PeerLinks, heartbeat_options
 from .._wire.peer import data_bytes
 from .._wire.relaywire import NEVER_REACHED, SMALL, Adopt, Delivered, Gather, Gone, Ready, entries
 from .._wire.sockio import router_socket
@@ -100,6 +103,10 @@ class Relay:
         self.released: set[int] = set()
         self.ctl_heard = time.monotonic()
         self._stalls = StallClock(self.heartbeat)  # liveness ticks that came late
+        self._last_tick = time.monotonic()
+        # The hosts' links, and ctl_heard when the controller's closed (colobus._wire.links)
+        self.links = PeerLinks(self.last_seen)
+        self._ctl_closed_at: float | None = None
         self.done: asyncio.Future[None] | None = None
 
     async def run(self) -> None:
@@ -113,6 +120,7 @@ class Relay:
         up.setsockopt(zmq.ROUTING_ID, self.cfg["identity"])
         up.connect(self.cfg["controller"])
         down = router_socket(ctx, self.max_message)
+        heartbeat_options(down, self.heartbeat, self.liveness)
         down.bind(self.cfg["bind"])
         self.up = Channel(up, self.key, loop, self._from_controller, send_flags=zmq.NOBLOCK,
                           after_reads=self._flush_down)
@@ -120,6 +128,7 @@ class Relay:
                             on_release=self._released)
         self.up.send(self.ctl, Ready(down.getsockopt_string(zmq.LAST_ENDPOINT)))
         loop.add_reader(0, self._stdin)
+        closes = [Closes(down, loop, self.links.closed), Closes(up, loop, self._ctl_closed)]
         ticks = loop.create_task(self._ticks())
         try:
             await self.done
@@ -128,6 +137,8 @@ class Relay:
             self.down.flush()
         finally:
             ticks.cancel()
+            for c in closes:
+                c.close()
             loop.remove_reader(0)
             self.down.close(linger_ms=1000)
             self.up.close()
@@ -243,6 +254,9 @@ class Relay:
                 self.dropped[got] += 1
                 return
             self.last_seen[h] = time.monotonic()
+            fd = frames[0].get(SRCFD)
+            if self.links.conn_fd.get(h) != fd:
+                self.links.heard(h, fd)
             if h not in self.arrived:
                 # Its first word here: what was sent before it connected (ROUTER_MANDATORY
                 # refused it) goes again now, not after a resend timeout.
@@ -361,7 +375,12 @@ class Relay:
 
     # -- liveness ------------------------------------------------------------------------
 
+    def _ctl_closed(self, fd: int) -> None:
+        self._ctl_closed_at = self.ctl_heard
+
     async def _ticks(self) -> None:
+        self._stalls = StallClock(self.heartbeat)  # from now: the start was no stall
+        self._last_tick = time.monotonic()
         while True:
             await asyncio.sleep(self.heartbeat)
             try:
@@ -374,12 +393,20 @@ class Relay:
         self.up.drain()
         now = time.monotonic()
         frozen = self._stalls.frozen(now)  # this process did not run: nobody's silence
-        if frozen:
-            self.ctl_heard += frozen
+        elapsed, self._last_tick = now - self._last_tick, now
+        if self._ctl_closed_at is not None and self._ctl_closed_at != self.ctl_heard:
+            self._ctl_closed_at = None  # heard since: its connection is back
+        self.links.settle(frozen, now)
+        if frozen:  # (never past now: what the drains just read was heard now)
+            self.ctl_heard = min(self.ctl_heard + frozen, now)
+            if self._ctl_closed_at is not None:
+                self._ctl_closed_at = min(self._ctl_closed_at + frozen, now)
             for h in self.last_seen:
-                self.last_seen[h] += frozen
-        if now - self.ctl_heard > 2 * self.liveness and self.done is not None:
-            log.warning("relay: the controller is silent; exiting")
+                self.last_seen[h] = min(self.last_seen[h] + frozen, now)
+        if (now - self.ctl_heard > 2 * self.liveness and self._ctl_closed_at is not None
+                and self.done is not None):
+            # (silent on an open connection: its loop is held, and it is waited for)
+            log.warning("relay: the controller is silent and its connection closed; exiting")
             if not self.done.done():
                 self.done.set_result(None)
             return
@@ -387,9 +414,15 @@ class Relay:
         alive = []
         ping = P.Heartbeat(0, 0, 0, 0, time.monotonic_ns())
         for h, peer in list(self.peers.items()):
+            if peer.unacked:
+                if self.last_seen[h] < now - elapsed:  # it said nothing since the last
+                    peer.ack_wait = min(peer.ack_wait + elapsed, now)  # tick: it could
+                    # not acknowledge either
+                elif frozen:  # (a whole-machine freeze: nobody's wait)
+                    peer.ack_wait = min(peer.ack_wait + frozen, now)
             silent = now - self.last_seen[h]
             waited = now - peer.ack_wait if peer.unacked else 0.0
-            if silent > self.liveness:
+            if silent > self.liveness and not self.links.up(h):
                 said = "no message" if h in self.arrived else f"{NEVER_REACHED}: no message"
                 self._lose(h, f"{said} for {silent:.1f} s")
             elif waited > self.liveness:
@@ -414,6 +447,7 @@ class Relay:
             return None
         self.by_identity.pop(peer.route[0], None)
         self.last_seen.pop(h, None)
+        self.links.forget(h)
         self.health_up.pop(h, None)
         self.given.pop(h, None)
         self.reported.pop(h, None)

@@ -254,9 +254,12 @@ def _worker(args: argparse.Namespace) -> int:
         from .._launch.remote import exit_on_stdin_eof
 
         exit_on_stdin_eof()
+    # Started by a launcher or a local cluster (for one driver): refused because the
+    # cluster is full, it exits; a long-running worker waits for the next driver.
+    launched = bool(parent) or args.exit_on_stdin_eof or args.give_up_after is not None
     worker = Worker(args.connect, name=args.name, key=key, cpu_devices=args.devices,
-                    parent_pid=int(parent) if parent else None, curve_keypair=curve_keypair,
-                    curve_server_key=server_key)
+                    parent_pid=int(parent) if parent else None, launched=launched,
+                    curve_keypair=curve_keypair, curve_server_key=server_key)
     if args.give_up_after is not None:
         from .._launch.remote import give_up_when_alone
 

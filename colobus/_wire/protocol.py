@@ -169,19 +169,19 @@ class Challenge(Body):
 
 @dataclass(frozen=True, slots=True)
 class Reject(Body):
-    """A join refused. ``retry``: the refusal may pass (a live host holds the name,
-    or the cluster is full): the worker logs it and joins again with back-off; else
-    it exits with a non-zero status."""
+    """A join refused. ``retry``: it may pass (the name is in use): join again with back-off;
+    else exit non-zero, but ``full`` (a new name, the cluster full): a long-running worker waits."""
 
     kind = Kind.REJECT
-    types = (str, bool)
+    types = (str, bool, bool)
     required = 1
     reason: str
     retry: bool = False
+    full: bool = False
 
-    def to_wire(self) -> list[Any]:
-        # A final refusal keeps its one-field form: workers of any version read it.
-        return [self.reason, True] if self.retry else [self.reason]
+    def to_wire(self) -> list[Any]:  # a final refusal keeps its one-field form
+        return ([self.reason, self.retry, True] if self.full else
+                [self.reason, True] if self.retry else [self.reason])
 
 
 @dataclass(frozen=True, slots=True)
