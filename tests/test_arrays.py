@@ -346,40 +346,15 @@ def test_deleted_array_raises(ctl: cb.Controller) -> None:
         record_block(arr)
 
 
-async def test_device_get_and_block_until_ready_are_futures_in_async_code(
-        ctl: cb.Controller) -> None:
-    """Async code (here pytest's loop, driving the shared `with` cluster) gets futures to
-    await; a thread without an event loop gets the values, as from JAX's."""
-    devs = cb.devices()
-    mesh = cb.Mesh(np.array(devs).reshape(2, 4), ("hosts", "devices"))
-    x = np.arange(32, dtype=np.int32).reshape(4, 8)
-    arr = cb.device_put(x, cb.NamedSharding(mesh, P("hosts", "devices")))
-    tree = {"x": arr, "k": [1, "two"]}
-    ready = cb.block_until_ready(tree)
-    assert isinstance(ready, cb.Future)
-    assert (await ready) is tree
-    got = cb.device_get(tree)
-    assert isinstance(got, cb.Future)
-    value = await got
-    assert_same(value["x"], x) and value["k"] == [1, "two"]
-    assert isinstance(arr.is_ready(), cb.Future) and (await arr.is_ready()) is True
-    # a thread with no event loop: values, waited for
-    again = await asyncio.to_thread(lambda: cb.device_get(arr))
-    assert_same(again, x)
-    assert (await asyncio.to_thread(lambda: cb.block_until_ready(arr))) is arr
-    # an empty tree resolves at once
-    assert (await cb.device_get({"a": 1})) == {"a": 1}
-
-
-def test_device_get_block_until_ready_is_ready_block_in_plain_code_futures_on_the_loop(
+def test_device_get_block_until_ready_is_ready_are_values_off_the_loop_futures_on_it(
         ctl: cb.Controller) -> None:
     devs = cb.devices()
     mesh = cb.Mesh(np.array(devs).reshape(2, 4), ("hosts", "devices"))
     x = np.arange(32, dtype=np.int32).reshape(4, 8)
     arr = cb.device_put(x, cb.NamedSharding(mesh, P("hosts", "devices")))
     tree = {"x": arr, "k": [1, "two"]}
-    # A plain thread (no event loop runs here; a `with` cluster), as JAX's: they block and
-    # return values.
+    # Off the controller's loop thread (this thread: a `with` cluster), as JAX's: they block
+    # and return values.
     assert cb.block_until_ready(tree) is tree
     value = cb.device_get(tree)
     assert_same(value["x"], x) and value["k"] == [1, "two"]
@@ -433,7 +408,7 @@ async def test_gc_frees_host_memory(ctl: cb.Controller) -> None:
     base = await settled()
     n, nbytes = 3, 2 << 20  # three 2 MiB arrays: 1 MiB per host each
     arrs = [cb.device_put(np.full((2, nbytes // 8), k, np.float32), rows) for k in range(n)]
-    await cb.block_until_ready(arrs)
+    cb.block_until_ready(arrs)
     s = await ctl.refresh_stats()
     for h in (0, 1):
         assert s["hosts"][h]["arrays"] >= base[h][0] + n
@@ -452,7 +427,7 @@ async def test_gc_frees_host_memory(ctl: cb.Controller) -> None:
         await asyncio.sleep(0.05)
     # delete() frees at once too, without waiting for GC
     keep = cb.device_put(np.ones((2, 1 << 18), np.float32), rows)
-    await cb.block_until_ready(keep)
+    cb.block_until_ready(keep)
     s = await ctl.refresh_stats()
     assert s["hosts"][0]["bytes"] >= base[0][1] + (1 << 20)
     keep.delete()
@@ -706,7 +681,7 @@ async def test_int64_stored_exactly_but_seen_as_jax_would(ctl: cb.Controller) ->
     """A 64-bit block is kept exactly on the host and handed over as JAX would (int32)."""
     big = np.array([2**40 + 1, -3], dtype=np.int64)
     x = cb.device_put(big, cb.devices()[0])
-    np.testing.assert_array_equal(await cb.device_get(x), big)  # exact round trip
+    np.testing.assert_array_equal(cb.device_get(x), big)  # exact round trip
     y = await _describe_int64(cb.device_put(np.array([1, 2], dtype=np.int64), cb.devices()[4]))
     assert y.dtype == np.int32
-    np.testing.assert_array_equal(await cb.device_get(y), [2, 4])
+    np.testing.assert_array_equal(cb.device_get(y), [2, 4])

@@ -51,7 +51,7 @@ def _x(ctl: cb.Controller) -> cb.Array:
 async def test_a_burst_of_calls_travels_in_batches_and_every_outcome_is_kept(
         ctl: cb.Controller) -> None:
     x = _x(ctl)
-    await cb.block_until_ready(x)
+    cb.block_until_ready(x)
     before = ctl.stats()
     futs = [tag(x, i) for i in range(300)]  # one step of this task: one flush
     outcomes = await asyncio.gather(*futs, return_exceptions=True)
@@ -63,7 +63,7 @@ async def test_a_burst_of_calls_travels_in_batches_and_every_outcome_is_kept(
             assert isinstance(out, ValueError) and str(out) == f"call {i} fails"
         else:
             assert isinstance(out, cb.Array)
-    values = await cb.device_get([o for o in outcomes if isinstance(o, cb.Array)])
+    values = cb.device_get([o for o in outcomes if isinstance(o, cb.Array)])
     expected = [i for i in range(300) if i % 7 != 3]
     assert [float(np.asarray(v)[0]) for v in values] == expected
     assert all(np.all(np.asarray(v) == e) for v, e in zip(values, expected, strict=True))
@@ -74,7 +74,7 @@ async def test_batched_calls_run_in_the_order_issued_on_every_host(ctl: cb.Contr
     await asyncio.gather(*[record(x, i) for i in range(500)])
     for host in range(len(ctl.hosts())):
         devs = [d for d in ctl.devices() if d.host == host]
-        order = await cb.device_get(await ran.specialize(devices=devs)())
+        order = cb.device_get(await ran.specialize(devices=devs)())
         assert np.asarray(order).tolist() == list(range(500)), f"host {host}"
 
 
@@ -110,7 +110,7 @@ async def test_a_free_asked_for_before_a_message_reaches_the_host_before_it(
     base = (await ctl.refresh_stats())["hosts"][0]["arrays"]
     for _ in range(5):
         x = cb.device_put(np.arange(8.0), dev)
-        await cb.block_until_ready(x)
+        cb.block_until_ready(x)
         assert (await ctl.refresh_stats())["hosts"][0]["arrays"] == base + 1
         x.delete()  # queued; the STATS below must not overtake it
         assert (await ctl.refresh_stats())["hosts"][0]["arrays"] == base

@@ -35,7 +35,7 @@ def _on(dev: cb.Device) -> tuple[object, object, object]:
 async def _events(events: object) -> list[int]:
     # Its own task, hence its own stream: it does not queue behind gated calls.
     arr = await asyncio.create_task(_call(events))
-    return [int(x) for x in np.asarray(await cb.device_get(arr))]
+    return [int(x) for x in np.asarray(cb.device_get(arr))]
 
 
 async def _call(fn: object, *args: object) -> object:
@@ -71,7 +71,7 @@ async def test_cancel_before_start_never_runs_and_order_holds(ctl: cb.Controller
     await _events(events)
     hs.open_gate(gate)
     await a
-    assert int(np.asarray(await cb.device_get(await c))) == after
+    assert int(np.asarray(cb.device_get(await c))) == after
     log = await _events(events)
     assert skipped not in log, "a call cancelled before it started ran on its host"
     # c ran only after a finished: cancelling b did not let c jump the queue.
@@ -88,7 +88,7 @@ async def test_cancel_running_call_finishes_result_dropped(ctl: cb.Controller) -
         await a
     hs.open_gate(gate)
     # The host finished the running call; the next call in the stream runs after it.
-    assert int(np.asarray(await cb.device_get(await mark(after)))) == after
+    assert int(np.asarray(cb.device_get(await mark(after)))) == after
     log = await _events(events)
     assert log.index(-gate) < log.index(after)
     assert a.cancelled()

@@ -9,18 +9,15 @@
   model (the shared cluster) and in a JAX job (the shared job cluster): the host code
   as JAX's, the driver's JAX calls as colobus's (``docs/jax_comparison.md``).
 
-Two pieces these clients use come with the branch that implements the rest of SPEC 3
-and 5 (``habits``): ``cb.Array.addressable_data`` and ``axis_types=`` on
-``cb.make_mesh``, and a first method call that returns only once its hosts ran it
-(maxtext's ``save_state`` drops its result). Each place says so; until then the
-tests take the equivalent step themselves, or are marked ``xfail`` with that reason.
+They rely on JAX's habits as colobus keeps them (SPEC 3 and 5): ``addressable_data``,
+``axis_types=`` on ``cb.make_mesh``, ``cb.device_get`` returning values in plain code,
+and the first call of a method returning once its hosts ran it (maxtext's
+``save_state`` drops its result and expects the files written).
 """
 
 from __future__ import annotations
 
-import inspect
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -68,24 +65,6 @@ class ShardLoader:
         return ShardIterator(self.host, self.hosts)
 
 
-def addressable_data(arr: cb.Array, i: int) -> np.ndarray:
-    """``arr.addressable_data(i)`` as maxtext's test reads it (SPEC 3); the method comes
-    with branch habits, and until then its shard's data does the same."""
-    if hasattr(arr, "addressable_data"):
-        return np.asarray(arr.addressable_data(i))
-    return np.asarray(arr.addressable_shards[i].data.result())
-
-
-def _wait_for(paths: list[Path], seconds: float = 30.0) -> None:
-    # maxtext's save_state drops the call's result and relies on the first call of a
-    # method returning once its hosts ran it (SPEC 5, branch habits); until then the
-    # files appear a moment after the call returns.
-    deadline = time.monotonic() + seconds
-    while not all(p.exists() for p in paths):
-        assert time.monotonic() < deadline, f"never written: {paths}"
-        time.sleep(0.01)
-
-
 def test_maxtext_remote_iterator_in_a_job(job: cb.Controller, tmp_path: Path) -> None:
     mesh = cb.make_mesh((ROWS,), ("data",))
 
@@ -102,11 +81,11 @@ def test_maxtext_remote_iterator_in_a_job(job: cb.Controller, tmp_path: Path) ->
     # the global batch: every host's own shard, at its place
     assert isinstance(first, cb.Array) and first.shape == (ROWS, 1)
     np.testing.assert_array_equal(np.asarray(first), global_batch(1))
-    assert addressable_data(first, 0)[0] == 1
+    assert np.asarray(first.addressable_data(0))[0] == 1
 
     wrapper.save_state(step=5)
+    # its first call returned once the hosts ran it: the files are there
     files = [tmp_path / "5" / "iter" / f"process_{i}-of-2.json" for i in range(2)]
-    _wait_for(files)
     assert sorted(p.name for p in (tmp_path / "5" / "iter").iterdir()) == [
         "process_0-of-2.json", "process_1-of-2.json"]
     for i, path in enumerate(files):
@@ -126,13 +105,7 @@ def test_maxtext_remote_iterator_in_a_job(job: cb.Controller, tmp_path: Path) ->
 # colocated_python -> cb, jax.device_put / jax.jit(identity, out_shardings=...) ->
 # cb.device_put, jax.device_get -> cb.device_get, jax.device_count() -> len(cb.devices()).
 
-# ``axis_types=`` on cb.make_mesh comes with branch habits (SPEC 3).
-AXIS_TYPES = "axis_types" in inspect.signature(cb.make_mesh).parameters
-
-
 def _make_mesh(shape: tuple[int, ...], names: tuple[str, ...], devices: Any = None) -> Any:
-    if not AXIS_TYPES:
-        return cb.make_mesh(shape, names, devices=devices)
     return cb.make_mesh(shape, names, devices=devices,
                         axis_types=(jax.sharding.AxisType.Explicit,) * len(shape))
 
@@ -145,8 +118,6 @@ def mode(request: pytest.FixtureRequest) -> cb.Controller:
 
 
 def test_colocated_cpu_devices(mode: cb.Controller) -> None:
-    if not AXIS_TYPES:
-        pytest.xfail("cb.make_mesh(axis_types=...) comes with branch habits (SPEC 3)")
     device_count = len(cb.devices())
     if device_count % 2 == 0:
         mesh_shape = (2, device_count // 2)
@@ -176,6 +147,6 @@ def test_simple_function(mode: cb.Controller) -> None:
     out = add_one(x).result()
 
     out = cb.device_put(out, cb.NamedSharding(cpu_mesh, cb.PartitionSpec()))
-    out = cb.device_get(out).result()
+    out = cb.device_get(out)
 
     np.testing.assert_equal(out, np.arange(cpu_mesh.size) + 1)

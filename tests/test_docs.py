@@ -141,6 +141,11 @@ def add_one(x):
 # What each page's text gives its fragments, beyond the base (above); the pages of
 # OWN_CLUSTER start the cluster they describe instead of the base's.
 OWN_CLUSTER = {"index.md", "observability.md", "reliability.md"}
+# The pages whose fragments are plain code beside a `with` cluster (`.result()`, blocking
+# helpers): they run on a loop of their own, as in a notebook. Every other page's
+# fragments are async code under `async with`: they run on the base cluster's own loop,
+# where `cb.device_get` and `cb.block_until_ready` are futures to await.
+BESIDE_THE_CLUSTER = OWN_CLUSTER | {"async_and_sync.md"}
 PAGE_SETUP: dict[str, str] = {
     "observability.md": """
 _cluster = cb.local_cluster(hosts=2, devices_per_host=4, trace=True)   # with trace= on
@@ -307,7 +312,8 @@ def fragments_script(page: str) -> str:
         "        print('pasted', _where, flush=True)",
         "",
         "try:",
-        "    asyncio.run(_paste_all())",
+        "    asyncio.run(_paste_all())" if page in BESIDE_THE_CLUSTER else
+        "    ctl.run_sync(_paste_all(), timeout=None)",
         "finally:",
         "    if '_cluster' in globals():",
         "        _cluster.__exit__(None, None, None)",

@@ -74,11 +74,11 @@ async def test_main_and_local_arguments_travel_by_value(ctl: cb.Controller) -> N
     try:
         # by reference, `__main__.ColobusTestScale` would not load on the host
         out, is_jax = await describe(x, scale(2.0))
-        assert np.asarray(await cb.device_get(out)).tolist() == [0, 2, 4, 6]
-        assert bool(np.asarray(await cb.device_get(is_jax)))
+        assert np.asarray(cb.device_get(out)).tolist() == [0, 2, 4, 6]
+        assert bool(np.asarray(cb.device_get(is_jax)))
         k = 5.0
         out, _ = await describe(x, lambda v: v + k)  # a closure: by value too
-        assert np.asarray(await cb.device_get(out)).tolist() == [5, 6, 7, 8]
+        assert np.asarray(cb.device_get(out)).tolist() == [5, 6, 7, 8]
     finally:
         del main.ColobusTestScale  # type: ignore[attr-defined]
 
@@ -106,24 +106,24 @@ async def test_large_put_is_a_jax_array_in_calls_and_fetches_exactly(
     data = np.arange(1 << 20, dtype=np.float32)  # 4 MiB: 512 KiB per device, 2 MiB per host
     base = (await ctl.refresh_stats())["hosts"]
     x = cb.device_put(data, sharding)
-    await cb.block_until_ready(x)
+    cb.block_until_ready(x)
     stats = (await ctl.refresh_stats())["hosts"]
     for h in (0, 1):
         assert stats[h]["bytes"] - base[h]["bytes"] == data.nbytes // 2
     # fetched before any call used it (served from the received frame), exactly
-    assert np.array_equal(np.asarray(await cb.device_get(x)), data)
+    assert np.array_equal(np.asarray(cb.device_get(x)), data)
     is_jax, is_f32, shards = await block_info(x)  # replicated: both hosts agree
-    assert bool(np.asarray(await cb.device_get(is_jax)))
-    assert bool(np.asarray(await cb.device_get(is_f32)))
-    assert np.asarray(await cb.device_get(shards)).tolist() == [1 << 17] * 4  # per device
+    assert bool(np.asarray(cb.device_get(is_jax)))
+    assert bool(np.asarray(cb.device_get(is_f32)))
+    assert np.asarray(cb.device_get(shards)).tolist() == [1 << 17] * 4  # per device
     del is_jax, is_f32, shards
     y = await plus_one(x)
-    assert np.array_equal(np.asarray(await cb.device_get(y)), data + 1)
+    assert np.array_equal(np.asarray(cb.device_get(y)), data + 1)
     # after a call made it a jax.Array: still there once, same bytes, fetches exactly
     stats = (await ctl.refresh_stats())["hosts"]
     for h in (0, 1):
         assert stats[h]["bytes"] - base[h]["bytes"] == 2 * (data.nbytes // 2)  # x and y
-    assert np.array_equal(np.asarray(await cb.device_get(x)), data)
+    assert np.array_equal(np.asarray(cb.device_get(x)), data)
     x.delete()
     y.delete()
 
@@ -134,8 +134,8 @@ async def test_large_put_64bit_stays_exact_and_is_seen_as_jax_would(
     data = (np.arange(1 << 18, dtype=np.int64) << 33) + 7  # 2 MiB, beyond int32
     x = cb.device_put(data, dev)
     is_jax, _, _ = await block_info(x)
-    assert bool(np.asarray(await cb.device_get(is_jax)))
-    assert np.array_equal(np.asarray(await cb.device_get(x)), data)  # exact bytes back
+    assert bool(np.asarray(cb.device_get(is_jax)))
+    assert np.array_equal(np.asarray(cb.device_get(x)), data)  # exact bytes back
 
 
 _FREEZE_PROBE = """

@@ -191,9 +191,9 @@ async def test_simple_function(ctl: cb.Controller) -> None:
     out = await add_one(x)
     assert isinstance(out, cb.Array)
     assert out.sharding == cb.SingleDeviceSharding(cb.devices()[0])
-    assert await cb.device_get(out) == np.array(2)
+    assert cb.device_get(out) == np.array(2)
     out = await add_one(x)
-    assert await cb.device_get(out) == np.array(2)
+    assert cb.device_get(out) == np.array(2)
 
 
 async def test_simple_function_with_tree(ctl: cb.Controller) -> None:
@@ -201,7 +201,7 @@ async def test_simple_function_with_tree(ctl: cb.Controller) -> None:
     x = cb.device_put(x, cb.SingleDeviceSharding(cb.devices()[0]))
     out = await add_one(x)
     assert jax.tree.structure(out) == jax.tree.structure([0, (0, {"v": 0})])
-    got = await cb.device_get(out)
+    got = cb.device_get(out)
     assert got == [np.array(2), (np.array(3), {"v": np.array(4)})]
 
 
@@ -226,8 +226,8 @@ async def test_empty_input_with_devices_specialization(ctl: cb.Controller) -> No
     one = make_zero.specialize(devices=cb.devices()[:1])
     out = await one()
     assert out.sharding == cb.SingleDeviceSharding(cb.devices()[0])
-    assert await cb.device_get(out) == np.array(0)
-    assert await cb.device_get(await one()) == np.array(0)
+    assert cb.device_get(out) == np.array(0)
+    assert cb.device_get(await one()) == np.array(0)
 
     # Over every device of both hosts: one replicated output over the call's mesh.
     every = make_zero.specialize(devices=cb.devices())
@@ -235,22 +235,22 @@ async def test_empty_input_with_devices_specialization(ctl: cb.Controller) -> No
     assert out.shape == ()
     assert out.devices() == set(cb.devices())
     assert out.sharding.is_fully_replicated
-    assert await cb.device_get(out) == np.array(0)
+    assert cb.device_get(out) == np.array(0)
 
 
 async def test_input_polymorphism_without_out_specs_fn(ctl: cb.Controller) -> None:
     d0 = cb.devices()[0]
     x = cb.device_put(np.array(1), d0)
-    assert await cb.device_get(await add_one(x)) == np.array(2)
+    assert cb.device_get(await add_one(x)) == np.array(2)
     tree = cb.device_put([np.array(1), (np.array(2), {"v": np.array(3)})],
                          cb.SingleDeviceSharding(d0))
-    got = await cb.device_get(await add_one(tree))
+    got = cb.device_get(await add_one(tree))
     assert got == [np.array(2), (np.array(3), {"v": np.array(4)})]
     # Different shape and dtype again.
     y = cb.device_put(np.arange(6, dtype=np.int16).reshape(2, 3), d0)
     out = await add_one(y)
     assert (out.shape, out.dtype) == ((2, 3), np.dtype(np.int16))
-    np.testing.assert_array_equal(await cb.device_get(out), np.arange(6).reshape(2, 3) + 1)
+    np.testing.assert_array_equal(cb.device_get(out), np.arange(6).reshape(2, 3) + 1)
 
 
 async def test_input_polymorphism_allowed_with_out_specs_fn(ctl: cb.Controller) -> None:
@@ -263,12 +263,12 @@ async def test_input_polymorphism_allowed_with_out_specs_fn(ctl: cb.Controller) 
     f = add_one.specialize(out_specs_fn=same_as_input)
     d0 = cb.devices()[0]
     x = cb.device_put(np.array(1), d0)
-    assert await cb.device_get(await f(x)) == np.array(2)
+    assert cb.device_get(await f(x)) == np.array(2)
     assert isinstance(seen[-1], cb.ShapeDtypeStruct)
     assert seen[-1].shape == () and seen[-1].sharding == cb.SingleDeviceSharding(d0)
     tree = cb.device_put([np.array(1), (np.array(2), {"v": np.array(3)})],
                          cb.SingleDeviceSharding(d0))
-    got = await cb.device_get(await f(tree))
+    got = cb.device_get(await f(tree))
     assert got == [np.array(2), (np.array(3), {"v": np.array(4)})]
     assert len(seen) == 2
 
@@ -290,7 +290,7 @@ async def test_in_specs_checked(ctl: cb.Controller) -> None:
     f = add_one.specialize(in_specs=spec)
     d0 = cb.devices()[0]
     ok = cb.device_put(np.zeros(4, np.float32), d0)
-    np.testing.assert_array_equal(await cb.device_get(await f(ok)), np.ones(4))
+    np.testing.assert_array_equal(cb.device_get(await f(ok)), np.ones(4))
     calls = ctl.stats()["calls"]
     with pytest.raises(ValueError, match=r"inputs of add_one: args\[0\]: expected shape \(4,\), "
                                          r"got \(5,\)"):
@@ -377,7 +377,7 @@ async def test_array_keyword_arguments(ctl: cb.Controller) -> None:
     x = _put_over_hosts(np.arange(4, dtype=np.int32).reshape(2, 2))
     by = _put_over_hosts(np.full((2, 2), 3, np.int32))
     out = await scaled(x, by=by, label="kw")
-    np.testing.assert_array_equal(await cb.device_get(out), np.arange(4).reshape(2, 2) * 3)
+    np.testing.assert_array_equal(cb.device_get(out), np.arange(4).reshape(2, 2) * 3)
 
 
 def test_concurrent_execution(ctl: cb.Controller) -> None:
@@ -409,9 +409,12 @@ async def test_concurrent_execution_from_asyncio_tasks(ctl: cb.Controller) -> No
     x = _put_over_hosts(np.zeros((2, 4), np.float32))
     try:
         await barrier_init(x)
+        # Output specs known: calls return at once (this loop is not the controller's, so
+        # a first call without them would wait for the barrier here, holding the others).
+        wait = barrier_wait.specialize(out_specs_fn=lambda a: a)
 
         async def one() -> cb.Array:
-            return await barrier_wait(x)  # each task is its own stream
+            return await wait(x)  # each task is its own stream
 
         results = await asyncio.gather(one(), one(), one())
         assert all(isinstance(r, cb.Array) for r in results)
@@ -438,7 +441,7 @@ async def test_inputs_with_different_device_orders(ctl: cb.Controller) -> None:
     # The call's mesh is the first array argument's.
     assert out.sharding == sharding1
     assert out.sharding.device_list == (d0, d1)
-    np.testing.assert_array_equal(await cb.device_get(out), [0 + 8, 2 + 4])
+    np.testing.assert_array_equal(cb.device_get(out), [0 + 8, 2 + 4])
 
     # Without the specialization the two device lists are an error, as in JAX.
     @cb.colocated_python
@@ -494,7 +497,7 @@ async def test_string_processing(ctl: cb.Controller) -> None:
     x = cb.device_put(strings, sharding)
     out = await upper(x)
     assert out.sharding == sharding
-    got = await cb.device_get(out)
+    got = cb.device_get(out)
     assert isinstance(got.dtype, np.dtypes.StringDType)
     np.testing.assert_array_equal(
         got, np.array([["ABCD", "EFGH"], ["IJKL", "MNOP"]], dtype=np.dtypes.StringDType()))
@@ -511,7 +514,7 @@ async def test_replicated_strings_arrive_as_numpy(ctl: cb.Controller) -> None:
     x = cb.device_put(strings, cb.NamedSharding(_mesh2x4(), P()))
     out = await upper(x)
     assert out.devices() == set(cb.devices()) and out.sharding.is_fully_replicated
-    np.testing.assert_array_equal(await cb.device_get(out), np.strings.upper(strings))
+    np.testing.assert_array_equal(cb.device_get(out), np.strings.upper(strings))
 
 
 async def test_binary_data_processing(ctl: cb.Controller) -> None:
@@ -529,7 +532,7 @@ async def test_binary_data_processing(ctl: cb.Controller) -> None:
     text = base64.b64encode(struct.pack("<ii", 1001, 1002)).decode("ascii")
     x = cb.device_put(np.array([text], dtype=np.dtypes.StringDType()),
                       cb.SingleDeviceSharding(cb.devices()[0]))
-    out = await cb.device_get(await f(x))
+    out = cb.device_get(await f(x))
     assert struct.unpack("<ii", base64.b64decode(out[0].encode("ascii"))) == (1002, 1003)
 
 
@@ -552,7 +555,7 @@ async def test_prng_key_input(ctl: cb.Controller) -> None:
     key = jax.random.key(42)
     k = cb.device_put(key, cb.devices()[0])
     assert jax.dtypes.issubdtype(k.dtype, jax.dtypes.prng_key)
-    got = await cb.device_get(await sample(k))
+    got = cb.device_get(await sample(k))
     np.testing.assert_array_equal(got, np.asarray(jax.random.uniform(key, (3,))))
 
 
@@ -564,14 +567,14 @@ async def test_prng_key_output(ctl: cb.Controller) -> None:
     out = await make_key.specialize(devices=cb.devices()[:1])()
     assert out.shape == ()
     assert jax.dtypes.issubdtype(out.dtype, jax.dtypes.prng_key)
-    got = await cb.device_get(out)
+    got = cb.device_get(out)
     np.testing.assert_array_equal(jax.random.key_data(got),
                                   jax.random.key_data(jax.random.key(7)))
 
     # Over both hosts: the keys agree, so the output is one replicated key array.
     out = await make_key.specialize(devices=cb.devices())()
     assert out.devices() == set(cb.devices())
-    got = await cb.device_get(out)
+    got = cb.device_get(out)
     np.testing.assert_array_equal(jax.random.key_data(got),
                                   jax.random.key_data(jax.random.key(7)))
 
@@ -579,13 +582,13 @@ async def test_prng_key_output(ctl: cb.Controller) -> None:
 async def test_prng_key_round_trip(ctl: cb.Controller) -> None:
     key = jax.random.key(3, impl="rbg")
     k = cb.device_put(key, cb.devices()[5])
-    back = await cb.device_get(await key_identity(k))
+    back = cb.device_get(await key_identity(k))
     assert jax.random.key_impl(back) == jax.random.key_impl(key)
     np.testing.assert_array_equal(jax.random.key_data(back), jax.random.key_data(key))
 
     split = await key_split(cb.device_put(jax.random.key(0), cb.devices()[1]))
     assert split.shape == (3,)
-    np.testing.assert_array_equal(jax.random.key_data(await cb.device_get(split)),
+    np.testing.assert_array_equal(jax.random.key_data(cb.device_get(split)),
                                   jax.random.key_data(jax.random.split(jax.random.key(0), 3)))
 
 
@@ -603,7 +606,7 @@ async def test_mixed_tree_with_keys(ctl: cb.Controller) -> None:
     out = await step(tree, 2.0)
     assert out["none"] is None
     assert jax.dtypes.issubdtype(out["key"].dtype, jax.dtypes.prng_key)
-    got = await cb.device_get(out)
+    got = cb.device_get(out)
     k1, k2 = jax.random.split(key)
     np.testing.assert_array_equal(jax.random.key_data(got["key"]), jax.random.key_data(k1))
     np.testing.assert_allclose(got["noise"], np.asarray(jax.random.normal(k2, (4,)) * 2.0))
@@ -633,22 +636,22 @@ async def test_array_sharded_over_both_hosts_arrives_as_host_blocks(
 
     shape, ndev, mesh_shape, doubled = await inspect_block(x)
     # Replicated per-host facts: every host agrees, so they come back replicated.
-    np.testing.assert_array_equal(await cb.device_get(shape), [1, 8])
-    np.testing.assert_array_equal(await cb.device_get(ndev), 4)
-    np.testing.assert_array_equal(await cb.device_get(mesh_shape), [1, 4])
+    np.testing.assert_array_equal(cb.device_get(shape), [1, 8])
+    np.testing.assert_array_equal(cb.device_get(ndev), 4)
+    np.testing.assert_array_equal(cb.device_get(mesh_shape), [1, 4])
     # An output on the host's part of the call's mesh is assembled as a global array.
     assert doubled.shape == (2, 8)
     assert doubled.sharding == sharding
-    np.testing.assert_array_equal(await cb.device_get(doubled), data * 2)
+    np.testing.assert_array_equal(cb.device_get(doubled), data * 2)
 
 
 async def test_host_sees_only_its_block_values(ctl: cb.Controller) -> None:
     x = _put_over_hosts(np.arange(8, dtype=np.int32).reshape(2, 4))
     shape, ndev, tenfold = await host_view(x)
-    np.testing.assert_array_equal(await cb.device_get(shape), [1, 4])
-    np.testing.assert_array_equal(await cb.device_get(ndev), 4)
+    np.testing.assert_array_equal(cb.device_get(shape), [1, 4])
+    np.testing.assert_array_equal(cb.device_get(ndev), 4)
     assert tenfold.sharding == x.sharding
-    np.testing.assert_array_equal(await cb.device_get(tenfold),
+    np.testing.assert_array_equal(cb.device_get(tenfold),
                                   np.arange(8).reshape(2, 4) * 10)
 
     # Hosts that disagree on a replicated output's value: its digests differ, so
@@ -662,9 +665,9 @@ async def test_one_dimensional_mesh_over_both_hosts(ctl: cb.Controller) -> None:
     mesh = cb.Mesh(np.array(cb.devices()), ("x",))
     x = cb.device_put(np.arange(16, dtype=np.int32), cb.NamedSharding(mesh, P("x")))
     shape, ndev, tenfold = await host_view(x)
-    np.testing.assert_array_equal(await cb.device_get(shape), [8])
-    np.testing.assert_array_equal(await cb.device_get(ndev), 4)
-    np.testing.assert_array_equal(await cb.device_get(tenfold), np.arange(16) * 10)
+    np.testing.assert_array_equal(cb.device_get(shape), [8])
+    np.testing.assert_array_equal(cb.device_get(ndev), 4)
+    np.testing.assert_array_equal(cb.device_get(tenfold), np.arange(16) * 10)
 
 
 async def test_two_dimensional_mesh(ctl: cb.Controller) -> None:
@@ -674,10 +677,10 @@ async def test_two_dimensional_mesh(ctl: cb.Controller) -> None:
     for spec, block in ((P("hosts", "devices"), [2, 8]), (P("devices", "hosts"), [4, 4])):
         x = cb.device_put(data, cb.NamedSharding(mesh, spec))
         shape, ndev, tenfold = await host_view(x)
-        np.testing.assert_array_equal(await cb.device_get(shape), block)
-        np.testing.assert_array_equal(await cb.device_get(ndev), 4)
+        np.testing.assert_array_equal(cb.device_get(shape), block)
+        np.testing.assert_array_equal(cb.device_get(ndev), 4)
         assert tenfold.sharding == cb.NamedSharding(mesh, spec)
-        np.testing.assert_array_equal(await cb.device_get(tenfold), data * 10)
+        np.testing.assert_array_equal(cb.device_get(tenfold), data * 10)
 
 
 async def test_replicated_input(ctl: cb.Controller) -> None:
@@ -694,7 +697,7 @@ async def test_replicated_input(ctl: cb.Controller) -> None:
     out = await total(x)
     assert out.shape == ()
     assert out.sharding == cb.NamedSharding(mesh, P())
-    assert await cb.device_get(out) == data.sum()
+    assert cb.device_get(out) == data.sum()
 
 
 async def test_mixed_device_lists_rejected(ctl: cb.Controller) -> None:
@@ -764,7 +767,7 @@ async def test_worker_survives_user_errors(ctl: cb.Controller) -> None:
     with pytest.raises(cb.RemoteError, match=r"builtins\.SystemExit: 3"):
         await exit_host(x)
     out = await add_one(x)
-    np.testing.assert_array_equal(await cb.device_get(out), [[1, 2], [3, 4]])
+    np.testing.assert_array_equal(cb.device_get(out), [[1, 2], [3, 4]])
     assert all(h.state == "alive" for h in ctl.hosts())
 
 
@@ -798,7 +801,7 @@ async def test_async_def_function(ctl: cb.Controller) -> None:
     x = _put_over_hosts(np.arange(4, dtype=np.int32).reshape(2, 2))
     out = await async_double(x)
     assert out.sharding == x.sharding
-    np.testing.assert_array_equal(await cb.device_get(out), np.arange(4).reshape(2, 2) * 2)
+    np.testing.assert_array_equal(cb.device_get(out), np.arange(4).reshape(2, 2) * 2)
 
 
 def test_await_from_another_event_loop(ctl: cb.Controller) -> None:
@@ -806,8 +809,8 @@ def test_await_from_another_event_loop(ctl: cb.Controller) -> None:
     got: list[Any] = []
 
     async def main() -> None:
-        out = await add_one(x)
-        got.append(await cb.device_get(out))
+        out = await add_one(x)  # a call's Future: awaited in any loop
+        got.append(cb.device_get(out))  # not the controller's loop: it waits, as JAX's
 
     def in_thread() -> None:
         try:
@@ -871,7 +874,7 @@ async def test_outputs_none_leaves_kept(ctl: cb.Controller) -> None:
     x = cb.device_put(np.array([1, 2]), cb.devices()[0])
     out = await with_nones(x)
     assert out[1] is None and out[2]["a"] is None
-    got = await cb.device_get(out)
+    got = cb.device_get(out)
     np.testing.assert_array_equal(got[2]["b"], [2, 3])
 
 
@@ -907,7 +910,7 @@ async def test_outputs_python_scalars_and_numpy(ctl: cb.Controller) -> None:
         raise
     assert all(isinstance(o, cb.Array) for o in out)
     assert all(o.devices() == set(cb.devices()) for o in out)  # replicated on the call's mesh
-    got = await cb.device_get(out)
+    got = cb.device_get(out)
     assert got[0] == 3 and got[1] == 2.5 and bool(got[2]) is True
     np.testing.assert_array_equal(got[3], np.arange(3))
     assert got[3].dtype == np.int16
@@ -921,7 +924,7 @@ async def test_a_call_naming_an_array_the_host_lacks_says_what_the_host_saw(
 
     dev = cb.devices()[0]
     y = cb.device_put(np.arange(3.0), dev)
-    await cb.block_until_ready(y)
+    cb.block_until_ready(y)
     ref = y.ref
     alias = Array(ctl, y.ref, y.shape, y.dtype, y.sharding, owns_ref=False)
     y.delete()  # its RELEASE leaves ahead of the call below
@@ -960,8 +963,8 @@ async def test_future_as_argument(ctl: cb.Controller) -> None:
     second = add_one(first)        # sent at once; hosts resolve `first` locally
     tree = add_one({"a": second, "b": [first]})
     out = await tree
-    np.testing.assert_array_equal(await cb.device_get(out["a"]), np.arange(4).reshape(2, 2) + 3)
-    np.testing.assert_array_equal(await cb.device_get(out["b"][0]),
+    np.testing.assert_array_equal(cb.device_get(out["a"]), np.arange(4).reshape(2, 2) + 3)
+    np.testing.assert_array_equal(cb.device_get(out["b"][0]),
                                   np.arange(4).reshape(2, 2) + 2)
     assert out["a"].sharding == x.sharding
 
@@ -984,6 +987,6 @@ async def test_output_trees_travel_without_pickle(ctl: cb.Controller) -> None:
     assert isinstance(out["p"], Pair) and isinstance(out["box"], Box)
     assert out["box"].tag == "t" and out["none"] is None
     assert isinstance(out["o"], collections.OrderedDict) and list(out["o"]) == ["b", "a"]
-    got = await cb.device_get(out)
+    got = cb.device_get(out)
     assert got["p"].b.tolist() == [2.0] and got["o"]["a"].tolist() == [2.0]
     assert got["box"].x.tolist() == [3.0]

@@ -46,14 +46,14 @@ def _vec(i: int) -> cb.Array:
     return cb.device_put(np.array([i], np.int32), cb.devices()[0])
 
 
-async def _value(a: Any) -> int:
-    return int(np.asarray(await cb.device_get(a))[0])
+def _value(a: Any) -> int:
+    return int(np.asarray(cb.device_get(a))[0])
 
 
 async def test_results_come_in_the_order_given(ctl: cb.Controller) -> None:
     xs = [_vec(i) for i in range(40)]
     outs = await cb.gather(*(g_add(x) for x in xs))
-    assert [await _value(o) for o in outs] == list(range(1, 41))
+    assert [_value(o) for o in outs] == list(range(1, 41))
     assert await cb.gather() == []
 
 
@@ -62,7 +62,7 @@ async def test_the_first_error_propagates_and_the_rest_still_run(ctl: cb.Control
     futs = [g_add(x), g_fail(x), g_add(x)]
     with pytest.raises(KeyError, match="on purpose"):
         await cb.gather(*futs)
-    assert await _value(await futs[2]) == 2 and not futs[2].cancelled()
+    assert _value(await futs[2]) == 2 and not futs[2].cancelled()
 
 
 async def test_return_exceptions_puts_each_in_its_place(ctl: cb.Controller) -> None:
@@ -71,7 +71,7 @@ async def test_return_exceptions_puts_each_in_its_place(ctl: cb.Controller) -> N
     gated = wait_gate(gate)
     gated.cancel()
     outs = await cb.gather(g_add(x), g_fail(x), gated, return_exceptions=True)
-    assert await _value(outs[0]) == 6
+    assert _value(outs[0]) == 6
     assert isinstance(outs[1], KeyError) and isinstance(outs[2], asyncio.CancelledError)
     hs.open_gate(gate)  # in case it had started
 
@@ -85,7 +85,7 @@ async def test_a_cancelled_call_ends_the_gather_as_cancelled(ctl: cb.Controller)
     gated.cancel()
     with pytest.raises(asyncio.CancelledError):
         await gathering
-    assert await _value(await other) == 1  # a call's cancellation is not the gather's
+    assert _value(await other) == 1  # a call's cancellation is not the gather's
     hs.open_gate(gate)
 
 
@@ -107,7 +107,7 @@ async def test_cancelling_the_gather_cancels_its_calls(ctl: cb.Controller) -> No
     # call run on a loaded machine, where its CANCEL was still on its way.
     await asyncio.create_task(_call(events))
     hs.open_gate(gate)
-    ran = [int(v) for v in np.asarray(await cb.device_get(await asyncio.create_task(
+    ran = [int(v) for v in np.asarray(cb.device_get(await asyncio.create_task(
         _call(events))))]
     assert queued not in ran  # cancelled before it started: it never ran
 
@@ -121,7 +121,7 @@ async def test_other_awaitables_go_to_asyncio_gather(ctl: cb.Controller) -> None
         return 7
 
     out = await cb.gather(g_add(_vec(2)), seven())
-    assert await _value(out[0]) == 3 and out[1] == 7
+    assert _value(out[0]) == 3 and out[1] == 7
 
 
 async def test_futures_settling_on_the_awaiting_thread() -> None:

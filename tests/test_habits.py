@@ -1,8 +1,9 @@
-"""JAX's habits in plain code, on the shared ``with`` cluster (a thread with no event loop).
+"""JAX's habits off the controller's loop thread, on the shared ``with`` cluster.
 
 - ``cb.block_until_ready(y)`` as a statement waits; ``y.is_ready()`` is a bool;
-  ``cb.device_get`` returns numbers and takes calls' futures in the tree; in async code
-  (a thread running an event loop) all three are futures to await.
+  ``cb.device_get`` returns numbers and takes calls' futures in the tree; so on every
+  thread but the controller's own loop thread (a thread running another event loop, as
+  a notebook's, included); on that thread all three are futures to await.
 - The first call of a function or method whose output specs are unknown returns once its
   hosts have run it; later calls, and calls with ``out_specs_fn``, return at once; two
   first calls from a thread pool run at the same time on the hosts.
@@ -12,6 +13,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import gc
 import logging
@@ -94,10 +96,53 @@ def test_device_get_prints_numbers_and_takes_futures(ctl: cb.Controller,
     assert isinstance(ready[0], cb.Array) and ready[0].is_ready() is True
 
 
-async def test_async_code_gets_futures_and_first_calls_return_at_once(
+def _saver() -> Any:
+    """A fresh function (its first call still to come) that leaves a file per host."""
+
+    @cb.colocated_python
+    def save(x: Any, folder: str) -> Any:
+        time.sleep(0.2)  # (makes a first call that returned early see no file)
+        Path(folder, f"saved-{cb.host_index()}").write_text("done")
+        return x
+
+    return save
+
+
+async def _in_a_loop_of_its_own(x: cb.Array, folder: Path) -> dict[str, Any]:
+    """What a thread running an event loop other than the controller's sees."""
+    asyncio.get_running_loop()  # (raises where no loop runs: this must be async code)
+    first = _saver()(x, str(folder))
+    seen = {"first_done": first.done(),
+            "files": sorted(p.name for p in folder.glob("saved-*")),
+            "got": cb.device_get(x), "ready": cb.block_until_ready(x), "probe": x.is_ready()}
+    seen["awaited"] = await first  # a call's Future is still awaitable in any loop
+    return seen
+
+
+async def test_a_thread_running_another_event_loop_blocks_as_jax(
         ctl: cb.Controller, tmp_path: Path) -> None:
-    """A thread running an event loop (here pytest's, driving the `with` cluster) is async
-    code: nothing blocks it; every helper is a future to await."""
+    """A ``with`` cluster's controller runs on a loop thread of its own: a thread running
+    some other event loop (pytest's here, a Jupyter kernel's in a notebook, an
+    ``asyncio.run`` in a plain thread) is not that thread, so the helpers block and
+    return values and a first call waits for its hosts, as JAX's."""
+    x = _over_hosts(np.ones((2, 2), np.float32))
+    here = tmp_path / "here"
+    there = tmp_path / "there"
+    here.mkdir()
+    there.mkdir()
+    for seen in (await _in_a_loop_of_its_own(x, here),  # pytest's loop, the notebook's case
+                 await asyncio.to_thread(asyncio.run, _in_a_loop_of_its_own(x, there))):
+        assert seen["first_done"] and seen["files"] == ["saved-0", "saved-1"], seen
+        assert isinstance(seen["got"], np.ndarray)
+        np.testing.assert_array_equal(seen["got"], np.ones((2, 2)))
+        assert seen["ready"] is x and seen["probe"] is True
+        assert isinstance(seen["awaited"], cb.Array)
+
+
+def test_the_controllers_loop_thread_gets_futures_and_first_calls_return_at_once(
+        ctl: cb.Controller, tmp_path: Path) -> None:
+    """On the controller's own loop thread (async code under ``async with``; here a
+    coroutine run there) nothing blocks: every helper is a future to await."""
     gate = tmp_path / "gate"
 
     @cb.colocated_python
@@ -106,14 +151,19 @@ async def test_async_code_gets_futures_and_first_calls_return_at_once(
         return x
 
     x = _over_hosts(np.ones((2, 2), np.float32))
-    fut = gated(x, str(gate))  # a first call: returns at once here, pending
-    assert isinstance(fut, cb.Future) and not fut.done()
-    got, ready, probe = cb.device_get(x), cb.block_until_ready(x), x.is_ready()
-    assert all(isinstance(f, cb.Future) for f in (got, ready, probe))
-    np.testing.assert_array_equal(await got, np.ones((2, 2)))
-    assert (await ready) is x and (await probe) is True
-    gate.write_text("open")
-    assert isinstance(await fut, cb.Array)
+
+    async def on_the_loop() -> None:
+        assert ctl._on_loop_thread()
+        fut = gated(x, str(gate))  # a first call: returns at once here, pending
+        assert isinstance(fut, cb.Future) and not fut.done()
+        got, ready, probe = cb.device_get(x), cb.block_until_ready(x), x.is_ready()
+        assert all(isinstance(f, cb.Future) for f in (got, ready, probe))
+        np.testing.assert_array_equal(await got, np.ones((2, 2)))
+        assert (await ready) is x and (await probe) is True
+        gate.write_text("open")
+        assert isinstance(await fut, cb.Array)
+
+    ctl.run_sync(on_the_loop(), timeout=120)
 
 
 # -- the first call --------------------------------------------------------------------------

@@ -184,7 +184,7 @@ def test_many_tasks_awaiting_calls_from_another_loop_all_get_their_own_results()
 
             async def one(x: Any) -> Any:
                 async with sem:
-                    return await cb.device_get(await _ident(x))
+                    return cb.device_get(await _ident(x))  # not the controller's loop: a value
 
             return await asyncio.gather(*[asyncio.create_task(one(x)) for x in xs])
 

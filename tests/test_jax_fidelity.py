@@ -229,7 +229,7 @@ async def test_device_model_objects_as_arguments_and_in_constructors(
         return jax.device_put(np.array(ok), x.sharding)
 
     x = cb.device_put(np.int32(0), d0)
-    got = await cb.device_get(await as_args(
+    got = cb.device_get(await as_args(
         x, {"mesh": mesh, "devices": (d0, d1), "shardings": [sharding1, sharding2]}))
     assert got.all()
 
@@ -238,10 +238,10 @@ async def test_device_model_objects_as_arguments_and_in_constructors(
     y = cb.device_put(np.array([1], np.int32), sharding1)
     out = await value.add_sharding1(y)
     assert out.sharding == sharding1
-    np.testing.assert_array_equal(await cb.device_get(out), [6, 16])
+    np.testing.assert_array_equal(cb.device_get(out), [6, 16])
     out = await value.add_sharding2(y)
     assert out.sharding == sharding2 and _layout(out.sharding) == _layout(sharding2)
-    np.testing.assert_array_equal(await cb.device_get(out), [7, 17])
+    np.testing.assert_array_equal(cb.device_get(out), [7, 17])
     value.close()
 
     # Upstream's test_object_method_specialization: a sharding given to __init__.
@@ -249,7 +249,7 @@ async def test_device_model_objects_as_arguments_and_in_constructors(
     obj.fetch = obj.fetch.specialize(devices=[d0])
     out = await obj.fetch()
     assert out.sharding == cb.SingleDeviceSharding(d0) and out.dtype == np.int32
-    assert int(await cb.device_get(out)) == 1
+    assert int(cb.device_get(out)) == 1
     obj.close()
 
 
@@ -271,7 +271,7 @@ async def test_mesh_over_hosts_becomes_the_hosts_sub_mesh(ctl: cb.Controller) ->
     x = cb.device_put(np.zeros((2, 8), np.float32), rows)
     out = await view(x)
     assert out.sharding == rows and out.shape == (2, 8)
-    got = await cb.device_get(out)
+    got = cb.device_get(out)
     # Host 0 cannot address device 5: it gets the colobus Device, a stand-in with the
     # global id and host. Host 1 gets its jax.Device, whose id and process_index are
     # that worker's own JAX numbering (its second device; one process per host).
@@ -415,14 +415,14 @@ async def test_replicated_output_hosts_disagree(ctl: cb.Controller) -> None:
     def same(x: jax.Array) -> jax.Array:
         return jnp.stack([jnp.float32(x.shape[0])])  # the same on both hosts
 
-    np.testing.assert_array_equal(await cb.device_get(await same(x)), [1.0])
+    np.testing.assert_array_equal(cb.device_get(await same(x)), [1.0])
 
     @cb.colocated_python
     def per_host(x: jax.Array) -> jax.Array:  # the fix: shard it over the hosts
         return jax.device_put(jnp.reshape(x.mean(), (1,)),
                               jax.sharding.NamedSharding(x.sharding.mesh, P("hosts")))
 
-    np.testing.assert_array_equal(await cb.device_get(await per_host(x)), [1.5, 5.5])
+    np.testing.assert_array_equal(cb.device_get(await per_host(x)), [1.5, 5.5])
 
 
 # -- 8 and 9. numpy meets futures; hints on JAX's errors ----------------------------------------

@@ -10,7 +10,9 @@ from __future__ import annotations
 import os
 import signal
 from pathlib import Path
+from typing import Any
 
+import jax
 import numpy as np
 import pytest
 from hostview_hostside import (
@@ -73,6 +75,26 @@ def test_arguments_are_global_arrays(job: cb.Controller) -> None:
     assert sorted(shards.tolist()) == sorted(want_rows)
 
 
+def test_a_meshs_axis_types_reach_the_global_view(job: cb.Controller) -> None:
+    explicit = jax.sharding.AxisType.Explicit
+    mesh = cb.make_mesh((4,), ("x",), axis_types=(explicit,))
+    x = cb.device_put(np.arange(8, dtype=np.float32), cb.NamedSharding(mesh, P("x")))
+
+    @cb.colocated_python
+    def seen(x: Any) -> Any:  # the global array's mesh, as on any JAX job
+        import jax
+
+        return np.asarray([t == jax.sharding.AxisType.Explicit
+                           for t in x.sharding.mesh.axis_types], np.int32)
+
+    np.testing.assert_array_equal(np.asarray(seen(x).result(timeout=SETTLE_S)), [1])
+    # a global output over that mesh comes back as the same layout, axis types and all
+    y = plus_one_global(x).result(timeout=SETTLE_S)
+    assert y.sharding == x.sharding and y.sharding.mesh.axis_types == (explicit,)
+    np.testing.assert_array_equal(np.asarray(seen(y).result(timeout=SETTLE_S)), [1])
+    np.testing.assert_array_equal(np.asarray(y), np.arange(8) + 1)
+
+
 def test_devices_arrive_as_the_jobs_devices(job: cb.Controller) -> None:
     x = _over_all(job)
     seen = np.asarray(devices_seen(x, job.devices()).result(timeout=SETTLE_S))
@@ -128,12 +150,15 @@ def test_one_hosts_array_is_whole_there(job: cb.Controller) -> None:
 def test_a_lost_host_ends_the_job_and_it_forms_again(job: cb.Controller,
                                                      tmp_path: Path) -> None:
     x = _over_all(job)
-    # in flight on both hosts (host 0 in a collective with host 1), and on host 0 alone
-    both = wait_or_collect(x, str(tmp_path))
+    # in flight on both hosts (host 0 in a collective with host 1), and on host 0 alone;
+    # their output specs given, so these first calls return at once (SPEC 5)
+    collect = wait_or_collect.specialize(out_specs_fn=lambda x, folder: cb.ShapeDtypeStruct(
+        (), x.dtype, sharding=cb.NamedSharding(x.sharding.mesh, P())))
+    both = collect(x, str(tmp_path))
     mesh0 = cb.Mesh(np.array(job.devices()[:2]), ("x",))
-    only0 = wait_for_file(cb.device_put(np.zeros(2, np.float32),
-                                        cb.NamedSharding(mesh0, P("x"))),
-                          str(tmp_path / "never"))
+    waits = wait_for_file.specialize(out_specs_fn=lambda x, path: x)
+    only0 = waits(cb.device_put(np.zeros(2, np.float32), cb.NamedSharding(mesh0, P("x"))),
+                  str(tmp_path / "never"))
     started = tmp_path / "started"
     deadline = 60.0
     import time

@@ -68,7 +68,7 @@ def reset_lifecycle() -> jax.Array:
 
 
 async def _flag(fn: Any) -> bool:
-    return bool(await cb.device_get(await fn()))
+    return bool(cb.device_get(await fn()))
 
 
 async def _eventually(fn: Any, expected: Any, timeout: float = 10.0) -> Any:
@@ -104,7 +104,7 @@ async def test_object_lifecycle(ctl: cb.Controller) -> None:
         obj = Lifecycle()
         assert not await _flag(initialized)
         x = cb.device_put(np.array(1, dtype=np.int32), d)
-        np.testing.assert_array_equal(await cb.device_get(await obj.echo(x)), 1)
+        np.testing.assert_array_equal(cb.device_get(await obj.echo(x)), 1)
         assert await _flag(initialized)
         assert not await _flag(destroyed)
         del obj
@@ -138,9 +138,9 @@ class Value:
 async def test_stateful_object(ctl: cb.Controller) -> None:
     value = Value(np.array(5, dtype=np.int32))
     x = cb.device_put(np.array(1, dtype=np.int32), _device(0))
-    assert int(await cb.device_get(await value.add(x))) == 6
-    assert int(await cb.device_get(await value.add(x))) == 7
-    assert int(await cb.device_get(await value.fetch_like(x))) == 7
+    assert int(cb.device_get(await value.add(x))) == 6
+    assert int(cb.device_get(await value.add(x))) == 7
+    assert int(cb.device_get(await value.fetch_like(x))) == 7
     value.close()
 
 
@@ -177,10 +177,10 @@ async def test_object_with_captured_sharding(ctl: cb.Controller) -> None:
         x = cb.device_put(np.array([1], dtype=np.int32), sharding1)
         out = await value.add_sharding1(x)
         assert out.sharding == sharding1
-        np.testing.assert_array_equal(await cb.device_get(out), [6, 16])
+        np.testing.assert_array_equal(cb.device_get(out), [6, 16])
         out = await value.add_sharding2(x)
         assert out.sharding == sharding2
-        np.testing.assert_array_equal(await cb.device_get(out), [7, 17])
+        np.testing.assert_array_equal(cb.device_get(out), [7, 17])
 
 
 # -- method specialization (JAX's test_object_method_specialization) ------------------------
@@ -212,12 +212,12 @@ async def test_object_method_specialization(ctl: cb.Controller) -> None:
     obj.fetch_with_devices = obj.fetch_with_devices.specialize(devices=devices)
     out = await obj.fetch_with_devices()
     assert out.sharding == sharding
-    assert int(await cb.device_get(out)) == 1
+    assert int(cb.device_get(out)) == 1
 
     obj.fetch_with_output_spec = obj.fetch_with_output_spec.specialize(
         devices=devices,
         out_specs_fn=lambda: cb.ShapeDtypeStruct((), np.int32, sharding=sharding))
-    assert int(await cb.device_get(await obj.fetch_with_output_spec())) == 1
+    assert int(cb.device_get(await obj.fetch_with_output_spec())) == 1
     with pytest.raises(ValueError, match="devices already specified"):
         obj.fetch_with_devices.specialize(devices=devices)
     obj.close()
@@ -249,14 +249,14 @@ async def test_one_instance_per_host_built_lazily(ctl: cb.Controller) -> None:
     assert "not built yet" in repr(counter)
     # Only host 0 is reached: only host 0 builds an instance.
     on0 = cb.device_put(np.zeros(1, np.int32), devs[0])
-    assert int((await cb.device_get(await counter.bump(on0)))[0]) == 1
+    assert int((cb.device_get(await counter.bump(on0)))[0]) == 1
     assert "hosts [0]" in repr(counter)
     # Now both: host 1 joins lazily with a fresh instance, host 0 keeps its state.
     x = cb.device_put(np.zeros((2, 3), np.int32), both)
-    np.testing.assert_array_equal(await cb.device_get(await counter.bump(x)), [[2] * 3, [1] * 3])
-    first = await cb.device_get(await counter.ident(x))
-    np.testing.assert_array_equal(await cb.device_get(await counter.bump(x)), [[3] * 3, [2] * 3])
-    second = await cb.device_get(await counter.ident(x))
+    np.testing.assert_array_equal(cb.device_get(await counter.bump(x)), [[2] * 3, [1] * 3])
+    first = cb.device_get(await counter.ident(x))
+    np.testing.assert_array_equal(cb.device_get(await counter.bump(x)), [[3] * 3, [2] * 3])
+    second = cb.device_get(await counter.ident(x))
     assert first[0, 0] != first[1, 0]  # two worker processes
     # The same instance, shared by both methods, on each host.
     np.testing.assert_array_equal(first[:, :2], second[:, :2])
@@ -292,7 +292,7 @@ def init_attempts() -> jax.Array:
 async def test_init_error_is_sticky(ctl: cb.Controller) -> None:
     d = _device(1)
     attempts = init_attempts.specialize(devices=[d])
-    before = int(await cb.device_get(await attempts()))
+    before = int(cb.device_get(await attempts()))
     x = cb.device_put(np.array(1, np.int32), d)
     obj = Broken("no such dataset")
     for method in (obj.echo, obj.echo, obj.other):
@@ -300,7 +300,7 @@ async def test_init_error_is_sticky(ctl: cb.Controller) -> None:
             await method(x)
         assert any("host 0" in note for note in getattr(info.value, "__notes__", []))
     # __init__ ran once; later calls got the same error without building again.
-    assert int(await cb.device_get(await attempts())) == before + 1
+    assert int(cb.device_get(await attempts())) == before + 1
     obj.close()
 
 
@@ -327,7 +327,7 @@ def read_log() -> jax.Array:
 
 
 async def _host_log(d: cb.Device) -> list[str]:
-    out = await cb.device_get(await read_log.specialize(devices=[d])())
+    out = cb.device_get(await read_log.specialize(devices=[d])())
     text = np.asarray(out).tobytes().decode()
     return text.split("|") if text else []
 
@@ -340,7 +340,7 @@ async def test_destroy_runs_after_queued_calls(ctl: cb.Controller) -> None:
     del obj  # the last reference: destroy is sent behind the three calls
     gc.collect()
     for fut in futs:
-        assert int(await cb.device_get(await fut)) == 3
+        assert int(cb.device_get(await fut)) == 3
 
     async def tail() -> list[str]:
         return [e for e in await _host_log(d) if e.startswith("q:")][-4:]
@@ -353,7 +353,7 @@ async def test_temporary_wrapper_lives_until_its_call_is_sent(ctl: cb.Controller
     x = cb.device_put(np.array(4, np.int32), d)
     # The wrapper is garbage right after `.work` is looked up; the call still runs,
     # and the instance is destroyed after it.
-    assert int(await cb.device_get(await Slow("tmp").work(x, 0))) == 4
+    assert int(cb.device_get(await Slow("tmp").work(x, 0))) == 4
 
     async def tail() -> list[str]:
         return [e for e in await _host_log(d) if e.startswith("tmp:")][-2:]
@@ -368,7 +368,7 @@ async def test_specialized_method_on_object_makes_no_cycle(ctl: cb.Controller) -
     try:
         obj = Slow("spec")
         obj.work = obj.work.specialize(devices=[d])
-        assert int(await cb.device_get(await obj.work(x, 0))) == 5
+        assert int(cb.device_get(await obj.work(x, 0))) == 5
         del obj
     finally:
         gc.enable()
@@ -385,8 +385,8 @@ async def test_method_keeps_its_object_alive(ctl: cb.Controller) -> None:
     obj = Slow("bound")
     work = obj.work
     del obj
-    assert int(await cb.device_get(await work(x, 0))) == 6
-    assert int(await cb.device_get(await work(x, 1))) == 6
+    assert int(cb.device_get(await work(x, 0))) == 6
+    assert int(cb.device_get(await work(x, 1))) == 6
     del work
 
     async def tail() -> list[str]:
@@ -490,7 +490,7 @@ async def test_async_methods(ctl: cb.Controller) -> None:
     obj = AsyncValue()
     for v in (1, 2, 3):
         await obj.push(cb.device_put(np.array(v, np.int32), d))
-    assert int(await cb.device_get(await obj.total(cb.device_put(np.array(0, np.int32), d)))) == 6
+    assert int(cb.device_get(await obj.total(cb.device_put(np.array(0, np.int32), d)))) == 6
     obj.close()
 
 
@@ -548,10 +548,10 @@ async def test_object_passed_to_function(ctl: cb.Controller) -> None:
     x = cb.device_put(np.ones(2, np.int32), cb.NamedSharding(mesh, cb.PartitionSpec("hosts")))
     value = Value(np.array([10], np.int32))
     # Never called before: each host builds its instance first, then runs the function.
-    np.testing.assert_array_equal(await cb.device_get(await use_value(value, x)), [11, 11])
+    np.testing.assert_array_equal(cb.device_get(await use_value(value, x)), [11, 11])
     # The same instances: the method sees what the function did.
-    np.testing.assert_array_equal(await cb.device_get(await value.add(x)), [12, 12])
-    np.testing.assert_array_equal(await cb.device_get(await use_value(value, x)), [13, 13])
+    np.testing.assert_array_equal(cb.device_get(await value.add(x)), [12, 12])
+    np.testing.assert_array_equal(cb.device_get(await use_value(value, x)), [13, 13])
     value.close()
 
 
@@ -561,15 +561,15 @@ async def test_object_passed_to_method_and_constructor(ctl: cb.Controller) -> No
     left = Value(np.array([100], np.int32))
     right = Value(np.array([0], np.int32))
     pair = Pair(left)  # an object as a constructor argument
-    np.testing.assert_array_equal(await cb.device_get(await pair.add_both(right, x)), [1])
-    np.testing.assert_array_equal(await cb.device_get(await pair.add_both(right, x)), [2])
+    np.testing.assert_array_equal(cb.device_get(await pair.add_both(right, x)), [1])
+    np.testing.assert_array_equal(cb.device_get(await pair.add_both(right, x)), [2])
     # `left` on the host is the very instance `pair` holds.
-    np.testing.assert_array_equal(await cb.device_get(await left.fetch_like(x)), [102])
-    np.testing.assert_array_equal(await cb.device_get(await right.fetch_like(x)), [2])
-    np.testing.assert_array_equal(await cb.device_get(await pair.left_value(x)), [102])
+    np.testing.assert_array_equal(cb.device_get(await left.fetch_like(x)), [102])
+    np.testing.assert_array_equal(cb.device_get(await right.fetch_like(x)), [2])
+    np.testing.assert_array_equal(cb.device_get(await pair.left_value(x)), [102])
     # Dropping `left` here keeps its instance alive inside `pair` on the host.
     left.close()
-    np.testing.assert_array_equal(await cb.device_get(await pair.left_value(x)), [102])
+    np.testing.assert_array_equal(cb.device_get(await pair.left_value(x)), [102])
     pair.close()
     right.close()
 
@@ -588,7 +588,7 @@ async def test_thousand_objects_leave_nothing_behind(ctl: cb.Controller) -> None
     objs = [Value(np.array(i, np.int32)) for i in range(1000)]
     futs = [obj.add(xs[i % 2]) for i, obj in enumerate(objs)]
     outs = [await f for f in futs]
-    assert [int(v) for v in await cb.device_get(outs[:4])] == [1, 2, 3, 4]
+    assert [int(v) for v in cb.device_get(outs[:4])] == [1, 2, 3, 4]
     stats = await _objects_on_hosts(ctl)
     assert stats[0] >= 500 and stats[1] >= 500
     del objs, futs, outs

@@ -65,7 +65,7 @@ async def test_replicas_that_agree_come_back_at_every_size(ctl: cb.Controller) -
     for nbytes in SIZES.values():
         out = await agreed(x, nbytes)
         assert out.sharding.is_fully_replicated and out.shape == (nbytes // 4,)
-        np.testing.assert_array_equal(await cb.device_get(out),
+        np.testing.assert_array_equal(cb.device_get(out),
                                       np.arange(nbytes // 4, dtype=np.float32))
 
 

@@ -93,7 +93,7 @@ async def test_outputs_settled_in_the_lane_are_those_the_general_path_builds(
             assert len(leaves) == len(leaves0)
             for a, b in zip(leaves, leaves0, strict=True):
                 _same_arrays(a, b)
-                np.testing.assert_array_equal(await cb.device_get(a), np.arange(6.0))
+                np.testing.assert_array_equal(cb.device_get(a), np.arange(6.0))
         if not isinstance(first, Array):
             assert list(again[1]) == list(first[1]) and isinstance(again[1]["a"], list)
     assert await lane_nothing(x) is None
@@ -170,7 +170,7 @@ async def test_fan_out_results_are_those_of_the_general_path(ctl: cb.Controller)
     for _ in range(3):
         out = await lane_pair(x)
         assert out[0].sharding == x.sharding and out[0].shape == (2, 4)
-        np.testing.assert_array_equal(await cb.device_get(out[1]["a"][0]),
+        np.testing.assert_array_equal(cb.device_get(out[1]["a"][0]),
                                       np.arange(8.0).reshape(2, 4))
     y = cb.device_put(np.array([[0.0, 1, 2, 3], [100, 100, 100, 100]]), sharding)
     for _ in range(2):

@@ -77,7 +77,7 @@ async def _host_log(dev: cb.Device) -> tuple[list[int], list[bool]]:
     (read,) = _on(dev, read_log)
     # Its own task, hence its own stream: never queued behind the stream under test.
     out = await asyncio.create_task(_call(read))
-    tokens, off_loop = await cb.device_get(out)
+    tokens, off_loop = cb.device_get(out)
     return [int(t) for t in np.asarray(tokens)], [bool(p) for p in np.asarray(off_loop)]
 
 
@@ -89,7 +89,7 @@ async def _until_started(dev: cb.Device, gate: int) -> None:
     (events,) = _on(dev, hs.events)
     for _ in range(600):
         arr = await asyncio.create_task(_call(events))
-        if gate + 1_000_000 in [int(x) for x in np.asarray(await cb.device_get(arr))]:
+        if gate + 1_000_000 in [int(x) for x in np.asarray(cb.device_get(arr))]:
             return
         await asyncio.sleep(0.02)
     raise AssertionError("gated call never started")
@@ -106,7 +106,7 @@ async def test_burst_runs_in_order_with_errors_per_call(ctl: cb.Controller) -> N
             assert isinstance(r, ValueError) and f"token {t} fails" in str(r), r
         else:
             assert isinstance(r, cb.Array), r
-            assert int(np.asarray(await cb.device_get(r))) == t
+            assert int(np.asarray(cb.device_get(r))) == t
     log, off_loop = await _host_log(dev)
     mine = [(t, p) for t, p in zip(log, off_loop, strict=True) if t in set(tokens)]
     assert [t for t, _ in mine] == tokens, "calls of one stream ran out of order"
@@ -152,9 +152,9 @@ async def test_cancel_a_call_inside_a_running_batch(ctl: cb.Controller) -> None:
     await asyncio.create_task(_call(events))
     hs.open_gate(g2)
     await b
-    assert int(np.asarray(await cb.device_get(await d))) == after
+    assert int(np.asarray(cb.device_get(await d))) == after
     arr = await asyncio.create_task(_call(events))
-    log = [int(x) for x in np.asarray(await cb.device_get(arr))]
+    log = [int(x) for x in np.asarray(cb.device_get(arr))]
     assert skipped not in log, "a call cancelled inside a batch ran"
     assert log.index(-g2) < log.index(after)
 
@@ -168,9 +168,9 @@ async def test_futures_chain_in_a_burst(ctl: cb.Controller) -> None:
     for _i in range(40):
         y = inc(y)  # each waits for the previous call's result on the host
         side.append(inc(x))  # ready at once: batched around the chain
-    assert np.asarray(await cb.device_get(await y)).tolist() == [40.0] * 3
+    assert np.asarray(cb.device_get(await y)).tolist() == [40.0] * 3
     for s in await asyncio.gather(*side):
-        assert np.asarray(await cb.device_get(s)).tolist() == [1.0] * 3
+        assert np.asarray(cb.device_get(s)).tolist() == [1.0] * 3
 
 
 async def test_other_streams_run_while_one_is_gated(ctl: cb.Controller) -> None:
@@ -180,7 +180,7 @@ async def test_other_streams_run_while_one_is_gated(ctl: cb.Controller) -> None:
     a = wait_gate(gate)
     await _until_started(dev, gate)
     out = await asyncio.create_task(_call(mark, token))  # another stream
-    assert int(np.asarray(await cb.device_get(out))) == token
+    assert int(np.asarray(cb.device_get(out))) == token
     assert not a.done()
     hs.open_gate(gate)
     await a

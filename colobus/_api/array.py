@@ -4,8 +4,8 @@ holding only its own block), and moving it there and back; dropping the handle (
 
 from __future__ import annotations
 
-import asyncio
 import functools
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 __all__ = ["Array", "MisusedHandle", "check_owner", "device_get", "fetch_many", "fetch_tree",
            "mesh_message", "off_loop"]
 
-_running_loop = asyncio._get_running_loop
+_get_ident = threading.get_ident
 
 
 class MisusedHandle(ValueError):
@@ -159,8 +159,10 @@ class Array:
         ``is_ready``: the hosts answer at once, never waiting for the computation).
 
         Returns:
-            A bool on a thread where no event loop runs (as JAX's); in async code (a
-            thread running an event loop) a ``cb.Future`` of the bool, to ``await``.
+            A bool off the controller's event-loop thread (as JAX's: plain scripts,
+            ``cb.init()``, worker threads, a thread running another event loop such as
+            Jupyter's); on that thread (async code under ``async with``) a ``cb.Future``
+            of the bool, to ``await``.
         """
         return off_loop(self._is_ready())
 
@@ -352,10 +354,13 @@ def _is_handle(x: Any) -> bool:
 
 
 def off_loop(fut: Future[Any]) -> Any:
-    """``fut`` where an event loop runs on this thread (async code: the controller's
-    loop, or any other, awaits it); on a thread without one, its value, waited for, as
-    JAX's ``device_get`` and ``block_until_ready`` block."""
-    if _running_loop() is not None:
+    """``fut`` on its controller's event-loop thread (async code under ``async with``
+    awaits it); on any other thread, its value, waited for, as JAX's ``device_get`` and
+    ``block_until_ready`` block -- a thread running some other event loop (Jupyter's, an
+    ``asyncio.run`` beside a ``with`` cluster) included: the controller's loop runs on a
+    thread of its own there, so waiting cannot stall it."""
+    loop_thread = fut._loop_thread
+    if loop_thread is not None and _get_ident() == loop_thread:
         return fut
     return fut.result()
 
@@ -368,10 +373,11 @@ def device_get(tree: Any) -> Any:
     come back as JAX key arrays.
 
     Returns:
-        On a thread where no event loop runs (plain scripts under ``with``,
-        ``cb.init()``, worker threads), the fetched tree, waited for as JAX's
-        ``device_get`` does; in async code (a thread running an event loop: the
-        controller's own, or another), a ``cb.Future`` of it, to ``await``.
+        Off the controller's event-loop thread (plain scripts under ``with``,
+        ``cb.init()``, worker threads, a thread running another event loop such as a
+        Jupyter kernel's), the fetched tree, waited for as JAX's ``device_get`` does; on
+        that thread (async code under ``async with``), a ``cb.Future`` of it, to
+        ``await``.
     """
     return off_loop(fetch_tree(tree))
 

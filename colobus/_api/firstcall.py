@@ -2,14 +2,17 @@
 
 JAX runs that call synchronously, to learn the output specs, and code written for JAX
 relies on it: a call made for its side effect (writing a file, saving state) has
-happened when it returns. colobus keeps that where blocking is safe, on a thread where
-no event loop runs; in async code every call returns at once. A target's specs are
-known once it has an ``out_specs_fn`` or a call of it succeeded (``Target.learned``).
+happened when it returns. colobus keeps that wherever blocking cannot stall the
+controller: on every thread but the controller's own event-loop thread (plain scripts,
+``cb.init()``, worker threads, a thread running another event loop such as a Jupyter
+kernel's beside a ``with`` cluster). On the controller's loop thread (async code under
+``async with``) every call returns at once. A target's specs are known once it has an
+``out_specs_fn`` or a call of it succeeded (``Target.learned``).
 """
 
 from __future__ import annotations
 
-import asyncio
+import threading
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
@@ -17,7 +20,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Learner", "first_call"]
 
-_running_loop = asyncio._get_running_loop
+_get_ident = threading.get_ident
 
 
 class Learner(Protocol):
@@ -27,11 +30,12 @@ class Learner(Protocol):
 
 
 def first_call(target: Learner, fut: Future[Any]) -> Future[Any]:
-    """``fut`` of a call of ``target`` made while its output specs were unknown: on a
-    thread with no event loop, once its hosts have run it (done); in async code (a
-    thread running an event loop, the controller's or another) at once. Two first calls
-    from two threads wait side by side, each for its own."""
-    if _running_loop() is None:
+    """``fut`` of a call of ``target`` made while its output specs were unknown: off the
+    controller's event-loop thread (``fut._loop_thread``), once its hosts have run it
+    (done), whatever loop the calling thread runs; on that thread at once. Two first
+    calls from two threads wait side by side, each for its own."""
+    loop_thread = fut._loop_thread
+    if loop_thread is None or _get_ident() != loop_thread:
         fut._wait(None)
         target.learned(fut)
     else:

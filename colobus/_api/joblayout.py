@@ -3,7 +3,8 @@
 A host stores its block of every array. In the cluster's JAX job
 (``jax_distributed``) host code sees the global ``jax.Array`` instead, so a call
 names, beside each array's ref, its global layout: shape, the mesh's global device
-ids, shape and axis names, the spec and the memory kind, packed once per sharding and
+ids, shape and axis names, the spec, the memory kind and (where one is not Auto) the
+axis types by name, packed once per sharding and
 shape (``[0, ref, layout]`` in the CALL's refs, ``colobus._wire.protocol.Call``). The
 host turns its block into that global array once, and keeps it
 (``colobus._host.jaxjob``). An array on one host's devices only needs none: its block
@@ -35,9 +36,12 @@ def job_layout(arr: Array) -> bytes | None:
     layout: bytes | None = None
     if isinstance(sh, NamedSharding) and len(sh.mesh.host_tuple) > 1:
         mesh = sh.mesh
-        layout = msgpack.packb([list(arr.shape), "named", [d.id for d in mesh.devices.flat],
-                                list(mesh.devices.shape), list(mesh.axis_names),
-                                P.encode_spec(sh.spec), sh.memory_kind], use_bin_type=True)
+        fields = [list(arr.shape), "named", [d.id for d in mesh.devices.flat],
+                  list(mesh.devices.shape), list(mesh.axis_names), P.encode_spec(sh.spec),
+                  sh.memory_kind]
+        if mesh.has_axis_types:  # by name, as the block's mesh gets them (mesh_message)
+            fields.append(list(mesh.axis_type_names))
+        layout = msgpack.packb(fields, use_bin_type=True)
     elif not isinstance(sh, NamedSharding | SingleDeviceSharding):  # pragma: no cover
         raise TypeError(f"no global layout for a {type(sh).__name__}")
     if len(_LAYOUTS) >= 1024:

@@ -125,11 +125,11 @@ def block_until_ready(tree: Any) -> Any:
     ``await cb.block_until_ready(step(x))`` costs one round trip.
 
     Returns:
-        On a thread where no event loop runs (plain scripts under ``with``,
-        ``cb.init()``, worker threads), the tree, once ready: it blocks, as JAX's
-        does, so ``cb.block_until_ready(y)`` as a statement waits. In async code (a
-        thread running an event loop: the controller's, or another), a ``cb.Future``
-        of it, to ``await``.
+        Off the controller's event-loop thread (plain scripts under ``with``,
+        ``cb.init()``, worker threads, a thread running another event loop such as a
+        Jupyter kernel's), the tree, once ready: it blocks, as JAX's does, so
+        ``cb.block_until_ready(y)`` as a statement waits. On that thread (async code
+        under ``async with``), a ``cb.Future`` of it, to ``await``.
     """
     return off_loop(ready_future(tree))
 

@@ -37,6 +37,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from .._model.devices import jax_axis_types
 from .._wire import protocol as P
 
 __all__ = ["JAX_HEARTBEAT_S", "HostJob", "coordinator_address"]
@@ -273,14 +274,16 @@ class HostJob:
             return hit
         from .._model import jaxside
 
-        shape, kind, ids, mesh_shape, names, spec, memory = msgpack.unpackb(layout)
+        shape, kind, ids, mesh_shape, names, spec, memory, *types = msgpack.unpackb(layout)
         jax = self.jax
         devs = [jaxside._devices[i] for i in ids]
         if kind == "single":
             sharding = jax.sharding.SingleDeviceSharding(devs[0], memory_kind=memory)
         else:
-            mesh = jax.sharding.Mesh(np.array(devs, dtype=object).reshape(mesh_shape),
-                                     tuple(names))
+            grid = np.array(devs, dtype=object).reshape(mesh_shape)
+            mesh = (jax.sharding.Mesh(grid, tuple(names), axis_types=jax_axis_types(
+                jax, [str(t) for t in types[0]])) if types  # (only where one is not Auto)
+                else jax.sharding.Mesh(grid, tuple(names)))
             sharding = jax.sharding.NamedSharding(mesh, P.decode_spec(spec),
                                                   memory_kind=memory)
         hit = (tuple(shape), sharding)
@@ -348,7 +351,9 @@ class HostJob:
                 raise ValueError(
                     f"colobus: the devices of host {me} do not form a sub-box of the mesh of "
                     "a global array host code returned, so it has no block on this host")
-            local = (mesh, jax.sharding.Mesh(sub, mesh.axis_names))
+            types = getattr(mesh, "axis_types", None)  # (a JAX with axis types: keep them)
+            local = (mesh, jax.sharding.Mesh(sub, mesh.axis_names) if types is None
+                     else jax.sharding.Mesh(sub, mesh.axis_names, axis_types=types))
             with self._lock:
                 if len(self._local_meshes) > 256:
                     self._local_meshes.clear()
