@@ -181,7 +181,7 @@ def test_a_spare_worker_refused_as_full_waits_and_joins_the_next_driver(
         [info] = second.hosts()
         assert (info.name, info.pid, info.state) == ("spare", spare.pid, "alive")
         x = cb.device_put(np.arange(3.0), second.devices()[0])
-        np.testing.assert_array_equal(cb.device_get(plus_one(x)).result(60), [1.0, 2.0, 3.0])
+        np.testing.assert_array_equal(cb.device_get(plus_one(x)), [1.0, 2.0, 3.0])
     finally:
         _pop_current(second)
         second.close()
