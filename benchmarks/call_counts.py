@@ -18,8 +18,12 @@ Patterns: ``noop`` (a no-op, awaited one at a time), ``ident`` (``return x``, aw
 ``kept`` (the same, each future kept: no frees ride along; the difference from
 ``ident`` is what freeing a call's result and output costs),
 ``sync`` (``return x`` from ``.result()`` on a plain thread, ``with local_cluster``),
-``method`` (a colocated object's no-op method, awaited), ``fanout4`` (``return x`` on
-an array over 4 hosts, awaited).
+``method`` (a colocated object's no-op method, awaited), ``spec`` (``return x``
+specialized with ``out_specs_fn``, as orbax wraps every function), ``mident``
+(``return x`` as an object's method), ``fanout4`` (``return x`` on an array over 4
+hosts, awaited), ``star4`` ... ``star32`` (a no-op on an array over that many hosts,
+over TCP: the worker's figure per host, the controller's per call; the controller's
+marginal cost per host is the slope between two of them).
 
     python benchmarks/call_counts.py                  # 1,000 calls after 200
     python benchmarks/call_counts.py --calls 100 --warm 20 --pattern noop ident
@@ -117,14 +121,18 @@ if os.environ.get("COLOBUS_COUNT_DIR"):
     threading.setprofile(_first)
 '''
 
-PATTERNS = ("noop", "ident", "kept", "sync", "method", "fanout4")
+STARS = {"star4": 4, "star8": 8, "star16": 16, "star32": 32}
+PATTERNS = ("noop", "ident", "kept", "sync", "spec", "method", "mident", "fanout4", *STARS)
 LABELS = {
     "noop": "no-op, awaited, 1 host",
     "ident": "`return x`, awaited, 1 host",
     "kept": "`return x`, awaited, futures kept (no frees)",
     "sync": "`return x`, .result() from a plain thread",
+    "spec": "`return x`, specialized (out_specs_fn), awaited",
     "method": "object method (no-op), awaited",
+    "mident": "object method `return x`, awaited",
     "fanout4": "`return x`, awaited, 4 hosts (worker: per host)",
+    **{k: f"no-op, awaited, {n} hosts over TCP (worker: per host)" for k, n in STARS.items()},
 }
 
 
@@ -168,9 +176,9 @@ async def _measured(name: str, fn: Callable[[], Awaitable[Any]], x: Any, n: int,
 
 async def _async_rows(patterns: list[str], n: int, warm: int) -> None:
     from colobus._tools.bench_base import BenchObject, _fanout_array, _one_device_array, bench_noop
-    from colobus._tools.bench_calls import bench_ident
+    from colobus._tools.bench_calls import bench_ident, bench_ident_specialized
 
-    one = [p for p in patterns if p in ("noop", "ident", "kept", "method")]
+    one = [p for p in patterns if p in ("noop", "ident", "kept", "spec", "method", "mident")]
     if one:
         async with cb.local_cluster(hosts=1, devices_per_host=1) as ctl:
             x = _one_device_array(ctl)
@@ -185,7 +193,8 @@ async def _async_rows(patterns: list[str], n: int, warm: int) -> None:
 
             calls: dict[str, Callable[[], Awaitable[Any]]] = {
                 "noop": lambda: bench_noop(x), "ident": lambda: bench_ident(x),
-                "kept": keep, "method": lambda: obj.ping(x)}
+                "kept": keep, "spec": lambda: bench_ident_specialized(x),
+                "method": lambda: obj.ping(x), "mident": lambda: obj.ident(x)}
             for name in one:
                 await _measured(name, calls[name], x, n, warm)
                 kept.clear()
@@ -195,6 +204,14 @@ async def _async_rows(patterns: list[str], n: int, warm: int) -> None:
             x = _fanout_array(ctl, 4)
             await cb.block_until_ready(x)
             await _measured("fanout4", lambda: bench_ident(x), x, n, warm)
+    for name, hosts in STARS.items():
+        if name in patterns:
+            # (workers counted from their start import slowly: time to join, and to stay)
+            async with cb.local_cluster(hosts=hosts, devices_per_host=1, transport="tcp",
+                                        join_timeout=1800, liveness_timeout=120) as ctl:
+                x = _fanout_array(ctl, hosts)
+                await cb.block_until_ready(x)
+                await _measured(name, lambda x=x: bench_noop(x), x, n, warm)
 
 
 def _sync_row(n: int, warm: int) -> None:
