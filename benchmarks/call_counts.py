@@ -122,6 +122,11 @@ if os.environ.get("COLOBUS_COUNT_DIR"):
 '''
 
 STARS = {"star4": 4, "star8": 8, "star16": 16, "star32": 32}
+# The star rows' heartbeat interval (s; COLOBUS_COUNT_HEARTBEAT): heartbeats are work per
+# second, not per call, and under the profiler on a small machine a 32-host call takes a
+# good part of a second, so at the default 1 s each call would carry a share of every
+# host's heartbeat (both ways) that grows with the width and the machine's load.
+STAR_HEARTBEAT = float(os.environ.get("COLOBUS_COUNT_HEARTBEAT", "30"))
 PATTERNS = ("noop", "ident", "kept", "sync", "spec", "method", "mident", "fanout4", *STARS)
 LABELS = {
     "noop": "no-op, awaited, 1 host",
@@ -208,7 +213,8 @@ async def _async_rows(patterns: list[str], n: int, warm: int) -> None:
         if name in patterns:
             # (workers counted from their start import slowly: time to join, and to stay)
             async with cb.local_cluster(hosts=hosts, devices_per_host=1, transport="tcp",
-                                        join_timeout=1800, liveness_timeout=120) as ctl:
+                                        join_timeout=1800, heartbeat_interval=STAR_HEARTBEAT,
+                                        liveness_timeout=10 * STAR_HEARTBEAT) as ctl:
                 x = _fanout_array(ctl, hosts)
                 await cb.block_until_ready(x)
                 await _measured(name, lambda x=x: bench_noop(x), x, n, warm)

@@ -35,7 +35,7 @@ from .lane import encode, envelope_bytes
 from .outflow import Outflow
 from .peer import ACK_AFTER, DEFAULT_MAX_WINDOW, Peer, Via
 from .resends import resend, resend_stale
-from .sockio import readable, recv_frames, send_frames, socket_fd
+from .sockio import NOBLOCK, POLLIN, _poll, _recv, send_frames, socket_fd
 
 __all__ = ["DEFAULT_MAX_WINDOW", "Channel", "Peer"]
 
@@ -172,7 +172,7 @@ class Channel(Outflow):
         # with what the step sends them then (a fan-out call: one envelope per host).
         if peer in self._dirty:  # it is (its outbox is not empty), unless forgotten
             self._dirty.remove(peer)
-        self._send_outbox(peer, time.monotonic())
+        self._send_outboxes((peer,), time.monotonic())
 
     def enqueue(self, peer: Peer, body: P.Body, payload: Buffer = b"",
                 buffers: Sequence[Buffer] = (), pbufs: int = 0) -> None:
@@ -238,14 +238,21 @@ class Channel(Outflow):
         if sock.closed:
             return False
         now = time.monotonic()
+        direct = peers
         for peer in peers:
-            via = peer.via
-            if via is None:
-                self._send_outbox(peer, now)
-                continue
-            via.collect(peer)  # a relayed host's: one message per relay, after the loop
-            if via not in vias:
-                vias.append(via)
+            if peer.via is not None:  # a relayed host's: one message per relay, after
+                direct = []
+                break
+        if direct is not peers:
+            for peer in peers:
+                via = peer.via
+                if via is None:
+                    direct.append(peer)
+                    continue
+                via.collect(peer)
+                if via not in vias:
+                    vias.append(via)
+        self._send_outboxes(direct, now)
         for via in vias:
             self._emit(via, now)
         sent = bool(peers or vias)
@@ -262,7 +269,7 @@ class Channel(Outflow):
         """Send what ``peer``'s outbox holds now, past the end of the loop step."""
         if peer in self._dirty:
             self._dirty.remove(peer)
-            self._send_outbox(peer, time.monotonic())
+            self._send_outboxes((peer,), time.monotonic())
 
     def move(self, sock: zmq.Socket[Any], peer: Peer) -> None:
         """Carry on on ``sock`` (a worker moving to its relay): the old socket closes,
@@ -362,10 +369,16 @@ class Channel(Outflow):
         corked, self._corked = self._corked, True
         start = time.monotonic()
         after_reads = self._after_reads
+        on_frames = self._on_frames
         try:
             while True:
-                while readable(sock):
-                    self._on_frames(recv_frames(sock))
+                while _poll([(sock, POLLIN)], 0):  # (sockio.readable and recv_frames,
+                    frame = _recv(sock, NOBLOCK, False)  # inline: no call per message
+                    frames = [frame]
+                    while frame.more:
+                        frame = _recv(sock, NOBLOCK, False)
+                        frames.append(frame)
+                    on_frames(frames)
                     if sock.closed:
                         return
                     if time.monotonic() - start > DRAIN_BUDGET_S:
