@@ -31,6 +31,7 @@ import msgpack
 import zmq
 
 from .._wire import protocol as P
+from .._wire.channel import LINGER_MS
 from .._wire.envelope import _KEYED, _LEN, MAC_SIZE, PROTOCOL_VERSION, Envelope
 from .._wire.lane import _keyed
 from .._wire.limits import COUNT_ABOVE
@@ -57,6 +58,7 @@ SETTLERS: dict[Any, tuple[Callable[[Any, int, bytes, int], Any],
 _READ: dict[tuple[Any, bytes, int], Any] = {}
 READ_MAX = 4096
 READ_KEPT = 256
+LINGER = LINGER_MS > 0
 
 RESULT = int(P.Kind.RESULT)
 OK = int(P.Status.OK)
@@ -220,6 +222,9 @@ class ResultLane:
                             _READ.clear()
                         _READ[key] = value
                 if value is not MISS:
+                    chan = ctl._chan
+                    if chan is not None and LINGER:  # the others' are near: read them too
+                        chan.linger = True
                     op.remaining &= ~bit
                     op.outputs[host.index] = meta
                     op.values[host.index] = value

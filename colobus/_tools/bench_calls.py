@@ -133,13 +133,16 @@ async def _calls(bench: BenchRun, ctl: cb.Controller, raw: RawEcho) -> None:
     await cb.block_until_ready(x)
     await _inflight_memory(bench, ctl, x, z["inflight"])
     got = await _alternate({"noop": lambda: bench_noop(x), "ident": lambda: bench_ident(x),
+                            "spec": lambda: bench_ident_specialized(x),
                             "plus1": lambda: bench_plus1(x)}, z["chunk"], z["rounds"])
     base = _median_us(raw.round_trips(bench.sizes.latency_calls))
     noop_us, noop_cpu = got["noop"]
     bench.add(Row("noop_async_alt", "us", noop_us, base, "lower",
                   "no-op, awaited, alternating with the rows below; baseline: raw round trip",
                   {"cpu_us": noop_cpu}))
-    for name, what in (("ident", "`return x`"), ("plus1", "`return x + 1`")):
+    for name, what in (("ident", "`return x`"),
+                       ("spec", "`return x` specialized with out_specs_fn"),
+                       ("plus1", "`return x + 1`")):
         us, cpu = got[name]
         bench.add(Row(f"{name}_async", "us", us, base, "lower",
                       f"{what} (4 x float32), 1 host, awaited; baseline: raw round trip",

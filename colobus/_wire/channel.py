@@ -42,6 +42,10 @@ __all__ = ["DEFAULT_MAX_WINDOW", "Channel", "Peer"]
 log = logging.getLogger("colobus.channel")
 
 DRAIN_BUDGET_S = 0.01  # one drain reads this long at most, then lets the loop run
+# A drain that read some of a fan-out's replies (``Channel.linger``) waits this long
+# (ms) for the rest before it lets the loop run: one wake-up of the loop for the replies
+# of many hosts, not one for each few. ``COLOBUS_FANOUT_LINGER_MS=0`` turns it off.
+LINGER_MS = int(os.environ.get("COLOBUS_FANOUT_LINGER_MS", "1"))
 # A loop step that queued this many messages for one peer sends them at once: the peer
 # starts on them while the step goes on (a burst of calls, made in one step, overlaps
 # with the host running them). ``COLOBUS_EAGER_BATCH`` sets it (for A/B runs).
@@ -109,6 +113,9 @@ class Channel(Outflow):
         self._owed: set[Peer] = set()  # peers owed an acknowledgement now
         self._step_scheduled = False
         self._corked = False  # inside a drain (or a burst): sends leave when it ends
+        # set by the reader of a fan-out's reply (not its last): the drain waits
+        # LINGER_MS for more before it ends
+        self.linger = False
         self.batches_sent = 0
         self.resent = 0
         self.moved = False  # to another socket (a session that moved to a relay)
@@ -399,6 +406,10 @@ class Channel(Outflow):
                 sent = self.flush()
                 if self._after_flush is not None and self._after_flush():
                     continue
+                if self.linger:  # a fan-out's first replies came in: its others are near
+                    self.linger = False
+                    if _poll([(sock, POLLIN)], LINGER_MS):
+                        continue
                 if not sent:
                     break  # else read again: the sends may have taken the FD's edge
         except zmq.ZMQError as exc:
