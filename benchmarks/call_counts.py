@@ -26,6 +26,7 @@ over TCP: the worker's figure per host, the controller's per call; the controlle
 marginal cost per host is the slope between two of them).
 
     python benchmarks/call_counts.py                  # 1,000 calls after 200
+    python benchmarks/call_counts.py --calls 200 --warm 50 --pattern star4 star16 star32
     python benchmarks/call_counts.py --calls 100 --warm 20 --pattern noop ident
 
 The counts include whatever else the processes do meanwhile (heartbeats: a few per
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import subprocess
 import sys
@@ -128,6 +130,7 @@ STARS = {"star4": 4, "star8": 8, "star16": 16, "star32": 32}
 # host's heartbeat (both ways) that grows with the width and the machine's load.
 STAR_HEARTBEAT = float(os.environ.get("COLOBUS_COUNT_HEARTBEAT", "30"))
 PATTERNS = ("noop", "ident", "kept", "sync", "spec", "method", "mident", "fanout4", *STARS)
+DEFAULT = PATTERNS[:-len(STARS)]  # (the star rows start up to 32 workers: asked for by name)
 LABELS = {
     "noop": "no-op, awaited, 1 host",
     "ident": "`return x`, awaited, 1 host",
@@ -328,7 +331,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=1000)
     ap.add_argument("--warm", type=int, default=200)
-    ap.add_argument("--pattern", nargs="+", default=list(PATTERNS), choices=PATTERNS)
+    ap.add_argument("--pattern", nargs="+", default=list(DEFAULT), choices=PATTERNS)
     ap.add_argument("--detail", type=int, default=0, metavar="N",
                     help="also print the N functions called most per call, per side")
     ap.add_argument("--child", action="store_true", help="(internal) the counted process")
@@ -345,6 +348,10 @@ def main() -> None:
         print(f"  {LABELS[name]:52s} {r['controller_calls']:9.1f} "
               f"{r['controller_c_calls']:7.1f} {r['worker_calls']:9.1f} "
               f"{r['worker_c_calls']:7.1f}")
+    stars = sorted((STARS[k], got[k]["controller_calls"]) for k in args.pattern if k in STARS)
+    for (n0, c0), (n1, c1) in itertools.pairwise(stars):
+        print(f"  star controller, Python calls per additional host, {n0} -> {n1} hosts: "
+              f"{(c1 - c0) / (n1 - n0):.2f}")
 
 
 if __name__ == "__main__":

@@ -142,7 +142,8 @@ def test_call_counts_prints_both_sides_for_every_pattern() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     for label in ("no-op, awaited", "`return x`, awaited, 1 host", "no frees", ".result()",
-                  "object method", "4 hosts"):
+                  "specialized", "object method (no-op)", "object method `return x`",
+                  "4 hosts"):
         row = next(line for line in lines if label in line)
         counts = [float(v) for v in row.split()[-4:]]
         # A call runs some Python on each side, and not tens of thousands of functions
