@@ -229,7 +229,7 @@ def _sync_row(n: int, warm: int) -> None:
 
     with cb.local_cluster(hosts=1, devices_per_host=1) as ctl:
         x = _one_device_array(ctl)
-        cb.block_until_ready(x).result()
+        cb.block_until_ready(x)
         for _ in range(warm):
             bench_ident(x).result()
         _mark(x, "sync:a").result()

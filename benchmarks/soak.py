@@ -72,7 +72,7 @@ def run_soak(calls: int, cycles: int, window: int = 256) -> dict[str, Any]:
             if i % 2:
                 a.delete()
             else:
-                cb.block_until_ready(a).result(120)
+                cb.block_until_ready(a)
                 del a
             if i == cycles // 10:
                 warm = _rss_all(ctl)

@@ -5,6 +5,8 @@
     ColobusError
     ├── NoControllerError       no default controller is running
     ├── ControllerClosedError   the controller was closed (by you)
+    │   └── (ClusterClosedError: both of the above: no controller is running because the one
+    │        the code used was closed; not public, catch either base)
     ├── HostLostError           a host went silent or died (the peer)
     ├── RemoteError             a host raised an exception whose type cannot be rebuilt here
     ├── SerializationError      code or arguments cannot be pickled; nothing was sent
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 __all__ = [
     "AuthenticationError",
+    "ClusterClosedError",
     "ColobusError",
     "ControllerClosedError",
     "HostLostError",
@@ -46,6 +49,25 @@ class NoControllerError(ColobusError):
 
 class ControllerClosedError(ColobusError):
     """Raised when the controller was closed before or during an operation."""
+
+
+class ClusterClosedError(NoControllerError, ControllerClosedError):
+    """No controller is running because the one in use was closed (its ``with`` ended).
+
+    A call made then is both: there is no default controller (SPEC: a call without one
+    raises ``NoControllerError``), and the cluster its code, objects and arrays used was
+    closed (``ControllerClosedError``). Its message leads with the second, which is the
+    mistake to fix.
+    """
+
+    def __init__(self, closed: str) -> None:
+        ColobusError.__init__(
+            self,
+            f"The colobus cluster in use here, {closed}, was closed (its `with` block ended, "
+            "or cb.shutdown() ran): colocated functions and objects run, and cb.Arrays live, "
+            "only while their cluster runs. Call them inside the `with` block, or start a "
+            "new cluster (`with cb.local_cluster(hosts=2):`, `cb.init(hosts=2)`, "
+            "`cb.Controller(bind=..., hosts=N)`) and put the arrays on it again.")
 
 
 class HostLostError(ColobusError):

@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                                   per_host)
                 losses = ", ".join(f"{v:.4f}" for v in np.asarray(loss))
                 print(f"step {step}: loss per host [{losses}], replicas averaged")
-        final = cb.device_get(w).result(timeout=60)[0]
+        final = cb.device_get(w)[0]
         loader.close()
 
     w_true = np.arange(1.0, features + 1, dtype=np.float32) / features

@@ -63,6 +63,29 @@ def cluster() -> collections.abc.Iterator[cb.Controller]:
 
 
 
+@pytest.fixture(scope="session")
+def job_cluster() -> collections.abc.Iterator[cb.Controller]:
+    """One 2-host x 2-CPU-device cluster whose hosts form one JAX job (``jax_distributed``),
+    shared by the files that test the job; each worker may be restarted once (one test,
+    in tests/test_jaxjob.py, kills a host; the job forms again)."""
+    with cb.local_cluster(hosts=2, devices_per_host=2, jax_distributed=True, restart=1,
+                          relays=0, liveness_timeout=SHARED_LIVENESS_S) as ctl:
+        yield ctl
+
+
+@pytest.fixture
+def job(job_cluster: cb.Controller) -> collections.abc.Iterator[cb.Controller]:
+    """The shared JAX-job cluster, its job formed, made the default controller."""
+    from colobus._controller.controller import _pop_current, _push_current
+
+    all_joined(job_cluster)
+    _push_current(job_cluster)
+    try:
+        yield job_cluster
+    finally:
+        _pop_current(job_cluster)
+
+
 @pytest.fixture
 def ctl(cluster: cb.Controller) -> collections.abc.Iterator[cb.Controller]:
     """The shared cluster, made the default controller for this test."""

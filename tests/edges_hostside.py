@@ -22,10 +22,19 @@ def _wait_for_file(path: str, limit: float = 60.0, poll: float = 0.005) -> None:
 
 
 @cb.colocated_python
-def block(gate: str) -> Any:
+def _block(gate: str) -> Any:
     """Block a worker thread until ``gate`` exists (the test creates it)."""
     _wait_for_file(gate)
     return np.int32(1)
+
+
+def _one_int32(*_: Any) -> cb.ShapeDtypeStruct:
+    return cb.ShapeDtypeStruct((), np.int32)
+
+
+# Its output specs given: a call of it (and of its specializations) returns at once from a
+# plain thread too, where a first call without them would wait for the gate it waits for.
+block = _block.specialize(out_specs_fn=_one_int32)
 
 
 @cb.colocated_python
@@ -34,8 +43,13 @@ def token(n: int) -> Any:
 
 
 @cb.colocated_python
-def ident(x: Any) -> Any:
+def _ident(x: Any) -> Any:
     return x
+
+
+# Its output specs given (the input's): a call of it given a gated call's future returns at
+# once from a plain thread too, where a first call would wait for the gate.
+ident = _ident.specialize(out_specs_fn=lambda x: x)
 
 
 class Box:

@@ -3,9 +3,8 @@
 Importable on the workers (they inherit ``sys.path``), so these functions and
 classes travel by reference and this module's state persists on each host
 between calls. A function decides what a host does from ``os.getpid()``
-compared with a pid the test read from ``ctl.hosts()`` (a worker does not know
-its colobus host index through JAX: ``jax.process_index()`` is 0 on every
-host), and waits on files the test creates (hosts share this machine's disk).
+compared with a pid the test read from ``ctl.hosts()``, and waits on files the
+test creates (hosts share this machine's disk).
 """
 
 from __future__ import annotations

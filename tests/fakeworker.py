@@ -23,6 +23,7 @@ from colobus._wire import protocol as P
 from colobus._wire.chunks import CHUNK_BYTES, envelope_bytes, split
 from colobus._wire.envelope import BATCH_KIND, Envelope, decode, encode, unpack_batch
 from colobus._wire.protocol import Kind
+from colobus._wire.versions import local_versions
 
 __all__ = ["FakeWorker"]
 
@@ -107,7 +108,8 @@ class FakeWorker:
         self.send(Kind.JOIN, [], receiver=b"")
         nonce = self.expect(Kind.CHALLENGE).body[0]
         hello = P.Hello(self.name, os.getpid(), "fake",
-                        [["cpu", "cpu", i] for i in range(devices)], nonce)
+                        [["cpu", "cpu", i] for i in range(devices)], nonce, "",
+                        local_versions())
         self.sent_hello = self.send(Kind.HELLO, hello.to_wire(), receiver=b"")
         welcome = self.expect(Kind.WELCOME)
         self.ctl_session = welcome.sender

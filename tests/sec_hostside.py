@@ -11,6 +11,7 @@ import os
 import tempfile
 import threading
 import time
+from typing import Any
 
 import numpy as np
 
@@ -40,6 +41,18 @@ def remove_gates() -> None:
             os.unlink(os.path.join(tempfile.gettempdir(), name))
 
 
+def _one_int32(*_: object) -> cb.ShapeDtypeStruct:
+    return cb.ShapeDtypeStruct((), np.int32)
+
+
+def _int32_out(fn: Any) -> Any:
+    """``fn`` with its output specs given (one int32): its calls, and its specializations',
+    return at once from a plain thread too; a first call without them would wait there
+    until its hosts ran it, and these wait on gates or queue behind them."""
+    return fn.specialize(out_specs_fn=_one_int32)
+
+
+@_int32_out
 @cb.colocated_python
 def wait_gate(gate: int) -> np.ndarray:
     """Block (a worker thread) until the test process opens ``gate``; log start and end."""
@@ -54,6 +67,7 @@ def wait_gate(gate: int) -> np.ndarray:
     return np.int32(gate)
 
 
+@_int32_out
 @cb.colocated_python
 def mark(token: int) -> np.ndarray:
     """Record that the call carrying ``token`` ran on this host."""
@@ -68,6 +82,7 @@ def events() -> np.ndarray:
         return np.array(EVENTS, dtype=np.int32)
 
 
+@_int32_out
 @cb.colocated_python
 def sleep_ms(ms: int) -> np.ndarray:
     time.sleep(ms / 1000)
@@ -81,6 +96,7 @@ def noop() -> None:
     CALLS += 1
 
 
+@_int32_out
 @cb.colocated_python
 def slow_mark(token: int, ms: int) -> np.ndarray:
     """Sleep ``ms`` then record ``token``: a host slower than its caller."""

@@ -17,6 +17,8 @@ import pytest
 import ready_hostside as hs
 
 import colobus as cb
+from colobus._api.array import fetch_tree
+from colobus._api.ready import ready_future
 from colobus._launch.accel import Accelerators, local_worker_envs, share_out
 
 
@@ -25,15 +27,15 @@ def test_block_until_ready_waits_until_the_host_says_computed(ctl: cb.Controller
     x = cb.device_put(np.arange(4, dtype=np.float32), cb.SingleDeviceSharding(dev))
     try:
         y = hs.hold(x).result()
-        assert y.is_ready().result() is False
-        waiter = cb.block_until_ready(y)
+        assert y.is_ready() is False
+        waiter = ready_future(y)  # (cb.block_until_ready would block here: its Future)
         # The host answers this probe after it received the wait above: had the wait been
         # answered at once, its reply would have come first.
-        assert y.is_ready().result() is False
+        assert y.is_ready() is False
         assert not waiter.done()
         hs.release(x).result()  # opens the gate on the host
         assert waiter.result(timeout=60) is y
-        assert y.is_ready().result() is True
+        assert y.is_ready() is True
         np.testing.assert_array_equal(np.asarray(y), np.arange(4, dtype=np.float32) * 2)
     finally:
         hs.release(x).result()
@@ -45,8 +47,8 @@ def test_a_fetch_waits_for_the_computation_too(ctl: cb.Controller) -> None:
     x = cb.device_put(np.arange(4, dtype=np.float32), cb.SingleDeviceSharding(dev))
     try:
         y = hs.hold(x).result()
-        got = cb.device_get(y)
-        assert y.is_ready().result() is False
+        got = fetch_tree(y)  # (cb.device_get would block here: its Future)
+        assert y.is_ready() is False
         assert not got.done()
         hs.release(x).result()
         np.testing.assert_array_equal(got.result(timeout=60), np.arange(4) * 2)
@@ -59,10 +61,10 @@ def test_block_until_ready_of_a_calls_future_waits_behind_the_call(ctl: cb.Contr
     dev = next(d for d in cb.devices() if d.host == 0)
     x = cb.device_put(np.arange(4, dtype=np.float32), cb.SingleDeviceSharding(dev))
     try:
-        call = hs.hold(x)
-        waiter = cb.block_until_ready({"y": call, "x": x})  # sent before the call answered
+        call = hs.hold.specialize(out_specs_fn=lambda a: a)(x)  # returns at once
+        waiter = ready_future({"y": call, "x": x})  # sent before the call answered
         y = call.result()
-        assert y.is_ready().result() is False
+        assert y.is_ready() is False
         assert not waiter.done()
         hs.release(x).result()
         got = waiter.result(timeout=60)
@@ -78,11 +80,11 @@ def test_block_until_ready_of_a_failed_call_raises_its_error(ctl: cb.Controller)
     dev = next(d for d in cb.devices() if d.host == 1)
     x = cb.device_put(np.arange(4, dtype=np.float32), cb.SingleDeviceSharding(dev))
     with pytest.raises(Exception, match="no such thing"):
-        cb.block_until_ready(hs.fail(x)).result(timeout=60)
+        cb.block_until_ready(hs.fail(x))
     # a finished call's Future: its outputs are waited for as arrays
     done = hs.long_computation(x)
     done.result()
-    assert cb.block_until_ready(done).result(timeout=120).shape == (768, 768)
+    assert cb.block_until_ready(done).shape == (768, 768)
 
 
 def test_after_block_until_ready_a_long_computation_is_done_on_its_host(
@@ -90,11 +92,11 @@ def test_after_block_until_ready_a_long_computation_is_done_on_its_host(
     dev = next(d for d in cb.devices() if d.host == 0)
     x = cb.device_put(np.ones((2, 2), np.float32), cb.SingleDeviceSharding(dev))
     y = hs.long_computation(x).result()
-    assert cb.block_until_ready(y).result(timeout=120) is y
+    assert cb.block_until_ready(y) is y
     # Asked of JAX on the host, right after: computed (before, the wait returned at
     # once while JAX still ran it).
     assert np.asarray(hs.computed_here(y).result()).tolist() == [True]
-    assert y.is_ready().result() is True
+    assert y.is_ready() is True
 
 
 # -- sharing accelerators out -------------------------------------------------------------

@@ -152,7 +152,7 @@ def test_round_trip_every_dtype(ctl: cb.Controller, dtype: Any, layout: str) -> 
     assert arr.shape == shape
     assert arr.sharding == sharding
     assert arr.dtype == x.dtype
-    got = cb.device_get(arr).result(timeout=30)
+    got = cb.device_get(arr)
     assert_same(got, x)
     if dtype == "key":
         with pytest.raises(TypeError, match="key"):
@@ -172,7 +172,7 @@ def test_round_trip_scalars(ctl: cb.Controller) -> None:
         for target in (repl, devs[6]):
             arr = cb.device_put(x, target)
             assert arr.shape == () and arr.ndim == 0 and arr.size == 1
-            assert_same(cb.device_get(arr).result(timeout=30), np.asarray(x))
+            assert_same(cb.device_get(arr), np.asarray(x))
     # Python scalars travel as numpy makes them (int64 / float64 / bool / complex128).
     for py in (7, -2.25, True, 1 + 1j):
         arr = cb.device_put(py, repl)
@@ -180,7 +180,7 @@ def test_round_trip_scalars(ctl: cb.Controller) -> None:
     key = jax.random.key(3)
     arr = cb.device_put(key, devs[1])
     assert arr.shape == ()
-    assert_same(cb.device_get(arr).result(timeout=30), key)
+    assert_same(cb.device_get(arr), key)
 
 
 def test_round_trip_empty(ctl: cb.Controller) -> None:
@@ -192,7 +192,7 @@ def test_round_trip_empty(ctl: cb.Controller) -> None:
             x = np.zeros(shape, dtype)
             arr = cb.device_put(x, cb.NamedSharding(mesh, spec))
             assert arr.size == 0 and arr.nbytes == 0
-            assert_same(cb.device_get(arr).result(timeout=30), x)
+            assert_same(cb.device_get(arr), x)
 
 
 def test_round_trip_non_contiguous_and_fortran(ctl: cb.Controller) -> None:
@@ -212,7 +212,7 @@ def test_round_trip_non_contiguous_and_fortran(ctl: cb.Controller) -> None:
         got = np.asarray(cb.device_put(x, sh))
         assert_same(got, np.ascontiguousarray(x))
     keys = make("key", (8, 4)).T  # a transposed key array
-    got = cb.device_get(cb.device_put(keys, sh)).result(timeout=30)
+    got = cb.device_get(cb.device_put(keys, sh))
     assert_same(got, keys)
 
 
@@ -231,7 +231,7 @@ def test_round_trip_pytrees(ctl: cb.Controller) -> None:
     assert isinstance(put, dict) and isinstance(put["b"], list) and isinstance(put["b"][1], tuple)
     assert put["a"].sharding == rows and put["b"][0].sharding == both
     assert put["b"][1][0].sharding == cb.SingleDeviceSharding(devs[2])
-    got = cb.device_get(put).result(timeout=30)
+    got = cb.device_get(put)
     assert set(got) == {"a", "b"}
     assert_same(got["a"], tree["a"])
     assert_same(got["b"][0], tree["b"][0])
@@ -240,7 +240,7 @@ def test_round_trip_pytrees(ctl: cb.Controller) -> None:
     # One sharding for the whole tree; non-array leaves of device_get pass through.
     put2 = cb.device_put([np.ones(4, np.float32), np.zeros((2, 2), np.int32)], rows)
     assert all(a.sharding == rows for a in put2)
-    got2 = cb.device_get({"x": put2, "note": "kept", "n": None}).result(timeout=30)
+    got2 = cb.device_get({"x": put2, "note": "kept", "n": None})
     assert got2["note"] == "kept" and got2["n"] is None
     assert_same(got2["x"][1], np.zeros((2, 2), np.int32))
     # A pytree of shardings that does not match the data is an error.
@@ -331,7 +331,7 @@ def test_array_attributes(ctl: cb.Controller) -> None:
 def test_deleted_array_raises(ctl: cb.Controller) -> None:
     devs = cb.devices()
     arr = cb.device_put(np.arange(4.0), devs[0])
-    cb.block_until_ready(arr).result(timeout=30)
+    cb.block_until_ready(arr)
     arr.delete()
     assert arr.is_deleted()
     arr.delete()  # idempotent
@@ -346,7 +346,10 @@ def test_deleted_array_raises(ctl: cb.Controller) -> None:
         record_block(arr)
 
 
-async def test_device_get_and_block_until_ready_are_futures(ctl: cb.Controller) -> None:
+async def test_device_get_and_block_until_ready_are_futures_in_async_code(
+        ctl: cb.Controller) -> None:
+    """Async code (here pytest's loop, driving the shared `with` cluster) gets futures to
+    await; a thread without an event loop gets the values, as from JAX's."""
     devs = cb.devices()
     mesh = cb.Mesh(np.array(devs).reshape(2, 4), ("hosts", "devices"))
     x = np.arange(32, dtype=np.int32).reshape(4, 8)
@@ -359,12 +362,44 @@ async def test_device_get_and_block_until_ready_are_futures(ctl: cb.Controller) 
     assert isinstance(got, cb.Future)
     value = await got
     assert_same(value["x"], x) and value["k"] == [1, "two"]
-    # .result() from another thread than the controller's loop
-    again = await asyncio.to_thread(lambda: cb.device_get(arr).result(timeout=30))
+    assert isinstance(arr.is_ready(), cb.Future) and (await arr.is_ready()) is True
+    # a thread with no event loop: values, waited for
+    again = await asyncio.to_thread(lambda: cb.device_get(arr))
     assert_same(again, x)
-    assert (await asyncio.to_thread(lambda: cb.block_until_ready(arr).result(timeout=30))) is arr
+    assert (await asyncio.to_thread(lambda: cb.block_until_ready(arr))) is arr
     # an empty tree resolves at once
     assert (await cb.device_get({"a": 1})) == {"a": 1}
+
+
+def test_device_get_block_until_ready_is_ready_block_in_plain_code_futures_on_the_loop(
+        ctl: cb.Controller) -> None:
+    devs = cb.devices()
+    mesh = cb.Mesh(np.array(devs).reshape(2, 4), ("hosts", "devices"))
+    x = np.arange(32, dtype=np.int32).reshape(4, 8)
+    arr = cb.device_put(x, cb.NamedSharding(mesh, P("hosts", "devices")))
+    tree = {"x": arr, "k": [1, "two"]}
+    # A plain thread (no event loop runs here; a `with` cluster), as JAX's: they block and
+    # return values.
+    assert cb.block_until_ready(tree) is tree
+    value = cb.device_get(tree)
+    assert_same(value["x"], x) and value["k"] == [1, "two"]
+    assert arr.is_ready() is True
+    assert cb.device_get({"a": 1}) == {"a": 1}  # an empty tree at once
+
+    async def on_the_loop() -> None:  # async code on the controller's own loop: futures
+        ready = cb.block_until_ready(tree)
+        assert isinstance(ready, cb.Future)
+        assert (await ready) is tree
+        got = cb.device_get(tree)
+        assert isinstance(got, cb.Future)
+        assert_same((await got)["x"], x)
+        probe = arr.is_ready()
+        assert isinstance(probe, cb.Future) and (await probe) is True
+        with pytest.raises(RuntimeError, match="await"):
+            cb.device_get(arr).result()  # (pending: .result() would block the loop)
+
+    assert ctl._loop is not None
+    asyncio.run_coroutine_threadsafe(on_the_loop(), ctl._loop).result(60)
 
 
 async def test_asarray_on_controller_loop_raises() -> None:

@@ -89,7 +89,7 @@ def test_replicated_put_leaves_the_controller_twice(six: cb.Controller) -> None:
     before = six.stats()
     a = cb.device_put(data, sharding)
     out = checker({sha(data)})(a).result(timeout=120)  # right away: waits on the hosts
-    np.testing.assert_array_equal(cb.device_get(out).result(timeout=60), data)
+    np.testing.assert_array_equal(cb.device_get(out), data)
     after = six.refresh_stats().result(timeout=60)
     assert after["bytes_put"] - before["bytes_put"] == 2 * data.nbytes
     # 4 of the 6 hosts took it from another host
@@ -120,7 +120,7 @@ def test_dtypes_down_the_tree(six: cb.Controller, kind: str) -> None:
         data = np.arange(n, dtype=np.float64) / 3
     before = six.stats()["bytes_put"]
     a = cb.device_put(data, sharding)
-    got = cb.device_get(a).result(timeout=120)
+    got = cb.device_get(a)
     assert got.dtype == data.dtype
     np.testing.assert_array_equal(got, data)
     from colobus._wire.codec import to_buffer
@@ -135,7 +135,7 @@ def test_partly_replicated_blocks_each_take_a_tree(six: cb.Controller) -> None:
     before = six.stats()["bytes_put"]
     a = cb.device_put(data, cb.NamedSharding(mesh, P("a")))
     checker({sha(data[0:1]), sha(data[1:2])})(a).result(timeout=120)
-    np.testing.assert_array_equal(cb.device_get(a).result(timeout=60), data)
+    np.testing.assert_array_equal(cb.device_get(a), data)
     # two blocks, each held by 3 hosts: each sent to its 2 roots
     assert six.stats()["bytes_put"] - before == 2 * data.nbytes
 
@@ -178,7 +178,7 @@ def test_a_lost_relay_costs_only_its_own_host() -> None:
             os.kill(proc.pid, signal.SIGCONT)
         wait_until(lambda: ctl.hosts()[0].state == "lost", "host 0 to be lost")
         with pytest.raises(cb.HostLostError):
-            cb.block_until_ready(a).result(timeout=60)
+            cb.block_until_ready(a)
         # the failed part settles the array; the live hosts' blocks may still be landing
         # (host 4's comes through root 1), so wait for each host to report its block
         def stored() -> bool:

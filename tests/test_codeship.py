@@ -11,13 +11,16 @@ from __future__ import annotations
 import asyncio
 import glob
 import importlib
+import io
 import logging
 import os
 import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 import uuid
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,8 +30,18 @@ import numpy as np
 import pytest
 
 import colobus as cb
-from colobus._controller.codeship import snapshot, user_package
-from colobus._host.shipped import PREFIX, _in_memory, _sweep
+from colobus._controller.codeship import Secrets, snapshot, user_package
+from colobus._host.shipped import (
+    LOCK,
+    MAX_ENTRIES,
+    MAX_UNPACKED_BYTES,
+    PREFIX,
+    _in_memory,
+    _make_dir,
+    _sweep,
+    _unpack,
+)
+from colobus._wire.keys import write_curve_keypair, write_key
 
 HOSTS = 2
 FAST = {"heartbeat_interval": 0.2, "liveness_timeout": 5.0, "join_timeout": 90.0}
@@ -209,11 +222,19 @@ def test_packages_pip_installed_into_a_folder_on_the_path_stay_home(
 
 
 def test_what_dead_workers_left_is_swept(tmp_path: Path) -> None:
-    dead, live = tmp_path / f"{PREFIX}999999999-x", tmp_path / f"{PREFIX}{os.getpid()}-y"
-    for d in (dead, live):
-        (d / "pkg").mkdir(parents=True)
-    _sweep(str(tmp_path))
-    assert not dead.exists() and live.exists()
+    # Judged by each directory's lock, never by a PID: a live session's directory holds
+    # its lock; a dead worker's lock went with it; one without a lock file is not ours.
+    live, fd = _make_dir(str(tmp_path))
+    dead, dead_fd = _make_dir(str(tmp_path))
+    os.close(dead_fd)  # its worker is gone: the kernel dropped its lock
+    assert (Path(dead) / LOCK).exists()
+    unknown = tmp_path / f"{PREFIX}999999999-z"
+    (unknown / "pkg").mkdir(parents=True)
+    try:
+        _sweep(str(tmp_path))
+        assert Path(live).exists() and not Path(dead).exists() and unknown.exists()
+    finally:
+        os.close(fd)
 
 
 async def test_code_pickled_by_value_takes_the_packages_it_names_along(far: Elsewhere) -> None:
@@ -231,6 +252,59 @@ async def test_code_pickled_by_value_takes_the_packages_it_names_along(far: Else
         assert ctl.stats()["packages_sent"] == 2 * HOSTS
 
 
+def write_module(src: Path, name: str, scale: int) -> Any:
+    """A lone module of the user's with a function, a class and a constant, imported."""
+    (src / f"{name}.py").write_text(textwrap.dedent(f"""
+        SCALE = {scale}
+
+
+        def triple(v):
+            return v * 3
+
+
+        class Config:
+            def __init__(self, k):
+                self.k = k
+    """))
+    return fresh_import(name)
+
+
+async def test_modules_named_only_by_arguments_travel(far: Elsewhere) -> None:
+    """A call's arguments (a closure over a module, a module's function, an instance of a
+    module's class) and a class's constructor arguments name modules nothing else names:
+    those travel too, as maxtext's closures given to its ``RemoteIterator`` need."""
+    by_call, by_init = write_module(far.src, unique("argmod"), 5), write_module(
+        far.src, unique("initmod"), 7)
+
+    @cb.colocated_python
+    def use(x: Any, fn: Any, cfg: Any, closure: Any) -> Any:  # names neither module
+        return x + fn(1) + cfg.k + closure(1)
+
+    def closure(v: Any) -> Any:
+        return v * by_call.SCALE
+
+    @cb.colocated_python_class
+    class Holder:
+        def __init__(self, fn: Any) -> None:
+            self.fn = fn
+
+        def run(self, x: Any) -> Any:
+            return x + self.fn(2)
+
+    async with far.controller() as ctl:
+        x = per_host(ctl)
+        # 3 (triple) + 4 (Config) + 5 (closure: SCALE) on [0, 1]
+        assert await fetch(use(x, by_call.triple, by_call.Config(4), closure)) == [12.0, 13.0]
+        holder = Holder(lambda v: v * by_init.SCALE)
+        assert await fetch(holder.run(x)) == [14.0, 15.0]
+        holder.close()
+        assert ctl.stats()["packages_sent"] >= 2 * HOSTS  # both modules, on every host
+    # Without shipping, the same call fails on the hosts, naming the module.
+    async with far.controller(ship_code=False) as ctl:
+        with pytest.raises(ModuleNotFoundError, match=by_call.__name__):
+            await asyncio.wait_for(use(per_host(ctl), by_call.triple, 0, closure), 60)
+
+
 async def test_without_shipping_the_error_names_the_function_and_the_remedy(
         far: Elsewhere) -> None:
     name = unique("noship")
@@ -246,6 +320,40 @@ async def test_without_shipping_the_error_names_the_function_and_the_remedy(
     # py_modules= ships it even so, here as a directory.
     async with far.controller(ship_code=False, py_modules=[pkg]) as ctl:
         assert await fetch(steps.step(per_host(ctl))) == [0.0, 3.0]
+
+
+async def test_a_dependency_missing_on_the_hosts_is_named_and_is_the_users_to_install(
+        far: Elsewhere) -> None:
+    """The user's package travels; a package it imports that is installed on the driver
+    but not on the hosts is named, as the user's to install there."""
+    name, dep = unique("needsdep"), unique("colobus_absent_dependency")
+    pkg = far.src / name
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "steps.py").write_text(textwrap.dedent(f"""
+        import os
+
+        import colobus as cb
+
+        if os.getpid() != {os.getpid()}:  # on the hosts only: installed here, not there
+            import {dep}
+
+
+        @cb.colocated_python
+        def step(x):
+            return x
+    """))
+    steps = fresh_import(f"{name}.steps")
+    async with far.controller() as ctl:
+        with pytest.raises(ModuleNotFoundError, match=dep) as info:
+            await asyncio.wait_for(steps.step(per_host(ctl)), 60)
+    notes = "\n".join(getattr(info.value, "__notes__", []))
+    assert f"{name}.steps.step cannot be loaded on" in notes, notes
+    assert f"it needs the module {dep!r}, which is not installed there" in notes, notes
+    assert "Installed dependencies are yours to install on the hosts" in notes, notes
+    # the advice to ship code is kept for the user's own modules, and says so
+    assert f"If {dep!r} is a module of yours, name it in py_modules=" in notes, notes
+    assert "install its package there" not in notes, notes
 
 
 async def test_modules_registered_by_value_travel_in_the_pickle(far: Elsewhere) -> None:
@@ -294,6 +402,182 @@ async def test_the_size_limit_names_the_largest_files_and_junk_never_travels(
         assert "weights.bin (0.3 MB)" in text and text.index("weights.bin") < text.index(
             "vocab.txt"), text
         assert await fetch(small_steps.step(per_host(ctl))) == [0.0, 4.0]  # the rest goes on
+
+
+PROBE = textwrap.dedent("""
+    import importlib
+    import os
+
+    import numpy as np
+
+    import colobus as cb
+
+    NAMES = {names!r}
+
+
+    @cb.colocated_python
+    def present(x):
+        # (the function travels by value: its __file__ would be the driver's path)
+        here = os.path.dirname(importlib.import_module(__name__).__file__)
+        return np.array([os.path.exists(os.path.join(here, n)) for n in NAMES])
+""")
+
+
+async def test_keys_owner_only_files_and_links_out_never_travel(
+        far: Elsewhere, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, "colobus.controller")
+    name = unique("secrets")
+    pkg = write_package(far.src, name, scale=2, extra={"data/ok.txt": b"fine"})
+    outside = far.root / f"{name}-credentials"  # e.g. ~/.aws/credentials
+    outside.write_text("aws_secret_access_key = x\n")
+    outside.chmod(0o644)
+    (pkg / "settings.yaml").symlink_to(outside)  # a link out: never followed
+    (pkg / "alias.txt").symlink_to(pkg / "data" / "ok.txt")  # a link inside: travels
+    (pkg / "id_rsa").write_text("-----BEGIN OPENSSH PRIVATE KEY-----\n")
+    (pkg / "id_rsa").chmod(0o600)  # only its owner may read it
+    (pkg / "ctl.key").write_text(far.key.hex() + "\n")  # the controller's key, readable
+    (pkg / "ctl.key").chmod(0o644)
+    write_curve_keypair(pkg / "server.key")  # a CurveZMQ secret (made readable), its public
+    (pkg / "server.key").chmod(0o644)
+    names = ["settings.yaml", "id_rsa", "ctl.key", "server.key", "server.key.pub", "alias.txt",
+             "data/ok.txt"]
+    (pkg / "probe.py").write_text(PROBE.format(names=names))
+    probe, steps = fresh_import(f"{name}.probe"), fresh_import(f"{name}.steps")
+    async with far.controller() as ctl:
+        found = (await cb.device_get(await probe.present(per_host(ctl)))).tolist()
+        assert dict(zip(names, found, strict=True)) == {
+            "settings.yaml": False, "id_rsa": False, "ctl.key": False, "server.key": False,
+            "server.key.pub": True, "alias.txt": True, "data/ok.txt": True}
+        assert await fetch(steps.step(per_host(ctl))) == [0.0, 2.0]  # the rest works
+    said = [r.getMessage() for r in caplog.records if "never travel" in r.getMessage()]
+    assert len(said) == 1, said  # once, for the package, whatever the calls
+    (line,) = said
+    assert f"{name}/settings.yaml: a link to a file outside the package ({outside})" in line
+    assert f"{name}/id_rsa: only its owner may read it (mode 600" in line, line
+    assert f"{name}/ctl.key: it holds the controller's key" in line, line
+    assert f"{name}/server.key: it is a CurveZMQ secret-key file" in line, line
+    assert "server.key.pub" not in line and "alias.txt" not in line, line
+
+
+def test_the_controllers_key_file_stays_home_under_any_name(tmp_path: Path) -> None:
+    # The controller's own key file, under another name (a hard link), readable: its
+    # identity keeps it home.
+    pkg = tmp_path / "keyed"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("X = 1\n")
+    key_file = tmp_path / "ctl.key"
+    write_key(key_file)
+    key_file.chmod(0o644)
+    os.link(key_file, pkg / "copy.key")
+    shipped = snapshot("keyed", str(pkg), secrets=Secrets.of([key_file], []))
+    assert shipped.left_out == (("keyed/copy.key", "it is the controller's key file"),)
+    assert zipfile.ZipFile(io.BytesIO(shipped.archive)).namelist() == ["keyed/__init__.py"]
+
+
+def test_bytes_count_as_read_not_as_measured(tmp_path: Path) -> None:
+    # A file whose size says 0 but which holds more: a /proc file, bound into the
+    # package (what a file that grew after being measured looks like to the limit).
+    if os.geteuid() != 0:
+        pytest.fail("the /proc case needs root (a mount namespace); CI runs as root")
+    pkg = tmp_path / "procfile"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("X = 1\n")
+    (pkg / "status.txt").write_text("")
+    (pkg / "status.txt").chmod(0o644)
+    script = textwrap.dedent(f"""
+        import os, sys
+        from colobus._controller.codeship import snapshot
+        from colobus._errors import SerializationError
+        os.system("mount --bind /proc/cpuinfo {pkg}/status.txt")
+        assert os.path.getsize("{pkg}/status.txt") == 0  # what it says when measured
+        try:
+            shipped = snapshot("procfile", "{pkg}", limit=1000)
+        except SerializationError as exc:
+            print("REFUSED", exc)
+        else:
+            print("SHIPPED", shipped.nbytes)
+    """)
+    out = subprocess.run(["unshare", "--mount", sys.executable, "-c", script],
+                         capture_output=True, text=True, timeout=120)
+    assert out.stdout.startswith("REFUSED"), out.stdout + out.stderr
+    assert "max_code_bytes=1000" in out.stdout and "procfile/status.txt" in out.stdout, (
+        out.stdout)
+
+
+WHERE = textwrap.dedent("""
+    import importlib
+
+    import numpy as np
+
+    import colobus as cb
+
+
+    @cb.colocated_python
+    def where(x):
+        here = importlib.import_module(__name__).__file__
+        return np.frombuffer(here.encode(), np.uint8)
+
+
+    @cb.colocated_python
+    def later(x):
+        from . import late  # first imported now, from the session's directory
+
+        return x * late.K
+""")
+
+
+def namespaced_worker(address: str, key_file: str, name: str, cwd: Path,
+                      before: int) -> subprocess.Popen[bytes]:
+    """A worker in a PID namespace of its own, as in a container sharing ``/dev/shm``
+    (``--ipc=host``): ``before`` short-lived processes run first there, so its PID in
+    that namespace is about ``before + 2``. It dies with its ``unshare``."""
+    env = _clean_env()
+    del env["COLOBUS_PARENT_PID"]  # its parent there is the namespace's shell
+    worker = (f"{sys.executable} -m colobus worker --connect {address} --key-file {key_file} "
+              f"--name {name} --devices 1")
+    return subprocess.Popen(
+        ["unshare", "--pid", "--kill-child", "sh", "-c",
+         f"for i in $(seq {before}); do /bin/true; done; {worker}"],
+        cwd=cwd, env=env, stdin=subprocess.DEVNULL)
+
+
+async def test_workers_in_separate_pid_namespaces_sharing_shm_keep_each_others_code(
+        far: Elsewhere, tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.fail("PID namespaces need root (unshare); CI runs as root")
+    name = unique("nsshared")
+    pkg = write_package(far.src, name, scale=3)
+    (pkg / "probe.py").write_text(WHERE)
+    (pkg / "late.py").write_text("K = 4\n")
+    probe, steps = fresh_import(f"{name}.probe"), fresh_import(f"{name}.steps")
+    key = b"n" * 32
+    key_file = tmp_path / "key"
+    key_file.write_text(key.hex())
+    key_file.chmod(0o600)
+    # PIDs about 302 and 12 in their namespaces: each sees the other's as dead (or as
+    # another process), so only the directory's lock can tell that it is in use.
+    procs = {side: namespaced_worker(f"ipc://{tmp_path}/{side}.sock", str(key_file),
+                                     f"ns-{side}", tmp_path, before)
+             for side, before in (("a", 300), ("b", 10))}
+    try:
+        async with cb.Controller(f"ipc://{tmp_path}/a.sock", hosts=1, key=key,
+                                 **FAST) as a:
+            one = cb.device_put(np.ones(1, np.float32), cb.SingleDeviceSharding(a.devices()[0]))
+            here = bytes((await cb.device_get(await probe.where(one))).tolist()).decode()
+            directory = os.path.dirname(os.path.dirname(here))  # the session's directory
+            assert os.path.basename(directory).startswith(PREFIX), directory
+            async with cb.Controller(f"ipc://{tmp_path}/b.sock", hosts=1, key=key,
+                                     **FAST) as b:  # another session, in another namespace
+                other = cb.device_put(np.ones(1, np.float32),
+                                      cb.SingleDeviceSharding(b.devices()[0]))
+                assert await fetch(steps.step(other)) == [3.0]  # unpacked: b swept first
+                assert os.path.isdir(directory) and os.path.isfile(here)
+            # a's session goes on: a module it never imported is still there to import
+            assert await fetch(probe.later(one)) == [4.0]
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait(timeout=30)
 
 
 FAKE = """import sys
@@ -379,3 +663,136 @@ async def test_what_a_host_reports_at_join_is_bounded_strings_only() -> None:
     finally:
         sock.close(0)
         ctx.term()
+
+
+def _zip(files: dict[str, bytes]) -> bytes:
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as z:
+        for rel, data in files.items():
+            z.writestr(rel, data)
+    return out.getvalue()
+
+
+def test_unpacking_checks_entries_and_size_before_writing(tmp_path: Path) -> None:
+    archive = _zip({"pkg/__init__.py": b"", "pkg/a.py": b"A = 1\n"})
+    with pytest.raises(ValueError, match=f"bound of {MAX_ENTRIES} files per session"):
+        _unpack("pkg", archive, str(tmp_path), entries=MAX_ENTRIES - 1)
+    with pytest.raises(ValueError, match=f"bound of {MAX_UNPACKED_BYTES} bytes per session"):
+        _unpack("pkg", archive, str(tmp_path), nbytes=MAX_UNPACKED_BYTES - 3)
+    # What the archive says its files unpack to (3.75 GiB each here) is checked before
+    # anything is written: a zip bomb writes nothing.
+    raw = bytearray(archive)
+    at = 0
+    while (at := raw.find(b"PK\x01\x02", at)) >= 0:  # each central directory entry
+        raw[at + 24:at + 28] = (0xF0000000).to_bytes(4, "little")  # its unpacked size
+        at += 4
+    with pytest.raises(ValueError, match="unpacks to 8053063680 bytes"):
+        _unpack("pkg", bytes(raw), str(tmp_path))
+    assert os.listdir(tmp_path) == []
+    assert _unpack("pkg", archive, str(tmp_path)) == (2, 6)  # within the bounds: there
+    assert (tmp_path / "pkg" / "a.py").read_bytes() == b"A = 1\n"
+
+
+# The disk of the worker is full (test only): every unpacking fails, as ENOSPC would.
+FULL = """import sys, zipfile
+def _full(*args, **kwargs):
+    raise OSError(28, "No space left on device")
+zipfile.ZipFile.extractall = _full
+"""
+
+
+async def test_a_package_that_does_not_unpack_fails_its_calls_with_the_reason(
+        far: Elsewhere, tmp_path: Path) -> None:
+    # The worker's own directory holds an old copy of the package (on its sys.path): the
+    # call must not quietly run it when the shipped one did not unpack.
+    name = unique("unpack")
+    write_package(far.src, name, scale=2)
+    steps = fresh_import(f"{name}.steps")
+    write_package(tmp_path, name, scale=100)  # the decoy, in the worker's directory
+    key = b"u" * 32
+    key_file = tmp_path / "key"
+    key_file.write_text(key.hex())
+    key_file.chmod(0o600)
+    address = f"ipc://{tmp_path}/unpack.sock"
+    proc = start_worker(address, str(key_file), "full-disk", tmp_path, FULL)
+    try:
+        async with cb.Controller(address, hosts=1, key=key, **FAST) as ctl:
+            x = cb.device_put(np.ones(1, np.float32), cb.SingleDeviceSharding(ctl.devices()[0]))
+            for _ in range(2):  # every call that needs it, not only the first
+                with pytest.raises(ImportError) as info:
+                    await asyncio.wait_for(steps.step(x), 60)
+                text = str(info.value)
+                assert f"package {name!r}, which the controller shipped, did not unpack on " \
+                    "this host" in text, text
+                assert "No space left on device" in text, text
+    finally:
+        proc.kill()
+        proc.communicate(timeout=30)
+
+
+async def _raw_peer(ctl: cb.Controller) -> tuple[Any, Any]:
+    """A socket that speaks the protocol by hand, and ``hello(versions, hostname)``: a
+    JOIN, then a HELLO with those, answered by the controller's reply."""
+    import secrets
+
+    import zmq
+    import zmq.asyncio
+
+    from colobus._wire import protocol as P
+    from colobus._wire.envelope import Envelope, decode, encode
+
+    key = ctl._key
+    ctx = zmq.asyncio.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(ctl.address)
+    session, seq = secrets.token_bytes(16), 0
+
+    async def ask(body: P.Body) -> Envelope:
+        nonlocal seq
+        seq += 1
+        await sock.send_multipart(encode(key, Envelope(body.kind, session, b"", seq,
+                                                       body.to_wire())))
+        return decode(key, await asyncio.wait_for(sock.recv_multipart(), 10))
+
+    async def hello(versions: dict[str, str], hostname: str = "raw") -> Envelope:
+        nonce = bytes((await ask(P.Join())).body[0])
+        return await ask(P.Hello("raw", 1, hostname, [], nonce, "", versions))
+
+    def close() -> None:
+        sock.close(0)
+        ctx.term()
+
+    return hello, close
+
+
+async def test_a_worker_without_versions_is_refused_and_refusals_are_quoted_and_few(
+        caplog: pytest.LogCaptureFixture) -> None:
+    from colobus._wire import protocol as P
+    from colobus._wire.versions import local_versions
+
+    caplog.set_level(logging.INFO, "colobus.controller")
+    async with cb.Controller("tcp://127.0.0.1:*", hosts=0, key=b"q" * 32, relays=0) as ctl:
+        hello, close = await _raw_peer(ctl)
+        try:
+            for versions in ({}, {"numpy": np.__version__}):  # no Python, no colobus
+                reply = await hello(versions)
+                assert reply.kind == P.Kind.REJECT, reply
+                assert "the host reported no python or colobus version" in reply.body[0]
+            # What a worker sends cannot forge log lines: line breaks, escape codes.
+            forged = "3.9\n2099-01-01 WARNING colobus.controller: all is well\x1b[2J"
+            for _ in range(20):
+                reply = await hello({**local_versions(), "python": forged},
+                                    hostname="evil\nhost\x1b[31m")
+                assert reply.kind == P.Kind.REJECT, reply
+            assert ctl.hosts() == []
+            lines = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+            assert len(lines) == 1, lines  # 22 refusals, one line (then one a minute)
+            ctl._sessions.refusals.flush(time.monotonic() + 3600)  # the next summary
+            lines = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+            assert len(lines) == 2 and "21 more joins refused" in lines[1], lines
+            assert repr(forged) in lines[1] and repr("evil\nhost\x1b[31m") in lines[1], lines
+            for record in caplog.records:
+                assert "\n" not in record.getMessage() and "\x1b" not in record.getMessage()
+        finally:
+            close()

@@ -177,6 +177,17 @@ def test_sync_script_runs() -> None:
     assert error < 0.1
 
 
+def test_jax_job_dataloader_runs() -> None:
+    proc = _run([str(EXAMPLES / "jax_job_dataloader.py"), "--steps", "10"])
+    lines = proc.stdout.splitlines()
+    assert "2 hosts in one JAX job: formed" in lines
+    assert "step 10: global batch (32, 4), loss " in proc.stdout  # every host's rows
+    assert "checkpoint: process_0-of-2.json, process_1-of-2.json" in lines
+    done = re.search(r"done: max \|w - w_true\| = ([0-9.]+); restored batch equal: (\w+)",
+                     proc.stdout)
+    assert done is not None and float(done.group(1)) < 0.1 and done.group(2) == "True"
+
+
 def test_objects_reference_runs() -> None:
     proc = _run([str(EXAMPLES / "objects_reference.py")])
     lines = proc.stdout.splitlines()

@@ -247,7 +247,7 @@ class Explorer(RuleBasedStateMachine):
         if isinstance(out, cb.Array):
             self.arrays.append(Arr(out, op.hosts, op.gens, op.expected))
             if op.expected is not None and not lost:
-                got = np.asarray(cb.device_get(out).result(BOUND))
+                got = np.asarray(cb.device_get(out))
                 np.testing.assert_array_equal(got, op.expected, err_msg=op.what)
 
     @staticmethod
@@ -369,7 +369,7 @@ class Explorer(RuleBasedStateMachine):
             return
         lost = self._lost(a.hosts, a.gens)
         try:
-            got = np.asarray(cb.device_get(a.arr).result(BOUND))
+            got = np.asarray(cb.device_get(a.arr))
         except cb.HostLostError:
             assert lost, "HostLostError fetching an array whose hosts were not lost"
             return

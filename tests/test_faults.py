@@ -32,6 +32,7 @@ from colobus._wire import protocol as P
 from colobus._wire.envelope import Envelope, decode, encode
 from colobus._wire.keys import write_key
 from colobus._wire.protocol import Kind
+from colobus._wire.versions import local_versions
 
 HB = 0.2  # heartbeat interval, both directions
 LIVE = 1.5  # liveness timeout (short, with room for a loaded 2-core CI machine)
@@ -319,7 +320,7 @@ with cb.Controller(bind, hosts=1, key=cb.load_key(key_file), heartbeat_interval=
     d = ctl.devices()
     arrs = [cb.device_put(np.arange(1000.0) + i, d[i % len(d)]) for i in range(3)]
     keeper = Keeper()
-    cb.block_until_ready(keeper.touch(arrs[0])).result(30)
+    cb.block_until_ready(keeper.touch(arrs[0]))
     stats = ctl.refresh_stats().result(30)
     print("READY", json.dumps({"arrays": stats["hosts"][0]["arrays"],
                                "objects": stats["hosts"][0]["objects"],
@@ -523,7 +524,8 @@ class RawPeer:
         return decode(self.key, frames)
 
     def hello(self, name: str, nonce: bytes, **kw: Any) -> list[bytes | memoryview]:
-        return self.frames(P.Hello(name, os.getpid(), "raw", [["cpu", "cpu", 0]], nonce), **kw)
+        return self.frames(P.Hello(name, os.getpid(), "raw", [["cpu", "cpu", 0]], nonce, "",
+                                   local_versions()), **kw)
 
     async def challenge(self) -> bytes:
         """JOIN, and the nonce of the controller's CHALLENGE."""
@@ -730,3 +732,35 @@ async def test_batches_from_a_joined_peer_are_split_and_bad_ones_dropped_whole()
         if peer is not None:
             peer.close()
         ctx.term()
+
+
+# -- the hosts as one JAX job, each with an address of its own -------------------------------
+
+
+@netns
+async def test_a_jax_job_across_hosts_with_their_own_addresses(bed: NetBed) -> None:
+    """A job over two namespaces: the coordinator in the controller, reached at its
+    bridge address; gloo listening where each host reaches the controller from (JAX's own
+    pick, the machine's name, is a loopback address here), so a jitted sum runs across."""
+    from hostview_hostside import cross_host_sum
+
+    from colobus._controller.controller import _pop_current, _push_current
+
+    ctl = cb.Controller(bed.bind(), hosts=2, key=bed.key, jax_distributed=True,
+                        join_timeout=90)
+    await ctl.start()
+    try:
+        for i in range(2):
+            bed.start_worker(i, ctl.address, name=f"nb-{i}")
+        await ctl.wait_for_hosts(timeout=90)
+        _push_current(ctl)  # (what entering it does: it is the default controller)
+        job = ctl.stats()["jax_job"]
+        assert job["state"] == "formed" and job["coordinator"].startswith("*:"), job
+        mesh = cb.Mesh(np.array(ctl.devices(), dtype=object), ("x",))
+        x = cb.device_put(np.arange(8.0, dtype=np.float32),
+                          cb.NamedSharding(mesh, cb.PartitionSpec("x")))
+        total = await asyncio.wait_for(cross_host_sum(x), 60)
+        assert float(await cb.device_get(total)) == 28.0
+    finally:
+        _pop_current(ctl)
+        await ctl.aclose()

@@ -469,8 +469,8 @@ def test_module_variable_access(ctl: cb.Controller) -> None:
         d0 = cb.devices()[0]
         x = cb.device_put(np.array(1), d0)
         y = cb.device_put(np.array(2), d0)
-        cb.block_until_ready(set_global_state(x).result(timeout=30)).result(timeout=30)
-        out = cb.device_get(get_global_state(y).result(timeout=30)).result(timeout=30)
+        cb.block_until_ready(set_global_state(x).result(timeout=30))
+        out = cb.device_get(get_global_state(y).result(timeout=30))
         np.testing.assert_equal(out, np.array(1))
     finally:
         _THIS_MODULE._non_serializable.close()  # type: ignore[attr-defined]

@@ -30,6 +30,7 @@ import colobus as cb
 from colobus._wire import protocol as P
 from colobus._wire.envelope import Envelope, decode, encode
 from colobus._wire.protocol import Kind
+from colobus._wire.versions import local_versions
 
 N_RANDOM = 1500
 
@@ -122,7 +123,7 @@ def test_fuzz_controller(fuzz_cluster: cb.Controller, tmp_path: pathlib.Path) ->
         challenge = decode(key, fake.recv_multipart())
         assert challenge.kind == Kind.CHALLENGE and challenge.receiver == sess
         nonce = challenge.body[0]
-        hello = P.Hello("fuzz-fake", 1, "nowhere", [], nonce).to_wire()
+        hello = P.Hello("fuzz-fake", 1, "nowhere", [], nonce, "", local_versions()).to_wire()
         fake.send_multipart(_frames(key, Kind.HELLO, sess, b"", 2, hello))
         assert fake.poll(30_000), "the controller did not answer a valid HELLO"
         welcome = decode(key, fake.recv_multipart())

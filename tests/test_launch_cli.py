@@ -35,7 +35,7 @@ DRIVER = textwrap.dedent("""
         mesh = cb.Mesh(np.array([h.devices[0] for h in hosts]), ("h",))
         x = cb.device_put(np.zeros(len(hosts), np.int64),
                           cb.NamedSharding(mesh, cb.PartitionSpec("h")))
-        got = cb.device_get(where(x).result(timeout=60)).result(timeout=60)
+        got = cb.device_get(where(x).result(timeout=60))
         assert got.tolist() == [h.pid for h in hosts], (got, hosts)
         print("DRIVER", ctl.address, [h.name for h in hosts], [h.address for h in hosts],
               [h.pid for h in hosts], flush=True)
@@ -103,7 +103,7 @@ INIT_DRIVER = textwrap.dedent("""
         assert all(parent(h.pid) != os.getpid() for h in hosts), hosts
         mesh = cb.Mesh(np.array([h.devices[0] for h in hosts]), ("h",))
         x = cb.device_put(np.zeros(2), cb.NamedSharding(mesh, cb.PartitionSpec("h")))
-        assert cb.device_get(pid(x).result(60)).result(60).tolist() == [h.pid for h in hosts]
+        assert cb.device_get(pid(x).result(60)).tolist() == [h.pid for h in hosts]
     ctl = cb.init()
     print("DRIVER", ctl.address, [h.name for h in ctl.hosts()], flush=True)
     sys.exit(int(sys.argv[1]))
@@ -168,7 +168,7 @@ PY_MODULE_DRIVER = textwrap.dedent("""
 
     ctl = cb.init(hosts=1, ship_code=False)  # only what --py-module names travels
     (h,) = ctl.hosts()
-    got = cb.device_get(twice(cb.device_put(np.ones(1), h.devices[0])).result(60)).result(60)
+    got = cb.device_get(twice(cb.device_put(np.ones(1), h.devices[0])).result(60))
     assert got.tolist() == [2.0] and ctl.stats()["packages_sent"] == 1, (got, ctl.stats())
     print("DRIVER", ctl.address, [h.name], flush=True)
 """)
@@ -186,6 +186,22 @@ def test_launch_py_module_ships_a_package_the_hosts_lack(tmp_path: Path) -> None
     out = launch(["local", "--hosts", "1", "--py-module", str(pkg)], driver, 0)
     assert out.returncode == 0, out.stderr[-3000:]
     assert driver_line(out.stdout)[2].startswith("['local-0']")
+
+
+def test_launch_jax_distributed_tells_the_drivers_controller(tmp_path: Path) -> None:
+    """``--jax-distributed`` sets ``$COLOBUS_JAX_DISTRIBUTED=1``: the driver's
+    ``cb.Controller()`` forms a JAX job of the hosts (docs/jax_job.md)."""
+    driver = tmp_path / "drv.py"
+    driver.write_text(textwrap.dedent("""
+        import os, sys
+        import colobus as cb
+        ctl = cb.Controller()  # (not started: what it was told is enough)
+        print("DRIVER", os.environ.get("COLOBUS_JAX_DISTRIBUTED"), ctl._job is not None,
+              flush=True)
+    """))
+    out = launch(["local", "--hosts", "1", "--jax-distributed"], driver, 0)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert driver_line(out.stdout)[1:] == ["1", "True"], out.stdout
 
 
 def test_launch_without_a_driver_command_is_a_usage_error() -> None:

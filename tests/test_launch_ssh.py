@@ -55,7 +55,7 @@ def options(ssh_bed: SshBed, **more: Any) -> dict[str, Any]:
 
 
 def fetch(fut: cb.Future[Any]) -> Any:
-    return cb.device_get(fut.result(timeout=60)).result(timeout=60)
+    return cb.device_get(fut.result(timeout=60))
 
 
 def per_host(ctl: cb.Controller) -> cb.Array:

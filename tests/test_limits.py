@@ -169,7 +169,7 @@ def test_a_put_at_and_past_the_buffer_limit_in_one_step(
     n = L.GATHER_MAX_BUFFERS // 2 + extra
     before = _relay_stats(ctl)
     out = cb.device_put([np.array([i, -i], np.int32) for i in range(n)], sharding)
-    got = cb.device_get(out).result(timeout=120)
+    got = cb.device_get(out)
     assert [list(x) for x in got] == [[i, -i] for i in range(n)]
     after = _relay_stats(ctl)
     if after is not None:  # (the step's first message leaves at once, alone)
@@ -193,8 +193,8 @@ def test_a_put_at_and_past_the_byte_limit_in_one_step(
     before = _relay_stats(ctl)
     # the step's first message leaves at once, alone: the two blocks gather after it
     _, a0, a1 = cb.device_put([np.zeros(1), x0, x1], [d0, d0, d1])
-    np.testing.assert_array_equal(cb.device_get(a0).result(timeout=120), x0)
-    np.testing.assert_array_equal(cb.device_get(a1).result(timeout=120), x1)
+    np.testing.assert_array_equal(cb.device_get(a0), x0)
+    np.testing.assert_array_equal(cb.device_get(a1), x1)
     after = _relay_stats(ctl)
     if after is not None:
         assert before is not None
@@ -213,10 +213,9 @@ def test_what_is_asked_after_a_put_in_slices_waits_for_all_of_it(
     sharding = cb.NamedSharding(cb.Mesh(np.array(ctl.devices()), ("h",)), cb.PartitionSpec("h"))
     n = 300
     out = cb.device_put([np.array([i, i], np.int32) for i in range(n)], sharding)
-    last = cb.device_get(out[-1])  # submitted while the slices are still leaving
-    everything = cb.device_get(out)
-    assert list(last.result(timeout=120)) == [n - 1, n - 1]
-    assert [int(x[0]) for x in everything.result(timeout=120)] == list(range(n))
+    last = cb.device_get(out[-1])  # asked while the slices are still leaving
+    assert list(last) == [n - 1, n - 1]
+    assert [int(x[0]) for x in cb.device_get(out)] == list(range(n))
 
 
 @pytest.mark.slow
@@ -230,7 +229,7 @@ def test_a_put_of_more_buffers_than_a_message_takes_through_one_relay(
         sharding = cb.NamedSharding(cb.Mesh(np.array(ctl.devices()), ("h",)),
                                     cb.PartitionSpec("h"))
         out = cb.device_put([np.full(2, i, np.int32) for i in range(n)], sharding)
-        assert list(cb.device_get(out[-1]).result(timeout=300)) == [n - 1, n - 1]
+        assert list(cb.device_get(out[-1])) == [n - 1, n - 1]
         assert ctl.stats()["relays"][0]["most_buffers"] <= L.GATHER_MAX_BUFFERS
         assert [h.state for h in ctl.hosts()] == ["alive", "alive"]
 
@@ -267,7 +266,7 @@ def test_puts_to_a_stopped_host_wait_for_room(relays: int) -> None:
             os.kill(pid, signal.SIGCONT)
         thread.join(120)
         assert not thread.is_alive() and len(returned) == 12
-        last = cb.device_get(returned[-1]).result(timeout=120)
+        last = cb.device_get(returned[-1])
         assert float(last[0]) == 11.0
         assert [h.state for h in ctl.hosts()] == ["alive", "alive"]
         if relays:

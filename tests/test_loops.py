@@ -23,5 +23,5 @@ def test_the_sync_controller_runs_on_uvloop_unless_turned_off(
     with cb.local_cluster(hosts=1, devices_per_host=1) as ctl:
         module = ctl.run_sync(_loop_class(), timeout=10)
         x = cb.device_put(np.arange(4.0), ctl.devices()[0])
-        np.testing.assert_array_equal(cb.device_get(x).result(timeout=30), np.arange(4.0))
+        np.testing.assert_array_equal(cb.device_get(x), np.arange(4.0))
     assert module.startswith("uvloop") == (switch is None), module

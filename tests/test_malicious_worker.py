@@ -35,6 +35,7 @@ import zmq
 from fakeworker import FakeWorker
 
 import colobus as cb
+from colobus._api.array import fetch_tree
 from colobus._wire import protocol as P
 from colobus._wire.protocol import Kind, Status
 
@@ -59,6 +60,12 @@ def add_one(x: Any) -> Any:
 @cb.colocated_python
 def make_one() -> Any:
     return np.ones(2, np.float32)
+
+
+def _make_one_specs() -> cb.ShapeDtypeStruct:
+    """``make_one``'s output specs: its calls return at once (a fake host answers them
+    after; a first call without them would wait for that answer)."""
+    return cb.ShapeDtypeStruct((2,), np.float32)
 
 
 def _wait_until(pred: Any, what: str, timeout: float = 30.0) -> None:
@@ -179,7 +186,7 @@ def test_hostile_replies_never_run_code(bed: dict[str, Any], mctl: cb.Controller
     with _fake(bed, f"evil-{case}") as fake:
         before = dict(mctl.stats()["dropped"])
         dev = [d for d in mctl.devices() if d.host == fake.index]
-        fut = make_one.specialize(devices=dev)()
+        fut = make_one.specialize(devices=dev, out_specs_fn=_make_one_specs)()
         _answer_call(fake, *_evil_payloads(bed["marker"])[case])
         with pytest.raises(cb.ProtocolError, match="malformed reply"):
             fut.result(30)
@@ -215,7 +222,7 @@ def test_errors_are_data_never_code(bed: dict[str, Any], mctl: cb.Controller) ->
             (error("builtins", "GeneratorExit", []), cb.RemoteError),
         ]
         for payload, expected in cases:
-            fut = make_one.specialize(devices=dev)()
+            fut = make_one.specialize(devices=dev, out_specs_fn=_make_one_specs)()
             _answer_call(fake, Status.ERROR, None, payload)
             with pytest.raises(expected) as info:
                 fut.result(30)
@@ -243,7 +250,7 @@ def test_protocol_violations_drop_the_host(bed: dict[str, Any], mctl: cb.Control
         before = dict(mctl.stats()["dropped"])
         dev = [d for d in mctl.devices() if d.host == fake.index]
         if what in ("huge_count", "negative_count"):
-            fut = make_one.specialize(devices=dev)()
+            fut = make_one.specialize(devices=dev, out_specs_fn=_make_one_specs)()
             # A count this size once built range(n) on the controller's loop.
             _answer_call(fake, Status.OK, (1 << 62) if what == "huge_count" else -1)
             with pytest.raises(cb.HostLostError):
@@ -256,7 +263,7 @@ def test_protocol_violations_drop_the_host(bed: dict[str, Any], mctl: cb.Control
                 fut.result(30)
         elif what == "fetch_shape":
             arr = cb.device_put(np.zeros(2, np.float32), dev[0])
-            fut = cb.device_get(arr)
+            fut = fetch_tree(arr)  # (cb.device_get would wait here for the answer below)
             fetch = fake.expect(Kind.FETCH)
             fake.send(Kind.RESULT, [fetch.body[0], Status.OK, [[1 << 40, 1 << 40], "<f4", None]],
                       b"", [evil])
@@ -366,7 +373,7 @@ def test_reply_over_the_limit_fails_its_call_with_a_clear_error(
     real = [d for d in mctl.devices() if d.host == 0]
     big = cb.device_put(np.zeros(6 << 20, np.uint8), real[0])  # over the bed's 4 MiB
     with pytest.raises(ValueError, match=r"max_message_bytes=4194304.*raise it"):
-        cb.device_get(big).result(60)
+        cb.device_get(big)
     assert mctl.hosts()[0].state == "alive"
     _real_host_still_works(mctl)
 
@@ -389,7 +396,7 @@ def test_hostile_host_times_never_skew_metrics() -> None:
         hostile: list[Any] = [[1_000, 2_000], ["x", 3], [2, 1 << 63], [1, 2, 3], [None, None]]
         digest = b""
         for times in hostile:
-            fut = make_one.specialize(devices=dev)()
+            fut = make_one.specialize(devices=dev, out_specs_fn=_make_one_specs)()
             call = fake.expect(Kind.CALL)
             digest = call.body[2]
             fake.send(Kind.RESULT, [call.body[0], Status.CANCELLED, None, times])

@@ -41,9 +41,12 @@ def test_a_driver_array_as_the_only_argument_says_to_device_put_it(
         ctl: cb.Controller, value: object) -> None:
     with pytest.raises(ValueError) as info:
         add_one(value)
-    # JAX's text, unchanged, then what to do about it.
-    assert str(info.value) == ("No devices found. colocated_python function without input "
-                               "arguments must be first specialized with devices.")
+    # JAX's text, unchanged, then what to do about it: in the message, which a bare
+    # `except Exception as e: print(e)` shows, and in more words in the note.
+    message = str(info.value)
+    assert message.startswith("No devices found. colocated_python function without input "
+                              "arguments must be first specialized with devices. colobus: ")
+    assert "no cb.Array" in message and "cb.device_put" in message, message
     note = _notes(info.value)
     assert "no cb.Array among them" in note and "cb.device_put(" in note, note
     kind = "numpy.ndarray" if isinstance(value, np.ndarray) else "jax.Array of this process"

@@ -198,6 +198,18 @@ async def test_coalesced_results_settle_once_and_keep_each_hosts_times() -> None
         assert runs == sorted(runs) and runs[3] >= 0.1 > runs[0], runs
         assert ctl._ops.pending == {} and all(not h.inflight for h in ctl._hosts.hosts)
         assert ctl.stats()["dropped"].get("unsolicited", 0) == 0
+        # Replicas compared through the relay: hosts 0, 1 and 3 agree (their equal replies
+        # coalesce), host 2 differs in its last element, above the old 64 KiB limit.
+        with pytest.raises(ValueError, match=r"odd_one: the output is replicated over hosts "
+                                             r"\[0, 1, 2, 3\].*hosts by value: 0, 1, 3; 2"):
+            await odd_one(x, 128 << 10)
+
+
+@cb.colocated_python
+def odd_one(x: Any, nbytes: int) -> Any:
+    value = np.zeros(nbytes // 4, np.float32)
+    value[-1] = cb.host_index() == 2
+    return value
 
 
 def test_a_relay_holds_a_calls_replies_until_its_last_host_answered() -> None:

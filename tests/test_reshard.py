@@ -118,8 +118,8 @@ def test_one_file_per_host_named_by_host_index(ctl: cb.Controller, tmp_path: Pat
     x = cb.device_put(np.arange(8.0, dtype=np.float32), cb.NamedSharding(mesh, P("hosts")))
     _write_host_file(x, str(tmp_path)).result()
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "host-0-of-2-pid0.txt", "host-1-of-2-pid0.txt"]
-    assert (tmp_path / "host-1-of-2-pid0.txt").read_text() == str(4.0 + 5 + 6 + 7)
+        "host-0-of-2-pid0.txt", "host-1-of-2-pid1.txt"]  # jax.process_index(): the host's
+    assert (tmp_path / "host-1-of-2-pid1.txt").read_text() == str(4.0 + 5 + 6 + 7)
 
 
 # -- resharding -----------------------------------------------------------------------------
@@ -167,7 +167,7 @@ def test_sharded_to_replicated_moves_each_host_what_it_lacks(four: cb.Controller
     before = four.stats()
     rep = cb.device_put(arr, cb.NamedSharding(mesh, P()))
     assert rep.sharding == cb.NamedSharding(mesh, P()) and rep.shape == x.shape
-    np.testing.assert_array_equal(cb.device_get(rep).result(), x)
+    np.testing.assert_array_equal(cb.device_get(rep), x)
     # each of 4 hosts lacks 3 quarters; each quarter was fetched once (for 3 hosts)
     assert _moved(four, before) == 4 * 3 * x.nbytes // 4
     assert four.stats()["bytes_fetched"] - before["bytes_fetched"] == x.nbytes + x.nbytes
@@ -180,7 +180,7 @@ def test_replicated_to_sharded_on_another_mesh_moves_nothing(four: cb.Controller
     other = _mesh([5, 4, 1, 0, 7, 6, 3, 2], (4, 2), ("a", "b"))
     before = four.stats()
     out = cb.device_put(rep, cb.NamedSharding(other, P("a", "b")))
-    np.testing.assert_array_equal(cb.device_get(out).result(), x)
+    np.testing.assert_array_equal(cb.device_get(out), x)
     assert _moved(four, before) == 0  # every host had every element
 
 
@@ -206,7 +206,7 @@ def test_reshard_layouts(four: cb.Controller, case: str) -> None:
     x = (np.arange(16 * 8, dtype=np.float64) * 1.5).reshape(16, 8)
     arr = cb.device_put(x, old)
     out = cb.device_put(arr, new)
-    np.testing.assert_array_equal(cb.device_get(out).result(), x)
+    np.testing.assert_array_equal(cb.device_get(out), x)
     assert out.sharding == new and out.sharding.device_list == new.device_list
     # and back again
     np.testing.assert_array_equal(np.asarray(cb.device_put(out, old)), x)
@@ -220,7 +220,7 @@ def test_a_mesh_to_its_colocated_cpu_mesh_moves_nothing(four: cb.Controller) -> 
     cpu = cb.NamedSharding(cb.colocated_cpu_devices(mesh), sharding.spec,
                            memory_kind=sharding.memory_kind)
     assert cb.device_put(arr, cpu) is arr  # the same devices, the same layout
-    cb.block_until_ready(arr).result()  # its PUTs counted
+    cb.block_until_ready(arr)  # its PUTs counted
     before = four.stats()
     # the host's devices in another order, and another memory kind: rebuilt where it is
     swapped = _mesh([1, 0, 3, 2, 5, 4, 7, 6], (4, 2), ("hosts", "devices"))
@@ -251,7 +251,7 @@ def test_reshard_is_ordered_and_holds_its_source(four: cb.Controller) -> None:
     y = _plus_one(out)  # sent at once; the hosts wait for the reshard
     np.testing.assert_array_equal(np.asarray(y), x + 1)
     np.testing.assert_array_equal(np.asarray(out), x)
-    assert cb.block_until_ready(out).result() is out
+    assert cb.block_until_ready(out) is out
     del y
     assert _host_arrays(four) == {h: n + 1 for h, n in start.items()}  # out alone
     out.delete()
@@ -281,7 +281,7 @@ def test_reshard_of_a_pytree_and_of_key_arrays(ctl: cb.Controller) -> None:
             "s": cb.device_put(np.array(["a", "bb", "ccc", "d"], dtype=np.dtypes.StringDType()),
                                cb.NamedSharding(mesh, P("hosts")))}
     out = cb.device_put(tree, cb.NamedSharding(mesh, P()))
-    got = cb.device_get(out).result()
+    got = cb.device_get(out)
     np.testing.assert_array_equal(jax.random.key_data(got["k"]), jax.random.key_data(keys))
     assert got["s"].tolist() == ["a", "bb", "ccc", "d"]
 
@@ -440,7 +440,7 @@ def test_large_blocks_stay_in_their_pieces_until_read(four: cb.Controller,
     x = np.random.default_rng(1).standard_normal((512, 1024)).astype(np.float32)  # 2 MiB
     src = cb.device_put(x, cb.NamedSharding(mesh, P("hosts")))
     rep = cb.device_put(src, cb.NamedSharding(mesh, P()))
-    cb.block_until_ready(rep).result()
+    cb.block_until_ready(rep)
     hosts = four.refresh_stats().result()["hosts"]
     assert all(hosts[h]["bytes"] >= x.nbytes for h in range(4))  # counted whole, as pieces
     back = cb.device_put(rep, cb.NamedSharding(mesh, P(None, "hosts")))  # read by a reshard
@@ -466,7 +466,7 @@ def test_reshards_chain_and_overlap_without_waiting(four: cb.Controller) -> None
         for s in layouts[1:]:
             y = cb.device_put(y, s)  # each from the one before, none awaited
         outs.append(y)
-    got = cb.device_get(outs).result(timeout=120)
+    got = cb.device_get(outs)
     for x, g in zip(xs, got, strict=True):
         np.testing.assert_array_equal(g, x)
 

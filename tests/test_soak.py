@@ -48,7 +48,7 @@ def test_short_soak_stores_end_empty() -> None:
             if i % 3 == 0:
                 a.delete()  # before its upload finished
             elif i % 3 == 1:
-                cb.block_until_ready(a).result(60)
+                cb.block_until_ready(a)
                 a.delete()
             else:
                 del a  # the garbage collector frees it

@@ -190,7 +190,7 @@ def test_an_unencodable_put_fails_at_the_call_and_spends_nothing(bctl: cb.Contro
     first, second, err = bctl.run_sync(on_loop())
     assert isinstance(err, cb.SerializationError), repr(err)
     np.testing.assert_array_equal(np.asarray(plus_one(first).result(30)), np.arange(3.0) + 1)
-    np.testing.assert_array_equal(cb.device_get(second).result(30), np.arange(3.0) + 10)
+    np.testing.assert_array_equal(cb.device_get(second), np.arange(3.0) + 10)
     assert not {"gap", "oversized", "malformed"} & set(_host_drops(bctl))
 
 
@@ -201,7 +201,7 @@ def test_six_large_fetch_replies_are_never_one_oversized_batch(bctl: cb.Controll
     dev = bctl.devices()[0]
     n = (24 << 20) // 8
     arrays = [cb.device_put(np.full(n, float(i)), dev) for i in range(6)]
-    got = cb.device_get(arrays).result(120)  # the host answers all six in one loop step
+    got = cb.device_get(arrays)  # the host answers all six in one loop step
     assert [float(a[0]) for a in got] == [float(i) for i in range(6)]
     assert all(a.shape == (n,) for a in got)
     assert bctl.stats()["dropped"].get("oversized", 0) == 0
@@ -283,6 +283,12 @@ def make_one() -> Any:
     return np.ones(2, np.float32)
 
 
+def _make_one_specs() -> cb.ShapeDtypeStruct:
+    """``make_one``'s output specs: its calls return at once (a fake host answers them
+    after; a first call without them would wait for that answer)."""
+    return cb.ShapeDtypeStruct((2,), np.float32)
+
+
 # -- 4. bounded decoding ----------------------------------------------------------------
 
 
@@ -304,7 +310,7 @@ def test_a_hostile_description_costs_a_small_multiple_of_its_size(
         dev = [d for d in ctl.devices() if d.host == fake.index]
         bomb = _nested_empty_lists(16 << 20)
         for status, meta in ((P.Status.ERROR, None), (P.Status.OK, 1)):
-            fut = make_one.specialize(devices=dev)()
+            fut = make_one.specialize(devices=dev, out_specs_fn=_make_one_specs)()
             call = fake.expect(Kind.CALL)
             probe.reset()
             fake.send(Kind.RESULT, [call.body[0], int(status), meta], bomb)
@@ -621,7 +627,7 @@ def test_a_put_waiting_for_room_ends_when_its_host_is_lost_or_the_controller_clo
                 thread.join(60)
                 assert len(ended) == 1 and isinstance(ended[0], cb.Array), ended
                 with pytest.raises(cb.HostLostError):
-                    cb.device_get(first).result(60)
+                    cb.device_get(first)
             else:
                 ctl.close()
                 thread.join(60)

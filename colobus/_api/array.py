@@ -4,9 +4,10 @@ holding only its own block), and moving it there and back; dropping the handle (
 
 from __future__ import annotations
 
+import asyncio
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -18,15 +19,20 @@ from .._errors import HostLostError
 from .._model.blocks import HostBlock, assemble, host_blocks
 from .._model.devices import Device
 from .._model.jaxside import is_key_array
-from .._model.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
+from .._model.sharding import NamedSharding, Sharding, SingleDeviceSharding
 from .._wire import protocol as P
 from .._wire.describe import read_fetched
 from .._wire.envelope import Envelope
 from .reshard import mesh_message
 from .shards import Shard, addressable_shards
 
-__all__ = ["Array", "MisusedHandle", "check_owner", "device_get", "fetch_many",
-           "mesh_message"]
+if TYPE_CHECKING:
+    from jax.sharding import PartitionSpec
+
+__all__ = ["Array", "MisusedHandle", "check_owner", "device_get", "fetch_many", "fetch_tree",
+           "mesh_message", "off_loop"]
+
+_running_loop = asyncio._get_running_loop
 
 
 class MisusedHandle(ValueError):
@@ -47,6 +53,8 @@ def check_owner(handle: Any, ctl: Controller) -> None:
 
 
 def _spec_of(sharding: Sharding) -> PartitionSpec:
+    from jax.sharding import PartitionSpec
+
     return sharding.spec if isinstance(sharding, NamedSharding) else PartitionSpec()
 
 
@@ -137,9 +145,27 @@ class Array:
         """Every device's shard, in the sharding's device order; ``.data`` is a Future."""
         return addressable_shards(self)
 
-    def is_ready(self) -> Future[bool]:
-        """A Future of whether the array is stored on every host and its value computed
-        there (JAX's ``is_ready``: the hosts answer at once, never waiting for it)."""
+    def addressable_data(self, index: int) -> Future[Any]:
+        """``addressable_shards[index].data``, as JAX's: a ``cb.Future`` of that shard's
+        value (numpy; a JAX key array for PRNG keys), read from the one host holding it.
+
+        Raises:
+            IndexError: ``index`` is not the index of a shard.
+        """
+        return addressable_shards(self)[index].data
+
+    def is_ready(self) -> Any:
+        """Whether the array is stored on every host and its value computed there (JAX's
+        ``is_ready``: the hosts answer at once, never waiting for the computation).
+
+        Returns:
+            A bool on a thread where no event loop runs (as JAX's); in async code (a
+            thread running an event loop) a ``cb.Future`` of the bool, to ``await``.
+        """
+        return off_loop(self._is_ready())
+
+    def _is_ready(self) -> Future[bool]:
+        """A Future of :meth:`is_ready`'s answer, on any thread."""
         self.check_usable()
         ctl = self._ctl
         fut: Future[bool]
@@ -193,7 +219,7 @@ class Array:
             raise RuntimeError(
                 "np.asarray(colobus.Array) blocks, which would stall the controller's event "
                 "loop; use `await cb.device_get(arr)` in async code.")
-        out = device_get(self).result()
+        out = fetch_tree(self).result()
         if is_key_array(out):
             raise TypeError("typed PRNG key arrays do not convert to numpy; use cb.device_get")
         return np.asarray(out, dtype=dtype)
@@ -321,14 +347,43 @@ def _assemble_blocks(shape: tuple[int, ...], dtype: Any, blocks: dict[int, Any],
     return out
 
 
-def device_get(tree: Any) -> Future[Any]:
-    """Fetch every ``cb.Array`` in ``tree``; a Future of the same tree with numpy leaves.
+def _is_handle(x: Any) -> bool:
+    return isinstance(x, Array | Future)
 
-    Non-array leaves pass through. Typed PRNG key arrays come back as JAX key arrays.
+
+def off_loop(fut: Future[Any]) -> Any:
+    """``fut`` where an event loop runs on this thread (async code: the controller's
+    loop, or any other, awaits it); on a thread without one, its value, waited for, as
+    JAX's ``device_get`` and ``block_until_ready`` block."""
+    if _running_loop() is not None:
+        return fut
+    return fut.result()
+
+
+def device_get(tree: Any) -> Any:
+    """Fetch every ``cb.Array`` in ``tree``: the same tree with numpy leaves.
+
+    A ``cb.Future`` in ``tree`` (a colocated call's) is waited for and replaced by its
+    value, fetched the same way. Non-array leaves pass through. Typed PRNG key arrays
+    come back as JAX key arrays.
+
+    Returns:
+        On a thread where no event loop runs (plain scripts under ``with``,
+        ``cb.init()``, worker threads), the fetched tree, waited for as JAX's
+        ``device_get`` does; in async code (a thread running an event loop: the
+        controller's own, or another), a ``cb.Future`` of it, to ``await``.
     """
+    return off_loop(fetch_tree(tree))
+
+
+def fetch_tree(tree: Any) -> Future[Any]:
+    """A Future of :func:`device_get`'s value, on any thread."""
     import jax
 
-    leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=_is_array_leaf)
+    leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=_is_handle)
+    calls = [x for x in leaves if isinstance(x, Future)]
+    if calls:
+        return _after_futures(tree, leaves, treedef, calls)
     arrays = [x for x in leaves if isinstance(x, Array)]
     tdef: Any = treedef
 
@@ -337,3 +392,45 @@ def device_get(tree: Any) -> Future[Any]:
         return tdef.unflatten([next(it) if isinstance(x, Array) else x for x in leaves])
 
     return fetch_many(arrays, True, finish)
+
+
+def _after_futures(tree: Any, leaves: list[Any], treedef: Any,
+                   futures: list[Future[Any]]) -> Future[Any]:
+    """:func:`fetch_tree` of ``tree`` once its futures are done, each replaced by its
+    value (its error, or its cancellation, is the fetch's)."""
+    arrays = [x for x in leaves if isinstance(x, Array)]
+    owner = futures[0]._owner
+    ctl = owner if isinstance(owner, Controller) else _ctl_of(arrays)
+    for h in (*arrays, *futures):
+        check_owner(h, ctl)
+    outer: Future[Any] = ctl._ops.new_future()
+    left = [len(futures)]
+
+    def copy(f: Future[Any]) -> None:
+        if f.cancelled():
+            outer._set_cancelled()
+        elif (exc := f.exception()) is not None:
+            outer.set_exception(exc)
+        else:
+            outer.set_result(f.result())
+
+    def one(f: Future[Any]) -> None:
+        if outer.done():
+            return
+        if f.cancelled() or f.exception() is not None:
+            copy(f)
+            return
+        left[0] -= 1
+        if left[0]:
+            return
+        values = [x.result() if isinstance(x, Future) else x for x in leaves]
+        try:
+            inner = fetch_tree(treedef.unflatten(values))
+        except BaseException as exc:  # a deleted or lost array among the values
+            outer.set_exception(exc)
+            return
+        inner.add_done_callback(copy)
+
+    for f in futures:
+        f.add_done_callback(one)
+    return outer

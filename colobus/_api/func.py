@@ -35,6 +35,7 @@ from .._wire.peer import Peer
 from .._wire.splice import CallSplicer
 from .array import Array, check_owner
 from .cacheinfo import CacheInfo, Signatures
+from .firstcall import first_call
 from .outputs import build_outputs as _build_outputs
 from .outputs import lane_outputs, learn_outputs
 from .plan import CallPlan, make_plan
@@ -148,6 +149,12 @@ class Target:
     lane_last: tuple[Any, Any, Any, Any, CallPlan, Any] | None = None
     lane_gens: tuple[Any, tuple[int, ...], int, dict[int, int]] | None = None
     lane_ok: tuple[CallPlan, int, Controller, bytes] | None = None
+    known: bool = False  # its output specs are (out_specs_fn, a call succeeded): firstcall
+
+    def learned(self, fut: Future[Any]) -> None:
+        """A call of it ended (any thread): once one succeeded, its output specs are known."""
+        if fut.done() and not fut.cancelled() and fut._exception is None:
+            self.known = True
 
     def digest(self) -> bytes:
         return b""
@@ -325,6 +332,9 @@ class _CallOp:
         ctl, target, plan, pickled = self.ctl, self.target, self.plan, self.pickled
         assert pickled is not None
         self.pickled = None  # argument handles live until the call is sent, no longer
+        if pickled.needs:  # the user's packages the arguments name go first
+            for h in plan.hosts:
+                ctl._shipper.ship(ctl, ctl._hosts[h], pickled.needs)
         if pickled.keep:  # an output laid out like an argument gets its global sharding
             shardings = []
             for k in pickled.keep:
@@ -394,7 +404,8 @@ class _CallOp:
 
         The op itself, not its bound method: one object less per call in flight.
         """
-        out = _build_outputs(self.ctl, self.call_id, self.plan, per_host, self.ref_shardings)
+        out = _build_outputs(self.ctl, self.call_id, self.plan, per_host, self.ref_shardings,
+                             self.target.name)
         if self.out_specs is not None:
             _check_specs(out, self.out_specs, f"outputs of {self.target.name}")
         return out
@@ -427,6 +438,7 @@ class ColocatedFunction:
         self._fn = fn
         self._code = code if code is not None else Code(fn)
         self._target = FunctionTarget(self._code, getattr(fn, "__qualname__", repr(fn)))
+        self._target.known = out_specs_fn is not None
         self._in_specs = in_specs
         self._out_specs_fn = out_specs_fn
         self._devices = tuple(devices) if devices is not None else None
@@ -451,12 +463,14 @@ class ColocatedFunction:
         return self._target.signatures.info(self._code.shipped)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Future[Any]:
+        target = self._target
         if self._lane and not kwargs:
-            fut = _LANE[0](self._target, args, self._out_specs_fn)  # type: ignore[misc]
+            fut = _LANE[0](target, args, self._out_specs_fn)  # type: ignore[misc]
             if fut is not None:
-                return fut
-        return invoke(self._target, args, kwargs, in_specs=self._in_specs,
-                      out_specs_fn=self._out_specs_fn, devices=self._devices)
+                return fut if target.known else first_call(target, fut)
+        fut = invoke(target, args, kwargs, in_specs=self._in_specs,
+                     out_specs_fn=self._out_specs_fn, devices=self._devices)
+        return fut if target.known else first_call(target, fut)
 
 
 def merge_specialization(current: tuple[Any, Any, Any], in_specs: Any,

@@ -79,6 +79,8 @@ def _wait_for(futs: tuple[Future[Any], ...], loop: asyncio.AbstractEventLoop,
 
     def one_done(f: Future[Any]) -> None:
         last = next(ended) == n
+        if f._exception is not None:  # retrieved, as asyncio.gather retrieves each: the
+            f._read()  # gather's own error or result carries it, never logged as unread
         if not return_exceptions and (f._state == _CANCELLED or f._exception is not None):
             wake(f)
         elif last:

@@ -42,6 +42,7 @@ from .func import (
     _stream_id,
     _thread_streams,
 )
+from .joblayout import _LAYOUTS, job_layout
 from .plan import CallPlan, make_plan
 from .serialization import PickledArgs, _handles_payload
 
@@ -163,10 +164,16 @@ def call(target: Target, args: tuple[Any, ...],
             ok = target.lane_ok = (plan, changes, ctl, target.digest())
     changes = registry.changes  # (read again: as after target.check on the general path)
     refs = []
+    job = ctl._job
     for a in args:
         if a._deleted or a._failed is not None or a._checked != changes:
             a.check_usable()
-        refs.append([0, a.ref])
+        if job is None:
+            refs.append([0, a.ref])
+        else:  # a JAX job: its global layout beside it (job_refs, inline)
+            hit = _LAYOUTS.get((id(a.sharding), a.shape))
+            layout = hit[1] if hit is not None and hit[0] is a.sharding else job_layout(a)
+            refs.append([0, a.ref] if layout is None else [0, a.ref, layout])
     if code is not None:
         blob = code._blob  # (target.digest(), inline once the code is pickled)
         digest = blob[0] if blob is not None else target.digest()  # SerializationError now

@@ -25,6 +25,7 @@ from .._controller.hosts import Host
 from .._model.devices import Device
 from .._wire import protocol as P
 from .array import check_owner
+from .firstcall import first_call
 from .func import (
     _LANE,
     CallPlan,
@@ -37,6 +38,7 @@ from .func import (
     merge_specialization,
     pickle_args,
 )
+from .joblayout import job_refs
 
 __all__ = ["colocated_python_class"]
 
@@ -57,6 +59,7 @@ class ObjectState:
         self.built: dict[int, int] = {}  # host -> generation it was built in
         self.closed = False
         self.destroy_sent = False  # loop thread: DESTROY went out, nothing may build it again
+        self.known: set[str] = set()  # methods whose output specs a call taught (first_call)
         self._lock = threading.Lock()
 
     def check_open(self) -> None:
@@ -109,9 +112,12 @@ class ObjectState:
             return
         digest = self.code.ship(ctl, host)
         init = self.init
+        if init.needs:  # the user's packages the constructor's arguments name
+            ctl._shipper.ship(ctl, host, init.needs)
         for state in init.objects:
             state.ensure_built(ctl, host)
-        ctl._send(host, P.Construct(self.obj_id, digest, init.refs), init.payload, init.buffers,
+        refs = init.refs if ctl._job is None else job_refs(init.refs, init.keep)
+        ctl._send(host, P.Construct(self.obj_id, digest, refs), init.payload, init.buffers,
                  len(init.buffers))
         self.built[host.index] = host.generation
         ctl._count("objects_built")
@@ -159,6 +165,12 @@ class MethodTarget(Target):
         self.method = method
         self.name = f"{state.cls_name}.{method}"
         self.built = state.built  # (the dict itself: emptied, never replaced)
+        self.known = method in state.known
+
+    def learned(self, fut: Future[Any]) -> None:
+        super().learned(fut)
+        if self.known:
+            self.state.known.add(self.method)
 
     def stats_key(self, digest: bytes) -> tuple[bytes, str]:
         return (self.state.code.get()[0], self.method)  # hosts know the object's class
@@ -167,6 +179,8 @@ class MethodTarget(Target):
         self.state.check_plan(ctl, plan)
         if self.state.code.ready != ctl._shipper.serial:  # its class's first call with ctl
             self.state.code.prepare(ctl)
+        if self.state.init.needs:  # past max_code_bytes: fails here, nothing sent
+            ctl._shipper.packages(self.state.init.needs)
 
     def prepare(self, ctl: Controller, host: Host) -> None:
         self.state.ensure_built(ctl, host)
@@ -190,6 +204,8 @@ class ColocatedMethod:
         self._name = name
         self._fn = fn
         self._target = MethodTarget(state, name)
+        if out_specs_fn is not None:
+            self._target.known = True
         self._in_specs = in_specs
         self._out_specs_fn = out_specs_fn
         self._devices = tuple(devices) if devices is not None else None
@@ -211,7 +227,7 @@ class ColocatedMethod:
     def _rebind(self, owner: Any) -> ColocatedMethod:
         """The same method (same specialization, the same target) held by ``owner``, or
         by nothing: its attributes copied, not made again (a method is bound on every
-        attribute access; tests/test_objects.py holds the copy equal to a new one)."""
+        attribute access; tests/test_call_forms.py holds the copy equal to a new one)."""
         method: ColocatedMethod = _new(ColocatedMethod)
         method.__dict__.update(self.__dict__)
         method._owner = owner
@@ -221,12 +237,14 @@ class ColocatedMethod:
         state = self._state
         if state.closed:
             state.check_open()  # (raises)
+        target = self._target
         if self._lane and not kwargs:
-            fut = _LANE[0](self._target, args, self._out_specs_fn)  # type: ignore[misc]
+            fut = _LANE[0](target, args, self._out_specs_fn)  # type: ignore[misc]
             if fut is not None:
-                return fut
-        return invoke(self._target, args, kwargs, in_specs=self._in_specs,
-                      out_specs_fn=self._out_specs_fn, devices=self._devices)
+                return fut if target.known else first_call(target, fut)
+        fut = invoke(target, args, kwargs, in_specs=self._in_specs,
+                     out_specs_fn=self._out_specs_fn, devices=self._devices)
+        return fut if target.known else first_call(target, fut)
 
 
 _new = object.__new__

@@ -17,7 +17,6 @@ from .._model.blocks import global_shape_from_host, host_blocks, layout_from_hos
 from .._model.devices import Device, Mesh
 from .._model.sharding import (
     NamedSharding,
-    PartitionSpec,
     SingleDeviceSharding,
     with_memory_kind,
 )
@@ -39,7 +38,16 @@ def _key_dtype(impl: str) -> Any:
 
 
 def build_outputs(ctl: Controller, call_id: int, plan: CallPlan,
-                   per_host: dict[int, Any], ref_shardings: Sequence[Any] = ()) -> Any:
+                   per_host: dict[int, Any], ref_shardings: Sequence[Any] = (),
+                   name: str = "") -> Any:
+    """The call's outputs from each host's description (``name``: the function's, for
+    errors).
+
+    Raises:
+        ValueError: the hosts' outputs do not agree (structure, dtype, shape, layout,
+            or the values of a replicated output: naming the function, the output's
+            path and the hosts).
+    """
     import jax
 
     hosts = sorted(per_host)
@@ -108,14 +116,25 @@ def build_outputs(ctl: Controller, call_id: int, plan: CallPlan,
                         f"{h} returned {m.shape} {m.dtype}")
             shape = tuple(leaf0.shape)
             sharding = (SingleDeviceSharding(plan.mesh) if isinstance(plan.mesh, Device)
-                        else NamedSharding(plan.mesh, PartitionSpec()))
+                        else NamedSharding(plan.mesh, jax.sharding.PartitionSpec()))
         if leaf0.memory_kind is not None:  # the host's own memory kind (JAX's sharding)
             sharding = with_memory_kind(sharding, leaf0.memory_kind)
         if leaf0.digest is not None and len(hosts) > 1:
-            _outlayout.check_replicas(i, sharding, shape, metas)
+            _outlayout.check_replicas(i, sharding, shape, metas, name,
+                                      functools.partial(_output_path, tree0, i))
         outs.append(Array(ctl, P.output_ref(call_id, i), shape, dtype, sharding,
                           key_impl=leaf0.key_impl))
     return tree0.unflatten(outs)
+
+
+def _output_path(treedef: Any, i: int) -> str:
+    """Where output leaf ``i`` lies in the returned tree, as JAX writes paths
+    (``output[1]['w']``; ``the output`` for a lone array)."""
+    import jax
+
+    tree = treedef.unflatten(range(treedef.num_leaves))
+    path = jax.tree_util.tree_flatten_with_path(tree)[0][i][0]
+    return f"output{jax.tree_util.keystr(path)}" if path else "the output"
 
 
 # -- the common reply's lane (colobus._controller.resultlane) ----------------------------------

@@ -17,7 +17,7 @@ import numpy as np
 from .._controller.future import Future
 from .._model.blocks import host_blocks
 from .._model.devices import Device, Mesh
-from .._model.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+from .._model.sharding import NamedSharding, SingleDeviceSharding
 from .._wire.splice import pack_body
 from .array import Array, mesh_message
 
@@ -72,7 +72,8 @@ def _plan_for(devices: tuple[Device, ...], mesh: Mesh | Device | None) -> CallPl
 def _plan_by_value(devices: tuple[Device, ...], mesh: Mesh | Device) -> CallPlan:
     # Devices compare by id only, and ids repeat across controllers: key on everything.
     full = tuple((d.id, d.host, d.platform, d.local_id) for d in devices)
-    key = (full, None if isinstance(mesh, Device) else (mesh.axis_names, mesh.devices.shape))
+    key = (full, None if isinstance(mesh, Device) else (mesh.axis_names, mesh.devices.shape,
+                                                           mesh.axis_type_names))
     plan = _plans.get(key)
     if plan is None:
         plan = _make_plan(devices, mesh)
@@ -87,6 +88,8 @@ def _make_plan(devices: tuple[Device, ...], mesh: Mesh | Device) -> CallPlan:
     if isinstance(mesh, Device):
         host_mesh = {mesh.host: [[[mesh.platform, mesh.local_id]], [], []]}
     else:
+        from jax.sharding import PartitionSpec
+
         blocks = host_blocks(NamedSharding(mesh, PartitionSpec()), ())
         host_mesh = {h: mesh_message(b) for h, b in blocks.items()}
     return CallPlan(devices, mesh, hosts, host_mesh)
@@ -131,17 +134,21 @@ def make_plan(leaves: list[Any], devices: Sequence[Device] | None) -> CallPlan:
             return _plan_for(*lists[0])
         return _plan_for(devs, None)
     if not lists:
-        exc = ValueError(
-            "No devices found. colocated_python function without input arguments must be "
-            "first specialized with devices.")
-        if leaves:
-            cls = type(leaves[0])
-            first = ("a jax.Array of this process" if cls.__module__.startswith(("jax", "jaxlib"))
-                     else f"a {cls.__module__.split('.')[0]}.{cls.__qualname__}")
-            exc.add_note(
-                f"colobus: the call has arguments ({first} first), but no cb.Array among "
-                "them: put them on the hosts first with cb.device_put(x, device_or_sharding), "
-                "or fix the devices with fn.specialize(devices=...).")
+        jax_text = ("No devices found. colocated_python function without input arguments "
+                    "must be first specialized with devices.")
+        if not leaves:
+            raise ValueError(jax_text)
+        cls = type(leaves[0])
+        first = ("a jax.Array of this process" if cls.__module__.startswith(("jax", "jaxlib"))
+                 else f"a {cls.__module__.split('.')[0]}.{cls.__qualname__}")
+        # JAX's text first, then what to do: in the message itself too, since a bare
+        # `except Exception as e: print(e)` shows no notes.
+        exc = ValueError(f"{jax_text} colobus: the arguments hold no cb.Array ({first} "
+                         "first): cb.device_put them onto the hosts first.")
+        exc.add_note(
+            f"colobus: the call has arguments ({first} first), but no cb.Array among "
+            "them: put them on the hosts first with cb.device_put(x, device_or_sharding), "
+            "or fix the devices with fn.specialize(devices=...).")
         raise exc
     if len(lists) > 1:
         raise ValueError(

@@ -19,10 +19,10 @@ from .._controller.future import Future
 from .._controller.hosts import Host
 from .._wire import protocol as P
 from .._wire.envelope import Envelope
-from .array import Array, check_owner, fetch_many
+from .array import Array, check_owner, fetch_many, off_loop
 from .plan import CallPlan
 
-__all__ = ["block_until_ready"]
+__all__ = ["block_until_ready", "ready_future"]
 
 
 def _is_handle(x: Any) -> bool:
@@ -115,14 +115,27 @@ class _Wait:
         self.outer.set_result(jax.tree_util.tree_map(value, self.tree, is_leaf=_is_handle))
 
 
-def block_until_ready(tree: Any) -> Future[Any]:
-    """A Future that resolves to ``tree`` once every ``cb.Array`` in it is ready: stored on
-    its hosts and its value computed there (each host waits with JAX's
-    ``block_until_ready``, off its loop thread).
+def block_until_ready(tree: Any) -> Any:
+    """``tree`` once every ``cb.Array`` in it is ready: stored on its hosts and its value
+    computed there (each host waits with JAX's ``block_until_ready``, off its loop
+    thread).
 
     A colocated call's Future in ``tree`` is waited for too, and replaced by its value
     (its arrays, ready): the wait leaves right behind the call, so
-    ``await cb.block_until_ready(step(x))`` costs one round trip."""
+    ``await cb.block_until_ready(step(x))`` costs one round trip.
+
+    Returns:
+        On a thread where no event loop runs (plain scripts under ``with``,
+        ``cb.init()``, worker threads), the tree, once ready: it blocks, as JAX's
+        does, so ``cb.block_until_ready(y)`` as a statement waits. In async code (a
+        thread running an event loop: the controller's, or another), a ``cb.Future``
+        of it, to ``await``.
+    """
+    return off_loop(ready_future(tree))
+
+
+def ready_future(tree: Any) -> Future[Any]:
+    """A Future of :func:`block_until_ready`'s value, on any thread."""
     import jax
 
     leaves = jax.tree_util.tree_leaves(tree, is_leaf=_is_handle)

@@ -31,7 +31,7 @@ from .._controller.hosts import Host
 from .._errors import HostLostError
 from .._model.blocks import HostBlock
 from .._model.moves import Box, Move, ReshardPlan
-from .._model.sharding import NamedSharding, PartitionSpec, Sharding
+from .._model.sharding import NamedSharding, Sharding
 from .._wire import protocol as P
 from .._wire.codec import dtype_to_wire, to_buffer
 from .._wire.describe import BadReply, read_fetched
@@ -45,11 +45,16 @@ WINDOW_MOVES = 16
 
 
 def mesh_message(block: HostBlock) -> list[Any]:
-    """A host's part of a layout as a message: ``[[[platform, local id]...], shape, names]``."""
+    """A host's part of a layout as a message: ``[[[platform, local id]...], shape, names]``,
+    and the axis types by name where one is not Auto."""
     devs = [[d.platform, d.local_id] for d in block.local_devices.flat]
     sh = block.local_sharding
     if isinstance(sh, NamedSharding):
-        return [devs, list(block.local_devices.shape), list(sh.mesh.axis_names)]
+        mesh = sh.mesh
+        out = [devs, list(block.local_devices.shape), list(mesh.axis_names)]
+        if mesh.has_axis_types:
+            out.append(list(mesh.axis_type_names))
+        return out
     return [devs, [], []]
 
 
@@ -104,6 +109,8 @@ class Reshard:
 
     def _send(self, call_id: int) -> None:
         """Loop thread: one RESHARD per host of the plan, then the first moves."""
+        from jax.sharding import PartitionSpec
+
         ctl, plan = self.ctl, self.plan
         src = self.src
         assert src is not None

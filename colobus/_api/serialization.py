@@ -38,6 +38,7 @@ from .._model.jaxside import HOST_REDUCERS, std_dispatch_table
 from .._wire import protocol as P
 from .._wire.envelope import Buffer, StdPickler, oob_callback
 from .array import Array, MisusedHandle, check_owner
+from .joblayout import job_refs
 from .plan import CallPlan
 
 if TYPE_CHECKING:
@@ -267,6 +268,7 @@ class _HandleIds:
         elif isinstance(obj, Future) and isinstance(obj.info, CallPlan):
             if self.ctl is not None:
                 check_owner(obj, self.ctl)
+            obj._read()  # its error, if any, is the dependent call's: never logged as unread
             self.refs.append([1, obj.call_id])
         elif isinstance(obj, ColocatedObjectBase):
             state = obj._colobus_state
@@ -309,13 +311,40 @@ class PickledArgs:
     refs: list[list[int]]
     keep: list[Any]
     objects: list[Any]
+    # the user's packages the arguments name (a closure's module, a function's, a user
+    # class's): they travel before the call as the function's own do
+    needs: tuple[str, ...] = ()
+
+
+_user_tops: tuple[int, tuple[bytes, ...]] = (-1, ())  # (len(sys.modules), the user's tops)
+
+
+def _packages_in_args(data: bytes, ctl: Controller | None) -> tuple[str, ...]:
+    """:func:`_packages_named` of an arguments pickle, read only where it can name one:
+    most arguments (numbers, arrays, strings) hold no user package's name at all. With
+    ``ctl``, packages that would pass its ``max_code_bytes`` raise ``SerializationError``
+    here, at the call, nothing sent."""
+    global _user_tops
+    n, tops = _user_tops
+    if n != len(sys.modules):  # something was imported since: who is the user's again
+        names = {name.partition(".")[0] for name in list(sys.modules)}
+        tops = tuple(sorted(t.encode() for t in names if user_package(t) is not None))
+        _user_tops = (len(sys.modules), tops)
+    for top in tops:
+        if top in data:
+            needs = _packages_named(data)
+            if needs and ctl is not None:
+                ctl._shipper.packages(needs)
+            return needs
+    return ()
 
 
 def pickle_args(tree: Any, what: str, ctl: Controller | None = None) -> PickledArgs:
     """Pickle ``(args, kwargs)`` once for every host; ``SerializationError`` names the leaf.
 
     With ``ctl``, a handle another controller made raises ``ValueError`` (also one
-    inside an object that is no pytree node).
+    inside an object that is no pytree node); in ``ctl``'s JAX job, each array's ref
+    names its global layout too (``colobus._api.joblayout``).
     """
     import jax
 
@@ -329,13 +358,20 @@ def pickle_args(tree: Any, what: str, ctl: Controller | None = None) -> PickledA
                 check_owner(a, ctl)
             a.check_usable()
             refs.append([0, a.ref])
+        if ctl is not None and ctl._job is not None:
+            refs = job_refs(refs, list(args))
         return PickledArgs(_handles_payload(len(args)), [], refs, list(args), [])
     f = io.BytesIO()
     buffers: list[Buffer] = []
     fast = _FastArgsPickler(f, buffers, ctl)
     try:
         fast.dump(tree)
-        return PickledArgs(f.getvalue(), buffers, fast.refs, fast.keep, fast.objects)
+        refs = fast.refs
+        if ctl is not None and ctl._job is not None:
+            refs = job_refs(refs, fast.keep)
+        data = f.getvalue()
+        return PickledArgs(data, buffers, refs, fast.keep, fast.objects,
+                           _packages_in_args(data, ctl))
     except (SerializationError, RuntimeError, MisusedHandle) as exc:
         if isinstance(exc, SerializationError | MisusedHandle) or "deleted" in str(exc) or (
                 "was closed" in str(exc)):
@@ -366,7 +402,12 @@ def pickle_args(tree: Any, what: str, ctl: Controller | None = None) -> PickledA
                 break
         raise SerializationError(
             f"{where} of {what} cannot be pickled, so nothing was sent: {exc}") from exc
-    return PickledArgs(f.getvalue(), buffers, pickler.refs, pickler.keep, pickler.objects)
+    refs = pickler.refs
+    if ctl is not None and ctl._job is not None:
+        refs = job_refs(refs, pickler.keep)
+    data = f.getvalue()
+    return PickledArgs(data, buffers, refs, pickler.keep, pickler.objects,
+                       _packages_in_args(data, ctl))
 
 
 class _Slot:

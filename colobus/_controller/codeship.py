@@ -8,14 +8,17 @@ source and data files, named by the digest of its contents. :class:`CodeShipper`
 keeps one snapshot per package and controller (read once, when first needed), so a
 session ships what the files held when it first needed them; the next controller
 reads them again.
+
+What a package's zip holds, and which files never travel (keys, owner-only files,
+links out), is :mod:`colobus._controller.packfiles`'s; a package that holds such a
+file ships without it and the controller says so once.
+
 Trust runs one way: packages go to hosts; nothing here reads what a host sent.
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import io
 import itertools
 import logging
 import os
@@ -24,39 +27,22 @@ import sys
 import sysconfig
 import threading
 import types
-import zipfile
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .._errors import SerializationError
 from .._wire import protocol as P
+from .packfiles import Package, Secrets, say_left_out, snapshot
 
 if TYPE_CHECKING:
     from .._wire.envelope import Buffer
     from .hosts import Host
 
-__all__ = ["DEFAULT_MAX_CODE_BYTES", "CodeShipper", "Package", "imports_of", "snapshot",
-           "user_package"]
+__all__ = ["DEFAULT_MAX_CODE_BYTES", "CodeShipper", "Package", "Secrets", "imports_of",
+           "snapshot", "user_package"]
 
 log = logging.getLogger("colobus.controller")
 
 DEFAULT_MAX_CODE_BYTES = 64 << 20
-# Never travel: caches, version control, virtual environments, build leftovers.
-SKIP_DIRS = frozenset({"__pycache__", "node_modules"})
-SKIP_SUFFIXES = (".pyc", ".pyo", ".so", ".pyd", ".dylib", ".dll", ".o", ".a")
-_ZIP_TIME = (1980, 1, 1, 0, 0, 0)  # fixed, so equal files make equal archives
-
-
-@dataclass(frozen=True, slots=True)
-class Package:
-    """One package's files, as read once: its import name, digest, zip and size."""
-
-    name: str
-    root: str  # the package directory, or the lone module's file
-    digest: bytes
-    archive: bytes
-    nbytes: int  # of the files themselves
 
 
 @functools.cache
@@ -162,78 +148,6 @@ def imports_of(top: str) -> tuple[str, ...]:
     return tuple(found)
 
 
-def _files(root: str) -> list[tuple[str, str]]:
-    """``(relative path in the archive, path)`` of every file that travels, sorted."""
-    if os.path.isfile(root):
-        return [(os.path.basename(root), root)]
-    name = os.path.basename(root)
-    out = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(
-            d for d in dirnames if not (d.startswith(".") or d in SKIP_DIRS
-                                        or d.endswith(".egg-info") or _environment(dirpath, d)))
-        rel = os.path.relpath(dirpath, root)
-        for f in sorted(filenames):
-            if f.startswith(".") or f.endswith(SKIP_SUFFIXES):
-                continue
-            path = os.path.join(dirpath, f)
-            if os.path.isfile(path):
-                out.append((os.path.normpath(os.path.join(name, rel, f)).replace(os.sep, "/"),
-                            path))
-    return out
-
-
-def _environment(dirpath: str, d: str) -> bool:
-    """Whether ``dirpath/d`` is a virtual or conda environment."""
-    return any(os.path.exists(os.path.join(dirpath, d, mark)) for mark in ("pyvenv.cfg",
-                                                                           "conda-meta"))
-
-
-def _size(n: int) -> str:
-    return f"{n / 1e6:.1f} MB" if n >= 100_000 else f"{n / 1e3:.1f} kB"
-
-
-def too_large(what: str, sizes: list[tuple[int, str]], total: int, limit: int) -> str:
-    """The error text of a session that would ship more than ``limit`` bytes of code."""
-    largest = ", ".join(f"{path} ({_size(size)})" for size, path in
-                        sorted(sizes, reverse=True)[:3])
-    return (f"shipping {what} would make this session's code {total / 1e6:.1f} MB, over "
-            f"max_code_bytes={limit}; its largest files: {largest}. Keep data out of the "
-            "package (or install it on the hosts and pass ship_code=False), or raise "
-            "max_code_bytes")
-
-
-def snapshot(name: str, root: str, used: int = 0, limit: int | None = None) -> Package:
-    """Read a package's files once: a zip of them and the digest of their contents.
-
-    Raises:
-        SerializationError: with ``used`` bytes shipped before, the files would pass
-            ``limit`` (the message names the largest), or they cannot be read.
-    """
-    files = _files(root)
-    try:
-        sizes = [(os.path.getsize(path), rel) for rel, path in files]
-    except OSError as exc:
-        raise SerializationError(f"cannot read the files of {name!r} to ship: {exc}") from exc
-    nbytes = sum(s for s, _ in sizes)
-    if limit is not None and used + nbytes > limit:
-        raise SerializationError(too_large(f"{name!r} ({root})", sizes, used + nbytes, limit))
-    digest = hashlib.blake2b(b"colobus package\0" + name.encode(), digest_size=16)
-    out = io.BytesIO()
-    with zipfile.ZipFile(out, "w") as archive:
-        for rel, path in files:
-            try:
-                with open(path, "rb") as f:
-                    data = f.read()
-            except OSError as exc:
-                raise SerializationError(f"cannot read {path} to ship: {exc}") from exc
-            digest.update(b"%d\0%s\0" % (len(data), rel.encode()))
-            digest.update(data)
-            archive.writestr(zipfile.ZipInfo(rel, _ZIP_TIME), data,
-                             compress_type=zipfile.ZIP_DEFLATED, compresslevel=1)
-    return Package(name, root, digest.digest(), out.getvalue(), nbytes)
-
-
 def _resolve(spec: Any) -> tuple[str, str]:
     """``(import name, root)`` of a ``py_modules`` entry: a module, or a path."""
     if isinstance(spec, types.ModuleType):
@@ -265,6 +179,8 @@ class CodeShipper:
         py_modules: modules or paths shipped to every host with its first code.
         ship_code: also ship the user's own packages that code names (automatic).
         max_code_bytes: the most bytes of files one session ships.
+        secrets: what never travels besides owner-only files and links out (the
+            controller's key and CurveZMQ secret-key files and values).
 
     Raises:
         ValueError: a ``py_modules`` entry is no module, package directory or .py file.
@@ -272,8 +188,10 @@ class CodeShipper:
     """
 
     def __init__(self, py_modules: Iterable[Any] = (), ship_code: bool = True,
-                 max_code_bytes: int = DEFAULT_MAX_CODE_BYTES) -> None:
+                 max_code_bytes: int = DEFAULT_MAX_CODE_BYTES,
+                 secrets: Secrets | None = None) -> None:
         self.auto = ship_code
+        self.secrets = secrets if secrets is not None else Secrets()
         self.serial = next(_serials)  # what code remembers it by (not the object: no cycle)
         self.limit = max_code_bytes
         self._lock = threading.Lock()
@@ -288,9 +206,11 @@ class CodeShipper:
                 self.always.append(self._admit(name, root))
 
     def _admit(self, name: str, root: str) -> Package:
-        pkg = snapshot(name, root, self.total, self.limit)
+        pkg = snapshot(name, root, self.total, self.limit, self.secrets)
         self._packages[name] = pkg
         self.total += pkg.nbytes
+        if pkg.left_out:
+            say_left_out(pkg)
         return pkg
 
     def packages(self, names: tuple[str, ...]) -> list[Package]:

@@ -21,7 +21,7 @@ from typing import Any
 
 import zmq
 
-from .._errors import ControllerClosedError, NoControllerError
+from .._errors import ControllerClosedError
 from .._model.devices import Device
 from .._observe.metrics import observing, stop_observing
 from .._process import freeze_once
@@ -32,22 +32,22 @@ from .._wire.envelope import Buffer
 from .._wire.fanout import FanoutChannel
 from .._wire.sockio import router_socket
 from .._wire.tasks import supervise
-from . import syncface as _syncface
 from . import wakeups
-from .codeship import DEFAULT_MAX_CODE_BYTES, CodeShipper
-from .current import Current, State
+from .codeship import DEFAULT_MAX_CODE_BYTES, CodeShipper, Secrets
+from .current import Current, State, no_controller_error
 from .environ import from_environment, from_environment_modules
 from .frees import Frees
 from .future import Future
 from .hangups import Hangups
 from .hosts import Host, HostInfo, HostRegistry
 from .inbox import Inbox
+from .jaxjob import JaxJob, wants_job
 from .joinwait import JoinProgress, JoinWaiters, key_words
 from .ops import Operations
 from .relays import Relays
 from .sessions import Sessions
 from .stats import collect_stats, refresh_stats, scrape_stats
-from .syncface import LoopThread
+from .syncface import LoopThread, SyncFace
 from .uploads import DEFAULT_MAX_QUEUED_BYTES, Uploads
 
 __all__ = ["Controller", "HostInfo", "State", "current_controller"]
@@ -64,7 +64,7 @@ def current_controller() -> Controller | None:
     return _current.top()
 
 
-class Controller:
+class Controller(SyncFace):
     """Binds a ROUTER socket and drives the workers that join it.
 
     Args:
@@ -117,10 +117,14 @@ class Controller:
         py_modules: modules or paths (package dirs, ``.py`` files) shipped to hosts too (None:
             ``$COLOBUS_PY_MODULES``); ``ship_code=False``: only those, not your modules calls
             need; ``max_code_bytes``: the most one session ships. docs/deployment.md.
+        jax_distributed: once the ``hosts`` joined, the workers form one JAX job (host ``i``
+            is JAX process ``i``): host code sees every host's devices and global arrays
+            (docs/jax_job.md). None: ``$COLOBUS_JAX_DISTRIBUTED``, else off.
 
     Raises:
         ValueError: ``curve_allow`` given without ``curve_secret_key``, ``metrics`` not
-            loopback without ``metrics_public``, or a ``py_modules`` entry is no module.
+            loopback without ``metrics_public``, a ``py_modules`` entry is no module, or
+            ``jax_distributed`` without a cluster size (``hosts=N``).
         SerializationError: the ``py_modules`` pass ``max_code_bytes``.
         ImportError: ``metrics`` given but ``prometheus_client`` is missing.
         AuthenticationError: ``key`` is shorter than 32 bytes, or a CurveZMQ key
@@ -155,9 +159,9 @@ class Controller:
         py_modules: Iterable[Any] | None = None,
         ship_code: bool = True,
         max_code_bytes: int = DEFAULT_MAX_CODE_BYTES,
+        jax_distributed: bool | None = None,
     ) -> None:
         bind, hosts, key, names = from_environment(bind, hosts, key)  # colobus launch's
-        self._shipper = CodeShipper(from_environment_modules(py_modules), ship_code, max_code_bytes)
         if key is not None:
             key = _keys.check_key(key, "Controller(key=...)")
         if hosts < 0:
@@ -184,6 +188,8 @@ class Controller:
         # (public, secret) Z85 and the allowed workers' keys, when CurveZMQ is on
         self._curve, self._curve_allow = _keys.curve_server_config(
             curve_secret_key, curve_public_key, curve_allow)
+        self._shipper = CodeShipper(from_environment_modules(py_modules), ship_code, max_code_bytes,
+                                    Secrets.of_keys(self._key, curve_secret_key, self._curve))
         self._auth: Any = None  # zmq.auth.thread.ThreadAuthenticator while running
         self._relays = Relays.configure(self, relays, relay_threshold, hosts)
         self.state, self._closed = State.NEW, False  # (_closed: a plain read per call)
@@ -211,6 +217,8 @@ class Controller:
         self._close_reason: str | None = None  # why it closed, when not by the user
         self._sessions = Sessions(self)
         self._sessions.number_by_name = list(names) if names else None  # colobus launch
+        # the cluster's JAX job (jax_distributed=True), formed once the hosts joined
+        self._job: JaxJob | None = JaxJob(self) if wants_job(jax_distributed) else None
 
     def __repr__(self) -> str:
         return f"<colobus.Controller {self._address or self._bind} {self.state.value}>"
@@ -264,7 +272,8 @@ class Controller:
         relay's ``pid``, ``hosts`` (indices), ``forwards`` and ``ups`` (its messages)."""
         return {**collect_stats(self._sessions, self._counters, self._chan, self._ops,
                                 self._hosts, self._uploads),
-                "relays": self._relays.describe() if self._relays is not None else []}
+                "relays": self._relays.describe() if self._relays is not None else [],
+                "jax_job": self._job.describe() if self._job is not None else None}
 
     def refresh_stats(self) -> Future[dict[str, Any]]:
         """Ask every live host for its store counters now; resolves to :meth:`stats`.
@@ -326,15 +335,17 @@ class Controller:
         self._tasks.append(supervise(self._loop.create_task(self._sessions.liveness()),
                                      "the liveness loop", self._die))
         self.state = State.RUNNING
+        if self._job is not None:  # nothing reaches a host before the job formed
+            self._job.started()
         log.info("controller listening on %s (%s)", self._address, key_words(self._key))
         if self._relays is not None:
             await self._relays.start()
         if self._write_key_file:
             self.key_file = str(_keys.write_private_key(self._key))
             _keys.note_key_file(self._key, self.key_file)
-            log.info("no key given: wrote a fresh key to %s; standalone workers join with "
-                     "`colobus worker --connect %s --key-file %s`",
-                     self.key_file, self._address, self.key_file)
+            log.info("no key given: wrote a fresh key to %s (removed when this controller "
+                     "closes); standalone workers join with `colobus worker --connect %s "
+                     "--key-file %s`", self.key_file, self._address, self.key_file)
         self._chan.drain()
 
     def _stop_curve(self) -> None:
@@ -343,16 +354,23 @@ class Controller:
             self._auth = None
 
     async def wait_for_hosts(self, n: int | None = None, timeout: float | None = None) -> None:
-        """Wait until ``n`` hosts (default: ``hosts``) are alive.
+        """Wait until ``n`` hosts (default: ``hosts``) are alive; with
+        ``jax_distributed``, also until the cluster's JAX job formed (again).
 
         Raises:
-            TimeoutError: fewer joined within ``timeout`` (default ``join_timeout``).
+            TimeoutError: fewer joined within ``timeout`` (default ``join_timeout``), or
+                the JAX job did not form within it.
+            RuntimeError: the JAX job could not form (a host's error says why).
         """
         n = self._expected_hosts if n is None else n
         assert self._loop is not None
+        timeout = self.join_timeout if timeout is None else timeout
+        deadline = self._loop.time() + timeout
         await self._join_waiters.wait(self._loop, n, self._hosts.alive_count, JoinProgress(
-            self._address, self._key, n, self._hosts.missing_names),
-            self.join_timeout if timeout is None else timeout, self._check_open)
+            self._address, self._key, n, self._hosts.missing_names), timeout, self._check_open)
+        if self._job is not None and n >= self._expected_hosts:
+            await self._job.wait_formed(max(0.0, deadline - self._loop.time()))
+            self._check_open()
 
     async def aclose(self) -> None:
         """Close: every pending or queued call ends with ``ControllerClosedError``,
@@ -371,6 +389,8 @@ class Controller:
             self._send(h, P.Shutdown(reason))
         chan.flush()
         self.state, self._closed = State.CLOSED, True
+        if self._job is not None:
+            self._job.close()
         self._ops.close(self._close_reason)
         self._uploads.on_release()
         self._join_waiters.wake()
@@ -401,28 +421,7 @@ class Controller:
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
-    # -- sync face (colobus._controller.syncface) ----------------------------------
-
-    def start_in_thread(self, timeout: float = 30.0) -> None:
-        """Start the controller on a private event-loop thread (the sync face)."""
-        _syncface.start_in_thread(self, timeout)
-
-    def run_sync(self, coro: Any, timeout: float | None = None) -> Any:
-        """Run a coroutine on the controller's loop and wait for it (not from that loop).
-
-        Raises:
-            RuntimeError: called on the controller's own loop thread (it would
-                deadlock); ``await`` the coroutine there instead.
-        """
-        return _syncface.run_sync(self, coro, timeout)
-
-    def close(self) -> None:
-        """Close the controller from plain code (``with``), or from any other thread.
-
-        On the controller's own loop thread (a done-callback), closing starts at
-        once and finishes in the background: nothing may block that thread.
-        """
-        _syncface.close(self)
+    # -- sync face (start_in_thread, run_sync, close: colobus._controller.syncface) ------
 
     def __enter__(self) -> Controller:
         self.start_in_thread()
@@ -493,5 +492,5 @@ def default_controller() -> Controller:
     """The default controller, or ``NoControllerError`` saying how to start one."""
     ctl = current_controller()
     if ctl is None or ctl.state is not State.RUNNING:
-        raise NoControllerError()
+        raise no_controller_error(ctl if ctl is not None else _current.left_last())
     return ctl

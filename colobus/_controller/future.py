@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from .._observe.observer import FunctionStats
     from .._observe.trace import CallRecord, CallTimings
 
-__all__ = ["Future", "in_event_loop"]
+__all__ = ["Future", "fail_call", "in_event_loop"]
 
 T = TypeVar("T")
 
@@ -66,6 +66,7 @@ class Future(Generic[T]):
         "_stats",
         "_submitted",
         "_timing",
+        "_unread",
         "_waiter",
         "call_id",
         "info",
@@ -89,6 +90,8 @@ class Future(Generic[T]):
         self._stats: FunctionStats | None = None  # the function's counters
         self._submitted = 0.0  # when the call was made (perf_counter)
         self._timing: CallRecord | None = None  # its timings (tracing only)
+        # ``_unread`` (a failed call's error nobody read yet, see fail_call) is left unset
+        # here: only failing calls and calls handed on pay for it
 
     def __repr__(self) -> str:
         state = ("pending", "cancelled", "finished")[self._state]
@@ -212,14 +215,26 @@ class Future(Generic[T]):
         if self._state == _CANCELLED:
             raise asyncio.CancelledError()
         if self._exception is not None:
+            self._read()
             raise self._exception
         return self._result  # type: ignore[no-any-return]
+
+    def _read(self) -> None:
+        """Its error was read (awaited, ``result()``, ``exception()``) or handed to another
+        call: never log it as unread."""
+        unread = getattr(self, "_unread", None)
+        if unread is None:
+            self._unread = _HANDED
+        elif unread is not _HANDED:
+            unread.read = True
 
     def exception(self, timeout: float | None = None) -> BaseException | None:
         """The exception the operation raised, or None; waits like :meth:`result`."""
         self._wait(timeout)
         if self._state == _CANCELLED:
             raise asyncio.CancelledError()
+        if self._exception is not None:
+            self._read()
         return self._exception
 
     def result(self, timeout: float | None = None) -> T:
@@ -303,6 +318,51 @@ class Future(Generic[T]):
         if self._state == _FINISHED and self._exception is None:
             return self._result  # type: ignore[no-any-return]
         return self._get()
+
+
+class _Unread:
+    """A failed call's error that no one read yet; logged once if it goes with its Future
+    (as asyncio logs a task's exception that was never retrieved)."""
+
+    __slots__ = ("exc", "host", "name", "read")
+
+    def __init__(self, exc: BaseException, name: str, host: int | None) -> None:
+        self.exc = exc
+        self.name = name
+        self.host = host
+        self.read = False
+
+    def __del__(self) -> None:
+        if self.read:
+            return
+        exc = self.exc
+        where = "" if self.host is None else f" on host {self.host}"
+        try:
+            log.error("colobus call of %s failed%s, and its Future was garbage-collected "
+                      "with the error never read (await it, or call .result() or "
+                      ".exception()): %s: %s", self.name, where, type(exc).__name__, exc,
+                      exc_info=(type(exc), exc, exc.__traceback__))
+        except Exception:  # interpreter shutdown: logging may be gone
+            pass
+
+
+_HANDED = _Unread(Exception(), "", None)  # ``_unread`` of a Future read or handed on
+_HANDED.read = True
+_QUIET = (asyncio.CancelledError,)  # never logged: the caller's own doing
+
+
+def fail_call(fut: Future[Any], exc: BaseException, name: str, host: int | None,
+              quiet: tuple[type[BaseException], ...] = ()) -> None:
+    """Settle a colocated call's Future with ``exc`` (loop thread); logged once if the
+    Future is garbage-collected with the error never read or handed to another call.
+    ``quiet``: error types never logged so (the controller closing, say)."""
+    if isinstance(exc, _QUIET + quiet) or getattr(fut, "_unread", None) is not None:
+        fut.set_exception(exc)
+        return
+    unread = fut._unread = _Unread(exc, name, host)  # before any reader can see the error
+    fut.set_exception(exc)
+    if fut._exception is not exc:  # it had ended already
+        unread.read = True
 
 
 def _run_callback(fn: Callable[[Future[Any]], object], fut: Future[Any]) -> None:

@@ -23,6 +23,7 @@ from .._errors import HostLostError
 from .._model.devices import Device
 from .._wire import protocol as P
 from .._wire.channel import Peer
+from .._wire.guard import shown
 
 __all__ = ["Host", "HostInfo", "HostRegistry", "host_mask"]
 
@@ -311,7 +312,8 @@ class HostRegistry:
 
     def describe(self, host: Host, rejoined: bool, expected: int) -> str:
         kinds = collections.Counter(d.platform for d in host.devices)
+        # (the worker's strings shown quoted where not plain: it cannot forge a line)
         return (f"host {host.index} {'rejoined' if rejoined else 'joined'}: {host.name!r} "
-                f"(pid {host.pid} on {host.address}) with "
-                f"{', '.join(f'{n} {p}' for p, n in sorted(kinds.items())) or 'no devices'} "
+                f"(pid {host.pid} on {shown(host.address)}) with "
+                f"{', '.join(f'{n} {shown(p)}' for p, n in sorted(kinds.items())) or 'no devices'} "
                 f"[{self.alive_count()}/{expected} alive]")

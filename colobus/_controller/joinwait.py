@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from urllib.parse import urlsplit
 
-from .._wire.keys import key_file_of, key_id
+from .._wire.keys import is_private_key_file, key_file_of, key_id
 
 __all__ = ["JoinProgress", "JoinWaiters", "worker_command"]
 
@@ -77,6 +77,18 @@ class JoinProgress:
         """The text of the ``TimeoutError`` that ends a wait."""
         names = self._missing() if self._missing is not None else ()
         missing = ", ".join(repr(name) for name in names[:20]) + (" ..." if len(names) > 20 else "")
+        path = key_file_of(self._key) if self._key else None
+        if path is not None and is_private_key_file(path):
+            # The controller's own key file goes when it closes, which this timeout is
+            # about to do: point at a key that stays instead of at a file about to vanish.
+            return (f"only {alive} of {self._expected} colobus hosts joined {self._address} "
+                    f"within {timeout:.0f} s{f'; missing: {missing}' if missing else ''}. "
+                    f"This controller was given no key: the key it made ({path}, key id "
+                    f"{key_id(self._key)}) is removed as it closes now, so workers cannot "
+                    "join with it later. Make a key that stays with `colobus keygen "
+                    "colobus.key`, start the controller with key=cb.load_key('colobus.key'), "
+                    f"and on each host run `{worker_command(self._address, b'')} "
+                    "--key-file colobus.key` (with a copy of that file)")
         return (f"only {alive} of {self._expected} colobus hosts joined {self._address} within "
                 f"{timeout:.0f} s{f'; missing: {missing}' if missing else ''}; start workers "
                 f"with `{worker_command(self._address, self._key)}` ({key_words(self._key)}; "

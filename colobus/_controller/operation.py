@@ -14,11 +14,12 @@ import asyncio
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .._errors import ProtocolError
+from .._errors import ControllerClosedError, ProtocolError
 from .._wire import protocol as P
 from .._wire.describe import BadReply
 from .._wire.envelope import Envelope
 from .._wire.failures import read_error, rebuild_error
+from .future import fail_call
 from .hosts import host_mask
 
 if TYPE_CHECKING:
@@ -146,9 +147,19 @@ class Operation:
                 exc = e
         if exc is not None:
             self._free_outputs(ops)
-            fut.set_exception(exc)
+            self.fail(exc)
         else:
             fut.set_result(result)
+
+    def fail(self, exc: BaseException) -> None:
+        """Settle the future with ``exc``: a colocated call's (its combiner names its
+        target) is logged if its Future goes with the error never read (``fail_call``)."""
+        target = getattr(self.combine, "target", None)
+        if target is None:
+            self.future.set_exception(exc)
+            return
+        host = min(self.errors) if self.errors else getattr(exc, "host", None)
+        fail_call(self.future, exc, target.name, host, (ControllerClosedError,))
 
     def _first_error(self) -> BaseException | None:
         if not self.errors:

@@ -269,7 +269,7 @@ class Operations:
                     for k in () if wide else op.hosts[:j]:
                         hosts[k].inflight.discard(call_id)
                         hosts[k].awaiting.discard(call_id)
-                    fut.set_exception(h.lost_error("it is not alive") if h else HostLostError(
+                    op.fail(h.lost_error("it is not alive") if h else HostLostError(
                         f"Host {i} does not exist", i))
                     return
                 if not wide:

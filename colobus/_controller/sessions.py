@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from .._wire import protocol as P
 from .._wire.chunks import ACK_KIND
 from .._wire.envelope import PROTOCOL_VERSION, Dropped, Envelope, unpack_batch
-from .._wire.guard import RESET_SEQ, Challenges, PeerWarnings
+from .._wire.guard import RESET_SEQ, Challenges, PeerWarnings, Refusals, shown
 from .._wire.lane import ON, decode
 from .._wire.limits import MAX_HEADER_BYTES, MAX_OBJECTS, UNKNOWN_PEER_MAX_BYTES
 from .._wire.protocol import Kind
@@ -39,6 +39,7 @@ from .resultlane import ResultLane
 if TYPE_CHECKING:
     from .._wire.envelope import Buffer
     from .hangups import Hangups
+    from .jaxjob import JaxJob
     from .ops import Operations
     from .relays import Relays
     from .uploads import Uploads
@@ -61,6 +62,8 @@ class SessionsOwner(Parts, Protocol):
     def _hangups(self) -> Hangups | None: ...
     @property
     def _relays(self) -> Relays | None: ...
+    @property
+    def _job(self) -> JaxJob | None: ...
     @property
     def _uploads(self) -> Uploads: ...
     @property
@@ -97,6 +100,7 @@ class Sessions:
         self.hosts_dropped = 0  # joined hosts dropped for breaking the protocol
         self.challenges = Challenges()  # join nonces: bounded, expiring
         self._peer_warnings = PeerWarnings(log)
+        self.refusals = Refusals(log)  # joins refused, rate-limited
         self.join_level = join_level(launched=False)  # launchers: cluster.announce_joins
         # Names a launcher numbers its hosts by (names[0] is host 0), set from any thread
         # before its workers start; the loop thread reserves their numbers at the next HELLO.
@@ -332,11 +336,11 @@ class Sessions:
             raise ValueError("bad versions")
         why, warnings = compare(hello.versions, local_versions())
         if why is not None:  # one line, on both sides; the worker exits
-            log.warning("host %r (%s) refused: %s", hello.name, hello.hostname, why)
+            self.refusals.note(f"host {hello.name!r} ({shown(hello.hostname)}) refused: {why}")
             self._send_raw(identity, env.sender, P.Reject(why))
             return
-        for line in warnings:
-            log.warning("host %r (%s): %s", hello.name, hello.hostname, line)
+        for line in warnings:  # (the worker's strings quoted: it cannot forge a line)
+            log.warning("host %r (%s): %s", hello.name, shown(hello.hostname), line)
         names, self.number_by_name = self.number_by_name, None
         if names is not None:
             ctl._hosts.reserve(names)
@@ -383,7 +387,8 @@ class Sessions:
         welcome = P.Welcome(host.index, [d.id for d in host.devices], ctl.heartbeat_interval,
                             ctl.liveness_timeout, ctl._exit_workers, ctl.max_message_bytes,
                             ctl.observer is not None, max(ctl._expected_hosts, len(hosts)),
-                            relay.welcome_endpoint() if relay is not None else "")
+                            relay.welcome_endpoint() if relay is not None else "",
+                            ctl._job is not None)
         if relays is not None and relay is not None:
             relays.welcome(host, relay, welcome)  # its session moves to that relay
         else:
@@ -391,6 +396,10 @@ class Sessions:
         log.log(self.join_level, "%s", hosts.describe(host, old is not None and old.joined,
                                                         ctl._expected_hosts))
         ctl._joined()
+        if ctl._job is not None:  # the JAX job forms once every host joined
+            if ctl._chan is not None:  # the WELCOME leaves alone: a worker not joined
+                ctl._chan.flush()      # yet drops a batch (a FORM would ride with it)
+            ctl._job.host_joined(host)
 
     def _gone(self, host: Host) -> str | None:
         """Why a live host's session is over (silent past the liveness timeout, or its
@@ -442,6 +451,7 @@ class Sessions:
         # (a large pickle, a GC pause) must not declare live hosts lost.
         chan.drain()
         self._peer_warnings.flush()
+        self.refusals.flush()
         now = time.monotonic()
         frozen = self._stalls.frozen(now)  # this process did not run: nobody's silence
         alive = []
@@ -484,4 +494,6 @@ class Sessions:
                             "the relays' ports to it, or relays=0)", host.index, host.name)
             self._ctl._relays.drop(host, last_word)
         self._ctl._ops.host_lost(host, why)
+        if self._ctl._job is not None:  # a JAX job ends with any of its hosts
+            self._ctl._job.host_lost(host, why)
         self._ctl._uploads.on_release()  # puts waiting for it go on (and fail)

@@ -16,9 +16,11 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, Protocol, TypeVar
 
+from .._wire.keys import catch_sigterm
+
 __all__ = [
-    "LoopThread", "SyncOwner", "close", "new_event_loop", "run_sync", "start_in_thread",
-    "uvloop_in_use",
+    "LoopThread", "SyncFace", "SyncOwner", "close", "new_event_loop", "run_sync",
+    "start_in_thread", "uvloop_in_use",
 ]
 
 log = logging.getLogger("colobus.controller")
@@ -82,6 +84,7 @@ class SyncOwner(Protocol):
 
     _own_thread: LoopThread | None
     _closing: asyncio.Task[None] | None
+    _write_key_file: bool  # it makes its own key file (on its loop thread)
 
     @property
     def _loop(self) -> asyncio.AbstractEventLoop | None: ...
@@ -93,8 +96,35 @@ class SyncOwner(Protocol):
     async def aclose(self) -> None: ...
 
 
+class SyncFace:
+    """The controller's blocking methods for plain code (a base of ``Controller``)."""
+
+    def start_in_thread(self: SyncOwner, timeout: float = 30.0) -> None:
+        """Start the controller on a private event-loop thread (the sync face)."""
+        start_in_thread(self, timeout)
+
+    def run_sync(self: SyncOwner, coro: Any, timeout: float | None = None) -> Any:
+        """Run a coroutine on the controller's loop and wait for it (not from that loop).
+
+        Raises:
+            RuntimeError: called on the controller's own loop thread (it would
+                deadlock); ``await`` the coroutine there instead.
+        """
+        return run_sync(self, coro, timeout)
+
+    def close(self: SyncOwner) -> None:
+        """Close the controller from plain code (``with``), or from any other thread.
+
+        On the controller's own loop thread (a done-callback), closing starts at
+        once and finishes in the background: nothing may block that thread.
+        """
+        close(self)
+
+
 def start_in_thread(ctl: SyncOwner, timeout: float) -> None:
     """Start ``ctl`` on a private event-loop thread; no thread outlives a failed start."""
+    if ctl._write_key_file:  # the key file it makes there goes on SIGTERM too (set here:
+        catch_sigterm()      # Python sets signal handlers on the main thread only)
     thread = LoopThread()
     thread.start(timeout)
     ctl._own_thread = thread

@@ -24,11 +24,12 @@ if TYPE_CHECKING:
     from .._wire.calltimes import HostCallTimes
     from .._wire.channel import Channel, Peer
     from .dataplane import DataPlane
+    from .jaxjob import HostJob
     from .store import Store
     from .values import HostValues
 
 __all__ = ["_CANCELLED", "_DONE", "_QUEUED", "_RUNNING", "WorkerServices", "_Call", "_Destroy",
-           "_Stream", "_settable", "call_args"]
+           "_Stream", "_settable", "call_args", "set_job"]
 
 _QUEUED, _RUNNING, _CANCELLED, _DONE = range(4)
 
@@ -136,10 +137,20 @@ class WorkerServices(Protocol):
 # What user code receives otherwise than as stored (``present`` returns any other value).
 _PRESENTED = (CallResult, PiecedBlock, NumpyBlock)
 
+# This worker's part in the cluster's JAX job while it is in one (host code then sees
+# global arrays): one list read per call, nothing more, in the block model.
+_JOB: list[HostJob | None] = [None]
+
+
+def set_job(job: HostJob | None) -> None:
+    """The worker joined the cluster's JAX job (``job``), or left it (None)."""
+    _JOB[0] = job
+
 
 def call_args(call: _Call, present: Callable[[Any], Any]) -> tuple[Any, Any]:
     """A call's arguments: its pickled ones, with the host's values for what it names
-    (``present``: the worker's, the identity on all but ``_PRESENTED``)."""
+    (``present``: the worker's, the identity on all but ``_PRESENTED``); in a JAX job,
+    each array as the global ``jax.Array`` of its layout (``HostJob.view``)."""
     values = []
     plain = True
     for p in call.pins:
@@ -150,9 +161,29 @@ def call_args(call: _Call, present: Callable[[Any], Any]) -> tuple[Any, Any]:
         values.append(v)
     if plain:
         call.argvals = values
+    job = _JOB[0]
+    if job is not None:  # (only where an array is global: a layout, or a global output)
+        views = job._views
+        for k, ref in enumerate(call.body.refs):
+            if len(ref) > 2 or (views and id(values[k]) in views):
+                values = _global_views(job, call.body.refs, values)
+                break
     env = call.env
     assert env is not None
     unpickler = ArgsLoader(io.BytesIO(env.payload), buffers=env.buffers[: env.pbufs])
     unpickler._values = values
     args, kwargs = unpickler.load()
     return args, kwargs
+
+
+def _global_views(job: HostJob, refs: list[Any], values: list[Any]) -> list[Any]:
+    """The arguments' values as host code sees them in a JAX job: an array whose entry
+    carries its global layout as that global array; a call's outputs as the global
+    arrays they were made as (where host code made them so)."""
+    out = list(values)
+    for k, ref in enumerate(refs):
+        if len(ref) > 2 and type(ref[2]) is bytes:
+            out[k] = job.view(out[k], ref[2])
+        elif ref[0] != 2:
+            out[k] = job.known(out[k])
+    return out

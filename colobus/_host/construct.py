@@ -12,7 +12,7 @@ import asyncio
 import functools
 from typing import TYPE_CHECKING, Any
 
-from .calls import _settable
+from .calls import _JOB, _global_views, _settable
 from .pool import ArgsUnpickler
 
 if TYPE_CHECKING:
@@ -38,6 +38,9 @@ async def _construct(w: WorkerServices, body: P.Construct, env: Envelope,
     loop = asyncio.get_running_loop()
     try:
         values = [w.present(await p) for p in pins]
+        job = _JOB[0]
+        if job is not None:  # a JAX job: arrays arrive global, as in a call
+            values = _global_views(job, body.refs, values)
         args, kwargs = ArgsUnpickler(env.payload, values, env.buffers[: env.pbufs]).load()
         cls = w.store.get_code(body.digest)
         built: list[Any] = []

@@ -41,7 +41,7 @@ from typing import Any
 
 import zmq
 
-from .._wire.endpoint import Endpoint
+from .._wire.endpoint import Endpoint, data_address
 from .._wire.protocol import TOKEN_BYTES
 
 __all__ = ["Blob", "DataPlane", "start_dataplane"]
@@ -428,7 +428,12 @@ def start_dataplane(loop: asyncio.AbstractEventLoop, ctx: zmq.Context[Any],
     thread once found, so the first join never waits for it."""
     import ipaddress
 
-    lookup = endpoint.transport == "tcp" and not os.environ.get("COLOBUS_DATA_ADDRESS")
+    chosen = os.environ.get("COLOBUS_DATA_ADDRESS", "").strip()
+    try:  # an address given (or none wanted): nothing to look up
+        given = chosen == "off" or bool(data_address(chosen)[0])
+    except ValueError:
+        given = True  # _start says what is wrong with it
+    lookup = endpoint.transport == "tcp" and not given
     if lookup:
         try:
             ipaddress.ip_address(endpoint.host)
@@ -445,16 +450,17 @@ def start_dataplane(loop: asyncio.AbstractEventLoop, ctx: zmq.Context[Any],
 def _start(ctx: zmq.Context[Any], endpoint: Endpoint, curve: bool) -> DataPlane | None:
     """This worker's data plane, bound where other hosts can reach it, or None.
 
-    ``$COLOBUS_DATA_ADDRESS`` names the address to bind and announce (``off``: no
-    data plane); by default, the address of the interface that reaches the
-    controller (an ``ipc://`` controller: an ``ipc://`` path beside it). Under
-    CurveZMQ there is none: the data plane is not encrypted, so blocks keep to
-    the encrypted links (the star).
+    ``$COLOBUS_DATA_ADDRESS`` names the address to bind and announce, with a port to pin
+    it to (``ADDRESS``, ``ADDRESS:PORT``, ``:PORT``, ``[IPV6]:PORT``; ``off``: no data
+    plane); by default, the address of the interface that reaches the controller, on an
+    ephemeral port (an ``ipc://`` controller: an ``ipc://`` path beside it). Under
+    CurveZMQ there is none: the data plane is not encrypted, so blocks keep to the
+    encrypted links (the star).
     """
     import secrets
     import tempfile
 
-    chosen = os.environ.get("COLOBUS_DATA_ADDRESS", "")
+    chosen = os.environ.get("COLOBUS_DATA_ADDRESS", "").strip()
     if curve or chosen == "off":
         return None
     try:
@@ -463,11 +469,13 @@ def _start(ctx: zmq.Context[Any], endpoint: Endpoint, curve: bool) -> DataPlane 
                                 f"colobus-data-{os.getpid()}-{secrets.token_hex(4)}")
             bind = f"ipc://{path}"
         else:
-            address = chosen or _local_address(endpoint.host, endpoint.port)
-            bind = f"tcp://[{address}]:*" if ":" in address else f"tcp://{address}:*"
+            address, port = data_address(chosen)
+            address = address or _local_address(endpoint.host, endpoint.port)
+            bind = f"tcp://[{address}]:{port}" if ":" in address else f"tcp://{address}:{port}"
         plane = DataPlane(ctx, bind)
-    except (OSError, zmq.ZMQError) as exc:
+    except (OSError, ValueError, zmq.ZMQError) as exc:
         log.warning("no data plane (%s): replicated blocks come from the controller", exc)
         return None
-    log.info("data plane at %s", plane.endpoint)
+    log.info("data plane at %s (other hosts fetch broadcast blocks here; "
+             "$COLOBUS_DATA_ADDRESS sets it)", plane.endpoint)
     return plane

@@ -74,9 +74,10 @@ class CallPool:
                 now = False
                 if self._stuck() and not self._warned:
                     self._warned = True
-                    log.warning("the call pool is at its bound of %d threads, %d of them stuck "
-                                "in calls of ended sessions: new calls wait", self._hard_max,
-                                self._stuck())
+                    log.warning("this host runs at most %d calls at once, and %d of them are "
+                                "still calls of a controller that has gone (Python cannot stop "
+                                "a running function): new calls wait until those end; restart "
+                                "this worker to end them", self._hard_max, self._stuck())
         self._queue.put(job)
         return now
 
@@ -104,8 +105,12 @@ class CallPool:
             self._warned = False
             stuck = self._stuck()
         if stuck:
-            log.warning("%d calls of the ended session still run on this host's call pool; "
-                        "it grows past them (at most %d threads)", stuck, self._hard_max)
+            log.warning("%d %s of the controller that has gone still %s on this host "
+                        "(Python cannot stop a running function; %s result will be dropped). "
+                        "New calls do not wait for %s: this host starts more threads for them "
+                        "(up to %d in all)", stuck, "call" if stuck == 1 else "calls",
+                        "runs" if stuck == 1 else "run", "its" if stuck == 1 else "their",
+                        "it" if stuck == 1 else "them", self._hard_max)
 
     def figures(self) -> tuple[int, int]:
         """(threads, stuck threads): for the heartbeat and ``ctl.stats()``."""

@@ -24,13 +24,35 @@ from .shipped import ShippedCode
 
 log = logging.getLogger("colobus.worker")
 
-__all__ = ["CallResult", "Store"]
+__all__ = ["CallResult", "Store", "load_failure_note"]
 
 _Future = asyncio.Future
 
 # What a missing array's KeyError says about it: the last PUTs and releases of this
 # session (ref, envelope sequence number), bounded (a flake seen in full test runs).
 HISTORY = 1024
+
+_SHIP_ADVICE = ("name it in py_modules= (Controller, local_cluster, ssh_cluster, "
+                "slurm_cluster), or leave ship_code=True (the default) so that your own "
+                "modules travel with the calls")
+
+
+def load_failure_note(name: str, exc: BaseException, where: str) -> str:
+    """The note on a function or class (``module.qualname``) that does not load on a host.
+
+    A module missing that is not the function's own top-level package is most likely an
+    installed dependency (``scipy``), which colobus never ships: the note names it and
+    says it is the user's to install; the advice to ship code is for the user's modules.
+    """
+    head = f"colobus: {name} cannot be loaded on {where}"
+    missing = exc.name if isinstance(exc, ModuleNotFoundError) else None
+    top = missing.partition(".")[0] if missing else None
+    if top is None or top == name.partition(".")[0]:
+        return f"{head}: install its package there, {_SHIP_ADVICE}"
+    return (f"{head}: it needs the module {missing!r}, which is not installed there. "
+            f"Installed dependencies are yours to install on the hosts (the package that "
+            f"provides {top!r}, in the environment the workers run in); colobus ships only "
+            f"your own modules. If {top!r} is a module of yours, {_SHIP_ADVICE}")
 
 
 class CallResult:
@@ -130,15 +152,16 @@ class Store:
             self.shipped.install(body.name, digest, bytes(env.payload))
             return
         try:
+            # Its own package did not unpack: fail with why, not with a same-named module
+            # of this worker's sys.path (the pickle's imports meet the same refusal).
+            refused = self.shipped.why_refused(body.name) if self.shipped.refused else None
+            if refused is not None:
+                raise ImportError(refused, name=body.name)
             self.code[digest] = ("ok", loads(env.payload, env.buffers[: env.pbufs]))
             self.code_bytes[digest] = len(env.payload)
         except Exception as exc:
             log.warning("code %s (%s) does not load here: %r", name, digest.hex()[:12], exc)
-            exc.add_note(
-                f"colobus: {name} cannot be loaded on {socket.gethostname()}: install its "
-                "package there, name it in py_modules= (Controller, local_cluster, "
-                "ssh_cluster, slurm_cluster), or leave ship_code=True (the default) so "
-                "that your own modules travel with the calls")
+            exc.add_note(load_failure_note(name, exc, socket.gethostname()))
             self.code[digest] = ("error", exc)
 
     def code_figures(self) -> tuple[int, int]:
@@ -164,7 +187,7 @@ class Store:
 
         ``seq``: the sequence number of the envelope that names it (for the error).
         """
-        tag, ident = ref
+        tag, ident = ref[0], ref[1]  # (a JAX job's array entries carry a layout third)
         fut: asyncio.Future[Any] | None
         if tag == 1:
             fut = self._pin_result(ident, host_index)

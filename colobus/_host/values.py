@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 
 from .._model import outlayout as _outlayout
-from .._model.jaxside import is_key_array
+from .._model.devices import jax_axis_types
+from .._model.jaxside import host_count, is_key_array
 from .._wire import protocol as P
 from .._wire.codec import key_impl_name
 from .._wire.describe import describe_outputs
@@ -193,9 +194,10 @@ def is_string(dtype: Any) -> bool:
 class HostValues:
     """Conversions that need the host's JAX and its devices (thread-safe)."""
 
-    def __init__(self, jax: Any, by_local: dict[tuple[str, int], Any]) -> None:
+    def __init__(self, jax: Any, by_local: dict[tuple[str, int], Any], job: Any = None) -> None:
         self.jax = jax
         self._by_local = by_local
+        self.job = job  # the worker's HostJob while in the cluster's JAX job, else None
         self.meshes: dict[str, Any] = {}  # local_mesh's, by the raw mesh's repr
         # A call's output description, per output layout (see ``outputs``): key -> (the
         # description, the objects whose ids the key holds, kept alive so no other
@@ -210,14 +212,19 @@ class HostValues:
         self._described.clear()
 
     def local_mesh(self, raw: list[Any]) -> Any:
-        """A jax ``Mesh`` (or one ``jax.Device``) from ``[[platform, id]...], shape, names]``."""
+        """A jax ``Mesh`` (or one ``jax.Device``) from ``[[platform, id]...], shape, names]``
+        (and the axis types by name, where one is not Auto)."""
         key = repr(raw)
         mesh = self.meshes.get(key)
         if mesh is None:
-            ids, shape, names = raw
+            ids, shape, names = raw[:3]
             devs = [self._by_local[(str(p), int(i))] for p, i in ids]
             if not shape:
                 mesh = devs[0]
+            elif len(raw) > 3:
+                mesh = self.jax.sharding.Mesh(
+                    np.array(devs, dtype=object).reshape(shape), tuple(names),
+                    axis_types=jax_axis_types(self.jax, [str(t) for t in raw[3]]))
             else:
                 mesh = self.jax.sharding.Mesh(
                     np.array(devs, dtype=object).reshape(shape), tuple(names))
@@ -272,6 +279,16 @@ class HostValues:
         error for a leaf that is not an array."""
         jax = self.jax
         kept = self._described_types
+        job = self.job
+        if job is not None:  # global arrays: this host's blocks of them (the common
+            # case inline: one array of a sharding this host addresses whole)
+            if type(out) in kept and id(out) not in job._blocks:
+                sh = out._sharding
+                hit = job.addressable.get(id(sh))
+                if hit is None or hit[0] is not sh or not hit[1]:
+                    out = job.to_blocks(out)
+            elif out is not None:
+                out = job.to_blocks(out)
         if type(out) in kept:  # one jax.Array: a leaf
             leaves, treedef = [out], self._leaf
         elif out is None:  # nothing returned (a no-op)
@@ -321,6 +338,7 @@ class HostValues:
         metas: list[P.OutLeaf] = []
         values: list[Any] = []
         is_mesh = isinstance(mesh, jax.sharding.Mesh)
+        several = is_mesh and _host_count() != 1  # (replicas to compare: every size)
         # cached where nothing in it depends on the values (a mesh's digests do: nothing
         # returned has none)
         keep: list[Any] | None = (None if (is_mesh and leaves) or not _exact_tree(treedef, 0)
@@ -364,8 +382,9 @@ class HostValues:
             memory = getattr(getattr(value, "sharding", None), "memory_kind", None)
             metas.append(P.OutLeaf(i, tuple(value.shape), value.dtype if impl is None else None,
                                    spec, impl, layout,
-                                   # one device: no other host can hold a replica
-                                   _outlayout.digest(value) if is_mesh else None, ref,
+                                   # one device, or one host: no other holds a replica
+                                   _outlayout.digest(value) if is_mesh and several else None,
+                                   ref,
                                    None if memory in (None, "device") else memory))
             values.append(value)
             if keep is not None:
@@ -380,6 +399,13 @@ class HostValues:
                 and v.aval.shape == v.shape)
         # msgpack, never a pickle: the controller does not unpickle what hosts send.
         return values, describe_outputs(treedef, metas), keep
+
+
+def _host_count() -> int:
+    try:
+        return host_count()
+    except RuntimeError:  # (not joined: no count yet)
+        return 0
 
 
 _DESCRIBED_MAX = 1024  # output descriptions cached per host; all dropped when full

@@ -35,15 +35,18 @@ from .._wire.channel import Channel, Peer
 from .._wire.chunks import CHUNK_BYTES, MAX_PART
 from .._wire.endpoint import parse_connect
 from .._wire.envelope import Envelope
-from .._wire.keys import check_key
+from .._wire.keys import check_key, key_id
 from .._wire.lane import ON as LANE
 from .._wire.protocol import Kind, Status
 from .._wire.sockio import NOBLOCK, socket_fd
 from .._wire.stalls import StallClock
 from .._wire.tasks import supervise
 from .arrays import HostArrays
+from .calls import set_job
 from .construct import on_construct
 from .dataplane import DataPlane, start_dataplane
+from .jaxjob import HostJob
+from .jaxnames import answer_colobus_process_index
 from .join import JoinDiagnosis, relay_socket, session_socket
 from .leader import serve_worker
 from .messages import Exit, MessagePath
@@ -104,6 +107,12 @@ class Worker(MessagePath):
         self._pool = concurrent.futures.ThreadPoolExecutor(max_threads, "colobus-work")
         self._jax: Any = None
         self._jax_devices: list[Any] = []
+        # What HELLO reports: [platform, device_kind, id] per device, as first found (a job
+        # renumbers the devices JAX shows; the controller keeps the host's ids across it)
+        self._reported: list[list[Any]] = []
+        self._devices_stale = False  # a job dropped the backend the devices came from
+        self.job: HostJob | None = None  # this process's part in the cluster's JAX job
+        self._jax_session = False  # this session's hosts form one JAX job (WELCOME)
         self.values: HostValues = HostValues(None, {})
         self.dropped: dict[str, int] = {}
         self.store = Store(self.dropped)
@@ -146,6 +155,7 @@ class Worker(MessagePath):
             Kind.WELCOME: self._on_welcome,
             Kind.REJECT: self._on_reject,
             Kind.CHALLENGE: self._on_challenge,
+            Kind.FORM: self._on_form,
         }
         self.store.shipped.attach(self._handlers, self._dispatch)  # (held while it unpacks)
         self._lane_call = self._handlers[Kind.CALL]  # what the lane stands for, in place
@@ -159,17 +169,31 @@ class Worker(MessagePath):
 
     # -- top level -----------------------------------------------------------------------
     def run(self) -> int:  # serve until told to exit; the process exit code
-        return serve_worker(self.serve, self.sched, self._on_sigterm)
+        code = serve_worker(self.serve, self.sched, self._on_sigterm)
+        if self.job is not None and self.job.ever:
+            # A thread may still wait in a collective of a job whose peer died: the
+            # interpreter's finalization would abort under it. Nothing is left to run.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+        return code
 
     async def serve(self) -> int:
         self.loop = asyncio.get_running_loop()
+        # The first line says where this worker goes and with which key (its id, never
+        # the key): what to compare with the driver's log when the join does not come.
+        log.info("host %s: connecting to %s with key id %s%s", self.name, self.connect,
+                 key_id(self._key), " (CurveZMQ)" if self._curve is not None else "")
         # As PID 1 in a container, SIGTERM without a handler is ignored (docker stop
         # would wait and SIGKILL); with one, the worker leaves its session and exits.
         on_main = threading.current_thread() is threading.main_thread()
         if on_main:
             self.loop.add_signal_handler(signal.SIGTERM, self._on_sigterm)
         self._jax = setup_jax(self._cpu_devices)
+        answer_colobus_process_index(self._jax)  # (before any user code runs here)
+        self.job = HostJob(self._jax)
         self._discover_devices()
+        self._reported = [[d.platform, d.device_kind, d.id] for d in self._jax_devices]
         # Everything imported so far (JAX: ~100k objects) lives as long as the process:
         # keep it out of the collector's scans, which otherwise cost every call.
         freeze_once()
@@ -228,6 +252,7 @@ class Worker(MessagePath):
     def _discover_devices(self) -> None:
         self._jax_devices = devices = local_devices(self._jax)
         self.values = HostValues(self._jax, {(d.platform, d.id): d for d in devices})
+        self._devices_stale = False
 
     # -- one session: join, serve, end ---------------------------------------------------
 
@@ -334,6 +359,11 @@ class Worker(MessagePath):
             self.dataplane.clear()
         self.values.clear()
         self.call_times = None
+        if self.job is not None and self.job.index >= 0:  # the job ends with the session
+            self.job.leave()
+            set_job(None)
+            self._devices_stale = True
+        self._jax_session = False
 
     # -- session handlers ---------------------------------------------------------------
 
@@ -341,14 +371,20 @@ class Worker(MessagePath):
         if self._joined:
             self._drop("unexpected_kind")
             return
-        if len(body.device_ids) != len(self._jax_devices):
+        if len(body.device_ids) != len(self._reported):
             raise ValueError("welcome device count mismatch")
         assert self._peer is not None
         self._peer.their_session = env.sender
         self._joined = True
         self.host_index = body.host
-        _hostside.install(body.host, dict(zip(body.device_ids, self._jax_devices, strict=True)),
-                          body.host_count)
+        self._jax_session = bool(body.jax_job)
+        if self._jax_session:  # its devices once the job forms (FORM): no backend till then
+            _hostside.install(body.host, {}, body.host_count)
+        else:
+            if self._devices_stale:  # a job dropped the backend: this process's own now
+                self._discover_devices()
+            _hostside.install(body.host, dict(zip(body.device_ids, self._jax_devices,
+                                                  strict=True)), body.host_count)
         self._heartbeat = float(body.heartbeat)
         self._liveness = float(body.liveness)
         self._exit_with_controller = bool(body.exit_with_controller)
@@ -374,9 +410,56 @@ class Worker(MessagePath):
             return
         self._answered = True
         data = self.dataplane.endpoint if self.dataplane is not None else ""
-        self._send_join_raw(P.Hello(self.name, os.getpid(), self._hostname,
-                                    [[d.platform, d.device_kind, d.id] for d in self._jax_devices],
+        self._send_join_raw(P.Hello(self.name, os.getpid(), self._hostname, self._reported,
                                     body.nonce, data, _versions.local_versions()))
+
+    def _on_form(self, body: P.Form, env: Envelope) -> None:
+        """Join the cluster's JAX job (on a thread of its own: JAX's connect blocks until
+        every host is in); answer once in, with this host's JAX device ids there."""
+        job = self.job
+        if job is None or not self._jax_session:
+            self.reply_error(body.call_id, RuntimeError(
+                "this session's hosts form no JAX job (the controller's WELCOME said so)"))
+            return
+        loop = asyncio.get_running_loop()
+        epoch, host, reported = self.epoch, self.host_index, len(self._reported)
+
+        def join() -> None:
+            try:
+                outcome: Any = job.join(body, host, self.connect, reported)
+            except BaseException as exc:  # every failure is the FORM's answer
+                outcome = exc
+            try:
+                loop.call_soon_threadsafe(self._formed, epoch, body, outcome)
+            except RuntimeError:  # the loop closed: the worker is exiting
+                pass
+
+        threading.Thread(target=join, name="colobus-jax-join", daemon=True).start()
+
+    def _formed(self, epoch: int, body: P.Form, outcome: Any) -> None:
+        """Loop thread: the job is formed (or not); answer the FORM."""
+        job = self.job
+        assert job is not None
+        if epoch != self.epoch:  # the session ended meanwhile: leave what was joined
+            if self.epoch and job.index >= 0 and not self._jax_session:
+                job.leave()
+                self._devices_stale = True
+            return
+        if isinstance(outcome, BaseException):
+            log.warning("host %s could not join the cluster's JAX job: %s", self.name, outcome)
+            self.reply_error(body.call_id, outcome)
+            return
+        mine, every = outcome
+        self._jax_devices = mine
+        by_local = {(d.platform, d.id): d for d in mine}
+        for (platform, _kind, reported), d in zip(self._reported, mine, strict=True):
+            by_local.setdefault((platform, reported), d)  # (a host's ids before the job)
+        self.values = HostValues(self._jax, by_local, job)
+        _hostside.install_job(self.host_index, every, body.processes)
+        set_job(job)
+        log.info("host %s joined the cluster's JAX job as process %d of %d", self.name,
+                 self.host_index, body.processes)
+        self.send(P.Result(body.call_id, Status.OK, [d.id for d in mine]))
 
     def _on_reject(self, body: P.Reject, env: Envelope) -> None:
         # retry: the name is in use, or the cluster full, for now: the next JOIN round

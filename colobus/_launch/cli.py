@@ -12,6 +12,7 @@ keep trying until the driver binds), and runs ``COMMAND`` with
   them as the ``[host N]`` lines here do),
 - ``COLOBUS_DEVICES_PER_HOST``: each worker's ``--devices``,
 - ``COLOBUS_PY_MODULES``: the ``--py-module`` paths, to ship to the hosts,
+- ``COLOBUS_JAX_DISTRIBUTED=1`` with ``--jax-distributed``: the hosts form one JAX job,
 
 which ``cb.Controller()`` with no arguments reads; ``cb.init()`` and
 ``cb.local_cluster()`` serve the driver with these workers too. When the
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -35,14 +37,16 @@ import tempfile
 import threading
 from collections.abc import Sequence
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .._controller.environ import DEVICES_ENV, PY_MODULES_ENV
-from .._controller.procwatch import Emit
-from .._wire.keys import KEY_ENV, write_key
-from .base import Launcher, Workers, log_emit
+# The parsers below are built for every `colobus` command, `--version` included: what
+# running a launch needs is imported when one runs.
+if TYPE_CHECKING:
+    from .._controller.procwatch import Emit
+    from .base import Launcher, Workers
 
-__all__ = ["LAUNCH_KINDS", "add_launch_parsers", "run_launch", "split_command"]
+__all__ = ["LAUNCH_KINDS", "add_launch_parsers", "driver_command", "run_launch",
+           "split_command"]
 
 log = logging.getLogger("colobus.launch")
 
@@ -83,6 +87,9 @@ def add_launch_parsers(sub: Any, positive_int: Any) -> None:
         p.add_argument("--py-module", action="append", default=[], metavar="PATH",
                        help="a package directory or .py file the driver's controller ships "
                             "to the hosts too (repeat)")
+        p.add_argument("--jax-distributed", action="store_true",
+                       help="the hosts form one JAX multi-controller job once they joined "
+                            "(sets COLOBUS_JAX_DISTRIBUTED=1 for the driver)")
 
     lo = kinds.add_parser("local", help="workers as subprocesses of this machine")
     lo.add_argument("--hosts", type=positive_int, default=2, help="workers (default 2)")
@@ -123,6 +130,31 @@ def add_launch_parsers(sub: Any, positive_int: Any) -> None:
     add_manifest_parser(sub, positive_int)
 
 
+_BARE_PYTHON = re.compile(r"python(3(\.\d+)?)?")
+
+
+def driver_command(command: list[str]) -> list[str]:
+    """``command`` with a bare ``python``/``python3`` run as this launcher's own Python.
+
+    ``colobus launch`` is often run as ``.venv/bin/colobus`` without the virtual
+    environment activated; the ``python`` on ``PATH`` is then another interpreter,
+    one without colobus (or the user's packages), and the driver would fail with
+    ``No module named 'colobus'``. The local workers run on this interpreter too, and
+    hosts with another Python version are refused, so the driver's must be this one.
+    A ``pythonX.Y`` of another version, or a path, is run as written.
+    """
+    head = command[0] if command else ""
+    match = _BARE_PYTHON.fullmatch(head)
+    if match is None or (match.group(2) is not None
+                         and head != f"python{sys.version_info[0]}.{sys.version_info[1]}"):
+        return command
+    found = shutil.which(head)
+    if found is None or os.path.realpath(found) != os.path.realpath(sys.executable):
+        log.info("running the driver's %r as %s, the Python colobus launch runs on "
+                 "(the %s on PATH is %s)", head, sys.executable, head, found or "missing")
+    return [sys.executable, *command[1:]]
+
+
 class _LaunchError(Exception):
     """A launch that cannot go on: one line for the user, and an exit status."""
 
@@ -148,6 +180,7 @@ def _tcp_address(bind: str | None, toward: str) -> str:
 
 def _local_launcher(hosts: int, devices: int) -> Launcher:
     """``launch local``: local workers whose lines go to logging as ``[host N]``."""
+    from .base import log_emit
     from .local import LocalLauncher
 
     class Local(LocalLauncher):
@@ -289,6 +322,10 @@ def run_launch(args: argparse.Namespace, command: list[str] | None,
 
 
 def _run(args: argparse.Namespace, command: list[str]) -> int:
+    from .._controller.environ import DEVICES_ENV, PY_MODULES_ENV
+    from .._wire.keys import KEY_ENV, write_key
+    from .base import Workers
+
     tmp = tempfile.mkdtemp(prefix="colobus-launch-")  # mode 0700
     try:
         key_file = os.path.join(tmp, "key")
@@ -302,6 +339,10 @@ def _run(args: argparse.Namespace, command: list[str]) -> int:
                 raise _LaunchError(f"--py-module {path}: no package directory or .py file", 2)
         if args.py_module:
             env[PY_MODULES_ENV] = os.pathsep.join(os.path.abspath(p) for p in args.py_module)
+        if args.jax_distributed:
+            from .._controller.jaxjob import JAX_DISTRIBUTED_ENV
+
+            env[JAX_DISTRIBUTED_ENV] = "1"
         env.update({"COLOBUS_ADDRESS": address, KEY_ENV: key_file,
                     "COLOBUS_HOSTS": str(len(launcher.names)),
                     "COLOBUS_HOST_NAMES": ",".join(launcher.names),
@@ -312,7 +353,7 @@ def _run(args: argparse.Namespace, command: list[str]) -> int:
             try:
                 workers.start_all()
                 try:
-                    signals.driver = subprocess.Popen(command, env=env)
+                    signals.driver = subprocess.Popen(driver_command(command), env=env)
                 except OSError as exc:
                     raise _LaunchError(f"cannot run {command[0]!r}: {exc.strerror or exc}",
                                        127) from None

@@ -118,7 +118,7 @@ def _host_sub_mesh(mesh: Mesh, host: int, sharding: NamedSharding
             "devices to be the product of one set of positions per mesh axis."
         )
     local = mesh.devices[np.ix_(*coords)]
-    return tuple(tuple(c) for c in coords), Mesh(local, mesh.axis_names)
+    return tuple(tuple(c) for c in coords), Mesh(local, mesh.axis_names, mesh.axis_type_names)
 
 
 def _named_host_block(sharding: NamedSharding, host: int, shape: tuple[int, ...]) -> HostBlock:

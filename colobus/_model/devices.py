@@ -15,7 +15,8 @@ from typing import Any, overload
 
 import numpy as np
 
-__all__ = ["Device", "Mesh", "colocated_cpu_devices_from", "make_mesh_from"]
+__all__ = ["AXIS_TYPES", "Device", "Mesh", "colocated_cpu_devices_from", "jax_axis_types",
+           "make_mesh_from"]
 
 
 # --------------------------------------------------------------------------- devices
@@ -86,6 +87,50 @@ def _object_array(items: Any) -> np.ndarray[Any, np.dtype[Any]]:
     return np.array(items, dtype=object)
 
 
+AXIS_TYPES = ("Auto", "Explicit", "Manual")  # jax.sharding.AxisType's members, by name
+
+
+def _axis_type_names(axis_types: Any, names: tuple[str, ...]) -> tuple[str, ...]:
+    """JAX's ``_normalize_axis_types``, by name: None is Auto on every axis; one value
+    stands for a tuple of it. Each is a ``jax.sharding.AxisType`` (or its name, for a
+    JAX without them); JAX's errors."""
+    if axis_types is None:
+        return ("Auto",) * len(names)
+    if not isinstance(axis_types, tuple | list):
+        axis_types = (axis_types,)
+    out = []
+    for t in axis_types:
+        name = t if isinstance(t, str) else getattr(t, "name", None)
+        if name not in AXIS_TYPES or (not isinstance(t, str) and type(t).__name__ != "AxisType"):
+            raise TypeError(
+                "axis_types passed to Mesh must be of type `jax.sharding.AxisType`. Got "
+                f"{tuple(axis_types)} of type {tuple(type(a) for a in axis_types)}")
+        out.append(name)
+    if len(out) != len(names):
+        raise ValueError("Number of axis names should match the number of axis_types. Got "
+                         f"axis_names={names} and axis_types={tuple(axis_types)}")
+    return tuple(out)
+
+
+def jax_axis_types(jax: Any, names: Sequence[str]) -> tuple[Any, ...]:
+    """The ``jax.sharding.AxisType`` of each name, in this process's JAX.
+
+    Raises:
+        ValueError: this JAX has no axis types (``jax.sharding.AxisType`` came in 0.5.3;
+            0.4.35 has none), or not one of these.
+    """
+    axis_type = getattr(jax.sharding, "AxisType", None)
+    missing = [n for n in names if axis_type is None or n not in axis_type.__members__]
+    if axis_type is None or missing:
+        raise ValueError(
+            f"this process's JAX {jax.__version__} has no mesh axis type "
+            f"{(missing or list(names) or ['Auto'])[0]!r} "
+            f"(jax.sharding.AxisType), so a mesh with axis_types={tuple(names)} cannot be "
+            "built here: install JAX 0.5.3 or later where the mesh is used, or leave "
+            "axis_types out (Auto on every axis)")
+    return tuple(axis_type[n] for n in names)
+
+
 class Mesh:
     """An N-dimensional array of devices with a name for each axis.
 
@@ -93,16 +138,23 @@ class Mesh:
         devices: An array-like (nested sequences or ndarray) of :class:`Device`.
         axis_names: One name per dimension of ``devices`` (a single string for
             a one-dimensional mesh).
+        axis_types: JAX's: one ``jax.sharding.AxisType`` per axis (or one for all;
+            or their names, ``"Auto"``, ``"Explicit"``, ``"Manual"``, where the
+            controller's JAX has none); None: ``Auto`` on every axis. Kept, compared,
+            and given to the meshes host code sees.
 
     Raises:
         ValueError: If the number of axis names is not ``devices.ndim``, the
             names are not unique, an element is not a ``Device``, a device
-            appears twice, or the mesh is empty.
+            appears twice, the mesh is empty, or the number of axis types is not
+            the number of axes.
+        TypeError: An axis type that is not a ``jax.sharding.AxisType``.
     """
 
-    __slots__ = ("_axis_names", "_devices", "_flat", "_hosts", "_key")
+    __slots__ = ("_axis_names", "_devices", "_flat", "_hosts", "_key", "_types")
 
-    def __init__(self, devices: Any, axis_names: str | Sequence[str]) -> None:
+    def __init__(self, devices: Any, axis_names: str | Sequence[str],
+                 axis_types: Any = None) -> None:
         arr = _object_array(devices)
         names = (axis_names,) if isinstance(axis_names, str) else tuple(axis_names)
         if arr.ndim != len(names):
@@ -124,12 +176,38 @@ class Mesh:
         if len(set(ids)) != len(ids):
             dupes = sorted({i for i in ids if ids.count(i) > 1})
             raise ValueError(f"Mesh devices must be unique, but device ids {dupes} repeat.")
+        types = _axis_type_names(axis_types, names)
         arr.flags.writeable = False
         self._devices = arr
         self._axis_names = names
-        self._key = (tuple(ids), arr.shape, names)
+        self._types = types
+        # (the axis types join the key only where one is not Auto: a mesh without them
+        # keeps the key, and the hash, it always had)
+        self._key: tuple[Any, ...] = (tuple(ids), arr.shape, names)
+        if self.has_axis_types:
+            self._key += (types,)
         self._flat: tuple[Device, ...] = tuple(arr.flat)
         self._hosts = tuple(sorted({dev.host for dev in self._flat}))
+
+    @property
+    def axis_type_names(self) -> tuple[str, ...]:
+        """The axis types by name (``"Auto"``, ``"Explicit"``, ``"Manual"``), per axis."""
+        return self._types
+
+    @property
+    def has_axis_types(self) -> bool:
+        """Whether an axis is other than ``Auto`` (what the hosts' meshes are told)."""
+        return any(t != "Auto" for t in self._types)
+
+    @property
+    def axis_types(self) -> tuple[Any, ...]:
+        """One ``jax.sharding.AxisType`` per axis, as JAX's ``Mesh.axis_types`` (their
+        names where the controller's JAX has no axis types)."""
+        import jax
+
+        if getattr(jax.sharding, "AxisType", None) is None:
+            return self._types
+        return jax_axis_types(jax, self._types)
 
     @property
     def device_tuple(self) -> tuple[Device, ...]:
@@ -181,13 +259,22 @@ class Mesh:
     def __hash__(self) -> int:
         return hash(self._key)
 
+    def _types_text(self) -> str:
+        return (", axis_types=(" + ", ".join(self._types) + ("," if len(self._types) == 1
+                                                             else "") + ")"
+                if self.has_axis_types else "")
+
     def __repr__(self) -> str:
-        return f"Mesh(device_ids={self.device_ids.tolist()!r}, axis_names={self._axis_names!r})"
+        return (f"Mesh(device_ids={self.device_ids.tolist()!r}, axis_names="
+                f"{self._axis_names!r}{self._types_text()})")
 
     def __str__(self) -> str:
-        return "Mesh(" + ", ".join(f"{n!r}: {s}" for n, s in self.shape.items()) + ")"
+        return ("Mesh(" + ", ".join(f"{n!r}: {s}" for n, s in self.shape.items())
+                + self._types_text() + ")")
 
     def __reduce__(self) -> tuple[Any, ...]:
+        if self.has_axis_types:
+            return (Mesh, (self._devices, self._axis_names, self._types))
         return (Mesh, (self._devices, self._axis_names))
 
 
@@ -229,7 +316,8 @@ def colocated_cpu_devices_from(
         flat = colocated_cpu_devices_from(list(devices.devices.flat), all_devices)
         arr = np.empty(len(flat), dtype=object)
         arr[:] = flat
-        return Mesh(arr.reshape(devices.devices.shape), devices.axis_names)
+        return Mesh(arr.reshape(devices.devices.shape), devices.axis_names,
+                    devices.axis_type_names)
     pools: dict[int, list[Device]] = {}
     for dev in all_devices:
         if dev.platform == "cpu":
@@ -252,7 +340,7 @@ def colocated_cpu_devices_from(
 
 
 def make_mesh_from(axis_shapes: Sequence[int], axis_names: Sequence[str],
-                   devices: Sequence[Device]) -> Mesh:
+                   devices: Sequence[Device], axis_types: Any = None) -> Mesh:
     """``jax.make_mesh`` over ``devices``: the first ``prod(axis_shapes)`` of them, in order.
 
     JAX's own ordering follows the physical topology of TPUs and GPUs; colobus
@@ -275,4 +363,4 @@ def make_mesh_from(axis_shapes: Sequence[int], axis_names: Sequence[str],
                          f"of mesh_shape {shape}")
     arr = np.empty(size, dtype=object)
     arr[:] = devices[:size]
-    return Mesh(arr.reshape(shape), axis_names)
+    return Mesh(arr.reshape(shape), axis_names, axis_types)

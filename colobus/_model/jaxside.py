@@ -24,8 +24,15 @@ view, where a host addresses only its own devices):
   with the shape of the host's block and the host's sharding (the spec an
   array argument of that layout arrives with).
 
-An object that uses no device of the host (a device of another host, a mesh of
-other hosts' devices, a sharding or spec over them) arrives *as the colobus
+In a JAX job (``jax_distributed``: :func:`install_job`), every host addresses the
+whole job's devices as JAX's multi-controller view has them: a ``Device`` becomes the
+job's ``jax.Device`` with that global id (another host's too: a non-addressable
+device, as in multi-controller JAX), a ``Mesh`` the *whole* mesh over them, a
+sharding the sharding over that mesh, and a ``ShapeDtypeStruct`` keeps its global
+shape.
+
+Otherwise, an object that uses no device of the host (a device of another host, a
+mesh of other hosts' devices, a sharding or spec over them) arrives *as the colobus
 object*, the host's stand-in for a device it cannot address: it keeps ``id``,
 ``process_index``, ``platform`` and the layout, and JAX functions reject it
 with their own error, as they reject a non-addressable device. A mesh in which
@@ -46,12 +53,12 @@ from typing import Any
 import numpy as np
 
 from .blocks import host_blocks
-from .devices import Device, Mesh
+from .devices import Device, Mesh, jax_axis_types
 from .sharding import NamedSharding, ShapeDtypeStruct, SingleDeviceSharding
 
 __all__ = [
-    "HOST_REDUCERS", "global_id", "host_count", "host_index", "install", "is_key_array",
-    "localize", "set_host_count", "std_dispatch_table",
+    "HOST_REDUCERS", "global_id", "host_count", "host_index", "in_job", "install", "install_job",
+    "is_key_array", "localize", "set_host_count", "std_dispatch_table",
 ]
 
 _DeviceRaw = tuple[int, int, str, str, int]
@@ -62,20 +69,35 @@ _host_count = 0  # the cluster's host count as the last WELCOME or CALL told it
 _devices: dict[int, Any] = {}  # global id -> this host's jax.Device
 _ids: dict[Any, int] = {}  # this host's jax.Device -> global id
 _meshes: dict[Any, Any] = {}  # raw mesh -> jax Mesh (one object per layout: cheap ==)
+_job = False  # this host is a process of the cluster's JAX job (install_job)
 
 
 def install(host: int, devices: Mapping[int, Any], count: int = 0) -> None:
     """Worker, on WELCOME: this host's index, its ``jax.Device`` per global id, and the
-    cluster's host count."""
-    global _host, _host_count
+    cluster's host count (the block model: only this host's devices)."""
+    global _host, _host_count, _job
     with _lock:
         _host = host
         _host_count = max(count, host + 1)
+        _job = False
         _devices.clear()
         _devices.update(devices)
         _ids.clear()
         _ids.update({d: i for i, d in devices.items()})
         _meshes.clear()
+
+
+def install_job(host: int, devices: Mapping[int, Any], count: int) -> None:
+    """Worker, once the cluster's JAX job formed: every host's device, as the job's
+    ``jax.Device`` per global id (the multi-controller view)."""
+    install(host, devices, count)
+    global _job
+    _job = True
+
+
+def in_job() -> bool:
+    """Whether this host is a process of the cluster's JAX job."""
+    return _job
 
 
 def set_host_count(count: int) -> None:
@@ -95,7 +117,7 @@ def _where() -> str:
 def host_index() -> int:
     """In host code, the colobus index of this host (0, 1, ... in join order).
 
-    ``jax.process_index()`` there is the worker's own JAX's, always 0.
+    ``jax.process_index()`` answers the same there (see ``colobus._host.jaxnames``).
 
     Raises:
         RuntimeError: outside host code (on the controller).
@@ -133,7 +155,8 @@ def _device_raw(d: Device) -> _DeviceRaw:
 
 
 def _mesh_raw(m: Mesh) -> tuple[Any, ...]:
-    return (tuple(_device_raw(d) for d in m.devices.flat), m.devices.shape, m.axis_names)
+    raw = (tuple(_device_raw(d) for d in m.devices.flat), m.devices.shape, m.axis_names)
+    return (*raw, m.axis_type_names) if m.has_axis_types else raw
 
 
 def _sharding_raw(s: Any) -> tuple[str, Any] | None:
@@ -195,10 +218,10 @@ def _device(raw: _DeviceRaw) -> Device:
 
 
 def _mesh(raw: tuple[Any, ...]) -> Mesh:
-    devs, shape, names = raw
+    devs, shape, names = raw[:3]
     arr = np.empty(len(devs), dtype=object)
     arr[:] = [_device(r) for r in devs]
-    return Mesh(arr.reshape(shape), names)
+    return Mesh(arr.reshape(shape), names, raw[3] if len(raw) > 3 else None)
 
 
 def _sharding(raw: tuple[str, Any]) -> Any:
@@ -223,8 +246,9 @@ def localize(kind: str, raw: Any) -> Any:
 
 
 def _mine(d: Device) -> Any:
-    """This host's ``jax.Device`` for ``d``, or None (another host's, or not a worker)."""
-    if _host is None or d.host != _host:
+    """This host's ``jax.Device`` for ``d``, or None (another host's, or not a worker);
+    in a JAX job, the job's device whatever its host."""
+    if _host is None or (d.host != _host and not _job):
         return None
     return _devices.get(d.id)
 
@@ -237,7 +261,8 @@ def _local_device(d: Device) -> Any:
 def _local_mesh(m: Mesh) -> Any:
     import jax
 
-    key = (tuple(d.id for d in m.devices.flat), m.devices.shape, m.axis_names)
+    key = (tuple(d.id for d in m.devices.flat), m.devices.shape, m.axis_names,
+           m.axis_type_names)
     with _lock:
         found = _meshes.get(key)
     if found is not None:
@@ -254,7 +279,11 @@ def _local_mesh(m: Mesh) -> Any:
             "colobus needs each host's devices to be the product of one set of positions "
             "per mesh axis.")
     local = np.vectorize(_mine, otypes=[object])(sub)
-    mesh = jax.sharding.Mesh(local, m.axis_names)
+    if m.has_axis_types:
+        mesh = jax.sharding.Mesh(local, m.axis_names,
+                                 axis_types=jax_axis_types(jax, m.axis_type_names))
+    else:
+        mesh = jax.sharding.Mesh(local, m.axis_names)
     with _lock:
         if len(_meshes) > 256:
             _meshes.clear()
@@ -283,6 +312,8 @@ def _local_sds(s: ShapeDtypeStruct) -> Any:
     local = _local_sharding(s.sharding)
     if local is s.sharding:
         return s  # no device of this host
+    if _job:
+        return jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=local)  # the global view
     try:
         shape = host_blocks(s.sharding, s.shape)[_host].shape  # type: ignore[index]
     except (ValueError, KeyError):

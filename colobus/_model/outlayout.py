@@ -15,8 +15,9 @@ y.sharding)`` or ``make_array_from_single_device_arrays(..., y.sharding,
 ...)``), else -1: where one host's part of two global layouts looks the same
 (one device per host), it names the global one. It is looked for on kept
 layouts, and on outputs on the call's own mesh when the call has several
-host-resident arguments. Small outputs (up to :data:`DIGEST_MAX_BYTES`) also carry a
-digest of their bytes, so the controller can tell replicas that disagree.
+host-resident arguments. Every output of a call on a mesh, whatever its size, also
+carries a digest of its bytes (:func:`digest`: one hash up to :data:`DIGEST_CHUNK_BYTES`,
+above that chunks hashed on threads), so the controller can tell replicas that disagree.
 
 Controller side (:func:`global_sharding`, :func:`check_replicas`): the global
 sharding is the first candidate that gives every host exactly the layout it
@@ -29,9 +30,12 @@ call fails with a ``ValueError`` that shows each host's layout.
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import hashlib
-from collections.abc import Mapping, Sequence
+import os
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -40,13 +44,15 @@ from . import jaxside as _hostside
 from .blocks import host_blocks, host_sub_mesh
 from .devices import Device, Mesh
 from .jaxside import is_key_array
-from .sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
+from .sharding import NamedSharding, Sharding, SingleDeviceSharding
 
-__all__ = ["DIGEST_MAX_BYTES", "check_replicas", "digest", "global_sharding", "kept_layout"]
+__all__ = ["DIGEST_CHUNK_BYTES", "check_replicas", "digest", "global_sharding", "kept_layout"]
 
-DIGEST_MAX_BYTES = 64 << 10
-"""Outputs up to this size are hashed on the hosts (blake2b, 16 bytes); larger replicas
-are not compared."""
+DIGEST_CHUNK_BYTES = 8 << 20
+"""Outputs up to this size are hashed at once (blake2b, 16 bytes); larger ones in chunks of
+this size (SHA-256, which runs on the CPU's own instructions where it has them), on up
+to :data:`DIGEST_THREADS` threads at once, then the chunks' digests hashed together."""
+DIGEST_THREADS = min(8, os.cpu_count() or 1)
 
 
 # -- host side -------------------------------------------------------------------------------
@@ -89,17 +95,20 @@ def arg_ref(sharding: Any, args: Sequence[Any]) -> int:
     return -1
 
 
-def digest(value: Any) -> bytes | None:
-    """A digest of a small output's bytes; None above :data:`DIGEST_MAX_BYTES`.
+def digest(value: Any) -> bytes:
+    """A digest of an output's bytes, whatever its size (replicas compare by it).
 
-    Shape and dtype are not in it: the controller compares those separately.
+    Shape and dtype are not in it: the controller compares those separately. A
+    ``jax.Array`` replicated over the host's devices is read from its first device
+    alone (on an accelerator: one copy to host memory, not kept on the array).
     """
     if is_key_array(value):
         import jax
 
         value = jax.random.key_data(value)
-    if int(value.nbytes) > DIGEST_MAX_BYTES:
-        return None
+    if getattr(getattr(value, "sharding", None), "is_fully_replicated", False) and (
+            len(value.sharding.device_set) > 1):
+        value = value.addressable_data(0)
     arr = np.asarray(value)
     if isinstance(arr.dtype, np.dtypes.StringDType):
         h = hashlib.blake2b(digest_size=16)
@@ -111,7 +120,33 @@ def digest(value: Any) -> bytes | None:
         return b""
     if not arr.flags.c_contiguous:
         arr = np.ascontiguousarray(arr)
-    return hashlib.blake2b(arr.reshape(-1).view(np.uint8).data, digest_size=16).digest()
+    data = arr.reshape(-1).view(np.uint8).data
+    n = data.nbytes
+    if n <= DIGEST_CHUNK_BYTES:
+        return hashlib.blake2b(data, digest_size=16).digest()
+    # hashlib lets go of the GIL over large buffers: the chunks hash side by side
+    chunks = [data[i:i + DIGEST_CHUNK_BYTES] for i in range(0, n, DIGEST_CHUNK_BYTES)]
+    h = hashlib.blake2b(b"%d\0" % n, digest_size=16)
+    for part in _digest_pool().map(_sha256, chunks):
+        h.update(part)
+    return h.digest()
+
+
+def _sha256(chunk: memoryview) -> bytes:
+    return hashlib.sha256(chunk).digest()
+
+
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _digest_pool() -> concurrent.futures.ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = concurrent.futures.ThreadPoolExecutor(DIGEST_THREADS,
+                                                          thread_name_prefix="colobus-digest")
+        return _pool
 
 
 # -- controller side ---------------------------------------------------------------------------
@@ -139,6 +174,8 @@ def _reports(plan: Any, metas: Mapping[int, Any]) -> dict[int, _Report]:
                 local = NamedSharding(Mesh(arr.reshape(shape), tuple(names)), m.spec)
             out[h] = (int(ref), local, bool(replicated))
         elif m.spec is not None and isinstance(plan.mesh, Mesh):
+            from jax.sharding import PartitionSpec
+
             _, sub = host_sub_mesh(NamedSharding(plan.mesh, PartitionSpec()), h)
             local = NamedSharding(sub, m.spec)
             out[h] = (int(ref), local, local.is_fully_replicated)
@@ -302,21 +339,40 @@ def _block_groups(sharding: Sharding, shape: tuple[int, ...],
 
 
 def check_replicas(index: int, sharding: Sharding, shape: tuple[int, ...],
-                   metas: Mapping[int, Any]) -> None:
+                   metas: Mapping[int, Any], function: str = "",
+                   where: Callable[[], str] | None = None) -> None:
     """Raise if hosts holding the same block of output ``index`` returned different bytes.
 
-    Only outputs both hosts hashed (up to :data:`DIGEST_MAX_BYTES`) are compared.
+    Every output of a call on a mesh carries its digest, whatever its size; one a host
+    did not hash (an older worker's: none) is not compared.
+
+    Args:
+        function: The function's name, for the error.
+        where: The output's path in the returned tree, for the error (asked only then).
+
+    Raises:
+        ValueError: naming the function, the output's path and the hosts of each value.
     """
     digests = {h: m.digest for h, m in metas.items() if m.digest is not None}
     if len(digests) < 2 or len(set(digests.values())) == 1:
         return
     for group in _block_groups(sharding, shape, tuple(d.host for d in sharding.device_list)):
-        seen = [(h, digests[h]) for h in group if h in digests]
-        for h, d in seen[1:]:
-            if d != seen[0][1]:
-                raise ValueError(
-                    f"output {index} is replicated over hosts {list(group)} (each holds the "
-                    f"same block of it, under {sharding}), but host {seen[0][0]} and host {h} "
-                    "returned different values. Either shard the output over the hosts (return "
-                    "it with a NamedSharding whose spec names the mesh axis that spans the "
-                    "hosts), or return the same value on every host.")
+        values: dict[bytes, list[int]] = {}
+        for h in group:
+            if h in digests:
+                values.setdefault(digests[h], []).append(h)
+        if len(values) < 2:
+            continue
+        path = where() if where is not None else f"output {index}"
+        (first, *_), (other, *_) = list(values.values())[:2]
+        alike = ""
+        if sum(map(len, values.values())) > 2:  # which hosts hold which value
+            alike = " (hosts by value: " + "; ".join(
+                ", ".join(map(str, hs[:8])) + (" ..." if len(hs) > 8 else "")
+                for hs in list(values.values())[:6]) + ("; ..." if len(values) > 6 else "") + ")"
+        raise ValueError(
+            f"{function or 'a colocated function'}: {path} is replicated over hosts "
+            f"{list(group)} (each holds the same block of it, under {sharding}), but host "
+            f"{first} and host {other} returned different values{alike}. Either shard the "
+            "output over the hosts (return it with a NamedSharding whose spec names the "
+            "mesh axis that spans the hosts), or return the same value on every host.")

@@ -28,12 +28,14 @@ import math
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jax
 import numpy as np
 
 from .devices import Device, Mesh
+
+if TYPE_CHECKING:
+    from jax.sharding import PartitionSpec
 
 __all__ = [
     "NamedSharding",
@@ -44,7 +46,16 @@ __all__ = [
     "with_memory_kind",
 ]
 
-PartitionSpec = jax.sharding.PartitionSpec
+
+
+def __getattr__(name: str) -> Any:
+    # ``PartitionSpec`` is JAX's own class, looked up when first asked for, so that
+    # importing colobus (and its command line's quick commands) does not import JAX.
+    if name == "PartitionSpec":
+        from jax.sharding import PartitionSpec
+
+        return PartitionSpec
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 # (factors per dimension with trailing 1s stripped, {device id: tile per dimension}).
 _LayoutKey = tuple[tuple[int, ...], frozenset[tuple[int, tuple[int, ...]]]]
@@ -207,6 +218,8 @@ class Sharding:
 
 def _spec_entries(spec: PartitionSpec) -> tuple[tuple[str, ...], ...]:
     """One tuple of mesh axis names per spec entry (``None`` -> ``()``)."""
+    from jax.sharding import PartitionSpec
+
     entries: list[tuple[str, ...]] = []
     for entry in spec:
         if entry is None:
@@ -248,6 +261,8 @@ class NamedSharding(Sharding):
         super().__init__(memory_kind)
         if not isinstance(mesh, Mesh):
             raise TypeError(f"NamedSharding needs a colobus Mesh, but got {type(mesh)}.")
+        from jax.sharding import PartitionSpec
+
         if not isinstance(spec, PartitionSpec):
             raise TypeError(f"NamedSharding needs a PartitionSpec, but got {type(spec)}.")
         entries = _spec_entries(spec)
@@ -390,6 +405,8 @@ def as_dtype(dtype: Any) -> np.dtype[Any]:
         result: np.dtype[Any] = np.dtype(dtype)
     except TypeError:
         # JAX's extended dtypes (typed PRNG keys) are not numpy dtypes; keep them as given.
+        import jax
+
         if jax.numpy.issubdtype(dtype, jax.dtypes.extended):
             kept: np.dtype[Any] = dtype
             return kept

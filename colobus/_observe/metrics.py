@@ -194,7 +194,8 @@ class MetricsServer:
                                                            registry=registry)
         except OSError as exc:
             raise OSError(f"colobus metrics cannot listen on {self._host}:{self._port}: "
-                          f"{exc}") from exc
+                          f"{exc.strerror or exc}; give another HOST:PORT (port 0: any free "
+                          "one)") from exc
         port = self._server.server_port
         host = f"[{self._host}]" if ":" in self._host else self._host
         self.url = f"http://{host}:{port}/metrics"

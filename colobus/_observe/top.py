@@ -9,6 +9,7 @@ Prometheus' ``histogram_quantile`` reads them), and totals.
 
 from __future__ import annotations
 
+import http.client
 import math
 import sys
 import time
@@ -17,7 +18,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["HostRow", "FunctionRow", "Snapshot", "metrics_url", "parse", "quantile", "run_top"]
+__all__ = ["FunctionRow", "HostRow", "Snapshot", "Watch", "metrics_url", "parse", "quantile",
+           "run_top"]
 
 MISSING = "colobus top needs rich and prometheus_client: pip install 'colobus[metrics]'"
 BUSIEST = 10  # functions shown
@@ -75,6 +77,7 @@ class Snapshot:
     functions: dict[str, FunctionRow] = field(default_factory=dict)
     totals: dict[str, float] = field(default_factory=dict)
     taken: float = 0.0  # time.monotonic() of the scrape
+    wall: float = 0.0  # time.time() of the scrape, shown as "updated"
 
 
 def quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
@@ -124,7 +127,7 @@ def parse(text: str, previous: Snapshot | None = None) -> Snapshot:
     """A :class:`Snapshot` of one scrape; CPU % needs the ``previous`` one."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    snap = Snapshot(taken=time.monotonic())
+    snap = Snapshot(taken=time.monotonic(), wall=time.time())
     dropped = host_dropped = 0.0
     for family in text_string_to_metric_families(text):
         for s in family.samples:
@@ -191,18 +194,27 @@ def _secs(s: float | None) -> str:
     return f"{s:.2f} s"
 
 
-def render(snap: Snapshot, url: str, note: str = "") -> Any:
-    """The view of one snapshot, as a ``rich`` renderable."""
+def render(snap: Snapshot, url: str, note: str = "", stale: bool = False) -> Any:
+    """The view of one snapshot, as a ``rich`` renderable.
+
+    ``stale``: the endpoint stopped answering; these are the last figures read, dimmed,
+    and the header says since when (never a table of zeros as if the cluster were idle).
+    """
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
 
     alive = sum(1 for h in snap.hosts.values() if h.up)
+    when = time.strftime("%H:%M:%S", time.localtime(snap.wall or time.time()))
+    status = (f"STALE: last read at {when}, {time.time() - snap.wall:.0f} s ago" if stale
+              else f"updated {when}")
     header = Text.assemble(
         ("colobus top", "bold"), f"  {url}  ",
-        f"{alive}/{len(snap.hosts)} hosts alive  updated {time.strftime('%H:%M:%S')}",
+        f"{alive}/{len(snap.hosts)} hosts alive  ", (status, "bold red" if stale else ""),
         (f"  {note}" if note else "", "yellow"))
-    hosts = Table(title="hosts", title_justify="left", expand=False)
+    dim = "dim" if stale else ""
+    hosts = Table(title="hosts" + (" (stale)" if stale else ""), title_justify="left",
+                  expand=False, style=dim, row_styles=[dim])
     for col in ("host", "name", "state", "devices", "in flight", "arrays", "held",
                 "hb rtt", "rss", "cpu"):
         hosts.add_column(col, justify="left" if col in ("name", "state") else "right")
@@ -213,7 +225,9 @@ def render(snap: Snapshot, url: str, note: str = "") -> Any:
         hosts.add_row(str(index), h.name, "alive" if h.up else "[red]lost[/red]",
                       str(h.devices), str(h.inflight), str(h.arrays), _bytes(h.held_bytes),
                       _secs(h.rtt), _bytes(h.rss), cpu)
-    fns = Table(title=f"busiest functions (top {BUSIEST} by calls)", title_justify="left")
+    fns = Table(title=f"busiest functions (top {BUSIEST} by calls)"
+                + (" (stale)" if stale else ""), title_justify="left", style=dim,
+                row_styles=[dim])
     for col in ("function", "calls", "ok", "failed", "cancelled", "p50", "p99", "run p50"):
         fns.add_column(col, justify="left" if col == "function" else "right")
     busiest = sorted(snap.functions.values(), key=lambda f: (-f.started, f.name))[:BUSIEST]
@@ -229,8 +243,33 @@ def render(snap: Snapshot, url: str, note: str = "") -> Any:
         f"data: put {_bytes(t.get('put', 0))}, fetched {_bytes(t.get('fetched', 0))} | "
         f"code shipped {t.get('code shipped', 0):.0f} | "
         f"messages dropped: {t.get('dropped', 0):.0f} by the controller, "
-        f"{t.get('hosts dropped', 0):.0f} by hosts")
+        f"{t.get('hosts dropped', 0):.0f} by hosts", style=dim)
     return Group(header, hosts, fns, totals)
+
+
+class Watch:
+    """What ``colobus top`` shows at each refresh: the latest scrape, or, while the
+    endpoint does not answer (the controller closed or is restarting), the last
+    figures read, marked stale."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.last: Snapshot | None = None
+
+    def view(self) -> Any:
+        """Scrape once; the renderable to show."""
+        try:
+            snap = parse(scrape(self.url), self.last)
+        except (OSError, urllib.error.URLError, http.client.HTTPException, ValueError) as exc:
+            note = f"cannot read {self.url}: {exc}"
+            if self.last is None:  # nothing read yet: no figures to show
+                from rich.text import Text
+
+                return Text.assemble(("colobus top", "bold"), f"  {self.url}  waiting: ",
+                                     (note, "yellow"))
+            return render(self.last, self.url, note, stale=True)
+        self.last = snap
+        return render(snap, self.url)
 
 
 def run_top(where: str, once: bool = False, interval: float = 1.0) -> int:
@@ -246,23 +285,16 @@ def run_top(where: str, once: bool = False, interval: float = 1.0) -> int:
     if once:
         try:
             snap = parse(scrape(url))
-        except (OSError, urllib.error.URLError) as exc:
+        except (OSError, urllib.error.URLError, http.client.HTTPException) as exc:
             print(f"colobus top: cannot read {url}: {exc}", file=sys.stderr)
             return 1
         console.print(render(snap, url))
         return 0
-    previous: Snapshot | None = None
+    watch = Watch(url)
     try:
         with Live(console=console, auto_refresh=False, screen=False) as live:
             while True:
-                note = ""
-                try:
-                    snap = parse(scrape(url), previous)
-                    previous = snap
-                except (OSError, urllib.error.URLError, ValueError) as exc:
-                    note = f"cannot read {url}: {exc}"
-                    snap = previous or Snapshot()
-                live.update(render(snap, url, note), refresh=True)
+                live.update(watch.view(), refresh=True)
                 time.sleep(interval)
     except KeyboardInterrupt:
         return 0

@@ -273,7 +273,7 @@ async def _run_async(bench: Bench, groups: list[str], options: dict[str, Any]) -
 def _run_sync(bench: Bench, options: dict[str, Any]) -> None:
     with cb.local_cluster(hosts=1, devices_per_host=1, **options) as ctl, RawEcho(1) as raw:
         x = _one_device_array(ctl)
-        cb.block_until_ready(x).result()
+        cb.block_until_ready(x)
         ours = _median_us(_latency_sync(x, bench.sizes.latency_calls))
         base = bench._raw_rtt.get(1) or bench.raw_rtt_us(raw)
         bench.add(Row("latency_sync", "us", ours, base, "lower",

@@ -322,7 +322,7 @@ def _sync_rows(bench: BenchRun, options: dict[str, Any]) -> None:
     z = _sizes(bench.sizes.latency_calls < 1000)
     with cb.local_cluster(hosts=1, devices_per_host=1, **options) as ctl, RawEcho(1) as raw:
         x = _one_device_array(ctl)
-        cb.block_until_ready(x).result()
+        cb.block_until_ready(x)
         lat: dict[str, list[float]] = {"noop": [], "ident": []}
         fns = {"noop": bench_noop, "ident": bench_ident}
         assert threading.current_thread() is threading.main_thread()

@@ -402,6 +402,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "async_training_loop.py"
         except TimeoutError as exc:  # the hosts did not join: the message says what to run
             print(f"{prog}: error: {exc}", file=sys.stderr)
             return 1
+        except OSError as exc:  # a port in use (--metrics, --bind): one line, not a traceback
+            print(f"{prog}: error: {exc}", file=sys.stderr)
+            return 1
         except cb.HostLostError as exc:
             # What docs/reliability.md asks of a driver: report the loss, then go on
             # without that host or stop cleanly. The parameters live on every host,

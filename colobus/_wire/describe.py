@@ -143,10 +143,16 @@ def describe_outputs(treedef: Any, leaves: list[P.OutLeaf]) -> bytes:
         ValueError: the output tree holds a node that cannot be described
             (a pytree node whose auxiliary data is not plain data).
     """
+    global _NONE_TREEDEF
     if not leaves and treedef == _NONE_TREEDEF:
         return _NONE_DESCRIPTION  # a function that returns None: the common case, packed once
-    return pack({"v": VERSION, "tree": _tree_to_wire(treedef, 0),
-                  "leaves": [_leaf_to_wire(m) for m in leaves]})
+    tree = _tree_to_wire(treedef, 0)
+    if tree is None:
+        # The treedef of None, met for the first time: remembered here rather than
+        # built at import, so that importing colobus does not import JAX.
+        _NONE_TREEDEF = treedef
+        return _NONE_DESCRIPTION
+    return pack({"v": VERSION, "tree": tree, "leaves": [_leaf_to_wire(m) for m in leaves]})
 
 
 def _leaf_to_wire(m: P.OutLeaf) -> dict[str, Any]:
@@ -241,14 +247,9 @@ def _parse(raw: bytes, count: int) -> tuple[tuple[P.OutLeaf, ...], Any]:
 _parsed = functools.lru_cache(maxsize=512)(_parse)
 
 
-def _none_description() -> tuple[Any, bytes]:
-    import jax
-
-    treedef = jax.tree_util.tree_structure(None)
-    return treedef, pack({"v": VERSION, "tree": _tree_to_wire(treedef, 0), "leaves": []})
-
-
-_NONE_TREEDEF, _NONE_DESCRIPTION = _none_description()
+# What a function that returns None replies (the tree of None is described as None).
+_NONE_DESCRIPTION = pack({"v": VERSION, "tree": None, "leaves": []})
+_NONE_TREEDEF: Any = object()  # JAX's treedef of None once describe_outputs has met it
 
 
 def _leaf_from_wire(i: int, raw: Any) -> P.OutLeaf:
@@ -346,19 +347,44 @@ class _TreeReader:
         return [self.read(c, depth + 1) for c in raw]
 
     def _custom(self, rest: list[Any], depth: int) -> Any:
-        from jax._src import tree_util
-
         cls = lookup_class(rest[0], rest[1])
-        entry = tree_util._registry.get(cls) if isinstance(cls, type) else None
-        if entry is None:
+        unflatten = _registered_unflatten(cls) if isinstance(cls, type) else None
+        if unflatten is None:
             raise BadReply(
                 f"output pytree node {_name(rest)} is not a registered pytree node here "
                 "(import its module in the controller)")
         kids = self._kids(rest[3], depth)
         try:
-            return entry.from_iter(_tuples(rest[2]), kids)
+            return unflatten(_tuples(rest[2]), kids)
         except Exception as exc:
             raise BadReply(f"output pytree node {_name(rest)} does not rebuild: {exc}") from None
+
+
+def _registered_unflatten(cls: type) -> Any:
+    """JAX's unflatten function for a registered pytree node class, or None.
+
+    JAX has no public lookup of its pytree registry, so this reads a private one
+    (``jax._src.tree_util._registry``, a dict of entries with ``from_iter``), and JAX
+    may change it in any release (the requirement has no upper bound): a JAX without
+    it gives a clear error for outputs with custom nodes, and every other output
+    still works.
+
+    Raises:
+        BadReply: this JAX no longer has the registry colobus reads.
+    """
+    try:
+        from jax._src import tree_util
+
+        registry = tree_util._registry
+        entry = registry.get(cls)
+        return None if entry is None else entry.from_iter
+    except (ImportError, AttributeError, TypeError) as exc:
+        import jax
+
+        raise BadReply(
+            f"output pytree node {cls.__qualname__}: custom pytree nodes in outputs need "
+            f"JAX's pytree registry, which colobus cannot read in jax {jax.__version__} "
+            f"({exc!r}); return a dict or tuple instead") from None
 
 
 def _name(rest: list[Any]) -> str:

@@ -1,4 +1,5 @@
-"""Checks a worker's ``--connect`` endpoint before ZeroMQ sees it.
+"""Checks a worker's ``--connect`` endpoint (and its ``$COLOBUS_DATA_ADDRESS``) before
+ZeroMQ sees it.
 
 ZeroMQ answers a malformed endpoint with a bare "Invalid argument" (and a worker
 that went on would then hang in context termination); this says what is wrong
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["Endpoint", "parse_connect"]
+__all__ = ["Endpoint", "data_address", "parse_connect"]
 
 _FORMS = "tcp://HOST:PORT or ipc://PATH"
 
@@ -50,3 +51,27 @@ def parse_connect(text: str) -> Endpoint:
     if not port_text.isdigit() or not 0 < int(port_text) < 65536:
         raise ValueError(f"{text!r}: port {port_text!r} is not a number from 1 to 65535")
     return Endpoint(text, "tcp", host.strip("[]"), int(port_text))
+
+
+def data_address(text: str) -> tuple[str, str]:
+    """``(address, port)`` of a ``$COLOBUS_DATA_ADDRESS`` (``""``: the default address;
+    ``"*"``: an ephemeral port).
+
+    Raises:
+        ValueError: a port that is not a number from 1 to 65535.
+    """
+    text = text.strip()
+    if text.startswith("tcp://"):
+        text = text[len("tcp://"):]
+    if text.startswith("["):  # [IPV6] or [IPV6]:PORT
+        address, _, rest = text[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else ""
+    elif text.count(":") == 1:  # ADDRESS:PORT or :PORT
+        address, _, port = text.partition(":")
+    else:  # ADDRESS (an IPv6 address without brackets has no port)
+        address, port = text, ""
+    if port in ("", "*"):
+        return address, "*"
+    if not (port.isdigit() and 1 <= int(port) <= 65535):
+        raise ValueError(f"COLOBUS_DATA_ADDRESS={text!r}: the port must be 1 to 65535")
+    return address, port

@@ -1,5 +1,6 @@
 """Bounds on what peers can make the controller hold or log: join challenges,
-size-capped tables, rate-limited warnings about peers that fail authentication.
+size-capped tables, rate-limited warnings about peers that fail authentication and
+about refused joins, and peers' strings shown so that they cannot forge a log line.
 
 Everything here is per controller and bounded whatever peers send: a table
 never holds more than its capacity (the oldest entry goes first), challenges
@@ -11,13 +12,26 @@ from __future__ import annotations
 
 import collections
 import logging
+import re
 import secrets
 import time
 from typing import Generic, TypeVar
 
-__all__ = ["RESET_SEQ", "BoundedDict", "Challenges", "PeerWarnings"]
+__all__ = ["RESET_SEQ", "BoundedDict", "Challenges", "PeerWarnings", "Refusals", "shown"]
 
 RESET_SEQ = 1 << 62  # sequence number of a RESET: above any a session reaches
+
+_PLAIN = re.compile(r"[0-9A-Za-z._+-]{1,64}")
+
+
+def shown(text: object) -> str:
+    """A peer's string as a log line shows it: as it is where it is a plain token (a
+    version such as ``0.4.35``, a platform), else quoted (``repr``), so newlines and
+    escape codes a worker sends cannot forge lines or colour a terminal."""
+    if isinstance(text, str) and _PLAIN.fullmatch(text):
+        return text
+    return repr(text)
+
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -128,3 +142,42 @@ class PeerWarnings:
         self._last = now
         self._pending.clear()
         self._peers.clear()
+
+
+class Refusals:
+    """Log lines about joins the controller refused, rate-limited: the first at once,
+    then at most one line per ``interval`` seconds, saying how many more were refused
+    and the last one's reason (a worker that retries, or many, make one line a minute).
+    The lines quote what the worker sent (its name, host name, versions)."""
+
+    def __init__(self, log: logging.Logger, interval: float = 60.0) -> None:
+        self.log = log
+        self.interval = interval
+        self._last: float | None = None
+        self._pending = 0
+        self._latest = ""
+        self.count = 0
+
+    def note(self, line: str) -> None:
+        """A join was refused: ``line`` says whose and why (its worker strings quoted)."""
+        self.count += 1
+        now = time.monotonic()
+        if self._last is None or (not self._pending and now - self._last >= self.interval):
+            self._last = now
+            self.log.warning("%s (further refusals are summarised every %.0f s)", line,
+                             self.interval)
+            return
+        self._pending += 1
+        self._latest = line
+        self.flush(now)
+
+    def flush(self, now: float | None = None) -> None:
+        """Log the summary if one is due (the controller calls this every heartbeat)."""
+        now = time.monotonic() if now is None else now
+        if not self._pending or self._last is None or now - self._last < self.interval:
+            return
+        self.log.warning("%d more joins refused in the last %.0f s; the last: %s",
+                         self._pending, now - self._last, self._latest)
+        self._last = now
+        self._pending = 0
+        self._latest = ""

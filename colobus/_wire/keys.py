@@ -8,26 +8,30 @@ are read from files only, never from a value that could sit on a command line.
 """
 from __future__ import annotations
 
+import atexit
 import hashlib
 import logging
 import os
 import secrets
+import signal
 import stat
 import tempfile
+import threading
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
-
-import zmq
+from typing import TYPE_CHECKING, Any
 
 from .._errors import AuthenticationError
+
+if TYPE_CHECKING:
+    import zmq
 
 __all__ = [
     "curve_server_config",
     "KEY_ENV", "MIN_KEY_BYTES", "check_key", "generate_key", "key_file_of", "key_id",
     "load_curve_allow", "load_curve_keypair", "load_curve_public", "load_key", "note_key_file",
-    "parse_key_text", "remove_private_key", "start_curve_server", "write_curve_keypair",
-    "write_key", "write_private_key",
+    "catch_sigterm", "is_private_key_file", "parse_key_text", "remove_private_key",
+    "start_curve_server", "write_curve_keypair", "write_key", "write_private_key",
 ]
 
 KEY_ENV = "COLOBUS_KEY_FILE"
@@ -151,22 +155,77 @@ def load_key(path: str | os.PathLike[str]) -> bytes:
     return key
 
 
+# The key files controllers made for themselves (write_private_key), removed when they
+# close, at interpreter exit, and on SIGTERM: a driver stopped with `kill` (a batch
+# system's, a service manager's) leaves no copy of a key behind.
+_private_files: set[str] = set()
+_private_lock = threading.RLock()  # (re-entered by the SIGTERM handler on the main thread)
+_armed: list[bool] = [False]
+
+
 def write_private_key(key: bytes) -> Path:
-    """Write ``key`` to a new file in a fresh private (0700) directory; its path."""
+    """Write ``key`` to a new file in a fresh private (0700) directory; its path.
+
+    The file goes with :func:`remove_private_key`, at interpreter exit, or on SIGTERM
+    (where SIGTERM still has its default action, which then follows: the process ends
+    as it would have).
+    """
     directory = Path(tempfile.mkdtemp(prefix="colobus-key-"))
     path = directory / "key"
     write_key(path, key)
+    with _private_lock:
+        _private_files.add(str(path))
+        arm = not _armed[0]
+        _armed[0] = True
+    if arm:
+        atexit.register(_remove_private_files)
+    catch_sigterm()  # (a controller on a loop thread of its own armed it as it was made)
     return path
+
+
+def is_private_key_file(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a key file a controller made for itself (removed as it closes)."""
+    return os.fspath(path) in _private_files
 
 
 def remove_private_key(path: str | os.PathLike[str]) -> None:
     """Remove a file made by :func:`write_private_key`, and its directory."""
     p = Path(path)
+    with _private_lock:
+        _private_files.discard(str(p))
     try:
         p.unlink()
         p.parent.rmdir()
     except OSError:
         pass
+
+
+def _remove_private_files() -> None:
+    for path in list(_private_files):
+        remove_private_key(path)
+
+
+def catch_sigterm() -> None:
+    """Remove the private key files on SIGTERM, then let SIGTERM do what it would have.
+
+    Only where SIGTERM has its default action (a handler of the program's own runs
+    instead, and its exit runs the atexit removal) and only from the main thread
+    (where Python sets handlers; a driver's `with` or `async with` runs there).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+            return
+        signal.signal(signal.SIGTERM, _on_sigterm)
+    except (ValueError, OSError):  # no signals here (an embedded interpreter)
+        return
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    _remove_private_files()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)  # the default action: the process ends by SIGTERM
 
 
 # -- CurveZMQ key pairs (optional encryption) ------------------------------------------
@@ -333,6 +392,7 @@ def start_curve_server(ctx: zmq.Context[Any], sock: zmq.Socket[Any], public: byt
 
     Returns the authenticator, to ``stop()`` when the socket closes.
     """
+    import zmq
     from zmq.auth import CURVE_ALLOW_ANY
     from zmq.auth.thread import ThreadAuthenticator
 

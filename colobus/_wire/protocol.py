@@ -12,6 +12,8 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from .specs import decode_spec, encode_spec
+
 __all__ = [
     "BODIES",
     "Body",
@@ -20,7 +22,7 @@ __all__ = [
     "Code",
     "Construct",
     "Destroy",
-    "Fetch",
+    "Fetch", "Form",
     "Heartbeat",
     "Hello",
     "Join",
@@ -84,6 +86,7 @@ class Kind(enum.IntEnum):
     GONE = 29  # both: a host the relay no longer carries (lost, or it broke the protocol)
     READY = 30  # R: the relay is up, hosts connect to this endpoint
     DELIVERED = 31  # R: the bytes your hosts acknowledged (upload back-pressure)
+    FORM = 40  # C: join the cluster's JAX job (jax_distributed); answered with a RESULT
 
 
 class Status(enum.IntEnum):
@@ -137,7 +140,7 @@ class Hello(Body):
 @dataclass(frozen=True, slots=True)
 class Welcome(Body):
     kind = Kind.WELCOME
-    types = (int, list, _num, _num, bool, int, bool, int, str)
+    types = (int, list, _num, _num, bool, int, bool, int, str, bool)
     required = 6
     host: int
     device_ids: list[int]
@@ -148,6 +151,7 @@ class Welcome(Body):
     host_stats: bool = False  # count calls' queued and run times; send them in heartbeats
     host_count: int = 0  # the cluster's host count (cb.host_count() in host code)
     relay: str = ""  # the relay to move this session to ("tcp://*:PORT": the controller's host)
+    jax_job: bool = False  # the hosts form one JAX job (a FORM comes once all joined)
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,7 +231,8 @@ class Call(Body):
     """Run ``digest`` (or method ``method`` of object ``obj``) on this host.
 
     ``refs`` lists the persistent ids of the pickled arguments: ``[tag, id]``
-    with tag 0 an array ref, 1 a call's result tree, 2 an object. ``mesh`` is
+    with tag 0 an array ref, 1 a call's result tree, 2 an object (in a JAX job,
+    ``[0, id, layout]``: ``colobus._api.joblayout``). ``mesh`` is
     this host's part of the call's mesh: ``[local ids, shape, axis names]``.
     """
 
@@ -420,6 +425,22 @@ class Shutdown(Body):
 
 
 @dataclass(frozen=True, slots=True)
+class Form(Body):
+    """Join the JAX job of ``coordinator`` (``*:PORT``: at the controller's address) as
+    process (host index) of ``processes``; ``devices``: every host's device ids, host 0
+    first. The RESULT carries the host's JAX device ids in the job (``_host.jaxjob``)."""
+
+    kind = Kind.FORM
+    types = (int, int, str, int, list, _num)
+    call_id: int
+    generation: int
+    coordinator: str
+    processes: int
+    devices: list[list[int]]
+    timeout: float
+
+
+@dataclass(frozen=True, slots=True)
 class Reset(Body):
     """The controller's last word to a lost session: rejoin, or (``RESET_EXIT``) exit."""
 
@@ -434,7 +455,7 @@ RESET_EXIT = "exit"  # its process was seen to end (a launcher): it exits, never
 
 BODIES: dict[Kind, type[Body]] = {cls.kind: cls for cls in (
     Hello, Welcome, Reject, Join, Challenge, Heartbeat, Code, Call, Result, Cancel, Put, Fetch,
-    Release, Construct, Destroy, Stats, Shutdown, Reset, Reshard, Piece, TreePut,
+    Release, Construct, Destroy, Stats, Shutdown, Reset, Reshard, Piece, TreePut, Form,
 )}
 
 _BY_INT: dict[int, type[Body]] = {int(k): v for k, v in BODIES.items()}  # by wire int
@@ -477,24 +498,3 @@ MAX_OUTPUTS = 1 << 16
 def output_ref(call_id: int, index: int) -> int:
     """The array ref under which a host stores output leaf ``index`` of ``call_id``."""
     return (call_id << 16) | index
-
-
-def encode_spec(spec: Any) -> list[Any]:
-    """A ``PartitionSpec`` as msgpack: entries None, str, or list of str."""
-    return [list(e) if isinstance(e, tuple) else e for e in spec]
-
-
-def decode_spec(raw: Any) -> Any:
-    from jax.sharding import PartitionSpec
-
-    if not isinstance(raw, list):
-        raise ValueError("bad partition spec")
-    entries: list[Any] = []
-    for e in raw:
-        if e is None or isinstance(e, str):
-            entries.append(e)
-        elif isinstance(e, list) and all(isinstance(x, str) for x in e):
-            entries.append(tuple(e))
-        else:
-            raise ValueError("bad partition spec entry")
-    return PartitionSpec(*entries)

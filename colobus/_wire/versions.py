@@ -13,6 +13,8 @@ import importlib.metadata
 import platform
 import sys
 
+from .guard import shown
+
 __all__ = ["MUST_MATCH", "PACKAGES", "WARN_ON", "compare", "local_versions"]
 
 PACKAGES = ("jax", "jaxlib", "numpy", "cloudpickle")
@@ -45,16 +47,24 @@ def _same(name: str, theirs: str, ours: str) -> bool:
 
 
 def compare(theirs: dict[str, str], ours: dict[str, str]) -> tuple[str | None, list[str]]:
-    """``(why the host is refused or None, warning lines)``; a version a host did not
-    report is not compared."""
-    refused = [f"{name} {theirs[name]} on the host, {ours.get(name, '?')} on the controller"
+    """``(why the host is refused or None, warning lines)``. A host that did not report
+    its Python or colobus version is refused (every worker of this protocol reports
+    them); another version a host did not report is not compared. The host's strings
+    are shown as they are only where they are plain tokens, else quoted
+    (:func:`~colobus._wire.guard.shown`): they are the worker's, not ours."""
+    refused = [f"{name} {shown(theirs[name])} on the host, {ours.get(name, '?')} on the controller"
                for name in MUST_MATCH
                if name in theirs and not _same(name, theirs[name], ours.get(name, ""))]
+    missing = [name for name in MUST_MATCH if not theirs.get(name)]
+    if missing:
+        refused.append(f"the host reported no {' or '.join(missing)} version")
     why = None
     if refused:
         why = ("version mismatch: " + "; ".join(refused) + " (pickled code and the wire "
                "protocol do not cross them: run the same Python and colobus on every host)")
-    warnings = [f"{name} {theirs[name] or 'missing'} on the host, {ours.get(name) or 'missing'} "
-                "on the controller" for name in WARN_ON
+    warnings = [f"{name} {shown(theirs[name])} on the host, {ours.get(name) or 'missing'} "
+                "on the controller" if theirs[name] else
+                f"{name} missing on the host, {ours.get(name) or 'missing'} on the controller"
+                for name in WARN_ON
                 if name in theirs and theirs[name] != ours.get(name, "")]
     return why, warnings

@@ -1,0 +1,485 @@
+"""The controller's side of the cluster's JAX job (``jax_distributed=True``).
+
+Once the cluster's ``hosts`` have joined, :class:`JaxJob` forms one JAX
+multi-controller job of them: it starts JAX's coordination service in the
+controller's process (a gRPC server of JAX's own, on a free port of the controller's
+machine, bound where the controller's socket is), then sends every host a FORM,
+which the worker answers once it is in (``colobus._host.jaxjob``). Host ``i`` is JAX
+process ``i``. The job is an operation like any other (a host lost meanwhile fails
+it); until every host answered, a gate at the head of the backlog holds back every
+other operation, so no call reaches a host before its JAX is the job's.
+
+The coordinator runs in the controller, not in host 0's worker, because the
+controller outlives every host: a job whose process 0 died would take its
+coordination service with it, and JAX ends processes whose service is gone.
+
+A lost host breaks the job for every host (JAX's collectives would wait for it
+forever): every operation still in flight fails with ``HostLostError`` naming the
+lost host, the other hosts are declared lost too (their sessions end, their workers
+leave the job and join again), and the gate holds what is submitted meanwhile. Once
+every host is back (``restart=``, or a worker returning under its name) the job
+forms again, a new generation with a new coordination service. What waits behind the
+gate longer than ``join_timeout`` fails with ``HostLostError`` naming the hosts still
+missing. Everything here runs on the controller's loop thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import threading
+import time
+from typing import TYPE_CHECKING, Any, Protocol
+
+from .._errors import ControllerClosedError, HostLostError
+from .._wire import protocol as P
+from .._wire.describe import BadReply
+from .ops import Gate, Operation
+
+if TYPE_CHECKING:
+    from .._wire.envelope import Envelope
+    from .hosts import Host, HostRegistry
+    from .ops import Operations
+
+__all__ = ["JAX_DISTRIBUTED_ENV", "JAX_PORT_ENV", "JaxJob", "JobOwner", "wants_job"]
+
+log = logging.getLogger("colobus.controller")
+
+JAX_DISTRIBUTED_ENV = "COLOBUS_JAX_DISTRIBUTED"  # "1": jax_distributed where a cluster does not say
+JAX_PORT_ENV = "COLOBUS_JAX_PORT"  # the coordination service's port (default: a free one)
+SERVICE_HEARTBEAT_S = 86400  # JAX's own liveness checks: off in effect (colobus judges)
+SERVICE_SHUTDOWN_S = 5
+RETRIES = 1  # a job that failed to form (not for a lost host) is tried again this often
+
+
+def wants_job(jax_distributed: bool | None) -> bool:
+    """``jax_distributed``, else ``$COLOBUS_JAX_DISTRIBUTED`` (``1``/``true``/``yes``).
+
+    Raises:
+        ValueError: the variable holds something else.
+    """
+    if jax_distributed is not None:
+        return bool(jax_distributed)
+    text = os.environ.get(JAX_DISTRIBUTED_ENV, "").strip().lower()
+    if text in ("", "0", "false", "no", "off"):
+        return False
+    if text in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(f"${JAX_DISTRIBUTED_ENV} is {text!r}: expected 1 or 0")
+
+
+class _Sessions(Protocol):
+    def lose(self, host: Host, why: str, last_word: str = ...) -> None: ...
+
+
+class JobOwner(Protocol):
+    """What :class:`JaxJob` uses of the controller that owns it."""
+
+    @property
+    def _hosts(self) -> HostRegistry: ...
+    @property
+    def _ops(self) -> Operations: ...
+    @property
+    def _sessions(self) -> _Sessions: ...
+    @property
+    def _expected_hosts(self) -> int: ...
+    @property
+    def _address(self) -> str: ...
+    @property
+    def join_timeout(self) -> float: ...
+    def _send(self, host: Host, body: P.Body, payload: Any = b"", buffers: Any = (),
+              pbufs: int = 0) -> None: ...
+
+
+class JaxJob:
+    """Forms, re-forms and ends the cluster's JAX job (loop thread).
+
+    States: ``waiting`` (for the hosts), ``forming``, ``formed``, ``broken`` (a host
+    was lost: waiting for the hosts to be back), ``failed`` (it could not form).
+    """
+
+    def __init__(self, ctl: JobOwner) -> None:
+        if ctl._expected_hosts <= 0:
+            raise ValueError("jax_distributed=True needs the cluster's size: pass hosts=N "
+                             "(every host is one process of the JAX job)")
+        self._ctl = ctl
+        self.state = "waiting"
+        self.generation = 0
+        self.coordinator = ""  # HOST:PORT hosts reach the coordination service at
+        self.error: BaseException | None = None  # why it failed to form
+        self.formed_count = 0  # times it formed (re-forms included)
+        self.form_s = 0.0  # how long the last forming took, FORM sent to every host in
+        self._form_began = 0.0
+        self._members: dict[int, int] = {}  # host index -> its generation in this job
+        self._service: Any = None
+        self._stopping: list[threading.Thread] = []  # services being shut down
+        self._gate: Gate | None = None
+        self._waiters: list[asyncio.Future[None]] = []
+        self._expiry: asyncio.TimerHandle | None = None
+        self._failures = 0
+        self._lost: tuple[int, str] | None = None  # the host whose loss broke the job
+
+    # -- the controller's events ----------------------------------------------------------
+
+    def started(self) -> None:
+        """The controller started: nothing is sent to a host before the job formed."""
+        self._hold()
+
+    def host_joined(self, host: Host) -> None:
+        """A host joined: form the job once every host of the cluster has."""
+        if self.state in ("forming", "formed"):
+            return
+        hosts = self._ctl._hosts
+        n = self._ctl._expected_hosts
+        if hosts.alive_count() < n:
+            return
+        indices = sorted(h.index for h in hosts.alive())
+        if indices != list(range(n)):
+            self._fail(RuntimeError(
+                f"the cluster's JAX job needs hosts 0..{n - 1}, one process each, but hosts "
+                f"{indices} are alive: a worker under a new name took a lost host's place. "
+                f"Start the missing host's worker under its old name (--name), or restart "
+                "the cluster"))
+            return
+        self._form(indices)
+
+    def host_lost(self, host: Host, why: str) -> None:
+        """A host was lost: if it was in the job (or forming it), the job ends for all."""
+        if self.state not in ("forming", "formed") or host.index not in self._members:
+            return
+        self._break(host, why)
+
+    async def wait_formed(self, timeout: float) -> None:
+        """Until the job formed (at once if it has).
+
+        Raises:
+            TimeoutError: it did not form within ``timeout``.
+            RuntimeError: it failed to form (the error a host raised joining it).
+        """
+        if self.state == "formed":
+            return
+        if self.state == "failed" and self.error is not None:
+            raise self.error
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            await asyncio.wait_for(asyncio.shield(waiter), timeout)
+        except TimeoutError:
+            raise TimeoutError(
+                f"the cluster's JAX job did not form within {timeout:.0f} s "
+                f"({self.describe()})") from None
+        finally:
+            if waiter in self._waiters:
+                self._waiters.remove(waiter)
+        if self.state == "failed" and self.error is not None:
+            raise self.error
+
+    def close(self) -> None:
+        """The controller closes: the coordination service stops (waited for, briefly: a
+        gRPC server still stopping as the process exits would abort it); waiters are
+        told."""
+        self._cancel_expiry()
+        self._stop_service()
+        for thread in self._stopping:
+            thread.join(SERVICE_SHUTDOWN_S)
+        self._stopping.clear()
+        if self.state != "formed" and self.error is None:
+            self.error = ControllerClosedError(
+                "the colobus controller closed before the cluster's JAX job formed")
+        self.state = "failed" if self.state != "formed" else "closed"
+        self._wake()
+
+    def describe(self) -> dict[str, Any]:
+        """What ``ctl.stats()["jax_job"]`` shows."""
+        return {"state": self.state, "generation": self.generation,
+                "coordinator": self.coordinator, "formed": self.formed_count,
+                "form_s": self.form_s,
+                "processes": self._ctl._expected_hosts,
+                "error": None if self.error is None else str(self.error)}
+
+    # -- forming ----------------------------------------------------------------------------
+
+    def _form(self, indices: list[int]) -> None:
+        ctl = self._ctl
+        self._hold()
+        self._stop_service()
+        try:
+            self.coordinator = self._start_service(len(indices))
+        except Exception as exc:
+            self._fail(RuntimeError(f"cannot start JAX's coordination service for the "
+                                    f"cluster's job: {exc}"))
+            return
+        self.state = "forming"
+        self.generation += 1
+        hosts = ctl._hosts
+        self._members = {i: hosts[i].generation for i in indices}
+        table = [[d.id for d in hosts[i].devices] for i in indices]
+        form = (self.generation, self.coordinator, len(indices), table,
+                float(max(1.0, ctl.join_timeout)))
+        log.info("forming the cluster's JAX job (generation %d) of %d hosts; coordinator %s",
+                 self.generation, len(indices), self.coordinator)
+
+        def send(call_id: int) -> None:
+            for i in indices:
+                ctl._send(hosts[i], P.Form(call_id, *form))
+
+        self._form_began = time.monotonic()
+        fut = ctl._ops.submit(tuple(indices), send, _decode_ids, dict, backpressure=False,
+                              urgent=True)
+        generation = self.generation
+        fut.add_done_callback(lambda f: self._form_done(generation, f))
+
+    def _form_done(self, generation: int, fut: Any) -> None:
+        if generation != self.generation or self.state != "forming":
+            return  # a loss broke it meanwhile: that is handled
+        exc = fut.exception()
+        if exc is not None:
+            if isinstance(exc, HostLostError):
+                # (the loss's own handler runs next, unless the host was gone already)
+                asyncio.get_running_loop().call_soon(self._lost_while_forming, generation, exc)
+                return
+            self._failures += 1
+            log.error("the cluster's JAX job (generation %d) did not form: %s", generation, exc)
+            if self._failures <= RETRIES:
+                log.warning("every host leaves and joins again; the job forms once more")
+                self._break(None, f"the JAX job did not form: {exc}")
+            else:
+                self._fail(exc)
+            return
+        ids: dict[int, list[int]] = fut.result()
+        hosts = self._ctl._hosts
+        for i, local_ids in ids.items():
+            _renumber(hosts[i], local_ids)
+        hosts.changes += 1  # (plans and fan-outs worked out per host see the new ids)
+        self.state = "formed"
+        self.form_s = time.monotonic() - self._form_began
+        self.error = None
+        self._failures = 0
+        self._lost = None
+        self.formed_count += 1
+        log.info("the cluster's JAX job formed (generation %d, %d processes)", generation,
+                 len(ids))
+        self._cancel_expiry()
+        self._release()
+        self._wake()
+
+    def _lost_while_forming(self, generation: int, exc: BaseException) -> None:
+        if generation == self.generation and self.state == "forming":
+            host = getattr(exc, "host", None)
+            lost = self._ctl._hosts[host] if isinstance(host, int) and 0 <= host < len(
+                self._ctl._hosts) else None
+            self._break(lost, str(exc))
+
+    # -- breaking ---------------------------------------------------------------------------
+
+    def _break(self, lost: Host | None, why: str) -> None:
+        """End the job for every host: what is in flight fails, the hosts join again."""
+        ctl = self._ctl
+        self.state = "broken"
+        self._hold()
+        if lost is not None:
+            self._lost = (lost.index, lost.name)
+            log.warning("host %d (%r) was lost: the cluster's JAX job ends for every host; "
+                        "it forms again once every host is back", lost.index, lost.name)
+        ops = ctl._ops
+        for op in list(ops.pending.values()):
+            if lost is not None:
+                err = lost.lost_error(f"{why}; the cluster's JAX job ended with it, on "
+                                      "every host")
+            else:
+                err = HostLostError(f"the cluster's JAX job ended: {why}")
+            op.end(ops, err)
+        if lost is not None:
+            reason = (f"the cluster's JAX job ended: host {lost.index} ({lost.name!r}) was "
+                      "lost")
+        else:
+            reason = f"the cluster's JAX job ended: {why}"
+        for h in ctl._hosts.alive():
+            ctl._sessions.lose(h, reason)  # its worker leaves the job and joins again
+        self._stop_service()
+        self._arm_expiry()
+
+    def _fail(self, exc: BaseException) -> None:
+        """It cannot form: waiters get ``exc``; what waits for it fails now, and what is
+        submitted later within ``join_timeout`` (it forms again only once a host was
+        lost and is back)."""
+        self.state = "failed"
+        self.error = exc
+        self._stop_service()
+        self._wake()
+        self._fail_waiting(lambda: RuntimeError(f"the cluster's JAX job could not form: {exc}"))
+        self._arm_expiry()
+
+    # -- the gate: nothing reaches a host before the job formed -------------------------
+
+    def _hold(self) -> None:
+        if self._gate is not None and not self._gate.open:
+            return
+        self._gate = Gate()
+        self._ctl._ops.backlog.appendleft(self._gate)
+
+    def _release(self) -> None:
+        gate, self._gate = self._gate, None
+        if gate is not None:
+            gate.open = True
+            self._ctl._ops.pump()
+
+    def _arm_expiry(self) -> None:
+        self._cancel_expiry()
+        self._expiry = asyncio.get_running_loop().call_later(
+            max(1.0, self._ctl.join_timeout), self._expire)
+
+    def _cancel_expiry(self) -> None:
+        if self._expiry is not None:
+            self._expiry.cancel()
+            self._expiry = None
+
+    def _expire(self) -> None:
+        """The job has not formed again within ``join_timeout``: what waits fails."""
+        self._expiry = None
+        if self.state == "formed":
+            return
+        ctl = self._ctl
+        missing = [i for i in range(ctl._expected_hosts)
+                   if i >= len(ctl._hosts) or not ctl._hosts[i].alive]
+        first = missing[0] if missing else None
+        what = (f"host{'s' * (len(missing) > 1)} {', '.join(map(str, missing))} "
+                f"{'are' if len(missing) > 1 else 'is'} still missing" if missing
+                else f"it is {self.state}")
+        text = (f"the cluster's JAX job has not formed again within "
+                f"{ctl.join_timeout:.0f} s ({what}); operations waiting for it fail")
+        error = self.error
+        if self.state == "failed" and error is not None:
+            self._fail_waiting(lambda: RuntimeError(
+                f"the cluster's JAX job could not form: {error}"))
+        else:
+            log.warning("%s", text)
+            self._fail_waiting(lambda: HostLostError(text, first))
+        self._arm_expiry()
+
+    def _fail_waiting(self, error: Any) -> None:
+        """Fail the operations waiting behind the gate (they were never sent)."""
+        ops = self._ctl._ops
+        gate = self._gate
+        if gate is None:
+            return
+        kept: list[Any] = []
+        behind = False
+        for item in ops.backlog:
+            if item is gate:
+                behind = True
+            elif behind and isinstance(item, Operation):
+                if item.backpressure:
+                    ops._give_slot()
+                if not item.future.done():
+                    item.future.set_exception(error())
+                continue
+            kept.append(item)
+        ops.backlog.clear()
+        ops.backlog.extend(kept)
+
+    def _wake(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for w in waiters:
+            if not w.done():
+                w.set_result(None)
+
+    # -- JAX's coordination service, in this process -------------------------------------
+
+    def _start_service(self, processes: int) -> str:
+        """Start it; returns the address hosts reach it at (``*:PORT``: where they
+        reach the controller)."""
+        from jax._src.lib import _jax  # type: ignore[attr-defined]  # (no backend is made)
+
+        bind_host, advertise = _service_host(self._ctl._address)
+        fixed = os.environ.get(JAX_PORT_ENV, "").strip()
+        if fixed and not fixed.isdigit():
+            raise ValueError(f"${JAX_PORT_ENV} is {fixed!r}, not a port number")
+        tries = 1 if fixed else 3
+        last: Exception | None = None
+        for _ in range(tries):
+            port = int(fixed) if fixed else _free_port(bind_host)
+            # jaxlib's service ends this process (a segmentation fault) when its port is
+            # taken: it starts only on a port that was free a moment ago
+            if not _port_free(bind_host, port):
+                last = OSError(f"port {port} is in use")
+                continue
+            address = f"[{bind_host}]:{port}" if ":" in bind_host else f"{bind_host}:{port}"
+            try:
+                try:
+                    self._service = _jax.get_distributed_runtime_service(
+                        address, processes, heartbeat_timeout=SERVICE_HEARTBEAT_S,
+                        shutdown_timeout=SERVICE_SHUTDOWN_S, recoverable=True)
+                except TypeError:  # a jaxlib without recoverable tasks
+                    self._service = _jax.get_distributed_runtime_service(
+                        address, processes, heartbeat_timeout=SERVICE_HEARTBEAT_S,
+                        shutdown_timeout=SERVICE_SHUTDOWN_S)
+            except Exception as exc:  # the port was taken meanwhile: another one
+                last = exc
+                continue
+            return f"{advertise}:{port}"
+        raise RuntimeError(f"no port for it on {bind_host}: {last}"
+                           + (f" (${JAX_PORT_ENV} names it)" if fixed else ""))
+
+    def _stop_service(self) -> None:
+        service, self._service = self._service, None
+        if service is None:
+            return
+
+        def stop() -> None:  # (it waits for its clients a moment: not on the loop)
+            try:
+                service.shutdown()
+            except Exception as exc:
+                log.debug("stopping the JAX coordination service: %s", exc)
+
+        thread = threading.Thread(target=stop, name="colobus-jax-service", daemon=True)
+        thread.start()
+        self._stopping = [t for t in self._stopping if t.is_alive()] + [thread]
+
+
+def _decode_ids(host: Host, body: P.Result, env: Envelope) -> list[int]:
+    ids = body.meta
+    if not (isinstance(ids, list) and len(ids) == len(host.devices)
+            and all(type(i) is int for i in ids)):
+        raise BadReply(f"a FORM's reply lists {ids!r:.80} as the host's JAX device ids")
+    return ids
+
+
+def _renumber(host: Host, local_ids: list[int]) -> None:
+    """The host's devices keep their global ids; ``local_id`` becomes the id of the
+    matching JAX device in the job (the id every host's JAX knows it by)."""
+    from .._model.devices import Device
+
+    host.devices = tuple(Device(d.id, d.host, d.platform, d.device_kind, lid)
+                         for d, lid in zip(host.devices, local_ids, strict=True))
+
+
+def _service_host(address: str) -> tuple[str, str]:
+    """Where the coordination service binds, and the host part workers are told."""
+    if not address.startswith("tcp://"):
+        return "127.0.0.1", "127.0.0.1"  # ipc: the hosts are on this machine
+    host = address[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+    if host in ("*", ""):
+        host = "0.0.0.0"
+    return host, "*"
+
+
+def _port_free(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+            s.listen(1)
+        except OSError:
+            return False
+    return True
+
+
+def _free_port(host: str) -> int:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
