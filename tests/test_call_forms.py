@@ -74,7 +74,7 @@ def _layout(a: Any) -> Any:
 
 
 def _value(a: Any) -> Any:
-    return (np.asarray(cb.device_get(a).result()).tolist(), _layout(a))
+    return (np.asarray(cb.device_get(a)).tolist(), _layout(a))  # (blocks: a plain thread)
 
 
 def _forms(x1: Any, x8: Any) -> list[Any]:
@@ -277,7 +277,7 @@ def test_one_host_calls_from_many_threads_keep_each_threads_order(ctl: cb.Contro
     def run(i: int) -> None:
         f = form_ident.specialize(out_specs_fn=_same_specs)
         futs = [f(keeper.bump(x)) for _ in range(20)]
-        got[i] = [float(np.asarray(cb.device_get(fu.result()).result())[0]) for fu in futs]
+        got[i] = [float(np.asarray(cb.device_get(fu.result()))[0]) for fu in futs]
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
     for t in threads:
