@@ -18,10 +18,15 @@ Patterns: ``noop`` (a no-op, awaited one at a time), ``ident`` (``return x``, aw
 ``kept`` (the same, each future kept: no frees ride along; the difference from
 ``ident`` is what freeing a call's result and output costs),
 ``sync`` (``return x`` from ``.result()`` on a plain thread, ``with local_cluster``),
-``method`` (a colocated object's no-op method, awaited), ``fanout4`` (``return x`` on
-an array over 4 hosts, awaited).
+``method`` (a colocated object's no-op method, awaited), ``spec`` (``return x``
+specialized with ``out_specs_fn``, as orbax wraps every function), ``mident``
+(``return x`` as an object's method), ``fanout4`` (``return x`` on an array over 4
+hosts, awaited), ``star4`` ... ``star32`` (a no-op on an array over that many hosts,
+over TCP: the worker's figure per host, the controller's per call; the controller's
+marginal cost per host is the slope between two of them).
 
     python benchmarks/call_counts.py                  # 1,000 calls after 200
+    python benchmarks/call_counts.py --calls 200 --warm 50 --pattern star4 star16 star32
     python benchmarks/call_counts.py --calls 100 --warm 20 --pattern noop ident
 
 The counts include whatever else the processes do meanwhile (heartbeats: a few per
@@ -35,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import subprocess
 import sys
@@ -117,14 +123,24 @@ if os.environ.get("COLOBUS_COUNT_DIR"):
     threading.setprofile(_first)
 '''
 
-PATTERNS = ("noop", "ident", "kept", "sync", "method", "fanout4")
+STARS = {"star4": 4, "star8": 8, "star16": 16, "star32": 32}
+# The star rows' heartbeat interval (s; COLOBUS_COUNT_HEARTBEAT): heartbeats are work per
+# second, not per call, and under the profiler on a small machine a 32-host call takes a
+# good part of a second, so at the default 1 s each call would carry a share of every
+# host's heartbeat (both ways) that grows with the width and the machine's load.
+STAR_HEARTBEAT = float(os.environ.get("COLOBUS_COUNT_HEARTBEAT", "30"))
+PATTERNS = ("noop", "ident", "kept", "sync", "spec", "method", "mident", "fanout4", *STARS)
+DEFAULT = PATTERNS[:-len(STARS)]  # (the star rows start up to 32 workers: asked for by name)
 LABELS = {
     "noop": "no-op, awaited, 1 host",
     "ident": "`return x`, awaited, 1 host",
     "kept": "`return x`, awaited, futures kept (no frees)",
     "sync": "`return x`, .result() from a plain thread",
+    "spec": "`return x`, specialized (out_specs_fn), awaited",
     "method": "object method (no-op), awaited",
+    "mident": "object method `return x`, awaited",
     "fanout4": "`return x`, awaited, 4 hosts (worker: per host)",
+    **{k: f"no-op, awaited, {n} hosts over TCP (worker: per host)" for k, n in STARS.items()},
 }
 
 
@@ -168,9 +184,9 @@ async def _measured(name: str, fn: Callable[[], Awaitable[Any]], x: Any, n: int,
 
 async def _async_rows(patterns: list[str], n: int, warm: int) -> None:
     from colobus._tools.bench_base import BenchObject, _fanout_array, _one_device_array, bench_noop
-    from colobus._tools.bench_calls import bench_ident
+    from colobus._tools.bench_calls import bench_ident, bench_ident_specialized
 
-    one = [p for p in patterns if p in ("noop", "ident", "kept", "method")]
+    one = [p for p in patterns if p in ("noop", "ident", "kept", "spec", "method", "mident")]
     if one:
         async with cb.local_cluster(hosts=1, devices_per_host=1) as ctl:
             x = _one_device_array(ctl)
@@ -185,7 +201,8 @@ async def _async_rows(patterns: list[str], n: int, warm: int) -> None:
 
             calls: dict[str, Callable[[], Awaitable[Any]]] = {
                 "noop": lambda: bench_noop(x), "ident": lambda: bench_ident(x),
-                "kept": keep, "method": lambda: obj.ping(x)}
+                "kept": keep, "spec": lambda: bench_ident_specialized(x),
+                "method": lambda: obj.ping(x), "mident": lambda: obj.ident(x)}
             for name in one:
                 await _measured(name, calls[name], x, n, warm)
                 kept.clear()
@@ -195,6 +212,15 @@ async def _async_rows(patterns: list[str], n: int, warm: int) -> None:
             x = _fanout_array(ctl, 4)
             await cb.block_until_ready(x)
             await _measured("fanout4", lambda: bench_ident(x), x, n, warm)
+    for name, hosts in STARS.items():
+        if name in patterns:
+            # (workers counted from their start import slowly: time to join, and to stay)
+            async with cb.local_cluster(hosts=hosts, devices_per_host=1, transport="tcp",
+                                        join_timeout=1800, heartbeat_interval=STAR_HEARTBEAT,
+                                        liveness_timeout=10 * STAR_HEARTBEAT) as ctl:
+                x = _fanout_array(ctl, hosts)
+                await cb.block_until_ready(x)
+                await _measured(name, lambda x=x: bench_noop(x), x, n, warm)
 
 
 def _sync_row(n: int, warm: int) -> None:
@@ -305,7 +331,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=1000)
     ap.add_argument("--warm", type=int, default=200)
-    ap.add_argument("--pattern", nargs="+", default=list(PATTERNS), choices=PATTERNS)
+    ap.add_argument("--pattern", nargs="+", default=list(DEFAULT), choices=PATTERNS)
     ap.add_argument("--detail", type=int, default=0, metavar="N",
                     help="also print the N functions called most per call, per side")
     ap.add_argument("--child", action="store_true", help="(internal) the counted process")
@@ -322,6 +348,10 @@ def main() -> None:
         print(f"  {LABELS[name]:52s} {r['controller_calls']:9.1f} "
               f"{r['controller_c_calls']:7.1f} {r['worker_calls']:9.1f} "
               f"{r['worker_c_calls']:7.1f}")
+    stars = sorted((STARS[k], got[k]["controller_calls"]) for k in args.pattern if k in STARS)
+    for (n0, c0), (n1, c1) in itertools.pairwise(stars):
+        print(f"  star controller, Python calls per additional host, {n0} -> {n1} hosts: "
+              f"{(c1 - c0) / (n1 - n0):.2f}")
 
 
 if __name__ == "__main__":

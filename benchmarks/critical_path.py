@@ -8,7 +8,8 @@ latency is the sum of the links. This benchmark timestamps each link in both pro
 (``time.perf_counter`` is CLOCK_MONOTONIC, one clock for every process on the machine)
 without changing the library: a ``sitecustomize`` on ``PYTHONPATH`` wraps
 ``colobus._wire.sockio``'s ``send_frames``/``send_envelope``/``recv_frames`` (and the
-frame reads and sends of the worker's lane, ``colobus._host.messages``) as the modules
+frame reads and sends written out in the worker's lane, ``colobus._host.messages``, and
+in the channel's drain and outboxes) as the modules
 load, and ``selectors.EpollSelector.select`` (the moment a blocked loop wakes with
 work), in the controller and in its worker. It prints the median of each link over ``--calls``
 calls (a no-op on one host, awaited one at a time) beside the same links of a
@@ -66,8 +67,9 @@ def _patch(mod):
         mod.send_envelope = send_envelope
 
 def _patch_lane(mod):
-    # The worker's lane reads (colobus._host.messages) and sends (colobus._host.outbound)
-    # frame by frame with the compiled methods: "r" once a message's last frame is in,
+    # The worker's lane reads (colobus._host.messages) and sends (colobus._host.outbound),
+    # and the channel's (colobus._wire.channel, outflow), go frame by frame with the
+    # compiled methods: "r" once a message's last frame is in,
     # "s" as its first frame leaves (the one after a frame sent without SNDMORE).
     if hasattr(mod, "_recv"):
         recv = mod._recv
@@ -88,7 +90,9 @@ def _patch_lane(mod):
         mod._send = _send
 
 PATCHES = {"colobus._wire.sockio": _patch, "colobus._host.messages": _patch_lane,
-           "colobus._host.outbound": _patch_lane}
+           "colobus._host.outbound": _patch_lane,
+           # the channel's drain reads, and its outboxes' sends, written out the same way
+           "colobus._wire.channel": _patch_lane, "colobus._wire.outflow": _patch_lane}
 
 class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):

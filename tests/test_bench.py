@@ -20,7 +20,7 @@ EXPECTED = {
     "peak_rss_get_worker", "chain100",
     # bench_calls: calls, scaling, bigout
     "mem_inflight_controller", "mem_inflight_worker", "mem_held_controller", "mem_held_worker",
-    "noop_async_alt", "ident_async", "plus1_async", "ident_pipelined_tasks",
+    "noop_async_alt", "ident_async", "spec_async", "plus1_async", "ident_pipelined_tasks",
     "ident_pipelined_gather", "ident_pipelined_cbgather", "noop_sync_alt", "ident_sync",
     "scaling1_noop", "scaling1_ident", "scaling2_noop", "scaling2_ident", "scaling4_noop",
     "scaling4_ident", "scaling_cpu_per_host_noop", "scaling_cpu_per_host_ident",
@@ -142,7 +142,8 @@ def test_call_counts_prints_both_sides_for_every_pattern() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     for label in ("no-op, awaited", "`return x`, awaited, 1 host", "no frees", ".result()",
-                  "object method", "4 hosts"):
+                  "specialized", "object method (no-op)", "object method `return x`",
+                  "4 hosts"):
         row = next(line for line in lines if label in line)
         counts = [float(v) for v in row.split()[-4:]]
         # A call runs some Python on each side, and not tens of thousands of functions

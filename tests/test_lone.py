@@ -79,6 +79,12 @@ class Counter:
         self.n += 1
         return x + self.n
 
+    def peek(self, x: Any) -> Any:
+        return x
+
+    def fails(self, x: Any) -> Any:
+        raise KeyError(f"nothing at {self.n}")
+
 
 def _on(dev: cb.Device, *fns: Any) -> list[Any]:
     return [f.specialize(devices=[dev]) for f in fns]
@@ -123,6 +129,16 @@ async def _scenario() -> list[Any]:
     counter = Counter()
     bump = counter.bump
     seen += [await _value(await bump(x)), await _value(await bump(x))]
+    # methods alone on their stream (the lone path for a plain method), an error, and
+    # the object's destroy ordered behind them
+    seen += [await _value(await counter.peek(x)), await _value(await counter.bump(x))]
+    try:
+        await counter.fails(x)
+    except KeyError as exc:
+        seen.append(str(exc).splitlines()[0])
+    last = counter.bump(x)
+    await counter.aclose()
+    seen.append(await _value(await last))
     return seen
 
 
@@ -134,6 +150,7 @@ _EXPECTED = [
     True, True,
     [0, 1, 2, 3, 4, 5],
     [1, 2, 3, 4, 5, 6], [2, 3, 4, 5, 6, 7],
+    [0, 1, 2, 3, 4, 5], [3, 4, 5, 6, 7, 8], "'nothing at 3'", [4, 5, 6, 7, 8, 9],
 ]
 
 

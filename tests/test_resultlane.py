@@ -183,3 +183,78 @@ async def test_fan_out_results_are_those_of_the_general_path(ctl: cb.Controller)
 def test_remembered_outputs_stay_bounded() -> None:
     assert outputs._BUILT_MAX >= 64
     assert len(outputs._BUILT) <= outputs._BUILT_MAX
+
+
+# -- the lane's acknowledgement: Peer.acked written out ----------------------------------
+
+
+class _Dispatched:
+    """The sessions a ResultLane hands what it does not settle (here: everything after
+    the acknowledgement, the call being nobody's)."""
+
+    def __init__(self, ctl: Any) -> None:
+        self._ctl = ctl
+        self.dropped: Any = __import__("collections").Counter()
+        self.handed: list[Any] = []
+
+    def on_frames(self, frames: list[Any]) -> None:
+        self.handed.append(("frames", frames))
+
+    def on_envelope(self, identity: bytes, env: Any, frame: Any) -> None:
+        self.handed.append(("envelope", env.seq))
+
+    def _dispatch(self, host: Any, identity: bytes, env: Any) -> None:
+        self.handed.append(("dispatch", env.seq))
+
+
+@pytest.mark.parametrize("sent_ago, acks", [
+    (0.001, [1]), (0.001, [3]), (0.9, [2, 4]), (0.3, [1, 2, 3, 4]), (5.0, [4])])
+def test_the_lanes_acknowledgement_is_peer_acked(monkeypatch: pytest.MonkeyPatch,
+                                                 sent_ago: float, acks: list[int]) -> None:
+    """ResultLane.on_frames reads a RESULT's ``ack`` as :meth:`Peer.acked` does (written
+    out there): the same peer afterwards, whatever it frees and however the window moves
+    (grows on a quick round trip, shrinks on a slow one)."""
+    import types
+
+    import zmq
+
+    from colobus._wire import peer as peer_module
+    from colobus._wire import protocol as P
+    from colobus._wire.envelope import Envelope
+    from colobus._wire.lane import encode
+    from colobus._wire.peer import Peer
+
+    now = 1000.0
+    monkeypatch.setattr(resultlane, "_monotonic", lambda: now)
+    monkeypatch.setattr(peer_module, "time", types.SimpleNamespace(monotonic=lambda: now))
+
+    def made() -> Peer:
+        p = Peer([b"w1"], b"ours", b"theirs", recv_seq=6)
+        for seq in range(1, 5):  # four envelopes sent, unacknowledged
+            p.unacked.append((seq, now - sent_ago * seq, [b"x"], 1000 * seq, 10 * seq))
+            p.inflight += 1000 * seq
+            p.held += 10 * seq
+        p.base_delay = 0.002
+        p.last_cut = now - 10.0
+        return p
+
+    key = b"k" * 32
+    lane_peer, acked_peer = made(), made()
+    host = types.SimpleNamespace(peer=lane_peer, index=0, last_seen=0.0, awaiting=set(),
+                                 inflight=set())
+    ctl = types.SimpleNamespace(
+        _relays=None, _hosts=types.SimpleNamespace(by_identity={b"w1": host}),
+        max_message_bytes=1 << 30, _key=key, _session=b"ours",
+        _uploads=types.SimpleNamespace(_blocked=False, _waiters=[]), _hangups=None,
+        _ops=types.SimpleNamespace(pending={}, backlog=None))
+    sessions = _Dispatched(ctl)
+    lane = resultlane.ResultLane(sessions)  # type: ignore[arg-type]
+    for i, ack in enumerate(acks):
+        env = Envelope(int(P.Kind.RESULT), b"theirs", b"ours", 7 + i, [99, 0, 0, []], b"",
+                       ack=ack)
+        lane.on_frames([zmq.Frame(b"w1"), *(zmq.Frame(f) for f in encode(key, env))])
+        acked_peer.acked(ack)
+        acked_peer.recv_seq += 1
+    assert sessions.handed == [("dispatch", 7 + i) for i in range(len(acks))]
+    for slot in Peer.__slots__:
+        assert getattr(lane_peer, slot) == getattr(acked_peer, slot), slot

@@ -140,7 +140,15 @@ class Target:
     signatures: Signatures | None = None  # counted where cache_info() reports them
     observed: tuple[Observer, FunctionStats] | None = None  # its counters, and whose
     code: Code | None = None  # a function's: all prepare() does is ship it
-    lane_mid: tuple[bytes, bytes] | None = None  # the lane's: digest, obj_id, method packed
+    built: dict[int, int] | None = None  # a method's object: host -> generation built in
+    # the call's lane (colobus._api.lane): digest, obj_id and method packed; the last
+    # one-argument call's (sharding, shape, dtype, signature set, plan, output specs); the
+    # generations of its plan's hosts (registry, hosts, registry.changes, generations); a
+    # method's checks passed (plan, registry.changes, controller, digest)
+    lane_mid: tuple[bytes, bytes] | None = None
+    lane_last: tuple[Any, Any, Any, Any, CallPlan, Any] | None = None
+    lane_gens: tuple[Any, tuple[int, ...], int, dict[int, int]] | None = None
+    lane_ok: tuple[CallPlan, int, Controller, bytes] | None = None
     known: bool = False  # its output specs are (out_specs_fn, a call succeeded): firstcall
 
     def learned(self, fut: Future[Any]) -> None:
@@ -164,11 +172,6 @@ class Target:
 
 class FunctionTarget(Target):
     code: Code
-    # the call's lane (colobus._api.lane): the last one-argument call's (sharding, shape,
-    # dtype, signature set, plan), and the generations of its plan's hosts (registry, hosts,
-    # registry.changes, generations)
-    lane_last: tuple[Any, Any, Any, Any, CallPlan] | None = None
-    lane_gens: tuple[Any, tuple[int, ...], int, dict[int, int]] | None = None
 
     def __init__(self, code: Code, name: str) -> None:
         self.code = code
@@ -419,9 +422,10 @@ SETTLERS[_decode_result] = (lane_outputs, learn_outputs, read_outputs)  # the re
 
 # -- the decorator ---------------------------------------------------------------------------------
 
-# The common call's lane, set by colobus._api.lane as the package loads (None: off)
-_LANE: list[Callable[[FunctionTarget, tuple[Any, ...]], Future[Any] | None] | None] = [None]
-
+# The common call's lane, set by colobus._api.lane as the package loads (None: off):
+# ``lane(target, args, out_specs_fn)`` is the call's Future, or None (nothing done)
+_LANE: list[Callable[[Target, tuple[Any, ...], Callable[..., Any] | None],
+                     Future[Any] | None] | None] = [None]
 
 
 class ColocatedFunction:
@@ -438,9 +442,8 @@ class ColocatedFunction:
         self._in_specs = in_specs
         self._out_specs_fn = out_specs_fn
         self._devices = tuple(devices) if devices is not None else None
-        # the common call's lane (colobus._api.lane): no specs, no fixed devices
-        self._lane = (_LANE[0] is not None and in_specs is None and out_specs_fn is None
-                      and devices is None)
+        # the common call's lane (colobus._api.lane): no input specs, no fixed devices
+        self._lane = _LANE[0] is not None and in_specs is None and devices is None
 
     def __repr__(self) -> str:
         return f"<colocated_python {self._target.name}>"
@@ -462,7 +465,7 @@ class ColocatedFunction:
     def __call__(self, *args: Any, **kwargs: Any) -> Future[Any]:
         target = self._target
         if self._lane and not kwargs:
-            fut = _LANE[0](target, args)  # type: ignore[misc]
+            fut = _LANE[0](target, args, self._out_specs_fn)  # type: ignore[misc]
             if fut is not None:
                 return fut if target.known else first_call(target, fut)
         fut = invoke(target, args, kwargs, in_specs=self._in_specs,

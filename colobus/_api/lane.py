@@ -20,23 +20,27 @@ from __future__ import annotations
 import asyncio
 import threading
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .._controller.controller import _current, default_controller
 from .._controller.current import State
 from .._controller.frees import WATCHED, release_now
-from .._controller.future import Future
+from .._controller.future import _PENDING, Future
 from .._controller.operation import Operation
+from .._errors import ControllerClosedError
 from .._wire import protocol as P
 from .._wire.lane import ON, pack
 from .array import Array, check_owner
 from .func import (
     _LANE,
-    FunctionTarget,
+    Target,
     _CallOp,
     _decode_result,
     _positional_treedef,
+    _spec_of_leaf,
     _stream_id,
+    _thread_streams,
 )
 from .joblayout import _LAYOUTS, job_layout
 from .plan import CallPlan, make_plan
@@ -49,6 +53,7 @@ __all__ = ["ON", "call", "call_body"]
 
 _get_ident = threading.get_ident
 _current_task = asyncio.current_task
+_get_running_loop = asyncio._get_running_loop
 _controllers = _current._stack  # the entered controllers, most recent last
 _RUNNING = State.RUNNING
 # the loop thread's last caller: (its task, by a weak reference; its stream)
@@ -58,7 +63,16 @@ _CALL = int(P.Kind.CALL)
 _MAX_PLANS = 64  # argument shardings remembered per function
 
 
-def _plan(target: FunctionTarget, args: tuple[Any, ...]) -> CallPlan:
+def _out_specs(out_specs_fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    """``out_specs_fn`` of the arguments' specs, as :func:`invoke` works them out (its
+    ``tree_map`` of ``_spec_of_leaf`` over ``(args, {})``, for arrays alone)."""
+    specs = []
+    for a in args:
+        specs.append(_spec_of_leaf(a))
+    return out_specs_fn(*specs)
+
+
+def _plan(target: Target, args: tuple[Any, ...]) -> CallPlan:
     """``make_plan`` of ``args``, kept per function by their shardings (held: their ids
     stay theirs)."""
     plans: dict[Any, tuple[tuple[Any, ...], CallPlan]] | None = target.__dict__.get("lane_plans")
@@ -90,8 +104,11 @@ def _plan(target: FunctionTarget, args: tuple[Any, ...]) -> CallPlan:
     return plan
 
 
-def call(target: FunctionTarget, args: tuple[Any, ...]) -> Future[Any] | None:
-    """``invoke(target, args, {})`` for the common call; None (nothing done) if it is not."""
+def call(target: Target, args: tuple[Any, ...],
+         out_specs_fn: Callable[..., Any] | None = None) -> Future[Any] | None:
+    """``invoke(target, args, {}, out_specs_fn=out_specs_fn)`` for the common call of a
+    function (specialized or not) or an object's method; None (nothing done) if it is
+    not."""
     if not args:
         return None
     for a in args:
@@ -108,30 +125,44 @@ def call(target: FunctionTarget, args: tuple[Any, ...]) -> Future[Any] | None:
     for a in args:
         if a._ctl is not ctl:
             check_owner(a, ctl)
-    sigs = target.signatures
-    assert sigs is not None
+    sigs = target.signatures  # (a method's: None, cache_info() is a function's)
+    seen = sigs.seen if sigs is not None else None
     a = args[0]
     n = len(args)
     # The input signature counted for cache_info(): a call like the last one of one
     # argument (the same sharding object, shape and dtype, and its key still in the set
-    # of those seen) is a hit, counted without making its key (hashing a sharding).
+    # of those seen) is a hit, counted without making its key (hashing a sharding). Its
+    # output specs are those worked out then (as JAX, out_specs_fn runs once per input
+    # signature, not once per call).
     last = target.lane_last
     if (last is not None and last[0] is a.sharding and last[1] == a.shape
-            and last[2] == a.dtype and last[3] is sigs.seen and n == 1):
+            and last[2] == a.dtype and last[3] is seen and n == 1):
         plan: CallPlan = last[4]
-        with sigs.lock:
-            sigs.hits += 1
+        out_specs = last[5]
+        if sigs is not None:
+            with sigs.lock:
+                sigs.hits += 1
     else:
         plan = _plan(target, args)
-        seen = sigs.seen  # (read before note: a set that note replaces lacks the key)
-        sigs.note(_positional_treedef(n), list(args), plan)
+        if sigs is not None:  # (seen read before note: a set that note replaces lacks the key)
+            sigs.note(_positional_treedef(n), list(args), plan)
+        out_specs = None if out_specs_fn is None else _out_specs(out_specs_fn, args)
         if n == 1:
-            target.lane_last = (a.sharding, a.shape, a.dtype, seen, plan)
-    code = target.code
-    if code.ready != ctl._shipper.serial:  # (target.check, inline)
-        target.check(ctl, plan)
+            target.lane_last = (a.sharding, a.shape, a.dtype, seen, plan, out_specs)
     registry = ctl._hosts
     changes = registry.changes
+    code = target.code
+    if code is not None:  # a function
+        if code.ready != ctl._shipper.serial:  # (target.check, inline)
+            target.check(ctl, plan)
+    else:
+        # A method: its object's checks (bound to this controller, built where still
+        # alive, its class's code prepared) hold while the plan and the hosts do.
+        ok = target.lane_ok
+        if ok is None or ok[0] is not plan or ok[1] != changes or ok[2] is not ctl:
+            target.check(ctl, plan)
+            ok = target.lane_ok = (plan, changes, ctl, target.digest())
+    changes = registry.changes  # (read again: as after target.check on the general path)
     refs = []
     job = ctl._job
     for a in args:
@@ -143,10 +174,14 @@ def call(target: FunctionTarget, args: tuple[Any, ...]) -> Future[Any] | None:
             hit = _LAYOUTS.get((id(a.sharding), a.shape))
             layout = hit[1] if hit is not None and hit[0] is a.sharding else job_layout(a)
             refs.append([0, a.ref] if layout is None else [0, a.ref, layout])
-    blob = code._blob  # (target.digest(), inline once the code is pickled)
-    digest = blob[0] if blob is not None else target.digest()  # SerializationError now
+    if code is not None:
+        blob = code._blob  # (target.digest(), inline once the code is pickled)
+        digest = blob[0] if blob is not None else target.digest()  # SerializationError now
+    else:
+        assert ok is not None
+        digest = ok[3]
     hosts = plan.hosts
-    # registry.generations, kept per function while this registry's hosts stay as they
+    # registry.generations, kept per target while this registry's hosts stay as they
     # are (the registry's own: ``changes`` of another controller's may be equal)
     g = target.lane_gens
     if g is not None and g[0] is registry and g[1] is hosts and g[2] == changes:
@@ -157,10 +192,17 @@ def call(target: FunctionTarget, args: tuple[Any, ...]) -> Future[Any] | None:
     ops = ctl._ops
     call_id = next(ops._ids)  # (ops.next_id, inline)
     if _get_ident() != ctl._loop_thread_id:
-        op = (_LaneOp if len(hosts) == 1 else _CallOp)(
-            ctl, target, plan, PickledArgs(_handles_payload(n), [], refs, list(args), []),
-            _stream_id(), digest, gens, call_id, None, changes)
-        fut = ops.submit(hosts, op.send, _decode_result, op, call_id=call_id, cancellable=True)
+        # _stream_id() on a plain thread: the thread's, read inline
+        stream = _stream_id() if _get_running_loop() is not None else getattr(
+            _thread_streams, "sid", None) or _stream_id()
+        if len(hosts) == 1:
+            fut = _submit_one(ctl, target, plan, args, n, refs, stream, digest, gens, call_id,
+                              out_specs, changes)
+        else:
+            op = _CallOp(ctl, target, plan, _pickled(args, refs), stream, digest, gens, call_id,
+                         out_specs, changes)
+            fut = ops.submit(hosts, op.send, _decode_result, op, call_id=call_id,
+                             cancellable=True)
     else:
         # _stream_id() on the loop thread: the last task's, kept (by a weak reference)
         task = _current_task(ctl._loop)  # (the running loop: this is its thread)
@@ -173,8 +215,8 @@ def call(target: FunctionTarget, args: tuple[Any, ...]) -> Future[Any] | None:
         if (ops.backlog or ctl._closed
                 or (len(ops.pending) >= ops.max_inflight and ops._full(hosts))):
             op = (_LaneOp if len(hosts) == 1 else _CallOp)(
-                ctl, target, plan, _pickled(args, refs), stream, digest, gens, call_id, None,
-                changes)
+                ctl, target, plan, _pickled(args, refs), stream, digest, gens, call_id,
+                out_specs, changes)
             fut = ops.submit(hosts, op.send, _decode_result, op, call_id=call_id,
                              cancellable=True)
         else:
@@ -184,14 +226,69 @@ def call(target: FunctionTarget, args: tuple[Any, ...]) -> Future[Any] | None:
             fut._canceller = ops._canceller
             if len(hosts) == 1:
                 _go_one(ctl, target, plan, args, n, refs, stream, digest, gens, call_id,
-                        changes, fut)
+                        out_specs, changes, fut)
             else:
                 op = _CallOp(ctl, target, plan, _pickled(args, refs), stream, digest, gens,
-                             call_id, None, changes)
+                             call_id, out_specs, changes)
                 ops._go(Operation(call_id, fut, hosts, op.send, _decode_result, op, False))
     fut.info = plan
     WATCHED[_ref(fut, release_now)] = (ctl._frees, gens, 0, call_id)  # (release_when_gone)
     return fut
+
+
+def _submit_one(ctl: Controller, target: Target, plan: CallPlan, args: tuple[Any, ...],
+                nargs: int, refs: list[list[int]], stream: int, digest: bytes,
+                gens: dict[int, int], call_id: int, out_specs: Any, changes: int,
+                ) -> Future[Any]:
+    """``ops.submit`` of a one-host call from another thread than the loop's: its
+    back-pressure slot taken as ``_take_slot`` takes it (a plain thread waits there while
+    ``max_backlog`` are queued), its Future made, and :func:`_start_one` posted to the
+    loop's inbox (``ctl._call_soon``) in the order of everything else submitted."""
+    if ctl._closed:
+        ctl._check_open()  # (raises)
+    ops = ctl._ops
+    with ops._slots:  # (ops._take_slot, its case with room inline)
+        room = ops.queued < ops.max_backlog
+        if room:
+            ops.queued += 1
+    if not room:
+        ops._take_slot()
+    fut: Future[Any] = Future(ctl._loop_thread_id, call_id, ctl)
+    fut._canceller = ops._canceller
+    inbox = ctl._inbox
+    assert inbox is not None
+    try:
+        inbox.post(_start_one, ctl, target, plan, args, nargs, refs, stream, digest, gens,
+                   call_id, out_specs, changes, fut)
+    except RuntimeError:  # the loop closed under us
+        raise ControllerClosedError("the colobus controller is closed") from None
+    return fut
+
+
+def _start_one(ctl: Controller, target: Target, plan: CallPlan, args: tuple[Any, ...],
+               nargs: int, refs: list[list[int]], stream: int, digest: bytes,
+               gens: dict[int, int], call_id: int, out_specs: Any, changes: int,
+               fut: Future[Any]) -> None:
+    """Loop thread: ``ops._start`` of what :func:`_submit_one` posted (its slot given
+    back as it leaves or ends; to the backlog behind what waits there, or while its
+    host is full), then :func:`_go_one`."""
+    ops = ctl._ops
+    if fut._state != _PENDING:  # cancelled before it reached the loop
+        ops._give_slot()
+        return
+    if ctl._closed:
+        ops._give_slot()
+        fut.set_exception(ControllerClosedError("the colobus controller is closed"))
+        return
+    hosts = plan.hosts
+    if ops.backlog or (len(ops.pending) >= ops.max_inflight and ops._full(hosts)):
+        op = _LaneOp(ctl, target, plan, _pickled(args, refs), stream, digest, gens, call_id,
+                     out_specs, changes)
+        ops.backlog.append(Operation(call_id, fut, hosts, op.send, _decode_result, op, True))
+        return
+    ops._give_slot()  # (as _go gives it)
+    _go_one(ctl, target, plan, args, nargs, refs, stream, digest, gens, call_id, out_specs,
+            changes, fut)
 
 
 def _pickled(args: tuple[Any, ...], refs: list[list[int]]) -> PickledArgs:
@@ -199,23 +296,26 @@ def _pickled(args: tuple[Any, ...], refs: list[list[int]]) -> PickledArgs:
     return PickledArgs(_handles_payload(len(args)), [], refs, list(args), [])
 
 
-def _go_one(ctl: Controller, target: FunctionTarget, plan: CallPlan, args: tuple[Any, ...],
+def _go_one(ctl: Controller, target: Target, plan: CallPlan, args: tuple[Any, ...],
             nargs: int, refs: list[list[int]], stream: int, digest: bytes, gens: dict[int, int],
-            call_id: int, changes: int, fut: Future[Any]) -> None:
+            call_id: int, out_specs: Any, changes: int, fut: Future[Any]) -> None:
     """``ops._go`` of a one-host call that leaves now (loop thread; ``fut`` is new): when
-    its host is alive, as when the call was made, and has its code, the CALL is queued
-    here as :meth:`_LaneOp.send` would; otherwise ``_go`` does what it does."""
+    its host is alive, as when the call was made, and has its code (a method's: has
+    built its object), the CALL is queued here as :meth:`_LaneOp.send` would; otherwise
+    ``_go`` does what it does."""
     ops = ctl._ops
     (h,) = plan.hosts
     host = ctl._hosts.hosts[h]
     chan = ctl._chan
-    if not (host.alive and host.generation == gens[h] and digest in host.code_sent
-            and chan is not None):
+    built = target.built
+    if not (host.alive and host.generation == gens[h] and chan is not None
+            and (digest in host.code_sent if built is None
+                 else built.get(h) == host.generation)):
         op = _LaneOp(ctl, target, plan, _pickled(args, refs), stream, digest, gens, call_id,
-                     None, changes)
+                     out_specs, changes)
         ops._go(Operation(call_id, fut, plan.hosts, op.send, _decode_result, op, False))
         return
-    op = _LaneOp(ctl, target, plan, None, stream, digest, gens, call_id, None, changes)
+    op = _LaneOp(ctl, target, plan, None, stream, digest, gens, call_id, out_specs, changes)
     operation = Operation(call_id, fut, plan.hosts, op.send, _decode_result, op, False)
     operation.send = None  # (sent here)
     host.inflight.add(call_id)

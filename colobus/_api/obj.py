@@ -27,6 +27,7 @@ from .._wire import protocol as P
 from .array import check_owner
 from .firstcall import first_call
 from .func import (
+    _LANE,
     CallPlan,
     Code,
     ColocatedObjectBase,
@@ -155,11 +156,15 @@ class ObjectState:
 
 
 class MethodTarget(Target):
+    """A method of one object (one per object, method and specialization: what the
+    call's lane works out for it is kept here)."""
+
     def __init__(self, state: ObjectState, method: str) -> None:
         self.state = state
         self.obj_id = state.obj_id
         self.method = method
         self.name = f"{state.cls_name}.{method}"
+        self.built = state.built  # (the dict itself: emptied, never replaced)
         self.known = method in state.known
 
     def learned(self, fut: Future[Any]) -> None:
@@ -204,6 +209,8 @@ class ColocatedMethod:
         self._in_specs = in_specs
         self._out_specs_fn = out_specs_fn
         self._devices = tuple(devices) if devices is not None else None
+        # the common call's lane (colobus._api.lane): no input specs, no fixed devices
+        self._lane = _LANE[0] is not None and in_specs is None and devices is None
 
     def __repr__(self) -> str:
         return f"<colocated method {self._target.name}>"
@@ -218,17 +225,29 @@ class ColocatedMethod:
                                out_specs_fn=out_specs_fn, devices=devices, owner=self._owner)
 
     def _rebind(self, owner: Any) -> ColocatedMethod:
-        """The same method (same specialization) held by ``owner``, or by nothing."""
-        return ColocatedMethod(self._state, self._name, self._fn, in_specs=self._in_specs,
-                               out_specs_fn=self._out_specs_fn, devices=self._devices,
-                               owner=owner)
+        """The same method (same specialization, the same target) held by ``owner``, or
+        by nothing: its attributes copied, not made again (a method is bound on every
+        attribute access; tests/test_call_forms.py holds the copy equal to a new one)."""
+        method: ColocatedMethod = _new(ColocatedMethod)
+        method.__dict__.update(self.__dict__)
+        method._owner = owner
+        return method
 
     def __call__(self, *args: Any, **kwargs: Any) -> Future[Any]:
-        self._state.check_open()
+        state = self._state
+        if state.closed:
+            state.check_open()  # (raises)
         target = self._target
+        if self._lane and not kwargs:
+            fut = _LANE[0](target, args, self._out_specs_fn)  # type: ignore[misc]
+            if fut is not None:
+                return fut if target.known else first_call(target, fut)
         fut = invoke(target, args, kwargs, in_specs=self._in_specs,
                      out_specs_fn=self._out_specs_fn, devices=self._devices)
         return fut if target.known else first_call(target, fut)
+
+
+_new = object.__new__
 
 
 class _MethodDescriptor:
@@ -246,9 +265,15 @@ class _MethodDescriptor:
         if inst is None:
             return self
         assigned = inst._colobus_methods.get(self.name)
-        if assigned is not None:
-            return assigned._rebind(inst)
-        return ColocatedMethod(inst._colobus_state, self.name, self.fn, owner=inst)
+        if assigned is None:  # the plain method: made once per object, bound on each access
+            assigned = inst._colobus_plain.get(self.name)
+            if assigned is None:
+                assigned = inst._colobus_plain[self.name] = ColocatedMethod(
+                    inst._colobus_state, self.name, self.fn)
+        method: ColocatedMethod = _new(ColocatedMethod)  # (assigned._rebind(inst), inline)
+        method.__dict__.update(assigned.__dict__)
+        method._owner = inst
+        return method
 
 
 class _ColocatedObject(ColocatedObjectBase):
@@ -257,6 +282,7 @@ class _ColocatedObject(ColocatedObjectBase):
     __wrapped__: type
     _colobus_code: Code
     _colobus_methods: dict[str, ColocatedMethod]  # methods assigned back, without owner
+    _colobus_plain: dict[str, ColocatedMethod]  # its methods as first bound, without owner
     _colobus_finalizer: weakref.finalize[Any, Any]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -265,6 +291,7 @@ class _ColocatedObject(ColocatedObjectBase):
         state = ObjectState(type(self)._colobus_code, cls.__qualname__, init)
         object.__setattr__(self, "_colobus_state", state)
         object.__setattr__(self, "_colobus_methods", {})
+        object.__setattr__(self, "_colobus_plain", {})
         object.__setattr__(self, "_colobus_finalizer", weakref.finalize(self, state.destroy))
 
     def __setattr__(self, name: str, value: Any) -> None:

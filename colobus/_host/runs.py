@@ -41,6 +41,7 @@ class Runs:
         self._sync_wait: bool | int = False  # (2: the loop thread runs the call inline)
         self._done_event = threading.Event()
         self._quick = True  # the last batch took less than BRIEF_WAIT_S
+        self._slow_once = False  # the last lone call took longer (see _run_lone)
         # The host's only call, arrived on an idle stream: no stream of its own unless
         # another call or DESTROY arrives before it ends (Scheduler._adopt, on_call).
         self._lone: _Call | None = None
@@ -96,7 +97,15 @@ class Runs:
                 call.outcome = exc
             end = time.perf_counter_ns()
             call.started, call.ran = start, end - start
-            self._quick = end - start < BRIEF_WAIT_NS
+            # Slow twice running, the next lone call goes to the pool; slow once, it
+            # may have been a preemption (many workers on few cores, all woken by one
+            # fan-out): the next still runs inline (the watchdog guards the loop).
+            if end - start < BRIEF_WAIT_NS:
+                self._quick = True
+                self._slow_once = False
+            else:
+                self._quick = not self._slow_once
+                self._slow_once = True
         with self._done_lock:
             if self._sync_wait == 2:  # (_post_done's case, written out) an inline call's end
                 self._done.append(call)  # collects it: this one's, or if this thread lost

@@ -22,7 +22,7 @@ import inspect
 import logging
 import os
 import time
-from types import FunctionType
+from types import FunctionType, MethodType
 from typing import TYPE_CHECKING, Any
 
 from .._model.jaxside import set_host_count
@@ -58,6 +58,36 @@ MAX_BATCH = 256  # calls of one stream run in one thread-pool job, at most
 # (TimeoutError) instead of waiting forever; COLOBUS_CALL_START_TIMEOUT overrides.
 CALL_START_TIMEOUT_S = 60.0
 _Future = asyncio.Future  # made directly: create_future is one Python call more
+
+
+_object_getattribute: Any = object.__getattribute__
+_ABSENT: Any = object()
+
+
+def plain_method(obj: asyncio.Future[Any], name: str) -> MethodType | None:
+    """``getattr(instance, name)`` of a built object (``obj``, its store entry) where
+    that is a plain function of its class bound to it, found without running any code
+    of the user's (no ``__getattribute__`` of its own, no metaclass, not shadowed by the
+    instance's ``__dict__``, not ``async``); else None (the scheduler's ``_target``
+    then looks it up, once)."""
+    if not obj.done() or obj.cancelled() or obj.exception() is not None:
+        return None
+    inst = obj.result()
+    cls = type(inst)
+    if type(cls) is not type or cls.__getattribute__ is not _object_getattribute:
+        return None
+    f: Any = None
+    for klass in cls.__mro__:  # (the class's own entry: getattr would unwrap a staticmethod)
+        f = klass.__dict__.get(name, _ABSENT)
+        if f is not _ABSENT:
+            break
+    if (type(f) is not FunctionType or f.__code__.co_flags & inspect.CO_COROUTINE
+            or f.__dict__):
+        return None
+    d = getattr(inst, "__dict__", None)
+    if d is not None and name in d:
+        return None
+    return MethodType(f, inst)
 
 
 class Scheduler(Runs):
@@ -101,19 +131,27 @@ class Scheduler(Runs):
         if self._lone is not None:
             self._adopt()  # not alone any more: it keeps its place in its stream
         elif (not self._calls and self._quick and not self.started and self.baton is not None
-              and lane.ON and not body.obj and body.stream not in self._streams):
+              and lane.ON and body.stream not in self._streams):
             # The host's only call, on an idle stream: deferred to run inline as ``pump``
-            # would defer it, with no stream, when it is a plain function whose inputs and
-            # mesh are all here and a thread could take the loop over from it.
+            # would defer it, with no stream, when it is a plain function (or a plain
+            # method of an object built here) whose inputs and mesh are all here and a
+            # thread could take the loop over from it.
             w = self._w
             store = w.store
-            code = store.code.get(body.digest)
-            fn = code[1] if code is not None and code[0] == "ok" else None
+            obj = None
+            if body.obj:
+                obj = store.objects.get(body.obj)
+                fn = plain_method(obj, body.method) if obj is not None else None
+                plain = fn is not None
+            else:
+                code = store.code.get(body.digest)
+                fn = code[1] if code is not None and code[0] == "ok" else None
+                plain = (type(fn) is FunctionType
+                         and not fn.__code__.co_flags & inspect.CO_COROUTINE
+                         and not fn.__dict__)  # (else pump tells async apart)
             mesh = w.values.meshes.get(repr(body.mesh))
             pool = self.pool
-            if (type(fn) is FunctionType and not fn.__code__.co_flags & inspect.CO_COROUTINE
-                    and not fn.__dict__ and mesh is not None  # (else pump tells async apart)
-                    and (pool.idle or pool.has_room())):
+            if plain and mesh is not None and (pool.idle or pool.has_room()):
                 pins = []
                 arrays = store.arrays
                 for ref in body.refs:
@@ -126,7 +164,9 @@ class Scheduler(Runs):
                     loop = asyncio.get_running_loop()
                     results: asyncio.Future[Any] = _Future(loop=loop)
                     store.results[body.call_id] = results
-                    call = _Call(body, env, pins, None, results, None, w.epoch)
+                    if obj is not None:  # (as _queue: a DESTROY waits for it)
+                        store.obj_calls.setdefault(body.obj, set()).add(results)
+                    call = _Call(body, env, pins, obj, results, None, w.epoch)
                     call.arrived = time.perf_counter_ns()
                     call.fn = fn
                     call.mesh = mesh
@@ -247,8 +287,9 @@ class Scheduler(Runs):
                 queue.popleft()
                 self._fail(call, exc)
                 continue
-            if ((type(fn) is not FunctionType or fn.__code__.co_flags & inspect.CO_COROUTINE
-                 or fn.__dict__) and inspect.iscoroutinefunction(fn)):  # (plain: no calls)
+            f = fn.__func__ if type(fn) is MethodType else fn  # (a bound method's function)
+            if ((type(f) is not FunctionType or f.__code__.co_flags & inspect.CO_COROUTINE
+                 or f.__dict__) and inspect.iscoroutinefunction(fn)):  # (plain: no calls)
                 if batch:
                     break
                 queue.popleft()

@@ -205,6 +205,7 @@ class HostValues:
         self._described: dict[tuple[Any, ...], tuple[bytes, list[Any]]] = {}
         self._described_types: set[type] = set()  # jax.Array types seen kept (ArrayImpl)
         self._leaf = None if jax is None else jax.tree_util.tree_structure(0)  # one array's
+        self._none = None if jax is None else jax.tree_util.tree_structure(None)  # nothing's
 
     def clear(self) -> None:
         self.meshes.clear()
@@ -290,6 +291,8 @@ class HostValues:
                 out = job.to_blocks(out)
         if type(out) in kept:  # one jax.Array: a leaf
             leaves, treedef = [out], self._leaf
+        elif out is None:  # nothing returned (a no-op)
+            leaves, treedef = [], self._none
         else:
             leaves, treedef = jax.tree_util.tree_flatten(out)
         if len(leaves) >= P.MAX_OUTPUTS:
@@ -336,8 +339,10 @@ class HostValues:
         values: list[Any] = []
         is_mesh = isinstance(mesh, jax.sharding.Mesh)
         several = is_mesh and _host_count() != 1  # (replicas to compare: every size)
-        # cached where nothing in it depends on the values (a mesh's digests do)
-        keep: list[Any] | None = None if is_mesh or not _exact_tree(treedef, 0) else [mesh]
+        # cached where nothing in it depends on the values (a mesh's digests do: nothing
+        # returned has none)
+        keep: list[Any] | None = (None if (is_mesh and leaves) or not _exact_tree(treedef, 0)
+                                  else [mesh])
         for i, leaf in enumerate(leaves):
             spec = None
             layout = None

@@ -54,6 +54,10 @@ class BenchObject:
     def ping(self, x: Any) -> None:
         return None
 
+    def ident(self, x: Any) -> Any:
+        """``return x`` as a method."""
+        return x
+
 
 # -- results -------------------------------------------------------------------------------
 

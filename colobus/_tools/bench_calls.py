@@ -46,6 +46,15 @@ def bench_ident(x: Any) -> Any:
     return x
 
 
+def _same_specs(x: Any) -> Any:
+    """The output specs of ``return x``: the input's (as orbax's dispatcher states them)."""
+    return x
+
+
+# ``return x`` specialized with its output specs, as orbax wraps every function
+bench_ident_specialized = bench_ident.specialize(out_specs_fn=_same_specs)
+
+
 @cb.colocated_python
 def bench_plus1(x: Any) -> Any:
     """``return x + 1``: a new array computed on the host."""
@@ -124,13 +133,16 @@ async def _calls(bench: BenchRun, ctl: cb.Controller, raw: RawEcho) -> None:
     await cb.block_until_ready(x)
     await _inflight_memory(bench, ctl, x, z["inflight"])
     got = await _alternate({"noop": lambda: bench_noop(x), "ident": lambda: bench_ident(x),
+                            "spec": lambda: bench_ident_specialized(x),
                             "plus1": lambda: bench_plus1(x)}, z["chunk"], z["rounds"])
     base = _median_us(raw.round_trips(bench.sizes.latency_calls))
     noop_us, noop_cpu = got["noop"]
     bench.add(Row("noop_async_alt", "us", noop_us, base, "lower",
                   "no-op, awaited, alternating with the rows below; baseline: raw round trip",
                   {"cpu_us": noop_cpu}))
-    for name, what in (("ident", "`return x`"), ("plus1", "`return x + 1`")):
+    for name, what in (("ident", "`return x`"),
+                       ("spec", "`return x` specialized with out_specs_fn"),
+                       ("plus1", "`return x + 1`")):
         us, cpu = got[name]
         bench.add(Row(f"{name}_async", "us", us, base, "lower",
                       f"{what} (4 x float32), 1 host, awaited; baseline: raw round trip",

@@ -35,13 +35,17 @@ from .lane import encode, envelope_bytes
 from .outflow import Outflow
 from .peer import ACK_AFTER, DEFAULT_MAX_WINDOW, Peer, Via
 from .resends import resend, resend_stale
-from .sockio import readable, recv_frames, send_frames, socket_fd
+from .sockio import NOBLOCK, POLLIN, _poll, _recv, send_frames, socket_fd
 
 __all__ = ["DEFAULT_MAX_WINDOW", "Channel", "Peer"]
 
 log = logging.getLogger("colobus.channel")
 
 DRAIN_BUDGET_S = 0.01  # one drain reads this long at most, then lets the loop run
+# A drain that read some of a fan-out's replies (``Channel.linger``) waits this long
+# (ms) for the rest before it lets the loop run: one wake-up of the loop for the replies
+# of many hosts, not one for each few. ``COLOBUS_FANOUT_LINGER_MS=0`` turns it off.
+LINGER_MS = int(os.environ.get("COLOBUS_FANOUT_LINGER_MS", "1"))
 # A loop step that queued this many messages for one peer sends them at once: the peer
 # starts on them while the step goes on (a burst of calls, made in one step, overlaps
 # with the host running them). ``COLOBUS_EAGER_BATCH`` sets it (for A/B runs).
@@ -109,6 +113,9 @@ class Channel(Outflow):
         self._owed: set[Peer] = set()  # peers owed an acknowledgement now
         self._step_scheduled = False
         self._corked = False  # inside a drain (or a burst): sends leave when it ends
+        # set by the reader of a fan-out's reply (not its last): the drain waits
+        # LINGER_MS for more before it ends
+        self.linger = False
         self.batches_sent = 0
         self.resent = 0
         self.moved = False  # to another socket (a session that moved to a relay)
@@ -172,7 +179,7 @@ class Channel(Outflow):
         # with what the step sends them then (a fan-out call: one envelope per host).
         if peer in self._dirty:  # it is (its outbox is not empty), unless forgotten
             self._dirty.remove(peer)
-        self._send_outbox(peer, time.monotonic())
+        self._send_outboxes((peer,), time.monotonic())
 
     def enqueue(self, peer: Peer, body: P.Body, payload: Buffer = b"",
                 buffers: Sequence[Buffer] = (), pbufs: int = 0) -> None:
@@ -238,14 +245,21 @@ class Channel(Outflow):
         if sock.closed:
             return False
         now = time.monotonic()
+        direct = peers
         for peer in peers:
-            via = peer.via
-            if via is None:
-                self._send_outbox(peer, now)
-                continue
-            via.collect(peer)  # a relayed host's: one message per relay, after the loop
-            if via not in vias:
-                vias.append(via)
+            if peer.via is not None:  # a relayed host's: one message per relay, after
+                direct = []
+                break
+        if direct is not peers:
+            for peer in peers:
+                via = peer.via
+                if via is None:
+                    direct.append(peer)
+                    continue
+                via.collect(peer)
+                if via not in vias:
+                    vias.append(via)
+        self._send_outboxes(direct, now)
         for via in vias:
             self._emit(via, now)
         sent = bool(peers or vias)
@@ -262,7 +276,7 @@ class Channel(Outflow):
         """Send what ``peer``'s outbox holds now, past the end of the loop step."""
         if peer in self._dirty:
             self._dirty.remove(peer)
-            self._send_outbox(peer, time.monotonic())
+            self._send_outboxes((peer,), time.monotonic())
 
     def move(self, sock: zmq.Socket[Any], peer: Peer) -> None:
         """Carry on on ``sock`` (a worker moving to its relay): the old socket closes,
@@ -362,10 +376,16 @@ class Channel(Outflow):
         corked, self._corked = self._corked, True
         start = time.monotonic()
         after_reads = self._after_reads
+        on_frames = self._on_frames
         try:
             while True:
-                while readable(sock):
-                    self._on_frames(recv_frames(sock))
+                while _poll([(sock, POLLIN)], 0):  # (sockio.readable and recv_frames,
+                    frame = _recv(sock, NOBLOCK, False)  # inline: no call per message
+                    frames = [frame]
+                    while frame.more:
+                        frame = _recv(sock, NOBLOCK, False)
+                        frames.append(frame)
+                    on_frames(frames)
                     if sock.closed:
                         return
                     if time.monotonic() - start > DRAIN_BUDGET_S:
@@ -386,6 +406,10 @@ class Channel(Outflow):
                 sent = self.flush()
                 if self._after_flush is not None and self._after_flush():
                     continue
+                if self.linger:  # a fan-out's first replies came in: its others are near
+                    self.linger = False
+                    if _poll([(sock, POLLIN)], LINGER_MS):
+                        continue
                 if not sent:
                     break  # else read again: the sends may have taken the FD's edge
         except zmq.ZMQError as exc:

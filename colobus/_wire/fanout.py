@@ -84,7 +84,16 @@ class FanoutChannel(Channel):
                 via.add_indices(hosts, kind, packed, payload, buffers, pbufs)
                 if via not in self._gathered:
                     self._gathered.append(via)
-        enqueue = self.enqueue_packed
+        # (enqueue_packed for each, its item and size made once: no call per host)
+        item = (kind, packed, payload, buffers, pbufs)
+        n = len(payload) if type(payload) is bytes else memoryview(payload).nbytes
+        for b in buffers:
+            n += len(b) if type(b) is bytes else memoryview(b).nbytes
+        dirty = self._dirty
         for peer in to.direct:
-            enqueue(peer, kind, packed, payload, buffers, pbufs)
+            outbox = peer.outbox
+            outbox.append(item)
+            peer.held += n
+            if len(outbox) == 1:
+                dirty.append(peer)
         return to.direct

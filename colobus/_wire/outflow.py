@@ -11,6 +11,7 @@ the bookkeeping :meth:`Outflow._transmit` does, inline.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 import zmq
@@ -19,11 +20,13 @@ from .chunks import CHUNK_BYTES, Splitter, part_size
 from .envelope import BATCH_KIND, Envelope
 from .lane import ON, batched, encode, envelope_bytes, fast_one_envelope
 from .peer import HEARTBEAT_KIND, Peer, Via
-from .sockio import send_envelope, send_frames
+from .sockio import COPY_BELOW, SNDMORE, send_envelope, send_frames
 
 __all__ = ["Outflow"]
 
 log = logging.getLogger("colobus.channel")
+
+_send: Any = zmq.backend.Socket.send  # (sockio's: the compiled methods)
 
 
 class Outflow:
@@ -42,49 +45,66 @@ class Outflow:
         if link is not None:
             if link in self._dirty:
                 self._dirty.remove(link)
-            self._send_outbox(link, now)
+            self._send_outboxes((link,), now)
 
-    def _send_outbox(self, peer: Peer, now: float) -> None:
-        """Send ``peer``'s queued messages, batched (the caller took it off ``_dirty``).
+    def _send_outboxes(self, peers: Iterable[Peer], now: float) -> None:
+        """Send each peer's queued messages, batched (the caller took them off
+        ``_dirty``): a fan-out's hosts in one loop, no call per host in the common case.
 
         Heartbeats leave at once, ahead of anything waiting for the window; large
         messages go in parts (:mod:`colobus._wire.chunks`); the rest leaves in order
         as the window has room.
         """
-        via = peer.via
-        if via is not None:  # a relayed host's messages leave in its relay's
-            via.collect(peer)
-            self._emit(via, now)
-            return
-        items, peer.outbox = peer.outbox, []
+        sock, key, flags = self.sock, self._key, self._flags
+        for peer in peers:
+            via = peer.via
+            if via is not None:  # a relayed host's messages leave in its relay's
+                via.collect(peer)
+                self._emit(via, now)
+                continue
+            items, peer.outbox = peer.outbox, []
+            if (ON and not peer.pending and (peer.inflight < peer.window or not peer.unacked)):
+                # The common case: all of it leaves now as one envelope (see _transmit)
+                whole = peer.window >> 2  # (part_size, inline)
+                if whole > peer.max_part:
+                    whole = peer.max_part
+                seq = peer.send_seq + 1
+                one = fast_one_envelope(key, items, peer.session, peer.their_session, seq,
+                                        peer.recv_seq,
+                                        whole if whole > CHUNK_BYTES else CHUNK_BYTES)
+                if one is not None:
+                    frames, size, data, plen, batch = one
+                    peer.send_seq = seq
+                    if not peer.unacked:
+                        peer.ack_wait = now
+                    peer.unacked.append((seq, now, frames, size, data))
+                    peer.inflight += size
+                    peer.acked_sent = peer.recv_seq
+                    peer.recv_owed = 0
+                    if batch:
+                        self.batches_sent += 1
+                    if self._blocked:
+                        self._blocked.discard(peer)
+                    try:  # (sockio.send_envelope, inline)
+                        for r in peer.route:
+                            _send(sock, r, flags | SNDMORE, True)
+                        if len(frames) == 3:
+                            header, payload, mac = frames
+                            _send(sock, header, flags | SNDMORE, True)
+                            _send(sock, payload, flags | SNDMORE, plen < COPY_BELOW)
+                            _send(sock, mac, flags, True)
+                        else:
+                            send_envelope(sock, (), frames, plen, flags)
+                    except zmq.ZMQError as exc:  # (as _transmit)
+                        peer.undelivered = True
+                        log.debug("send failed (%s); resent once the peer is back", exc)
+                    continue
+            self._send_rest(peer, items, now)
+
+    def _send_rest(self, peer: Peer, items: list[Any], now: float) -> None:
+        """:meth:`_send_outboxes` of ``items``, taken from ``peer``'s outbox, otherwise
+        than as one envelope sent whole."""
         pending = peer.pending
-        if ON and not pending and (peer.inflight < peer.window or not peer.unacked):
-            # The common case: all of it leaves now as one envelope (see _transmit)
-            whole = peer.window >> 2  # (part_size, inline)
-            if whole > peer.max_part:
-                whole = peer.max_part
-            seq = peer.send_seq + 1
-            one = fast_one_envelope(self._key, items, peer.session, peer.their_session, seq,
-                                    peer.recv_seq, whole if whole > CHUNK_BYTES else CHUNK_BYTES)
-            if one is not None:
-                frames, size, data, plen, batch = one
-                peer.send_seq = seq
-                if not peer.unacked:
-                    peer.ack_wait = now
-                peer.unacked.append((seq, now, frames, size, data))
-                peer.inflight += size
-                peer.acked_sent = peer.recv_seq
-                peer.recv_owed = 0
-                if batch:
-                    self.batches_sent += 1
-                if self._blocked:
-                    self._blocked.discard(peer)
-                try:
-                    send_envelope(self.sock, peer.route, frames, plen, self._flags)
-                except zmq.ZMQError as exc:  # (as _transmit)
-                    peer.undelivered = True
-                    log.debug("send failed (%s); resent once the peer is back", exc)
-                return
         rest = items
         if len(items) > 1 or pending or peer.inflight >= peer.window:
             rest = []
