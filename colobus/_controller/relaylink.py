@@ -82,13 +82,21 @@ class Relay:
         self.delivered.pop(index, None)
 
     def on_delivered(self, report: Delivered) -> None:
-        """The relay's count of what its hosts acknowledged: room for uploads."""
+        """The relay's count of what its hosts acknowledged: room for uploads. Only for
+        the hosts it carries, and never more than it was given for one: a count read off
+        the wire neither grows this table nor turns a host's bound off."""
         counts = report.counts
+        carried = self.carried_mask
+        given = self.given
+        delivered = self.delivered
         released = False
         for i in range(0, len(counts) - 1, 2):
             h, n = counts[i], counts[i + 1]
-            if type(h) is int and type(n) is int and n > self.delivered.get(h, 0):
-                self.delivered[h] = n
+            if type(h) is not int or type(n) is not int or h < 0 or not carried >> h & 1:
+                continue
+            n = min(n, given[h])  # (a Counter: 0 for one given nothing, nothing stored)
+            if n > delivered.get(h, 0):
+                delivered[h] = n
                 released = True
         if released:
             self._ctl._uploads.on_release()

@@ -34,7 +34,7 @@ import zmq
 from .._wire import protocol as P
 from .._wire.envelope import Dropped, Envelope, decode, unpack_batch, unpack_bounded
 from .._wire.peer import data_bytes
-from .._wire.relaywire import Adopt, Delivered, Gone, Ready, entries
+from .._wire.relaywire import RELAY_ONLY, Adopt, Delivered, Gone, Ready, entry
 from .._wire.sockio import send_frames
 from .coalesced import on_results
 from .relaylink import LinkOwner, Relay
@@ -374,50 +374,89 @@ class Relays:
         return host if host.alive and host.peer.via is relay else None
 
     def _up(self, relay: Relay, env: Envelope) -> None:
-        """The hosts' messages a relay passed on: each to its handler, as if direct."""
+        """The hosts' messages a relay passed on: each to its handler, as if direct. Each
+        entry is handled under its own guard: one that is bad costs the hosts it names
+        (or is counted, if it names none), never the entries after it."""
         sessions = self._ctl._sessions
-        now = time.monotonic()
-        session = self._ctl._session
         relay.ups += 1
         relay.most_buffers = max(relay.most_buffers, len(env.buffers))
         relay.most_bytes = max(relay.most_bytes, data_bytes(env.payload, env.buffers))
-        if len(env.body) > 1:  # several hosts' messages, or several of one: a batch
+        body = env.body
+        if not isinstance(body, list):
+            sessions.drop("malformed", relay.identity, "relay body")
+            return
+        if len(body) > 1:  # several hosts' messages, or several of one: a batch
             sessions.batches_received += 1
-        for hosts, kind, packed, payload, bufs, pbufs, extras in entries(
-                env.body, env.payload, env.buffers):
+        view = memoryview(env.payload)
+        for e in body:
+            try:
+                self._entry(relay, e, view, env.buffers)
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException:  # as Sessions.handle: a handler's bug must not end the UP
+                sessions.dropped["handler_error"] += 1
+                log.exception("error handling an entry relayed by relay %d", relay.index)
+
+    def _entry(self, relay: Relay, e: Any, view: memoryview, buffers: list[Any]) -> None:
+        """One entry of an UP: the relay's own report (it names no host), or the message
+        its hosts sent, to the handler of its kind."""
+        sessions = self._ctl._sessions
+        try:
+            hosts, kind, packed, payload, bufs, pbufs, extras = entry(e, view, buffers)
             raw = unpack_bounded(packed)
-            if kind == P.Kind.DELIVERED:  # what the relay's hosts acknowledged
-                report = Delivered.from_wire(raw)
+        except Exception as exc:  # (msgpack's errors, too) the relay packs every entry
+            named = e[0] if isinstance(e, list) and e and isinstance(e[0], list) else []
+            self._broken(relay, named, "malformed", f"relay entry: {exc}")
+            return
+        if kind in RELAY_ONLY:
+            if kind == P.Kind.DELIVERED and not hosts:  # what the relay's hosts acknowledged
+                try:
+                    report = Delivered.from_wire(raw)
+                except ValueError as exc:
+                    sessions.drop("malformed", relay.identity, str(exc))
+                    return
                 assert isinstance(report, Delivered)
                 relay.on_delivered(report)
+                return
+            # a host's message of a kind only a relay speaks (its relay should have
+            # dropped the host): never taken as the relay's own
+            self._broken(relay, hosts, "unexpected_kind", P.Kind(kind).name)
+            return
+        if not hosts:
+            sessions.drop("malformed", relay.identity, f"relay entry of kind {kind} for no host")
+            return
+        sub = Envelope(kind, b"", self._ctl._session, 0, raw, payload, bufs, pbufs)
+        try:
+            body = P.parse(kind, raw)
+        except ValueError as exc:
+            self._broken(relay, hosts, "malformed", str(exc))
+            return
+        relay.carried_up += len(hosts)
+        if kind == P.Kind.RESULT and isinstance(body, P.Result):
+            # one entry for many hosts: settled as a group (.coalesced)
+            on_results(self._ctl._ops, relay, hosts, body, sub, extras)
+            return
+        now = time.monotonic()
+        for j, i in enumerate(hosts):
+            host = self._carried(relay, i)
+            if host is None:
                 continue
-            sub = Envelope(kind, b"", session, 0, raw, payload, bufs, pbufs)
-            try:
-                body = P.parse(kind, raw)
-            except ValueError as exc:
-                for i in hosts:
-                    host = self._carried(relay, i)
-                    if host is not None:
-                        sessions.violation(host, "malformed", str(exc))
-                continue
-            relay.carried_up += len(hosts)
-            if kind == P.Kind.RESULT and isinstance(body, P.Result):
-                try:  # one entry for many hosts: settled as a group (.coalesced)
-                    on_results(self._ctl._ops, relay, hosts, body, sub, extras)
-                except (KeyboardInterrupt, SystemExit):
-                    raise
-                except BaseException:  # as Sessions.handle: a handler's bug must not end the UP
-                    sessions.dropped["handler_error"] += 1
-                    log.exception("error handling results relayed by relay %d", relay.index)
-                continue
-            for j, i in enumerate(hosts):
-                host = self._carried(relay, i)
-                if host is None:
-                    continue
-                host.last_seen = now
-                b = body
-                if extras is not None and isinstance(body, P.Result):
-                    times = extras[j]
-                    b = P.Result(body.call_id, body.status, body.meta,
-                                 times if isinstance(times, list) else [])
-                sessions.handle(host, relay.identity, sub, b)
+            host.last_seen = now
+            b = body
+            if extras is not None and isinstance(body, P.Result):
+                times = extras[j]
+                b = P.Result(body.call_id, body.status, body.meta,
+                             times if isinstance(times, list) else [])
+            sessions.handle(host, relay.identity, sub, b)
+
+    def _broken(self, relay: Relay, hosts: list[Any], reason: str, detail: str) -> None:
+        """An entry of an UP that breaks the protocol: each host it names that ``relay``
+        carries is dropped (its message is lost: its calls fail, they do not hang); one
+        that names none is counted."""
+        sessions = self._ctl._sessions
+        carried = [h for i in hosts if type(i) is int
+                   and (h := self._carried(relay, i)) is not None]
+        if not carried:
+            sessions.drop(reason, relay.identity, detail)
+        for host in carried:
+            sessions.violation(host, reason, detail)

@@ -40,7 +40,17 @@ from .._wire.envelope import (
 from .._wire.guard import RESET_SEQ
 from .._wire.limits import MAX_HEADER_BYTES, MAX_OBJECTS, UNKNOWN_PEER_MAX_BYTES
 from .._wire.peer import data_bytes
-from .._wire.relaywire import NEVER_REACHED, SMALL, Adopt, Delivered, Gather, Gone, Ready, entries
+from .._wire.relaywire import (
+    NEVER_REACHED,
+    RELAY_ONLY,
+    SMALL,
+    Adopt,
+    Delivered,
+    Gather,
+    Gone,
+    Ready,
+    entries,
+)
 from .._wire.sockio import router_socket
 from .._wire.stalls import StallClock
 from .hold import HOLD_S, ReplyHold
@@ -222,7 +232,7 @@ class Relay:
                          max_body=MAX_HEADER_BYTES, max_objects=MAX_OBJECTS)
         except Dropped as d:
             if h is not None and d.reason == "oversized":  # its worker stays under the limit
-                self._lose(h, f"it broke the protocol ({d.reason}: {d.detail:.200})", d.reason)
+                self._lose(h, f"{d.detail:.200}", d.reason)
             else:
                 self.dropped[d.reason] += 1
             return
@@ -254,11 +264,16 @@ class Relay:
                 return
             subs = unpack_batch(got) if got.kind == P.Kind.BATCH else [got]
         except Dropped as d:  # a joined host broke the protocol: the controller drops it
-            self._lose(h, f"it broke the protocol ({d.reason}: {d.detail:.200})", d.reason)
+            self._lose(h, f"{d.detail:.200}", d.reason)
             return
         add = self.ups.add
         hold = self.hold
         for sub in subs:
+            if sub.kind in RELAY_ONLY:  # a relay's word from a host: its messages before
+                # it go up, then the controller drops it (a violation, as it would)
+                name = P.Kind(sub.kind).name
+                self._lose(h, name, "unexpected_kind")
+                return
             body = sub.body
             if sub.kind == HEARTBEAT:
                 if not self._health_news(h, body):

@@ -31,8 +31,14 @@ from . import protocol as P
 from .envelope import Buffer, Dropped
 from .limits import GATHER_MAX_BODY, GATHER_MAX_BUFFERS, GATHER_MAX_BYTES
 
-__all__ = ["NEVER_REACHED", "Adopt", "Delivered", "Entry", "Gather", "Gone", "Ready", "entries"]
+__all__ = ["NEVER_REACHED", "RELAY_ONLY", "Adopt", "Delivered", "Entry", "Gather", "Gone", "Ready",
+           "entries", "entry"]
 
+# The kinds only a controller and its relays say to each other. A host that says one is
+# breaking the protocol: its relay drops it, as the controller does a host whose relay
+# passed one on (a relay's own reports are the entries of an UP that name no host).
+RELAY_ONLY = frozenset(map(int, (P.Kind.ADOPT, P.Kind.FORWARD, P.Kind.UP, P.Kind.GONE,
+                                 P.Kind.READY, P.Kind.DELIVERED)))
 SMALL = 4096  # payloads up to this size are shared by value (replies), larger by identity
 # What an entry adds to its message's packed body besides the host's packed body (an
 # estimate, on the high side): the entry's fields, each host index, a reply's times.
@@ -60,7 +66,8 @@ class Adopt(P.Body):
 class Gone(P.Body):
     """A host the relay no longer carries. To the relay: ``why`` is its last word (the
     RESET reason it is told if it speaks again). From it: why the host is lost, and
-    ``reason``, a protocol violation's counter, or "" (silence)."""
+    ``reason``, a protocol violation's counter (``why`` is then its detail), or ""
+    (silence)."""
 
     kind = P.Kind.GONE
     types = (int, str, str)
@@ -243,25 +250,36 @@ def _ints(values: list[Any]) -> bool:
     return set(map(type, values)) <= _INT
 
 
-def entries(body: Any, payload: Buffer, buffers: Sequence[Buffer]) -> Iterator[Entry]:
-    """The entries of an authenticated FORWARD or UP.
+def entry(e: Any, view: memoryview, buffers: Sequence[Buffer]) -> Entry:
+    """One entry of an authenticated FORWARD or UP, read against its message's payload
+    (``view``) and ``buffers``.
 
     Raises:
         Dropped: ``malformed``, an entry that does not describe the message's bytes.
+    """
+    if not (isinstance(e, list) and len(e) == 9 and isinstance(e[0], list)
+            and type(e[1]) is int and type(e[2]) is bytes
+            and _ints(e[3:8])
+            and (e[8] is None or (isinstance(e[8], list) and len(e[8]) == len(e[0])))):
+        raise Dropped("malformed", "relay entry")
+    hosts, kind, packed, at, plen, boff, nbufs, pbufs, extras = e
+    if (at < 0 or plen < 0 or at + plen > len(view) or boff < 0 or nbufs < 0
+            or boff + nbufs > len(buffers) or not 0 <= pbufs <= nbufs
+            or not _ints(hosts)):
+        raise Dropped("malformed", "relay entry lengths")
+    return (hosts, kind, packed, view[at:at + plen] if plen else b"",
+            list(buffers[boff:boff + nbufs]), pbufs, extras)
+
+
+def entries(body: Any, payload: Buffer, buffers: Sequence[Buffer]) -> Iterator[Entry]:
+    """The entries of an authenticated FORWARD or UP (:func:`entry` for each).
+
+    Raises:
+        Dropped: ``malformed``, a body that is not a list, or an entry that does not
+            describe the message's bytes (the entries before it were yielded).
     """
     if not isinstance(body, list):
         raise Dropped("malformed", "relay body")
     view = memoryview(payload)
     for e in body:
-        if not (isinstance(e, list) and len(e) == 9 and isinstance(e[0], list)
-                and type(e[1]) is int and type(e[2]) is bytes
-                and _ints(e[3:8])
-                and (e[8] is None or (isinstance(e[8], list) and len(e[8]) == len(e[0])))):
-            raise Dropped("malformed", "relay entry")
-        hosts, kind, packed, at, plen, boff, nbufs, pbufs, extras = e
-        if (at < 0 or plen < 0 or at + plen > len(view) or boff < 0 or nbufs < 0
-                or boff + nbufs > len(buffers) or not 0 <= pbufs <= nbufs
-                or not _ints(hosts)):
-            raise Dropped("malformed", "relay entry lengths")
-        yield (hosts, kind, packed, view[at:at + plen] if plen else b"",
-               list(buffers[boff:boff + nbufs]), pbufs, extras)
+        yield entry(e, view, buffers)
