@@ -47,14 +47,17 @@ class Relay:
     """One relay process, as the controller sees it (a :class:`~colobus._wire.peer.Via`
     for the hosts it carries)."""
 
-    def __init__(self, index: int, ctl: LinkOwner, proc: subprocess.Popen[bytes],
-                 identity: bytes, session: bytes) -> None:
+    def __init__(self, index: int, ctl: LinkOwner, proc: subprocess.Popen[bytes] | None,
+                 identity: bytes, session: bytes, recv_seq: int = 0) -> None:
         self.index = index
-        self.proc = proc
+        self.proc = proc  # None: a relay that connected by itself (``colobus relay``)
+        self.pid = proc.pid if proc is not None else 0  # (another machine's, if it connected)
+        self.name = f"relay {index}"
         self.identity = identity
         self.session = session
-        self.link = Peer([identity], ctl._session, session, 0, ctl.send_window_bytes)
+        self.link = Peer([identity], ctl._session, session, recv_seq, ctl.send_window_bytes)
         self.endpoint = ""  # where hosts connect, once it said READY
+        self.reset_sent = False  # a relay declared lost that spoke again was told
         self.carries: dict[bytes, int] = {}  # host routing id -> host index
         self.carried_mask = 0  # the bits of the hosts it carries
         self.last_seen = time.monotonic()
@@ -162,8 +165,9 @@ class Relay:
         return self.link
 
     def welcome_endpoint(self) -> str:
-        """The endpoint a WELCOME names: a TCP one as ``tcp://*:PORT`` (the host reaches
-        it at the address it reached the controller at)."""
-        if self.endpoint.startswith("tcp://"):
+        """The endpoint a WELCOME names: a relay the controller started, on TCP, as
+        ``tcp://*:PORT`` (the host reaches it at the address it reached the controller
+        at); one that connected by itself, as it said."""
+        if self.proc is not None and self.endpoint.startswith("tcp://"):
             return "tcp://*:" + self.endpoint.rsplit(":", 1)[1]
-        return self.endpoint
+        return self.endpoint  # (one that connected by itself said where hosts reach it)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import hmac
 import logging
 import os
 import secrets
@@ -33,13 +34,26 @@ import zmq
 
 from .._wire import protocol as P
 from .._wire.envelope import Dropped, Envelope, decode, unpack_batch, unpack_bounded
+from .._wire.guard import RESET_SEQ
 from .._wire.peer import data_bytes
-from .._wire.relaywire import RELAY_ONLY, Adopt, Delivered, Gone, Ready, entry
+from .._wire.relaywire import (
+    RELAY_ONLY,
+    Adopt,
+    Delivered,
+    Gone,
+    Offer,
+    Ready,
+    Setup,
+    entry,
+    relay_proof,
+)
 from .._wire.sockio import send_frames
+from .._wire.versions import compare, local_versions
 from .coalesced import on_results
 from .relaylink import LinkOwner, Relay
 
 if TYPE_CHECKING:
+    from .._wire.guard import Challenges
     from .hosts import Host
     from .ops import Operations
 
@@ -60,6 +74,7 @@ class Judge(Protocol):
 
     dropped: collections.Counter[str]
     batches_received: int
+    challenges: Challenges
 
     def drop(self, reason: str, identity: bytes, detail: str = "") -> None: ...
     def violation(self, host: Host, reason: str, detail: str = "") -> None: ...
@@ -90,6 +105,19 @@ class RelaysOwner(LinkOwner, Protocol):
     def max_message_bytes(self) -> int: ...
 
 
+NO_RELAYS = ("this controller takes no relays that connect by themselves: start it with "
+             "relay_key= (a launcher's relays_on_hosts= does)")
+
+
+def refuse(ctl: Any, identity: bytes, env: Envelope, why: str) -> None:
+    """Tell a relay that offered itself (``env``) why it is refused (as Sessions does a
+    worker: a REJECT outside the numbering); it exits."""
+    chan = ctl._chan
+    if chan is not None:
+        chan.send_raw([identity], Envelope(P.Kind.REJECT, ctl._session, env.sender, 1,
+                                           P.Reject(why).to_wire()))
+
+
 def relay_count(relays: int | None, threshold: int, hosts: int) -> int:
     """How many relays a controller starts: ``relays``, or ``$COLOBUS_RELAYS``, or by the
     cluster's size: none below ``threshold`` hosts, else one per 256 hosts, at most one
@@ -109,28 +137,31 @@ def relay_count(relays: int | None, threshold: int, hosts: int) -> int:
 class Relays:
     """The controller's relays: started with it, each carrying the hosts it adopted."""
 
-    def __init__(self, ctl: RelaysOwner, count: int) -> None:
+    def __init__(self, ctl: RelaysOwner, count: int, relay_key: bytes | None = None) -> None:
         self._ctl = ctl
         self.count = count
+        self.relay_key = relay_key  # relays that connect by themselves prove it (None: none)
         self.relays: list[Relay] = []
         self.by_identity: dict[bytes, Relay] = {}
         self._ready: asyncio.Event | None = None
 
     @classmethod
-    def configure(cls, ctl: Any, relays: int | None, threshold: int, hosts: int
-                  ) -> Relays | None:
-        """The relays a new controller will start (None: it runs a star).
+    def configure(cls, ctl: Any, relays: int | None, threshold: int, hosts: int,
+                  relay_key: bytes | None = None) -> Relays | None:
+        """The relays a new controller will start, and whether it takes relays that
+        connect by themselves (None: neither, it runs a star).
 
         Raises:
-            ValueError: ``relays`` below 0, or asked for with CurveZMQ on.
+            ValueError: ``relays`` below 0, or relays asked for with CurveZMQ on.
         """
         count = relay_count(relays, threshold, hosts)
-        if count and ctl._curve is not None:
-            if relays:
-                raise ValueError("relays do not work with CurveZMQ yet: pass relays=0")
+        if (count or relay_key is not None) and ctl._curve is not None:
+            if relays or relay_key is not None:
+                raise ValueError("relays do not work with CurveZMQ yet: pass relays=0 and "
+                                 "no relay_key")
             log.info("CurveZMQ is on: no relays (%d hosts go directly)", hosts)
             return None
-        return cls(ctl, count) if count else None
+        return cls(ctl, count, relay_key) if count or relay_key is not None else None
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -144,10 +175,11 @@ class Relays:
         for i in range(self.count):
             self._spawn(i)
         deadline = time.monotonic() + READY_TIMEOUT_S
-        while not all(r.endpoint for r in self.relays):
-            dead = [r for r in self.relays if r.proc.poll() is not None]
+        while not all(r.endpoint for r in self.relays if r.proc is not None):
+            dead = [(r.index, r.proc.poll()) for r in self.relays
+                    if r.proc is not None and r.proc.poll() is not None]
             if dead or time.monotonic() > deadline:
-                why = (f"relay {dead[0].index} exited with status {dead[0].proc.returncode}"
+                why = (f"relay {dead[0][0]} exited with status {dead[0][1]}"
                        if dead else f"no relay READY within {READY_TIMEOUT_S:.0f} s")
                 raise OSError(f"colobus controller cannot start its relays: {why}")
             self._ready.clear()
@@ -155,8 +187,31 @@ class Relays:
                 await asyncio.wait_for(self._ready.wait(), 0.5)
             except TimeoutError:
                 pass
-        log.info("%d relays ready: %s", len(self.relays),
-                 ", ".join(r.endpoint for r in self.relays))
+        if self.relays:
+            log.info("%d relays ready: %s", len(self.relays),
+                     ", ".join(r.endpoint for r in self.relays))
+
+    async def wait_ready(self, n: int, timeout: float) -> None:
+        """Wait until ``n`` relays are live and ready (relays that connect by themselves:
+        a launcher starts its hosts' workers once their relays are there).
+
+        Raises:
+            TimeoutError: fewer were ready within ``timeout`` seconds.
+        """
+        if self._ready is None:
+            self._ready = asyncio.Event()
+        deadline = time.monotonic() + timeout
+        while sum(1 for r in self.relays if r.alive and r.endpoint) < n:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                ready = sum(1 for r in self.relays if r.alive and r.endpoint)
+                raise TimeoutError(f"only {ready} of {n} relays connected to "
+                                   f"{self._ctl._address} within {timeout:g} s")
+            self._ready.clear()
+            try:
+                await asyncio.wait_for(self._ready.wait(), min(left, 0.5))
+            except TimeoutError:
+                pass
 
     def _spawn(self, i: int) -> None:
         ctl = self._ctl
@@ -185,17 +240,27 @@ class Relays:
         self.by_identity[identity] = relay
 
     async def aclose(self) -> None:
-        """Let every relay deliver what it was sent last, then end it."""
+        """Let every relay deliver what it was sent last, then end it (one that connected
+        by itself ends its session: it offers itself to the next controller)."""
+        chan = self._ctl._chan
         for r in self.relays:
+            if r.proc is None:
+                if r.alive and chan is not None and chan.open:
+                    chan.send(r.link, P.Shutdown("controller closed"))
+                    chan.flush()
+                continue
             if r.proc.stdin is not None and not r.proc.stdin.closed:
                 try:
                     r.proc.stdin.close()  # its cue to flush and exit
                 except OSError:
                     pass
+        procs = [r.proc for r in self.relays if r.proc is not None]
         deadline = time.monotonic() + 3.0
-        while any(r.proc.poll() is None for r in self.relays) and time.monotonic() < deadline:
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         for r in self.relays:
+            if r.proc is None:
+                continue
             if r.proc.poll() is None:
                 r.proc.kill()
                 r.proc.wait()
@@ -203,11 +268,56 @@ class Relays:
                 with contextlib.suppress(OSError):
                     os.unlink(r.endpoint[6:])
 
+    def on_offer(self, identity: bytes, env: Envelope) -> None:
+        """A relay that connected by itself offers to carry hosts (after a CHALLENGE):
+        taken if it proves the relay key and runs this Python and colobus; SETUP tells
+        it how to carry them, and its READY makes it one of the relays hosts go to.
+
+        Raises:
+            ValueError: a malformed offer (counted by the caller).
+        """
+        ctl = self._ctl
+        sessions = ctl._sessions
+        offer = Offer.from_wire(env.body)
+        assert isinstance(offer, Offer)
+        if not sessions.challenges.take(identity, env.sender, offer.nonce):
+            sessions.drop("replay", identity, "relay offer without a fresh challenge")
+            return
+        if identity in self.by_identity or len(env.sender) != 16:
+            sessions.drop("malformed", identity, "relay offer")
+            return
+        why = None
+        if self.relay_key is None:
+            why = NO_RELAYS
+        elif not hmac.compare_digest(offer.proof, relay_proof(self.relay_key, offer.nonce,
+                                                               env.sender)):
+            sessions.drop("unauthenticated", identity, "relay offer")
+            why = "the relay key is not this controller's (--relay-key-file)"
+        else:
+            why = compare(offer.versions, local_versions())[0]
+        if why is not None:
+            log.warning("relay %r (%s, pid %d) refused: %s", offer.name[:64],
+                        offer.hostname[:64], offer.pid, why)
+            refuse(ctl, identity, env, why)
+            return
+        relay = Relay(len(self.relays), ctl, None, identity, env.sender, env.seq)
+        relay.pid, relay.name = offer.pid, f"{offer.name[:64]} on {offer.hostname[:64]}"
+        self.relays.append(relay)
+        self.by_identity[identity] = relay
+        chan = ctl._chan
+        assert chan is not None
+        observer = ctl.observer  # (traces read each host's call times)
+        chan.send(relay.link, Setup(relay.index, ctl.heartbeat_interval, ctl.liveness_timeout,
+                                    ctl._resend_after, ctl.max_message_bytes,
+                                    bool(observer is not None and observer.records)))
+        log.info("relay %d (%s, pid %d) connected", relay.index, relay.name, relay.pid)
+
     # -- hosts ---------------------------------------------------------------------------
 
     def describe(self) -> list[dict[str, Any]]:
         """Each relay, for :meth:`Controller.stats`."""
-        return [{"index": r.index, "pid": r.proc.pid, "endpoint": r.endpoint, "alive": r.alive,
+        return [{"index": r.index, "pid": r.pid, "name": r.name, "connected": r.proc is None,
+                 "endpoint": r.endpoint, "alive": r.alive,
                  "hosts": sorted(r.carries.values()), "forwards": r.forwards, "ups": r.ups,
                  "carried_up": r.carried_up, "most_buffers": r.most_buffers,
                  "most_bytes": r.most_bytes}
@@ -288,7 +398,7 @@ class Relays:
             if not r.alive:
                 continue
             r.last_seen += frozen
-            code = r.proc.poll()
+            code = r.proc.poll() if r.proc is not None else None
             if code is not None:
                 self.lost(r, f"its process exited with status {code}")
             elif now - r.last_seen > self._ctl.liveness_timeout:
@@ -308,6 +418,8 @@ class Relays:
         relay.carried_mask = 0
         for index in carried.values():
             self._ctl._sessions.lose(hosts[index], f"its relay was lost ({why})")
+        if relay.proc is None:  # one that connected by itself: told if it speaks again
+            return
         if relay.proc.poll() is None:
             relay.proc.kill()
 
@@ -321,6 +433,14 @@ class Relays:
             env = decode(ctl._key, frames[1:])
             if env.sender != relay.session or env.receiver != ctl._session:
                 sessions.drop("stale", relay.identity)
+                return
+            if not relay.alive:  # declared lost: its session is over, and it hears so once
+                sessions.drop("stale", relay.identity)
+                if not relay.reset_sent and ctl._chan is not None:
+                    relay.reset_sent = True
+                    ctl._chan.send_raw([relay.identity], Envelope(
+                        P.Kind.RESET, ctl._session, relay.session, RESET_SEQ,
+                        P.Reset("this relay was declared lost").to_wire()))
                 return
             assert ctl._chan is not None
             got = ctl._chan.take(relay.link, env, 1 << 62)

@@ -33,13 +33,13 @@ from .._wire.envelope import (
     PROTOCOL_VERSION,
     Dropped,
     Envelope,
+    Outgoing,
     decode,
     pack_body,
     unpack_batch,
 )
 from .._wire.guard import RESET_SEQ
 from .._wire.limits import MAX_HEADER_BYTES, MAX_OBJECTS, UNKNOWN_PEER_MAX_BYTES
-from .._wire.peer import data_bytes
 from .._wire.relaywire import (
     NEVER_REACHED,
     RELAY_ONLY,
@@ -49,11 +49,12 @@ from .._wire.relaywire import (
     Gather,
     Gone,
     Ready,
-    entries,
 )
 from .._wire.sockio import router_socket
 from .._wire.stalls import StallClock
+from .fanout import deliver, forward
 from .hold import HOLD_S, ReplyHold
+from .inflow import HostsChannel
 
 __all__ = ["Relay", "main"]
 
@@ -97,6 +98,7 @@ class Relay:
         self.dead: collections.OrderedDict[bytes, tuple[bytes, str]] = collections.OrderedDict()
         self.dropped: collections.Counter[str] = collections.Counter()
         self.ups = Gather()
+        self.whole = 0  # hosts' envelopes a FORWARD sent whole at once (.fanout)
         self.hold = ReplyHold()  # the replies of a call wait for its last one (.hold)
         self._hold_timer: asyncio.TimerHandle | None = None
         self._due = False  # self.ups holds more than heartbeats
@@ -110,46 +112,71 @@ class Relay:
         self.released: set[int] = set()
         self.ctl_heard = time.monotonic()
         self._stalls = StallClock(self.heartbeat)  # liveness ticks that came late
-        self.done: asyncio.Future[None] | None = None
+        self.done: asyncio.Future[str] | None = None
 
-    async def run(self) -> None:
+    async def run(self, ctx: zmq.Context[Any] | None = None,
+                  up: zmq.Socket[Any] | None = None) -> str:
+        """Carry hosts until the session ends; returns why it ended.
+
+        Args:
+            ctx: the ZeroMQ context to use (None: one of its own, ended with it).
+            up: a DEALER already joined to the controller (a relay that connected by
+                itself: :mod:`.connect`); None: connect one and say READY (a relay the
+                controller started, which also ends when its standard input closes).
+        """
         loop = asyncio.get_running_loop()
         self.done = loop.create_future()
-        ctx: zmq.Context[Any] = zmq.Context()
-        up = ctx.socket(zmq.DEALER)
-        up.setsockopt(zmq.LINGER, 0)
-        up.setsockopt(zmq.SNDHWM, 0)
-        up.setsockopt(zmq.RCVHWM, 0)
-        up.setsockopt(zmq.ROUTING_ID, self.cfg["identity"])
-        up.connect(self.cfg["controller"])
-        down = router_socket(ctx, self.max_message)
+        own = ctx is None
+        context: zmq.Context[Any] = zmq.Context() if ctx is None else ctx
+        started = up is None
+        if up is None:
+            up = context.socket(zmq.DEALER)
+            up.setsockopt(zmq.LINGER, 0)
+            up.setsockopt(zmq.SNDHWM, 0)
+            up.setsockopt(zmq.RCVHWM, 0)
+            up.setsockopt(zmq.ROUTING_ID, self.cfg["identity"])
+            up.connect(self.cfg["controller"])
+        down = router_socket(context, self.max_message)
         down.bind(self.cfg["bind"])
         self.up = Channel(up, self.key, loop, self._from_controller, send_flags=zmq.NOBLOCK,
                           after_reads=self._flush_down)
-        self.down = Channel(down, self.key, loop, self._from_host, after_reads=self._flush_up,
-                            on_release=self._released)
-        self.up.send(self.ctl, Ready(down.getsockopt_string(zmq.LAST_ENDPOINT)))
-        loop.add_reader(0, self._stdin)
+        self.down = HostsChannel(down, self.key, loop, self._from_host,
+                                 after_reads=self._flush_up, on_release=self._released)
+        self.down.relay = self
+        endpoint = down.getsockopt_string(zmq.LAST_ENDPOINT)
+        if self.cfg.get("advertise"):  # (on another machine than the controller's)
+            endpoint = advertised(endpoint, self.cfg["advertise"])
+        self.up.send(self.ctl, Ready(endpoint))
+        if started:
+            loop.add_reader(0, self._stdin)
         ticks = loop.create_task(self._ticks())
         try:
-            await self.done
+            why = await self.done
             await asyncio.sleep(0.2)  # what the controller sent last (its SHUTDOWNs)
             self.up.drain()
             self.down.flush()
         finally:
             ticks.cancel()
-            loop.remove_reader(0)
+            if started:
+                loop.remove_reader(0)
             self.down.close(linger_ms=1000)
             self.up.close()
-            ctx.term()
+            if own:
+                context.term()
+        return why
+
+    def end(self, why: str) -> None:
+        """The session is over (``why``): :meth:`run` returns."""
+        if self.done is not None and not self.done.done():
+            self.done.set_result(why)
 
     def _stdin(self) -> None:
         try:
             data = os.read(0, 4096)
         except OSError:
             data = b""
-        if not data and self.done is not None and not self.done.done():
-            self.done.set_result(None)  # the controller is gone, or closing
+        if not data:
+            self.end("the controller closed its end")  # gone, or closing
 
     # -- from the controller -------------------------------------------------------------
 
@@ -158,6 +185,9 @@ class Relay:
             env = decode(self.key, frames)
             if env.sender != self.ctl_session or env.receiver != self.session:
                 self.dropped["stale"] += 1
+                return
+            if env.kind == P.Kind.RESET and env.seq == RESET_SEQ:  # (outside the numbering)
+                self.end("the controller ended this relay's session")
                 return
             got = self.up.take(self.ctl, env, 1 << 62)
             if got is None or isinstance(got, str):
@@ -171,24 +201,7 @@ class Relay:
     def _handle(self, env: Envelope) -> None:
         kind = env.kind
         if kind == P.Kind.FORWARD:
-            enqueue = self.down.enqueue_packed
-            peers = self.peers
-            given = self.given
-            for hosts, k, packed, payload, bufs, pbufs, _ in entries(
-                    env.body, env.payload, env.buffers):
-                sent = 0
-                n = data_bytes(payload, bufs) if payload or bufs else 0
-                for h in hosts:
-                    peer = peers.get(h)
-                    if peer is not None:
-                        enqueue(peer, k, packed, payload, bufs, pbufs)
-                        sent += 1
-                        if n:
-                            given[h] += n
-                if k == CALL and sent:
-                    call = msgpack.unpackb(packed)  # authenticated: the FORWARD's MAC
-                    if isinstance(call, list) and call and type(call[0]) is int:
-                        self.hold.forwarded(call[0], sent)
+            forward(self, env.body, env.payload, env.buffers)  # (.fanout)
         elif kind == P.Kind.ADOPT:
             a = Adopt.from_wire(env.body)
             assert isinstance(a, Adopt)
@@ -204,13 +217,15 @@ class Relay:
             self.given[a.host] = self.reported[a.host] = 0
             self.by_identity[a.identity] = a.host
             self.last_seen[a.host] = time.monotonic()
+        elif kind == P.Kind.SHUTDOWN:  # (a relay that connected by itself: the session ends)
+            self.end("the controller closed")
         elif kind == P.Kind.GONE:
             g = Gone.from_wire(env.body)
             assert isinstance(g, Gone)
-            peer = self._forget(g.host, g.why)
-            if peer is None:  # it left here already: say the last word if it speaks
+            gone = self._forget(g.host, g.why)
+            if gone is None:  # it left here already: say the last word if it speaks
                 return
-            self._reset(peer.route[0], peer.their_session, g.why)
+            self._reset(gone.route[0], gone.their_session, g.why)
 
     def _flush_down(self) -> None:
         if self.down.flush():
@@ -394,13 +409,16 @@ class Relay:
             for h in self.last_seen:
                 self.last_seen[h] += frozen
         if now - self.ctl_heard > 2 * self.liveness and self.done is not None:
-            log.warning("relay: the controller is silent; exiting")
-            if not self.done.done():
-                self.done.set_result(None)
+            log.warning("relay: the controller is silent; ending its session")
+            self.end("the controller was silent")
             return
         self.hold.prune(self.liveness)
         alive = []
-        ping = P.Heartbeat(0, 0, 0, 0, time.monotonic_ns())
+        # the controller's heartbeat to every live host: one body, each host's envelope
+        # sent at once where its window is clear (.fanout)
+        pings: list[Outgoing] = [(HEARTBEAT, pack_body(P.Heartbeat(
+            0, 0, 0, 0, time.monotonic_ns()).to_wire()), b"", (), 0)]
+        to: dict[int, list[Outgoing]] = {}
         for h, peer in list(self.peers.items()):
             silent = now - self.last_seen[h]
             waited = now - peer.ack_wait if peer.unacked else 0.0
@@ -410,8 +428,9 @@ class Relay:
             elif waited > self.liveness:
                 self._lose(h, f"it acknowledged nothing for {waited:.1f} s")
             else:
-                self.down.enqueue(peer, ping)
+                to[h] = pings
                 alive.append(peer)
+        deliver(self, to)
         self._flush_down()
         self.down.resend_stale(alive, self.resend_after)
         self.up.send(self.ctl, P.Heartbeat(0, 0, 0, 0, 0, 0, 0, 0, dict(self.dropped)))
@@ -442,6 +461,17 @@ class Relay:
     def _reset(self, identity: bytes, session: bytes, why: str) -> None:
         self.down.send_raw([identity], Envelope(P.Kind.RESET, self.ctl_session, session,
                                                 RESET_SEQ, P.Reset(why).to_wire()))
+
+
+def advertised(endpoint: str, host: str) -> str:
+    """``endpoint`` as hosts on other machines reach it: a wildcard address bound
+    (``tcp://0.0.0.0:PORT``, ``tcp://[::]:PORT``) becomes ``host``'s."""
+    if not endpoint.startswith("tcp://"):
+        return endpoint
+    bound, port = endpoint[6:].rsplit(":", 1)
+    if bound not in ("0.0.0.0", "[::]", "*", "[::0]"):
+        return endpoint
+    return f"tcp://{'[' + host + ']' if ':' in host else host}:{port}"
 
 
 def read_settings(fd: int = 0) -> dict[str, Any]:

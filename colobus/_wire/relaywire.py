@@ -16,6 +16,10 @@ controller would, and talks to the controller in few, large messages:
 * DELIVERED, an entry of an UP (no hosts): how many of the bytes the relay was
   given for each host that host acknowledged (the controller's upload back-pressure
   counts the rest).
+* OFFER, SETUP: a relay that connected by itself (``colobus relay --connect``, on
+  any machine) offers to carry hosts, proving the relay key, after a CHALLENGE as a
+  worker's join; the controller takes it with the settings a relay it starts reads
+  on its standard input.
 
 Each FORWARD and UP stays within :mod:`.limits` (``GATHER_MAX_*``): a gather
 closes one message before the next would pass a limit and goes on in another.
@@ -28,17 +32,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import protocol as P
-from .envelope import Buffer, Dropped
+from .envelope import Buffer, Dropped, mac_key
 from .limits import GATHER_MAX_BODY, GATHER_MAX_BUFFERS, GATHER_MAX_BYTES
 
-__all__ = ["NEVER_REACHED", "RELAY_ONLY", "Adopt", "Delivered", "Entry", "Gather", "Gone", "Ready",
-           "entries", "entry"]
+__all__ = ["NEVER_REACHED", "RELAY_ONLY", "Adopt", "Delivered", "Entry", "Gather", "Gone", "Offer",
+           "Ready", "Setup", "entries", "entry", "relay_proof"]
 
 # The kinds only a controller and its relays say to each other. A host that says one is
 # breaking the protocol: its relay drops it, as the controller does a host whose relay
 # passed one on (a relay's own reports are the entries of an UP that name no host).
 RELAY_ONLY = frozenset(map(int, (P.Kind.ADOPT, P.Kind.FORWARD, P.Kind.UP, P.Kind.GONE,
-                                 P.Kind.READY, P.Kind.DELIVERED)))
+                                 P.Kind.READY, P.Kind.DELIVERED, P.Kind.OFFER,
+                                 P.Kind.SETUP)))
 SMALL = 4096  # payloads up to this size are shared by value (replies), larger by identity
 # What an entry adds to its message's packed body besides the host's packed body (an
 # estimate, on the high side): the entry's fields, each host index, a reply's times.
@@ -99,6 +104,47 @@ class Ready(P.Body):
     kind = P.Kind.READY
     types = (str,)
     endpoint: str
+
+
+@dataclass(frozen=True, slots=True)
+class Offer(P.Body):
+    """A relay that connected to the controller (``colobus relay --connect``) offers to
+    carry hosts: its name, process and machine, the nonce of the controller's CHALLENGE
+    to this session, ``proof`` (:func:`relay_proof`: what only a holder of the relay key
+    can make; workers hold the cluster key only), and its versions."""
+
+    kind = P.Kind.OFFER
+    types = (str, int, str, bytes, bytes, dict)
+    name: str
+    pid: int
+    hostname: str
+    nonce: bytes
+    proof: bytes
+    versions: dict[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class Setup(P.Body):
+    """The controller took a relay's offer: what the relay carries its hosts with (the
+    settings a relay the controller starts reads on its standard input)."""
+
+    kind = P.Kind.SETUP
+    types = (int, (int, float), (int, float), (int, float), int, bool)
+    index: int
+    heartbeat: float
+    liveness: float
+    resend_after: float
+    max_message_bytes: int
+    times: bool
+
+
+def relay_proof(relay_key: bytes, nonce: bytes, session: bytes) -> bytes:
+    """What an :class:`Offer` carries: the relay key's keyed BLAKE2b of the challenge's
+    nonce and the relay's session (fresh per challenge: a recorded one is worthless)."""
+    import hashlib
+
+    return hashlib.blake2b(nonce + session, key=mac_key(relay_key), digest_size=32,
+                           person=b"colobus-relay").digest()
 
 
 def _nbytes(b: Buffer) -> int:
@@ -228,6 +274,50 @@ class Gather:
         if extra is not None:
             entry[8].append(extra)
         self._grew(HOST_BYTES + (EXTRA_BYTES if extra is not None else 0))
+
+    def reply(self, host: int, kind: int, body: bytes, payload: bytes, extra: Any) -> None:
+        """:meth:`add` of a reply with no buffers and a payload of :data:`SMALL` bytes at
+        most (``bytes``): the same entries, in one call (a relay's common reply, per
+        host; ``tests/test_relay_paths.py`` holds the two equal)."""
+        plen = len(payload)  # (_place, inline)
+        if not plen:
+            at = 0
+        elif payload is self._pay_last:
+            at = self._pay_last_at
+        else:
+            at = self._pay_at.get(payload, -1)
+        if self.entries and (len(self.buffers) > self.max_buffers
+                             or self._data + (plen if at < 0 else 0) > self.max_bytes):
+            self._close()
+            at = -1 if plen else 0
+        if at < 0:
+            self._data += plen
+            at = self._pay_at[payload] = self._size
+            self._payloads.append(payload)
+            self._size += plen
+        if plen:
+            self._pay_last = payload
+            self._pay_last_at = at
+        key = (kind, body, at, plen, 0, 0, 0, extra is None)
+        last = self._last.get(host, -1)
+        same = self._same.get(key)
+        if same is None or same[1] <= last:
+            n = len(self.entries)
+            entry: list[Any] = [[host], kind, body, at, plen, 0, 0, 0,
+                                None if extra is None else [extra]]
+            self.entries.append(entry)
+            self._last[host] = n
+            self._same[key] = (entry, n)
+            self._body += len(body) + ENTRY_BYTES + (EXTRA_BYTES if extra is not None else 0)
+        else:
+            entry, n = same
+            entry[0].append(host)
+            self._last[host] = n
+            if extra is not None:
+                entry[8].append(extra)
+            self._body += HOST_BYTES + (EXTRA_BYTES if extra is not None else 0)
+        if self._body >= self.max_body:  # (_grew, inline)
+            self._close()
 
     def take(self) -> list[tuple[list[list[Any]], bytes, list[Buffer]]]:
         """The entries, payload and buffers of each message gathered, in order; empties
