@@ -28,12 +28,14 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from types import TracebackType
+from typing import Any
 
 from .._controller.cluster import announce_joins, host_process_ended, number_hosts_by_name
 from .._controller.controller import Controller, _pop_current, _push_current
 from .._controller.procwatch import Emit, HostProcess, describe_exit
+from .._wire.keys import generate_key
 
-__all__ = ["LaunchedCluster", "Launcher", "Workers", "log_emit"]
+__all__ = ["LaunchedCluster", "Launcher", "Workers", "log_emit", "relays_on_hosts_option"]
 
 log = logging.getLogger("colobus.launch")
 
@@ -111,6 +113,39 @@ class Launcher(abc.ABC):
         said = "; ".join(line for line in stderr if line.strip())[-600:]
         return RuntimeError(f"the colobus worker of {self.describe(i)} {describe_exit(code)} "
                             f"before joining" + (f": {said}" if said else ""))
+
+    def relay_command(self, i: int, connect: str) -> list[str] | None:
+        """The command line of a relay on host ``i``'s machine that connects to
+        ``connect`` (``colobus relay``, its keys on stdin); None: this launcher places
+        no relays on its hosts' machines."""
+        return None
+
+    def start_relay(self, i: int, connect: str, key: bytes,
+                    relay_key: bytes) -> subprocess.Popen[bytes]:
+        """Start a relay on host ``i``'s machine; both keys go on its stdin, which stays
+        open (the relay exits when it closes, or when the controller's session ends).
+
+        Raises:
+            ValueError: this launcher places no relays on its hosts' machines.
+        """
+        cmd = self.relay_command(i, connect)
+        if cmd is None:
+            raise ValueError(f"relays_on_hosts= is not supported by {self.kind} clusters; "
+                             "run `colobus relay --connect ...` on the machines you choose "
+                             "(docs/deployment.md)")
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, start_new_session=True,
+                                env=self.relay_env())
+        assert proc.stdin is not None
+        try:
+            proc.stdin.write(key.hex().encode() + b"\n" + relay_key.hex().encode() + b"\n")
+            proc.stdin.flush()
+        except OSError:  # already gone: its exit says why
+            pass
+        return proc
+
+    def relay_env(self) -> dict[str, str] | None:
+        """The environment of the local process that starts a relay (None: this one's)."""
+        return None
 
     def stop(self, proc: subprocess.Popen[bytes]) -> None:
         """Ask a worker to end: close its stdin (a remote worker's ssh session ends with
@@ -264,6 +299,24 @@ class Workers:
         self.reap(5.0, grace=2.0)
 
 
+def relays_on_hosts_option(per: int, options: dict[str, Any]) -> int:
+    """``relays_on_hosts``, checked: one relay per ``per`` hosts on the hosts' own
+    machines (0: none). With some, the controller ``options`` get a fresh ``relay_key``
+    (the relays prove it; workers never see it) and no relays of the controller's own
+    unless ``relays=`` asks.
+
+    Raises:
+        ValueError: ``per`` below 0.
+    """
+    if per < 0:
+        raise ValueError(f"relays_on_hosts must be >= 0, got {per}")
+    if per:
+        if options.get("relay_key") is None:
+            options["relay_key"] = generate_key()
+        options.setdefault("relays", 0)
+    return int(per)
+
+
 class LaunchedCluster:
     """A controller plus the workers a :class:`Launcher` starts for it.
 
@@ -280,7 +333,8 @@ class LaunchedCluster:
     """
 
     def __init__(self, launcher: Launcher, controller: Controller, key: bytes, *,
-                 restart: int = 0, connect: Callable[[str], str] | None = None) -> None:
+                 restart: int = 0, connect: Callable[[str], str] | None = None,
+                 relays_on_hosts: int = 0) -> None:
         self.launcher = launcher
         self.controller = controller
         self._key = key
@@ -288,6 +342,9 @@ class LaunchedCluster:
         self._connect = connect
         self.workers: Workers | None = None
         self._closed = False
+        # one relay per this many hosts, on the machines of hosts 0, N, 2N, ...
+        self.relays_on_hosts = relays_on_hosts
+        self.relay_procs: list[subprocess.Popen[bytes]] = []
 
     @property
     def procs(self) -> list[subprocess.Popen[bytes]]:
@@ -298,6 +355,51 @@ class LaunchedCluster:
         """The endpoint the workers join (after the controller started)."""
         address = self.controller.address
         return self._connect(address) if self._connect else address
+
+    async def _start_relays(self) -> None:
+        """Start the relays on the hosts' machines and wait until each offered itself to
+        the controller (its hosts then move to them as they join).
+
+        Raises:
+            RuntimeError: a relay's process ended first.
+            TimeoutError: not all were there within ``join_timeout``.
+        """
+        per = self.relays_on_hosts
+        ctl = self.controller
+        if not per:
+            return
+        relays = ctl._relays
+        assert relays is not None and relays.relay_key is not None
+        where = list(range(0, len(self.launcher.names), per))
+        for i in where:
+            self.relay_procs.append(self.launcher.start_relay(
+                i, self.connect_address(), self._key, relays.relay_key))
+        deadline = time.monotonic() + ctl.join_timeout
+        while True:
+            for i, proc in zip(where, self.relay_procs, strict=True):
+                code = proc.poll()
+                if code is not None:
+                    raise RuntimeError(f"the relay on {self.launcher.describe(i)}'s machine "
+                                       f"{describe_exit(code)} before it connected")
+            try:
+                await relays.wait_ready(len(where), min(0.5, max(0.0, deadline
+                                                                 - time.monotonic())))
+                return
+            except TimeoutError:
+                if time.monotonic() > deadline:
+                    raise
+
+    def _stop_relays(self) -> None:
+        """After the controller closed (its relays' sessions ended): reap the relays."""
+        procs, self.relay_procs = self.relay_procs, []
+        for proc in procs:
+            self.launcher.stop(proc)
+        for proc in procs:
+            try:
+                proc.wait(5.0)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
     def _spawn(self) -> None:
         ctl = self.controller
@@ -356,6 +458,7 @@ class LaunchedCluster:
                 self.workers.kill_all()
             else:
                 self.workers.reap()
+        self._stop_relays()
         self._cleanup()
 
     def _cleanup(self) -> None:
@@ -366,6 +469,7 @@ class LaunchedCluster:
     async def __aenter__(self) -> Controller:
         try:
             await self.controller.start()
+            await self._start_relays()
             self._spawn()
             await self._wait_joined()
         except BaseException:
@@ -390,6 +494,7 @@ class LaunchedCluster:
     def __enter__(self) -> Controller:
         try:
             self.controller.start_in_thread()
+            self.controller.run_sync(self._start_relays())
             self._spawn()
             self.controller.run_sync(self._wait_joined())
         except BaseException:
