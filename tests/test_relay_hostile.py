@@ -9,6 +9,7 @@ refused these (``RELAY_ONLY`` emptied): then the controller's own checks must ho
 relay's reports are taken only from entries that name no host, only for hosts that
 relay carries, bounded by what it was given for them; and each entry of an UP is
 handled under its own guard, so a bad one costs its own host, not the entries after it.
+And once more with a relay that connected by itself (``colobus relay``): the same holds.
 """
 
 from __future__ import annotations
@@ -62,18 +63,34 @@ def _wait_until(pred: Any, what: str, timeout: float = 60.0) -> None:
         time.sleep(0.02)
 
 
-@pytest.fixture(scope="module", params=["relay", "lenient"])
+@pytest.fixture(scope="module", params=["relay", "lenient", "connected"])
 def bed(request: pytest.FixtureRequest) -> collections.abc.Iterator[dict[str, Any]]:
-    """A controller with one relay (``lenient``: one that passes everything up), a real
-    worker carried by it, and a ZeroMQ context for fake ones."""
-    key = secrets.token_bytes(32)
+    """A controller with one relay (``lenient``: one that passes everything up;
+    ``connected``: a ``colobus relay`` process that connected by itself), a real worker
+    carried by it, and a ZeroMQ context for fake ones."""
+    key, relay_key = secrets.token_bytes(32), secrets.token_bytes(32)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)
+    relay: subprocess.Popen[bytes] | None = None
     with pytest.MonkeyPatch.context() as mp:
         if request.param == "lenient":
             mp.setattr(relays_mod, "BOOT", LENIENT_BOOT)
-        ctl = cb.Controller("tcp://127.0.0.1:*", hosts=0, key=key, relays=1, **FAST)
-        ctl.start_in_thread()
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p or os.getcwd() for p in sys.path)
+        if request.param == "connected":
+            ctl = cb.Controller("tcp://127.0.0.1:*", hosts=0, key=key, relay_key=relay_key,
+                                **FAST)
+            ctl.start_in_thread()
+            relay = subprocess.Popen(
+                [sys.executable, "-m", "colobus", "relay", "--connect", ctl.address,
+                 "--key-file", "-", "--relay-key-file", "-", "--bind", "tcp://127.0.0.1:*"],
+                stdin=subprocess.PIPE, env=env)
+            assert relay.stdin is not None
+            relay.stdin.write(key.hex().encode() + b"\n" + relay_key.hex().encode() + b"\n")
+            relay.stdin.close()
+            assert ctl._relays is not None
+            ctl.run_sync(ctl._relays.wait_ready(1, 120))
+        else:
+            ctl = cb.Controller("tcp://127.0.0.1:*", hosts=0, key=key, relays=1, **FAST)
+            ctl.start_in_thread()
     proc = subprocess.Popen([sys.executable, "-m", "colobus", "worker", "--connect", ctl.address,
                              "--devices", "2", "--name", "real", "--key-file", "-"],
                             stdin=subprocess.PIPE, env=env)
@@ -89,6 +106,9 @@ def bed(request: pytest.FixtureRequest) -> collections.abc.Iterator[dict[str, An
         ctl.close()
         proc.kill()
         proc.wait(30)
+        if relay is not None:
+            relay.kill()
+            relay.wait(30)
         zctx.term()
 
 
@@ -155,6 +175,8 @@ def test_a_host_speaking_a_relay_only_kind_is_dropped(
             Kind.READY: ["tcp://127.0.0.1:1"],
             # what the real host acknowledged: all it was ever given, and more
             Kind.DELIVERED: Delivered([0, 1 << 62, fake.index, 1 << 62]).to_wire(),
+            Kind.OFFER: ["me", 1, "there", b"n" * 16, b"p" * 32, {}],
+            Kind.SETUP: [0, 1.0, 5.0, 2.0, 1 << 20, False],
         }[Kind(kind)]
         fake.send(kind, body)
         _dropped_for(mctl, fake.index, "unexpected_kind", before)
