@@ -142,7 +142,8 @@ def _general_forward(r: Relay, body: Any, payload: Any, buffers: list[Any]) -> N
 
 def _state(r: Relay) -> Any:
     peers = {h: (p.send_seq, p.recv_seq, p.held, p.inflight, len(p.unacked),
-                 [u[2] for u in p.unacked], p.acked_sent, p.undelivered)
+                 [u[2] for u in p.unacked], p.acked_sent, p.undelivered, p.window,
+                 p.backoff, p.max_window)
              for h, p in r.peers.items()}
     return peers, dict(r.given), sorted(r.released), dict(r.hold._expect and {
         c: e[0] for c, e in r.hold._expect.items()}), r._due

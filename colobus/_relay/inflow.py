@@ -1,16 +1,18 @@
 """The relay's channel to its hosts: replies read and coalesced in bulk.
 
-Every host answers a fan-out call with one small RESULT. Through the general path
-(:meth:`Channel.drain` -> :func:`recv_frames` -> :meth:`Relay._from_host` ->
-``decode`` -> :meth:`Channel.take` -> :meth:`Peer.accept` -> the gather) that is a
-dozen Python calls per host. :class:`HostsChannel` reads its socket in one loop and
-takes the common reply inline: a host's next message in sequence, whole, one small
-RESULT with no buffers, from the session the relay carries; authenticated, checked
-and gathered as the general path would (the MAC, the header's fields and their
-types, the sequence, the acknowledgement it carries, the hold's count, the reply's
-entry). Anything else, or anything the inline checks are not sure of, goes to the
-general path untouched, which decides as it always did (its drops, violations and
-losses). The twins: :meth:`Channel.drain` for the loop, :meth:`Channel.take` and
+Every host answers a fan-out call with one small RESULT, and heartbeats once a
+second. Through the general path (:meth:`Channel.drain` -> :func:`recv_frames` ->
+:meth:`Relay._from_host` -> ``decode`` -> :meth:`Channel.take` -> :meth:`Peer.accept`
+-> :meth:`Peer.acked` -> the gather) that is a dozen Python calls per host.
+:class:`HostsChannel` reads its socket in one loop and takes the common message
+inline: a carried host's next message in sequence, whole, one small RESULT or
+HEARTBEAT with no buffers, from the session the relay carries; authenticated,
+checked and taken as the general path would (the MAC, the header's fields and their
+types, the sequence, the acknowledgement it carries and the send window it sizes,
+the hold's count, the reply's entry, a heartbeat's news). Anything else, or
+anything the inline checks are not sure of, goes to the general path untouched,
+which decides as it always did (its drops, violations and losses). The twins:
+:meth:`Channel.drain` for the loop, :meth:`Channel.take`, :meth:`Peer.acked` and
 :meth:`Relay._from_host` for the message (``tests/test_relay_paths.py`` holds the
 two paths equal).
 """
@@ -25,13 +27,16 @@ from typing import TYPE_CHECKING, Any
 import msgpack
 import zmq
 
+from .._wire import peer as peer_mod
 from .._wire import protocol as P
 from .._wire.channel import DRAIN_BUDGET_S, Channel
 from .._wire.envelope import _LEN, MAC_SIZE, PROTOCOL_VERSION
 from .._wire.lane import _keyed
 from .._wire.limits import COUNT_ABOVE
+from .._wire.peer import WINDOW_MIN
 from .._wire.relaywire import SMALL
-from .._wire.sockio import NOBLOCK
+from .._wire.sockio import NOBLOCK, POLLIN
+from .._wire.sockio import _poll as poll
 from .._wire.sockio import _recv as recv
 
 if TYPE_CHECKING:
@@ -72,14 +77,13 @@ class HostsChannel(Channel):
         on_frames = self._on_frames
         after_reads = self._after_reads
         answered: dict[int, int] = {}  # call id -> its replies taken inline, not yet told
+        pollin = [(sock, POLLIN)]
+        target = peer_mod.TARGET_DELAY_S  # (Peer.acked's)
         start = time.monotonic()
         try:
             while True:
-                while True:
-                    try:
-                        f = recv(sock, NOBLOCK, False)
-                    except zmq.Again:
-                        break
+                while poll(pollin, 0):  # (sockio.readable, inline)
+                    f = recv(sock, NOBLOCK, False)
                     frames = [f]
                     while f.more:
                         f = recv(sock, NOBLOCK, False)
@@ -118,14 +122,34 @@ class HostsChannel(Channel):
                         # taken: Channel.take (its accept) and Relay._from_host, inline
                         self.inline += 1
                         kind, seq, ack, body = fields[1], fields[4], fields[5], fields[8]
-                        held = peer.held
                         unacked = peer.unacked
+                        now = last_seen[h] = time.monotonic()
                         if unacked and unacked[0][0] <= ack:
-                            peer.acked(ack)
-                            if peer.held < held:  # (Relay._released)
+                            # (Peer.acked, inline: the peer has everything up to ack)
+                            freed = data = 0
+                            sent = 0.0
+                            while unacked and unacked[0][0] <= ack:
+                                _, sent, _, n, d = unacked.popleft()
+                                freed += n
+                                data += d
+                            peer.inflight -= freed
+                            peer.held -= data
+                            peer.ack_wait = now
+                            peer.backoff = 1.0
+                            delay = now - sent
+                            if delay < peer.base_delay:
+                                peer.base_delay = delay
+                            queued = delay - peer.base_delay
+                            if queued < target:
+                                window = peer.window + freed
+                                peer.window = (window if window < peer.max_window
+                                               else peer.max_window)
+                            elif queued > 2 * target and now - peer.last_cut > delay:
+                                peer.window = max(WINDOW_MIN, peer.window * 7 // 10)
+                                peer.last_cut = now
+                            if data:  # (Relay._released)
                                 released.add(h)
                         peer.recv_seq = seq
-                        now = last_seen[h] = time.monotonic()
                         if kind == RESULT:
                             r._due = True
                             cid = body[0]
