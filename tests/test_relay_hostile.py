@@ -252,8 +252,7 @@ def test_the_relays_own_reports_count_only_its_hosts_within_what_it_was_given(
 
     def report() -> None:
         relay.given[0] += 100
-        relay.on_delivered(Delivered([0, 1 << 62, 7, 1 << 62, -1, 5, 1 << 70, 5,
-                                      True, 3, 0, "x"]))
+        relay.on_delivered([0, 1 << 62, 7, 1 << 62, -1, 5, 1 << 70, 5, True, 3, 0, "x"])
 
     def restore() -> None:
         relay.delivered.clear()

@@ -16,13 +16,14 @@ import collections
 import subprocess
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .._wire import protocol as P
 from .._wire.channel import Peer
 from .._wire.envelope import pack_body
+from .._wire.lane import pack
 from .._wire.peer import data_bytes
-from .._wire.relaywire import Delivered, Gather
+from .._wire.relaywire import Gather
 from .ops import Parts
 
 if TYPE_CHECKING:
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
     from .uploads import Uploads
 
 __all__ = ["LinkOwner", "Relay"]
+
+FORWARD = int(P.Kind.FORWARD)
 
 
 class LinkOwner(Parts, Protocol):
@@ -84,11 +87,11 @@ class Relay:
         self.given.pop(index, None)
         self.delivered.pop(index, None)
 
-    def on_delivered(self, report: Delivered) -> None:
-        """The relay's count of what its hosts acknowledged: room for uploads. Only for
-        the hosts it carries, and never more than it was given for one: a count read off
-        the wire neither grows this table nor turns a host's bound off."""
-        counts = report.counts
+    def on_delivered(self, counts: list[Any]) -> None:
+        """The relay's count of what its hosts acknowledged (a DELIVERED's ``counts``):
+        room for uploads. Only for the hosts it carries, and never more than it was given
+        for one: a count read off the wire neither grows this table nor turns a host's
+        bound off."""
         carried = self.carried_mask
         given = self.given
         delivered = self.delivered
@@ -144,7 +147,9 @@ class Relay:
         # a copy: the entry's list grows when a later message joins it
         self._gather.add_many(list(hosts), kind, packed, payload, buffers, pbufs)
         if payload or buffers:
-            n = data_bytes(payload, buffers)
+            n = len(payload) if type(payload) is bytes else memoryview(payload).nbytes
+            for b in buffers:  # (data_bytes, inline)
+                n += len(b) if type(b) is bytes else memoryview(b).nbytes
             given = self.given
             for h in hosts:
                 given[h] += n
@@ -156,7 +161,7 @@ class Relay:
         if chan is None:
             return None
         for body, payload, bufs in self._gather.take():
-            chan.enqueue_packed(self.link, P.Kind.FORWARD, pack_body(body), payload, bufs, 0)
+            chan.enqueue_packed(self.link, FORWARD, pack(body), payload, bufs, 0)
             self.forwards += 1
             self.most_buffers = max(self.most_buffers, len(bufs))
             self.most_bytes = max(self.most_bytes, data_bytes(payload, bufs))

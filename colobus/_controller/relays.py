@@ -33,18 +33,18 @@ import msgpack
 import zmq
 
 from .._wire import protocol as P
-from .._wire.envelope import Dropped, Envelope, decode, unpack_batch, unpack_bounded
+from .._wire.envelope import Dropped, Envelope, unpack_batch, unpack_bounded
 from .._wire.guard import RESET_SEQ
+from .._wire.lane import decode
+from .._wire.limits import COUNT_ABOVE
 from .._wire.peer import data_bytes
 from .._wire.relaywire import (
     RELAY_ONLY,
     Adopt,
-    Delivered,
     Gone,
     Offer,
     Ready,
     Setup,
-    entry,
     relay_proof,
 )
 from .._wire.sockio import send_frames
@@ -62,6 +62,8 @@ __all__ = ["Relay", "Relays", "relay_count"]
 log = logging.getLogger("colobus.controller")
 
 READY_TIMEOUT_S = 60.0
+_INT = frozenset((int,))
+unpack = msgpack.unpackb
 HOSTS_PER_RELAY = 256  # relays= None: one relay per this many hosts (cores allowing)
 PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The relay imports only colobus._wire (not colobus/__init__, which imports JAX).
@@ -430,7 +432,7 @@ class Relays:
         ctl = self._ctl
         sessions = ctl._sessions
         try:
-            env = decode(ctl._key, frames[1:])
+            env = decode(ctl._key, frames[1:])  # (the lane's: a relay speaks often)
             if env.sender != relay.session or env.receiver != ctl._session:
                 sessions.drop("stale", relay.identity)
                 return
@@ -447,6 +449,9 @@ class Relays:
             if got is None or isinstance(got, str):
                 return
             relay.last_seen = time.monotonic()
+            if got.kind == P.Kind.UP:  # (the common message: no batch, no dispatch)
+                self._up(relay, got)
+                return
             subs = unpack_batch(got) if got.kind == P.Kind.BATCH else [got]
         except Dropped as d:
             sessions.drop(d.reason, relay.identity, d.detail)
@@ -499,8 +504,12 @@ class Relays:
         (or is counted, if it names none), never the entries after it."""
         sessions = self._ctl._sessions
         relay.ups += 1
-        relay.most_buffers = max(relay.most_buffers, len(env.buffers))
-        relay.most_bytes = max(relay.most_bytes, data_bytes(env.payload, env.buffers))
+        buffers = env.buffers
+        if buffers:
+            relay.most_buffers = max(relay.most_buffers, len(buffers))
+        n = data_bytes(env.payload, buffers)
+        if n > relay.most_bytes:
+            relay.most_bytes = n
         body = env.body
         if not isinstance(body, list):
             sessions.drop("malformed", relay.identity, "relay body")
@@ -522,21 +531,30 @@ class Relays:
         its hosts sent, to the handler of its kind."""
         sessions = self._ctl._sessions
         try:
-            hosts, kind, packed, payload, bufs, pbufs, extras = entry(e, view, buffers)
-            raw = unpack_bounded(packed)
+            # (relaywire.entry, inline: its checks, in C where they can be)
+            if not (type(e) is list and len(e) == 9 and type(e[0]) is list
+                    and type(e[1]) is int and type(e[2]) is bytes
+                    and set(map(type, e[3:8])) <= _INT
+                    and (e[8] is None or (type(e[8]) is list and len(e[8]) == len(e[0])))
+                    and set(map(type, e[0])) <= _INT):
+                raise Dropped("malformed", "relay entry")
+            hosts, kind, packed, at, plen, boff, nbufs, pbufs, extras = e
+            if (at < 0 or plen < 0 or at + plen > len(view) or boff < 0 or nbufs < 0
+                    or boff + nbufs > len(buffers) or not 0 <= pbufs <= nbufs):
+                raise Dropped("malformed", "relay entry lengths")
+            # a small body makes few objects: no count of them needed (as decode's header)
+            raw = (unpack(packed, raw=False, use_list=True) if len(packed) <= COUNT_ABOVE
+                   else unpack_bounded(packed))
         except Exception as exc:  # (msgpack's errors, too) the relay packs every entry
             named = e[0] if isinstance(e, list) and e and isinstance(e[0], list) else []
             self._broken(relay, named, "malformed", f"relay entry: {exc}")
             return
         if kind in RELAY_ONLY:
             if kind == P.Kind.DELIVERED and not hosts:  # what the relay's hosts acknowledged
-                try:
-                    report = Delivered.from_wire(raw)
-                except ValueError as exc:
-                    sessions.drop("malformed", relay.identity, str(exc))
+                if not (type(raw) is list and len(raw) == 1 and type(raw[0]) is list):
+                    sessions.drop("malformed", relay.identity, "DELIVERED")
                     return
-                assert isinstance(report, Delivered)
-                relay.on_delivered(report)
+                relay.on_delivered(raw[0])  # (Delivered.from_wire, inline)
                 return
             # a host's message of a kind only a relay speaks (its relay should have
             # dropped the host): never taken as the relay's own
@@ -545,6 +563,8 @@ class Relays:
         if not hosts:
             sessions.drop("malformed", relay.identity, f"relay entry of kind {kind} for no host")
             return
+        payload = view[at:at + plen] if plen else b""
+        bufs = buffers[boff:boff + nbufs] if nbufs else []
         sub = Envelope(kind, b"", self._ctl._session, 0, raw, payload, bufs, pbufs)
         try:
             body = P.parse(kind, raw)

@@ -192,13 +192,21 @@ class Gather:
                  bufs: Sequence[Buffer], pbufs: int) -> None:
         """The same message for each of ``hosts`` (a fan-out): one new entry, after every
         host's earlier ones; per host only its place is noted (in C)."""
-        at, plen, boff = self._place(payload, bufs)
+        if payload or bufs:
+            at, plen, boff = self._place(payload, bufs)
+        else:
+            at = plen = boff = 0  # (what _place gives for nothing to place)
+            if self.entries and (len(self.buffers) > self.max_buffers
+                                 or self._data > self.max_bytes):
+                self._close()
         n = len(self.entries)
         entry = [hosts, kind, body, at, plen, boff, len(bufs), pbufs, None]
         self.entries.append(entry)
         self._same[(kind, body, at, plen, boff, len(bufs), pbufs, True)] = (entry, n)
         self._last.update(dict.fromkeys(hosts, n))
-        self._grew(len(body) + ENTRY_BYTES + HOST_BYTES * len(hosts))
+        self._body += len(body) + ENTRY_BYTES + HOST_BYTES * len(hosts)  # (_grew, inline)
+        if self._body >= self.max_body:
+            self._close()
 
     def _grew(self, body: int) -> None:
         self._body += body
@@ -209,7 +217,7 @@ class Gather:
         """Where ``payload`` and ``bufs`` sit in the message (each added once): the
         payload's offset and length, the first buffer's index. If placing them would take
         the message past a limit, it closes first and they go in the next one."""
-        plen = _nbytes(payload)
+        plen = len(payload) if type(payload) is bytes else memoryview(payload).nbytes
         at = boff = -1  # -1: not in this message yet
         pkey: Any = None
         bkey: tuple[int, ...] = ()
