@@ -243,3 +243,66 @@ def test_gather_reply_is_add() -> None:
             a.add(h, 7, body, payload, (), 0, extra)
             b.reply(h, 7, body, payload, extra)
         assert a.take() == b.take()
+
+
+def test_taken_in_order_is_channel_take() -> None:
+    """The controller takes a relay's next message in one call (``taken_in_order``) or
+    through ``Channel.take``: the same peer state and the same message either way."""
+    from colobus._controller.relays import taken_in_order
+    from colobus._wire.peer import Peer
+
+    ctx: zmq.Context[Any] = zmq.Context()
+    loop = asyncio.new_event_loop()
+    socks = []
+    try:
+        chans, peers, released = [], [], [[], []]
+        for side in range(2):
+            sock = router_socket(ctx, 1 << 24)
+            socks.append(sock)
+            chans.append(Channel(sock, KEY, loop, lambda frames: None,
+                                 on_release=released[side].append))
+            peer = Peer([b"r"], CTL, b"s" * 16)
+            for seq in range(1, 6):  # what the controller sent the relay, unacknowledged
+                peer.send_seq = seq
+                peer.unacked.append((seq, 0.0, [b"f"], 10, 4))
+            peer.inflight, peer.held = 50, 20
+            peers.append(peer)
+        rng = random.Random(5)
+        seq = 0
+        for _ in range(300):
+            kind = rng.choice([P.Kind.UP, P.Kind.UP, P.Kind.HEARTBEAT, P.Kind.ACK,
+                               P.Kind.CHUNKED])
+            step = rng.choice([1, 1, 1, 0, 2, -3])
+            env_seq = 0 if kind == P.Kind.ACK else max(1, seq + step)
+            if env_seq == seq + 1:
+                seq = env_seq
+            ack = rng.randrange(0, 7)
+            bufs = [b"x"] if rng.random() < 0.1 else []
+            for side in range(2):
+                env = Envelope(int(kind), b"s" * 16, CTL, env_seq, [], b"", list(bufs), ack=ack)
+                if side == 0:
+                    try:
+                        got: Any = chans[0].take(peers[0], env, 1 << 20)
+                    except Exception as exc:
+                        got = type(exc)
+                else:
+                    if taken_in_order(peers[1], env, chans[1]._on_release):
+                        got = env
+                    else:
+                        try:
+                            got = chans[1].take(peers[1], env, 1 << 20)
+                        except Exception as exc:
+                            got = type(exc)
+                if side == 0:
+                    first = got
+            assert (first is None) == (got is None) and type(first) is type(got)
+            a, b = peers
+            assert (a.recv_seq, a.held, a.inflight, len(a.unacked), a.window, a.nacked) == (
+                b.recv_seq, b.held, b.inflight, len(b.unacked), b.window, b.nacked)
+            assert len(released[0]) == len(released[1])
+        assert peers[1].recv_seq > 100
+    finally:
+        for c in chans:
+            c.close()
+        loop.close()
+        ctx.term()

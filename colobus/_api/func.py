@@ -336,7 +336,7 @@ class _CallOp:
         # A fan-out made again with no host joined or lost since: its hosts are as checked
         # last time (generations, code shipped, alive, relays), their peers grouped.
         key = (id(plan), self.digest)
-        again = registry.fanouts.get(key) if len(plan.hosts) > 4 and not objects else None
+        again = registry.fanouts.get(key) if len(plan.hosts) > 1 and not objects else None
         if (again is not None and again[0] is plan and again[1] == registry.changes
                 and self.changes == registry.changes and target.code is not None):
             if chan is not None:
@@ -379,7 +379,7 @@ class _CallOp:
                     groups.append((mesh, fanned))
                     chan.send_packed_many(fanned, P.Kind.CALL, splice(mesh, hosts), payload, bufs,
                                           nbufs)
-            if len(plan.hosts) > 4 and not objects and code is not None and (
+            if len(plan.hosts) > 1 and not objects and code is not None and (
                     self.changes == registry.changes and len(groups) == len(to)):
                 if len(registry.fanouts) >= 64:
                     registry.fanouts.clear()

@@ -75,7 +75,10 @@ class Relay:
         # those, what the relay said the host acknowledged (Delivered; since ADOPT).
         self.given: collections.Counter[int] = collections.Counter()
         self.delivered: dict[int, int] = {}
-        self._gather = Gather()
+        self._gather = Gather(given=self.given)
+        # (Via.add_indices: the gather's own, one call less on every fan-out's send;
+        # it counts what each host is given)
+        self.add_indices = self._gather.add_many
         self._ctl = ctl
 
     def held_for(self, index: int) -> int:
@@ -105,7 +108,9 @@ class Relay:
                 delivered[h] = n
                 released = True
         if released:
-            self._ctl._uploads.on_release()
+            uploads = self._ctl._uploads
+            if uploads._blocked or uploads._waiters:  # (on_release's own first test)
+                uploads.on_release()
 
     def collect(self, peer: Peer) -> None:
         items, peer.outbox = peer.outbox, []
@@ -142,25 +147,14 @@ class Relay:
             hosts = [h for h in hosts if h >= 0]
         return hosts
 
-    def add_indices(self, hosts: list[int], kind: int, packed: bytes, payload: Buffer,
-                    buffers: Sequence[Buffer], pbufs: int) -> None:
-        # a copy: the entry's list grows when a later message joins it
-        self._gather.add_many(list(hosts), kind, packed, payload, buffers, pbufs)
-        if payload or buffers:
-            n = len(payload) if type(payload) is bytes else memoryview(payload).nbytes
-            for b in buffers:  # (data_bytes, inline)
-                n += len(b) if type(b) is bytes else memoryview(b).nbytes
-            given = self.given
-            for h in hosts:
-                given[h] += n
-
     def emit(self) -> Peer | None:
-        if not self._gather:
+        gather = self._gather
+        if not gather.entries and not gather._closed:  # (bool(gather), inline)
             return None
         chan = self._ctl._chan
         if chan is None:
             return None
-        for body, payload, bufs in self._gather.take():
+        for body, payload, bufs in gather.take():
             chan.enqueue_packed(self.link, FORWARD, pack(body), payload, bufs, 0)
             self.forwards += 1
             self.most_buffers = max(self.most_buffers, len(bufs))

@@ -27,17 +27,19 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 import msgpack
 import zmq
 
 from .._wire import protocol as P
+from .._wire.chunks import ACK_KIND, CHUNKED_KIND, PART_KIND
 from .._wire.envelope import Dropped, Envelope, unpack_batch, unpack_bounded
 from .._wire.guard import RESET_SEQ
 from .._wire.lane import decode
 from .._wire.limits import COUNT_ABOVE
-from .._wire.peer import data_bytes
+from .._wire.peer import Peer, data_bytes
 from .._wire.relaywire import (
     RELAY_ONLY,
     Adopt,
@@ -62,6 +64,9 @@ __all__ = ["Relay", "Relays", "relay_count"]
 log = logging.getLogger("colobus.controller")
 
 READY_TIMEOUT_S = 60.0
+RESULT = int(P.Kind.RESULT)
+_NOT_WHOLE = frozenset((ACK_KIND, CHUNKED_KIND, PART_KIND))  # (Channel.take's other cases)
+DELIVERED = int(P.Kind.DELIVERED)
 _INT = frozenset((int,))
 unpack = msgpack.unpackb
 HOSTS_PER_RELAY = 256  # relays= None: one relay per this many hosts (cores allowing)
@@ -118,6 +123,26 @@ def refuse(ctl: Any, identity: bytes, env: Envelope, why: str) -> None:
     if chan is not None:
         chan.send_raw([identity], Envelope(P.Kind.REJECT, ctl._session, env.sender, 1,
                                            P.Reject(why).to_wire()))
+
+
+def taken_in_order(peer: Peer, env: Envelope, on_release: Callable[[Peer], None] | None
+                   ) -> bool:
+    """:meth:`Channel.take`'s common case, in one call: ``env`` is ``peer``'s next
+    message in sequence, whole (no buffers, no part of a larger one, not an ACK): taken
+    (the acknowledgement it carries counted, the sequence moved on); False, nothing
+    changed, for anything else (``Channel.take`` decides). A relay's UP and heartbeat
+    are (``tests/test_relay_paths.py`` holds the two equal)."""
+    if (env.seq != peer.recv_seq + 1 or env.buffers or peer.assembly is not None
+            or env.kind in _NOT_WHOLE):
+        return False
+    unacked = peer.unacked
+    if unacked and unacked[0][0] <= env.ack:
+        held = peer.held
+        peer.acked(env.ack)
+        if peer.held < held and on_release is not None:
+            on_release(peer)
+    peer.recv_seq = env.seq
+    return True
 
 
 def relay_count(relays: int | None, threshold: int, hosts: int) -> int:
@@ -444,8 +469,11 @@ class Relays:
                         P.Kind.RESET, ctl._session, relay.session, RESET_SEQ,
                         P.Reset("this relay was declared lost").to_wire()))
                 return
-            assert ctl._chan is not None
-            got = ctl._chan.take(relay.link, env, 1 << 62)
+            chan = ctl._chan
+            assert chan is not None
+            got: Envelope | str | None = env
+            if not taken_in_order(relay.link, env, chan._on_release):
+                got = chan.take(relay.link, env, 1 << 62)
             if got is None or isinstance(got, str):
                 return
             relay.last_seen = time.monotonic()
@@ -505,9 +533,11 @@ class Relays:
         sessions = self._ctl._sessions
         relay.ups += 1
         buffers = env.buffers
+        payload = env.payload
+        n = len(payload) if type(payload) is bytes else memoryview(payload).nbytes
         if buffers:
             relay.most_buffers = max(relay.most_buffers, len(buffers))
-        n = data_bytes(env.payload, buffers)
+            n += data_bytes(b"", buffers)
         if n > relay.most_bytes:
             relay.most_bytes = n
         body = env.body
@@ -519,6 +549,14 @@ class Relays:
         view = memoryview(env.payload)
         for e in body:
             try:
+                if (type(e) is list and len(e) == 9 and e[1] == DELIVERED and e[0] == []
+                        and type(e[2]) is bytes and len(e[2]) <= COUNT_ABOVE):
+                    # the relay's own report of what its hosts acknowledged (the common
+                    # second entry of an UP; _entry's DELIVERED branch, inline)
+                    raw = unpack(e[2], raw=False, use_list=True)
+                    if type(raw) is list and len(raw) == 1 and type(raw[0]) is list:
+                        relay.on_delivered(raw[0])
+                        continue
                 self._entry(relay, e, view, env.buffers)
             except (KeyboardInterrupt, SystemExit):
                 raise
@@ -567,7 +605,7 @@ class Relays:
         bufs = buffers[boff:boff + nbufs] if nbufs else []
         sub = Envelope(kind, b"", self._ctl._session, 0, raw, payload, bufs, pbufs)
         try:
-            body = P.parse(kind, raw)
+            body = P.Result.from_wire(raw) if kind == RESULT else P.parse(kind, raw)
         except ValueError as exc:
             self._broken(relay, hosts, "malformed", str(exc))
             return

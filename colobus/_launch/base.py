@@ -35,7 +35,8 @@ from .._controller.controller import Controller, _pop_current, _push_current
 from .._controller.procwatch import Emit, HostProcess, describe_exit
 from .._wire.keys import generate_key
 
-__all__ = ["LaunchedCluster", "Launcher", "Workers", "log_emit", "relays_on_hosts_option"]
+__all__ = ["LaunchedCluster", "Launcher", "Workers", "log_emit", "relay_argv",
+           "relays_on_hosts_option"]
 
 log = logging.getLogger("colobus.launch")
 
@@ -297,6 +298,14 @@ class Workers:
             if p.poll() is None:
                 self.launcher.stop(p)
         self.reap(5.0, grace=2.0)
+
+
+def relay_argv(connect: str, i: int) -> list[str]:
+    """``colobus relay``'s arguments for the relay beside host ``i`` (after the Python
+    command and ``-m colobus``): both keys read from stdin, which the launcher keeps
+    open; it ends with the controller's session."""
+    return ["relay", "--connect", connect, "--key-file", "-", "--relay-key-file", "-",
+            "--name", f"relay-{i}", "--once", "--exit-on-stdin-eof"]
 
 
 def relays_on_hosts_option(per: int, options: dict[str, Any]) -> int:

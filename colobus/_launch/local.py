@@ -19,7 +19,7 @@ from .._controller.procwatch import Emit, describe_exit
 from .._process import with_huge_pages
 from .._wire.keys import generate_key
 from .accel import local_worker_envs
-from .base import LaunchedCluster, Launcher, relays_on_hosts_option
+from .base import LaunchedCluster, Launcher, relay_argv, relays_on_hosts_option
 
 __all__ = ["LocalCluster", "LocalLauncher", "init", "local_cluster", "shutdown"]
 
@@ -94,9 +94,8 @@ class LocalLauncher(Launcher):
 
     def relay_command(self, i: int, connect: str) -> list[str]:
         # (on this machine, as its hosts are: loopback; keys on stdin)
-        return [sys.executable, "-P", "-m", "colobus", "relay", "--connect", connect,
-                "--key-file", "-", "--relay-key-file", "-", "--bind", "tcp://127.0.0.1:*",
-                "--name", f"relay-{i}", "--once", "--exit-on-stdin-eof"]
+        return [sys.executable, "-P", "-m", "colobus", *relay_argv(connect, i),
+                "--bind", "tcp://127.0.0.1:*"]
 
     def relay_env(self) -> dict[str, str]:
         env = dict(self.env())

@@ -110,6 +110,7 @@ class Relay:
         self.given: dict[int, int] = {}
         self.reported: dict[int, int] = {}
         self.released: set[int] = set()
+        self._acks: dict[int, int] = {}  # host -> its DELIVERED count, for the next UP
         self.ctl_heard = time.monotonic()
         self._stalls = StallClock(self.heartbeat)  # liveness ticks that came late
         self.done: asyncio.Future[str] | None = None
@@ -329,23 +330,21 @@ class Relay:
             self.released.add(h)
 
     def _delivered(self) -> None:
-        """What the hosts acknowledged, as an entry of the next UP: it goes now if that
-        freed DELIVER_NOW bytes or more (uploads may wait for them), else with the next
-        UP that goes anyway (a call's arguments: its RESULT's UP follows soon)."""
-        counts: list[int] = []
+        """What the hosts acknowledged, for the next UP (one DELIVERED entry however
+        many drains it gathers over): it goes now if that freed DELIVER_NOW bytes or more
+        (uploads may wait for them), else with the next UP that goes anyway (a call's
+        arguments: its RESULT's UP follows soon)."""
+        acks = self._acks
         freed = 0
         for h in self.released:
             peer = self.peers.get(h)
             if peer is not None:
                 n = self.given.get(h, 0) - peer.held
                 freed += n - self.reported.get(h, 0)
-                self.reported[h] = n
-                counts += (h, n)
+                self.reported[h] = acks[h] = n
         self.released.clear()
-        if counts:
-            self.ups.add_many([], DELIVERED, pack_body(Delivered(counts).to_wire()), b"", (), 0)
-            if freed >= DELIVER_NOW:
-                self._due = True
+        if freed >= DELIVER_NOW:
+            self._due = True
 
     def _flush_up(self) -> None:
         """After the hosts' messages were read: say what they acknowledged, and send
@@ -353,7 +352,7 @@ class Relay:
         (:mod:`.hold`)."""
         if self.released:
             self._delivered()
-        if not self.ups:
+        if not self.ups and not self._acks:
             return
         if self.hold.holding:
             if self._hold_timer is None:
@@ -371,12 +370,12 @@ class Relay:
         left = self.hold.left(time.monotonic())
         if left > 0:  # its calls' replies still coming
             self._hold_timer = asyncio.get_running_loop().call_later(left, self._held)
-        elif self.ups:
+        elif self.ups or self._acks:
             self._send_up()
 
     def _beats(self) -> None:
         self._beat_timer = None
-        if self.ups and self._hold_timer is None:
+        if (self.ups or self._acks) and self._hold_timer is None:
             self._send_up()
 
     def _send_up(self) -> None:
@@ -386,6 +385,12 @@ class Relay:
         self._hold_timer = self._beat_timer = None
         self._due = False
         self.hold.sent()
+        if self._acks:  # (Delivered: [host, bytes, ...])
+            counts: list[int] = []
+            for h, n in self._acks.items():
+                counts += (h, n)
+            self._acks.clear()
+            self.ups.add_many([], DELIVERED, pack_body(Delivered(counts).to_wire()), b"", (), 0)
         for body, payload, bufs in self.ups.take():  # each within the limits (.limits)
             self.up.send_packed(self.ctl, P.Kind.UP, pack_body(body), payload, bufs, 0)
 
@@ -452,6 +457,7 @@ class Relay:
         self.given.pop(h, None)
         self.reported.pop(h, None)
         self.released.discard(h)
+        self._acks.pop(h, None)
         self.arrived.discard(h)
         self.dead[peer.their_session] = (peer.route[0], last_word)
         while len(self.dead) > DEAD_MAX:

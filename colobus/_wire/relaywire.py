@@ -159,10 +159,14 @@ class Gather:
     message). A message over a limit on its own travels alone, as on the star."""
 
     def __init__(self, max_buffers: int = GATHER_MAX_BUFFERS,
-                 max_bytes: int = GATHER_MAX_BYTES, max_body: int = GATHER_MAX_BODY) -> None:
+                 max_bytes: int = GATHER_MAX_BYTES, max_body: int = GATHER_MAX_BODY,
+                 given: dict[int, int] | None = None) -> None:
         self.max_buffers = max_buffers
         self.max_bytes = max_bytes
         self.max_body = max_body
+        # per host, the payload and buffer bytes added for it (a Counter: the controller's
+        # count of what a relay holds for each host); None: not counted
+        self.given = given
         self._closed: list[tuple[list[list[Any]], bytes, list[Buffer]]] = []
         self._open()
 
@@ -191,8 +195,18 @@ class Gather:
     def add_many(self, hosts: list[int], kind: int, body: bytes, payload: Buffer,
                  bufs: Sequence[Buffer], pbufs: int) -> None:
         """The same message for each of ``hosts`` (a fan-out): one new entry, after every
-        host's earlier ones; per host only its place is noted (in C)."""
+        host's earlier ones; per host only its place is noted (in C), and what it was
+        given counted (``given``). ``hosts`` is copied (a later message may join the
+        entry)."""
+        hosts = list(hosts)
         if payload or bufs:
+            given = self.given
+            if given is not None:
+                n = len(payload) if type(payload) is bytes else memoryview(payload).nbytes
+                for b in bufs:
+                    n += len(b) if type(b) is bytes else memoryview(b).nbytes
+                for h in hosts:
+                    given[h] += n
             at, plen, boff = self._place(payload, bufs)
         else:
             at = plen = boff = 0  # (what _place gives for nothing to place)
@@ -330,8 +344,9 @@ class Gather:
     def take(self) -> list[tuple[list[list[Any]], bytes, list[Buffer]]]:
         """The entries, payload and buffers of each message gathered, in order; empties
         this gather."""
-        if self.entries:
-            self._close()
+        if self.entries:  # (_close, inline)
+            self._closed.append((self.entries, b"".join(self._payloads), self.buffers))
+            self._open()
         out, self._closed = self._closed, []
         return out
 
