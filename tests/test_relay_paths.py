@@ -157,9 +157,13 @@ def _forward_body(rng: random.Random, call_id: int) -> tuple[Any, bytes, list[An
     if rng.random() < 0.7:
         g.add_many(hosts, int(P.Kind.RELEASE), pack_body([[call_id - 1], []]), b"", (), 0)
     payload = rng.choice([b"", b"args" * rng.randint(1, 50), bytes(300_000)])
+    bufs = [b"buf" * rng.randint(1, 9)] if rng.random() < 0.2 else []
     for h in hosts:
-        call = pack_body([call_id, 0, b"d" * 16, 0, "", [], [[h], [1], ["x"]], HOSTS])
-        g.add(h, int(P.Kind.CALL), call, payload, (), 0)
+        if rng.random() < 0.1:  # a host with a message of its own first: another shape
+            g.add(h, int(P.Kind.CANCEL), pack_body([call_id - 2]), b"", (), 0)
+        call = pack_body([call_id, 0, b"d" * 16, 0, "", [], [[h] * rng.randint(1, 3), [1],
+                                                            ["x"]], HOSTS])
+        g.add(h, int(P.Kind.CALL), call, payload, bufs, len(bufs))
     [(body, pay, bufs)] = g.take()
     return body, pay, bufs
 
@@ -175,7 +179,7 @@ def test_call_ids_read_from_the_packed_body() -> None:
 def test_forward_sends_what_the_general_path_sends(sides: tuple[Side, Side]) -> None:
     fast, general = sides
     rng = random.Random(7)
-    for round_ in range(12):
+    for round_ in range(30):
         if round_ == 5:  # something waits in one host's outbox: it goes first, in order
             for side in (fast, general):
                 side.relay.down.enqueue(side.relay.peers[2], P.Heartbeat(0, 0, 0, 0, 9))
