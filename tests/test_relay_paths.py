@@ -125,12 +125,14 @@ def _drain(*sides: Side) -> None:
 def _general_forward(r: Relay, body: Any, payload: Any, buffers: list[Any]) -> None:
     """The general path a FORWARD took before ``fanout.forward``: each host's copy of
     each message through ``Channel.enqueue_packed``, then a flush."""
-    for hosts, kind, packed, pay, bufs, pbufs, _ in entries(body, payload, buffers):
+    for (hosts, kind, packed, pay, bufs, pbufs, _), e in zip(
+            entries(body, payload, buffers), body, strict=True):
         sent = 0
-        for h in hosts:
+        for j, h in enumerate(hosts):
             peer = r.peers.get(h)
-            if peer is not None:
-                r.down.enqueue_packed(peer, kind, packed, pay, bufs, pbufs)
+            if peer is not None:  # (an entry's ends: each host's body is its and then that)
+                own = packed + e[8][j] if e[8] is not None else packed
+                r.down.enqueue_packed(peer, kind, own, pay, bufs, pbufs)
                 sent += 1
                 r.given[h] += len(pay) + sum(len(b) for b in bufs)
         if kind == P.Kind.CALL and sent:
@@ -158,6 +160,13 @@ def _forward_body(rng: random.Random, call_id: int) -> tuple[Any, bytes, list[An
         g.add_many(hosts, int(P.Kind.RELEASE), pack_body([[call_id - 1], []]), b"", (), 0)
     payload = rng.choice([b"", b"args" * rng.randint(1, 50), bytes(300_000)])
     bufs = [b"buf" * rng.randint(1, 9)] if rng.random() < 0.2 else []
+    if rng.random() < 0.5:  # each host's CALL as one entry, its own mesh at the end
+        head = pack_body([call_id, 0, b"d" * 16, 0, "", []])[1:]
+        head = bytes((0x98,)) + head
+        tails = [pack_body([[h], [1], ["x"]]) + pack_body(HOSTS) for h in hosts]
+        g.add_spliced(hosts, int(P.Kind.CALL), head, tails, payload, bufs, len(bufs))
+        [(body, pay, out_bufs)] = g.take()
+        return body, pay, out_bufs
     for h in hosts:
         if rng.random() < 0.1:  # a host with a message of its own first: another shape
             g.add(h, int(P.Kind.CANCEL), pack_body([call_id - 2]), b"", (), 0)

@@ -79,6 +79,7 @@ class Relay:
         # (Via.add_indices: the gather's own, one call less on every fan-out's send;
         # it counts what each host is given)
         self.add_indices = self._gather.add_many
+        self.add_spliced = self._gather.add_spliced  # (Via.add_spliced)
         self._ctl = ctl
 
     def held_for(self, index: int) -> int:

@@ -53,6 +53,7 @@ __all__ = ["call_id_of", "deliver", "forward"]
 CALL = int(P.Kind.CALL)
 HEARTBEAT = int(P.Kind.HEARTBEAT)
 _INT = frozenset((int,))
+_BYTES = frozenset((bytes,))
 send: Any = sockio._send  # the socket's compiled send
 _UINT_WIDTH = {0xcc: 1, 0xcd: 2, 0xce: 4, 0xcf: 8}  # msgpack's uint 8, 16, 32, 64
 
@@ -95,7 +96,7 @@ def forward(relay: Relay, body: Any, payload: Buffer, buffers: list[Buffer]) -> 
                 and set(map(type, e[3:8])) <= _INT
                 and (e[8] is None or (type(e[8]) is list and len(e[8]) == len(e[0])))):
             raise Dropped("malformed", "relay entry")
-        hosts, kind, packed, at, plen, boff, nbufs, pbufs, _ = e
+        hosts, kind, packed, at, plen, boff, nbufs, pbufs, tails = e
         if (at < 0 or plen < 0 or at + plen > nview or boff < 0 or nbufs < 0
                 or boff + nbufs > nbuf or not 0 <= pbufs <= nbufs
                 or not set(map(type, hosts)) <= _INT):
@@ -112,9 +113,13 @@ def forward(relay: Relay, body: Any, payload: Buffer, buffers: list[Buffer]) -> 
             got_at = placed[where] = (view[at:at + plen] if plen else b"", bufs, n)
         pay, bufs, n = got_at
         item: Outgoing = (kind, packed, pay, bufs, pbufs)
+        if tails is not None and not set(map(type, tails)) <= _BYTES:
+            raise Dropped("malformed", "relay entry ends")
         sent = 0
-        for h in hosts:
+        for j, h in enumerate(hosts):
             if h in peers:
+                if tails is not None:  # each host's body: the entry's, then its own end
+                    item = (kind, packed + tails[j], pay, bufs, pbufs)
                 got = per.get(h)
                 if got is None:
                     per[h] = [item]
@@ -290,6 +295,7 @@ def deliver(relay: Relay, per: dict[int, list[Outgoing]]) -> None:
             continue
         frames, size, data, plen, batch = one
         relay.whole += 1
+        relay.sent_down = True  # (the socket is read after: a send can take its FD's edge)
         peer.held += data  # (as enqueue_packed counts it)
         peer.send_seq = seq
         if not peer.unacked:

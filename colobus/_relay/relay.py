@@ -99,6 +99,7 @@ class Relay:
         self.dropped: collections.Counter[str] = collections.Counter()
         self.ups = Gather()
         self.whole = 0  # hosts' envelopes a FORWARD sent whole at once (.fanout)
+        self.sent_down = False  # .fanout sent on the hosts' socket since the last flush
         self.hold = ReplyHold()  # the replies of a call wait for its last one (.hold)
         self._hold_timer: asyncio.TimerHandle | None = None
         self._due = False  # self.ups holds more than heartbeats
@@ -229,7 +230,8 @@ class Relay:
             self._reset(gone.route[0], gone.their_session, g.why)
 
     def _flush_down(self) -> None:
-        if self.down.flush():
+        sent, self.sent_down = self.sent_down, False  # (what .fanout sent at once)
+        if self.down.flush() or sent:
             # The FD is edge-triggered: a send can take the edge that announced a host's
             # message, so read what waits after sending (as a channel's own steps do).
             asyncio.get_running_loop().call_soon(self.down.drain)

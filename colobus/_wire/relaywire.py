@@ -7,7 +7,9 @@ controller would, and talks to the controller in few, large messages:
 * FORWARD (controller to relay): messages for the hosts it carries, as entries
   ``[hosts, kind, body, payload offset, payload length, first buffer, buffers,
   pbufs, extras]``; a message several hosts get the same (a fan-out's frees,
-  its shared argument payload) travels once.
+  its shared argument payload) travels once; one whose bodies differ only in their
+  end (a fan-out's CALLs: each host's part of the mesh) is one entry too, each host's
+  own end in ``extras`` (its body is ``body`` and then that).
 * UP (relay to controller): its hosts' messages, authenticated, in the same
   entries; equal RESULTs of one call from several hosts are one entry, with
   each host's ``times`` in ``extras``.
@@ -219,6 +221,28 @@ class Gather:
         self._same[(kind, body, at, plen, boff, len(bufs), pbufs, True)] = (entry, n)
         self._last.update(dict.fromkeys(hosts, n))
         self._body += len(body) + ENTRY_BYTES + HOST_BYTES * len(hosts)  # (_grew, inline)
+        if self._body >= self.max_body:
+            self._close()
+
+    def add_spliced(self, hosts: list[int], kind: int, head: bytes, tails: list[bytes],
+                    payload: Buffer, bufs: Sequence[Buffer], pbufs: int) -> None:
+        """One message for each of ``hosts`` whose body is ``head`` and then that host's
+        own ``tails[j]`` (a fan-out's CALLs: each host's part of the mesh): one new entry,
+        the tails in its last field, after every host's earlier ones (no later message
+        joins it); what each host is given counted (``given``)."""
+        hosts = list(hosts)
+        given = self.given
+        if (payload or bufs) and given is not None:
+            n = len(payload) if type(payload) is bytes else memoryview(payload).nbytes
+            for b in bufs:
+                n += len(b) if type(b) is bytes else memoryview(b).nbytes
+            for h in hosts:
+                given[h] += n
+        at, plen, boff = self._place(payload, bufs)
+        n = len(self.entries)
+        self.entries.append([hosts, kind, head, at, plen, boff, len(bufs), pbufs, tails])
+        self._last.update(dict.fromkeys(hosts, n))
+        self._body += len(head) + ENTRY_BYTES + (HOST_BYTES + 32) * len(hosts)
         if self._body >= self.max_body:
             self._close()
 
