@@ -41,8 +41,10 @@ FAST: dict[str, Any] = dict(heartbeat_interval=0.3, liveness_timeout=60.0, join_
 # A relay that passes up whatever its hosts say, as relays did before they refused the
 # kinds only relays speak.
 LENIENT_BOOT = relays_mod.BOOT.replace(
-    "from colobus._relay.relay import main; sys.exit(main())",
-    "import colobus._relay.relay as r; r.RELAY_ONLY = frozenset(); sys.exit(r.main())")
+    "from colobus._relay.process import main; sys.exit(main())",
+    "import colobus._relay.relay as r, colobus._relay.process as p; "
+    "r.RELAY_ONLY = frozenset(); sys.exit(p.main())")
+assert LENIENT_BOOT != relays_mod.BOOT
 
 
 @cb.colocated_python

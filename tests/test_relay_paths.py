@@ -261,7 +261,7 @@ def test_gather_reply_is_add() -> None:
 def test_taken_in_order_is_channel_take() -> None:
     """The controller takes a relay's next message in one call (``taken_in_order``) or
     through ``Channel.take``: the same peer state and the same message either way."""
-    from colobus._controller.relays import taken_in_order
+    from colobus._controller.relayinbox import taken_in_order
     from colobus._wire.peer import Peer
 
     ctx: zmq.Context[Any] = zmq.Context()

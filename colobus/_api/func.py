@@ -31,9 +31,8 @@ from .._observe.observer import FunctionStats, Observer
 from .._wire import protocol as P
 from .._wire.describe import read_outputs
 from .._wire.envelope import Envelope
-from .._wire.fanout import Fanout, FanoutChannel
 from .._wire.peer import Peer
-from .._wire.splice import CallSplicer, uint
+from .._wire.splice import CallSplicer
 from .array import Array, check_owner
 from .cacheinfo import CacheInfo, Signatures
 from .outputs import build_outputs as _build_outputs
@@ -331,9 +330,8 @@ class _CallOp:
         payload, bufs = pickled.payload, pickled.buffers
         hosts = max(ctl._expected_hosts, len(ctl._hosts))  # cb.host_count() on the hosts
         # P.Call's fields; all but the host's mesh and the host count packed once
-        splicer = CallSplicer([call_id, self.stream, self.digest, target.obj_id,
-                               target.method, pickled.refs])
-        splice = splicer.packed
+        splice = CallSplicer([call_id, self.stream, self.digest, target.obj_id, target.method,
+                              pickled.refs])
         registry, objects, nbufs, chan = ctl._hosts, pickled.objects, len(bufs), ctl._chan
         # A fan-out made again with no host joined or lost since: its hosts are as checked
         # last time (generations, code shipped, alive, relays), their peers grouped.
@@ -341,12 +339,8 @@ class _CallOp:
         again = registry.fanouts.get(key) if len(plan.hosts) > 1 and not objects else None
         if (again is not None and again[0] is plan and again[1] == registry.changes
                 and self.changes == registry.changes and target.code is not None):
-            if chan is not None:  # each body the head and then its host's mesh (_Fanned)
-                fanned = again[2]
-                if fanned.hosts != hosts:
-                    fanned.splice(chan, hosts)
-                chan.send_spliced(fanned.spliced, P.Kind.CALL, splicer.head, payload, bufs,
-                                  nbufs)
+            if chan is not None:  # each body the head, then its host's mesh and count
+                chan.send_fanned(again[2], P.Kind.CALL, splice.head, hosts, payload, bufs, nbufs)
             ctl._count("calls")
             return
         meshes = plan.packed_meshes()
@@ -376,19 +370,18 @@ class _CallOp:
             groups = []
             for mesh, peers in to.items():
                 if len(peers) == 1:
-                    chan.send_packed(peers[0], P.Kind.CALL, splice(mesh, hosts), payload, bufs,
-                                     nbufs)
+                    chan.send_packed(peers[0], P.Kind.CALL, splice.packed(mesh, hosts), payload,
+                                     bufs, nbufs)
                 else:
                     fanned = chan.fanout(peers)
                     groups.append((mesh, fanned))
-                    chan.send_packed_many(fanned, P.Kind.CALL, splice(mesh, hosts), payload, bufs,
-                                          nbufs)
+                    chan.send_packed_many(fanned, P.Kind.CALL, splice.packed(mesh, hosts), payload,
+                                          bufs, nbufs)
             if len(plan.hosts) > 1 and not objects and code is not None and (
                     self.changes == registry.changes and len(groups) == len(to)):
                 if len(registry.fanouts) >= 64:
                     registry.fanouts.clear()
-                registry.fanouts[key] = (plan, registry.changes,  # (holds the plan)
-                                         _Fanned(chan, groups, hosts))
+                registry.fanouts[key] = (plan, registry.changes, chan.fanned(groups, hosts))
         ctl._count("calls")
 
     def __call__(self, per_host: dict[int, Any]) -> Any:
@@ -400,24 +393,6 @@ class _CallOp:
         if self.out_specs is not None:
             _check_specs(out, self.out_specs, f"outputs of {self.target.name}")
         return out
-
-
-class _Fanned:
-    """A fan-out's destinations kept for its next calls: its hosts grouped by mesh, and
-    those groups as one :class:`Spliced` (each body the call's head and then the host's
-    mesh and the host count, which a relay puts together for each of its hosts)."""
-
-    __slots__ = ("groups", "hosts", "spliced")
-
-    def __init__(self, chan: FanoutChannel, groups: list[tuple[bytes, Fanout]],
-                 hosts: int) -> None:
-        self.groups = groups
-        self.splice(chan, hosts)
-
-    def splice(self, chan: FanoutChannel, hosts: int) -> None:
-        """The ends for host count ``hosts`` (``cb.host_count()`` in every CALL)."""
-        self.hosts = hosts
-        self.spliced = chan.spliced([(fan, mesh + uint(hosts)) for mesh, fan in self.groups])
 
 
 def _decode_result(host: Host, body: P.Result, env: Envelope) -> Any:

@@ -114,9 +114,8 @@ class Controller:
         relays: relay processes carrying the hosts' sessions (one message per relay per
             call, not per host). None: ``$COLOBUS_RELAYS``, else by ``hosts=``: none below
             ``relay_threshold`` (0: never), one per 256 hosts above (docs/architecture.md).
-        relay_key: a key (32 bytes or more, not ``key``) that relays started elsewhere
-            with ``colobus relay --connect`` prove to be taken; they carry hosts as the
-            controller's own relays do. None: none is taken (docs/deployment.md).
+        relay_key: a key (not ``key``) that relays on other machines (``colobus relay
+            --connect``) prove to carry hosts; None: none is taken (docs/deployment.md).
         py_modules: modules or paths (package dirs, ``.py`` files) shipped to hosts too (None:
             ``$COLOBUS_PY_MODULES``); ``ship_code=False``: only those, not your modules calls
             need; ``max_code_bytes``: the most one session ships. docs/deployment.md.
@@ -189,11 +188,6 @@ class Controller:
         self._curve, self._curve_allow = _keys.curve_server_config(
             curve_secret_key, curve_public_key, curve_allow)
         self._auth: Any = None  # zmq.auth.thread.ThreadAuthenticator while running
-        if relay_key is not None:
-            relay_key = _keys.check_key(relay_key, "Controller(relay_key=...)")
-            if relay_key == self._key:  # workers hold that one: any of them could carry hosts
-                raise ValueError("relay_key must not be the controller's key: workers hold "
-                                 "that one (make another with `colobus keygen`)")
         self._relays = Relays.configure(self, relays, relay_threshold, hosts, relay_key)
         self.state, self._closed = State.NEW, False  # (_closed: a plain read per call)
         # Metrics and traces (None when both are off: one check per call site).

@@ -28,15 +28,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any
 
 from .._controller.cluster import announce_joins, host_process_ended, number_hosts_by_name
 from .._controller.controller import Controller, _pop_current, _push_current
 from .._controller.procwatch import Emit, HostProcess, describe_exit
-from .._wire.keys import generate_key
+from .onhosts import RelaysOnHosts
 
-__all__ = ["LaunchedCluster", "Launcher", "Workers", "log_emit", "relay_argv",
-           "relays_on_hosts_option"]
+__all__ = ["LaunchedCluster", "Launcher", "Workers", "log_emit"]
 
 log = logging.getLogger("colobus.launch")
 
@@ -300,33 +298,7 @@ class Workers:
         self.reap(5.0, grace=2.0)
 
 
-def relay_argv(connect: str, i: int) -> list[str]:
-    """``colobus relay``'s arguments for the relay beside host ``i`` (after the Python
-    command and ``-m colobus``): both keys read from stdin, which the launcher keeps
-    open; it ends with the controller's session."""
-    return ["relay", "--connect", connect, "--key-file", "-", "--relay-key-file", "-",
-            "--name", f"relay-{i}", "--once", "--exit-on-stdin-eof"]
-
-
-def relays_on_hosts_option(per: int, options: dict[str, Any]) -> int:
-    """``relays_on_hosts``, checked: one relay per ``per`` hosts on the hosts' own
-    machines (0: none). With some, the controller ``options`` get a fresh ``relay_key``
-    (the relays prove it; workers never see it) and no relays of the controller's own
-    unless ``relays=`` asks.
-
-    Raises:
-        ValueError: ``per`` below 0.
-    """
-    if per < 0:
-        raise ValueError(f"relays_on_hosts must be >= 0, got {per}")
-    if per:
-        if options.get("relay_key") is None:
-            options["relay_key"] = generate_key()
-        options.setdefault("relays", 0)
-    return int(per)
-
-
-class LaunchedCluster:
+class LaunchedCluster(RelaysOnHosts):
     """A controller plus the workers a :class:`Launcher` starts for it.
 
     Entry starts the controller, then the workers, and returns once every host
@@ -340,6 +312,8 @@ class LaunchedCluster:
         restart: how often each host's worker may be started again.
         connect: the endpoint the workers join (default: the controller's address).
     """
+
+    launcher: Launcher
 
     def __init__(self, launcher: Launcher, controller: Controller, key: bytes, *,
                  restart: int = 0, connect: Callable[[str], str] | None = None,
@@ -364,51 +338,6 @@ class LaunchedCluster:
         """The endpoint the workers join (after the controller started)."""
         address = self.controller.address
         return self._connect(address) if self._connect else address
-
-    async def _start_relays(self) -> None:
-        """Start the relays on the hosts' machines and wait until each offered itself to
-        the controller (its hosts then move to them as they join).
-
-        Raises:
-            RuntimeError: a relay's process ended first.
-            TimeoutError: not all were there within ``join_timeout``.
-        """
-        per = self.relays_on_hosts
-        ctl = self.controller
-        if not per:
-            return
-        relays = ctl._relays
-        assert relays is not None and relays.relay_key is not None
-        where = list(range(0, len(self.launcher.names), per))
-        for i in where:
-            self.relay_procs.append(self.launcher.start_relay(
-                i, self.connect_address(), self._key, relays.relay_key))
-        deadline = time.monotonic() + ctl.join_timeout
-        while True:
-            for i, proc in zip(where, self.relay_procs, strict=True):
-                code = proc.poll()
-                if code is not None:
-                    raise RuntimeError(f"the relay on {self.launcher.describe(i)}'s machine "
-                                       f"{describe_exit(code)} before it connected")
-            try:
-                await relays.wait_ready(len(where), min(0.5, max(0.0, deadline
-                                                                 - time.monotonic())))
-                return
-            except TimeoutError:
-                if time.monotonic() > deadline:
-                    raise
-
-    def _stop_relays(self) -> None:
-        """After the controller closed (its relays' sessions ended): reap the relays."""
-        procs, self.relay_procs = self.relay_procs, []
-        for proc in procs:
-            self.launcher.stop(proc)
-        for proc in procs:
-            try:
-                proc.wait(5.0)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
 
     def _spawn(self) -> None:
         ctl = self.controller

@@ -19,7 +19,8 @@ from .._controller.procwatch import Emit, describe_exit
 from .._process import with_huge_pages
 from .._wire.keys import generate_key
 from .accel import local_worker_envs
-from .base import LaunchedCluster, Launcher, relay_argv, relays_on_hosts_option
+from .base import LaunchedCluster, Launcher
+from .onhosts import relay_argv, relays_on_hosts_option
 
 __all__ = ["LocalCluster", "LocalLauncher", "init", "local_cluster", "shutdown"]
 

@@ -38,7 +38,8 @@ from .._controller.cluster import number_hosts_by_name
 from .._controller.controller import Controller
 from .._controller.procwatch import describe_exit
 from .._wire.keys import generate_key, write_key
-from .base import LaunchedCluster, Launcher, relay_argv, relays_on_hosts_option
+from .base import LaunchedCluster, Launcher
+from .onhosts import relay_argv, relays_on_hosts_option
 from .ssh import concrete_address, route_source
 
 __all__ = ["SlurmJobCluster", "SrunLauncher", "batch_script", "node_names", "own_address",

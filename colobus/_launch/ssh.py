@@ -34,7 +34,8 @@ from typing import Any
 from .._controller.controller import Controller
 from .._controller.procwatch import describe_exit
 from .._wire.keys import generate_key, write_curve_keypair
-from .base import LaunchedCluster, Launcher, relay_argv, relays_on_hosts_option
+from .base import LaunchedCluster, Launcher
+from .onhosts import relay_argv, relays_on_hosts_option
 
 __all__ = ["SshCluster", "SshLauncher", "concrete_address", "curve_keys", "route_source",
            "ssh_cluster", "ssh_hostname", "worker_command"]

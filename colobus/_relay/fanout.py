@@ -46,7 +46,7 @@ from .._wire.limits import (
 from .._wire.sockio import COPY_BELOW, SNDMORE
 
 if TYPE_CHECKING:
-    from .relay import Relay
+    from .carrier import Carrier
 
 __all__ = ["call_id_of", "deliver", "forward"]
 
@@ -72,7 +72,7 @@ def call_id_of(packed: bytes) -> int | None:
     return int.from_bytes(packed[2:2 + width], "big")
 
 
-def forward(relay: Relay, body: Any, payload: Buffer, buffers: list[Buffer]) -> None:
+def forward(relay: Carrier, body: Any, payload: Buffer, buffers: list[Buffer]) -> None:
     """Deliver an authenticated FORWARD's entries to the hosts they name.
 
     Raises:
@@ -230,7 +230,7 @@ class _Shape:
                 and type(b) is bytes)
 
 
-def deliver(relay: Relay, per: dict[int, list[Outgoing]]) -> None:
+def deliver(relay: Carrier, per: dict[int, list[Outgoing]]) -> None:
     """Each host's messages: sent now as one envelope where its window is clear (the
     twin of Outflow._send_outbox's common case; hosts whose messages differ only in
     the last body share its :class:`_Shape`), else queued on the general path."""

@@ -39,7 +39,7 @@ from .._wire.sockio import NOBLOCK
 from .._wire.sockio import _recv as recv
 
 if TYPE_CHECKING:
-    from .relay import Relay
+    from .carrier import Carrier
 
 __all__ = ["HostsChannel"]
 
@@ -58,7 +58,7 @@ class HostsChannel(Channel):
     """The relay's ROUTER to its hosts (see the module docstring); ``relay`` is set
     once the relay made it."""
 
-    relay: Relay
+    relay: Carrier
     inline = 0  # replies taken inline (tests check the fast path ran)
 
     def drain(self) -> None:

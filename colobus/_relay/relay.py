@@ -9,8 +9,10 @@ controller it is one peer on the controller's ROUTER: FORWARD messages carry
 what many hosts are sent, UP messages what they sent back, equal replies of
 one call coalesced (:mod:`colobus._wire.relaywire`).
 
-It reads its settings (and the key) from its standard input and exits when
-that closes: the controller holds the other end, so a relay never outlives it.
+A relay the controller starts reads its settings (and the key) from its standard
+input and exits when that closes (:mod:`.process`): the controller holds the other
+end, so it never outlives it. One that runs anywhere connects and offers itself
+(:mod:`.connect`).
 """
 
 from __future__ import annotations
@@ -19,12 +21,9 @@ import asyncio
 import collections
 import logging
 import os
-import struct
-import sys
 import time
 from typing import Any
 
-import msgpack
 import zmq
 
 from .._wire import protocol as P
@@ -56,7 +55,7 @@ from .fanout import deliver, forward
 from .hold import HOLD_S, ReplyHold
 from .inflow import HostsChannel
 
-__all__ = ["Relay", "main"]
+__all__ = ["Relay", "advertised"]
 
 log = logging.getLogger("colobus.relay")
 
@@ -480,33 +479,3 @@ def advertised(endpoint: str, host: str) -> str:
     if bound not in ("0.0.0.0", "[::]", "*", "[::0]"):
         return endpoint
     return f"tcp://{'[' + host + ']' if ':' in host else host}:{port}"
-
-
-def read_settings(fd: int = 0) -> dict[str, Any]:
-    """The settings the controller writes on the relay's standard input (length, msgpack)."""
-    head = b""
-    while len(head) < 4:
-        more = os.read(fd, 4 - len(head))
-        if not more:
-            raise SystemExit("colobus relay: no settings on standard input")
-        head += more
-    (n,) = struct.unpack("!I", head)
-    data = b""
-    while len(data) < n:
-        more = os.read(fd, n - len(data))
-        if not more:
-            raise SystemExit("colobus relay: settings cut short")
-        data += more
-    cfg: dict[str, Any] = msgpack.unpackb(data)
-    return cfg
-
-
-def main() -> int:
-    logging.basicConfig(level=logging.WARNING, format="[relay] %(levelname)s %(message)s",
-                        stream=sys.stderr)
-    relay = Relay(read_settings())
-    try:
-        asyncio.run(relay.run())
-    except KeyboardInterrupt:
-        return 0
-    return 0

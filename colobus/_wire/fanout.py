@@ -17,8 +17,9 @@ from collections.abc import Sequence
 from .channel import EAGER_BATCH, Channel
 from .envelope import Buffer
 from .peer import Peer, Via
+from .splice import uint
 
-__all__ = ["Fanout", "FanoutChannel", "Spliced"]
+__all__ = ["Fanned", "Fanout", "FanoutChannel", "Spliced"]
 
 
 class Fanout:
@@ -44,6 +45,20 @@ class Spliced:
                  relayed: list[tuple[Via, list[int], list[bytes]]]) -> None:
         self.direct = direct
         self.relayed = relayed
+
+
+class Fanned:
+    """A fan-out call's destinations kept for its next calls (while no host joins or is
+    lost): its hosts grouped by their part of the mesh, and those groups as one
+    :class:`Spliced` for the host count its CALLs carry."""
+
+    __slots__ = ("groups", "hosts", "spliced")
+
+    def __init__(self, groups: list[tuple[bytes, Fanout]], hosts: int,
+                 spliced: Spliced) -> None:
+        self.groups = groups  # (packed mesh part, its peers)
+        self.hosts = hosts
+        self.spliced = spliced
 
 
 class FanoutChannel(Channel):
@@ -103,6 +118,22 @@ class FanoutChannel(Channel):
                 got[0].extend(hosts)
                 got[1].extend([tail] * len(hosts))
         return Spliced(direct, [(via, h, t) for via, (h, t) in relayed.items()])
+
+    def fanned(self, groups: list[tuple[bytes, Fanout]], hosts: int) -> Fanned:
+        """A fan-out call's groups (packed mesh part, peers), kept: each CALL body is the
+        call's head, then the group's mesh part and the host count ``hosts``."""
+        return Fanned(groups, hosts, self.spliced([(fan, mesh + uint(hosts))
+                                                   for mesh, fan in groups]))
+
+    def send_fanned(self, to: Fanned, kind: int, head: bytes, hosts: int,
+                    payload: Buffer = b"", buffers: Sequence[Buffer] = (),
+                    pbufs: int = 0) -> None:
+        """:meth:`send_spliced` of a kept fan-out's CALLs (their ends made again if the
+        host count changed)."""
+        if to.hosts != hosts:
+            to.hosts = hosts
+            to.spliced = self.spliced([(fan, mesh + uint(hosts)) for mesh, fan in to.groups])
+        self.send_spliced(to.spliced, kind, head, payload, buffers, pbufs)
 
     def send_spliced(self, to: Spliced, kind: int, head: bytes, payload: Buffer = b"",
                      buffers: Sequence[Buffer] = (), pbufs: int = 0) -> None:
