@@ -67,6 +67,7 @@ DELIVERED = int(P.Kind.DELIVERED)
 # Hosts' acknowledgements that freed this many bytes since the last report go up at
 # once (an upload may wait for them); fewer ride with the next UP.
 DELIVER_NOW = 1 << 18
+DELIVER_EVERY_S = 0.5  # fewer ride with the first UP this long after the last report
 # A host's heartbeat goes up when its figures other than memory, CPU time and the ping
 # echo changed, or this long after the last that went up; the relay judges liveness.
 HEALTH_EVERY_S = 5.0
@@ -111,6 +112,8 @@ class Relay:
         self.reported: dict[int, int] = {}
         self.released: set[int] = set()
         self._acks: dict[int, int] = {}  # host -> its DELIVERED count, for the next UP
+        self._acks_freed = 0  # bytes they freed since the last DELIVERED
+        self._acks_at = 0.0  # when the last DELIVERED went up
         self.ctl_heard = time.monotonic()
         self._stalls = StallClock(self.heartbeat)  # liveness ticks that came late
         self.done: asyncio.Future[str] | None = None
@@ -331,10 +334,11 @@ class Relay:
             self.released.add(h)
 
     def _delivered(self) -> None:
-        """What the hosts acknowledged, for the next UP (one DELIVERED entry however
-        many drains it gathers over): it goes now if that freed DELIVER_NOW bytes or more
-        (uploads may wait for them), else with the next UP that goes anyway (a call's
-        arguments: its RESULT's UP follows soon)."""
+        """What the hosts acknowledged, for an UP (one DELIVERED entry however many
+        drains it gathers over): it goes now if that freed DELIVER_NOW bytes or more
+        since the last (uploads may wait for them), else with the first UP that goes
+        DELIVER_EVERY_S after the last (a call's arguments, a few bytes per host: a
+        report per call would cost the controller a step per host and call)."""
         acks = self._acks
         freed = 0
         for h in self.released:
@@ -344,7 +348,8 @@ class Relay:
                 freed += n - self.reported.get(h, 0)
                 self.reported[h] = acks[h] = n
         self.released.clear()
-        if freed >= DELIVER_NOW:
+        self._acks_freed += freed
+        if self._acks_freed >= DELIVER_NOW:
             self._due = True
 
     def _flush_up(self) -> None:
@@ -386,12 +391,16 @@ class Relay:
         self._hold_timer = self._beat_timer = None
         self._due = False
         self.hold.sent()
-        if self._acks:  # (Delivered: [host, bytes, ...])
-            counts: list[int] = []
+        now = time.monotonic()
+        if self._acks and (self._acks_freed >= DELIVER_NOW or not self.ups
+                           or now - self._acks_at >= DELIVER_EVERY_S):
+            counts: list[int] = []  # (Delivered: [host, bytes, ...])
             for h, n in self._acks.items():
                 counts += (h, n)
             self._acks.clear()
+            self._acks_freed, self._acks_at = 0, now
             self.ups.add_many([], DELIVERED, pack_body(Delivered(counts).to_wire()), b"", (), 0)
+        self.ups.sort_shared()  # (the controller keys a group's mask on its host list)
         for body, payload, bufs in self.ups.take():  # each within the limits (.limits)
             self.up.send_packed(self.ctl, P.Kind.UP, pack_body(body), payload, bufs, 0)
 

@@ -365,6 +365,15 @@ class Gather:
         if self._body >= self.max_body:  # (_grew, inline)
             self._close()
 
+    def sort_shared(self) -> None:
+        """List the hosts of every entry several share with no extras in order (the
+        order of replies varies from call to call; a receiver that keys on a list of
+        hosts finds the same list again). Within an entry order means nothing."""
+        for entries in [self.entries, *(c[0] for c in self._closed)]:
+            for e in entries:
+                if e[8] is None and len(e[0]) > 1:
+                    e[0].sort()
+
     def take(self) -> list[tuple[list[list[Any]], bytes, list[Buffer]]]:
         """The entries, payload and buffers of each message gathered, in order; empties
         this gather."""
