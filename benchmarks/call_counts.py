@@ -23,7 +23,10 @@ specialized with ``out_specs_fn``, as orbax wraps every function), ``mident``
 (``return x`` as an object's method), ``fanout4`` (``return x`` on an array over 4
 hosts, awaited), ``star4`` ... ``star32`` (a no-op on an array over that many hosts,
 over TCP: the worker's figure per host, the controller's per call; the controller's
-marginal cost per host is the slope between two of them).
+marginal cost per host is the slope between two of them), ``relay4``, ``relay16``,
+``relay32`` (a fan-out no-op over N hosts connected over TCP, all carried by one relay;
+the relay process is counted too, marked by ``SIGUSR1``, and its figure is for all its
+hosts together).
 
     python benchmarks/call_counts.py                  # 1,000 calls after 200
     python benchmarks/call_counts.py --calls 200 --warm 50 --pattern star4 star16 star32
@@ -40,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import itertools
 import os
 import subprocess
@@ -118,9 +122,17 @@ def mark(tag):
         with open(os.path.join(d, f"{os.getpid()}.{tag.replace(':', '.')}.names"), "wb") as f:
             pickle.dump(names(), f)
 
+def _on_signal(signum, frame):
+    # a relay process marks on SIGUSR1, under the tag the parent wrote (relay rows)
+    with open(os.path.join(os.environ["COLOBUS_COUNT_DIR"], "signal_tag")) as f:
+        mark(f.read().strip())
+
 if os.environ.get("COLOBUS_COUNT_DIR"):
     sys.setprofile(_counter())
     threading.setprofile(_first)
+    if threading.current_thread() is threading.main_thread():
+        import signal
+        signal.signal(signal.SIGUSR1, _on_signal)
 '''
 
 STARS = {"star4": 4, "star8": 8, "star16": 16, "star32": 32}
@@ -129,8 +141,13 @@ STARS = {"star4": 4, "star8": 8, "star16": 16, "star32": 32}
 # good part of a second, so at the default 1 s each call would carry a share of every
 # host's heartbeat (both ways) that grows with the width and the machine's load.
 STAR_HEARTBEAT = float(os.environ.get("COLOBUS_COUNT_HEARTBEAT", "30"))
-PATTERNS = ("noop", "ident", "kept", "sync", "spec", "method", "mident", "fanout4", *STARS)
-DEFAULT = PATTERNS[:-len(STARS)]  # (the star rows start up to 32 workers: asked for by name)
+# relayN: N hosts over TCP, every one carried by one relay (relays=1, relay_threshold=1);
+# the relay process is counted too (SIGUSR1 marks), its figure per call for all its hosts
+RELAYED = {"relay4": 4, "relay16": 16, "relay32": 32}
+PATTERNS = ("noop", "ident", "kept", "sync", "spec", "method", "mident", "fanout4", *STARS,
+            *RELAYED)
+# (the star and relay rows start up to 32 workers: asked for by name)
+DEFAULT = tuple(p for p in PATTERNS if p not in STARS and p not in RELAYED)
 LABELS = {
     "noop": "no-op, awaited, 1 host",
     "ident": "`return x`, awaited, 1 host",
@@ -141,6 +158,9 @@ LABELS = {
     "mident": "object method `return x`, awaited",
     "fanout4": "`return x`, awaited, 4 hosts (worker: per host)",
     **{k: f"no-op, awaited, {n} hosts over TCP (worker: per host)" for k, n in STARS.items()},
+    "relay4": "fan-out no-op, 4 hosts over TCP, one relay",
+    "relay16": "fan-out no-op, 16 hosts over TCP, one relay",
+    "relay32": "fan-out no-op, 32 hosts over TCP, one relay",
 }
 
 
@@ -168,16 +188,41 @@ def _controller_totals(tag: str) -> tuple[int, int]:
 # -- in the counted child -----------------------------------------------------------------
 
 
+async def _relay_mark(pids: list[int], tag: str) -> None:
+    """Have each relay process write its counts under ``tag`` (SIGUSR1), and wait for it."""
+    import signal
+
+    d = os.environ["COLOBUS_COUNT_DIR"]
+    with open(os.path.join(d, "signal_tag"), "w") as f:
+        f.write(tag)
+    for pid in pids:
+        os.kill(pid, signal.SIGUSR1)
+    for pid in pids:
+        path = os.path.join(d, f"{pid}.txt")
+        for _ in range(3000):
+            if os.path.exists(path):
+                with open(path) as f:
+                    if any(line.split()[0] == tag for line in f):
+                        break
+            await asyncio.sleep(0.01)
+        else:
+            raise RuntimeError(f"relay {pid} wrote no mark {tag}")
+
+
 async def _measured(name: str, fn: Callable[[], Awaitable[Any]], x: Any, n: int,
-                    warm: int) -> None:
+                    warm: int, relays: list[int] | None = None) -> None:
+    relays = relays or []
     for _ in range(warm):
         await fn()
+    await _relay_mark(relays, f"{name}@relay:a")
     await _mark(x, f"{name}:a")
+    await _relay_mark(relays, f"{name}@relay:b")
     await _mark(x, f"{name}:b")
     c0 = _controller_totals(f"{name}.0")
     for _ in range(n):
         await fn()
     c1 = _controller_totals(f"{name}.1")
+    await _relay_mark(relays, f"{name}@relay:c")
     await _mark(x, f"{name}:c")
     print(f"ROW {name} {c1[0] - c0[0]} {c1[1] - c0[1]}", flush=True)
 
@@ -221,6 +266,17 @@ async def _async_rows(patterns: list[str], n: int, warm: int) -> None:
                 x = _fanout_array(ctl, hosts)
                 await cb.block_until_ready(x)
                 await _measured(name, lambda x=x: bench_noop(x), x, n, warm)
+    for name in [p for p in patterns if p in RELAYED]:
+        hosts = RELAYED[name]
+        async with cb.local_cluster(hosts=hosts, devices_per_host=1, relays=1,
+                                    relay_threshold=1, transport="tcp", join_timeout=1800,
+                                    heartbeat_interval=STAR_HEARTBEAT,
+                                    liveness_timeout=10 * STAR_HEARTBEAT) as ctl:
+            x = _fanout_array(ctl, hosts)
+            await cb.block_until_ready(x)
+            assert ctl._relays is not None
+            pids = [r.proc.pid for r in ctl._relays.relays]
+            await _measured(name, functools.partial(bench_noop, x), x, n, warm, pids)
 
 
 def _sync_row(n: int, warm: int) -> None:
@@ -290,6 +346,11 @@ def _detail(d: str, row: str, n: int, top: int) -> None:
     a, b, c = (_names(os.path.join(d, f"{pid}.{row}.{p}.names")) for p in "abc")
     one, marker = diff(c, b), diff(b, a)
     sides["worker"] = {k: v - marker.get(k, 0) for k, v in one.items()}
+    relay = sorted(f.split(".")[0] for f in os.listdir(d) if f.endswith(f".{row}@relay.a.names"))
+    if relay:
+        a, b, c = (_names(os.path.join(d, f"{relay[0]}.{row}@relay.{p}.names")) for p in "abc")
+        one, marker = diff(c, b), diff(b, a)
+        sides["relay"] = {k: v - marker.get(k, 0) for k, v in one.items()}
     for side, got in sides.items():
         for kind in ("py", "c"):
             rows = sorted(((v / n, k[1]) for k, v in got.items() if k[0] == kind and v),
@@ -324,6 +385,10 @@ def count(patterns: list[str], n: int, warm: int, detail: int = 0,
         out[row] = {"controller_calls": int(calls) / n, "controller_c_calls": int(c_calls) / n,
                     "worker_calls": sum(w[0] for w in ws) / len(ws) / n,
                     "worker_c_calls": sum(w[1] for w in ws) / len(ws) / n}
+        rs = workers.get(f"{row}@relay")
+        if rs:  # the relay's counts per call, all its hosts' work together
+            out[row]["relay_calls"] = sum(r[0] for r in rs) / n
+            out[row]["relay_c_calls"] = sum(r[1] for r in rs) / n
     return out
 
 
@@ -342,16 +407,25 @@ def main() -> None:
     got = count(args.pattern, args.calls, args.warm, args.detail)
     print(f"Python calls ('call') and C calls ('c_call') per call, {args.calls} calls after "
           f"{args.warm}")
-    print(f"  {'pattern':52s} {'ctl calls':>9s} {'ctl C':>7s} {'wrk calls':>9s} {'wrk C':>7s}")
+    print(f"  {'pattern':52s} {'ctl calls':>9s} {'ctl C':>7s} {'wrk calls':>9s} {'wrk C':>7s}"
+          f" {'relay calls':>11s} {'relay C':>8s}")
     for name in args.pattern:
         r = got[name]
+        relay = (f" {r['relay_calls']:11.1f} {r['relay_c_calls']:8.1f}" if "relay_calls" in r
+                 else "")
         print(f"  {LABELS[name]:52s} {r['controller_calls']:9.1f} "
               f"{r['controller_c_calls']:7.1f} {r['worker_calls']:9.1f} "
-              f"{r['worker_c_calls']:7.1f}")
+              f"{r['worker_c_calls']:7.1f}{relay}")
     stars = sorted((STARS[k], got[k]["controller_calls"]) for k in args.pattern if k in STARS)
     for (n0, c0), (n1, c1) in itertools.pairwise(stars):
         print(f"  star controller, Python calls per additional host, {n0} -> {n1} hosts: "
               f"{(c1 - c0) / (n1 - n0):.2f}")
+    widths = sorted((RELAYED[p], got[p]) for p in args.pattern if p in RELAYED)
+    for (n0, r0), (n1, r1) in itertools.pairwise(widths):  # what one more host costs
+        per = (r1.get("relay_calls", 0) - r0.get("relay_calls", 0)) / (n1 - n0)
+        ctl = (r1["controller_calls"] - r0["controller_calls"]) / (n1 - n0)
+        print(f"  relay, marginal per host {n0} -> {n1}: relay {per:.1f}, controller "
+              f"{ctl:.1f} Python calls per call")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ returned ``None``, heartbeats every ``heartbeat_interval`` and echoes pings.
     python benchmarks/many_hosts.py                   # 256 and 1,024 hosts
     python benchmarks/many_hosts.py --hosts 64 --profile
     python benchmarks/many_hosts.py --json out.json
+    python benchmarks/many_hosts.py --remote-relays 4    # relays as on other machines
 
 Targets at 1,024 hosts (issue 15): joined in under 30 s, idle controller under
 5 % of one core, fan-out no-op under 100 ms, under 50 KiB of controller memory
@@ -286,8 +287,25 @@ def _profile_lines(prof: cProfile.Profile, n: int = 14) -> list[str]:
     return lines[start:start + n + 1]
 
 
+def _spawn_relays(address: str, key: bytes, relay_key: bytes, count: int
+                  ) -> list[subprocess.Popen[bytes]]:
+    """``colobus relay --connect`` processes, as if on other machines: each connects to
+    the controller, offers itself with the relay key, and carries the hosts it is given."""
+    procs = []
+    for i in range(count):
+        p = subprocess.Popen([sys.executable, "-m", "colobus", "relay", "--connect", address,
+                              "--key-file", "-", "--relay-key-file", "-", "--once",
+                              "--bind", "tcp://127.0.0.1:*", "--name", f"remote-{i}"],
+                             stdin=subprocess.PIPE)
+        assert p.stdin is not None
+        p.stdin.write(key.hex().encode() + b"\n" + relay_key.hex().encode() + b"\n")
+        p.stdin.close()
+        procs.append(p)
+    return procs
+
+
 async def measure(n: int, per_proc: int, idle_s: float, calls: int, profile: bool,
-                  liveness: float, relays: int = 0) -> dict[str, Any]:
+                  liveness: float, relays: int = 0, remote_relays: int = 0) -> dict[str, Any]:
     import colobus as cb
 
     @cb.colocated_python
@@ -295,12 +313,20 @@ async def measure(n: int, per_proc: int, idle_s: float, calls: int, profile: boo
         return None
 
     key = secrets.token_bytes(32)
+    relay_key = secrets.token_bytes(32) if remote_relays else None
     heartbeat = 1.0
     ctl = cb.Controller("tcp://127.0.0.1:*", hosts=0, key=key, heartbeat_interval=heartbeat,
-                        liveness_timeout=liveness, join_timeout=300.0, relays=relays)
+                        liveness_timeout=liveness, join_timeout=300.0, relays=relays,
+                        relay_key=relay_key)
     out: dict[str, Any] = {"hosts": n, "hosts_per_process": per_proc, "relays": relays,
+                           "remote_relays": remote_relays,
                            "heartbeat_interval": heartbeat, "liveness_timeout": liveness}
+    remote: list[subprocess.Popen[bytes]] = []
     async with ctl:
+        if remote_relays:  # they connect first: every host that joins moves to one
+            assert relay_key is not None and ctl._relays is not None
+            remote = _spawn_relays(ctl.address, key, relay_key, remote_relays)
+            await ctl._relays.wait_ready(remote_relays, 300)
         gc.collect()
         await asyncio.sleep(0.5)
         rss0 = _rss_kib()
@@ -341,7 +367,8 @@ async def measure(n: int, per_proc: int, idle_s: float, calls: int, profile: boo
             chan = ctl._chan
             assert chan is not None
             b0 = chan.batches_sent
-            relays = [r.proc for r in ctl._relays.relays] if ctl._relays is not None else []
+            relays = ([r.proc for r in ctl._relays.relays if r.proc is not None]
+                      if ctl._relays is not None else []) + remote
             h0, p0, r0 = _procs_cpu(procs), _process_cpu(), _procs_cpu(relays)
             c0 = time.thread_time()
             if prof is not None:
@@ -358,6 +385,7 @@ async def measure(n: int, per_proc: int, idle_s: float, calls: int, profile: boo
             proc_cpu = (_process_cpu() - p0) / calls
             relays_cpu = (_procs_cpu(relays) - r0) / calls
             out["fanout_relays_cpu_ms_per_call"] = relays_cpu * 1e3
+            out["fanout_process_cpu_us_per_call"] = proc_cpu * 1e6
             out["fanout_process_cpu_us_per_host"] = proc_cpu * 1e6 / n
             # The least wall time a call can take here: all its CPU, spread over the cores.
             out["fanout_hosts_cpu_ms_per_call"] = hosts_cpu * 1e3
@@ -371,7 +399,7 @@ async def measure(n: int, per_proc: int, idle_s: float, calls: int, profile: boo
             out["dropped"] = dict(ctl.stats().get("dropped", {}))
         finally:
             await ctl.aclose()
-            for p in procs:
+            for p in [*procs, *remote]:
                 try:
                     await asyncio.to_thread(p.wait, 10)
                 except subprocess.TimeoutExpired:
@@ -386,8 +414,9 @@ TARGETS = {"join_s": 30.0, "idle_loop_cpu_pct": 5.0, "fanout_ms": 100.0,
 
 def _report(r: dict[str, Any]) -> None:
     n = r["hosts"]
-    print(f"\n{n} hosts ({r['hosts_per_process']} per light process, {r['relays']} relays), "
-          f"load {os.getloadavg()[0]:.2f}")
+    remote = f", {r['remote_relays']} remote relays" if r.get("remote_relays") else ""
+    print(f"\n{n} hosts ({r['hosts_per_process']} per light process, {r['relays']} relays"
+          f"{remote}), load {os.getloadavg()[0]:.2f}")
     rows = [("joined in", r["join_s"], "s", "join_s"),
             ("  loop CPU while joining", r["join_loop_cpu_s"], "s", ""),
             ("idle loop-thread CPU", r["idle_loop_cpu_pct"], "% of a core", "idle_loop_cpu_pct"),
@@ -396,6 +425,8 @@ def _report(r: dict[str, Any]) -> None:
             ("  loop CPU per call", r["fanout_loop_cpu_ms_per_call"], "ms", ""),
             ("  loop CPU per host per call", r["fanout_loop_cpu_us_per_host"], "us", ""),
             ("  controller process CPU", r["fanout_process_cpu_ms_per_call"], "ms per call", ""),
+            ("    per relay", r["fanout_process_cpu_ms_per_call"] / max(
+                1, r.get("remote_relays") or r["relays"]), "ms per call", ""),
             ("    per host", r["fanout_process_cpu_us_per_host"], "us", ""),
             ("  relays' CPU", r["fanout_relays_cpu_ms_per_call"], "ms per call", ""),
             ("  light hosts' CPU", r["fanout_hosts_cpu_ms_per_call"], "ms per call", ""),
@@ -430,12 +461,16 @@ def main() -> int:
     ap.add_argument("--profile", action="store_true", help="cProfile idle and fan-out")
     ap.add_argument("--relays", type=int, default=0,
                     help="relay processes carrying the hosts' sessions (Controller(relays=))")
+    ap.add_argument("--remote-relays", type=int, default=0, metavar="R",
+                    help="R relays in processes of their own, as if on other machines "
+                         "(`colobus relay --connect`, Controller(relay_key=)): the "
+                         "controller's CPU per call then follows R, not the hosts")
     ap.add_argument("--json", help="write the results there")
     args = ap.parse_args()
     results = []
     for n in args.hosts:
         r = asyncio.run(measure(n, args.per_process, args.idle, args.calls, args.profile,
-                                args.liveness, args.relays))
+                                args.liveness, args.relays, args.remote_relays))
         _report(r)
         results.append(r)
     if args.json:

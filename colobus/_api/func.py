@@ -344,18 +344,16 @@ class _CallOp:
         hosts = max(ctl._expected_hosts, len(ctl._hosts))  # cb.host_count() on the hosts
         # P.Call's fields; all but the host's mesh and the host count packed once
         splice = CallSplicer([call_id, self.stream, self.digest, target.obj_id, target.method,
-                              pickled.refs]).packed
+                              pickled.refs])
         registry, objects, nbufs, chan = ctl._hosts, pickled.objects, len(bufs), ctl._chan
         # A fan-out made again with no host joined or lost since: its hosts are as checked
         # last time (generations, code shipped, alive, relays), their peers grouped.
         key = (id(plan), self.digest)
-        again = registry.fanouts.get(key) if len(plan.hosts) > 4 and not objects else None
+        again = registry.fanouts.get(key) if len(plan.hosts) > 1 and not objects else None
         if (again is not None and again[0] is plan and again[1] == registry.changes
                 and self.changes == registry.changes and target.code is not None):
-            if chan is not None:
-                for mesh, fan in again[2]:
-                    chan.send_packed_many(fan, P.Kind.CALL, splice(mesh, hosts), payload, bufs,
-                                          nbufs)
+            if chan is not None:  # each body the head, then its host's mesh and count
+                chan.send_fanned(again[2], P.Kind.CALL, splice.head, hosts, payload, bufs, nbufs)
             ctl._count("calls")
             return
         meshes = plan.packed_meshes()
@@ -385,18 +383,18 @@ class _CallOp:
             groups = []
             for mesh, peers in to.items():
                 if len(peers) == 1:
-                    chan.send_packed(peers[0], P.Kind.CALL, splice(mesh, hosts), payload, bufs,
-                                     nbufs)
+                    chan.send_packed(peers[0], P.Kind.CALL, splice.packed(mesh, hosts), payload,
+                                     bufs, nbufs)
                 else:
                     fanned = chan.fanout(peers)
                     groups.append((mesh, fanned))
-                    chan.send_packed_many(fanned, P.Kind.CALL, splice(mesh, hosts), payload, bufs,
-                                          nbufs)
-            if len(plan.hosts) > 4 and not objects and code is not None and (
+                    chan.send_packed_many(fanned, P.Kind.CALL, splice.packed(mesh, hosts), payload,
+                                          bufs, nbufs)
+            if len(plan.hosts) > 1 and not objects and code is not None and (
                     self.changes == registry.changes and len(groups) == len(to)):
                 if len(registry.fanouts) >= 64:
                     registry.fanouts.clear()
-                registry.fanouts[key] = (plan, registry.changes, groups)  # (holds the plan)
+                registry.fanouts[key] = (plan, registry.changes, chan.fanned(groups, hosts))
         ctl._count("calls")
 
     def __call__(self, per_host: dict[int, Any]) -> Any:

@@ -115,6 +115,8 @@ class Controller(SyncFace):
         relays: relay processes carrying the hosts' sessions (one message per relay per
             call, not per host). None: ``$COLOBUS_RELAYS``, else by ``hosts=``: none below
             ``relay_threshold`` (0: never), one per 256 hosts above (docs/architecture.md).
+        relay_key: a key (not ``key``) that relays on other machines (``colobus relay
+            --connect``) prove to carry hosts; None: none is taken (docs/deployment.md).
         py_modules: modules or paths (package dirs, ``.py`` files) shipped to hosts too (None:
             ``$COLOBUS_PY_MODULES``); ``ship_code=False``: only those, not your modules calls
             need; ``max_code_bytes``: the most one session ships. docs/deployment.md.
@@ -157,6 +159,7 @@ class Controller(SyncFace):
         broadcast_tree: int = 8,
         relays: int | None = None,
         relay_threshold: int = 128,
+        relay_key: bytes | None = None,
         py_modules: Iterable[Any] | None = None,
         ship_code: bool = True,
         max_code_bytes: int = DEFAULT_MAX_CODE_BYTES,
@@ -192,7 +195,7 @@ class Controller(SyncFace):
         self._shipper = CodeShipper(from_environment_modules(py_modules), ship_code, max_code_bytes,
                                     Secrets.of_keys(self._key, curve_secret_key, self._curve))
         self._auth: Any = None  # zmq.auth.thread.ThreadAuthenticator while running
-        self._relays = Relays.configure(self, relays, relay_threshold, hosts)
+        self._relays = Relays.configure(self, relays, relay_threshold, hosts, relay_key)
         self.state, self._closed = State.NEW, False  # (_closed: a plain read per call)
         # Metrics and traces (None when both are off: one check per call site).
         self.observer, self._metrics, self._trace = observing(

@@ -204,7 +204,7 @@ class Frees:
                     if h.alive and h.generation == gen:
                         peers.append(h.peer)
                 to = chan.fanout(peers)
-                if len(first) > 4:  # (the entry holds ``first``: its id stays its own)
+                if len(first) > 1:  # (the entry holds ``first``: its id stays its own)
                     if len(self._fans) >= 64:
                         self._fans.clear()
                     self._fans[id(first)] = (first, changes, to)

@@ -16,13 +16,14 @@ import collections
 import subprocess
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .._wire import protocol as P
 from .._wire.channel import Peer
 from .._wire.envelope import pack_body
+from .._wire.lane import pack
 from .._wire.peer import data_bytes
-from .._wire.relaywire import Delivered, Gather
+from .._wire.relaywire import Gather
 from .ops import Parts
 
 if TYPE_CHECKING:
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
     from .uploads import Uploads
 
 __all__ = ["LinkOwner", "Relay"]
+
+FORWARD = int(P.Kind.FORWARD)
 
 
 class LinkOwner(Parts, Protocol):
@@ -47,14 +50,17 @@ class Relay:
     """One relay process, as the controller sees it (a :class:`~colobus._wire.peer.Via`
     for the hosts it carries)."""
 
-    def __init__(self, index: int, ctl: LinkOwner, proc: subprocess.Popen[bytes],
-                 identity: bytes, session: bytes) -> None:
+    def __init__(self, index: int, ctl: LinkOwner, proc: subprocess.Popen[bytes] | None,
+                 identity: bytes, session: bytes, recv_seq: int = 0) -> None:
         self.index = index
-        self.proc = proc
+        self.proc = proc  # None: a relay that connected by itself (``colobus relay``)
+        self.pid = proc.pid if proc is not None else 0  # (another machine's, if it connected)
+        self.name = f"relay {index}"
         self.identity = identity
         self.session = session
-        self.link = Peer([identity], ctl._session, session, 0, ctl.send_window_bytes)
+        self.link = Peer([identity], ctl._session, session, recv_seq, ctl.send_window_bytes)
         self.endpoint = ""  # where hosts connect, once it said READY
+        self.reset_sent = False  # a relay declared lost that spoke again was told
         self.carries: dict[bytes, int] = {}  # host routing id -> host index
         self.carried_mask = 0  # the bits of the hosts it carries
         self.last_seen = time.monotonic()
@@ -71,7 +77,11 @@ class Relay:
         # those, what the relay said the host acknowledged (Delivered; since ADOPT).
         self.given: collections.Counter[int] = collections.Counter()
         self.delivered: dict[int, int] = {}
-        self._gather = Gather()
+        self._gather = Gather(given=self.given)
+        # (Via.add_indices: the gather's own, one call less on every fan-out's send;
+        # it counts what each host is given)
+        self.add_indices = self._gather.add_many
+        self.add_spliced = self._gather.add_spliced  # (Via.add_spliced)
         self._ctl = ctl
 
     def held_for(self, index: int) -> int:
@@ -83,17 +93,27 @@ class Relay:
         self.given.pop(index, None)
         self.delivered.pop(index, None)
 
-    def on_delivered(self, report: Delivered) -> None:
-        """The relay's count of what its hosts acknowledged: room for uploads."""
-        counts = report.counts
+    def on_delivered(self, counts: list[Any]) -> None:
+        """The relay's count of what its hosts acknowledged (a DELIVERED's ``counts``):
+        room for uploads. Only for the hosts it carries, and never more than it was given
+        for one: a count read off the wire neither grows this table nor turns a host's
+        bound off."""
+        carried = self.carried_mask
+        given = self.given
+        delivered = self.delivered
         released = False
         for i in range(0, len(counts) - 1, 2):
             h, n = counts[i], counts[i + 1]
-            if type(h) is int and type(n) is int and n > self.delivered.get(h, 0):
-                self.delivered[h] = n
+            if type(h) is not int or type(n) is not int or h < 0 or not carried >> h & 1:
+                continue
+            n = min(n, given[h])  # (a Counter: 0 for one given nothing, nothing stored)
+            if n > delivered.get(h, 0):
+                delivered[h] = n
                 released = True
         if released:
-            self._ctl._uploads.on_release()
+            uploads = self._ctl._uploads
+            if uploads._blocked or uploads._waiters:  # (on_release's own first test)
+                uploads.on_release()
 
     def collect(self, peer: Peer) -> None:
         items, peer.outbox = peer.outbox, []
@@ -130,24 +150,15 @@ class Relay:
             hosts = [h for h in hosts if h >= 0]
         return hosts
 
-    def add_indices(self, hosts: list[int], kind: int, packed: bytes, payload: Buffer,
-                    buffers: Sequence[Buffer], pbufs: int) -> None:
-        # a copy: the entry's list grows when a later message joins it
-        self._gather.add_many(list(hosts), kind, packed, payload, buffers, pbufs)
-        if payload or buffers:
-            n = data_bytes(payload, buffers)
-            given = self.given
-            for h in hosts:
-                given[h] += n
-
     def emit(self) -> Peer | None:
-        if not self._gather:
+        gather = self._gather
+        if not gather.entries and not gather._closed:  # (bool(gather), inline)
             return None
         chan = self._ctl._chan
         if chan is None:
             return None
-        for body, payload, bufs in self._gather.take():
-            chan.enqueue_packed(self.link, P.Kind.FORWARD, pack_body(body), payload, bufs, 0)
+        for body, payload, bufs in gather.take():
+            chan.enqueue_packed(self.link, FORWARD, pack(body), payload, bufs, 0)
             self.forwards += 1
             self.most_buffers = max(self.most_buffers, len(bufs))
             self.most_bytes = max(self.most_bytes, data_bytes(payload, bufs))
@@ -156,8 +167,9 @@ class Relay:
         return self.link
 
     def welcome_endpoint(self) -> str:
-        """The endpoint a WELCOME names: a TCP one as ``tcp://*:PORT`` (the host reaches
-        it at the address it reached the controller at)."""
-        if self.endpoint.startswith("tcp://"):
+        """The endpoint a WELCOME names: a relay the controller started, on TCP, as
+        ``tcp://*:PORT`` (the host reaches it at the address it reached the controller
+        at); one that connected by itself, as it said."""
+        if self.proc is not None and self.endpoint.startswith("tcp://"):
             return "tcp://*:" + self.endpoint.rsplit(":", 1)[1]
-        return self.endpoint
+        return self.endpoint  # (one that connected by itself said where hosts reach it)

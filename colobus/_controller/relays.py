@@ -1,4 +1,5 @@
-"""The controller's relays: processes on its machine that carry hosts' sessions for it.
+"""The controller's relays: processes that carry hosts' sessions for it, on its machine
+(``relays=``) or on any other that offers one (``relay_key=``, ``colobus relay``).
 
 With many hosts the controller's loop spends most of its time on per-host
 envelopes: numbering, MACs, sends and acknowledgements, one of each per host
@@ -8,8 +9,9 @@ relay, the relay adopts the session's numbering, and from then on the
 controller sends a relay one FORWARD for all its hosts in a loop step and
 gets one UP back per relay drain, equal replies coalesced.
 
-A relay shares the controller's trust (its key, over a pipe). A relay that is
-lost takes its hosts with it: exactly their operations fail with
+A relay shares the controller's trust (its key, over a pipe; one that connects
+proves the relay key too). What comes up from relays: :mod:`.relayinbox`. A relay
+that is lost takes its hosts with it: exactly their operations fail with
 ``HostLostError``, and their workers join again (directly, or through another
 relay) as the next generation of their host.
 """
@@ -17,8 +19,8 @@ relay) as the next generation of their host.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
+import hmac
 import logging
 import os
 import secrets
@@ -26,24 +28,29 @@ import struct
 import subprocess
 import sys
 import time
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import zmq
 
 from .._wire import protocol as P
-from .._wire.envelope import Dropped, Envelope, decode, unpack_batch, unpack_bounded
-from .._wire.peer import data_bytes
-from .._wire.relaywire import Adopt, Delivered, Gone, Ready, entries
+from .._wire.envelope import Envelope
+from .._wire.keys import check_key
+from .._wire.relaywire import (
+    Adopt,
+    Gone,
+    Offer,
+    Setup,
+    relay_proof,
+)
 from .._wire.sockio import send_frames
-from .coalesced import on_results
+from .._wire.versions import compare, local_versions
 from .hangups import link_up
-from .relaylink import LinkOwner, Relay
+from .relayinbox import Inbox, RelaysOwner
+from .relaylink import Relay
 
 if TYPE_CHECKING:
-    from .hangups import Hangups
     from .hosts import Host
-    from .ops import Operations
 
 __all__ = ["Relay", "Relays", "relay_count"]
 
@@ -54,44 +61,20 @@ HOSTS_PER_RELAY = 256  # relays= None: one relay per this many hosts (cores allo
 PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The relay imports only colobus._wire (not colobus/__init__, which imports JAX).
 BOOT = ("import sys, types; m = types.ModuleType('colobus'); m.__path__ = [sys.argv[1]]; "
-        "sys.modules['colobus'] = m; from colobus._relay.relay import main; sys.exit(main())")
+        "sys.modules['colobus'] = m; from colobus._relay.process import main; sys.exit(main())")
 
 
-class Judge(Protocol):
-    """What :class:`Relays` uses of the controller's sessions."""
-
-    dropped: collections.Counter[str]
-    batches_received: int
-
-    def drop(self, reason: str, identity: bytes, detail: str = "") -> None: ...
-    def violation(self, host: Host, reason: str, detail: str = "") -> None: ...
-    def lose(self, host: Host, why: str, last_word: str = ...) -> None: ...
-    def handle(self, host: Host, identity: bytes, env: Envelope, body: P.Body) -> None: ...
+NO_RELAYS = ("this controller takes no relays that connect by themselves: start it with "
+             "relay_key= (a launcher's relays_on_hosts= does)")
 
 
-class RelaysOwner(LinkOwner, Protocol):
-    """What :class:`Relays` uses of the controller."""
-
-    @property
-    def _sessions(self) -> Judge: ...
-    @property
-    def _ops(self) -> Operations: ...
-    @property
-    def _key(self) -> bytes: ...
-    @property
-    def _address(self) -> str: ...
-    @property
-    def _bind(self) -> str: ...
-    @property
-    def _hangups(self) -> Hangups | None: ...
-    @property
-    def _resend_after(self) -> float: ...
-    @property
-    def heartbeat_interval(self) -> float: ...
-    @property
-    def liveness_timeout(self) -> float: ...
-    @property
-    def max_message_bytes(self) -> int: ...
+def refuse(ctl: Any, identity: bytes, env: Envelope, why: str) -> None:
+    """Tell a relay that offered itself (``env``) why it is refused (as Sessions does a
+    worker: a REJECT outside the numbering); it exits."""
+    chan = ctl._chan
+    if chan is not None:
+        chan.send_raw([identity], Envelope(P.Kind.REJECT, ctl._session, env.sender, 1,
+                                           P.Reject(why).to_wire()))
 
 
 def relay_count(relays: int | None, threshold: int, hosts: int) -> int:
@@ -110,31 +93,41 @@ def relay_count(relays: int | None, threshold: int, hosts: int) -> int:
     return max(1, min(-(-hosts // HOSTS_PER_RELAY), cores - 1))
 
 
-class Relays:
+class Relays(Inbox):
     """The controller's relays: started with it, each carrying the hosts it adopted."""
 
-    def __init__(self, ctl: RelaysOwner, count: int) -> None:
+    def __init__(self, ctl: RelaysOwner, count: int, relay_key: bytes | None = None) -> None:
         self._ctl = ctl
         self.count = count
+        self.relay_key = relay_key  # relays that connect by themselves prove it (None: none)
         self.relays: list[Relay] = []
         self.by_identity: dict[bytes, Relay] = {}
         self._ready: asyncio.Event | None = None
 
     @classmethod
-    def configure(cls, ctl: Any, relays: int | None, threshold: int, hosts: int
-                  ) -> Relays | None:
-        """The relays a new controller will start (None: it runs a star).
+    def configure(cls, ctl: Any, relays: int | None, threshold: int, hosts: int,
+                  relay_key: bytes | None = None) -> Relays | None:
+        """The relays a new controller will start, and whether it takes relays that
+        connect by themselves (None: neither, it runs a star).
 
         Raises:
-            ValueError: ``relays`` below 0, or asked for with CurveZMQ on.
+            ValueError: ``relays`` below 0, relays asked for with CurveZMQ on, or
+                ``relay_key`` is the controller's key.
+            AuthenticationError: ``relay_key`` is shorter than 32 bytes.
         """
         count = relay_count(relays, threshold, hosts)
-        if count and ctl._curve is not None:
-            if relays:
-                raise ValueError("relays do not work with CurveZMQ yet: pass relays=0")
+        if relay_key is not None:
+            relay_key = check_key(relay_key, "Controller(relay_key=...)")
+            if relay_key == ctl._key:  # workers hold that one: any of them could carry hosts
+                raise ValueError("relay_key must not be the controller's key: workers hold "
+                                 "that one (make another with `colobus keygen`)")
+        if (count or relay_key is not None) and ctl._curve is not None:
+            if relays or relay_key is not None:
+                raise ValueError("relays do not work with CurveZMQ yet: pass relays=0 and "
+                                 "no relay_key")
             log.info("CurveZMQ is on: no relays (%d hosts go directly)", hosts)
             return None
-        return cls(ctl, count) if count else None
+        return cls(ctl, count, relay_key) if count or relay_key is not None else None
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -148,10 +141,11 @@ class Relays:
         for i in range(self.count):
             self._spawn(i)
         deadline = time.monotonic() + READY_TIMEOUT_S
-        while not all(r.endpoint for r in self.relays):
-            dead = [r for r in self.relays if r.proc.poll() is not None]
+        while not all(r.endpoint for r in self.relays if r.proc is not None):
+            dead = [(r.index, r.proc.poll()) for r in self.relays
+                    if r.proc is not None and r.proc.poll() is not None]
             if dead or time.monotonic() > deadline:
-                why = (f"relay {dead[0].index} exited with status {dead[0].proc.returncode}"
+                why = (f"relay {dead[0][0]} exited with status {dead[0][1]}"
                        if dead else f"no relay READY within {READY_TIMEOUT_S:.0f} s")
                 raise OSError(f"colobus controller cannot start its relays: {why}")
             self._ready.clear()
@@ -159,8 +153,31 @@ class Relays:
                 await asyncio.wait_for(self._ready.wait(), 0.5)
             except TimeoutError:
                 pass
-        log.info("%d relays ready: %s", len(self.relays),
-                 ", ".join(r.endpoint for r in self.relays))
+        if self.relays:
+            log.info("%d relays ready: %s", len(self.relays),
+                     ", ".join(r.endpoint for r in self.relays))
+
+    async def wait_ready(self, n: int, timeout: float) -> None:
+        """Wait until ``n`` relays are live and ready (relays that connect by themselves:
+        a launcher starts its hosts' workers once their relays are there).
+
+        Raises:
+            TimeoutError: fewer were ready within ``timeout`` seconds.
+        """
+        if self._ready is None:
+            self._ready = asyncio.Event()
+        deadline = time.monotonic() + timeout
+        while sum(1 for r in self.relays if r.alive and r.endpoint) < n:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                ready = sum(1 for r in self.relays if r.alive and r.endpoint)
+                raise TimeoutError(f"only {ready} of {n} relays connected to "
+                                   f"{self._ctl._address} within {timeout:g} s")
+            self._ready.clear()
+            try:
+                await asyncio.wait_for(self._ready.wait(), min(left, 0.5))
+            except TimeoutError:
+                pass
 
     def _spawn(self, i: int) -> None:
         ctl = self._ctl
@@ -189,17 +206,27 @@ class Relays:
         self.by_identity[identity] = relay
 
     async def aclose(self) -> None:
-        """Let every relay deliver what it was sent last, then end it."""
+        """Let every relay deliver what it was sent last, then end it (one that connected
+        by itself ends its session: it offers itself to the next controller)."""
+        chan = self._ctl._chan
         for r in self.relays:
+            if r.proc is None:
+                if r.alive and chan is not None and chan.open:
+                    chan.send(r.link, P.Shutdown("controller closed"))
+                    chan.flush()
+                continue
             if r.proc.stdin is not None and not r.proc.stdin.closed:
                 try:
                     r.proc.stdin.close()  # its cue to flush and exit
                 except OSError:
                     pass
+        procs = [r.proc for r in self.relays if r.proc is not None]
         deadline = time.monotonic() + 3.0
-        while any(r.proc.poll() is None for r in self.relays) and time.monotonic() < deadline:
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         for r in self.relays:
+            if r.proc is None:
+                continue
             if r.proc.poll() is None:
                 r.proc.kill()
                 r.proc.wait()
@@ -207,11 +234,56 @@ class Relays:
                 with contextlib.suppress(OSError):
                     os.unlink(r.endpoint[6:])
 
+    def on_offer(self, identity: bytes, env: Envelope) -> None:
+        """A relay that connected by itself offers to carry hosts (after a CHALLENGE):
+        taken if it proves the relay key and runs this Python and colobus; SETUP tells
+        it how to carry them, and its READY makes it one of the relays hosts go to.
+
+        Raises:
+            ValueError: a malformed offer (counted by the caller).
+        """
+        ctl = self._ctl
+        sessions = ctl._sessions
+        offer = Offer.from_wire(env.body)
+        assert isinstance(offer, Offer)
+        if not sessions.challenges.take(identity, env.sender, offer.nonce):
+            sessions.drop("replay", identity, "relay offer without a fresh challenge")
+            return
+        if identity in self.by_identity or len(env.sender) != 16:
+            sessions.drop("malformed", identity, "relay offer")
+            return
+        why = None
+        if self.relay_key is None:
+            why = NO_RELAYS
+        elif not hmac.compare_digest(offer.proof, relay_proof(self.relay_key, offer.nonce,
+                                                               env.sender)):
+            sessions.drop("unauthenticated", identity, "relay offer")
+            why = "the relay key is not this controller's (--relay-key-file)"
+        else:
+            why = compare(offer.versions, local_versions())[0]
+        if why is not None:
+            log.warning("relay %r (%s, pid %d) refused: %s", offer.name[:64],
+                        offer.hostname[:64], offer.pid, why)
+            refuse(ctl, identity, env, why)
+            return
+        relay = Relay(len(self.relays), ctl, None, identity, env.sender, env.seq)
+        relay.pid, relay.name = offer.pid, f"{offer.name[:64]} on {offer.hostname[:64]}"
+        self.relays.append(relay)
+        self.by_identity[identity] = relay
+        chan = ctl._chan
+        assert chan is not None
+        observer = ctl.observer  # (traces read each host's call times)
+        chan.send(relay.link, Setup(relay.index, ctl.heartbeat_interval, ctl.liveness_timeout,
+                                    ctl._resend_after, ctl.max_message_bytes,
+                                    bool(observer is not None and observer.records)))
+        log.info("relay %d (%s, pid %d) connected", relay.index, relay.name, relay.pid)
+
     # -- hosts ---------------------------------------------------------------------------
 
     def describe(self) -> list[dict[str, Any]]:
         """Each relay, for :meth:`Controller.stats`."""
-        return [{"index": r.index, "pid": r.proc.pid, "endpoint": r.endpoint, "alive": r.alive,
+        return [{"index": r.index, "pid": r.pid, "name": r.name, "connected": r.proc is None,
+                 "endpoint": r.endpoint, "alive": r.alive,
                  "hosts": sorted(r.carries.values()), "forwards": r.forwards, "ups": r.ups,
                  "carried_up": r.carried_up, "most_buffers": r.most_buffers,
                  "most_bytes": r.most_bytes}
@@ -293,7 +365,7 @@ class Relays:
             if not r.alive:
                 continue
             r.last_seen = min(r.last_seen + frozen, now)  # (what was just read: heard now)
-            code = r.proc.poll()
+            code = r.proc.poll() if r.proc is not None else None
             if code is not None:
                 self.lost(r, f"its process exited with status {code}")
             elif (r.endpoint  # (until READY, start() waits for it, its process watched)
@@ -315,118 +387,7 @@ class Relays:
         relay.carried_mask = 0
         for index in carried.values():
             self._ctl._sessions.lose(hosts[index], f"its relay was lost ({why})")
+        if relay.proc is None:  # one that connected by itself: told if it speaks again
+            return
         if relay.proc.poll() is None:
             relay.proc.kill()
-
-    # -- receiving -----------------------------------------------------------------------
-
-    def on_frames(self, relay: Relay, frames: list[Any]) -> None:
-        """A message from a relay: authenticate, then hosts' messages to their handlers."""
-        ctl = self._ctl
-        sessions = ctl._sessions
-        try:
-            env = decode(ctl._key, frames[1:])
-            if env.sender != relay.session or env.receiver != ctl._session:
-                sessions.drop("stale", relay.identity)
-                return
-            assert ctl._chan is not None
-            got = ctl._chan.take(relay.link, env, 1 << 62)
-            if got is None or isinstance(got, str):
-                return
-            relay.last_seen = time.monotonic()
-            if ctl._hangups is not None:
-                ctl._hangups.heard(relay, frames[0])  # (its link proves it alive)
-            subs = unpack_batch(got) if got.kind == P.Kind.BATCH else [got]
-        except Dropped as d:
-            sessions.drop(d.reason, relay.identity, d.detail)
-            return
-        for sub in subs:
-            try:
-                self._handle(relay, sub)
-            except (Dropped, ValueError) as exc:
-                sessions.drop("malformed", relay.identity, str(exc))
-
-    def _handle(self, relay: Relay, env: Envelope) -> None:
-        kind = env.kind
-        if kind == P.Kind.UP:
-            self._up(relay, env)
-        elif kind == P.Kind.HEARTBEAT:  # what it dropped, counted as if dropped here
-            beat = P.parse(kind, env.body)
-            assert isinstance(beat, P.Heartbeat)
-            counts = self._ctl._sessions.dropped
-            for reason, n in beat.dropped.items():
-                if type(n) is int and n > relay.dropped.get(reason, 0):
-                    counts[str(reason)[:64]] += n - relay.dropped.get(reason, 0)
-                    relay.dropped[reason] = n
-        elif kind == P.Kind.GONE:
-            g = Gone.from_wire(env.body)
-            assert isinstance(g, Gone)
-            host = self._carried(relay, g.host)
-            if host is None:
-                return
-            if g.reason:
-                self._ctl._sessions.violation(host, g.reason, g.why)
-            else:
-                self._ctl._sessions.lose(host, g.why)
-        elif kind == P.Kind.READY:
-            r = Ready.from_wire(env.body)
-            assert isinstance(r, Ready)
-            relay.endpoint = r.endpoint
-            if self._ready is not None:
-                self._ready.set()
-
-    def _carried(self, relay: Relay, index: int) -> Host | None:
-        hosts = self._ctl._hosts
-        if not 0 <= index < len(hosts):
-            return None
-        host = hosts[index]
-        return host if host.alive and host.peer.via is relay else None
-
-    def _up(self, relay: Relay, env: Envelope) -> None:
-        """The hosts' messages a relay passed on: each to its handler, as if direct."""
-        sessions = self._ctl._sessions
-        now = time.monotonic()
-        session = self._ctl._session
-        relay.ups += 1
-        relay.most_buffers = max(relay.most_buffers, len(env.buffers))
-        relay.most_bytes = max(relay.most_bytes, data_bytes(env.payload, env.buffers))
-        if len(env.body) > 1:  # several hosts' messages, or several of one: a batch
-            sessions.batches_received += 1
-        for hosts, kind, packed, payload, bufs, pbufs, extras in entries(
-                env.body, env.payload, env.buffers):
-            raw = unpack_bounded(packed)
-            if kind == P.Kind.DELIVERED:  # what the relay's hosts acknowledged
-                report = Delivered.from_wire(raw)
-                assert isinstance(report, Delivered)
-                relay.on_delivered(report)
-                continue
-            sub = Envelope(kind, b"", session, 0, raw, payload, bufs, pbufs)
-            try:
-                body = P.parse(kind, raw)
-            except ValueError as exc:
-                for i in hosts:
-                    host = self._carried(relay, i)
-                    if host is not None:
-                        sessions.violation(host, "malformed", str(exc))
-                continue
-            relay.carried_up += len(hosts)
-            if kind == P.Kind.RESULT and isinstance(body, P.Result):
-                try:  # one entry for many hosts: settled as a group (.coalesced)
-                    on_results(self._ctl._ops, relay, hosts, body, sub, extras)
-                except (KeyboardInterrupt, SystemExit):
-                    raise
-                except BaseException:  # as Sessions.handle: a handler's bug must not end the UP
-                    sessions.dropped["handler_error"] += 1
-                    log.exception("error handling results relayed by relay %d", relay.index)
-                continue
-            for j, i in enumerate(hosts):
-                host = self._carried(relay, i)
-                if host is None:
-                    continue
-                host.last_seen = now
-                b = body
-                if extras is not None and isinstance(body, P.Result):
-                    times = extras[j]
-                    b = P.Result(body.call_id, body.status, body.meta,
-                                 times if isinstance(times, list) else [])
-                sessions.handle(host, relay.identity, sub, b)

@@ -100,6 +100,11 @@ class ResultLane:
             return
         f0 = frames[0]
         identity = f0.bytes
+        if relays is not None:  # a relay's message: straight to its reader
+            relay = relays.by_identity.get(identity)
+            if relay is not None:
+                relays.on_frames(relay, frames)
+                return
         host = ctl._hosts.by_identity.get(identity)
         fh, fp, ft = frames[1], frames[2], frames[3]
         if (host is None or (relays is not None and identity in relays.by_identity)

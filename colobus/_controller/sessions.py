@@ -36,6 +36,7 @@ from .hangups import link_up
 from .hosts import Host
 from .liveness import Liveness
 from .ops import Parts
+from .relays import NO_RELAYS, refuse
 from .resultlane import ResultLane
 
 if TYPE_CHECKING:
@@ -175,6 +176,13 @@ class Sessions:
                 return
             if env.kind == Kind.HELLO:
                 self._on_hello(identity, env, frame)
+                return
+            if env.kind == Kind.OFFER:  # a relay that connected by itself (colobus relay)
+                if not self._refuse_version(identity, env):
+                    if ctl._relays is not None:
+                        ctl._relays.on_offer(identity, env)
+                    else:
+                        refuse(ctl, identity, env, NO_RELAYS)
                 return
             host = ctl._hosts.by_identity.get(identity)
             if host is None or env.sender != host.session:

@@ -32,6 +32,7 @@ from types import TracebackType
 from .._controller.cluster import announce_joins, host_process_ended, number_hosts_by_name
 from .._controller.controller import Controller, _pop_current, _push_current
 from .._controller.procwatch import Emit, HostProcess, describe_exit
+from .onhosts import RelaysOnHosts
 
 __all__ = ["LaunchedCluster", "Launcher", "Workers", "log_emit"]
 
@@ -111,6 +112,39 @@ class Launcher(abc.ABC):
         said = "; ".join(line for line in stderr if line.strip())[-600:]
         return RuntimeError(f"the colobus worker of {self.describe(i)} {describe_exit(code)} "
                             f"before joining" + (f": {said}" if said else ""))
+
+    def relay_command(self, i: int, connect: str) -> list[str] | None:
+        """The command line of a relay on host ``i``'s machine that connects to
+        ``connect`` (``colobus relay``, its keys on stdin); None: this launcher places
+        no relays on its hosts' machines."""
+        return None
+
+    def start_relay(self, i: int, connect: str, key: bytes,
+                    relay_key: bytes) -> subprocess.Popen[bytes]:
+        """Start a relay on host ``i``'s machine; both keys go on its stdin, which stays
+        open (the relay exits when it closes, or when the controller's session ends).
+
+        Raises:
+            ValueError: this launcher places no relays on its hosts' machines.
+        """
+        cmd = self.relay_command(i, connect)
+        if cmd is None:
+            raise ValueError(f"relays_on_hosts= is not supported by {self.kind} clusters; "
+                             "run `colobus relay --connect ...` on the machines you choose "
+                             "(docs/deployment.md)")
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, start_new_session=True,
+                                env=self.relay_env())
+        assert proc.stdin is not None
+        try:
+            proc.stdin.write(key.hex().encode() + b"\n" + relay_key.hex().encode() + b"\n")
+            proc.stdin.flush()
+        except OSError:  # already gone: its exit says why
+            pass
+        return proc
+
+    def relay_env(self) -> dict[str, str] | None:
+        """The environment of the local process that starts a relay (None: this one's)."""
+        return None
 
     def stop(self, proc: subprocess.Popen[bytes]) -> None:
         """Ask a worker to end: close its stdin (a remote worker's ssh session ends with
@@ -264,7 +298,7 @@ class Workers:
         self.reap(5.0, grace=2.0)
 
 
-class LaunchedCluster:
+class LaunchedCluster(RelaysOnHosts):
     """A controller plus the workers a :class:`Launcher` starts for it.
 
     Entry starts the controller, then the workers, and returns once every host
@@ -279,8 +313,11 @@ class LaunchedCluster:
         connect: the endpoint the workers join (default: the controller's address).
     """
 
+    launcher: Launcher
+
     def __init__(self, launcher: Launcher, controller: Controller, key: bytes, *,
-                 restart: int = 0, connect: Callable[[str], str] | None = None) -> None:
+                 restart: int = 0, connect: Callable[[str], str] | None = None,
+                 relays_on_hosts: int = 0) -> None:
         self.launcher = launcher
         self.controller = controller
         self._key = key
@@ -288,6 +325,9 @@ class LaunchedCluster:
         self._connect = connect
         self.workers: Workers | None = None
         self._closed = False
+        # one relay per this many hosts, on the machines of hosts 0, N, 2N, ...
+        self.relays_on_hosts = relays_on_hosts
+        self.relay_procs: list[subprocess.Popen[bytes]] = []
 
     @property
     def procs(self) -> list[subprocess.Popen[bytes]]:
@@ -356,6 +396,7 @@ class LaunchedCluster:
                 self.workers.kill_all()
             else:
                 self.workers.reap()
+        self._stop_relays()
         self._cleanup()
 
     def _cleanup(self) -> None:
@@ -366,6 +407,7 @@ class LaunchedCluster:
     async def __aenter__(self) -> Controller:
         try:
             await self.controller.start()
+            await self._start_relays()
             self._spawn()
             await self._wait_joined()
         except BaseException:
@@ -390,6 +432,7 @@ class LaunchedCluster:
     def __enter__(self) -> Controller:
         try:
             self.controller.start_in_thread()
+            self.controller.run_sync(self._start_relays())
             self._spawn()
             self.controller.run_sync(self._wait_joined())
         except BaseException:

@@ -20,6 +20,7 @@ from .._process import with_huge_pages
 from .._wire.keys import generate_key
 from .accel import local_worker_envs
 from .base import LaunchedCluster, Launcher
+from .onhosts import relay_argv, relays_on_hosts_option
 
 __all__ = ["LocalCluster", "LocalLauncher", "init", "local_cluster", "shutdown"]
 
@@ -92,6 +93,16 @@ class LocalLauncher(Launcher):
         proc.stdin.close()
         return proc
 
+    def relay_command(self, i: int, connect: str) -> list[str]:
+        # (on this machine, as its hosts are: loopback; keys on stdin)
+        return [sys.executable, "-P", "-m", "colobus", *relay_argv(connect, i),
+                "--bind", "tcp://127.0.0.1:*"]
+
+    def relay_env(self) -> dict[str, str]:
+        env = dict(self.env())
+        env.pop("COLOBUS_RELAY_KEY_FILE", None)
+        return env
+
     def emit(self) -> Emit | None:
         return None  # local workers share the terminal: ``[stdout:N]`` labels
 
@@ -108,7 +119,7 @@ class LocalCluster(LaunchedCluster):
 
     def __init__(self, hosts: int = 2, devices_per_host: int = 1, *, transport: str = "ipc",
                  restart: int = 0, accelerators_per_host: int | None = None,
-                 **options: Any) -> None:
+                 relays_on_hosts: int = 0, **options: Any) -> None:
         if transport not in ("ipc", "tcp"):
             raise ValueError(f"transport must be 'ipc' or 'tcp', got {transport!r}")
         if hosts < 1 or devices_per_host < 1:
@@ -131,9 +142,10 @@ class LocalCluster(LaunchedCluster):
                 "loopback on this machine); use cb.Controller(..., curve_secret_key=...) and "
                 "`colobus worker --curve-key-file ... --server-key ...` (docs/security.md)")
         options.setdefault("exit_workers_on_close", True)
+        per = relays_on_hosts_option(relays_on_hosts, options)
         super().__init__(LocalLauncher(hosts, devices_per_host, accelerators=accelerators),
                          Controller(bind, hosts=hosts, key=key, **options), key,
-                         restart=restart)
+                         restart=restart, relays_on_hosts=per)
 
     def _cleanup(self) -> None:
         if self._ipc_path and os.path.exists(self._ipc_path):
@@ -145,7 +157,7 @@ class LocalCluster(LaunchedCluster):
 
 def local_cluster(hosts: int | None = None, devices_per_host: int | None = None, *,
                   transport: str = "ipc", restart: int = 0,
-                  accelerators_per_host: int | None = None,
+                  accelerators_per_host: int | None = None, relays_on_hosts: int = 0,
                   **options: Any) -> LocalCluster | Controller:
     """A controller plus ``hosts`` worker subprocesses on this machine.
 
@@ -172,6 +184,9 @@ def local_cluster(hosts: int | None = None, devices_per_host: int | None = None,
             than hosts, the first ones get one each and the rest are CPU-only. 0:
             CPU-only workers. Raises ``RuntimeError`` at once if this process already
             opened the accelerator with JAX (docs/accelerators.md).
+        relays_on_hosts: one relay per this many hosts, each a ``colobus relay``
+            process started beside a host's worker (here: on this machine), carrying
+            the hosts' sessions for the controller; 0: none (docs/deployment.md).
         **options: passed to :class:`Controller` (``heartbeat_interval``, ``metrics``,
             ``trace``, ...).
 
@@ -184,7 +199,8 @@ def local_cluster(hosts: int | None = None, devices_per_host: int | None = None,
     return LocalCluster(2 if hosts is None else hosts,
                         1 if devices_per_host is None else devices_per_host,
                         transport=transport, restart=restart,
-                        accelerators_per_host=accelerators_per_host, **options)
+                        accelerators_per_host=accelerators_per_host,
+                        relays_on_hosts=relays_on_hosts, **options)
 
 
 _default_cluster: LocalCluster | Controller | None = None

@@ -40,6 +40,7 @@ from .._controller.environ import own_workers
 from .._controller.procwatch import describe_exit
 from .._wire.keys import generate_key, write_key
 from .base import LaunchedCluster, Launcher
+from .onhosts import relay_argv, relays_on_hosts_option
 from .ssh import concrete_address, route_source
 
 __all__ = ["SlurmJobCluster", "SrunLauncher", "batch_script", "node_names", "own_address",
@@ -153,6 +154,16 @@ class SrunLauncher(Launcher):
                 *_worker_argv(self.python, connect, self.devices), "--name", self.names[i],
                 "--key-file", "-", "--exit-on-stdin-eof"]
 
+    def relay_command(self, i: int, connect: str) -> list[str]:
+        return ["srun", "--nodes=1", "--ntasks=1", f"--nodelist={self.nodes[i]}", "--overlap",
+                "--kill-on-bad-exit=1", *shlex.split(self.python), "-m", "colobus",
+                *relay_argv(connect, i)]
+
+    def relay_env(self) -> dict[str, str]:
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env.pop("COLOBUS_KEY_FILE", None)
+        return env
+
     def start(self, i: int, connect: str, key: bytes) -> subprocess.Popen[bytes]:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env.pop("COLOBUS_KEY_FILE", None)
@@ -191,6 +202,10 @@ class SlurmJobCluster(LaunchedCluster):
                  restart: int, bind: str | None, key_dir: str | os.PathLike[str] | None,
                  **options: Any) -> None:
         count = nodes * workers_per_node
+        if options.pop("relays_on_hosts", 0):
+            raise ValueError("relays_on_hosts= places relays with srun steps, inside an "
+                             "allocation (salloc, or a job script); a batch job of workers "
+                             "can run `colobus relay --connect ...` itself (docs/deployment.md)")
         key = generate_key()
         options.setdefault("exit_workers_on_close", True)
         bind = bind or f"tcp://{own_address()}:*"
@@ -411,6 +426,7 @@ def slurm_cluster(nodes: int = 1, devices_per_host: int = 1, *, workers_per_node
                             srun_args=srun_args)
     key = generate_key()
     options.setdefault("exit_workers_on_close", True)
+    per = relays_on_hosts_option(options.pop("relays_on_hosts", 0), options)
     if bind is None:
         try:
             bind = f"tcp://{route_source(names[0])}:*"
@@ -418,4 +434,4 @@ def slurm_cluster(nodes: int = 1, devices_per_host: int = 1, *, workers_per_node
             bind = f"tcp://{own_address()}:*"
     with own_workers():  # its address, whatever a surrounding launch says
         controller = Controller(bind, hosts=len(launcher.names), key=key, **options)
-    return LaunchedCluster(launcher, controller, key, restart=restart)
+    return LaunchedCluster(launcher, controller, key, restart=restart, relays_on_hosts=per)

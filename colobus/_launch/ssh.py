@@ -36,6 +36,7 @@ from .._controller.environ import own_workers
 from .._controller.procwatch import describe_exit
 from .._wire.keys import generate_key, write_curve_keypair
 from .base import LaunchedCluster, Launcher
+from .onhosts import relay_argv, relays_on_hosts_option
 
 __all__ = ["SshCluster", "SshLauncher", "concrete_address", "curve_keys", "route_source",
            "ssh_cluster", "ssh_hostname", "worker_command"]
@@ -146,6 +147,15 @@ class SshLauncher(Launcher):
                                 self.env, self.cwd, curve=self.curve is not None)
         return ["ssh", *self.ssh_args, *SSH_DEFAULTS, "-T", self.destinations[i], remote]
 
+    def relay_command(self, i: int, connect: str) -> list[str]:
+        variables = {"PYTHONUNBUFFERED": "1", "COLOBUS_LOG_LEVEL": "WARNING", **self.env}
+        remote = shlex.join(["exec", "env", *(f"{k}={v}" for k, v in variables.items()),
+                             *shlex.split(self.python), "-m", "colobus",
+                             *relay_argv(connect, i)])
+        if self.cwd:
+            remote = f"cd {shlex.quote(self.cwd)} && {remote}"
+        return ["ssh", *self.ssh_args, *SSH_DEFAULTS, "-T", self.destinations[i], remote]
+
     def start(self, i: int, connect: str, key: bytes) -> subprocess.Popen[bytes]:
         # A session of its own: Ctrl-C reaches this process only, which then stops the
         # workers in order (a SIGINT to ssh too would race with that).
@@ -225,6 +235,7 @@ class SshCluster(LaunchedCluster):
                               f"{first!r} ({exc}); give bind='tcp://ADDRESS:*'") from exc
         key = generate_key()
         options.setdefault("exit_workers_on_close", True)
+        per = relays_on_hosts_option(options.pop("relays_on_hosts", 0), options)
         curve_dir = tempfile.mkdtemp(prefix="colobus-curve-") if curve else None  # mode 0700
         try:
             if curve_dir is not None:
@@ -237,7 +248,8 @@ class SshCluster(LaunchedCluster):
         first, args = launcher.destinations[0], launcher.ssh_args
         super().__init__(launcher, controller, key, restart=restart,
                          connect=lambda address: concrete_address(
-                             address, lambda: route_source(ssh_hostname(first, args))))
+                             address, lambda: route_source(ssh_hostname(first, args))),
+                         relays_on_hosts=per)
 
 
 

@@ -42,12 +42,12 @@ class ReplyHold:
         else:
             e[0] += hosts
 
-    def answered(self, call_id: int) -> None:
-        """A host's RESULT for ``call_id`` joined the next UP."""
+    def answered(self, call_id: int, n: int = 1) -> None:
+        """``n`` hosts' RESULTs for ``call_id`` joined the next UP."""
         e = self._expect.get(call_id)
         if e is None:
             return
-        e[0] -= 1
+        e[0] -= n
         if e[0] <= 0:
             del self._expect[call_id]
             self._open.discard(call_id)

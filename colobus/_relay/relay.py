@@ -11,8 +11,10 @@ controller it is one peer on the controller's ROUTER: FORWARD messages carry
 what many hosts are sent, UP messages what they sent back, equal replies of
 one call coalesced (:mod:`colobus._wire.relaywire`).
 
-It reads its settings (and the key) from its standard input and exits when
-that closes: the controller holds the other end, so a relay never outlives it.
+A relay the controller starts reads its settings (and the key) from its standard
+input and exits when that closes (:mod:`.process`): the controller holds the other
+end, so it never outlives it. One that runs anywhere connects and offers itself
+(:mod:`.connect`).
 """
 
 from __future__ import annotations
@@ -21,12 +23,9 @@ import asyncio
 import collections
 import logging
 import os
-import struct
-import sys
 import time
 from typing import Any
 
-import msgpack
 import zmq
 
 from .._wire import protocol as P
@@ -35,6 +34,7 @@ from .._wire.envelope import (
     PROTOCOL_VERSION,
     Dropped,
     Envelope,
+    Outgoing,
     decode,
     pack_body,
     unpack_batch,
@@ -42,13 +42,23 @@ from .._wire.envelope import (
 from .._wire.guard import RESET_SEQ
 from .._wire.limits import MAX_HEADER_BYTES, MAX_OBJECTS, UNKNOWN_PEER_MAX_BYTES
 from .._wire.links import SRCFD, Closes, PeerLinks, heartbeat_options
-from .._wire.peer import data_bytes
-from .._wire.relaywire import NEVER_REACHED, SMALL, Adopt, Delivered, Gather, Gone, Ready, entries
+from .._wire.relaywire import (
+    NEVER_REACHED,
+    RELAY_ONLY,
+    SMALL,
+    Adopt,
+    Delivered,
+    Gather,
+    Gone,
+    Ready,
+)
 from .._wire.sockio import router_socket
 from .._wire.stalls import StallClock
+from .fanout import deliver, forward
 from .hold import HOLD_S, ReplyHold
+from .inflow import HostsChannel
 
-__all__ = ["Relay", "main"]
+__all__ = ["Relay", "advertised"]
 
 log = logging.getLogger("colobus.relay")
 
@@ -60,6 +70,7 @@ DELIVERED = int(P.Kind.DELIVERED)
 # Hosts' acknowledgements that freed this many bytes since the last report go up at
 # once (an upload may wait for them); fewer ride with the next UP.
 DELIVER_NOW = 1 << 18
+DELIVER_EVERY_S = 0.5  # fewer ride with the first UP this long after the last report
 # A host's heartbeat goes up when its figures other than memory, CPU time and the ping
 # echo changed, or this long after the last that went up; the relay judges liveness.
 HEALTH_EVERY_S = 5.0
@@ -90,6 +101,8 @@ class Relay:
         self.dead: collections.OrderedDict[bytes, tuple[bytes, str]] = collections.OrderedDict()
         self.dropped: collections.Counter[str] = collections.Counter()
         self.ups = Gather()
+        self.whole = 0  # hosts' envelopes a FORWARD sent whole at once (.fanout)
+        self.sent_down = False  # .fanout sent on the hosts' socket since the last flush
         self.hold = ReplyHold()  # the replies of a call wait for its last one (.hold)
         self._hold_timer: asyncio.TimerHandle | None = None
         self._due = False  # self.ups holds more than heartbeats
@@ -101,37 +114,57 @@ class Relay:
         self.given: dict[int, int] = {}
         self.reported: dict[int, int] = {}
         self.released: set[int] = set()
+        self._acks: dict[int, int] = {}  # host -> its DELIVERED count, for the next UP
+        self._acks_freed = 0  # bytes they freed since the last DELIVERED
+        self._acks_at = 0.0  # when the last DELIVERED went up
         self.ctl_heard = time.monotonic()
         self._stalls = StallClock(self.heartbeat)  # liveness ticks that came late
         self._last_tick = time.monotonic()
         # The hosts' links, and ctl_heard when the controller's closed (colobus._wire.links)
         self.links = PeerLinks(self.last_seen)
         self._ctl_closed_at: float | None = None
-        self.done: asyncio.Future[None] | None = None
+        self.done: asyncio.Future[str] | None = None
 
-    async def run(self) -> None:
+    async def run(self, ctx: zmq.Context[Any] | None = None,
+                  up: zmq.Socket[Any] | None = None) -> str:
+        """Carry hosts until the session ends; returns why it ended.
+
+        Args:
+            ctx: the ZeroMQ context to use (None: one of its own, ended with it).
+            up: a DEALER already joined to the controller (a relay that connected by
+                itself: :mod:`.connect`); None: connect one and say READY (a relay the
+                controller started, which also ends when its standard input closes).
+        """
         loop = asyncio.get_running_loop()
         self.done = loop.create_future()
-        ctx: zmq.Context[Any] = zmq.Context()
-        up = ctx.socket(zmq.DEALER)
-        up.setsockopt(zmq.LINGER, 0)
-        up.setsockopt(zmq.SNDHWM, 0)
-        up.setsockopt(zmq.RCVHWM, 0)
-        up.setsockopt(zmq.ROUTING_ID, self.cfg["identity"])
-        up.connect(self.cfg["controller"])
-        down = router_socket(ctx, self.max_message)
+        own = ctx is None
+        context: zmq.Context[Any] = zmq.Context() if ctx is None else ctx
+        started = up is None
+        if up is None:
+            up = context.socket(zmq.DEALER)
+            up.setsockopt(zmq.LINGER, 0)
+            up.setsockopt(zmq.SNDHWM, 0)
+            up.setsockopt(zmq.RCVHWM, 0)
+            up.setsockopt(zmq.ROUTING_ID, self.cfg["identity"])
+            up.connect(self.cfg["controller"])
+        down = router_socket(context, self.max_message)
         heartbeat_options(down, self.heartbeat, self.liveness)
         down.bind(self.cfg["bind"])
         self.up = Channel(up, self.key, loop, self._from_controller, send_flags=zmq.NOBLOCK,
                           after_reads=self._flush_down)
-        self.down = Channel(down, self.key, loop, self._from_host, after_reads=self._flush_up,
-                            on_release=self._released)
-        self.up.send(self.ctl, Ready(down.getsockopt_string(zmq.LAST_ENDPOINT)))
-        loop.add_reader(0, self._stdin)
+        self.down = HostsChannel(down, self.key, loop, self._from_host,
+                                 after_reads=self._flush_up, on_release=self._released)
+        self.down.relay = self
+        endpoint = down.getsockopt_string(zmq.LAST_ENDPOINT)
+        if self.cfg.get("advertise"):  # (on another machine than the controller's)
+            endpoint = advertised(endpoint, self.cfg["advertise"])
+        self.up.send(self.ctl, Ready(endpoint))
+        if started:
+            loop.add_reader(0, self._stdin)
         closes = [Closes(down, loop, self.links.closed), Closes(up, loop, self._ctl_closed)]
         ticks = loop.create_task(self._ticks())
         try:
-            await self.done
+            why = await self.done
             await asyncio.sleep(0.2)  # what the controller sent last (its SHUTDOWNs)
             self.up.drain()
             self.down.flush()
@@ -139,18 +172,26 @@ class Relay:
             ticks.cancel()
             for c in closes:
                 c.close()
-            loop.remove_reader(0)
+            if started:
+                loop.remove_reader(0)
             self.down.close(linger_ms=1000)
             self.up.close()
-            ctx.term()
+            if own:
+                context.term()
+        return why
+
+    def end(self, why: str) -> None:
+        """The session is over (``why``): :meth:`run` returns."""
+        if self.done is not None and not self.done.done():
+            self.done.set_result(why)
 
     def _stdin(self) -> None:
         try:
             data = os.read(0, 4096)
         except OSError:
             data = b""
-        if not data and self.done is not None and not self.done.done():
-            self.done.set_result(None)  # the controller is gone, or closing
+        if not data:
+            self.end("the controller closed its end")  # gone, or closing
 
     # -- from the controller -------------------------------------------------------------
 
@@ -159,6 +200,9 @@ class Relay:
             env = decode(self.key, frames)
             if env.sender != self.ctl_session or env.receiver != self.session:
                 self.dropped["stale"] += 1
+                return
+            if env.kind == P.Kind.RESET and env.seq == RESET_SEQ:  # (outside the numbering)
+                self.end("the controller ended this relay's session")
                 return
             got = self.up.take(self.ctl, env, 1 << 62)
             if got is None or isinstance(got, str):
@@ -172,24 +216,7 @@ class Relay:
     def _handle(self, env: Envelope) -> None:
         kind = env.kind
         if kind == P.Kind.FORWARD:
-            enqueue = self.down.enqueue_packed
-            peers = self.peers
-            given = self.given
-            for hosts, k, packed, payload, bufs, pbufs, _ in entries(
-                    env.body, env.payload, env.buffers):
-                sent = 0
-                n = data_bytes(payload, bufs) if payload or bufs else 0
-                for h in hosts:
-                    peer = peers.get(h)
-                    if peer is not None:
-                        enqueue(peer, k, packed, payload, bufs, pbufs)
-                        sent += 1
-                        if n:
-                            given[h] += n
-                if k == CALL and sent:
-                    call = msgpack.unpackb(packed)  # authenticated: the FORWARD's MAC
-                    if isinstance(call, list) and call and type(call[0]) is int:
-                        self.hold.forwarded(call[0], sent)
+            forward(self, env.body, env.payload, env.buffers)  # (.fanout)
         elif kind == P.Kind.ADOPT:
             a = Adopt.from_wire(env.body)
             assert isinstance(a, Adopt)
@@ -205,16 +232,19 @@ class Relay:
             self.given[a.host] = self.reported[a.host] = 0
             self.by_identity[a.identity] = a.host
             self.last_seen[a.host] = time.monotonic()
+        elif kind == P.Kind.SHUTDOWN:  # (a relay that connected by itself: the session ends)
+            self.end("the controller closed")
         elif kind == P.Kind.GONE:
             g = Gone.from_wire(env.body)
             assert isinstance(g, Gone)
-            peer = self._forget(g.host, g.why)
-            if peer is None:  # it left here already: say the last word if it speaks
+            gone = self._forget(g.host, g.why)
+            if gone is None:  # it left here already: say the last word if it speaks
                 return
-            self._reset(peer.route[0], peer.their_session, g.why)
+            self._reset(gone.route[0], gone.their_session, g.why)
 
     def _flush_down(self) -> None:
-        if self.down.flush():
+        sent, self.sent_down = self.sent_down, False  # (what .fanout sent at once)
+        if self.down.flush() or sent:
             # The FD is edge-triggered: a send can take the edge that announced a host's
             # message, so read what waits after sending (as a channel's own steps do).
             asyncio.get_running_loop().call_soon(self.down.drain)
@@ -233,7 +263,7 @@ class Relay:
                          max_body=MAX_HEADER_BYTES, max_objects=MAX_OBJECTS)
         except Dropped as d:
             if h is not None and d.reason == "oversized":  # its worker stays under the limit
-                self._lose(h, f"it broke the protocol ({d.reason}: {d.detail:.200})", d.reason)
+                self._lose(h, f"{d.detail:.200}", d.reason)
             else:
                 self.dropped[d.reason] += 1
             return
@@ -268,11 +298,16 @@ class Relay:
                 return
             subs = unpack_batch(got) if got.kind == P.Kind.BATCH else [got]
         except Dropped as d:  # a joined host broke the protocol: the controller drops it
-            self._lose(h, f"it broke the protocol ({d.reason}: {d.detail:.200})", d.reason)
+            self._lose(h, f"{d.detail:.200}", d.reason)
             return
         add = self.ups.add
         hold = self.hold
         for sub in subs:
+            if sub.kind in RELAY_ONLY:  # a relay's word from a host: its messages before
+                # it go up, then the controller drops it (a violation, as it would)
+                name = P.Kind(sub.kind).name
+                self._lose(h, name, "unexpected_kind")
+                return
             body = sub.body
             if sub.kind == HEARTBEAT:
                 if not self._health_news(h, body):
@@ -313,23 +348,23 @@ class Relay:
             self.released.add(h)
 
     def _delivered(self) -> None:
-        """What the hosts acknowledged, as an entry of the next UP: it goes now if that
-        freed DELIVER_NOW bytes or more (uploads may wait for them), else with the next
-        UP that goes anyway (a call's arguments: its RESULT's UP follows soon)."""
-        counts: list[int] = []
+        """What the hosts acknowledged, for an UP (one DELIVERED entry however many
+        drains it gathers over): it goes now if that freed DELIVER_NOW bytes or more
+        since the last (uploads may wait for them), else with the first UP that goes
+        DELIVER_EVERY_S after the last (a call's arguments, a few bytes per host: a
+        report per call would cost the controller a step per host and call)."""
+        acks = self._acks
         freed = 0
         for h in self.released:
             peer = self.peers.get(h)
             if peer is not None:
                 n = self.given.get(h, 0) - peer.held
                 freed += n - self.reported.get(h, 0)
-                self.reported[h] = n
-                counts += (h, n)
+                self.reported[h] = acks[h] = n
         self.released.clear()
-        if counts:
-            self.ups.add_many([], DELIVERED, pack_body(Delivered(counts).to_wire()), b"", (), 0)
-            if freed >= DELIVER_NOW:
-                self._due = True
+        self._acks_freed += freed
+        if self._acks_freed >= DELIVER_NOW:
+            self._due = True
 
     def _flush_up(self) -> None:
         """After the hosts' messages were read: say what they acknowledged, and send
@@ -337,7 +372,7 @@ class Relay:
         (:mod:`.hold`)."""
         if self.released:
             self._delivered()
-        if not self.ups:
+        if not self.ups and not self._acks:
             return
         if self.hold.holding:
             if self._hold_timer is None:
@@ -355,12 +390,12 @@ class Relay:
         left = self.hold.left(time.monotonic())
         if left > 0:  # its calls' replies still coming
             self._hold_timer = asyncio.get_running_loop().call_later(left, self._held)
-        elif self.ups:
+        elif self.ups or self._acks:
             self._send_up()
 
     def _beats(self) -> None:
         self._beat_timer = None
-        if self.ups and self._hold_timer is None:
+        if (self.ups or self._acks) and self._hold_timer is None:
             self._send_up()
 
     def _send_up(self) -> None:
@@ -370,6 +405,16 @@ class Relay:
         self._hold_timer = self._beat_timer = None
         self._due = False
         self.hold.sent()
+        now = time.monotonic()
+        if self._acks and (self._acks_freed >= DELIVER_NOW or not self.ups
+                           or now - self._acks_at >= DELIVER_EVERY_S):
+            counts: list[int] = []  # (Delivered: [host, bytes, ...])
+            for h, n in self._acks.items():
+                counts += (h, n)
+            self._acks.clear()
+            self._acks_freed, self._acks_at = 0, now
+            self.ups.add_many([], DELIVERED, pack_body(Delivered(counts).to_wire()), b"", (), 0)
+        self.ups.sort_shared()  # (the controller keys a group's mask on its host list)
         for body, payload, bufs in self.ups.take():  # each within the limits (.limits)
             self.up.send_packed(self.ctl, P.Kind.UP, pack_body(body), payload, bufs, 0)
 
@@ -406,13 +451,17 @@ class Relay:
         if (now - self.ctl_heard > 2 * self.liveness and self._ctl_closed_at is not None
                 and self.done is not None):
             # (silent on an open connection: its loop is held, and it is waited for)
-            log.warning("relay: the controller is silent and its connection closed; exiting")
-            if not self.done.done():
-                self.done.set_result(None)
+            log.warning("relay: the controller is silent and its connection closed; "
+                        "ending its session")
+            self.end("the controller was silent")
             return
         self.hold.prune(self.liveness)
         alive = []
-        ping = P.Heartbeat(0, 0, 0, 0, time.monotonic_ns())
+        # the controller's heartbeat to every live host: one body, each host's envelope
+        # sent at once where its window is clear (.fanout)
+        pings: list[Outgoing] = [(HEARTBEAT, pack_body(P.Heartbeat(
+            0, 0, 0, 0, time.monotonic_ns()).to_wire()), b"", (), 0)]
+        to: dict[int, list[Outgoing]] = {}
         for h, peer in list(self.peers.items()):
             if peer.unacked:
                 if self.last_seen[h] < now - elapsed:  # it said nothing since the last
@@ -428,8 +477,9 @@ class Relay:
             elif waited > self.liveness:
                 self._lose(h, f"it acknowledged nothing for {waited:.1f} s")
             else:
-                self.down.enqueue(peer, ping)
+                to[h] = pings
                 alive.append(peer)
+        deliver(self, to)
         self._flush_down()
         self.down.resend_stale(alive, self.resend_after)
         self.up.send(self.ctl, P.Heartbeat(0, 0, 0, 0, 0, 0, 0, 0, dict(self.dropped)))
@@ -452,6 +502,7 @@ class Relay:
         self.given.pop(h, None)
         self.reported.pop(h, None)
         self.released.discard(h)
+        self._acks.pop(h, None)
         self.arrived.discard(h)
         self.dead[peer.their_session] = (peer.route[0], last_word)
         while len(self.dead) > DEAD_MAX:
@@ -463,31 +514,12 @@ class Relay:
                                                 RESET_SEQ, P.Reset(why).to_wire()))
 
 
-def read_settings(fd: int = 0) -> dict[str, Any]:
-    """The settings the controller writes on the relay's standard input (length, msgpack)."""
-    head = b""
-    while len(head) < 4:
-        more = os.read(fd, 4 - len(head))
-        if not more:
-            raise SystemExit("colobus relay: no settings on standard input")
-        head += more
-    (n,) = struct.unpack("!I", head)
-    data = b""
-    while len(data) < n:
-        more = os.read(fd, n - len(data))
-        if not more:
-            raise SystemExit("colobus relay: settings cut short")
-        data += more
-    cfg: dict[str, Any] = msgpack.unpackb(data)
-    return cfg
-
-
-def main() -> int:
-    logging.basicConfig(level=logging.WARNING, format="[relay] %(levelname)s %(message)s",
-                        stream=sys.stderr)
-    relay = Relay(read_settings())
-    try:
-        asyncio.run(relay.run())
-    except KeyboardInterrupt:
-        return 0
-    return 0
+def advertised(endpoint: str, host: str) -> str:
+    """``endpoint`` as hosts on other machines reach it: a wildcard address bound
+    (``tcp://0.0.0.0:PORT``, ``tcp://[::]:PORT``) becomes ``host``'s."""
+    if not endpoint.startswith("tcp://"):
+        return endpoint
+    bound, port = endpoint[6:].rsplit(":", 1)
+    if bound not in ("0.0.0.0", "[::]", "*", "[::0]"):
+        return endpoint
+    return f"tcp://{'[' + host + ']' if ':' in host else host}:{port}"

@@ -1,4 +1,4 @@
-"""The ``colobus`` command: ``worker``, ``keygen``, ``launch``, ``manifest``, ``demo``,
+"""The ``colobus`` command: ``worker``, ``relay``, ``keygen``, ``launch``, ``manifest``, ``demo``,
 ``bench``, ``top``.
 
 A user error (a bad option, a key file that cannot be read, a directory that
@@ -92,6 +92,28 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CurveZMQ: the controller's public key file (PATH.pub from "
                         "`colobus keygen --curve PATH`) or its Z85 public key ('-': on the "
                         "next line of stdin)")
+
+    r = sub.add_parser("relay", help="run a relay that carries hosts for a controller "
+                                     "(on any machine: docs/deployment.md)")
+    r.add_argument("--connect", required=True, type=_endpoint, metavar="ENDPOINT",
+                   help="controller endpoint: tcp://HOST:PORT")
+    r.add_argument("--key-file", default=None,
+                   help="the cluster's key file, as workers have it ('-': from stdin); "
+                        "default: $COLOBUS_KEY_FILE")
+    r.add_argument("--relay-key-file", default=None,
+                   help="the relay key file the controller was given as relay_key= ('-': "
+                        "from stdin, after the cluster key); default: $COLOBUS_RELAY_KEY_FILE")
+    r.add_argument("--bind", default="tcp://*:*", metavar="ENDPOINT",
+                   help="where hosts connect to this relay (default tcp://*:*, any port)")
+    r.add_argument("--advertise", default=None, metavar="HOST",
+                   help="the address hosts reach this machine at (default: the one it "
+                        "reaches the controller from)")
+    r.add_argument("--name", default=None, help="a name for logs and stats")
+    r.add_argument("--once", action="store_true",
+                   help="exit when the controller's session ends (default: offer this relay "
+                        "to the next controller at the address, as workers rejoin)")
+    r.add_argument("--exit-on-stdin-eof", action="store_true",
+                   help="exit when stdin closes (launchers keep it open)")
 
     k = sub.add_parser("keygen", help="write a new random key file (mode 0600)")
     k.add_argument("path", metavar="PATH", help="the key file to write")
@@ -270,6 +292,25 @@ def _worker(args: argparse.Namespace) -> int:
         return 130
 
 
+def _relay(args: argparse.Namespace) -> int:
+    from .._relay.connect import serve
+    from .._wire.keys import RELAY_KEY_ENV
+
+    key = _worker_key(args.key_file)
+    path = args.relay_key_file or os.environ.get(RELAY_KEY_ENV)
+    if not path:
+        raise _UserError("a relay needs the relay key the controller was given as relay_key=: "
+                         f"give --relay-key-file PATH (or '-' to read it from stdin) or set "
+                         f"{RELAY_KEY_ENV}")
+    relay_key = _worker_key(path)
+    if args.exit_on_stdin_eof:
+        from .._launch.remote import exit_on_stdin_eof
+
+        exit_on_stdin_eof()
+    return serve(args.connect, key, relay_key, bind=args.bind, advertise=args.advertise,
+                 name=args.name, once=args.once)
+
+
 def _need_metrics_extra(command: str) -> None:
     """``--metrics`` without the ``metrics`` extra: one line, as ``colobus top`` says it.
 
@@ -302,6 +343,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "worker":
             return _worker(args)
+        if args.command == "relay":
+            return _relay(args)
         if args.command == "keygen":
             return _keygen(args.path, args.curve, args.force)
         if args.command in ("demo", "bench") and args.metrics:

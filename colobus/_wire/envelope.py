@@ -83,7 +83,8 @@ PROTOCOL_VERSION = 11  # 2: BATCH envelopes; 3: acknowledgements (ack) in every 
 # 8: resharding (RESHARD, PIECE, FETCH of a box); memory kinds in PUT; host counts
 # 9: relays (a WELCOME may move the session to one; ADOPT, FORWARD, UP, GONE, READY)
 # 10: FETCH modes (is_ready's probe; a wait for a call's outputs); FETCH waits until computed
-# 11: HELLO must carry the worker's Python and colobus versions (refused without them)
+# 11: HELLO must carry the worker's Python and colobus versions (refused without them);
+#     the JAX job (FORM, WELCOME's jax_job); relays that connect (OFFER, SETUP)
 BATCH_KIND = 17  # _protocol.Kind.BATCH (this module does not import the kinds)
 MAC_SIZE = 32
 

@@ -17,8 +17,9 @@ from collections.abc import Sequence
 from .channel import EAGER_BATCH, Channel
 from .envelope import Buffer
 from .peer import Peer, Via
+from .splice import uint
 
-__all__ = ["Fanout", "FanoutChannel"]
+__all__ = ["Fanned", "Fanout", "FanoutChannel", "Spliced"]
 
 
 class Fanout:
@@ -30,6 +31,34 @@ class Fanout:
     def __init__(self, direct: list[Peer], relayed: list[tuple[Via, list[int]]]) -> None:
         self.direct = direct
         self.relayed = relayed
+
+
+class Spliced:
+    """One call's CALLs worked out once, for bodies that share a head and differ in
+    their end (each host's part of the mesh): per relay its hosts and each one's end
+    (one entry: the relay puts each body together), and the peers reached directly
+    with theirs."""
+
+    __slots__ = ("direct", "relayed")
+
+    def __init__(self, direct: list[tuple[Peer, bytes]],
+                 relayed: list[tuple[Via, list[int], list[bytes]]]) -> None:
+        self.direct = direct
+        self.relayed = relayed
+
+
+class Fanned:
+    """A fan-out call's destinations kept for its next calls (while no host joins or is
+    lost): its hosts grouped by their part of the mesh, and those groups as one
+    :class:`Spliced` for the host count its CALLs carry."""
+
+    __slots__ = ("groups", "hosts", "spliced")
+
+    def __init__(self, groups: list[tuple[bytes, Fanout]], hosts: int,
+                 spliced: Spliced) -> None:
+        self.groups = groups  # (packed mesh part, its peers)
+        self.hosts = hosts
+        self.spliced = spliced
 
 
 class FanoutChannel(Channel):
@@ -67,6 +96,67 @@ class FanoutChannel(Channel):
             return
         if self._step_scheduled:
             for peer in direct:
+                if len(peer.outbox) >= EAGER_BATCH:
+                    self.send_now(peer)
+            return
+        self._step_scheduled = True
+        self._loop.call_soon(self._end_step)
+        self.flush()
+
+    def spliced(self, groups: Sequence[tuple[Fanout, bytes]]) -> Spliced:
+        """The destinations of messages whose bodies are one head and then, for the
+        peers of each :class:`Fanout`, its end (valid as long as the fan-outs)."""
+        direct: list[tuple[Peer, bytes]] = []
+        relayed: dict[Via, tuple[list[int], list[bytes]]] = {}
+        for fan, tail in groups:
+            for peer in fan.direct:
+                direct.append((peer, tail))
+            for via, hosts in fan.relayed:
+                got = relayed.get(via)
+                if got is None:
+                    got = relayed[via] = ([], [])
+                got[0].extend(hosts)
+                got[1].extend([tail] * len(hosts))
+        return Spliced(direct, [(via, h, t) for via, (h, t) in relayed.items()])
+
+    def fanned(self, groups: list[tuple[bytes, Fanout]], hosts: int) -> Fanned:
+        """A fan-out call's groups (packed mesh part, peers), kept: each CALL body is the
+        call's head, then the group's mesh part and the host count ``hosts``."""
+        return Fanned(groups, hosts, self.spliced([(fan, mesh + uint(hosts))
+                                                   for mesh, fan in groups]))
+
+    def send_fanned(self, to: Fanned, kind: int, head: bytes, hosts: int,
+                    payload: Buffer = b"", buffers: Sequence[Buffer] = (),
+                    pbufs: int = 0) -> None:
+        """:meth:`send_spliced` of a kept fan-out's CALLs (their ends made again if the
+        host count changed)."""
+        if to.hosts != hosts:
+            to.hosts = hosts
+            to.spliced = self.spliced([(fan, mesh + uint(hosts)) for mesh, fan in to.groups])
+        self.send_spliced(to.spliced, kind, head, payload, buffers, pbufs)
+
+    def send_spliced(self, to: Spliced, kind: int, head: bytes, payload: Buffer = b"",
+                     buffers: Sequence[Buffer] = (), pbufs: int = 0) -> None:
+        """:meth:`send_packed_many` of the messages ``to`` describes, each peer's body
+        ``head`` and then its own end: a relay's hosts' bodies go as one entry (the relay
+        puts each together), with no Python step per relayed host at all."""
+        if self.sock.closed:
+            return
+        if self.before_flush_due and self._before_flush is not None:
+            self.before_flush_due = False
+            self._before_flush()
+        for via, hosts, tails in to.relayed:
+            if hosts:
+                via.add_spliced(hosts, kind, head, tails, payload, buffers, pbufs)
+                if via not in self._gathered:
+                    self._gathered.append(via)
+        enqueue = self.enqueue_packed
+        for peer, tail in to.direct:
+            enqueue(peer, kind, head + tail, payload, buffers, pbufs)
+        if self._corked:
+            return
+        if self._step_scheduled:  # (as send_packed_many)
+            for peer, _ in to.direct:
                 if len(peer.outbox) >= EAGER_BATCH:
                     self.send_now(peer)
             return

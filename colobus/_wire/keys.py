@@ -28,13 +28,15 @@ if TYPE_CHECKING:
 
 __all__ = [
     "curve_server_config",
-    "KEY_ENV", "MIN_KEY_BYTES", "check_key", "generate_key", "key_file_of", "key_id",
+    "KEY_ENV", "MIN_KEY_BYTES", "RELAY_KEY_ENV", "check_key", "generate_key", "key_file_of",
+    "key_id",
     "load_curve_allow", "load_curve_keypair", "load_curve_public", "load_key", "note_key_file",
     "catch_sigterm", "is_private_key_file", "parse_key_text", "remove_private_key",
     "start_curve_server", "write_curve_keypair", "write_key", "write_private_key",
 ]
 
 KEY_ENV = "COLOBUS_KEY_FILE"
+RELAY_KEY_ENV = "COLOBUS_RELAY_KEY_FILE"  # `colobus relay`'s relay key (Controller(relay_key=))
 KEY_BYTES = 32
 MIN_KEY_BYTES = 32
 

@@ -59,6 +59,11 @@ class Via(Protocol):
                     buffers: Sequence[Buffer], pbufs: int) -> None:
         """:meth:`add` of one message for each of the hosts ``carried`` named."""
 
+    def add_spliced(self, hosts: list[int], kind: int, head: bytes, tails: list[bytes],
+                    payload: Buffer, buffers: Sequence[Buffer], pbufs: int) -> None:
+        """One message for each of the hosts ``carried`` named, host ``hosts[j]``'s body
+        ``head`` and then ``tails[j]`` (the relay puts them together)."""
+
     def emit(self) -> Peer | None:
         """Queue what was collected on the relay's own peer; that peer, or None."""
 

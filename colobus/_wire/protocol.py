@@ -86,6 +86,8 @@ class Kind(enum.IntEnum):
     GONE = 29  # both: a host the relay no longer carries (lost, or it broke the protocol)
     READY = 30  # R: the relay is up, hosts connect to this endpoint
     DELIVERED = 31  # R: the bytes your hosts acknowledged (upload back-pressure)
+    OFFER = 32  # R: a relay that connected offers to carry hosts (after a CHALLENGE)
+    SETUP = 33  # C: the offer is taken: the settings the relay carries hosts with
     FORM = 40  # C: join the cluster's JAX job (jax_distributed); answered with a RESULT
 
 

@@ -7,7 +7,9 @@ controller would, and talks to the controller in few, large messages:
 * FORWARD (controller to relay): messages for the hosts it carries, as entries
   ``[hosts, kind, body, payload offset, payload length, first buffer, buffers,
   pbufs, extras]``; a message several hosts get the same (a fan-out's frees,
-  its shared argument payload) travels once.
+  its shared argument payload) travels once; one whose bodies differ only in their
+  end (a fan-out's CALLs: each host's part of the mesh) is one entry too, each host's
+  own end in ``extras`` (its body is ``body`` and then that).
 * UP (relay to controller): its hosts' messages, authenticated, in the same
   entries; equal RESULTs of one call from several hosts are one entry, with
   each host's ``times`` in ``extras``.
@@ -16,6 +18,10 @@ controller would, and talks to the controller in few, large messages:
 * DELIVERED, an entry of an UP (no hosts): how many of the bytes the relay was
   given for each host that host acknowledged (the controller's upload back-pressure
   counts the rest).
+* OFFER, SETUP: a relay that connected by itself (``colobus relay --connect``, on
+  any machine) offers to carry hosts, proving the relay key, after a CHALLENGE as a
+  worker's join; the controller takes it with the settings a relay it starts reads
+  on its standard input.
 
 Each FORWARD and UP stays within :mod:`.limits` (``GATHER_MAX_*``): a gather
 closes one message before the next would pass a limit and goes on in another.
@@ -25,14 +31,23 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from itertools import repeat
+from operator import add
 from typing import Any
 
 from . import protocol as P
-from .envelope import Buffer, Dropped
+from .envelope import Buffer, Dropped, mac_key
 from .limits import GATHER_MAX_BODY, GATHER_MAX_BUFFERS, GATHER_MAX_BYTES
 
-__all__ = ["NEVER_REACHED", "Adopt", "Delivered", "Entry", "Gather", "Gone", "Ready", "entries"]
+__all__ = ["NEVER_REACHED", "RELAY_ONLY", "Adopt", "Delivered", "Entry", "Gather", "Gone", "Offer",
+           "Ready", "Setup", "entries", "entry", "relay_proof"]
 
+# The kinds only a controller and its relays say to each other. A host that says one is
+# breaking the protocol: its relay drops it, as the controller does a host whose relay
+# passed one on (a relay's own reports are the entries of an UP that name no host).
+RELAY_ONLY = frozenset(map(int, (P.Kind.ADOPT, P.Kind.FORWARD, P.Kind.UP, P.Kind.GONE,
+                                 P.Kind.READY, P.Kind.DELIVERED, P.Kind.OFFER,
+                                 P.Kind.SETUP)))
 SMALL = 4096  # payloads up to this size are shared by value (replies), larger by identity
 # What an entry adds to its message's packed body besides the host's packed body (an
 # estimate, on the high side): the entry's fields, each host index, a reply's times.
@@ -60,7 +75,8 @@ class Adopt(P.Body):
 class Gone(P.Body):
     """A host the relay no longer carries. To the relay: ``why`` is its last word (the
     RESET reason it is told if it speaks again). From it: why the host is lost, and
-    ``reason``, a protocol violation's counter, or "" (silence)."""
+    ``reason``, a protocol violation's counter (``why`` is then its detail), or ""
+    (silence)."""
 
     kind = P.Kind.GONE
     types = (int, str, str)
@@ -94,6 +110,54 @@ class Ready(P.Body):
     endpoint: str
 
 
+@dataclass(frozen=True, slots=True)
+class Offer(P.Body):
+    """A relay that connected to the controller (``colobus relay --connect``) offers to
+    carry hosts: its name, process and machine, the nonce of the controller's CHALLENGE
+    to this session, ``proof`` (:func:`relay_proof`: what only a holder of the relay key
+    can make; workers hold the cluster key only), and its versions."""
+
+    kind = P.Kind.OFFER
+    types = (str, int, str, bytes, bytes, dict)
+    name: str
+    pid: int
+    hostname: str
+    nonce: bytes
+    proof: bytes
+    versions: dict[str, str]
+
+
+@dataclass(frozen=True, slots=True)
+class Setup(P.Body):
+    """The controller took a relay's offer: what the relay carries its hosts with (the
+    settings a relay the controller starts reads on its standard input)."""
+
+    kind = P.Kind.SETUP
+    types = (int, (int, float), (int, float), (int, float), int, bool)
+    index: int
+    heartbeat: float
+    liveness: float
+    resend_after: float
+    max_message_bytes: int
+    times: bool
+
+
+def relay_proof(relay_key: bytes, nonce: bytes, session: bytes) -> bytes:
+    """What an :class:`Offer` carries: the relay key's keyed BLAKE2b of the challenge's
+    nonce and the relay's session (fresh per challenge: a recorded one is worthless)."""
+    import hashlib
+
+    return hashlib.blake2b(nonce + session, key=mac_key(relay_key), digest_size=32,
+                           person=b"colobus-relay").digest()
+
+
+def _count(given: dict[int, int], hosts: list[int], n: int) -> None:
+    """``given[h] += n`` for each of ``hosts`` (distinct), in C: no Python step per host
+    (``dict.update``, not a Counter's, which would add the pairs themselves)."""
+    dict.update(given, zip(hosts, map(add, map(given.get, hosts, repeat(0)), repeat(n)),
+                           strict=False))  # (repeat is endless: hosts end it)
+
+
 def _nbytes(b: Buffer) -> int:
     return len(b) if type(b) is bytes else memoryview(b).nbytes
 
@@ -106,10 +170,14 @@ class Gather:
     message). A message over a limit on its own travels alone, as on the star."""
 
     def __init__(self, max_buffers: int = GATHER_MAX_BUFFERS,
-                 max_bytes: int = GATHER_MAX_BYTES, max_body: int = GATHER_MAX_BODY) -> None:
+                 max_bytes: int = GATHER_MAX_BYTES, max_body: int = GATHER_MAX_BODY,
+                 given: dict[int, int] | None = None) -> None:
         self.max_buffers = max_buffers
         self.max_bytes = max_bytes
         self.max_body = max_body
+        # per host, the payload and buffer bytes added for it (a Counter: the controller's
+        # count of what a relay holds for each host); None: not counted
+        self.given = given
         self._closed: list[tuple[list[list[Any]], bytes, list[Buffer]]] = []
         self._open()
 
@@ -138,14 +206,52 @@ class Gather:
     def add_many(self, hosts: list[int], kind: int, body: bytes, payload: Buffer,
                  bufs: Sequence[Buffer], pbufs: int) -> None:
         """The same message for each of ``hosts`` (a fan-out): one new entry, after every
-        host's earlier ones; per host only its place is noted (in C)."""
-        at, plen, boff = self._place(payload, bufs)
+        host's earlier ones; per host only its place is noted (in C), and what it was
+        given counted (``given``). ``hosts`` is copied (a later message may join the
+        entry)."""
+        hosts = list(hosts)
+        if payload or bufs:
+            given = self.given
+            if given is not None:
+                n = len(payload) if type(payload) is bytes else memoryview(payload).nbytes
+                for b in bufs:
+                    n += len(b) if type(b) is bytes else memoryview(b).nbytes
+                _count(given, hosts, n)
+            at, plen, boff = self._place(payload, bufs)
+        else:
+            at = plen = boff = 0  # (what _place gives for nothing to place)
+            if self.entries and (len(self.buffers) > self.max_buffers
+                                 or self._data > self.max_bytes):
+                self._close()
         n = len(self.entries)
         entry = [hosts, kind, body, at, plen, boff, len(bufs), pbufs, None]
         self.entries.append(entry)
         self._same[(kind, body, at, plen, boff, len(bufs), pbufs, True)] = (entry, n)
         self._last.update(dict.fromkeys(hosts, n))
-        self._grew(len(body) + ENTRY_BYTES + HOST_BYTES * len(hosts))
+        self._body += len(body) + ENTRY_BYTES + HOST_BYTES * len(hosts)  # (_grew, inline)
+        if self._body >= self.max_body:
+            self._close()
+
+    def add_spliced(self, hosts: list[int], kind: int, head: bytes, tails: list[bytes],
+                    payload: Buffer, bufs: Sequence[Buffer], pbufs: int) -> None:
+        """One message for each of ``hosts`` whose body is ``head`` and then that host's
+        own ``tails[j]`` (a fan-out's CALLs: each host's part of the mesh): one new entry,
+        the tails in its last field, after every host's earlier ones (no later message
+        joins it); what each host is given counted (``given``)."""
+        hosts = list(hosts)
+        given = self.given
+        if (payload or bufs) and given is not None:
+            n = len(payload) if type(payload) is bytes else memoryview(payload).nbytes
+            for b in bufs:
+                n += len(b) if type(b) is bytes else memoryview(b).nbytes
+            _count(given, hosts, n)
+        at, plen, boff = self._place(payload, bufs)
+        n = len(self.entries)
+        self.entries.append([hosts, kind, head, at, plen, boff, len(bufs), pbufs, tails])
+        self._last.update(dict.fromkeys(hosts, n))
+        self._body += len(head) + ENTRY_BYTES + (HOST_BYTES + 32) * len(hosts)
+        if self._body >= self.max_body:
+            self._close()
 
     def _grew(self, body: int) -> None:
         self._body += body
@@ -156,7 +262,7 @@ class Gather:
         """Where ``payload`` and ``bufs`` sit in the message (each added once): the
         payload's offset and length, the first buffer's index. If placing them would take
         the message past a limit, it closes first and they go in the next one."""
-        plen = _nbytes(payload)
+        plen = len(payload) if type(payload) is bytes else memoryview(payload).nbytes
         at = boff = -1  # -1: not in this message yet
         pkey: Any = None
         bkey: tuple[int, ...] = ()
@@ -222,11 +328,65 @@ class Gather:
             entry[8].append(extra)
         self._grew(HOST_BYTES + (EXTRA_BYTES if extra is not None else 0))
 
+    def reply(self, host: int, kind: int, body: bytes, payload: bytes, extra: Any) -> None:
+        """:meth:`add` of a reply with no buffers and a payload of :data:`SMALL` bytes at
+        most (``bytes``): the same entries, in one call (a relay's common reply, per
+        host; ``tests/test_relay_paths.py`` holds the two equal)."""
+        plen = len(payload)  # (_place, inline)
+        if not plen:
+            at = 0
+        elif payload is self._pay_last:
+            at = self._pay_last_at
+        else:
+            at = self._pay_at.get(payload, -1)
+        if self.entries and (len(self.buffers) > self.max_buffers
+                             or self._data + (plen if at < 0 else 0) > self.max_bytes):
+            self._close()
+            at = -1 if plen else 0
+        if at < 0:
+            self._data += plen
+            at = self._pay_at[payload] = self._size
+            self._payloads.append(payload)
+            self._size += plen
+        if plen:
+            self._pay_last = payload
+            self._pay_last_at = at
+        key = (kind, body, at, plen, 0, 0, 0, extra is None)
+        last = self._last.get(host, -1)
+        same = self._same.get(key)
+        if same is None or same[1] <= last:
+            n = len(self.entries)
+            entry: list[Any] = [[host], kind, body, at, plen, 0, 0, 0,
+                                None if extra is None else [extra]]
+            self.entries.append(entry)
+            self._last[host] = n
+            self._same[key] = (entry, n)
+            self._body += len(body) + ENTRY_BYTES + (EXTRA_BYTES if extra is not None else 0)
+        else:
+            entry, n = same
+            entry[0].append(host)
+            self._last[host] = n
+            if extra is not None:
+                entry[8].append(extra)
+            self._body += HOST_BYTES + (EXTRA_BYTES if extra is not None else 0)
+        if self._body >= self.max_body:  # (_grew, inline)
+            self._close()
+
+    def sort_shared(self) -> None:
+        """List the hosts of every entry several share with no extras in order (the
+        order of replies varies from call to call; a receiver that keys on a list of
+        hosts finds the same list again). Within an entry order means nothing."""
+        for entries in [self.entries, *(c[0] for c in self._closed)]:
+            for e in entries:
+                if e[8] is None and len(e[0]) > 1:
+                    e[0].sort()
+
     def take(self) -> list[tuple[list[list[Any]], bytes, list[Buffer]]]:
         """The entries, payload and buffers of each message gathered, in order; empties
         this gather."""
-        if self.entries:
-            self._close()
+        if self.entries:  # (_close, inline)
+            self._closed.append((self.entries, b"".join(self._payloads), self.buffers))
+            self._open()
         out, self._closed = self._closed, []
         return out
 
@@ -243,25 +403,36 @@ def _ints(values: list[Any]) -> bool:
     return set(map(type, values)) <= _INT
 
 
-def entries(body: Any, payload: Buffer, buffers: Sequence[Buffer]) -> Iterator[Entry]:
-    """The entries of an authenticated FORWARD or UP.
+def entry(e: Any, view: memoryview, buffers: Sequence[Buffer]) -> Entry:
+    """One entry of an authenticated FORWARD or UP, read against its message's payload
+    (``view``) and ``buffers``.
 
     Raises:
         Dropped: ``malformed``, an entry that does not describe the message's bytes.
+    """
+    if not (isinstance(e, list) and len(e) == 9 and isinstance(e[0], list)
+            and type(e[1]) is int and type(e[2]) is bytes
+            and _ints(e[3:8])
+            and (e[8] is None or (isinstance(e[8], list) and len(e[8]) == len(e[0])))):
+        raise Dropped("malformed", "relay entry")
+    hosts, kind, packed, at, plen, boff, nbufs, pbufs, extras = e
+    if (at < 0 or plen < 0 or at + plen > len(view) or boff < 0 or nbufs < 0
+            or boff + nbufs > len(buffers) or not 0 <= pbufs <= nbufs
+            or not _ints(hosts)):
+        raise Dropped("malformed", "relay entry lengths")
+    return (hosts, kind, packed, view[at:at + plen] if plen else b"",
+            list(buffers[boff:boff + nbufs]), pbufs, extras)
+
+
+def entries(body: Any, payload: Buffer, buffers: Sequence[Buffer]) -> Iterator[Entry]:
+    """The entries of an authenticated FORWARD or UP (:func:`entry` for each).
+
+    Raises:
+        Dropped: ``malformed``, a body that is not a list, or an entry that does not
+            describe the message's bytes (the entries before it were yielded).
     """
     if not isinstance(body, list):
         raise Dropped("malformed", "relay body")
     view = memoryview(payload)
     for e in body:
-        if not (isinstance(e, list) and len(e) == 9 and isinstance(e[0], list)
-                and type(e[1]) is int and type(e[2]) is bytes
-                and _ints(e[3:8])
-                and (e[8] is None or (isinstance(e[8], list) and len(e[8]) == len(e[0])))):
-            raise Dropped("malformed", "relay entry")
-        hosts, kind, packed, at, plen, boff, nbufs, pbufs, extras = e
-        if (at < 0 or plen < 0 or at + plen > len(view) or boff < 0 or nbufs < 0
-                or boff + nbufs > len(buffers) or not 0 <= pbufs <= nbufs
-                or not _ints(hosts)):
-            raise Dropped("malformed", "relay entry lengths")
-        yield (hosts, kind, packed, view[at:at + plen] if plen else b"",
-               list(buffers[boff:boff + nbufs]), pbufs, extras)
+        yield entry(e, view, buffers)

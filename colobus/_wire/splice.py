@@ -51,11 +51,12 @@ class CallSplicer:
     (and raises :class:`~colobus.SerializationError` where that would).
     """
 
-    __slots__ = ("_head",)
+    __slots__ = ("_head", "head")
 
     def __init__(self, fields: Sequence[Any]) -> None:
         packed = pack_body(list(fields))
         self._head = array_header(len(fields) + 2) + packed[len(array_header(len(fields))):]
+        self.head = self._head  # every host's body begins so (a relay splices the rest)
 
     def __call__(self, mesh: list[Any], hosts: int) -> bytes:
         return self._head + pack_body(mesh) + uint(hosts)
