@@ -16,17 +16,12 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
-
 from .._controller.coalesced import HOST_BLIND
 from .._controller.controller import Controller, default_controller
 from .._controller.future import Future
 from .._controller.hosts import Host
 from .._controller.resultlane import SETTLERS
 from .._model.devices import Device
-from .._model.sharding import (
-    ShapeDtypeStruct,
-)
 from .._observe.observer import FunctionStats, Observer
 from .._wire import protocol as P
 from .._wire.describe import read_outputs
@@ -39,66 +34,19 @@ from .firstcall import first_call
 from .outputs import build_outputs as _build_outputs
 from .outputs import lane_outputs, learn_outputs
 from .plan import CallPlan, make_plan
-from .serialization import Code, ColocatedObjectBase, PickledArgs, arg_path, pickle_args
+from .serialization import Code, ColocatedObjectBase, PickledArgs, pickle_args
+from .specs import (
+    _check_specs,
+    _is_handle,
+    _positional_treedef,
+    _spec_of_leaf,
+    merge_specialization,
+)
 
 __all__ = [
     "CallPlan", "Code", "ColocatedFunction", "ColocatedObjectBase", "PickledArgs",
     "colocated_python", "invoke", "pickle_args",
 ]
-
-
-# -- specs -------------------------------------------------------------------------------------
-
-
-def _as_seen_on_hosts(dtype: Any) -> Any:
-    """The dtype user code on a host sees: JAX's canonical one (int64 -> int32 unless x64)."""
-    if isinstance(dtype, np.dtype) and dtype.kind in "biufc":
-        import jax
-
-        return np.dtype(jax.dtypes.canonicalize_dtype(dtype))
-    return dtype
-
-
-def _spec_of_leaf(x: Any) -> Any:
-    if isinstance(x, Array):
-        return ShapeDtypeStruct(x.shape, _as_seen_on_hosts(x.dtype), x.sharding)
-    if isinstance(x, np.ndarray | np.generic):
-        return ShapeDtypeStruct(x.shape, x.dtype)
-    return x
-
-
-def _is_handle(x: Any) -> bool:
-    return isinstance(x, Array | Future | ColocatedObjectBase)
-
-
-@functools.lru_cache(maxsize=64)
-def _positional_treedef(n: int) -> Any:
-    """The tree of ``(args, kwargs)`` for ``n`` positional handles and no keywords."""
-    import jax
-
-    return jax.tree_util.tree_structure((tuple(range(n)), {}))
-
-
-def _check_specs(actual: Any, expected: Any, what: str, *, inputs: bool = False) -> None:
-    import jax
-
-    a_leaves, a_tree = jax.tree_util.tree_flatten_with_path(actual, is_leaf=_is_handle)
-    e_leaves, e_tree = jax.tree_util.tree_flatten(expected)
-    a_struct: Any = jax.tree_util.tree_structure(actual, is_leaf=_is_handle)
-    if a_struct != e_tree:
-        raise ValueError(
-            f"{what} do not match the specs: expected structure {e_tree}, got {a_tree}")
-    for (path, a), e in zip(a_leaves, e_leaves, strict=True):
-        if not isinstance(e, ShapeDtypeStruct) or isinstance(a, Future):
-            continue
-        shape = getattr(a, "shape", None)
-        dtype = getattr(a, "dtype", None)
-        where = arg_path(path) if inputs else "output" + jax.tree_util.keystr(tuple(path))
-        if shape is None or tuple(shape) != tuple(e.shape):
-            raise ValueError(f"{what}: {where}: expected shape {tuple(e.shape)}, got "
-                             f"{None if shape is None else tuple(shape)}")
-        if _as_seen_on_hosts(dtype) != _as_seen_on_hosts(e.dtype):
-            raise ValueError(f"{what}: {where}: expected dtype {e.dtype}, got {dtype}")
 
 
 # -- the call -------------------------------------------------------------------------------------
@@ -469,25 +417,6 @@ class ColocatedFunction:
         fut = invoke(target, args, kwargs, in_specs=self._in_specs,
                      out_specs_fn=self._out_specs_fn, devices=self._devices)
         return fut if target.known else first_call(target, fut)
-
-
-def merge_specialization(current: tuple[Any, Any, Any], in_specs: Any,
-                         out_specs_fn: Any, devices: Any) -> tuple[Any, Any, Any]:
-    cur_in, cur_out, cur_dev = current
-    if in_specs is not None and cur_in is not None:
-        raise ValueError("in_specs already specified")
-    if out_specs_fn is not None and cur_out is not None:
-        raise ValueError("out_specs_fn already specified")
-    if devices is not None and cur_dev is not None:
-        raise ValueError("devices already specified")
-    if devices is not None:
-        devices = tuple(np.asarray(devices, dtype=object).flat) if isinstance(
-            devices, np.ndarray) else tuple(devices)
-        if not devices or not all(isinstance(d, Device) for d in devices):
-            raise ValueError("devices must be a non-empty sequence of colobus Devices")
-    return (in_specs if in_specs is not None else cur_in,
-            out_specs_fn if out_specs_fn is not None else cur_out,
-            devices if devices is not None else cur_dev)
 
 
 def colocated_python(fn: Callable[..., Any]) -> ColocatedFunction:

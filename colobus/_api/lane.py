@@ -37,14 +37,13 @@ from .func import (
     Target,
     _CallOp,
     _decode_result,
-    _positional_treedef,
-    _spec_of_leaf,
     _stream_id,
     _thread_streams,
 )
 from .joblayout import _LAYOUTS, job_layout
 from .plan import CallPlan, make_plan
 from .serialization import PickledArgs, _handles_payload
+from .specs import _positional_treedef, _spec_of_leaf
 
 if TYPE_CHECKING:
     from .._controller.controller import Controller

@@ -35,10 +35,10 @@ from .func import (
     Target,
     _stream_id,
     invoke,
-    merge_specialization,
     pickle_args,
 )
 from .joblayout import job_refs
+from .specs import merge_specialization
 
 __all__ = ["colocated_python_class"]
 

@@ -347,11 +347,7 @@ class Controller(SyncFace):
         if self._relays is not None:
             await self._relays.start()
         if self._write_key_file:
-            self.key_file = str(_keys.write_private_key(self._key))
-            _keys.note_key_file(self._key, self.key_file)
-            log.info("no key given: wrote a fresh key to %s (removed when this controller "
-                     "closes); standalone workers join with `colobus worker --connect %s "
-                     "--key-file %s`", self.key_file, self._address, self.key_file)
+            self.key_file = _keys.announce_private_key(self._key, self._address)
         self._chan.drain()
 
     def _stop_curve(self) -> None:

@@ -45,6 +45,7 @@ from .arrays import HostArrays
 from .calls import set_job
 from .construct import on_construct
 from .dataplane import DataPlane, start_dataplane
+from .forming import on_form
 from .jaxjob import HostJob
 from .jaxnames import answer_colobus_process_index
 from .join import JoinDiagnosis, relay_socket, session_socket
@@ -163,7 +164,7 @@ class Worker(MessagePath):
             Kind.WELCOME: self._on_welcome,
             Kind.REJECT: self._on_reject,
             Kind.CHALLENGE: self._on_challenge,
-            Kind.FORM: self._on_form,
+            Kind.FORM: lambda body, env: on_form(self, body, env),
         }
         self.store.shipped.attach(self._handlers, self._dispatch)  # (held while it unpacks)
         self._lane_call = self._handlers[Kind.CALL]  # what the lane stands for, in place
@@ -440,54 +441,6 @@ class Worker(MessagePath):
         data = self.dataplane.endpoint if self.dataplane is not None else ""
         self._send_join_raw(P.Hello(self.name, os.getpid(), self._hostname, self._reported,
                                     body.nonce, data, _versions.local_versions()))
-
-    def _on_form(self, body: P.Form, env: Envelope) -> None:
-        """Join the cluster's JAX job (on a thread of its own: JAX's connect blocks until
-        every host is in); answer once in, with this host's JAX device ids there."""
-        job = self.job
-        if job is None or not self._jax_session:
-            self.reply_error(body.call_id, RuntimeError(
-                "this session's hosts form no JAX job (the controller's WELCOME said so)"))
-            return
-        loop = asyncio.get_running_loop()
-        epoch, host, reported = self.epoch, self.host_index, len(self._reported)
-
-        def join() -> None:
-            try:
-                outcome: Any = job.join(body, host, self.connect, reported)
-            except BaseException as exc:  # every failure is the FORM's answer
-                outcome = exc
-            try:
-                loop.call_soon_threadsafe(self._formed, epoch, body, outcome)
-            except RuntimeError:  # the loop closed: the worker is exiting
-                pass
-
-        threading.Thread(target=join, name="colobus-jax-join", daemon=True).start()
-
-    def _formed(self, epoch: int, body: P.Form, outcome: Any) -> None:
-        """Loop thread: the job is formed (or not); answer the FORM."""
-        job = self.job
-        assert job is not None
-        if epoch != self.epoch:  # the session ended meanwhile: leave what was joined
-            if self.epoch and job.index >= 0 and not self._jax_session:
-                job.leave()
-                self._devices_stale = True
-            return
-        if isinstance(outcome, BaseException):
-            log.warning("host %s could not join the cluster's JAX job: %s", self.name, outcome)
-            self.reply_error(body.call_id, outcome)
-            return
-        mine, every = outcome
-        self._jax_devices = mine
-        by_local = {(d.platform, d.id): d for d in mine}
-        for (platform, _kind, reported), d in zip(self._reported, mine, strict=True):
-            by_local.setdefault((platform, reported), d)  # (a host's ids before the job)
-        self.values = HostValues(self._jax, by_local, job)
-        _hostside.install_job(self.host_index, every, body.processes)
-        set_job(job)
-        log.info("host %s joined the cluster's JAX job as process %d of %d", self.name,
-                 self.host_index, body.processes)
-        self.send(P.Result(body.call_id, Status.OK, [d.id for d in mine]))
 
     def _on_reject(self, body: P.Reject, env: Envelope) -> None:
         # retry: the name is in use, or the cluster full, for now: the next JOIN round.

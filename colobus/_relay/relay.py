@@ -34,7 +34,6 @@ from .._wire.envelope import (
     PROTOCOL_VERSION,
     Dropped,
     Envelope,
-    Outgoing,
     decode,
     pack_body,
     unpack_batch,
@@ -43,7 +42,6 @@ from .._wire.guard import RESET_SEQ
 from .._wire.limits import MAX_HEADER_BYTES, MAX_OBJECTS, UNKNOWN_PEER_MAX_BYTES
 from .._wire.links import SRCFD, Closes, PeerLinks, heartbeat_options
 from .._wire.relaywire import (
-    NEVER_REACHED,
     RELAY_ONLY,
     SMALL,
     Adopt,
@@ -54,9 +52,10 @@ from .._wire.relaywire import (
 )
 from .._wire.sockio import router_socket
 from .._wire.stalls import StallClock
-from .fanout import deliver, forward
+from .fanout import forward
 from .hold import HOLD_S, ReplyHold
 from .inflow import HostsChannel
+from .liveness import tick
 
 __all__ = ["Relay", "advertised"]
 
@@ -429,61 +428,9 @@ class Relay:
         while True:
             await asyncio.sleep(self.heartbeat)
             try:
-                self._tick()
+                tick(self)
             except Exception:  # one bad turn never ends the relay's liveness
                 log.exception("relay tick failed")
-
-    def _tick(self) -> None:
-        self.down.drain()
-        self.up.drain()
-        now = time.monotonic()
-        frozen = self._stalls.frozen(now)  # this process did not run: nobody's silence
-        elapsed, self._last_tick = now - self._last_tick, now
-        if self._ctl_closed_at is not None and self._ctl_closed_at != self.ctl_heard:
-            self._ctl_closed_at = None  # heard since: its connection is back
-        self.links.settle(frozen, now)
-        if frozen:  # (never past now: what the drains just read was heard now)
-            self.ctl_heard = min(self.ctl_heard + frozen, now)
-            if self._ctl_closed_at is not None:
-                self._ctl_closed_at = min(self._ctl_closed_at + frozen, now)
-            for h in self.last_seen:
-                self.last_seen[h] = min(self.last_seen[h] + frozen, now)
-        if (now - self.ctl_heard > 2 * self.liveness and self._ctl_closed_at is not None
-                and self.done is not None):
-            # (silent on an open connection: its loop is held, and it is waited for)
-            log.warning("relay: the controller is silent and its connection closed; "
-                        "ending its session")
-            self.end("the controller was silent")
-            return
-        self.hold.prune(self.liveness)
-        alive = []
-        # the controller's heartbeat to every live host: one body, each host's envelope
-        # sent at once where its window is clear (.fanout)
-        pings: list[Outgoing] = [(HEARTBEAT, pack_body(P.Heartbeat(
-            0, 0, 0, 0, time.monotonic_ns()).to_wire()), b"", (), 0)]
-        to: dict[int, list[Outgoing]] = {}
-        for h, peer in list(self.peers.items()):
-            if peer.unacked:
-                if self.last_seen[h] < now - elapsed:  # it said nothing since the last
-                    peer.ack_wait = min(peer.ack_wait + elapsed, now)  # tick: it could
-                    # not acknowledge either
-                elif frozen:  # (a whole-machine freeze: nobody's wait)
-                    peer.ack_wait = min(peer.ack_wait + frozen, now)
-            silent = now - self.last_seen[h]
-            waited = now - peer.ack_wait if peer.unacked else 0.0
-            if silent > self.liveness and not self.links.up(h):
-                said = "no message" if h in self.arrived else f"{NEVER_REACHED}: no message"
-                self._lose(h, f"{said} for {silent:.1f} s")
-            elif waited > self.liveness:
-                self._lose(h, f"it acknowledged nothing for {waited:.1f} s")
-            else:
-                to[h] = pings
-                alive.append(peer)
-        deliver(self, to)
-        self._flush_down()
-        self.down.resend_stale(alive, self.resend_after)
-        self.up.send(self.ctl, P.Heartbeat(0, 0, 0, 0, 0, 0, 0, 0, dict(self.dropped)))
-        self.up.resend_stale([self.ctl], self.resend_after)
 
     def _lose(self, h: int, why: str, reason: str = "") -> None:
         if self._forget(h, P.RESET_REJOIN) is not None:

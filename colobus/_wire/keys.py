@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     import zmq
 
 __all__ = [
-    "curve_server_config",
+    "announce_private_key", "curve_server_config",
     "KEY_ENV", "MIN_KEY_BYTES", "RELAY_KEY_ENV", "check_key", "generate_key", "key_file_of",
     "key_id",
     "load_curve_allow", "load_curve_keypair", "load_curve_public", "load_key", "note_key_file",
@@ -182,6 +182,17 @@ def write_private_key(key: bytes) -> Path:
     if arm:
         atexit.register(_remove_private_files)
     catch_sigterm()  # (a controller on a loop thread of its own armed it as it was made)
+    return path
+
+
+def announce_private_key(key: bytes, address: str) -> str:
+    """A controller's generated ``key`` written (:func:`write_private_key`), noted for
+    messages, and the command that joins a standalone worker logged; the file's path."""
+    path = str(write_private_key(key))
+    note_key_file(key, path)
+    log.info("no key given: wrote a fresh key to %s (removed when this controller "
+             "closes); standalone workers join with `colobus worker --connect %s "
+             "--key-file %s`", path, address, path)
     return path
 
 
