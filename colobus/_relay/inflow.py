@@ -128,8 +128,11 @@ class HostsChannel(Channel):
                         kind, seq, ack, body = fields[1], fields[4], fields[5], fields[8]
                         unacked = peer.unacked
                         now = last_seen[h] = time.monotonic()
-                        fd = frames[0].get(SRCFD)
-                        if conn_fd.get(h) != fd:  # (Relay._from_host's)
+                        try:  # (links.source_fd, inline)
+                            fd = frames[0].get(SRCFD)
+                        except zmq.ZMQError:  # (inproc: no descriptor)
+                            fd = -1
+                        if fd >= 0 and conn_fd.get(h) != fd:  # (Relay._from_host's)
                             r.links.heard(h, fd)
                         if unacked and unacked[0][0] <= ack:
                             # (Peer.acked, inline: the peer has everything up to ack)

@@ -40,7 +40,7 @@ from .._wire.envelope import (
 )
 from .._wire.guard import RESET_SEQ
 from .._wire.limits import MAX_HEADER_BYTES, MAX_OBJECTS, UNKNOWN_PEER_MAX_BYTES
-from .._wire.links import SRCFD, Closes, PeerLinks, heartbeat_options
+from .._wire.links import Closes, PeerLinks, heartbeat_options, source_fd
 from .._wire.relaywire import (
     RELAY_ONLY,
     SMALL,
@@ -283,8 +283,8 @@ class Relay:
                 self.dropped[got] += 1
                 return
             self.last_seen[h] = time.monotonic()
-            fd = frames[0].get(SRCFD)
-            if self.links.conn_fd.get(h) != fd:
+            fd = source_fd(frames[0])
+            if fd >= 0 and self.links.conn_fd.get(h) != fd:
                 self.links.heard(h, fd)
             if h not in self.arrived:
                 # Its first word here: what was sent before it connected (ROUTER_MANDATORY

@@ -31,11 +31,20 @@ from zmq.utils.monitor import parse_monitor_message
 
 from .sockio import NOBLOCK, readable, socket_fd
 
-__all__ = ["SRCFD", "Closes", "PeerLinks", "heartbeat_options", "link_timeout"]
+__all__ = ["SRCFD", "Closes", "PeerLinks", "heartbeat_options", "link_timeout", "source_fd"]
 
 log = logging.getLogger("colobus.channel")
 
 SRCFD = int(zmq.SRCFD)  # a received frame's connection (its file descriptor)
+
+
+def source_fd(frame: zmq.Frame) -> int:
+    """The connection ``frame`` came on; -1 where it has no descriptor (``inproc://``:
+    such a peer is judged by its silence alone)."""
+    try:
+        return int(frame.get(SRCFD))
+    except zmq.ZMQError:
+        return -1
 DISCONNECTED = int(zmq.EVENT_DISCONNECTED)
 OPENED = int(zmq.EVENT_HANDSHAKE_SUCCEEDED)  # a connection that speaks ZMTP
 MAX_TTL_MS = 6_553_500  # ZMQ_HEARTBEAT_TTL travels in tenths of a second, 16 bits
