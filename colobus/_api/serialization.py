@@ -200,6 +200,9 @@ def _forget_code(ctl: Controller, index: int, digest: bytes) -> None:
     host = ctl._hosts[index]
     if digest in host.code_sent:
         host.code_sent.discard(digest)
+        fanouts = ctl._hosts.fanouts  # (a kept fan-out took its code as shipped)
+        for key in [k for k in fanouts if k[1] == digest]:
+            del fanouts[key]
         ctl._count("code_freed")
         ctl._send(host, P.Release([], [], [digest]))
 

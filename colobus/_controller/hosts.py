@@ -164,7 +164,8 @@ class HostRegistry:
         self.changes = 0
         self.alive_mask = 0  # the alive hosts' bits
         self._gens: dict[int, tuple[tuple[int, ...], int, dict[int, int]]] = {}
-        # per fan-out (plan, code): what _CallOp.send worked out, and under which changes
+        # per fan-out (plan, code digest): what _CallOp.send worked out, and under which
+        # changes (a release of the code drops it: serialization._forget_code)
         self.fanouts: dict[Any, tuple[Any, int, Any]] = {}
 
     def __getitem__(self, index: int) -> Host:

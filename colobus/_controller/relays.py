@@ -252,16 +252,17 @@ class Relays(Inbox):
         if identity in self.by_identity or len(env.sender) != 16:
             sessions.drop("malformed", identity, "relay offer")
             return
-        why = None
+        why, reason = None, "relay_refused"  # (every refusal counted: one reason each)
         if self.relay_key is None:
             why = NO_RELAYS
         elif not hmac.compare_digest(offer.proof, relay_proof(self.relay_key, offer.nonce,
                                                                env.sender)):
-            sessions.drop("unauthenticated", identity, "relay offer")
             why = "the relay key is not this controller's (--relay-key-file)"
+            reason = "unauthenticated"
         else:
             why = compare(offer.versions, local_versions())[0]
         if why is not None:
+            sessions.drop(reason, identity, why)
             log.warning("relay %r (%s, pid %d) refused: %s", offer.name[:64],
                         offer.hostname[:64], offer.pid, why)
             refuse(ctl, identity, env, why)

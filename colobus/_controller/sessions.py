@@ -29,7 +29,7 @@ from .._wire.guard import RESET_SEQ, Challenges, PeerWarnings, Refusals, shown
 from .._wire.lane import ON, decode
 from .._wire.limits import MAX_HEADER_BYTES, MAX_OBJECTS, UNKNOWN_PEER_MAX_BYTES
 from .._wire.protocol import Kind
-from .._wire.relaywire import NEVER_REACHED
+from .._wire.relaywire import NEVER_REACHED, Offer
 from .._wire.versions import compare, local_versions
 from .environ import join_level
 from .hangups import link_up
@@ -182,6 +182,8 @@ class Sessions:
                     if ctl._relays is not None:
                         ctl._relays.on_offer(identity, env)
                     else:
+                        Offer.from_wire(env.body)  # (ValueError: malformed)
+                        self.drop("relay_refused", identity, NO_RELAYS)
                         refuse(ctl, identity, env, NO_RELAYS)
                 return
             host = ctl._hosts.by_identity.get(identity)
