@@ -30,6 +30,7 @@ import zmq
 
 from .._wire.endpoint import Endpoint
 from .._wire.keys import key_id
+from .._wire.links import heartbeat_options
 
 __all__ = ["RECONNECT_MAX_S", "JoinDiagnosis", "probe", "session_socket"]
 
@@ -162,11 +163,15 @@ class JoinDiagnosis:
 def session_socket(ctx: zmq.Context[Any], connect: str,
                    curve: tuple[tuple[bytes, bytes], bytes] | None,
                    routing_id: bytes | None = None,
-                   watch: Callable[[zmq.Socket[Any]], None] | None = None) -> zmq.Socket[Any]:
+                   watch: Callable[[zmq.Socket[Any]], None] | None = None,
+                   link: tuple[float, float] = (1.0, 5.0)) -> zmq.Socket[Any]:
     """A session's DEALER, connecting to ``connect`` (CurveZMQ when ``curve`` is
     ``((public, secret), server public)``); ``routing_id``: the one it had (a
     session moving to a relay keeps it), else a new one; ``watch``: called with the
-    socket before it connects (its monitor sees the connection from the start).
+    socket before it connects (its monitor sees the connection from the start);
+    ``link``: the heartbeat interval and liveness timeout its connection is kept by
+    (ZeroMQ's PINGs from this side too: a peer's TTL alone arms only after a PING,
+    and a connection cut right after data would never close).
 
     Raises:
         ValueError: ZeroMQ cannot connect to that endpoint.
@@ -183,6 +188,7 @@ def session_socket(ctx: zmq.Context[Any], connect: str,
     # the controller's SHUTDOWN) when the connection goes. JOINs queued while
     # the controller is away get one CHALLENGE each; only the first is answered.
     sock.setsockopt(zmq.RECONNECT_IVL, 100)
+    heartbeat_options(sock, *link)
     sock.setsockopt(zmq.RECONNECT_IVL_MAX, int(RECONNECT_MAX_S * 1000))
     if curve is not None:
         (public, secret), server = curve
@@ -202,11 +208,12 @@ def session_socket(ctx: zmq.Context[Any], connect: str,
 def relay_socket(ctx: zmq.Context[Any], connect: str, relay: str,
                  curve: tuple[tuple[bytes, bytes], bytes] | None,
                  old: zmq.Socket[Any],
-                 watch: Callable[[zmq.Socket[Any]], None] | None = None) -> zmq.Socket[Any]:
+                 watch: Callable[[zmq.Socket[Any]], None] | None = None,
+                 link: tuple[float, float] = (1.0, 5.0)) -> zmq.Socket[Any]:
     """The socket a session moves to when its WELCOME names a relay: ``tcp://*:PORT``
     is that port at the address ``connect`` reached the controller at."""
     if relay.startswith("tcp://*:"):
         relay = connect.rsplit(":", 1)[0] + ":" + relay.rsplit(":", 1)[1]
     identity = old.getsockopt(zmq.ROUTING_ID)
     assert isinstance(identity, bytes)
-    return session_socket(ctx, relay, curve, identity, watch)
+    return session_socket(ctx, relay, curve, identity, watch, link)

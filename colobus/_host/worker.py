@@ -37,6 +37,7 @@ from .._wire.endpoint import parse_connect
 from .._wire.envelope import Envelope
 from .._wire.keys import check_key, key_id
 from .._wire.lane import ON as LANE
+from .._wire.links import heartbeat_options
 from .._wire.protocol import Kind, Status
 from .._wire.sockio import NOBLOCK, socket_fd
 from .._wire.stalls import StallClock
@@ -268,7 +269,8 @@ class Worker(MessagePath):
     async def _one_session(self, backoff: float) -> tuple[bool, str]:
         loop = asyncio.get_running_loop()
         assert self._ctx is not None
-        sock = session_socket(self._ctx, self.connect, self._curve, watch=self._watch_link)
+        sock = session_socket(self._ctx, self.connect, self._curve, watch=self._watch_link,
+                              link=(self._heartbeat, self._liveness))
         session = secrets.token_bytes(16)
         self._peer = Peer([], session, b"")
         self._joined = False
@@ -413,6 +415,8 @@ class Worker(MessagePath):
                                                   strict=True)), body.host_count)
         self._heartbeat = float(body.heartbeat)
         self._liveness = float(body.liveness)
+        if self._chan is not None:  # (its connections after this one: a reconnect's)
+            heartbeat_options(self._chan.sock, self._heartbeat, self._liveness)
         self._exit_with_controller = bool(body.exit_with_controller)
         self._max_message = body.max_message_bytes
         # parts (and messages sent whole) well within the controller's frame limit
@@ -427,7 +431,7 @@ class Worker(MessagePath):
         if (chan := self._chan) and self._ctx and chan.open and peer and self._peer is peer:
             self._watch_link(None)  # (the old socket closes in the move)
             sock = relay_socket(self._ctx, self.connect, relay, self._curve, chan.sock,
-                                self._watch_link)
+                                self._watch_link, (self._heartbeat, self._liveness))
             chan.move(sock, peer)
             if LANE:
                 chan._loop.add_reader(socket_fd(chan.sock), self._read)

@@ -29,6 +29,7 @@ import zmq
 
 from .._wire import protocol as P
 from .._wire.envelope import Dropped, Envelope, decode, encode
+from .._wire.links import heartbeat_options
 from .._wire.relaywire import Offer, Setup, relay_proof
 from .._wire.versions import local_versions
 from .relay import Relay
@@ -77,6 +78,7 @@ def offer(ctx: zmq.Context[Any], connect: str, key: bytes, relay_key: bytes, nam
     for opt, value in ((zmq.LINGER, 0), (zmq.SNDHWM, 0), (zmq.RCVHWM, 0),
                        (zmq.ROUTING_ID, identity)):
         sock.setsockopt(opt, value)
+    heartbeat_options(sock, 1.0, 5.0)  # (the defaults: SETUP says the controller's later)
     sock.connect(connect)
     seq = 0
 

@@ -145,6 +145,7 @@ class Relay:
             up.setsockopt(zmq.SNDHWM, 0)
             up.setsockopt(zmq.RCVHWM, 0)
             up.setsockopt(zmq.ROUTING_ID, self.cfg["identity"])
+            heartbeat_options(up, self.heartbeat, self.liveness)
             up.connect(self.cfg["controller"])
         down = router_socket(context, self.max_message)
         heartbeat_options(down, self.heartbeat, self.liveness)

@@ -59,7 +59,10 @@ def link_timeout(heartbeat: float, liveness: float) -> float:
 
 
 def heartbeat_options(sock: zmq.Socket[Any], heartbeat: float, liveness: float) -> None:
-    """ZeroMQ's heartbeats on every connection ``sock`` accepts (before it binds)."""
+    """ZeroMQ's heartbeats on every connection ``sock`` makes or accepts from now on
+    (before it binds or connects): a PING every ``heartbeat``, the connection closed
+    when nothing came back within the link timeout, and that timeout as the TTL its
+    peers keep (:func:`link_timeout`)."""
     timeout_ms = max(1, round(link_timeout(heartbeat, liveness) * 1000))
     sock.setsockopt(zmq.HEARTBEAT_IVL, max(1, round(heartbeat * 1000)))
     sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, timeout_ms)
