@@ -36,6 +36,7 @@ import argparse
 import asyncio
 import cProfile
 import gc
+import importlib.metadata
 import io
 import json
 import os
@@ -61,6 +62,8 @@ def _import_protocol_pieces() -> None:
     if "colobus" not in sys.modules:
         pkg = types.ModuleType("colobus")
         pkg.__path__ = [PACKAGE]
+        # (what a host reports at join, as the real package says it)
+        pkg.__version__ = importlib.metadata.version("colobus")  # type: ignore[attr-defined]
         sys.modules["colobus"] = pkg
 
 
@@ -170,7 +173,10 @@ class LightHost:
             self.chan.send(self.peer, P.Result(body[0], Status.OK, [0, 0, 0, 0]))
         elif kind == Kind.CHALLENGE and not self.joined and not self.answered:
             self.answered = True
-            self._raw(P.Hello(self.name, os.getpid(), "light", [["cpu", "cpu", 0]], body[0]))
+            from colobus._wire.versions import local_versions
+
+            self._raw(P.Hello(self.name, os.getpid(), "light", [["cpu", "cpu", 0]], body[0],
+                              "", local_versions()))  # (one without versions is refused)
         elif kind == Kind.WELCOME and not self.joined:
             self.peer.their_session = env.sender
             self.joined = True
