@@ -171,7 +171,10 @@ def test_network_cut_worker_is_lost_then_rejoins_the_next_driver(compose: Compos
         status = _wait_exit(driver, 90)
         logs = _logs(driver)
         assert status == HOST_LOST_STATUS, logs[-3000:]
-        assert f"'{cut[:12]}-1') was lost: no message for" in logs, logs[-3000:]
+        # Lost by its silence, or sooner by its connection closing (ZeroMQ's heartbeats
+        # close a cut link within the link timeout): either way, for the cut.
+        assert (f"'{cut[:12]}-1') was lost: no message for" in logs
+                or f"'{cut[:12]}-1') was lost: its connection closed" in logs), logs[-3000:]
     finally:
         _run("docker", "network", "connect", compose.network(), cut)
     # Back on the network, the worker joins the next driver with the others.
