@@ -12,6 +12,14 @@ controller's machine pays in the ``relay`` mode), and the median latency.
     python benchmarks/relay_cpu.py                       # 32 hosts, one relay
     python benchmarks/relay_cpu.py --mode star --hosts 32 --calls 200
     python benchmarks/relay_cpu.py --pairs 3             # several runs, alternating modes
+    python benchmarks/relay_cpu.py --mode raw relay      # with the raw pyzmq floor beside it
+
+``--mode raw`` is the baseline: a raw pyzmq ROUTER in this process and ``--hosts`` echo
+DEALERs (``colobus bench``'s raw echo server, by path) over TCP, one 200-byte message to
+each and its echo back per call, blocking, nothing else. Whatever on the controller's
+machine exchanges one message each way with each host (the controller of a star, a relay
+there) pays at least this per host: this process's CPU (its Python thread and ZeroMQ's
+I/O thread) is printed the same way, and each colobus row is divided by it.
 
 Times move with the machine (32 worker processes on two cores run the controller's code
 with cold caches); compare runs made side by side.
@@ -102,28 +110,132 @@ async def measure(mode: str, hosts: int, calls: int, warm: int, per: int) -> dic
                                           for k in {k for t in t1 for k in t}}}
 
 
+_PUB_ECHO = """
+import sys, zmq
+ctx = zmq.Context()
+sub = ctx.socket(zmq.SUB); sub.setsockopt(zmq.SUBSCRIBE, b""); sub.connect(sys.argv[1])
+out = ctx.socket(zmq.DEALER); out.setsockopt(zmq.IDENTITY, sys.argv[3].encode())
+out.connect(sys.argv[2]); out.send(b"hello")
+while True:
+    frames = sub.recv_multipart(copy=False)
+    if frames[0].bytes == b"q":
+        break
+    if frames[0].bytes == b"e":
+        out.send_multipart(frames, copy=False)
+"""
+
+
+def measure_raw(hosts: int, calls: int, warm: int, pub: bool = False) -> dict[str, Any]:
+    """The raw pyzmq floor of one message each way per host per call, over TCP: a
+    ROUTER sending each host its copy (``raw``), or one PUB send that libzmq copies to
+    every host (``raw-pub``, ZeroMQ's own fan-out); the replies come back on a ROUTER."""
+    import subprocess
+    import sys
+
+    import zmq
+
+    from colobus._tools import raw_echo
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    for opt in (zmq.LINGER, zmq.SNDHWM, zmq.RCVHWM):
+        sock.setsockopt(opt, 0)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    ids = [f"s{i}".encode() for i in range(hosts)]
+    if pub:
+        fan = ctx.socket(zmq.PUB)
+        for opt in (zmq.LINGER, zmq.SNDHWM):
+            fan.setsockopt(opt, 0)
+        pub_port = fan.bind_to_random_port("tcp://127.0.0.1")
+        procs = [subprocess.Popen([sys.executable, "-c", _PUB_ECHO, f"tcp://127.0.0.1:{pub_port}",
+                                   f"tcp://127.0.0.1:{port}", i.decode()]) for i in ids]
+    else:
+        procs = [subprocess.Popen([sys.executable, raw_echo.__file__, f"tcp://127.0.0.1:{port}",
+                                   i.decode()]) for i in ids]
+    try:
+        sock.setsockopt(zmq.RCVTIMEO, 120_000)
+        for _ in ids:
+            sock.recv_multipart()  # hello
+        payload = b"x" * 200
+        if pub:  # subscriptions travel after the connection: until every host echoes
+            sock.setsockopt(zmq.RCVTIMEO, 100)
+            heard: set[bytes] = set()
+            while len(heard) < hosts:
+                fan.send_multipart([b"e", payload])
+                try:
+                    while True:
+                        heard.add(sock.recv_multipart()[0])
+                except zmq.Again:
+                    pass
+            sock.setsockopt(zmq.RCVTIMEO, 120_000)
+        lat: list[float] = []
+        for n in (warm, calls):
+            c0, t0, lat = _self_cpu(), _threads_cpu(os.getpid()), []
+            for _ in range(n):
+                t = time.perf_counter()
+                if pub:
+                    fan.send_multipart([b"e", payload])
+                else:
+                    for i in ids:
+                        sock.send_multipart([i, b"e", payload])
+                for _ in ids:
+                    sock.recv_multipart()
+                lat.append(time.perf_counter() - t)
+            c1, t1 = _self_cpu(), _threads_cpu(os.getpid())
+        if pub:
+            fan.send_multipart([b"q"])
+        else:
+            for i in ids:
+                sock.send_multipart([i, b"q"])
+    finally:
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        sock.close(0)
+        if pub:
+            fan.close(0)
+        ctx.term()
+    us = (c1 - c0) / calls / hosts * 1e6
+    return {"mode": "raw-pub" if pub else "raw", "hosts": hosts, "calls": calls,
+            "controller_us_per_host": us, "relay_us_per_host": 0.0, "machine_us_per_host": us,
+            "latency_ms": statistics.median(lat) * 1e3, "ups_per_call": 0.0,
+            "hosts_relays_us_per_host": 0.0,
+            "relay_threads_us_per_host": {f"(this process) {k}": (t1.get(k, 0) - t0.get(k, 0))
+                                          / calls / hosts * 1e6 for k in t1}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--mode", nargs="+", default=["relay"], choices=["star", "relay", "on-hosts"])
+    ap.add_argument("--mode", nargs="+", default=["relay"], choices=["raw", "raw-pub", "star", "relay", "on-hosts"])
     ap.add_argument("--hosts", type=int, default=32)
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--warm", type=int, default=50)
     ap.add_argument("--per", type=int, default=16, help="hosts per relay with --mode on-hosts")
     ap.add_argument("--pairs", type=int, default=1, help="runs of each mode, alternating")
     args = ap.parse_args()
+    raw: list[float] = []
     for _ in range(args.pairs):
         for mode in args.mode:
-            r = asyncio.run(measure(mode, args.hosts, args.calls, args.warm, args.per))
+            r = (measure_raw(args.hosts, args.calls, args.warm, mode == "raw-pub")
+                 if mode.startswith("raw") else
+                 asyncio.run(measure(mode, args.hosts, args.calls, args.warm, args.per)))
+            if mode == "raw":
+                raw.append(r["machine_us_per_host"])
             print(f"{r['mode']:>8} {r['hosts']} hosts: controller "
                   f"{r['controller_us_per_host']:6.1f}"
                   f" + relays started by it {r['relay_us_per_host']:6.1f} = "
                   f"{r['machine_us_per_host']:6.1f} us CPU per host per call"
                   + (f" (relays on the hosts' machines: {r['hosts_relays_us_per_host']:.1f})"
-                     if r["mode"] == "on-hosts" else "") + "; latency "
+                     if r["mode"] == "on-hosts" else "")
+                  + (f" ({r['machine_us_per_host'] / raw[-1]:.2f}x raw's)"
+                     if raw and not mode.startswith("raw") else "") + "; latency "
                   f"{r['latency_ms']:6.2f} ms; {r['ups_per_call']:.2f} UPs per call; load "
                   f"{os.getloadavg()[0]:.1f}", flush=True)
             if r["relay_threads_us_per_host"]:
-                print("         the relays' threads, us per host per call: " + ", ".join(
+                print("         threads, us per host per call: " + ", ".join(
                     f"{k} {v:.1f}" for k, v in sorted(r["relay_threads_us_per_host"].items())))
 
 

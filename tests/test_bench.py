@@ -132,6 +132,25 @@ def test_critical_path_times_every_link_of_colobus_and_the_minimal_call() -> Non
     assert "raw pyzmq round trip" in out and "minimal" in out
 
 
+def test_relay_cpu_measures_the_raw_pyzmq_floors_of_one_message_per_host() -> None:
+    """benchmarks/relay_cpu.py's baselines: a raw ROUTER sending each host its copy, and
+    ZeroMQ's own fan-out (one PUB send), each host's echo back on the ROUTER; both print
+    the process's CPU per host per call and its threads'."""
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "relay_cpu.py"
+    proc = subprocess.run([sys.executable, str(script), "--mode", "raw", "raw-pub", "--hosts",
+                           "3", "--calls", "20", "--warm", "5"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    for mode in ("raw", "raw-pub"):
+        i = next(i for i, line in enumerate(lines) if line.split()[0] == mode)
+        row = lines[i]
+        assert row.split()[1] == "3", row
+        us = float(row.split(" us CPU per host")[0].rsplit("=", 1)[1])
+        assert us > 0, row
+        assert "python" in lines[i + 1] and "ZMQbg/IO/0" in lines[i + 1], lines[i + 1]
+
+
 def test_call_counts_prints_both_sides_for_every_pattern() -> None:
     """benchmarks/call_counts.py: the profiler counts Python and C calls in the controller
     and in its workers (a shim that missed the workers would leave no marks: the script
