@@ -209,7 +209,8 @@ def measure_raw(hosts: int, calls: int, warm: int, pub: bool = False) -> dict[st
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--mode", nargs="+", default=["relay"], choices=["raw", "raw-pub", "star", "relay", "on-hosts"])
+    ap.add_argument("--mode", nargs="+", default=["relay"],
+                    choices=["raw", "raw-pub", "star", "relay", "on-hosts"])
     ap.add_argument("--hosts", type=int, default=32)
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--warm", type=int, default=50)
