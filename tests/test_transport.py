@@ -258,13 +258,14 @@ def test_six_large_fetch_replies_are_never_one_oversized_batch(bctl: cb.Controll
 
 @cb.colocated_python
 def first_plus_one(xs: Any) -> Any:
-    return xs[0] + 1
+    return xs[0] + 1 + (0 if xs[0] is xs[-1] else 100)  # one array named twice: one object
 
 
 def test_calls_with_many_handles_and_frees_of_many_arrays_fit(bctl: cb.Controller) -> None:
     dev = bctl.devices()[0]
     x = cb.device_put(np.arange(2.0), dev)
-    # A CALL listing 150k handles (1.5 MB of refs): its body travels in the payload.
+    # A CALL listing 150k handles (1.5 MB of refs): its body travels in the payload. The
+    # host makes the array host code sees once, as JAX passes one object named twice.
     y = first_plus_one([x] * 150_000).result(120)
     np.testing.assert_array_equal(np.asarray(y), np.arange(2.0) + 1)
     # 262k frees at once: one RELEASE listing them all, never refused by the worker.

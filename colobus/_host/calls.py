@@ -153,11 +153,17 @@ def call_args(call: _Call, present: Callable[[Any], Any]) -> tuple[Any, Any]:
     each array as the global ``jax.Array`` of its layout (``HostJob.view``)."""
     values = []
     plain = True
+    shown: dict[int, Any] | None = None  # a value named again is the same object again
     for p in call.pins:
         v = p.result()
         if isinstance(v, _PRESENTED):
-            plain = False
-            v = v.tree(present) if isinstance(v, CallResult) else present(v)
+            if shown is None:
+                plain, shown = False, {}
+            got = shown.get(id(v))
+            if got is None:
+                got = shown[id(v)] = (v.tree(present) if isinstance(v, CallResult)
+                                      else present(v))
+            v = got
         values.append(v)
     if plain:
         call.argvals = values
