@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import secrets
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
