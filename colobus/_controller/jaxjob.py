@@ -2,16 +2,17 @@
 
 Once the cluster's ``hosts`` have joined, :class:`JaxJob` forms one JAX
 multi-controller job of them: it starts JAX's coordination service in the
-controller's process (a gRPC server of JAX's own, on a free port of the controller's
-machine, bound where the controller's socket is), then sends every host a FORM,
-which the worker answers once it is in (``colobus._host.jaxjob``). Host ``i`` is JAX
-process ``i``. The job is an operation like any other (a host lost meanwhile fails
-it); until every host answered, a gate at the head of the backlog holds back every
-other operation, so no call reaches a host before its JAX is the job's.
+controller's process (a gRPC server of JAX's own) on a Unix socket in a private
+directory, reached by the hosts only through their colobus links
+(:mod:`colobus._controller.coordlink`), then sends every host a FORM, which the worker
+answers once it is in (``colobus._host.jaxjob``). Host ``i`` is JAX process ``i``. The
+job is an operation like any other (a host lost meanwhile fails it); until every host
+answered, a gate at the head of the backlog holds back every other operation, so no
+call reaches a host before its JAX is the job's.
 
 The coordinator runs in the controller, not in host 0's worker, because the
 controller outlives every host: a job whose process 0 died would take its
-coordination service with it, and JAX ends processes whose service is gone.
+coordination service with it.
 
 A lost host breaks the job for every host (JAX's collectives would wait for it
 forever): every operation still in flight fails with ``HostLostError`` naming the
@@ -20,7 +21,10 @@ leave the job and join again), and the gate holds what is submitted meanwhile. O
 every host is back (``restart=``, or a worker returning under its name) the job
 forms again, a new generation with a new coordination service. What waits behind the
 gate longer than ``join_timeout`` fails with ``HostLostError`` naming the hosts still
-missing. Everything here runs on the controller's loop thread.
+missing. No JAX client hears a service end: its connections are cut first (see
+:mod:`.coordlink`), and JAX's own timeouts (heartbeats, registration) are set beyond
+any session, since JAX ends a process on any of them. Everything here runs on the
+controller's loop thread.
 """
 
 from __future__ import annotations
@@ -28,14 +32,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import socket
 import threading
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .._errors import ControllerClosedError, HostLostError
 from .._wire import protocol as P
+from .._wire.coordpipe import LINK
 from .._wire.describe import BadReply
+from .coordlink import CoordLink
 from .ops import Gate, Operation
 
 if TYPE_CHECKING:
@@ -43,14 +48,15 @@ if TYPE_CHECKING:
     from .hosts import Host, HostRegistry
     from .ops import Operations
 
-__all__ = ["JAX_DISTRIBUTED_ENV", "JAX_PORT_ENV", "JaxJob", "JobOwner", "wants_job"]
+__all__ = ["JAX_DISTRIBUTED_ENV", "JaxJob", "JobOwner", "wants_job"]
 
 log = logging.getLogger("colobus.controller")
 
 JAX_DISTRIBUTED_ENV = "COLOBUS_JAX_DISTRIBUTED"  # "1": jax_distributed where a cluster does not say
-JAX_PORT_ENV = "COLOBUS_JAX_PORT"  # the coordination service's port (default: a free one)
+OLD_PORT_ENV = "COLOBUS_JAX_PORT"  # (the service had a port once: said unused if set)
 SERVICE_HEARTBEAT_S = 86400  # JAX's own liveness checks: off in effect (colobus judges)
-SERVICE_SHUTDOWN_S = 5
+SERVICE_REGISTER_S = 1 << 30  # JAX's wait for every task to register: never its own end
+SERVICE_SHUTDOWN_S = 5  # (its clients are cut before: it waits for none)
 RETRIES = 1  # a job that failed to form (not for a lost host) is tried again this often
 
 
@@ -71,7 +77,11 @@ def wants_job(jax_distributed: bool | None) -> bool:
 
 
 class _Sessions(Protocol):
+    dropped: Any
+
     def lose(self, host: Host, why: str, last_word: str = ...) -> None: ...
+    def violation(self, host: Host, reason: str, detail: str = ...) -> None: ...
+    def handle_kind(self, kind: P.Kind, handler: Any) -> None: ...
 
 
 class JobOwner(Protocol):
@@ -107,7 +117,7 @@ class JaxJob:
         self._ctl = ctl
         self.state = "waiting"
         self.generation = 0
-        self.coordinator = ""  # HOST:PORT hosts reach the coordination service at
+        self.coordinator = ""  # where the coordination service listens (unix:PATH)
         self.error: BaseException | None = None  # why it failed to form
         self.formed_count = 0  # times it formed (re-forms included)
         self.form_s = 0.0  # how long the last forming took, FORM sent to every host in
@@ -120,6 +130,10 @@ class JaxJob:
         self._expiry: asyncio.TimerHandle | None = None
         self._failures = 0
         self._lost: tuple[int, str] | None = None  # the host whose loss broke the job
+        # the hosts' connections to the service: only through their colobus links
+        self._link = CoordLink(ctl, ctl._sessions.violation, ctl._sessions.dropped)
+        ctl._sessions.handle_kind(P.Kind.COORD, self._link.on_coord)
+        self.services_stopped = 0  # coordination services stopped (each a thread's wait)
 
     # -- the controller's events ----------------------------------------------------------
 
@@ -147,6 +161,7 @@ class JaxJob:
 
     def host_lost(self, host: Host, why: str) -> None:
         """A host was lost: if it was in the job (or forming it), the job ends for all."""
+        self._link.cut(host.index)
         if self.state not in ("forming", "formed") or host.index not in self._members:
             return
         self._break(host, why)
@@ -185,6 +200,7 @@ class JaxJob:
         for thread in self._stopping:
             thread.join(SERVICE_SHUTDOWN_S)
         self._stopping.clear()
+        self._link.close()
         if self.state != "formed" and self.error is None:
             self.error = ControllerClosedError(
                 "the colobus controller closed before the cluster's JAX job formed")
@@ -205,18 +221,20 @@ class JaxJob:
         ctl = self._ctl
         self._hold()
         self._stop_service()
+        hosts = ctl._hosts
+        members = {i: hosts[i].generation for i in indices}
         try:
-            self.coordinator = self._start_service(len(indices))
+            self.coordinator = self._start_service(
+                self._link.open(self.generation + 1, members), len(indices))
         except Exception as exc:
             self._fail(RuntimeError(f"cannot start JAX's coordination service for the "
                                     f"cluster's job: {exc}"))
             return
         self.state = "forming"
         self.generation += 1
-        hosts = ctl._hosts
-        self._members = {i: hosts[i].generation for i in indices}
+        self._members = members
         table = [[d.id for d in hosts[i].devices] for i in indices]
-        form = (self.generation, self.coordinator, len(indices), table,
+        form = (self.generation, LINK, len(indices), table,
                 float(max(1.0, ctl.join_timeout)))
         log.info("forming the cluster's JAX job (generation %d) of %d hosts; coordinator %s",
                  self.generation, len(indices), self.coordinator)
@@ -388,51 +406,41 @@ class JaxJob:
 
     # -- JAX's coordination service, in this process -------------------------------------
 
-    def _start_service(self, processes: int) -> str:
-        """Start it; returns the address hosts reach it at (``*:PORT``: where they
-        reach the controller)."""
+    def _start_service(self, address: str, processes: int) -> str:
+        """Start it on ``address`` (``unix:PATH``, in the controller's private directory);
+        returns that address. No port: the hosts reach it through their links."""
         from jax._src.lib import _jax  # type: ignore[attr-defined]  # (no backend is made)
 
-        bind_host, advertise = _service_host(self._ctl._address)
-        fixed = os.environ.get(JAX_PORT_ENV, "").strip()
-        if fixed and not fixed.isdigit():
-            raise ValueError(f"${JAX_PORT_ENV} is {fixed!r}, not a port number")
-        tries = 1 if fixed else 3
-        last: Exception | None = None
-        for _ in range(tries):
-            port = int(fixed) if fixed else _free_port(bind_host)
-            # jaxlib's service ends this process (a segmentation fault) when its port is
-            # taken: it starts only on a port that was free a moment ago
-            if not _port_free(bind_host, port):
-                last = OSError(f"port {port} is in use")
-                continue
-            address = f"[{bind_host}]:{port}" if ":" in bind_host else f"{bind_host}:{port}"
-            try:
-                try:
-                    self._service = _jax.get_distributed_runtime_service(
-                        address, processes, heartbeat_timeout=SERVICE_HEARTBEAT_S,
-                        shutdown_timeout=SERVICE_SHUTDOWN_S, recoverable=True)
-                except TypeError:  # a jaxlib without recoverable tasks
-                    self._service = _jax.get_distributed_runtime_service(
-                        address, processes, heartbeat_timeout=SERVICE_HEARTBEAT_S,
-                        shutdown_timeout=SERVICE_SHUTDOWN_S)
-            except Exception as exc:  # the port was taken meanwhile: another one
-                last = exc
-                continue
-            return f"{advertise}:{port}"
-        raise RuntimeError(f"no port for it on {bind_host}: {last}"
-                           + (f" (${JAX_PORT_ENV} names it)" if fixed else ""))
+        if os.environ.get(OLD_PORT_ENV, "").strip():
+            log.warning("$%s is set but unused: the JAX job's coordination service listens "
+                        "on no port now (the hosts reach it through their colobus links)",
+                        OLD_PORT_ENV)
+        try:
+            self._service = _jax.get_distributed_runtime_service(
+                address, processes, heartbeat_timeout=SERVICE_HEARTBEAT_S,
+                cluster_register_timeout=SERVICE_REGISTER_S,
+                shutdown_timeout=SERVICE_SHUTDOWN_S, recoverable=True)
+        except TypeError:  # a jaxlib without recoverable tasks
+            self._service = _jax.get_distributed_runtime_service(
+                address, processes, heartbeat_timeout=SERVICE_HEARTBEAT_S,
+                cluster_register_timeout=SERVICE_REGISTER_S,
+                shutdown_timeout=SERVICE_SHUTDOWN_S)
+        return address
 
     def _stop_service(self) -> None:
+        """Cut every host's connection to the service, then stop it (no client is left
+        to hear of its end: JAX's clients end their process on that)."""
+        self._link.cut()
         service, self._service = self._service, None
         if service is None:
             return
 
-        def stop() -> None:  # (it waits for its clients a moment: not on the loop)
+        def stop() -> None:  # (off the loop: a gRPC server's shutdown waits on threads)
             try:
                 service.shutdown()
             except Exception as exc:
                 log.debug("stopping the JAX coordination service: %s", exc)
+            self.services_stopped += 1
 
         thread = threading.Thread(target=stop, name="colobus-jax-service", daemon=True)
         thread.start()
@@ -454,32 +462,3 @@ def _renumber(host: Host, local_ids: list[int]) -> None:
 
     host.devices = tuple(Device(d.id, d.host, d.platform, d.device_kind, lid)
                          for d, lid in zip(host.devices, local_ids, strict=True))
-
-
-def _service_host(address: str) -> tuple[str, str]:
-    """Where the coordination service binds, and the host part workers are told."""
-    if not address.startswith("tcp://"):
-        return "127.0.0.1", "127.0.0.1"  # ipc: the hosts are on this machine
-    host = address[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
-    if host in ("*", ""):
-        host = "0.0.0.0"
-    return host, "*"
-
-
-def _port_free(host: str, port: int) -> bool:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-            s.listen(1)
-        except OSError:
-            return False
-    return True
-
-
-def _free_port(host: str) -> int:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])

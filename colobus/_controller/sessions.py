@@ -121,6 +121,10 @@ class Sessions:
             Kind.RESULT: ctl._ops.on_result,
         }
 
+    def handle_kind(self, kind: Kind, handler: Callable[[Host, Any, Envelope], None]) -> None:
+        """Hand joined hosts' messages of ``kind`` to ``handler`` (a part's own kind)."""
+        self._handlers[kind] = handler
+
     # -- receiving ------------------------------------------------------------------------
 
     def drop(self, reason: str, identity: bytes, detail: str = "") -> None:

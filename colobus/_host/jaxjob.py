@@ -11,12 +11,21 @@ long before (to report its devices at join). So joining drops the worker's backe
 (``xla_bridge._clear_backends`` and JAX's caches: nothing of the session exists
 yet, a job forms only over fresh sessions), connects JAX's distributed client by
 hand (``jax.distributed.initialize`` would start a second coordination service in
-process 0), with JAX's CPU collectives on gloo, and lets JAX make the job's backend
-at its next use. Leaving resets JAX's distributed state and drops the backend
-again; the old client is shut down on a daemon thread, since a coordination service
-that is gone can keep that waiting. JAX's own liveness checks (its heartbeats) are
-set to a day: colobus judges liveness, and a JAX that found a peer silent would end
-the worker without a word (its missed-heartbeat callback aborts the process).
+process 0) to this worker's own Unix socket, carried to the controller's service over
+the colobus link (:mod:`colobus._host.coordfwd`), with JAX's CPU collectives on gloo,
+and lets JAX make the job's backend at its next use. Leaving resets JAX's distributed
+state and drops the backend again.
+
+Nothing of JAX may end the worker. jaxlib's client ends its process on any error it
+hears of (a broken connection, a service that stops, a timeout of its own), and the
+callback it takes for that cannot be replaced from Python (jaxlib 0.10 aborts while
+casting the status it would pass). So: its timeouts (heartbeats, the wait for every
+process to register) are set beyond any session, colobus judges liveness; its
+connections are never closed while it may use them (the forwarder goes dark when the
+session ends, and closes them only once the client was shut down, which with
+``shutdown_on_destruction=False`` is local: it stops the client's heartbeats and
+polls and tells the service nothing); the controller cuts its side before a service
+stops. JAX's preemption sync manager is not made: it would take SIGTERM for good.
 
 In a job, host code sees global arrays: :meth:`HostJob.view` turns a stored block
 into the global ``jax.Array`` of the argument's layout (the controller sends the
@@ -28,11 +37,13 @@ block, which the host stores and reports as every output.
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import threading
+import time
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 import numpy as np
@@ -40,24 +51,46 @@ import numpy as np
 from .._model.devices import jax_axis_types
 from .._wire import protocol as P
 
-__all__ = ["JAX_HEARTBEAT_S", "HostJob", "coordinator_address"]
+if TYPE_CHECKING:
+    from .coordfwd import Forwarder
+
+__all__ = ["GLOO_ADDRESS_ENV", "JAX_HEARTBEAT_S", "HostJob", "gloo_address"]
 
 log = logging.getLogger("colobus.worker")
 
+GLOO_ADDRESS_ENV = "COLOBUS_GLOO_ADDRESS"  # where this host's gloo listens (an address)
 JAX_HEARTBEAT_S = 86400  # JAX's heartbeat timeouts: colobus, not JAX, judges liveness
+JAX_CONNECT_S = 1 << 30  # JAX's own wait to connect: never (colobus bounds the FORM)
+RETIRE_GRACE_S = 1.0  # a shut-down client's cancelled calls end before its sockets close
 _VIEWS_MAX = 4096  # global views kept (per stored value and layout); all dropped when full
 
 
-def coordinator_address(coordinator: str, connect: str) -> str:
-    """``HOST:PORT`` of the coordination service; ``*:PORT`` is that port at the address
-    ``connect`` reaches the controller at (``127.0.0.1`` over ``ipc://``)."""
-    if not coordinator.startswith("*:"):
-        return coordinator
-    port = coordinator[2:]
-    if not connect.startswith("tcp://"):
-        return f"127.0.0.1:{port}"
-    host = connect[len("tcp://"):].rsplit(":", 1)[0]
-    return f"{host}:{port}"
+class _Member:
+    """One generation's JAX client and its way to the service, until retired."""
+
+    __slots__ = ("client", "connected", "forwarder", "left")
+
+    def __init__(self, forwarder: Forwarder) -> None:
+        self.forwarder = forwarder
+        self.client: Any = None
+        self.connected = False  # its connect() returned
+        self.left = False  # the session ended: retire it once connected
+
+    def retire(self) -> None:
+        """Shut the client down (locally: no call to the service), then close its
+        connections, on a daemon thread (a call of its in flight can hold the shutdown)."""
+
+        def shut() -> None:
+            client = self.client
+            try:
+                if client is not None:
+                    client.shutdown()
+            except Exception as exc:  # (an agent already in error: stopped all the same)
+                log.debug("leaving the JAX job: %s", exc)
+            time.sleep(RETIRE_GRACE_S)
+            self.forwarder.close_soon()
+
+        threading.Thread(target=shut, name="colobus-jax-leave", daemon=True).start()
 
 
 class HostJob:
@@ -73,6 +106,7 @@ class HostJob:
         self.generation = 0
         self.ever = False  # a job formed in this process once (exit skips finalization)
         self.gloo_host: str | None = None  # where this host's gloo listens (None: JAX's pick)
+        self._member: _Member | None = None  # this generation's client, until it leaves
         self._cpu_factory = False  # JAX's CPU backend is made by _own_cpu_backend's
         self._lock = threading.Lock()
         # id(stored value) -> (a weak reference to it, the layout, its global view)
@@ -86,16 +120,17 @@ class HostJob:
 
     # -- joining and leaving ------------------------------------------------------------
 
-    def join(self, body: P.Form, host: int, connect: str, reported: int
-             ) -> tuple[list[Any], dict[int, Any]]:
-        """Join the job of ``body`` as process ``host`` (blocking: a thread of its own).
+    def join(self, body: P.Form, host: int, connect: str, reported: int,
+             forwarder: Forwarder) -> tuple[list[Any], dict[int, Any]]:
+        """Join the job of ``body`` as process ``host`` (blocking: a thread of its own),
+        JAX's client reaching the service through ``forwarder``.
 
         Returns this host's JAX devices in the job (in the order the worker reported
         its devices) and every host's, by global colobus id.
 
         Raises:
-            RuntimeError: JAX lacks what joining needs, the job did not form within the
-                FORM's timeout, or the job's devices do not match what hosts reported.
+            RuntimeError: JAX lacks what joining needs, the session ended meanwhile, or
+                the job's devices do not match what hosts reported.
         """
         jax = self.jax
         self.leave()
@@ -106,37 +141,33 @@ class HostJob:
         except ImportError as exc:  # pragma: no cover - a JAX without these
             raise RuntimeError(f"this JAX ({jax.__version__}) cannot join a job the way "
                                f"colobus joins one: {exc}") from exc
-        address = coordinator_address(body.coordinator, connect)
+        member = _Member(forwarder)
+        with self._lock:
+            self._member = member
         self._drop_backend(jax, xb)
         if getattr(jax.config, "jax_cpu_collectives_implementation", None) in (None, "", "none"):
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        self.gloo_host = _facing(connect)
+        self.gloo_host = gloo_address(connect)
         self._own_cpu_backend(jax, xb, distributed, _jax)
-        timeout = max(1, int(body.timeout))
-        client = _jax.get_distributed_runtime_client(
-            address, host, init_timeout=timeout, heartbeat_timeout=JAX_HEARTBEAT_S,
-            shutdown_on_destruction=False, use_compression=True)
-        try:
-            client.connect()
-        except Exception as exc:
-            raise RuntimeError(
-                f"host {host} could not join the JAX job at {address} within {timeout} s: "
-                f"{exc}") from exc
+        self.ever = True  # (from here a thread may wait in JAX for good: exit skips finalization)
+        member.client = client = _jax.get_distributed_runtime_client(
+            forwarder.address, host, init_timeout=JAX_CONNECT_S,
+            heartbeat_timeout=JAX_HEARTBEAT_S, shutdown_on_destruction=False,
+            use_compression=True)
+        client.connect()  # (until every process is in: its failures would end the process)
+        with self._lock:
+            member.connected = True
+            left = member.left
+        if left:
+            member.retire()
+            raise RuntimeError("the session ended while this host joined the JAX job")
         state = distributed.global_state
         state.client = client
         state.process_id = host
         state.num_processes = body.processes
-        state.coordinator_address = address
-        try:
-            if getattr(jax.config, "jax_enable_preemption_service", False):
-                manager = _jax.create_preemption_sync_manager()
-                manager.initialize(client)
-                state.preemption_sync_manager = manager
-        except Exception as exc:  # JAX's preemption sync points only: the job stands
-            log.debug("no JAX preemption sync manager in this job: %s", exc)
+        state.coordinator_address = forwarder.address
         self.index = host
         self.generation = body.generation
-        self.ever = True
         mine = _process_devices(jax, host)
         if len(mine) != reported:
             raise RuntimeError(
@@ -152,10 +183,24 @@ class HostJob:
             every.update(zip(ids, devs, strict=True))
         return mine, every
 
+    @property
+    def forwarder(self) -> Forwarder | None:
+        """The way to the current job's service (None: in no job, or leaving it)."""
+        member = self._member
+        return member.forwarder if member is not None else None
+
     def leave(self) -> None:
         """Leave the job (if in one): JAX's distributed state reset and its backend
-        dropped, so the next use makes a backend of this process alone."""
+        dropped, so the next use makes a backend of this process alone; its client is
+        retired (at once, or once its connect returns)."""
         self.clear()
+        with self._lock:
+            member, self._member = self._member, None
+            if member is not None:
+                member.left = True
+                member.forwarder.go_dark()
+        if member is not None and member.connected:
+            member.retire()
         if self.index < 0:
             return
         self.index = -1
@@ -163,20 +208,9 @@ class HostJob:
         from jax._src import xla_bridge as xb
 
         state = distributed.global_state
-        client, manager = state.client, state.preemption_sync_manager
         state.client = state.preemption_sync_manager = state.service = None
         state.process_id, state.num_processes = 0, 1
         self._drop_backend(self.jax, xb)
-
-        def shut() -> None:  # a service that is gone can keep this waiting: not our thread
-            for part in (manager, client):
-                try:
-                    if part is not None:
-                        part.shutdown()
-                except Exception as exc:
-                    log.debug("leaving the JAX job: %s", exc)
-
-        threading.Thread(target=shut, name="colobus-jax-leave", daemon=True).start()
 
     def _own_cpu_backend(self, jax: Any, xb: Any, distributed: Any, _jax: Any) -> None:
         """JAX's CPU backend, made so that gloo listens where the other hosts reach this
@@ -364,6 +398,18 @@ class HostJob:
         block_sharding = jax.sharding.NamedSharding(local[1], sh.spec, memory_kind=sh.memory_kind)
         return jax.make_array_from_single_device_arrays(
             shape, block_sharding, [s.data for s in x.addressable_shards])
+
+
+def gloo_address(connect: str) -> str | None:
+    """Where this host's gloo listens for the other hosts: ``$COLOBUS_GLOO_ADDRESS``, else
+    this machine's address toward the controller at ``connect`` (loopback over ``ipc://``:
+    the hosts share this machine); None: JAX's pick (the machine's name)."""
+    fixed = os.environ.get(GLOO_ADDRESS_ENV, "").strip()
+    if fixed:
+        return fixed.strip("[]")
+    if not connect.startswith("tcp://"):
+        return "127.0.0.1"
+    return _facing(connect)
 
 
 def _facing(connect: str) -> str | None:

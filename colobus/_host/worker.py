@@ -46,7 +46,7 @@ from .arrays import HostArrays
 from .calls import set_job
 from .construct import on_construct
 from .dataplane import DataPlane, start_dataplane
-from .forming import on_form
+from .forming import on_coord, on_form, run
 from .jaxjob import HostJob
 from .jaxnames import answer_colobus_process_index
 from .join import JoinDiagnosis, relay_socket, session_socket
@@ -166,6 +166,7 @@ class Worker(MessagePath):
             Kind.REJECT: self._on_reject,
             Kind.CHALLENGE: self._on_challenge,
             Kind.FORM: lambda body, env: on_form(self, body, env),
+            Kind.COORD: lambda body, env: on_coord(self, body, env),
         }
         self.store.shipped.attach(self._handlers, self._dispatch)  # (held while it unpacks)
         self._lane_call = self._handlers[Kind.CALL]  # what the lane stands for, in place
@@ -179,14 +180,9 @@ class Worker(MessagePath):
 
     # -- top level -----------------------------------------------------------------------
     def run(self) -> int:  # serve until told to exit; the process exit code
-        code = serve_worker(self.serve, self.sched, self._on_sigterm)
-        if self.job is not None and self.job.ever:
-            # A thread may still wait in a collective of a job whose peer died: the
-            # interpreter's finalization would abort under it. Nothing is left to run.
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-        return code
+        # (once in a JAX job, the process exits in there: see forming.run)
+        return run(lambda: serve_worker(self.serve, self.sched, self._on_sigterm),
+                   lambda: self.job)
 
     async def serve(self) -> int:
         self.loop = asyncio.get_running_loop()

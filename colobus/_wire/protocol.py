@@ -15,8 +15,8 @@ from typing import Any, ClassVar
 from .specs import decode_spec, encode_spec
 
 __all__ = [
-    "BODIES", "Body", "Call", "Cancel", "Challenge", "Code", "Construct", "Destroy",
-    "Fetch", "Form", "Heartbeat", "Hello", "Join", "Kind", "MAX_OUTPUTS", "OutLeaf",
+    "BODIES", "Body", "Call", "Cancel", "Challenge", "Code", "Construct", "Coord",
+    "Destroy", "Fetch", "Form", "Heartbeat", "Hello", "Join", "Kind", "MAX_OUTPUTS", "OutLeaf",
     "Piece", "Put", "Reject", "Release", "Reset", "Reshard", "Result", "Shutdown",
     "Stats", "Status", "TOKEN_BYTES", "TREE_CHUNK_BYTES", "TreePut", "Welcome",
     "chunk_digests", "decode_spec", "encode_spec", "output_ref", "parse",
@@ -61,6 +61,7 @@ class Kind(enum.IntEnum):
     OFFER = 32  # R: a relay that connected offers to carry hosts (after a CHALLENGE)
     SETUP = 33  # C: the offer is taken: the settings the relay carries hosts with
     FORM = 40  # C: join the cluster's JAX job (jax_distributed); answered with a RESULT
+    COORD = 41  # both: bytes of one connection to the JAX job's coordination service
 
 
 class Status(enum.IntEnum):
@@ -415,6 +416,18 @@ class Form(Body):
 
 
 @dataclass(frozen=True, slots=True)
+class Coord(Body):
+    """The payload's bytes on connection ``conn`` of a host's JAX client to the job's
+    coordination service (``end``: that side closed it); ``generation``: the job's."""
+
+    kind = Kind.COORD
+    types = (int, int, bool)
+    generation: int
+    conn: int
+    end: bool
+
+
+@dataclass(frozen=True, slots=True)
 class Reset(Body):
     """The controller's last word to a lost session: rejoin, or (``RESET_EXIT``) exit."""
 
@@ -429,7 +442,7 @@ RESET_EXIT = "exit"  # its process was seen to end (a launcher): it exits, never
 
 BODIES: dict[Kind, type[Body]] = {cls.kind: cls for cls in (
     Hello, Welcome, Reject, Join, Challenge, Heartbeat, Code, Call, Result, Cancel, Put, Fetch,
-    Release, Construct, Destroy, Stats, Shutdown, Reset, Reshard, Piece, TreePut, Form,
+    Release, Construct, Destroy, Stats, Shutdown, Reset, Reshard, Piece, TreePut, Form, Coord,
 )}
 
 _BY_INT: dict[int, type[Body]] = {int(k): v for k, v in BODIES.items()}  # by wire int
