@@ -739,9 +739,10 @@ async def test_batches_from_a_joined_peer_are_split_and_bad_ones_dropped_whole()
 
 @netns
 async def test_a_jax_job_across_hosts_with_their_own_addresses(bed: NetBed) -> None:
-    """A job over two namespaces: the coordinator in the controller, reached at its
-    bridge address; gloo listening where each host reaches the controller from (JAX's own
-    pick, the machine's name, is a loopback address here), so a jitted sum runs across."""
+    """A job over two namespaces: the coordinator in the controller, reached through each
+    host's colobus link (no port); gloo listening where each host reaches the controller
+    from (JAX's own pick, the machine's name, is a loopback address here), so a jitted
+    sum runs across."""
     from hostview_hostside import cross_host_sum
 
     from colobus._controller.controller import _pop_current, _push_current
@@ -755,7 +756,7 @@ async def test_a_jax_job_across_hosts_with_their_own_addresses(bed: NetBed) -> N
         await ctl.wait_for_hosts(timeout=90)
         _push_current(ctl)  # (what entering it does: it is the default controller)
         job = ctl.stats()["jax_job"]
-        assert job["state"] == "formed" and job["coordinator"].startswith("*:"), job
+        assert job["state"] == "formed" and job["coordinator"].startswith("unix:"), job
         mesh = cb.Mesh(np.array(ctl.devices(), dtype=object), ("x",))
         x = cb.device_put(np.arange(8.0, dtype=np.float32),
                           cb.NamedSharding(mesh, cb.PartitionSpec("x")))

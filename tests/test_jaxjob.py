@@ -203,16 +203,17 @@ def test_who_asks_for_a_job(monkeypatch: pytest.MonkeyPatch) -> None:
         cb.Controller(hosts=2)
 
 
-def test_a_job_that_cannot_form_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The coordination service's port is taken: entering the cluster raises, naming it
-    (jaxlib's service would end the controller's process on a taken port)."""
-    import socket
+def test_a_job_that_cannot_form_says_why(monkeypatch: pytest.MonkeyPatch,
+                                        tmp_path: Path) -> None:
+    """The coordination service's Unix socket cannot be made (a temporary directory too
+    long for a socket's path): entering the cluster raises, saying what to change.
+    (jaxlib's service ended the controller's process once, on a port already taken.)"""
+    import tempfile
 
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        taken.listen(1)
-        port = taken.getsockname()[1]
-        monkeypatch.setenv("COLOBUS_JAX_PORT", str(port))
-        with pytest.raises(RuntimeError, match=rf"coordination service.*port {port} is in use"):
-            with cb.local_cluster(hosts=1, jax_distributed=True, relays=0):
-                pass
+    cluster = cb.local_cluster(hosts=1, jax_distributed=True, relays=0)  # (its socket made)
+    deep = tmp_path / ("d" * 120)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))  # (this process's: the controller's)
+    with pytest.raises(RuntimeError, match=r"coordination service.*over 107 bytes: set TMPDIR"):
+        with cluster:
+            pass

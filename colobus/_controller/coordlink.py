@@ -32,7 +32,7 @@ import socket
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .._wire import protocol as P
-from .._wire.coordpipe import Pipe, private_dir, remove_dir
+from .._wire.coordpipe import Pipe, private_dir, remove_dir, socket_path
 
 if TYPE_CHECKING:
     from .._wire.envelope import Envelope
@@ -79,13 +79,18 @@ class CoordLink:
 
     def open(self, generation: int, members: dict[int, int]) -> str:
         """A service for ``generation`` is about to start: the Unix socket it listens on
-        (``unix:PATH``); the COORDs of ``members`` are carried to it from now on."""
+        (``unix:PATH``); the COORDs of ``members`` are carried to it from now on.
+
+        Raises:
+            OSError: no private directory for it, or its path is too long for a socket.
+        """
         self.cut()
         if self._dir is None or not os.path.isdir(self._dir):
+            self._dir = None
             self._dir = private_dir("colobus-jax-")
+        self._path = socket_path(self._dir, f"coord-{generation}")
         self.generation = generation
         self._members = dict(members)
-        self._path = os.path.join(self._dir, f"coord-{generation}")
         return f"unix:{self._path}"
 
     def cut(self, index: int | None = None) -> None:

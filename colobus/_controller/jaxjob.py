@@ -134,6 +134,10 @@ class JaxJob:
         self._link = CoordLink(ctl, ctl._sessions.violation, ctl._sessions.dropped)
         ctl._sessions.handle_kind(P.Kind.COORD, self._link.on_coord)
         self.services_stopped = 0  # coordination services stopped (each a thread's wait)
+        if os.environ.get(OLD_PORT_ENV, "").strip():
+            log.warning("$%s is set but unused: the JAX job's coordination service listens "
+                        "on no port now (the hosts reach it through their colobus links)",
+                        OLD_PORT_ENV)
 
     # -- the controller's events ----------------------------------------------------------
 
@@ -411,10 +415,6 @@ class JaxJob:
         returns that address. No port: the hosts reach it through their links."""
         from jax._src.lib import _jax  # type: ignore[attr-defined]  # (no backend is made)
 
-        if os.environ.get(OLD_PORT_ENV, "").strip():
-            log.warning("$%s is set but unused: the JAX job's coordination service listens "
-                        "on no port now (the hosts reach it through their colobus links)",
-                        OLD_PORT_ENV)
         try:
             self._service = _jax.get_distributed_runtime_service(
                 address, processes, heartbeat_timeout=SERVICE_HEARTBEAT_S,

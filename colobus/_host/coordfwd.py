@@ -21,13 +21,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import socket
 from collections.abc import Callable
 from typing import Any
 
 from .._wire import protocol as P
-from .._wire.coordpipe import Pipe, private_dir, remove_dir
+from .._wire.coordpipe import Pipe, private_dir, remove_dir, socket_path
 
 __all__ = ["Forwarder"]
 
@@ -43,6 +42,9 @@ class Forwarder:
         loop: the worker's event loop (the one this is made on).
         send: sends a COORD (and its payload) over this session's link.
         generation: the job's generation (every COORD carries it).
+
+    Raises:
+        OSError: no private directory or socket for it (a full or too long ``$TMPDIR``).
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop,
@@ -53,10 +55,15 @@ class Forwarder:
         self.dark = False  # the session is over: nothing leaves, nothing is closed
         self.closed = False
         self._dir = private_dir("colobus-jax-")
-        self.path = os.path.join(self._dir, "coord")
+        self.path = socket_path(self._dir, "coord")
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(self.path)  # (in a 0700 directory: this user only)
-        self._listener.listen(MAX_CONNECTIONS)
+        try:
+            self._listener.bind(self.path)  # (in a 0700 directory: this user only)
+            self._listener.listen(MAX_CONNECTIONS)
+        except OSError:
+            self._listener.close()
+            remove_dir(self._dir)
+            raise
         self._listener.setblocking(False)
         self._pipes: dict[int, Pipe] = {}
         self._next = 0

@@ -74,7 +74,12 @@ def on_form(w: Forming, body: P.Form, env: Envelope) -> None:
         if w.epoch == epoch:
             w.send(coord, data)
 
-    forwarder = Forwarder(loop, send, body.generation)
+    try:
+        forwarder = Forwarder(loop, send, body.generation)
+    except OSError as exc:
+        w.reply_error(body.call_id, RuntimeError(
+            f"host {host} cannot listen for its JAX client: {exc}"))
+        return
     answered: list[bool] = [False]
 
     def join() -> None:

@@ -22,9 +22,10 @@ import tempfile
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["LINK", "Pipe", "private_dir", "remove_dir"]
+__all__ = ["LINK", "Pipe", "private_dir", "remove_dir", "socket_path"]
 
 LINK = "link"  # a FORM's coordinator: the service is reached through the host's link
+MAX_PATH = 107  # bytes of a Unix socket's path (Linux: 108 with the NUL)
 
 
 class Pipe(asyncio.Protocol):
@@ -109,6 +110,20 @@ def private_dir(prefix: str) -> str:
     """A new directory only this user can enter (mode 0700), for Unix sockets."""
     path = tempfile.mkdtemp(prefix=prefix)
     os.chmod(path, 0o700)  # (mkdtemp's mode already; said again against a umask surprise)
+    return path
+
+
+def socket_path(directory: str, name: str) -> str:
+    """``directory/name``, checked to fit a Unix socket.
+
+    Raises:
+        OSError: it is too long (a long ``$TMPDIR``), saying so.
+    """
+    path = os.path.join(directory, name)
+    if len(os.fsencode(path)) > MAX_PATH:
+        remove_dir(directory)
+        raise OSError(f"the Unix socket path {path} is over {MAX_PATH} bytes: set TMPDIR to "
+                      "a shorter directory")
     return path
 
 
