@@ -77,6 +77,18 @@ def tcp_listeners(pid: int) -> set[tuple[str, int]]:
     return found
 
 
+def established_to(pid: int, ports: set[int]) -> set[int]:
+    """The local ports of ``pid``'s established TCP connections to any of ``ports``."""
+    mine = _socket_inodes(pid)
+    found = set()
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            f = line.split()
+            if f[3] == "01" and f[9] in mine and int(f[2].split(":")[1], 16) in ports:
+                found.add(int(f[1].split(":")[1], 16))
+    return found
+
+
 def unix_listeners(pid: int) -> set[str]:
     """The paths of the Unix sockets ``pid`` listens on."""
     mine = _socket_inodes(pid)
@@ -191,16 +203,19 @@ def test_the_docs_list_every_listener_of_a_job(safe_job: Any, job2: cb.Controlle
 
 
 ATTACKER = r"""
-import socket, sys
+import concurrent.futures, socket, sys
 from jax._src.lib import _jax
 
-def grpc_server(host, port):  # an HTTP/2 server answers our preface with its SETTINGS
-    with socket.create_connection((host, port), timeout=5) as s:
+def grpc_server(target):  # an HTTP/2 server answers a client's preface with SETTINGS at
+    host, _, port = target.rpartition(":")  # once; gloo waits for more (then: not one)
+    with socket.create_connection((host, int(port)), timeout=5) as s:
         s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0]))
+        head = b""
         try:
-            head = s.recv(9)
+            while len(head) < 9 and (chunk := s.recv(9 - len(head))):
+                head += chunk
         except OSError:
-            return False
+            pass
         return len(head) == 9 and head[3] == 4
 
 def attack(address):
@@ -217,9 +232,11 @@ with socket.socket() as s:  # the control: a service it may reach, where all of 
     s.bind(("127.0.0.1", 0))
     control = f"127.0.0.1:{s.getsockname()[1]}"
 service = _jax.get_distributed_runtime_service(control, 1)
-for target in [control, *sys.argv[1:]]:
-    host, _, port = target.rpartition(":")
-    if grpc_server(host, int(port)):
+targets = [control, *sys.argv[1:]]
+with concurrent.futures.ThreadPoolExecutor(len(targets)) as pool:
+    speaks = list(pool.map(grpc_server, targets))
+for target, grpc in zip(targets, speaks):
+    if grpc:
         attack(target)
     else:
         print("NOT-GRPC", target, flush=True)
@@ -254,9 +271,22 @@ def test_a_stranger_cannot_reach_the_jobs_coordination(job2: cb.Controller,
                                                        tmp_path: Path) -> None:
     ctl = job2
     _sums_right(ctl)
+    service = ctl.stats()["jax_job"]["coordinator"]
+    # a network peer: every TCP port of the job (each worker's gloo; a coordinator a
+    # driver announces at HOST:PORT) tried with jaxlib's own client, reading the
+    # topology and pre-writing gloo's keys where it gets in
+    targets = [f"{a}:{p}" for host in ctl.hosts() for a, p in tcp_listeners(host.pid)]
+    if not service.startswith("unix:"):  # (HOST:PORT, or *:PORT: as coordinators once were)
+        targets.append(service.replace("*:", "127.0.0.1:"))
+    assert targets
+    out = subprocess.run([sys.executable, "-c", ATTACKER, *targets], capture_output=True,
+                         text=True, timeout=120)
+    said = out.stdout + out.stderr[-2000:]
+    assert "DONE" in out.stdout and out.stdout.count("WROTE") == 1, said  # (the control)
+    assert out.stdout.split().count("IN") == 1, said  # the control only
+    assert out.stdout.count("NOT-GRPC") == len(targets), said
     # another account on this machine: the driver's service socket and each worker's
     # JAX client socket are in directories it cannot enter
-    service = ctl.stats()["jax_job"]["coordinator"]
     sockets = [service[len("unix:"):]] if service.startswith("unix:") else []
     for host in ctl.hosts():
         sockets += [p for p in unix_listeners(host.pid) if "colobus-jax-" in p]
@@ -274,19 +304,6 @@ def test_a_stranger_cannot_reach_the_jobs_coordination(job2: cb.Controller,
             assert _as_nobody_connect(str(open_dir / "s")) == 0
     finally:
         shutil.rmtree(open_dir)
-    # a network peer: every TCP port of the job (each worker's gloo; a coordinator a
-    # driver announces at HOST:PORT) tried with jaxlib's own client, reading the
-    # topology and pre-writing gloo's keys where it gets in
-    targets = [f"{a}:{p}" for host in ctl.hosts() for a, p in tcp_listeners(host.pid)]
-    if service.startswith("*:"):  # (how a job's coordinator was once announced)
-        targets.append("127.0.0.1:" + service[2:])
-    assert targets
-    out = subprocess.run([sys.executable, "-c", ATTACKER, *targets], capture_output=True,
-                         text=True, timeout=120)
-    said = out.stdout + out.stderr[-2000:]
-    assert "DONE" in out.stdout and out.stdout.count("WROTE") == 1, said  # (the control)
-    assert out.stdout.split().count("IN") == 1, said  # the control only
-    assert out.stdout.count("NOT-GRPC") == len(targets), said
     # the collectives still give exact results, and the job stands
     _sums_right(ctl)
     assert ctl.stats()["jax_job"]["state"] == "formed"
@@ -333,6 +350,10 @@ def test_a_frozen_host_resumes_and_rejoins_the_job(job2: cb.Controller) -> None:
     try:
         _wait(lambda: ctl.hosts()[1].state == "lost", "the frozen host's loss")
         _wait(lambda: _old_service_stopped(ctl, before), "the job's service to stop")
+        # ... and every connection it had to this process's ports closed under it (a
+        # coordinator on a TCP port, as once; none now)
+        ours = {port for _, port in tcp_listeners(os.getpid())}
+        _wait(lambda: not established_to(pids[1], ours), "its connections to close")
     finally:
         os.kill(pids[1], signal.SIGCONT)
     ctl.run_sync(ctl.wait_for_hosts(timeout=120))
