@@ -376,8 +376,8 @@ from hostview_hostside import cross_host_sum
 address, key_file = sys.argv[1], sys.argv[2]
 with cb.Controller(address, hosts=2, key=load_key(key_file), jax_distributed=True,
                    liveness_timeout=2.0, join_timeout=120) as ctl:
-    mesh = cb.make_mesh((2,), ("x",))
-    x = cb.device_put(np.array([3.0, 4.0], np.float32), cb.NamedSharding(mesh, cb.PartitionSpec("x")))
+    sharding = cb.NamedSharding(cb.make_mesh((2,), ("x",)), cb.PartitionSpec("x"))
+    x = cb.device_put(np.array([3.0, 4.0], np.float32), sharding)
     print("FORMED", float(cb.device_get(cross_host_sum(x))), flush=True)
     sys.stdin.read()  # until killed
 """
