@@ -208,7 +208,7 @@ from jax._src.lib import _jax
 
 def grpc_server(target):  # an HTTP/2 server answers a client's preface with SETTINGS at
     host, _, port = target.rpartition(":")  # once; gloo waits for more (then: not one)
-    with socket.create_connection((host, int(port)), timeout=5) as s:
+    with socket.create_connection((host, int(port)), timeout=3) as s:
         s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0]))
         head = b""
         try:
