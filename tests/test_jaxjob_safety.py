@@ -470,3 +470,71 @@ def test_a_killed_driver_costs_only_its_session_and_signals_stop_workers(
             for pipe in (p.stdin, p.stdout):
                 if pipe is not None:
                     pipe.close()
+
+
+# -- what a key holder's COORD costs the controller ------------------------------------------------
+
+
+async def test_a_hosts_coordination_bytes_are_bounded(tmp_path: Path) -> None:
+    """The controller carries a host's COORD only for the current generation while the host
+    is a member, over at most 8 connections, each with at most 16 MiB the service has not
+    read; beyond that the host is dropped. (A real Unix listener stands in for the service:
+    it accepts and never reads.)"""
+    import asyncio
+    import collections
+    import types
+
+    from colobus._controller.coordlink import MAX_BUFFERED, MAX_CONNECTIONS, CoordLink
+    from colobus._wire import protocol as WP
+
+    sent: list[tuple[int, Any]] = []
+    violations: list[tuple[int, str]] = []
+    owner = types.SimpleNamespace(_send=lambda host, body, payload=b"", *a: sent.append(
+        (host.index, body)))
+    dropped: collections.Counter[str] = collections.Counter()
+    link = CoordLink(owner, lambda host, reason, detail="": violations.append(
+        (host.index, detail)), dropped)  # type: ignore[arg-type]
+    host0 = types.SimpleNamespace(index=0, generation=3, alive=True)
+    stranger = types.SimpleNamespace(index=1, generation=1, alive=True)
+    address = link.open(5, {0: 3})
+    assert address.startswith("unix:")
+    service = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    service.bind(address[len("unix:"):])
+    service.listen(64)
+    service.setblocking(False)
+
+    def coord(host: Any, conn: int, data: bytes = b"x", generation: int = 5) -> None:
+        link.on_coord(host, WP.Coord(generation, conn, False),  # type: ignore[arg-type]
+                      types.SimpleNamespace(payload=data))  # type: ignore[arg-type]
+
+    try:
+        coord(host0, 0, generation=4)  # a job that ended
+        coord(stranger, 0)  # a host not in this one
+        assert dropped["stale"] == 2 and not link._pipes
+        for conn in range(MAX_CONNECTIONS):
+            coord(host0, conn)
+        await asyncio.sleep(0)  # (connected on the loop)
+        accepted = []
+        while len(accepted) < MAX_CONNECTIONS:
+            try:
+                accepted.append(service.accept()[0])
+            except BlockingIOError:
+                await asyncio.sleep(0.01)
+        assert not violations
+        coord(host0, MAX_CONNECTIONS)  # one more connection: dropped
+        assert violations and "connections" in violations[-1][1]
+        violations.clear()
+        chunk = b"y" * (1 << 20)
+        for _ in range(MAX_BUFFERED // len(chunk) + 2):  # the service reads none of it
+            coord(host0, 0, chunk)
+        assert violations and "did not read" in violations[-1][1]
+        link.cut()  # everything cut at once: the service sees each connection end
+        for conn in accepted:
+            conn.setblocking(True)
+            conn.settimeout(30)
+            while conn.recv(1 << 20):
+                pass
+            conn.close()
+    finally:
+        service.close()
+        link.close()

@@ -150,11 +150,18 @@ class HostJob:
         self.gloo_host = gloo_address(connect)
         self._own_cpu_backend(jax, xb, distributed, _jax)
         self.ever = True  # (from here a thread may wait in JAX for good: exit skips finalization)
-        member.client = client = _jax.get_distributed_runtime_client(
-            forwarder.address, host, init_timeout=JAX_CONNECT_S,
-            heartbeat_timeout=JAX_HEARTBEAT_S, shutdown_on_destruction=False,
-            use_compression=True)
-        client.connect()  # (until every process is in: its failures would end the process)
+        try:
+            member.client = client = _jax.get_distributed_runtime_client(
+                forwarder.address, host, init_timeout=JAX_CONNECT_S,
+                heartbeat_timeout=JAX_HEARTBEAT_S, shutdown_on_destruction=False,
+                use_compression=True)
+            client.connect()  # (until every process is in: its failures end the process)
+        except Exception as exc:  # (a client that could not even try)
+            with self._lock:
+                member.connected, left = True, member.left
+            if left:
+                member.retire()
+            raise RuntimeError(f"host {host} could not join the JAX job: {exc}") from exc
         with self._lock:
             member.connected = True
             left = member.left
