@@ -36,8 +36,6 @@ from safety_hostside import hold_the_gil_until
 
 import colobus as cb
 
-pytestmark = pytest.mark.xdist_group("jaxjob_safety")  # (one module cluster)
-
 P = cb.PartitionSpec
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 LIVENESS_S = 3.0  # losses are waited for here (a frozen host); short, not spurious
