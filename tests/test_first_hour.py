@@ -473,3 +473,29 @@ def test_a_hosts_axis_on_one_host_is_logged_once(ctl: cb.Controller,
     assert "axis 'hosts' (size 2) lies on one host, host 0" in record.getMessage()
     assert "devices=[h.devices[0] for h in ctl.hosts()]" in record.getMessage()
     assert spread.shape == {"hosts": 2, "devices": 4}
+
+
+# -- colobus launch: an example at the launch's size, and what a slow join says ------------
+
+
+def test_an_example_takes_the_launchs_size_and_a_slow_join_names_the_launched_workers(
+        ) -> None:
+    # The first progress line due at once (the workers cannot have joined yet): what the
+    # driver says while the workers `colobus launch` started are still starting.
+    driver = ("import runpy, sys\n"
+              "import colobus._controller.joinwait as joinwait\n"
+              "joinwait.FIRST_AFTER_S = 0.0\n"
+              "sys.argv = ['examples/sync_script.py', '--steps', '10']\n"
+              "runpy.run_path('examples/sync_script.py', run_name='__main__')\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COLOBUS_")}
+    proc = _colobus("launch", "local", "--hosts", "3", "--", "python", "-c", driver, env=env,
+                    cwd=ROOT, timeout=400)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
+    assert "ValueError" not in proc.stderr
+    assert re.search(r"step 10: loss per host \[[-0-9.]+, [-0-9.]+, [-0-9.]+\]", proc.stdout), \
+        proc.stdout  # three replicas: the launch's three hosts
+    (line,) = [ln for ln in proc.stderr.splitlines() if "waiting for hosts:" in ln][:1]
+    assert "of 3 joined" in line, line
+    assert "the workers `colobus launch` started are still starting" in line, line
+    assert "[host N] lines" in line and "COLOBUS_LOG_LEVEL=INFO" in line, line
+    assert "on each host run" not in proc.stderr and "colobus worker --connect" not in line
