@@ -321,6 +321,7 @@ class Relays(Inbox):
         relay.carries[host.identity] = host.index
         relay.adopted(host.index)
         relay.carried_mask |= 1 << host.index
+        relay.ever_mask |= 1 << host.index
         peer.via = relay
         self._ctl._hosts.changes += 1  # (fan-outs worked out before go another way now)
 
