@@ -4,6 +4,7 @@ against running workers, and the command line's quick commands without JAX."""
 
 from __future__ import annotations
 
+import asyncio
 import http.server
 import io
 import logging
@@ -499,3 +500,27 @@ def test_an_example_takes_the_launchs_size_and_a_slow_join_names_the_launched_wo
     assert "the workers `colobus launch` started are still starting" in line, line
     assert "[host N] lines" in line and "COLOBUS_LOG_LEVEL=INFO" in line, line
     assert "on each host run" not in proc.stderr and "colobus worker --connect" not in line
+
+
+def test_a_worker_with_another_key_is_named_on_the_driver_with_both_key_ids(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    ours, theirs = _keygen(tmp_path / "ours.key"), _keygen(tmp_path / "theirs.key")
+    key = cb.load_key(ours)
+    with caplog.at_level(logging.WARNING, logger="colobus.controller"):
+        ctl = cb.Controller("tcp://127.0.0.1:*", hosts=1, key=key, join_timeout=600)
+        ctl.start_in_thread()
+        try:
+            with _workers(ctl.address, theirs, [tmp_path / "w.log"], [{}]):
+                _wait(lambda: any("another key" in r.getMessage() for r in caplog.records),
+                      120, "the driver to name the key")
+                ctl.run_sync(asyncio.sleep(1.0))  # its JOINs again: still one line
+        finally:
+            ctl.close()
+    said = [r.getMessage() for r in caplog.records if "another key" in r.getMessage()]
+    assert len(said) == 1, said
+    line = said[0]
+    assert f"its key id is {key_id(cb.load_key(theirs))}" in line, line
+    assert f"this controller's is {key_id(key)} (key from {ours}" in line, line
+    assert f"--key-file {ours}" in line, line
+    assert "dropping unauthenticated messages" not in caplog.text
+    assert ctl.stats()["dropped"]["unauthenticated"] >= 2

@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 from .._wire.keys import is_private_key_file, key_file_of, key_id
 
-__all__ = ["JoinProgress", "JoinWaiters", "worker_command"]
+__all__ = ["JoinProgress", "JoinWaiters", "WrongKeys", "worker_command"]
 
 log = logging.getLogger("colobus.controller")
 
@@ -143,3 +143,25 @@ class JoinWaiters:
             except TimeoutError:
                 progress.report(alive())
             check_open()
+
+
+class WrongKeys:
+    """Workers that try to join with another key than the controller's, named on the
+    driver with both key ids: one line per key id they hold (at most ``bound`` ids are
+    said; the messages themselves are counted as ``unauthenticated`` in ``stats()``)."""
+
+    def __init__(self, address: Callable[[], str], key: bytes, bound: int = 16) -> None:
+        self._address = address
+        self._key = key
+        self._said: set[str] = set()
+        self._bound = bound
+
+    def note(self, theirs: str) -> None:
+        """A JOIN that failed authentication said its worker's key id is ``theirs``."""
+        if theirs in self._said or len(self._said) >= self._bound:
+            return
+        self._said.add(theirs)
+        log.warning("a worker tries to join %s with another key: its key id is %s, this "
+                    "controller's is %s (%s). Its messages are dropped unread; start it with "
+                    "this controller's key: %s", self._address(), theirs, key_id(self._key),
+                    key_words(self._key), worker_command(self._address(), self._key))

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from .._wire import protocol as P
 from .._wire.chunks import ACK_KIND
 from .._wire.envelope import PROTOCOL_VERSION, Dropped, Envelope, unpack_batch
-from .._wire.guard import RESET_SEQ, Challenges, PeerWarnings, Refusals, shown
+from .._wire.guard import RESET_SEQ, Challenges, PeerWarnings, Refusals, join_key_id, shown
 from .._wire.lane import ON, decode
 from .._wire.limits import MAX_HEADER_BYTES, MAX_OBJECTS, UNKNOWN_PEER_MAX_BYTES
 from .._wire.protocol import Kind
@@ -34,6 +34,7 @@ from .._wire.versions import compare, local_versions
 from .environ import join_level
 from .hangups import link_up
 from .hosts import Host
+from .joinwait import WrongKeys
 from .liveness import Liveness
 from .ops import Parts
 from .relays import NO_RELAYS, refuse
@@ -74,6 +75,8 @@ class SessionsOwner(Parts, Protocol):
     @property
     def _key(self) -> bytes: ...
     @property
+    def _address(self) -> str: ...
+    @property
     def _expected_hosts(self) -> int: ...
     @property
     def _exit_workers(self) -> bool: ...
@@ -104,6 +107,7 @@ class Sessions:
         self.challenges = Challenges()  # join nonces: bounded, expiring
         self._peer_warnings = PeerWarnings(log)
         self.refusals = Refusals(log)  # joins refused, rate-limited
+        self.wrong_keys = WrongKeys(lambda: ctl._address, ctl._key)  # joins with another key
         self.join_level = join_level(launched=False)  # launchers: cluster.announce_joins
         # Names a launcher numbers its hosts by (names[0] is host 0), set from any thread
         # before its workers start; the loop thread reserves their numbers at the next HELLO.
@@ -158,8 +162,12 @@ class Sessions:
                          max_body=MAX_HEADER_BYTES, max_objects=MAX_OBJECTS)
         except Dropped as d:
             host = ctl._hosts.by_identity.get(identity)
+            theirs = join_key_id(frames[1:]) if d.reason == "unauthenticated" else None
             if host is not None and d.reason == "oversized":
                 self.violation(host, d.reason, d.detail)  # its workers stay under the limit
+            elif theirs is not None:  # a worker's JOIN with another key: said by its id
+                self.dropped[d.reason] += 1
+                self.wrong_keys.note(theirs)
             else:
                 self.drop(d.reason, identity, d.detail)
             return

@@ -182,9 +182,10 @@ class Outbound:
         self.send(P.Result(call_id, Status.ERROR, None, times or []),
                   describe_error(exc, self._hostname))
 
-    def _send_join_raw(self, body: P.Body) -> None:
-        """JOIN and HELLO: numbered outside the session's acknowledged stream."""
+    def _send_join_raw(self, body: P.Body, payload: bytes = b"") -> None:
+        """JOIN and HELLO: numbered outside the session's acknowledged stream. (A JOIN's
+        payload is the worker's key id: a controller with another key names both.)"""
         assert self._chan is not None and self._peer is not None
         self._peer.send_seq += 1
         self._chan.send_raw([], Envelope(body.kind, self._peer.session, b"",
-                                         self._peer.send_seq, body.to_wire()))
+                                         self._peer.send_seq, body.to_wire(), payload))

@@ -291,7 +291,7 @@ class Worker(MessagePath):
             while not self._welcome.done():
                 # One HELLO per JOIN round: it answers the CHALLENGE (_on_challenge).
                 self._answered = False
-                self._send_join_raw(P.Join())
+                self._send_join_raw(P.Join(), key_id(self._key).encode())
                 wait = backoff * (0.75 + random.random() / 2)
                 waits: list[asyncio.Future[Any]] = [self._welcome, self._ended]
                 await asyncio.wait(waits, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
