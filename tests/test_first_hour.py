@@ -521,6 +521,6 @@ def test_a_worker_with_another_key_is_named_on_the_driver_with_both_key_ids(
     line = said[0]
     assert f"its key id is {key_id(cb.load_key(theirs))}" in line, line
     assert f"this controller's is {key_id(key)} (key from {ours}" in line, line
-    assert f"--key-file {ours}" in line, line
+    assert f"colobus worker --key-file {ours} ...)" in line, line
     assert "dropping unauthenticated messages" not in caplog.text
     assert ctl.stats()["dropped"]["unauthenticated"] >= 2

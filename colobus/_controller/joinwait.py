@@ -150,8 +150,7 @@ class WrongKeys:
     driver with both key ids: one line per key id they hold (at most ``bound`` ids are
     said; the messages themselves are counted as ``unauthenticated`` in ``stats()``)."""
 
-    def __init__(self, address: Callable[[], str], key: bytes, bound: int = 16) -> None:
-        self._address = address
+    def __init__(self, key: bytes, bound: int = 16) -> None:
         self._key = key
         self._said: set[str] = set()
         self._bound = bound
@@ -161,7 +160,8 @@ class WrongKeys:
         if theirs in self._said or len(self._said) >= self._bound:
             return
         self._said.add(theirs)
-        log.warning("a worker tries to join %s with another key: its key id is %s, this "
+        path = key_file_of(self._key)
+        log.warning("a worker tries to join with another key: its key id is %s, this "
                     "controller's is %s (%s). Its messages are dropped unread; start it with "
-                    "this controller's key: %s", self._address(), theirs, key_id(self._key),
-                    key_words(self._key), worker_command(self._address(), self._key))
+                    "this controller's key%s", theirs, key_id(self._key), key_words(self._key),
+                    f" (colobus worker --key-file {path} ...)" if path else "")

@@ -75,8 +75,6 @@ class SessionsOwner(Parts, Protocol):
     @property
     def _key(self) -> bytes: ...
     @property
-    def _address(self) -> str: ...
-    @property
     def _expected_hosts(self) -> int: ...
     @property
     def _exit_workers(self) -> bool: ...
@@ -107,7 +105,7 @@ class Sessions:
         self.challenges = Challenges()  # join nonces: bounded, expiring
         self._peer_warnings = PeerWarnings(log)
         self.refusals = Refusals(log)  # joins refused, rate-limited
-        self.wrong_keys = WrongKeys(lambda: ctl._address, ctl._key)  # joins with another key
+        self.wrong_keys = WrongKeys(ctl._key)  # workers that join with another key
         self.join_level = join_level(launched=False)  # launchers: cluster.announce_joins
         # Names a launcher numbers its hosts by (names[0] is host 0), set from any thread
         # before its workers start; the loop thread reserves their numbers at the next HELLO.
@@ -127,9 +125,11 @@ class Sessions:
 
     # -- receiving ------------------------------------------------------------------------
 
-    def drop(self, reason: str, identity: bytes, detail: str = "") -> None:
+    def drop(self, reason: str, identity: bytes, detail: str = "", frames: Any = ()) -> None:
         self.dropped[reason] += 1
-        if reason in ("unauthenticated", "version", "oversized"):
+        if reason == "unauthenticated" and (theirs := join_key_id(frames)) is not None:
+            self.wrong_keys.note(theirs)  # a worker's JOIN with another key: both ids said
+        elif reason in ("unauthenticated", "version", "oversized"):
             self._peer_warnings.note(reason, identity, detail)  # rate-limited
         else:
             log.debug("dropped message (%s) %s", reason, detail)
@@ -162,14 +162,10 @@ class Sessions:
                          max_body=MAX_HEADER_BYTES, max_objects=MAX_OBJECTS)
         except Dropped as d:
             host = ctl._hosts.by_identity.get(identity)
-            theirs = join_key_id(frames[1:]) if d.reason == "unauthenticated" else None
             if host is not None and d.reason == "oversized":
                 self.violation(host, d.reason, d.detail)  # its workers stay under the limit
-            elif theirs is not None:  # a worker's JOIN with another key: said by its id
-                self.dropped[d.reason] += 1
-                self.wrong_keys.note(theirs)
             else:
-                self.drop(d.reason, identity, d.detail)
+                self.drop(d.reason, identity, d.detail, frames[1:])
             return
         self.on_envelope(identity, env, frames[0])
 
