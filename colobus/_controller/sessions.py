@@ -34,6 +34,7 @@ from .._wire.versions import compare, local_versions
 from .environ import join_level
 from .hangups import link_up
 from .hosts import Host
+from .imports import ImportAnswers, ImportsOwner
 from .joinwait import WrongKeys
 from .liveness import Liveness
 from .ops import Parts
@@ -57,7 +58,7 @@ MAX_DEVICES_PER_HOST = 4096
 MAX_NAME = 256  # characters of a host name or address
 
 
-class SessionsOwner(Parts, Protocol):
+class SessionsOwner(Parts, ImportsOwner, Protocol):
     """What :class:`Sessions` uses of the controller that owns it."""
 
     @property
@@ -121,6 +122,7 @@ class Sessions:
         self._handlers: dict[int, Callable[[Host, Any, Envelope], None]] = {
             Kind.HEARTBEAT: self._on_heartbeat,
             Kind.RESULT: ctl._ops.on_result,
+            Kind.IMPORT: ImportAnswers(ctl).on_import,  # host code imports what it lacks
         }
 
     # -- receiving ------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from .._wire.limits import BODY_INLINE_MAX
 from .._wire.protocol import Status
 from .._wire.sockio import COPY_BELOW, POLLIN, SNDMORE
 from .._wire.splice import pack_body
+from .fetched import FETCHER
 
 __all__ = ["Outbound"]
 
@@ -179,6 +180,7 @@ class Outbound:
     def reply_error(self, call_id: int, exc: BaseException, times: list[int] | None = None
                     ) -> None:
         """Report ``exc`` as data (type name, plain args, message, notes, traceback)."""
+        FETCHER.explain(exc)  # a module the controller could not provide says why
         self.send(P.Result(call_id, Status.ERROR, None, times or []),
                   describe_error(exc, self._hostname))
 

@@ -16,8 +16,8 @@ from .specs import decode_spec, encode_spec
 
 __all__ = [
     "BODIES", "Body", "Call", "Cancel", "Challenge", "Code", "Construct", "Destroy",
-    "Fetch", "Form", "Heartbeat", "Hello", "Join", "Kind", "MAX_OUTPUTS", "OutLeaf",
-    "Piece", "Put", "Reject", "Release", "Reset", "Reshard", "Result", "Shutdown",
+    "Fetch", "Form", "Heartbeat", "Hello", "Import", "Join", "Kind", "MAX_OUTPUTS", "Module",
+    "OutLeaf", "Piece", "Put", "Reject", "Release", "Reset", "Reshard", "Result", "Shutdown",
     "Stats", "Status", "TOKEN_BYTES", "TREE_CHUNK_BYTES", "TreePut", "Welcome",
     "chunk_digests", "decode_spec", "encode_spec", "output_ref", "parse",
 ]
@@ -61,6 +61,8 @@ class Kind(enum.IntEnum):
     OFFER = 32  # R: a relay that connected offers to carry hosts (after a CHALLENGE)
     SETUP = 33  # C: the offer is taken: the settings the relay carries hosts with
     FORM = 40  # C: join the cluster's JAX job (jax_distributed); answered with a RESULT
+    IMPORT = 42  # W: host code imports a module this host lacks (the controller may have it)
+    MODULE = 43  # C: the answer to an IMPORT: its package went first as a CODE, or why not
 
 
 class Status(enum.IntEnum):
@@ -427,9 +429,26 @@ RESET_REJOIN = "declared lost; join again"
 RESET_EXIT = "exit"  # its process was seen to end (a launcher): it exits, never rejoins
 
 
+@dataclass(frozen=True, slots=True)
+class Import(Body):
+    kind = Kind.IMPORT
+    types = (str,)
+    name: str  # the top-level module host code imports (_host/fetched.py)
+
+
+@dataclass(frozen=True, slots=True)
+class Module(Body):
+    kind = Kind.MODULE
+    types = (str, str, str)
+    name: str  # as the IMPORT asked
+    package: str  # the package whose CODE went just before ("": none)
+    why: str = ""  # why none: what the host's error says (_controller/imports.py)
+
+
 BODIES: dict[Kind, type[Body]] = {cls.kind: cls for cls in (
     Hello, Welcome, Reject, Join, Challenge, Heartbeat, Code, Call, Result, Cancel, Put, Fetch,
-    Release, Construct, Destroy, Stats, Shutdown, Reset, Reshard, Piece, TreePut, Form,
+    Release, Construct, Destroy, Stats, Shutdown, Reset, Reshard, Piece, TreePut, Form, Import,
+    Module,
 )}
 
 _BY_INT: dict[int, type[Body]] = {int(k): v for k, v in BODIES.items()}  # by wire int
