@@ -301,7 +301,7 @@ class Sessions:
         if self._refuse_version(identity, env) or self._ctl._closed:
             return
         P.parse(env.kind, env.body)  # no fields: ValueError (malformed) otherwise
-        if len(env.sender) != 16 or env.buffers or env.payload:
+        if len(env.sender) != 16 or env.buffers or len(env.payload) > 8:  # (its key id)
             self.drop("malformed", identity, "join")
             return
         current = self._ctl._hosts.by_identity.get(identity)

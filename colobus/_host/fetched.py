@@ -20,6 +20,7 @@ error then carries a note saying why (:meth:`Fetcher.explain`).
 
 from __future__ import annotations
 
+import _imp
 import asyncio
 import importlib
 import importlib.abc
@@ -98,7 +99,7 @@ class Fetcher(importlib.abc.MetaPathFinder):
                 loop.call_soon_threadsafe(ask, fullname)
             except RuntimeError:  # the loop closed: the worker is exiting
                 return None
-        if not event.wait(ASK_TIMEOUT_S):
+        if not _wait_unlocked(event, ASK_TIMEOUT_S):
             with self._lock:
                 self._answers.setdefault(fullname, f"the controller did not answer within "
                                                    f"{ASK_TIMEOUT_S:.0f} s")
@@ -122,6 +123,21 @@ class Fetcher(importlib.abc.MetaPathFinder):
         if why:
             exc.add_note(f"colobus: this host lacks the module {top!r}, and the controller "
                          f"could not provide it: {why}")
+
+
+def _wait_unlocked(event: threading.Event, timeout: float) -> bool:
+    """``event.wait(timeout)`` without Python's global import lock, which the import
+    system holds around every finder's ``find_spec``: while this thread waits for the
+    controller, other threads import (the unpacking of the answer's package does), and
+    would wait for this one. The lock is taken again before the import goes on."""
+    held = _imp.lock_held()
+    if held:
+        _imp.release_lock()
+    try:
+        return event.wait(timeout)
+    finally:
+        if held:
+            _imp.acquire_lock()
 
 
 def _running(loop: asyncio.AbstractEventLoop) -> bool:
