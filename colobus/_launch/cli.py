@@ -316,13 +316,9 @@ def _watch(driver: subprocess.Popen[bytes], workers: Workers, signals: _Signals)
             elif failed:
                 i, code = next(iter(failed.items()))
                 hp = workers.current[i]
-                hp.join(1.0)  # its last lines say why
-                tail = list(hp.stderr_tail)
-                said = "; ".join(line.strip() for line in tail if line.strip())[-600:]
+                error = workers.launcher.failure(i, code, list(hp.stderr_tail))
                 _stop_driver(driver)
-                raise _LaunchError(f"the colobus worker of {workers.launcher.describe(i)} "
-                                   f"{workers.launcher.ended(code, tail)}"
-                                   + (f": {said}" if said else "") + "; the driver was stopped")
+                raise _LaunchError(f"{error}; the driver was stopped")
 
 
 def run_launch(args: argparse.Namespace, command: list[str] | None,
