@@ -162,6 +162,7 @@ class WrongKeys:
         self._said.add(theirs)
         path = key_file_of(self._key)
         log.warning("a worker tries to join with another key: its key id is %s, this "
-                    "controller's is %s (%s). Its messages are dropped unread; start it with "
-                    "this controller's key%s", theirs, key_id(self._key), key_words(self._key),
+                    "controller's is %s (%s). Its messages are dropped unread "
+                    "(unauthenticated); start it with this controller's key%s", theirs,
+                    key_id(self._key), key_words(self._key),
                     f" (colobus worker --key-file {path} ...)" if path else "")

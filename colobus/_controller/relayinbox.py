@@ -31,6 +31,7 @@ from .._wire.limits import COUNT_ABOVE
 from .._wire.peer import Peer, data_bytes
 from .._wire.relaywire import RELAY_ONLY, RELAY_REASONS, Gone, Ready, report_fault
 from .coalesced import on_results
+from .hosts import host_mask
 from .relaylink import LinkOwner, Relay
 
 if TYPE_CHECKING:
@@ -326,12 +327,8 @@ class Inbox:
         given, one at least carried now. An entry that names another host breaks the
         protocol (the relay is dropped); one whose hosts all left it (lost meanwhile:
         it had not heard yet) is skipped, before anything of it is parsed."""
-        mask = 0
-        for i in hosts:
-            if i < 0 or i >= MAX_HOST_INDEX:
-                break
-            mask |= 1 << i
-        else:
+        if min(hosts) >= 0 and max(hosts) < MAX_HOST_INDEX:  # (in C: no step per host)
+            mask = host_mask(tuple(hosts))  # (cached: a fan-out names the same hosts)
             if mask & ~relay.ever_mask == 0:
                 return bool(mask & relay.carried_mask)
         named = next((i for i in hosts if not (0 <= i < MAX_HOST_INDEX
