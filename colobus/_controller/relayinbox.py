@@ -273,8 +273,14 @@ class Inbox:
             if (at < 0 or plen < 0 or at + plen > len(view) or boff < 0 or nbufs < 0
                     or boff + nbufs > len(buffers) or not 0 <= pbufs <= nbufs):
                 raise Dropped("malformed", "relay entry lengths")
-            if hosts and not self._names_its_hosts(relay, hosts):  # (before any parsing)
-                return
+            if hosts:  # each a host it was given (a mask in C), one carried now: else not
+                if min(hosts) < 0 or max(hosts) >= MAX_HOST_INDEX or (  # (read further)
+                        (mask := 1 << hosts[0] if len(hosts) == 1 else host_mask(tuple(hosts)))
+                        & ~relay.ever_mask):
+                    self._stranger(relay, hosts)
+                    return
+                if not mask & relay.carried_mask:
+                    return  # all left it (lost meanwhile: it had not heard yet)
             # a small body makes few objects: no count of them needed (as decode's header)
             raw = (unpack(packed, raw=False, use_list=True) if len(packed) <= COUNT_ABOVE
                    else unpack_bounded(packed))
@@ -322,20 +328,14 @@ class Inbox:
                              times if isinstance(times, list) else [])
             sessions.handle(host, relay.identity, sub, b)
 
-    def _names_its_hosts(self, relay: Relay, hosts: list[int]) -> bool:
-        """Whether an entry naming ``hosts`` is to be read: each a host ``relay`` was
-        given, one at least carried now. An entry that names another host breaks the
-        protocol (the relay is dropped); one whose hosts all left it (lost meanwhile:
-        it had not heard yet) is skipped, before anything of it is parsed."""
-        if min(hosts) >= 0 and max(hosts) < MAX_HOST_INDEX:  # (in C: no step per host)
-            mask = host_mask(tuple(hosts))  # (cached: a fan-out names the same hosts)
-            if mask & ~relay.ever_mask == 0:
-                return bool(mask & relay.carried_mask)
+    def _stranger(self, relay: Relay, hosts: list[int]) -> None:
+        """An entry of ``relay``'s names a host it was never given: it breaks the protocol
+        (the relay is dropped), before anything of the entry is parsed. (An entry whose
+        hosts it was given and all lost meanwhile is skipped: it had not heard yet.)"""
         named = next((i for i in hosts if not (0 <= i < MAX_HOST_INDEX
                                                and relay.ever_mask >> i & 1)), hosts[0])
         self._broke(relay, "unsolicited",
                     f"an entry for host {named}, which it was never given")
-        return False
 
     def _delivered(self, relay: Relay, counts: list[Any]) -> None:
         """A relay's DELIVERED: at most one count for each host it was ever given."""
