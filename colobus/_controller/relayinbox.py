@@ -273,14 +273,12 @@ class Inbox:
             if (at < 0 or plen < 0 or at + plen > len(view) or boff < 0 or nbufs < 0
                     or boff + nbufs > len(buffers) or not 0 <= pbufs <= nbufs):
                 raise Dropped("malformed", "relay entry lengths")
-            if hosts:  # each a host it was given (a mask in C), one carried now: else not
-                if min(hosts) < 0 or max(hosts) >= MAX_HOST_INDEX or (  # (read further)
-                        (mask := 1 << hosts[0] if len(hosts) == 1 else host_mask(tuple(hosts)))
-                        & ~relay.ever_mask):
-                    self._stranger(relay, hosts)
-                    return
-                if not mask & relay.carried_mask:
-                    return  # all left it (lost meanwhile: it had not heard yet)
+            # each a host it was given (a mask, in C): else the relay is dropped, unparsed
+            if hosts and (min(hosts) < 0 or max(hosts) >= MAX_HOST_INDEX or (
+                    1 << hosts[0] if len(hosts) == 1 else host_mask(tuple(hosts)))
+                    & ~relay.ever_mask):
+                self._stranger(relay, hosts)
+                return
             # a small body makes few objects: no count of them needed (as decode's header)
             raw = (unpack(packed, raw=False, use_list=True) if len(packed) <= COUNT_ABOVE
                    else unpack_bounded(packed))
@@ -330,8 +328,9 @@ class Inbox:
 
     def _stranger(self, relay: Relay, hosts: list[int]) -> None:
         """An entry of ``relay``'s names a host it was never given: it breaks the protocol
-        (the relay is dropped), before anything of the entry is parsed. (An entry whose
-        hosts it was given and all lost meanwhile is skipped: it had not heard yet.)"""
+        (the relay is dropped), before anything of the entry is parsed. (An entry for a
+        host it carried and lost meanwhile, which it had not heard yet, is read as
+        before: each handler skips a host its relay no longer carries.)"""
         named = next((i for i in hosts if not (0 <= i < MAX_HOST_INDEX
                                                and relay.ever_mask >> i & 1)), hosts[0])
         self._broke(relay, "unsolicited",
