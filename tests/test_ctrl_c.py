@@ -92,7 +92,7 @@ DRIVER = textwrap.dedent("""
 
 # What must never be said after a Ctrl-C: a worker blamed, a host lost, JAX aborting.
 BLAME = ("before joining", "exited with status", "was lost", "HostLostError",
-         "the driver was stopped", "error:")
+         "the driver was stopped", "error:", "never retrieved", "Exception ignored")
 # A worker that ignored being told to stop (SIGTERM) and had to be killed. In a JAX job
 # that depends on the worker's side (issue 63's `jobsafe` part: JAX's preemption handler
 # took SIGTERM from colobus's worker).
@@ -198,7 +198,8 @@ def test_ctrl_c_while_colobus_launch_starts_its_workers(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("trigger", "job"), [
     ("spawned", False),  # the workers' processes started; none joined yet
     ("call", False),     # host code of a call runs (the block view)
-], ids=["workers-starting", "mid-call"])
+    ("call", True),      # host code of a call runs, in the job
+], ids=["workers-starting", "mid-call", "mid-call-in-a-job"])
 def test_ctrl_c_in_a_script_under_with(tmp_path: Path, trigger: str, job: bool) -> None:
     (tmp_path / "driver.py").write_text(DRIVER)
     status, out, err = _run([sys.executable, "driver.py"], tmp_path, trigger, job)
@@ -206,3 +207,6 @@ def test_ctrl_c_in_a_script_under_with(tmp_path: Path, trigger: str, job: bool) 
     _check_driver_interrupted(out, err, trigger)
     if trigger == "spawned":
         assert "JOINED" not in out
+    if job:  # (as under colobus launch: depends on issue 63's jobsafe part)
+        for said in JAX_ABORTS:
+            assert said not in err, (said, err[-4000:])
