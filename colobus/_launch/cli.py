@@ -258,6 +258,8 @@ class _Signals:
         self.driver: subprocess.Popen[bytes] | None = None
         self.interrupts = 0
         self.stopping = False
+        self.starting = False  # the driver is being started: a Ctrl-C now is passed on
+        self.missed = False  # one came then (the driver did not exist to get it)
         self._old: dict[int, Any] = {}
 
     def __enter__(self) -> _Signals:
@@ -275,6 +277,9 @@ class _Signals:
         if sig == signal.SIGINT:
             self.interrupts += 1
             if self.stopping:  # the workers are being stopped: let that finish
+                return
+            if self.starting:  # (raising now could leave a driver started and unseen)
+                self.missed = True
                 return
             if driver is None:
                 raise KeyboardInterrupt  # no driver yet: the launch itself stops
@@ -333,7 +338,10 @@ def run_launch(args: argparse.Namespace, command: list[str] | None,
         return 2
     try:
         if args.kind == "slurm" and not os.environ.get("SLURM_JOB_ID"):
-            return _under_salloc(args, argv)
+            try:
+                return _under_salloc(args, argv)
+            except KeyboardInterrupt:  # (the launch salloc runs says what it stopped)
+                return 130
         return _run(args, command)
     except _LaunchError as exc:
         print(f"colobus launch {args.kind}: error: {exc}", file=sys.stderr)
@@ -375,11 +383,16 @@ def _run(args: argparse.Namespace, command: list[str]) -> int:
         with _Signals() as signals:
             try:
                 workers.start_all()
+                signals.starting = True
                 try:
                     signals.driver = subprocess.Popen(driver_command(command), env=env)
                 except OSError as exc:
                     raise _LaunchError(f"cannot run {command[0]!r}: {exc.strerror or exc}",
                                        127) from None
+                finally:
+                    signals.starting = False
+                if signals.missed:  # a Ctrl-C as it started, before it could get its own
+                    signals.driver.send_signal(signal.SIGINT)
                 return _watch(signals.driver, workers, signals)
             finally:
                 signals.stopping = signals.driver is None
