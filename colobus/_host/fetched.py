@@ -50,12 +50,14 @@ class Fetcher(importlib.abc.MetaPathFinder):
         self._ask: Callable[[str], None] | None = None  # (loop thread) send an IMPORT
         self._answers: dict[str, str] = {}  # name -> "" (its package came) or why not
         self._waits: dict[str, threading.Event] = {}
+        self._on_loop: set[str] = set()  # imported on the loop, so never asked (explain)
 
     def open(self, loop: asyncio.AbstractEventLoop, ask: Callable[[str], None]) -> None:
         """A session joined: imports may ask its controller (``ask`` sends an IMPORT)."""
         with self._lock:
             self._loop, self._ask = loop, ask
             self._answers.clear()
+            self._on_loop.clear()
         if self not in sys.meta_path:
             sys.meta_path.append(self)
 
@@ -64,6 +66,7 @@ class Fetcher(importlib.abc.MetaPathFinder):
         with self._lock:
             self._loop = self._ask = None
             self._answers.clear()
+            self._on_loop.clear()
             waits, self._waits = self._waits, {}
         for event in waits.values():
             event.set()
@@ -82,21 +85,19 @@ class Fetcher(importlib.abc.MetaPathFinder):
         if path is not None or fullname in sys.stdlib_module_names:
             return None  # a submodule: its package's own path finds it
         with self._lock:
-            loop, ask = self._loop, self._ask
-            if loop is None or ask is None or fullname in self._answers:
+            loop = self._loop
+            if loop is None or fullname in self._answers:
                 return None  # no session, or asked already (and the package is no help)
+            if _running(loop):  # the loop that would read the answer is this thread's
+                self._on_loop.add(fullname)
+                return None
             event = self._waits.get(fullname)
             first = event is None
             if event is None:
                 event = self._waits[fullname] = threading.Event()
-        if _running(loop):  # the loop that would read the answer is this thread's
-            with self._lock:
-                self._answers.setdefault(fullname, ON_LOOP)
-                self._waits.pop(fullname, None)
-            return None
         if first:
             try:
-                loop.call_soon_threadsafe(ask, fullname)
+                loop.call_soon_threadsafe(self._send, fullname)
             except RuntimeError:  # the loop closed: the worker is exiting
                 return None
         if not _wait_unlocked(event, ASK_TIMEOUT_S):
@@ -111,6 +112,13 @@ class Fetcher(importlib.abc.MetaPathFinder):
         importlib.invalidate_caches()  # the session's directory has new files
         return importlib.machinery.PathFinder.find_spec(fullname)
 
+    def _send(self, name: str) -> None:
+        """Loop thread: the IMPORT, if the session it was asked in is still on."""
+        with self._lock:
+            ask = self._ask if name in self._waits else None
+        if ask is not None:
+            ask(name)
+
     def explain(self, exc: BaseException) -> None:
         """A note on ``exc`` (a call's error) when it is a module this finder asked the
         controller for and did not get: that the host lacks it, and why the controller
@@ -119,8 +127,10 @@ class Fetcher(importlib.abc.MetaPathFinder):
             return
         top = exc.name.partition(".")[0]
         with self._lock:
-            why = self._answers.get(top)
-        if why:
+            on_loop, why = top in self._on_loop, self._answers.get(top)
+        if on_loop:
+            exc.add_note(f"colobus: this host lacks the module {top!r}; {ON_LOOP}")
+        elif why:
             exc.add_note(f"colobus: this host lacks the module {top!r}, and the controller "
                          f"could not provide it: {why}")
 
