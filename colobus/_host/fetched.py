@@ -4,7 +4,9 @@ The user's modules travel with the code that names them (``_controller.codeship`
 One that host code only imports as it runs (``import helpers`` inside a function, or
 ``importlib.import_module("helpers")``) is named by no pickle. :data:`FETCHER`, last on
 ``sys.meta_path`` (after every finder of this host's own, so the host's modules always
-win), asks the controller for a top-level module nothing here provides (an IMPORT);
+win), asks the controller for a top-level module nothing here provides (an IMPORT),
+when the user's code imports it (an installed library that probes for an optional
+module is never asked about: :func:`_users_import`);
 the controller answers with the module's package (a CODE, unpacked into the session's
 directory by :mod:`.shipped` before the answer is read) or with why it has none (a
 MODULE), and the import goes on from there. Each name is asked once per session.
@@ -25,11 +27,13 @@ import asyncio
 import importlib
 import importlib.abc
 import importlib.machinery
+import os
 import sys
+import sysconfig
 import threading
 from collections.abc import Callable, Sequence
 from importlib.machinery import ModuleSpec
-from types import ModuleType
+from types import FrameType, ModuleType
 
 from .._wire import protocol as P
 
@@ -82,8 +86,8 @@ class Fetcher(importlib.abc.MetaPathFinder):
 
     def find_spec(self, fullname: str, path: Sequence[str] | None,
                   target: ModuleType | None = None) -> ModuleSpec | None:
-        if path is not None or fullname in sys.stdlib_module_names:
-            return None  # a submodule: its package's own path finds it
+        if path is not None or fullname in sys.stdlib_module_names or not _users_import():
+            return None  # a submodule (its package's own path finds it), or a library's
         with self._lock:
             loop = self._loop
             if loop is None or fullname in self._answers:
@@ -133,6 +137,37 @@ class Fetcher(importlib.abc.MetaPathFinder):
         elif why:
             exc.add_note(f"colobus: this host lacks the module {top!r}, and the controller "
                          f"could not provide it: {why}")
+
+
+def _library_dirs() -> tuple[str, ...]:
+    """Where installed code lives (the standard library, site-packages, colobus): an
+    import from there is a library's (a probe for an optional dependency, most often)."""
+    dirs = {os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}  # colobus
+    for base in ({}, {"base": sys.base_prefix, "platbase": sys.base_exec_prefix}):
+        paths = sysconfig.get_paths(vars=base)
+        dirs.update(paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")
+                    if k in paths)
+    return tuple(os.path.join(os.path.realpath(d), "") for d in dirs if d)
+
+
+_LIBRARY = _library_dirs()
+_IMPORTLIB = os.path.join(os.path.dirname(os.path.realpath(importlib.__file__)), "")
+
+
+def _users_import() -> bool:
+    """Whether the import being found comes from the user's code (a function pickled by
+    value, a shipped package, a script), not from a library: only those are asked of the
+    controller. A library that probes for an optional module it lacks (``try: import
+    scipy``) costs no round trip, and never waits while it may hold a lock of its own."""
+    frame: FrameType | None = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if name.startswith("<frozen") or name.startswith(_IMPORTLIB):
+            frame = frame.f_back  # the import machinery, importlib.import_module
+            continue
+        return not (name.startswith(_LIBRARY) or "site-packages" in name
+                    or "dist-packages" in name)
+    return False
 
 
 def _wait_unlocked(event: threading.Event, timeout: float) -> bool:
