@@ -17,6 +17,9 @@ Each host trains its own replica on its own data (a host's chips are one slice).
 On a machine without an accelerator it runs on the CPU devices and says so.
 
     python examples/accelerator_training.py --steps 200 --hosts 1
+
+or under `colobus launch`, with the size it starts (e.g. `colobus launch local --hosts 3
+-- python examples/accelerator_training.py`).
 """
 
 from __future__ import annotations
@@ -172,7 +175,7 @@ async def train(steps: int, every: int, where: str) -> dict[str, Any]:
 
 async def _main(args: argparse.Namespace) -> int:
     where = args.checkpoint_dir or tempfile.mkdtemp(prefix="colobus-ckpt-")
-    async with cb.local_cluster(hosts=args.hosts, devices_per_host=1):
+    async with cb.local_cluster(hosts=args.hosts):
         r = await train(args.steps, args.checkpoint_every, where)
     print(f"{r['steps']} steps on {r['hosts']} host(s) ({r['platform']}) in {r['seconds']:.2f} s "
           f"({r['steps'] / r['seconds']:.1f} steps/s, waited with block_until_ready); loss "
@@ -184,7 +187,9 @@ async def _main(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--hosts", type=int, default=1, help="local worker processes")
+    p.add_argument("--hosts", type=int, default=None,
+                   help="local worker processes (default 2; under `colobus launch`, the "
+                        "launched ones)")
     p.add_argument("--checkpoint-every", type=int, default=50)
     p.add_argument("--checkpoint-dir", default=None)
     return asyncio.run(_main(p.parse_args(argv)))

@@ -104,8 +104,11 @@ def train_step(w, x, y):
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--hosts", type=int, default=2)
-    parser.add_argument("--devices", type=int, default=2, help="CPU devices per host")
+    parser.add_argument("--hosts", type=int, default=None,
+                        help="hosts (default 2; under `colobus launch`, the launched ones)")
+    parser.add_argument("--devices", type=int, default=None,
+                        help="CPU devices per host (default 1; under `colobus launch`, its "
+                             "--devices)")
     args = parser.parse_args(argv)
     with (tempfile.TemporaryDirectory() as ckpt,
           cb.local_cluster(hosts=args.hosts, devices_per_host=args.devices,

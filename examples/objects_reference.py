@@ -53,7 +53,8 @@ class Tokenizer:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--hosts", type=int, default=2)
+    parser.add_argument("--hosts", type=int, default=None,
+                        help="hosts (default 2; under `colobus launch`, the launched ones)")
     args = parser.parse_args(argv)
 
     with cb.local_cluster(hosts=args.hosts):

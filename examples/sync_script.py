@@ -54,16 +54,21 @@ def host_step(w, x, y, lr):
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--hosts", type=int, default=2)
-    parser.add_argument("--devices", type=int, default=2, help="CPU devices per host")
+    parser.add_argument("--hosts", type=int, default=None,
+                        help="hosts (default 2; under `colobus launch`, the launched ones)")
+    parser.add_argument("--devices", type=int, default=None,
+                        help="CPU devices per host (default 1; under `colobus launch`, its "
+                             "--devices)")
     args = parser.parse_args(argv)
     features = 8
 
-    with cb.local_cluster(hosts=args.hosts, devices_per_host=args.devices):
-        mesh = cb.Mesh(np.array(cb.devices()).reshape(args.hosts, args.devices),
-                       ("hosts", "devices"))
+    # Given no size, local_cluster picks its own, or serves the workers `colobus launch`
+    # started: the script takes the size of the cluster it gets.
+    with cb.local_cluster(hosts=args.hosts, devices_per_host=args.devices) as ctl:
+        hosts = len(ctl.hosts())
+        mesh = cb.Mesh(np.array(cb.devices()).reshape(hosts, -1), ("hosts", "devices"))
         per_host = cb.NamedSharding(mesh, cb.PartitionSpec("hosts"))
-        w = cb.device_put(np.zeros((args.hosts, features), np.float32), per_host)
+        w = cb.device_put(np.zeros((hosts, features), np.float32), per_host)
         loader = Loader(features)
         for step in range(1, args.steps + 1):
             x, y = loader.next_batch(w).result(timeout=60)

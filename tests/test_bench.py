@@ -185,3 +185,28 @@ def test_accelerator_check_runs_its_whole_path_with_cpu_devices_standing_in() ->
         step = report["steps"][kind]
         assert step["plain"]["steps_per_s"] > 0 and step["colobus"]["steps_per_s"] > 0
     assert [len(h) for h in report["two_workers"]["hosts"]] == [1, 1]
+
+
+def test_a_cpu_clock_that_reads_zero_is_named_not_a_crash() -> None:
+    """Where the CPU clock is too coarse for a short run (it read 0 under gVisor),
+    ``colobus bench calls`` prints every figure it can, and names those it could not."""
+    code = ("import sys, time\n"
+            "time.thread_time = lambda: 1.0  # a clock that never moves over the run\n"
+            "from colobus._tools import bench_calls\n"
+            "async def skipped(*args):  # rows of the group not under test: kept short\n"
+            "    pass\n"
+            "bench_calls._inflight_memory = bench_calls._pipelined_rows = skipped\n"
+            "from colobus._tools.cli import main\n"
+            "sys.exit(main(['bench', 'calls', '--quick', '--json', '-']))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ZeroDivisionError" not in proc.stderr
+    rows = json.loads(proc.stdout)["benchmarks"]
+    ident = rows["ident_async"]
+    assert ident["cpu_us"] == 0 and ident["cpu_vs_noop"] is None  # null in JSON, not NaN
+    assert ident["colobus"] > 0 and ident["vs_noop"] > 0  # the wall-clock figures stand
+    (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("not measured")]
+    for name in ("ident_async cpu_vs_noop", "spec_async cpu_vs_noop", "plus1_async cpu_vs_noop"):
+        assert name in line, line
+    assert "a clock read 0" in line, line

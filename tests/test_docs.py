@@ -6,7 +6,9 @@ import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -62,6 +64,54 @@ def test_api_page_lists_every_public_name() -> None:
     assert listed == set(cb.__all__), (
         f"missing from docs/api.md: {sorted(set(cb.__all__) - listed)}; "
         f"not public: {sorted(listed - set(cb.__all__))}")
+
+
+def _commands(parser: Any, words: tuple[str, ...] = ("colobus",)
+              ) -> Iterator[tuple[tuple[str, ...], set[str]]]:
+    """Every command of the ``colobus`` command line, as the words that name it, and the
+    options it takes (its own; ``-h``/``--help`` aside), read off the parser itself."""
+    import argparse
+
+    options: set[str] = set()
+    subs: list[Any] = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            subs.append(action)
+        elif isinstance(action, argparse._HelpAction):
+            continue
+        else:
+            options.update(o for o in action.option_strings if o.startswith("--"))
+    yield words, options
+    for action in subs:
+        for name, sub in action.choices.items():
+            yield from _commands(sub, (*words, name))
+
+
+def test_the_api_pages_command_table_is_the_command_lines() -> None:
+    """Each command the parser has is a row of docs/api.md's table (or its first words
+    head one), and that command's rows name every option it takes: the table is the
+    command line, read off ``colobus._tools.cli.build_parser``."""
+    from colobus._tools.cli import build_parser
+
+    text = (ROOT / "docs" / "api.md").read_text()
+    table = text.split("## The command line", 1)[1].split("\n## ", 1)[0]
+    rows = [row.split(" | ", 1) for row in re.findall(r"^\| (`colobus[^\n]*)", table, re.M)]
+    missing: list[str] = []
+    for words, options in _commands(build_parser()):
+        named = " ".join(words)
+        mine = [cell for head, cell in rows
+                if re.match(rf"`{re.escape(named)}( |`)", head)]
+        if not mine and len(words) > 1 and words[1] not in ("launch", "manifest"):
+            missing.append(f"{named}: no row")
+            continue
+        if len(words) == 2 and words[1] in ("launch", "manifest"):
+            continue  # (its kinds have the rows)
+        heads = " ".join(head for head, _ in rows
+                         if re.match(rf"`{re.escape(named)}( |`)", head))
+        cells = heads + " ".join(mine)
+        missing += [f"{named} {o}" for o in sorted(options)
+                    if not re.search(rf"{re.escape(o)}\b", cells)]
+    assert not missing, f"docs/api.md's command table lacks: {missing}"
 
 
 # -- the Python snippets of the docs ------------------------------------------------------

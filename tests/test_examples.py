@@ -178,7 +178,7 @@ def test_sync_script_runs() -> None:
 
 
 def test_jax_job_dataloader_runs() -> None:
-    proc = _run([str(EXAMPLES / "jax_job_dataloader.py"), "--steps", "10"])
+    proc = _run([str(EXAMPLES / "jax_job_dataloader.py"), "--steps", "10", "--devices", "2"])
     lines = proc.stdout.splitlines()
     assert "2 hosts in one JAX job: formed" in lines
     assert "step 10: global batch (32, 4), loss " in proc.stdout  # every host's rows

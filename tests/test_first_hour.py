@@ -4,6 +4,7 @@ against running workers, and the command line's quick commands without JAX."""
 
 from __future__ import annotations
 
+import asyncio
 import http.server
 import io
 import logging
@@ -473,3 +474,53 @@ def test_a_hosts_axis_on_one_host_is_logged_once(ctl: cb.Controller,
     assert "axis 'hosts' (size 2) lies on one host, host 0" in record.getMessage()
     assert "devices=[h.devices[0] for h in ctl.hosts()]" in record.getMessage()
     assert spread.shape == {"hosts": 2, "devices": 4}
+
+
+# -- colobus launch: an example at the launch's size, and what a slow join says ------------
+
+
+def test_an_example_takes_the_launchs_size_and_a_slow_join_names_the_launched_workers(
+        ) -> None:
+    # The first progress line due at once (the workers cannot have joined yet): what the
+    # driver says while the workers `colobus launch` started are still starting.
+    driver = ("import runpy, sys\n"
+              "import colobus._controller.joinwait as joinwait\n"
+              "joinwait.FIRST_AFTER_S = 0.0\n"
+              "sys.argv = ['examples/sync_script.py', '--steps', '10']\n"
+              "runpy.run_path('examples/sync_script.py', run_name='__main__')\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("COLOBUS_")}
+    proc = _colobus("launch", "local", "--hosts", "3", "--", "python", "-c", driver, env=env,
+                    cwd=ROOT, timeout=400)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
+    assert "ValueError" not in proc.stderr
+    assert re.search(r"step 10: loss per host \[[-0-9.]+, [-0-9.]+, [-0-9.]+\]", proc.stdout), \
+        proc.stdout  # three replicas: the launch's three hosts
+    (line,) = [ln for ln in proc.stderr.splitlines() if "waiting for hosts:" in ln][:1]
+    assert "of 3 joined" in line, line
+    assert "the workers `colobus launch` started are still starting" in line, line
+    assert "[host N] lines" in line and "COLOBUS_LOG_LEVEL=INFO" in line, line
+    assert "on each host run" not in proc.stderr and "colobus worker --connect" not in line
+
+
+def test_a_worker_with_another_key_is_named_on_the_driver_with_both_key_ids(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    ours, theirs = _keygen(tmp_path / "ours.key"), _keygen(tmp_path / "theirs.key")
+    key = cb.load_key(ours)
+    with caplog.at_level(logging.WARNING, logger="colobus.controller"):
+        ctl = cb.Controller("tcp://127.0.0.1:*", hosts=1, key=key, join_timeout=600)
+        ctl.start_in_thread()
+        try:
+            with _workers(ctl.address, theirs, [tmp_path / "w.log"], [{}]):
+                _wait(lambda: any("another key" in r.getMessage() for r in caplog.records),
+                      120, "the driver to name the key")
+                ctl.run_sync(asyncio.sleep(1.0))  # its JOINs again: still one line
+        finally:
+            ctl.close()
+    said = [r.getMessage() for r in caplog.records if "another key" in r.getMessage()]
+    assert len(said) == 1, said
+    line = said[0]
+    assert f"its key id is {key_id(cb.load_key(theirs))}" in line, line
+    assert f"this controller's is {key_id(key)} (key from {ours}" in line, line
+    assert f"colobus worker --key-file {ours} ...)" in line, line
+    assert "dropping unauthenticated messages" not in caplog.text
+    assert ctl.stats()["dropped"]["unauthenticated"] >= 2

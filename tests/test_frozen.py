@@ -31,7 +31,7 @@ DRIVER = textwrap.dedent("""
                                     liveness_timeout=1.0) as ctl:
             x = cb.device_put(np.array([1.0, 2.0]), ctl.devices()[1])
             await ident(x)
-            print("ready", flush=True)
+            print("ready", *[h.pid for h in ctl.hosts()], flush=True)
             sys.stdin.readline()  # the test freezes the group, resumes it, then says go
             await asyncio.sleep(0.5)  # a few liveness ticks after the freeze
             y = await ident(x)
@@ -40,6 +40,14 @@ DRIVER = textwrap.dedent("""
 
     asyncio.run(main())
 """)
+
+
+def _signal_all(group: int, pids: list[int], sig: int) -> None:
+    """``sig`` to a process group and to processes of their own sessions (the workers),
+    back to back: a machine's processes stopped or resumed together."""
+    os.killpg(group, sig)
+    for pid in pids:
+        os.kill(pid, sig)
 
 
 def test_a_late_tick_says_how_long_the_process_was_frozen() -> None:
@@ -55,13 +63,15 @@ def test_a_machine_frozen_whole_past_the_liveness_timeout_loses_no_host() -> Non
                           stdout=subprocess.PIPE, text=True, start_new_session=True) as proc:
         assert proc.stdin is not None and proc.stdout is not None
         try:
-            assert proc.stdout.readline().strip() == "ready"
+            word, *pids = proc.stdout.readline().split()
+            assert word == "ready" and len(pids) == 2, (word, pids)
+            # the driver and its workers (each in a session of its own), all at once
             group = os.getpgid(proc.pid)
-            os.killpg(group, signal.SIGSTOP)  # the driver and its workers, all at once
+            _signal_all(group, [int(p) for p in pids], signal.SIGSTOP)
             try:
                 subprocess.run(["sleep", "3"], check=True)  # three liveness timeouts
             finally:
-                os.killpg(group, signal.SIGCONT)
+                _signal_all(group, [int(p) for p in pids], signal.SIGCONT)
             proc.stdin.write("go\n")
             proc.stdin.flush()
             out = proc.stdout.readline()
@@ -132,14 +142,14 @@ def test_a_machine_frozen_whole_with_calls_in_flight_through_a_relay_loses_no_ho
             for pid in pids["workers"]:
                 os.kill(pid, signal.SIGSTOP)
             subprocess.run(["sleep", "0.3"], check=True)  # calls forwarded, unacknowledged
-            os.killpg(group, signal.SIGSTOP)  # the driver and its relay too
+            _signal_all(group, [relay], signal.SIGSTOP)  # the driver and its relay too
             try:
                 subprocess.run(["sleep", "6"], check=True)  # three liveness timeouts
             finally:
                 os.kill(proc.pid, signal.SIGCONT)
                 os.kill(relay, signal.SIGCONT)
                 subprocess.run(["sleep", "0.5"], check=True)  # the relay ticks first
-                os.killpg(group, signal.SIGCONT)
+                _signal_all(group, pids["workers"], signal.SIGCONT)
             proc.stdin.write("go\n")
             proc.stdin.flush()
             out = proc.stdout.readline()

@@ -45,6 +45,9 @@ def test_readme_says_what_the_full_run_needs_and_gives_a_quick_one() -> None:
         assert need in text, need
     (quick,) = re.findall(r"^(\.venv/bin/python -m pytest .*)$", text, re.MULTILINE)
     assert quick.endswith('-m "not bed"'), quick
+    # Counts of tests go stale with every test added: the README states none.
+    assert not re.search(r"\b\d[\d,]* (of (some|about) \d[\d,]* )?tests\b", text), \
+        re.findall(r".{40}\d+ tests.{20}", text)
 
 
 def test_the_quick_runs_marker_leaves_out_exactly_the_beds() -> None:

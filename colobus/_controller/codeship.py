@@ -19,6 +19,7 @@ Trust runs one way: packages go to hosts; nothing here reads what a host sent.
 from __future__ import annotations
 
 import functools
+import importlib.machinery
 import itertools
 import logging
 import os
@@ -30,6 +31,7 @@ import types
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
+from .._errors import SerializationError
 from .._wire import protocol as P
 from .packfiles import Package, Secrets, say_left_out, snapshot
 
@@ -38,7 +40,7 @@ if TYPE_CHECKING:
     from .hosts import Host
 
 __all__ = ["DEFAULT_MAX_CODE_BYTES", "CodeShipper", "Package", "Secrets", "imports_of",
-           "snapshot", "user_package"]
+           "locate", "snapshot", "user_package"]
 
 log = logging.getLogger("colobus.controller")
 
@@ -106,6 +108,13 @@ _serials = itertools.count(1)
 _user_roots: dict[str, str | None] = {}  # top-level name -> its root if the user's (cache)
 
 
+def _installed(top: str, root: str) -> bool:
+    """Whether the module ``top`` found at ``root`` is installed code, not the user's."""
+    parts = root.split(os.sep)
+    return ("site-packages" in parts or "dist-packages" in parts
+            or root.startswith(_installed_roots()) or top in _distributed(os.path.dirname(root)))
+
+
 def user_package(module_name: str) -> str | None:
     """The top-level name of ``module_name`` if that module is the user's own code
     (imported here from outside the installed environment), else None."""
@@ -118,14 +127,54 @@ def user_package(module_name: str) -> str | None:
     if module is None:
         return None  # not imported (yet): ask again later
     root = _module_root(module)
-    if root is not None:
-        parts = root.split(os.sep)
-        if "site-packages" in parts or "dist-packages" in parts or (
-                root.startswith(_installed_roots())) or (
-                top in _distributed(os.path.dirname(root))):
-            root = None
+    if root is not None and _installed(top, root):
+        root = None
     _user_roots[top] = root
     return top if root is not None else None
+
+
+def locate(top: str) -> tuple[str | None, str]:
+    """Where top-level module ``top`` of the user's lives here (its package directory, or
+    its file), or None and why it does not travel (words for a host's error).
+
+    Found as Python's import system would find it on this process's ``sys.path``
+    (:class:`importlib.machinery.PathFinder`), without importing or running it: a host
+    that asks for a module never makes the controller run anything.
+    """
+    if top in sys.stdlib_module_names:
+        return None, (f"{top!r} is a module of Python's standard library, which this host's "
+                      "Python lacks (colobus never ships it): run the same Python build there")
+    if top in _NEVER:
+        return None, f"{top!r} never travels"
+    module = sys.modules.get(top)
+    root: str | None
+    if module is not None:
+        root, origin = _module_root(module), getattr(module, "__file__", None) or ""
+    else:
+        try:
+            spec = importlib.machinery.PathFinder.find_spec(top)
+        except (ImportError, ValueError, OSError):
+            spec = None
+        if spec is None:
+            return None, (f"the controller cannot import {top!r} either (it is on neither "
+                          "side): check the name, or give its file or directory in "
+                          "py_modules=")
+        origin = spec.origin if spec.has_location and spec.origin else ""
+        locations = list(spec.submodule_search_locations or [])
+        if origin.endswith("__init__.py"):
+            root = os.path.dirname(os.path.realpath(origin))
+        elif locations and not origin:  # a namespace package: one directory of it only
+            root = os.path.realpath(locations[0]) if len(locations) == 1 else None
+        else:
+            root = os.path.realpath(origin) if origin.endswith(".py") else None
+    if root is None:
+        return None, (f"{top!r} is compiled code on the controller ({origin or 'no file'}), "
+                      "which never travels: build and install it on this host")
+    if _installed(top, root):
+        return None, (f"{top!r} is an installed package on the controller ({root}): install "
+                      "it on this host, in the environment the workers run in (colobus ships "
+                      "only your own modules)")
+    return root, ""
 
 
 def imports_of(top: str) -> tuple[str, ...]:
@@ -254,12 +303,38 @@ class CodeShipper:
         log.info("shipping %s (%s, %.1f MB) to the hosts with the first code that needs it",
                  name, root, pkg.nbytes / 1e6)
 
+    def provide(self, name: str) -> tuple[Package | None, str]:
+        """Any thread: the package a host that lacks top-level module ``name`` gets (read
+        once, as the packages code names are), or None and why not, in words for the
+        host's error (:func:`locate`; ``ship_code=False``; ``max_code_bytes``)."""
+        if not self.auto:
+            return None, ("this controller ships only its py_modules (ship_code=False): name "
+                          "the module in py_modules=, or install it on the host")
+        with self._lock:
+            if self._packages.get(name) is not None:
+                pkg = self._packages[name]
+                assert pkg is not None
+                return pkg, ""
+            root, why = locate(name)
+            if root is None:
+                return None, why
+            try:
+                pkg = self._admit(name, root)
+            except SerializationError as exc:
+                return None, str(exc)
+            log.info("shipping %s (%s, %.1f MB) to a host whose code imports it", name, root,
+                     pkg.nbytes / 1e6)
+            return pkg, ""
+
+    def send(self, ctl: _Controller, host: Host, pkg: Package) -> None:
+        """Loop thread: send ``host`` package ``pkg`` unless it has it."""
+        if pkg.digest not in host.packages_sent:
+            host.packages_sent.add(pkg.digest)
+            ctl._count("packages_sent")
+            ctl._count("package_bytes", len(pkg.archive))
+            ctl._send(host, P.Code(pkg.digest, pkg.name, True), pkg.archive)
+
     def ship(self, ctl: _Controller, host: Host, names: tuple[str, ...]) -> None:
         """Loop thread: send ``host`` the packages code naming ``names`` needs, unless sent."""
-        sent = host.packages_sent
         for pkg in self.packages(names):
-            if pkg.digest not in sent:
-                sent.add(pkg.digest)
-                ctl._count("packages_sent")
-                ctl._count("package_bytes", len(pkg.archive))
-                ctl._send(host, P.Code(pkg.digest, pkg.name, True), pkg.archive)
+            self.send(ctl, host, pkg)

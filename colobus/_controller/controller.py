@@ -36,7 +36,7 @@ from .._wire.tasks import supervise
 from . import wakeups
 from .codeship import DEFAULT_MAX_CODE_BYTES, CodeShipper, Secrets
 from .current import Current, State, no_controller_error
-from .environ import from_environment, from_environment_modules
+from .environ import from_environment, from_environment_modules, launched_here
 from .frees import Frees
 from .future import Future
 from .hangups import Hangups
@@ -369,7 +369,8 @@ class Controller(SyncFace):
         timeout = self.join_timeout if timeout is None else timeout
         deadline = self._loop.time() + timeout
         await self._join_waiters.wait(self._loop, n, self._hosts.alive_count, JoinProgress(
-            self._address, self._key, n, self._hosts.missing_names), timeout, self._check_open)
+            self._address, self._key, n, self._hosts.missing_names,
+            launched_here(self._bind)), timeout, self._check_open)
         if self._job is not None and n >= self._expected_hosts:
             await self._job.wait_formed(max(0.0, deadline - self._loop.time()))
             self._check_open()

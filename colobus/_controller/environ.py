@@ -24,7 +24,7 @@ from .._wire import keys as _keys
 
 __all__ = ["ADDRESS_ENV", "DEVICES_ENV", "HOSTS_ENV", "HOST_NAMES_ENV", "PY_MODULES_ENV",
            "check_launched", "from_environment", "from_environment_modules", "join_level",
-           "own_workers"]
+           "launched_here", "own_workers"]
 
 ADDRESS_ENV = "COLOBUS_ADDRESS"
 HOSTS_ENV = "COLOBUS_HOSTS"
@@ -85,6 +85,12 @@ def from_environment(bind: str | None, hosts: int | None, key: bytes | None
     if key is None and os.environ.get(_keys.KEY_ENV):
         key = _keys.load_key(os.environ[_keys.KEY_ENV])  # a path in the environment, never a key
     return bind, hosts, key, names
+
+
+def launched_here(bind: str) -> bool:
+    """Whether a controller bound to ``bind`` serves the workers ``colobus launch`` started
+    (it binds the launch's address): its messages then never ask to start workers."""
+    return bool(bind) and bind == os.environ.get(ADDRESS_ENV) and not _OWN_WORKERS.get()
 
 
 def check_launched(caller: str, hosts: int | None, devices_per_host: int | None) -> bool:

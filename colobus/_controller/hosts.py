@@ -110,6 +110,7 @@ class Host:
     awaiting: set[int] = field(default_factory=set)
     code_sent: set[bytes] = field(default_factory=set)
     packages_sent: set[bytes] = field(default_factory=set)  # the user's packages (codeship)
+    imports_asked: int = 0  # modules its host code imported and asked for (imports.py)
     objects_built: set[int] = field(default_factory=set)
     # what the worker last reported holding: arrays, bytes, objects, results
     store: tuple[int, int, int, int] = (0, 0, 0, 0)

@@ -18,12 +18,15 @@ from urllib.parse import urlsplit
 
 from .._wire.keys import is_private_key_file, key_file_of, key_id
 
-__all__ = ["JoinProgress", "JoinWaiters", "worker_command"]
+__all__ = ["JoinProgress", "JoinWaiters", "WrongKeys", "worker_command"]
 
 log = logging.getLogger("colobus.controller")
 
 FIRST_AFTER_S = 5.0
 EVERY_S = 15.0
+# Where the workers `colobus launch` started say what they do: it relays their output.
+LAUNCHED_LOGS = ("their output shows in the terminal of `colobus launch` as [host N] lines; "
+                 "COLOBUS_LOG_LEVEL=INFO there shows their progress")
 
 
 def worker_command(address: str, key: bytes) -> str:
@@ -53,11 +56,13 @@ class JoinProgress:
     """Logs, during one wait for ``expected`` hosts, how far the joining got."""
 
     def __init__(self, address: str, key: bytes, expected: int,
-                 missing: Callable[[], Sequence[str]] | None = None) -> None:
+                 missing: Callable[[], Sequence[str]] | None = None,
+                 launched: bool = False) -> None:
         self._address = address
         self._key = key
         self._expected = expected
         self._missing = missing  # the names numbered before they joined, not joined yet
+        self._launched = launched  # `colobus launch` started the workers: nothing to run
         self._next = time.monotonic() + FIRST_AFTER_S
 
     def next_report_in(self) -> float:
@@ -69,6 +74,11 @@ class JoinProgress:
         if time.monotonic() < self._next:
             return
         self._next = time.monotonic() + EVERY_S
+        if self._launched:
+            log.warning("waiting for hosts: %d of %d joined %s; the workers `colobus launch` "
+                        "started are still starting (%s)", alive, self._expected,
+                        self._address, LAUNCHED_LOGS)
+            return
         log.warning("waiting for hosts: %d of %d joined %s; on each host run: %s (%s)",
                     alive, self._expected, self._address,
                     worker_command(self._address, self._key), key_words(self._key))
@@ -77,6 +87,11 @@ class JoinProgress:
         """The text of the ``TimeoutError`` that ends a wait."""
         names = self._missing() if self._missing is not None else ()
         missing = ", ".join(repr(name) for name in names[:20]) + (" ..." if len(names) > 20 else "")
+        if self._launched:
+            return (f"only {alive} of the {self._expected} workers `colobus launch` started "
+                    f"joined {self._address} within {timeout:.0f} s"
+                    f"{f'; missing: {missing}' if missing else ''} ({LAUNCHED_LOGS}: they "
+                    "say why)")
         path = key_file_of(self._key) if self._key else None
         if path is not None and is_private_key_file(path):
             # The controller's own key file goes when it closes, which this timeout is
@@ -128,3 +143,26 @@ class JoinWaiters:
             except TimeoutError:
                 progress.report(alive())
             check_open()
+
+
+class WrongKeys:
+    """Workers that try to join with another key than the controller's, named on the
+    driver with both key ids: one line per key id they hold (at most ``bound`` ids are
+    said; the messages themselves are counted as ``unauthenticated`` in ``stats()``)."""
+
+    def __init__(self, key: bytes, bound: int = 16) -> None:
+        self._key = key
+        self._said: set[str] = set()
+        self._bound = bound
+
+    def note(self, theirs: str) -> None:
+        """A JOIN that failed authentication said its worker's key id is ``theirs``."""
+        if theirs in self._said or len(self._said) >= self._bound:
+            return
+        self._said.add(theirs)
+        path = key_file_of(self._key)
+        log.warning("a worker tries to join with another key: its key id is %s, this "
+                    "controller's is %s (%s). Its messages are dropped unread "
+                    "(unauthenticated); start it with this controller's key%s", theirs,
+                    key_id(self._key), key_words(self._key),
+                    f" (colobus worker --key-file {path} ...)" if path else "")

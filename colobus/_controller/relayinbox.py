@@ -5,7 +5,10 @@ READY and heartbeats, handed to the controller's handlers as if the hosts had se
 Its trust rules (``docs/security.md``): a relay's own reports are only the entries that
 name no host, bounded (:meth:`Relay.on_delivered`); an entry that names hosts is
 theirs, checked as their direct message would be; one that breaks the protocol costs
-the hosts it names and never the entries after it.
+the hosts it names and never the entries after it. A relay is bounded as a host is:
+its reports name only the reasons relays have (``RELAY_REASONS``), in counts and sizes
+it could have, and its entries only hosts it was given; one that goes beyond breaks
+the protocol and is dropped (lost, with the hosts it carries), said once.
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ from .._wire.guard import RESET_SEQ
 from .._wire.lane import decode
 from .._wire.limits import COUNT_ABOVE
 from .._wire.peer import Peer, data_bytes
-from .._wire.relaywire import RELAY_ONLY, Gone, Ready
+from .._wire.relaywire import RELAY_ONLY, RELAY_REASONS, Gone, Ready, report_fault
 from .coalesced import on_results
+from .hosts import host_mask
 from .relaylink import LinkOwner, Relay
 
 if TYPE_CHECKING:
@@ -40,6 +44,8 @@ __all__ = ["Inbox", "Judge", "RelaysOwner", "taken_in_order"]
 
 log = logging.getLogger("colobus.controller")
 
+MAX_ENDPOINT = 1024  # the characters of the endpoint a relay's READY gives
+MAX_HOST_INDEX = 1 << 16  # above any host index (the controller knows at most 4096 names)
 RESULT = int(P.Kind.RESULT)
 DELIVERED = int(P.Kind.DELIVERED)
 _NOT_WHOLE = frozenset((ACK_KIND, CHUNKED_KIND, PART_KIND))  # (Channel.take's other cases)
@@ -111,6 +117,15 @@ class Inbox:
     _ctl: RelaysOwner
     _ready: asyncio.Event | None
 
+    def lost(self, relay: Relay, why: str) -> None:  # (Relays.lost)
+        raise NotImplementedError
+
+    def _broke(self, relay: Relay, reason: str, what: str) -> None:
+        """``relay`` went beyond what a relay may say: counted, and dropped (lost, with
+        the hosts it carries; said once: it is heard no more)."""
+        self._ctl._sessions.dropped[reason] += 1
+        self.lost(relay, f"it broke the protocol: {what}")
+
     # -- receiving -----------------------------------------------------------------------
 
     def on_frames(self, relay: Relay, frames: list[Any]) -> None:
@@ -148,6 +163,8 @@ class Inbox:
             sessions.drop(d.reason, relay.identity, d.detail)
             return
         for sub in subs:
+            if not relay.alive:  # dropped by what came before: the rest is not read
+                return
             try:
                 self._handle(relay, sub)
             except (Dropped, ValueError) as exc:
@@ -160,24 +177,35 @@ class Inbox:
         elif kind == P.Kind.HEARTBEAT:  # what it dropped, counted as if dropped here
             beat = P.parse(kind, env.body)
             assert isinstance(beat, P.Heartbeat)
+            fault = report_fault(beat.dropped)
+            if fault:  # (the reasons are a fixed set: stats() and metrics labels stay so)
+                self._broke(relay, "malformed", f"its heartbeat reported {fault}")
+                return
             counts = self._ctl._sessions.dropped
             for reason, n in beat.dropped.items():
-                if type(n) is int and n > relay.dropped.get(reason, 0):
-                    counts[str(reason)[:64]] += n - relay.dropped.get(reason, 0)
+                if n > relay.dropped.get(reason, 0):
+                    counts[reason] += n - relay.dropped.get(reason, 0)
                     relay.dropped[reason] = n
         elif kind == P.Kind.GONE:
             g = Gone.from_wire(env.body)
             assert isinstance(g, Gone)
+            if g.reason and g.reason not in RELAY_REASONS:
+                self._broke(relay, "malformed", f"it dropped host {g.host} for a reason relays "
+                            f"do not have ({g.reason[:40]!r})")
+                return
             host = self._carried(relay, g.host)
             if host is None:
                 return
             if g.reason:
                 self._ctl._sessions.violation(host, g.reason, g.why)
             else:
-                self._ctl._sessions.lose(host, g.why)
+                self._ctl._sessions.lose(host, g.why[:500])
         elif kind == P.Kind.READY:
             r = Ready.from_wire(env.body)
             assert isinstance(r, Ready)
+            if len(r.endpoint) > MAX_ENDPOINT:
+                self._broke(relay, "malformed", f"an endpoint of {len(r.endpoint)} characters")
+                return
             relay.endpoint = r.endpoint
             if self._ready is not None:
                 self._ready.set()
@@ -211,6 +239,8 @@ class Inbox:
             sessions.batches_received += 1
         view = memoryview(env.payload)
         for e in body:
+            if not relay.alive:  # dropped by an entry before: the rest is not read
+                return
             try:
                 if (type(e) is list and len(e) == 9 and e[1] == DELIVERED and e[0] == []
                         and type(e[2]) is bytes and len(e[2]) <= COUNT_ABOVE):
@@ -218,7 +248,7 @@ class Inbox:
                     # second entry of an UP; _entry's DELIVERED branch, inline)
                     raw = unpack(e[2], raw=False, use_list=True)
                     if type(raw) is list and len(raw) == 1 and type(raw[0]) is list:
-                        relay.on_delivered(raw[0])
+                        self._delivered(relay, raw[0])
                         continue
                 self._entry(relay, e, view, env.buffers)
             except (KeyboardInterrupt, SystemExit):
@@ -243,6 +273,12 @@ class Inbox:
             if (at < 0 or plen < 0 or at + plen > len(view) or boff < 0 or nbufs < 0
                     or boff + nbufs > len(buffers) or not 0 <= pbufs <= nbufs):
                 raise Dropped("malformed", "relay entry lengths")
+            # each a host it was given (a mask, in C): else the relay is dropped, unparsed
+            if hosts and (min(hosts) < 0 or max(hosts) >= MAX_HOST_INDEX or (
+                    1 << hosts[0] if len(hosts) == 1 else host_mask(tuple(hosts)))
+                    & ~relay.ever_mask):
+                self._stranger(relay, hosts)
+                return
             # a small body makes few objects: no count of them needed (as decode's header)
             raw = (unpack(packed, raw=False, use_list=True) if len(packed) <= COUNT_ABOVE
                    else unpack_bounded(packed))
@@ -255,7 +291,7 @@ class Inbox:
                 if not (type(raw) is list and len(raw) == 1 and type(raw[0]) is list):
                     sessions.drop("malformed", relay.identity, "DELIVERED")
                     return
-                relay.on_delivered(raw[0])  # (Delivered.from_wire, inline)
+                self._delivered(relay, raw[0])  # (Delivered.from_wire, inline)
                 return
             # a host's message of a kind only a relay speaks (its relay should have
             # dropped the host): never taken as the relay's own
@@ -289,6 +325,24 @@ class Inbox:
                 b = P.Result(body.call_id, body.status, body.meta,
                              times if isinstance(times, list) else [])
             sessions.handle(host, relay.identity, sub, b)
+
+    def _stranger(self, relay: Relay, hosts: list[int]) -> None:
+        """An entry of ``relay``'s names a host it was never given: it breaks the protocol
+        (the relay is dropped), before anything of the entry is parsed. (An entry for a
+        host it carried and lost meanwhile, which it had not heard yet, is read as
+        before: each handler skips a host its relay no longer carries.)"""
+        named = next((i for i in hosts if not (0 <= i < MAX_HOST_INDEX
+                                               and relay.ever_mask >> i & 1)), hosts[0])
+        self._broke(relay, "unsolicited",
+                    f"an entry for host {named}, which it was never given")
+
+    def _delivered(self, relay: Relay, counts: list[Any]) -> None:
+        """A relay's DELIVERED: at most one count for each host it was ever given."""
+        if len(counts) > 2 * max(relay.ever_mask.bit_count(), 1):
+            self._broke(relay, "malformed", f"a DELIVERED of {len(counts) // 2} hosts' counts, "
+                        f"more than the {relay.ever_mask.bit_count()} it was given")
+            return
+        relay.on_delivered(counts)
 
     def _broken(self, relay: Relay, hosts: list[Any], reason: str, detail: str) -> None:
         """An entry of an UP that breaks the protocol: each host it names that ``relay``

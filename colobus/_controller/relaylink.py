@@ -63,6 +63,9 @@ class Relay:
         self.reset_sent = False  # a relay declared lost that spoke again was told
         self.carries: dict[bytes, int] = {}  # host routing id -> host index
         self.carried_mask = 0  # the bits of the hosts it carries
+        # ... and of every host it ever carried: an entry for another breaks the
+        # protocol, one for a host it carried before (lost meanwhile) is skipped
+        self.ever_mask = 0
         self.last_seen = time.monotonic()
         self.alive = True
         self.conn_fd = -1  # the connection it was last heard on, and when that closed

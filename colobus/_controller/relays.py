@@ -196,8 +196,11 @@ class Relays(Inbox):
             "times": ctl.observer is not None and ctl.observer.records,  # (traces read them)
         }
         data = msgpack.packb(settings)
+        # A session of its own, as the workers': a Ctrl-C in the terminal reaches the driver
+        # only, which then closes its relays in order (it holds their stdin: they never
+        # outlive it).
         proc = subprocess.Popen([sys.executable, "-P", "-c", BOOT, PACKAGE], stdin=subprocess.PIPE,
-                                close_fds=True)
+                                close_fds=True, start_new_session=True)
         assert proc.stdin is not None
         proc.stdin.write(struct.pack("!I", len(data)) + data)  # the key: never argv or env
         proc.stdin.flush()
@@ -318,6 +321,7 @@ class Relays(Inbox):
         relay.carries[host.identity] = host.index
         relay.adopted(host.index)
         relay.carried_mask |= 1 << host.index
+        relay.ever_mask |= 1 << host.index
         peer.via = relay
         self._ctl._hosts.changes += 1  # (fan-outs worked out before go another way now)
 

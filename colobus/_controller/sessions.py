@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from .._wire import protocol as P
 from .._wire.chunks import ACK_KIND
 from .._wire.envelope import PROTOCOL_VERSION, Dropped, Envelope, unpack_batch
-from .._wire.guard import RESET_SEQ, Challenges, PeerWarnings, Refusals, shown
+from .._wire.guard import RESET_SEQ, Challenges, PeerWarnings, Refusals, join_key_id, shown
 from .._wire.lane import ON, decode
 from .._wire.limits import MAX_HEADER_BYTES, MAX_OBJECTS, UNKNOWN_PEER_MAX_BYTES
 from .._wire.protocol import Kind
@@ -34,6 +34,8 @@ from .._wire.versions import compare, local_versions
 from .environ import join_level
 from .hangups import link_up
 from .hosts import Host
+from .imports import ImportAnswers, ImportsOwner
+from .joinwait import WrongKeys
 from .liveness import Liveness
 from .ops import Parts
 from .relays import NO_RELAYS, refuse
@@ -56,7 +58,7 @@ MAX_DEVICES_PER_HOST = 4096
 MAX_NAME = 256  # characters of a host name or address
 
 
-class SessionsOwner(Parts, Protocol):
+class SessionsOwner(Parts, ImportsOwner, Protocol):
     """What :class:`Sessions` uses of the controller that owns it."""
 
     @property
@@ -104,6 +106,7 @@ class Sessions:
         self.challenges = Challenges()  # join nonces: bounded, expiring
         self._peer_warnings = PeerWarnings(log)
         self.refusals = Refusals(log)  # joins refused, rate-limited
+        self.wrong_keys = WrongKeys(ctl._key)  # workers that join with another key
         self.join_level = join_level(launched=False)  # launchers: cluster.announce_joins
         # Names a launcher numbers its hosts by (names[0] is host 0), set from any thread
         # before its workers start; the loop thread reserves their numbers at the next HELLO.
@@ -119,6 +122,7 @@ class Sessions:
         self._handlers: dict[int, Callable[[Host, Any, Envelope], None]] = {
             Kind.HEARTBEAT: self._on_heartbeat,
             Kind.RESULT: ctl._ops.on_result,
+            Kind.IMPORT: ImportAnswers(ctl).on_import,  # host code imports what it lacks
         }
 
     def handle_kind(self, kind: Kind, handler: Callable[[Host, Any, Envelope], None]) -> None:
@@ -127,9 +131,11 @@ class Sessions:
 
     # -- receiving ------------------------------------------------------------------------
 
-    def drop(self, reason: str, identity: bytes, detail: str = "") -> None:
+    def drop(self, reason: str, identity: bytes, detail: str = "", frames: Any = ()) -> None:
         self.dropped[reason] += 1
-        if reason in ("unauthenticated", "version", "oversized"):
+        if reason == "unauthenticated" and (theirs := join_key_id(frames)) is not None:
+            self.wrong_keys.note(theirs)  # a worker's JOIN with another key: both ids said
+        elif reason in ("unauthenticated", "version", "oversized"):
             self._peer_warnings.note(reason, identity, detail)  # rate-limited
         else:
             log.debug("dropped message (%s) %s", reason, detail)
@@ -165,7 +171,7 @@ class Sessions:
             if host is not None and d.reason == "oversized":
                 self.violation(host, d.reason, d.detail)  # its workers stay under the limit
             else:
-                self.drop(d.reason, identity, d.detail)
+                self.drop(d.reason, identity, d.detail, frames[1:])
             return
         self.on_envelope(identity, env, frames[0])
 
@@ -299,7 +305,7 @@ class Sessions:
         if self._refuse_version(identity, env) or self._ctl._closed:
             return
         P.parse(env.kind, env.body)  # no fields: ValueError (malformed) otherwise
-        if len(env.sender) != 16 or env.buffers or env.payload:
+        if len(env.sender) != 16 or env.buffers or len(env.payload) > 8:  # (its key id)
             self.drop("malformed", identity, "join")
             return
         current = self._ctl._hosts.by_identity.get(identity)

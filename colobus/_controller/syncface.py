@@ -131,8 +131,15 @@ def start_in_thread(ctl: SyncOwner, timeout: float) -> None:
     try:
         thread.run(ctl.start(), timeout)
     except BaseException:
-        ctl._own_thread = None
-        thread.stop()
+        # A start cut short (a Ctrl-C as it binds) may have bound the socket: undo it
+        # on the loop, or the closing that follows would find no loop to run on.
+        try:
+            thread.run(ctl.aclose(), 30)
+        except Exception as exc:
+            log.debug("closing a controller whose start failed: %r", exc)
+        finally:
+            ctl._own_thread = None
+            thread.stop()
         raise
 
 

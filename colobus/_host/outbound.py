@@ -24,6 +24,7 @@ from .._wire.limits import BODY_INLINE_MAX
 from .._wire.protocol import Status
 from .._wire.sockio import COPY_BELOW, POLLIN, SNDMORE
 from .._wire.splice import pack_body
+from .fetched import FETCHER
 
 __all__ = ["Outbound"]
 
@@ -179,12 +180,14 @@ class Outbound:
     def reply_error(self, call_id: int, exc: BaseException, times: list[int] | None = None
                     ) -> None:
         """Report ``exc`` as data (type name, plain args, message, notes, traceback)."""
+        FETCHER.explain(exc)  # a module the controller could not provide says why
         self.send(P.Result(call_id, Status.ERROR, None, times or []),
                   describe_error(exc, self._hostname))
 
-    def _send_join_raw(self, body: P.Body) -> None:
-        """JOIN and HELLO: numbered outside the session's acknowledged stream."""
+    def _send_join_raw(self, body: P.Body, payload: bytes = b"") -> None:
+        """JOIN and HELLO: numbered outside the session's acknowledged stream. (A JOIN's
+        payload is the worker's key id: a controller with another key names both.)"""
         assert self._chan is not None and self._peer is not None
         self._peer.send_seq += 1
         self._chan.send_raw([], Envelope(body.kind, self._peer.session, b"",
-                                         self._peer.send_seq, body.to_wire()))
+                                         self._peer.send_seq, body.to_wire(), payload))

@@ -46,6 +46,7 @@ from .arrays import HostArrays
 from .calls import set_job
 from .construct import on_construct
 from .dataplane import DataPlane, start_dataplane
+from .fetched import FETCHER
 from .forming import on_coord, on_form, run
 from .jaxjob import HostJob
 from .jaxnames import answer_colobus_process_index
@@ -167,6 +168,7 @@ class Worker(MessagePath):
             Kind.CHALLENGE: self._on_challenge,
             Kind.FORM: lambda body, env: on_form(self, body, env),
             Kind.COORD: lambda body, env: on_coord(self, body, env),
+            Kind.MODULE: lambda body, env: FETCHER.answered(body),  # (fetched.py)
         }
         self.store.shipped.attach(self._handlers, self._dispatch)  # (held while it unpacks)
         self._lane_call = self._handlers[Kind.CALL]  # what the lane stands for, in place
@@ -287,7 +289,7 @@ class Worker(MessagePath):
             while not self._welcome.done():
                 # One HELLO per JOIN round: it answers the CHALLENGE (_on_challenge).
                 self._answered = False
-                self._send_join_raw(P.Join())
+                self._send_join_raw(P.Join(), key_id(self._key).encode())
                 wait = backoff * (0.75 + random.random() / 2)
                 waits: list[asyncio.Future[Any]] = [self._welcome, self._ended]
                 await asyncio.wait(waits, timeout=wait, return_when=asyncio.FIRST_COMPLETED)
@@ -375,6 +377,7 @@ class Worker(MessagePath):
     def _clear_session(self) -> None:
         """Drop everything of the session that ended; its late work sends nothing."""
         self.epoch += 1
+        FETCHER.close()
         for t in list(self._bg):
             t.cancel()
         self.sched.clear()
@@ -420,6 +423,7 @@ class Worker(MessagePath):
         self.call_times = HostCallTimes() if body.host_stats else None
         if body.relay:  # the session moves to a relay, once this drain is over
             asyncio.get_running_loop().call_soon(self._to_relay, body.relay, self._peer)
+        FETCHER.open(asyncio.get_running_loop(), lambda name: self.send(P.Import(name)))
         if self._welcome is not None and not self._welcome.done():
             self._welcome.set_result(None)
 

@@ -267,16 +267,23 @@ class Workers:
             self.closing = True
             procs = [hp.proc for hp in self._all]
         deadline = time.monotonic() + timeout
+        graced = time.monotonic() + min(grace, timeout)  # one grace for all, not each
         for p in procs:
             try:
-                p.wait(max(0.0, min(grace, deadline - time.monotonic())))
+                p.wait(max(0.0, graced - time.monotonic()))
             except subprocess.TimeoutExpired:
+                pass
+        for p in procs:
+            if p.poll() is None:
                 log.debug("worker process %d did not exit on SHUTDOWN; stopping it", p.pid)
                 self.launcher.stop(p)
         for p in procs:
             try:
                 p.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                self.launcher.log.warning(
+                    "%s worker process %d did not exit within %.0f s of being told to stop "
+                    "(SIGTERM); killed", self.launcher.kind, p.pid, timeout)
                 p.kill()
                 p.wait()
         for hp in self._all:

@@ -245,12 +245,21 @@ def _under_salloc(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 
 class _Signals:
-    """While the driver runs: Ctrl-C reaches the driver by itself (same terminal group),
-    so the first one here only waits for it; a second, or SIGTERM, is passed on."""
+    """Ctrl-C and SIGTERM while ``colobus launch`` runs.
+
+    Before the driver runs, Ctrl-C stops the launch at once (``KeyboardInterrupt``: the
+    workers started so far are stopped, the status is 130). While it runs, Ctrl-C reaches
+    the driver by itself (the terminal's group; the workers are in sessions of their own,
+    so it never reaches them), so the first one here only waits for the driver's own
+    ``KeyboardInterrupt``; a second, or SIGTERM, is passed on.
+    """
 
     def __init__(self) -> None:
         self.driver: subprocess.Popen[bytes] | None = None
         self.interrupts = 0
+        self.stopping = False
+        self.starting = False  # the driver is being started: a Ctrl-C now is passed on
+        self.missed = False  # one came then (the driver did not exist to get it)
         self._old: dict[int, Any] = {}
 
     def __enter__(self) -> _Signals:
@@ -267,6 +276,13 @@ class _Signals:
         driver = self.driver
         if sig == signal.SIGINT:
             self.interrupts += 1
+            if self.stopping:  # the workers are being stopped: let that finish
+                return
+            if self.starting:  # (raising now could leave a driver started and unseen)
+                self.missed = True
+                return
+            if driver is None:
+                raise KeyboardInterrupt  # no driver yet: the launch itself stops
             if self.interrupts == 1:
                 return
         if driver is not None and driver.poll() is None:
@@ -283,8 +299,13 @@ def _stop_driver(driver: subprocess.Popen[bytes]) -> None:
             driver.wait()
 
 
-def _watch(driver: subprocess.Popen[bytes], workers: Workers) -> int:
-    """Wait for the driver; a worker gone for good with an error stops it (status 1)."""
+def _watch(driver: subprocess.Popen[bytes], workers: Workers, signals: _Signals) -> int:
+    """Wait for the driver; a worker gone for good with an error stops it (status 1).
+
+    After a Ctrl-C, a worker that ends is not blamed: the driver is ending on its own
+    ``KeyboardInterrupt`` (its controller closing ends the workers), and its status
+    (130) is the run's.
+    """
     while True:
         try:
             code = driver.wait(0.2)
@@ -294,7 +315,10 @@ def _watch(driver: subprocess.Popen[bytes], workers: Workers) -> int:
         if workers.changed.is_set():
             failed = {i: c for i, c in dict(workers.gone).items() if c != 0}
             workers.changed.clear()
-            if failed:
+            if failed and signals.interrupts:
+                log.info("after Ctrl-C: %s; waiting for the driver to end",
+                         ", ".join(f"{workers.launcher.describe(i)} ended" for i in failed))
+            elif failed:
                 i, code = next(iter(failed.items()))
                 hp = workers.current[i]
                 error = workers.launcher.failure(i, code, list(hp.stderr_tail))
@@ -314,11 +338,18 @@ def run_launch(args: argparse.Namespace, command: list[str] | None,
         return 2
     try:
         if args.kind == "slurm" and not os.environ.get("SLURM_JOB_ID"):
-            return _under_salloc(args, argv)
+            try:
+                return _under_salloc(args, argv)
+            except KeyboardInterrupt:  # (the launch salloc runs says what it stopped)
+                return 130
         return _run(args, command)
     except _LaunchError as exc:
         print(f"colobus launch {args.kind}: error: {exc}", file=sys.stderr)
         return exc.status
+    except KeyboardInterrupt:  # Ctrl-C before the driver ran (its own is the driver's)
+        print(f"colobus launch {args.kind}: interrupted before the driver started; the "
+              "workers were stopped", file=sys.stderr)
+        return 130
 
 
 def _run(args: argparse.Namespace, command: list[str]) -> int:
@@ -352,15 +383,25 @@ def _run(args: argparse.Namespace, command: list[str]) -> int:
         with _Signals() as signals:
             try:
                 workers.start_all()
+                signals.starting = True
                 try:
                     signals.driver = subprocess.Popen(driver_command(command), env=env)
                 except OSError as exc:
                     raise _LaunchError(f"cannot run {command[0]!r}: {exc.strerror or exc}",
                                        127) from None
-                return _watch(signals.driver, workers)
+                finally:
+                    signals.starting = False
+                if signals.missed:  # a Ctrl-C as it started, before it could get its own
+                    signals.driver.send_signal(signal.SIGINT)
+                return _watch(signals.driver, workers, signals)
             finally:
-                if signals.driver is not None:
+                signals.stopping = signals.driver is None
+                if signals.driver is None:  # no driver: no controller tells them to exit
+                    workers.kill_all()
+                else:
+                    # The driver's controller is gone; the workers, the launch's, outlive
+                    # its sessions: stop them now (SIGTERM: each leaves and exits).
                     _stop_driver(signals.driver)
-                workers.reap(timeout=10.0, grace=2.0)
+                    workers.reap(timeout=10.0, grace=0.0)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

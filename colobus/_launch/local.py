@@ -84,9 +84,12 @@ class LocalLauncher(Launcher):
         cmd = [sys.executable, "-P", "-m", "colobus", "worker", "--connect", connect,
                "--devices", str(self.devices_per_host), "--name", self.names[i],
                "--key-file", "-"]
+        # A session of its own, as ssh's and srun's: a Ctrl-C in the terminal reaches the
+        # driver only, whose KeyboardInterrupt then stops the workers in order (a SIGINT
+        # to each worker too would end them first, and their ends would read as failures).
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, env=self.worker_env(i),
-                                cwd=os.getcwd())
+                                cwd=os.getcwd(), start_new_session=True)
         assert proc.stdin is not None
         # The key travels on the worker's stdin, never on a command line.
         proc.stdin.write(key.hex().encode() + b"\n")

@@ -45,6 +45,8 @@ from .bench_base import (
     _one_device_array,
     bench_inc,
     bench_noop,
+    quotient,
+    unmeasured_lines,
 )
 
 __all__ = ["BENCHMARKS", "run_bench"]
@@ -98,7 +100,7 @@ async def _pipelined(x: Any, total: int, window: int) -> float:
         await sem.acquire()
         bench_noop(x).add_done_callback(finished)
     await done
-    return total / (time.perf_counter() - t)
+    return quotient(total, time.perf_counter() - t)
 
 
 class Bench:
@@ -150,7 +152,7 @@ class Bench:
         base = self.raw_rtt_us(raw, hosts)
         self.add(Row(f"fanout{hosts}_latency", "us", ours, base, "lower",
                      f"no-op call on {hosts} hosts; baseline: raw round trip to {hosts} servers",
-                     {"colobus_1host": one, "vs_1host": ours / one}))
+                     {"colobus_1host": one, "vs_1host": quotient(ours, one)}))
         await _pipelined(x, s.pipelined_calls // 20, s.window)
         ours_p = await _pipelined(x, s.pipelined_calls // 2, s.window)
         base_p = raw.pipelined(s.pipelined_calls // 2, s.window, hosts)
@@ -208,12 +210,12 @@ class Bench:
                     mem = {"put": m_put, "get": m_get, "raw_put": r_put, "raw_get": r_get}
             gbs = nbytes / 1e9
             size = f"{nbytes // MiB} MiB"
-            self.add(Row(f"put_{label}", "GB/s", gbs / statistics.median(put_t),
-                         gbs / statistics.median(raw_put), "higher",
+            self.add(Row(f"put_{label}", "GB/s", quotient(gbs, statistics.median(put_t)),
+                         quotient(gbs, statistics.median(raw_put)), "higher",
                          f"device_put + block_until_ready of {size}; baseline: raw zero-copy "
                          "frame + ack", {"bytes": nbytes}))
-            self.add(Row(f"get_{label}", "GB/s", gbs / statistics.median(get_t),
-                         gbs / statistics.median(raw_get), "higher",
+            self.add(Row(f"get_{label}", "GB/s", quotient(gbs, statistics.median(get_t)),
+                         quotient(gbs, statistics.median(raw_get)), "higher",
                          f"device_get of {size}; baseline: raw zero-copy frame back",
                          {"bytes": nbytes}))
             for op in ("put", "get") if mem else ():
@@ -253,7 +255,7 @@ class Bench:
         self.add(Row("chain100", "ms", ours, base, "lower",
                      f"{n} dependent calls, each given the previous call's Future unawaited; "
                      f"baseline: {n} raw blocking round trips",
-                     {"colobus_awaited_each": aw, "speedup_vs_awaited": aw / ours}))
+                     {"colobus_awaited_each": aw, "speedup_vs_awaited": quotient(aw, ours)}))
 
 
 CORE = ("latency", "pipelined", "fanout", "object", "transfer", "chain")
@@ -344,6 +346,8 @@ def run_bench(name: str | None, json_path: str | None, quick: bool,
             else "--no-peers")
         _bench_peers.attach(bench.rows, runs)
         for line in _bench_peers.peer_lines(bench.rows):
+            print(line, flush=True)
+        for line in unmeasured_lines(bench.rows):
             print(line, flush=True)
         print(f"done in {time.perf_counter() - t0:.0f} s", flush=True)
     if json_path is not None:

@@ -5,6 +5,7 @@ baseline, peak-memory probes and the functions the benchmarks call on hosts.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import statistics
 import subprocess
@@ -23,7 +24,7 @@ from . import raw_echo
 
 __all__ = [
     "FULL", "QUICK", "BenchObject", "BenchRun", "PeakMemory", "RawEcho", "Row", "Sizes",
-    "bench_inc", "bench_noop", "rss_mib",
+    "bench_inc", "bench_noop", "quotient", "rss_mib", "unmeasured_lines",
 ]
 
 MiB = 1 << 20
@@ -77,12 +78,44 @@ class Row:
 
     @property
     def ratio(self) -> float:
-        return self.colobus / self.baseline if self.baseline else float("nan")
+        return quotient(self.colobus, self.baseline)
+
+    def unmeasured(self) -> list[str]:
+        """The figures of this row that could not be computed (NaN: a divisor read 0)."""
+        figures = {"colobus": self.colobus, "baseline": self.baseline, "ratio": self.ratio,
+                   **self.extra}
+        return [name for name, value in figures.items()
+                if isinstance(value, float) and math.isnan(value)]
 
     def as_dict(self) -> dict[str, Any]:
-        return {"unit": self.unit, "colobus": self.colobus, "baseline": self.baseline,
-                "ratio": self.ratio, "better": self.better, "note": self.note, **self.extra,
-                "peers": self.peers}
+        doc = {"unit": self.unit, "colobus": self.colobus, "baseline": self.baseline,
+               "ratio": self.ratio, "better": self.better, "note": self.note, **self.extra,
+               "peers": self.peers}
+        # JSON has no NaN: a figure that could not be computed is null
+        return {k: None if isinstance(v, float) and math.isnan(v) else v
+                for k, v in doc.items()}
+
+
+def quotient(num: float, den: float) -> float:
+    """``num / den``, or NaN where ``den`` is 0 or not finite.
+
+    A clock of coarse resolution (the process CPU clock under gVisor, say) can read 0
+    over a short run; the figure divided by it is then unknown, never a crash. The
+    table prints it as ``n/a`` and the run's last lines name it (:func:`unmeasured_lines`).
+    """
+    if not den or not math.isfinite(den):
+        return float("nan")
+    return num / den
+
+
+def unmeasured_lines(rows: list[Row]) -> list[str]:
+    """One line naming every figure the run could not compute (none: no line)."""
+    missing = [f"{row.name} {name}" for row in rows for name in row.unmeasured()]
+    if not missing:
+        return []
+    return [f"not measured ({len(missing)}): {', '.join(missing)}: a clock read 0 over its "
+            "run (too coarse a clock here for so short a run; a longer run, without "
+            "--quick, may measure them)"]
 
 
 @dataclass(frozen=True)
@@ -231,7 +264,7 @@ class RawEcho:
                 for i in ids:
                     sock.send_multipart([i, b"e", payload])
                 sent += 1
-        return total / (time.perf_counter() - t)
+        return quotient(total, time.perf_counter() - t)
 
     def put(self, buf: np.ndarray[Any, Any]) -> float:
         """Send ``buf`` zero-copy to server 0 and wait for its ack; seconds."""
@@ -267,9 +300,17 @@ def _fanout_array(ctl: cb.Controller, hosts: int) -> Any:
 
 def _format_row(row: Row) -> str:
     fmt = "{:>12,.1f}" if row.unit != "GB/s" else "{:>12.2f}"
-    worse = row.ratio if row.better == "lower" else 1 / row.ratio
-    return (f"{row.name:<26} {fmt.format(row.colobus)} {fmt.format(row.baseline)} "
-            f"{row.unit:<8} ratio {row.ratio:6.2f}  ({worse:.2f}x raw's cost)")
+
+    def figure(value: float) -> str:
+        return fmt.format(value) if math.isfinite(value) else f"{'n/a':>12}"
+
+    ratio = row.ratio
+    worse = ratio if row.better == "lower" else quotient(1.0, ratio)
+    if math.isnan(worse):
+        return (f"{row.name:<26} {figure(row.colobus)} {figure(row.baseline)} "
+                f"{row.unit:<8} ratio    n/a  (not measured: see the last lines)")
+    return (f"{row.name:<26} {figure(row.colobus)} {figure(row.baseline)} "
+            f"{row.unit:<8} ratio {ratio:6.2f}  ({worse:.2f}x raw's cost)")
 
 
 class BenchRun(Protocol):

@@ -32,7 +32,7 @@ import numpy as np
 
 import colobus as cb
 
-from .bench_base import BenchRun, RawEcho
+from .bench_base import BenchRun, RawEcho, quotient
 
 __all__ = ["GROUPS", "run_groups"]
 
@@ -146,7 +146,8 @@ async def _calls(bench: BenchRun, ctl: cb.Controller, raw: RawEcho) -> None:
         us, cpu = got[name]
         bench.add(Row(f"{name}_async", "us", us, base, "lower",
                       f"{what} (4 x float32), 1 host, awaited; baseline: raw round trip",
-                      {"vs_noop": us / noop_us, "cpu_us": cpu, "cpu_vs_noop": cpu / noop_cpu}))
+                      {"vs_noop": quotient(us, noop_us), "cpu_us": cpu,
+                       "cpu_vs_noop": quotient(cpu, noop_cpu)}))
     await _pipelined_rows(bench, x, raw, z["pipelined"])
 
 
@@ -163,14 +164,14 @@ async def _pipelined_rows(bench: BenchRun, x: Any, raw: RawEcho, total: int) -> 
     async def tasks(n: int) -> float:
         t = time.perf_counter()
         await asyncio.gather(*[asyncio.create_task(one()) for _ in range(n)])
-        return n / (time.perf_counter() - t)
+        return quotient(n, time.perf_counter() - t)
 
     async def gathered(n: int, gather: Any = asyncio.gather) -> float:
         batches = max(1, round(n / window))
         t = time.perf_counter()
         for _ in range(batches):
             await gather(*[bench_ident(x) for _ in range(window)])
-        return batches * window / (time.perf_counter() - t)
+        return quotient(batches * window, time.perf_counter() - t)
 
     await tasks(window)
     await gathered(window)
@@ -341,4 +342,4 @@ def _sync_rows(bench: BenchRun, options: dict[str, Any]) -> None:
                   "round trip"))
     bench.add(Row("ident_sync", "us", ident, base, "lower",
                   "`return x`, `with` + .result() from a plain thread; baseline: raw round "
-                  "trip", {"vs_noop": ident / noop}))
+                  "trip", {"vs_noop": quotient(ident, noop)}))

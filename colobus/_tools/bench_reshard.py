@@ -25,7 +25,7 @@ import numpy as np
 
 import colobus as cb
 
-from .bench_base import BenchRun, RawEcho, Row
+from .bench_base import BenchRun, RawEcho, Row, quotient
 
 __all__ = ["GROUPS", "run_groups"]
 
@@ -84,7 +84,8 @@ async def _reshard(bench: BenchRun, ctl: cb.Controller, raw: RawEcho) -> None:
     assert check.shape == data.shape and float(check[-1, -1]) == 1.0
     gbs = moved / 1e9
     bench.add(Row(f"reshard_{nbytes // MiB}mib_{HOSTS}hosts", "GB/s",
-                  gbs / statistics.median(ours), gbs / statistics.median(base), "higher",
+                  quotient(gbs, statistics.median(ours)), quotient(gbs, statistics.median(base)),
+                  "higher",
                   f"device_put of a {nbytes // MiB} MiB cb.Array sharded over {HOSTS} hosts to "
                   f"replicated ({moved // MiB} MiB reach the hosts, through the controller) "
                   "+ block_until_ready; baseline: raw pyzmq moving the same frames",

@@ -327,10 +327,12 @@ def build_parser(prog: str = "async_training_loop.py") -> argparse.ArgumentParse
     p = CliParser(
         prog=prog, description="Async data-parallel training driven from one colobus controller.")
     p.add_argument("--steps", type=positive_int, default=40, help="training steps (default 40)")
-    p.add_argument("--hosts", type=positive_int, default=2,
-                   help="hosts: local worker processes, or remote workers to wait for")
-    p.add_argument("--devices", type=positive_int, default=4,
-                   help="CPU devices per local host (remote workers choose their own)")
+    p.add_argument("--hosts", type=positive_int, default=None,
+                   help="hosts: local worker processes, or remote workers to wait for "
+                        "(default 2; under `colobus launch`, the launched ones)")
+    p.add_argument("--devices", type=positive_int, default=None,
+                   help="CPU devices per local host (default 4; under `colobus launch`, its "
+                        "--devices; remote workers choose their own)")
     p.add_argument("--bind", default=None, metavar="ENDPOINT",
                    help="bind here and wait for remote workers (e.g. tcp://0.0.0.0:5555) "
                         "instead of starting a local cluster")
@@ -354,11 +356,12 @@ async def _run(args: argparse.Namespace, key: bytes | None) -> Report:
     opts = dict(checkpoint_every=every, checkpoint_dir=args.checkpoint_dir)
     if args.bind is None:
         async with cb.local_cluster(hosts=args.hosts, devices_per_host=args.devices,
-                                    metrics=args.metrics) as ctl:
+                                    metrics=args.metrics) as ctl:  # (None: launch's or own)
             print(describe_hosts(ctl), flush=True)
             print_metrics(ctl)
             return await train(args.steps, **opts)
-    async with cb.Controller(args.bind, hosts=args.hosts, key=key, metrics=args.metrics) as ctl:
+    async with cb.Controller(args.bind, hosts=args.hosts or 2, key=key,
+                             metrics=args.metrics) as ctl:
         print(describe_hosts(ctl), flush=True)
         print_metrics(ctl)
         return await train(args.steps, **opts)
@@ -394,7 +397,12 @@ def main(argv: Sequence[str] | None = None, prog: str = "async_training_loop.py"
     except (OSError, cb.AuthenticationError) as exc:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
-    where = args.bind or f"a local cluster ({args.hosts} hosts x {args.devices} devices)"
+    # Under `colobus launch` ($COLOBUS_ADDRESS set) the size is the launch's; else the demo's.
+    if args.bind is None and not os.environ.get("COLOBUS_ADDRESS"):
+        args.hosts = args.hosts or 2
+        args.devices = args.devices or 4
+    where = args.bind or (f"a local cluster ({args.hosts} hosts x {args.devices} devices)"
+                          if args.hosts else "the workers `colobus launch` started")
     print(f"colobus: training {args.steps} steps on {where}", flush=True)
     with contextlib.suppress(KeyboardInterrupt):
         try:

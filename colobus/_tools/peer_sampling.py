@@ -58,6 +58,11 @@ class PeerRun:
 # -- measuring loops -----------------------------------------------------------------------
 
 
+def _rate(num: float, seconds: float) -> float:
+    """``num / seconds``; NaN where the clock read 0 (as ``bench_base.quotient``)."""
+    return num / seconds if seconds > 0 else float("nan")
+
+
 def median_us(xs: Sequence[float]) -> float:
     return statistics.median(xs) * 1e6
 
@@ -116,7 +121,7 @@ def _window(submit: Callable[[], T], wait: Callable[[T], object], total: int, wi
     while pending:
         wait(pending.popleft())
         done += 1
-    return done / (time.perf_counter() - t0), done
+    return _rate(done, time.perf_counter() - t0), done
 
 
 def pipelined_figure(submit: Callable[[], T], wait: Callable[[T], object], total: int,
@@ -157,8 +162,8 @@ def transfer_rows(sizes: Sizes, put: Callable[[np.ndarray[Any, Any]], object],
             release()
         gbs = nbytes / 1e9
         size = f"{nbytes // MiB} MiB" if nbytes >= MiB else f"{nbytes // 1024} KiB"
-        figures[f"put_{label}"] = PeerFigure(gbs / statistics.median(put_t),
+        figures[f"put_{label}"] = PeerFigure(_rate(gbs, statistics.median(put_t)),
                                              put_note.format(size=size), {"bytes": nbytes})
-        figures[f"get_{label}"] = PeerFigure(gbs / statistics.median(get_t),
+        figures[f"get_{label}"] = PeerFigure(_rate(gbs, statistics.median(get_t)),
                                              get_note.format(size=size), {"bytes": nbytes})
     return figures

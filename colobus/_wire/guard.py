@@ -15,9 +15,13 @@ import logging
 import re
 import secrets
 import time
-from typing import Generic, TypeVar
+from collections.abc import Sequence
+from typing import Any, Generic, TypeVar
 
-__all__ = ["RESET_SEQ", "BoundedDict", "Challenges", "PeerWarnings", "Refusals", "shown"]
+import msgpack
+
+__all__ = ["RESET_SEQ", "BoundedDict", "Challenges", "PeerWarnings", "Refusals", "join_key_id",
+           "shown"]
 
 RESET_SEQ = 1 << 62  # sequence number of a RESET: above any a session reaches
 
@@ -31,6 +35,35 @@ def shown(text: object) -> str:
     if isinstance(text, str) and _PLAIN.fullmatch(text):
         return text
     return repr(text)
+
+
+_KEY_ID = re.compile(rb"[0-9a-f]{8}")
+_JOIN = 18  # (protocol.Kind.JOIN: the guard reads bytes only)
+
+
+def join_key_id(frames: Sequence[Any]) -> str | None:
+    """The key id a JOIN that failed authentication says its worker holds, or None.
+
+    A worker's JOIN carries its key id (:func:`colobus._wire.keys.key_id`, 8 hex
+    digits, never the key) as its payload, so that a controller that cannot
+    authenticate it can say it holds another key and name both. Read without trust,
+    only to name it in a line: a small header parsed with every count bounded, a
+    payload shown only when it is 8 hex digits. Anyone can claim any id; a claim
+    costs no more than any unauthenticated message.
+    """
+    if len(frames) != 3:
+        return None
+    header, payload = (f.bytes if hasattr(f, "bytes") else bytes(f) for f in frames[:2])
+    if len(header) > 256 or not _KEY_ID.fullmatch(payload):
+        return None
+    try:
+        fields = msgpack.unpackb(header, raw=False, max_bin_len=64, max_str_len=64,
+                                 max_array_len=16, max_map_len=0, max_ext_len=0)
+    except Exception:  # (msgpack raises several types on garbage)
+        return None
+    if not isinstance(fields, list) or len(fields) < 2 or fields[1] != _JOIN:
+        return None
+    return payload.decode()
 
 
 K = TypeVar("K")

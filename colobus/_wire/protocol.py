@@ -12,12 +12,13 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from .outleaf import MAX_OUTPUTS, OutLeaf, output_ref
 from .specs import decode_spec, encode_spec
 
 __all__ = [
-    "BODIES", "Body", "Call", "Cancel", "Challenge", "Code", "Construct", "Coord",
-    "Destroy", "Fetch", "Form", "Heartbeat", "Hello", "Join", "Kind", "MAX_OUTPUTS", "OutLeaf",
-    "Piece", "Put", "Reject", "Release", "Reset", "Reshard", "Result", "Shutdown",
+    "BODIES", "Body", "Call", "Cancel", "Challenge", "Code", "Construct", "Coord", "Destroy",
+    "Fetch", "Form", "Heartbeat", "Hello", "Import", "Join", "Kind", "MAX_OUTPUTS", "Module",
+    "OutLeaf", "Piece", "Put", "Reject", "Release", "Reset", "Reshard", "Result", "Shutdown",
     "Stats", "Status", "TOKEN_BYTES", "TREE_CHUNK_BYTES", "TreePut", "Welcome",
     "chunk_digests", "decode_spec", "encode_spec", "output_ref", "parse",
 ]
@@ -62,6 +63,8 @@ class Kind(enum.IntEnum):
     SETUP = 33  # C: the offer is taken: the settings the relay carries hosts with
     FORM = 40  # C: join the cluster's JAX job (jax_distributed); answered with a RESULT
     COORD = 41  # both: bytes of one connection to the JAX job's coordination service
+    IMPORT = 42  # W: host code imports a module this host lacks (the controller may have it)
+    MODULE = 43  # C: the answer to an IMPORT: its package went first as a CODE, or why not
 
 
 class Status(enum.IntEnum):
@@ -440,9 +443,26 @@ RESET_REJOIN = "declared lost; join again"
 RESET_EXIT = "exit"  # its process was seen to end (a launcher): it exits, never rejoins
 
 
+@dataclass(frozen=True, slots=True)
+class Import(Body):
+    kind = Kind.IMPORT
+    types = (str,)
+    name: str  # the top-level module host code imports (_host/fetched.py)
+
+
+@dataclass(frozen=True, slots=True)
+class Module(Body):
+    kind = Kind.MODULE
+    types = (str, str, str)
+    name: str  # as the IMPORT asked
+    package: str  # the package whose CODE went just before ("": none)
+    why: str = ""  # why none: what the host's error says (_controller/imports.py)
+
+
 BODIES: dict[Kind, type[Body]] = {cls.kind: cls for cls in (
     Hello, Welcome, Reject, Join, Challenge, Heartbeat, Code, Call, Result, Cancel, Put, Fetch,
     Release, Construct, Destroy, Stats, Shutdown, Reset, Reshard, Piece, TreePut, Form, Coord,
+    Import, Module,
 )}
 
 _BY_INT: dict[int, type[Body]] = {int(k): v for k, v in BODIES.items()}  # by wire int
@@ -454,34 +474,3 @@ def parse(kind: int, raw: Any) -> Body:
     if cls is None:
         raise ValueError(f"unknown message kind {kind}")
     return cls.from_wire(raw)
-
-
-@dataclass(frozen=True, slots=True)
-class OutLeaf:
-    """One output leaf of a call, as a host reports it (see ``_describe``).
-
-    The host keeps the value under array ref ``(call_id << 16) | index``.
-    ``spec`` is the ``PartitionSpec`` when the leaf is sharded over the host's
-    part of the call's mesh, else None (replicated over the host's devices).
-    ``layout``, ``digest`` and ``ref`` are described in ``_outlayout``.
-    """
-
-    index: int
-    shape: tuple[int, ...]
-    dtype: Any
-    spec: Any
-    key_impl: str | None
-    # The function's own layout where the host kept it (see ``_outlayout``): plain
-    # ints, strings and lists only, so it ports to a msgpack description as is.
-    layout: list[Any] | None = None
-    digest: bytes | None = None  # of a small output's bytes, to compare replicas
-    ref: int = -1  # the argument (refs position) whose sharding object the output carries
-    memory_kind: str | None = None  # where not the devices' default ("device")
-
-
-MAX_OUTPUTS = 1 << 16
-
-
-def output_ref(call_id: int, index: int) -> int:
-    """The array ref under which a host stores output leaf ``index`` of ``call_id``."""
-    return (call_id << 16) | index

@@ -39,8 +39,9 @@ from . import protocol as P
 from .envelope import Buffer, Dropped, mac_key
 from .limits import GATHER_MAX_BODY, GATHER_MAX_BUFFERS, GATHER_MAX_BYTES
 
-__all__ = ["NEVER_REACHED", "RELAY_ONLY", "Adopt", "Delivered", "Entry", "Gather", "Gone", "Offer",
-           "Ready", "Setup", "entries", "entry", "relay_proof"]
+__all__ = ["MAX_REPORTED", "NEVER_REACHED", "RELAY_ONLY", "RELAY_REASONS", "Adopt", "Delivered",
+           "Entry", "Gather", "Gone", "Offer", "Ready", "Setup", "entries", "entry",
+           "relay_proof", "report_fault"]
 
 # The kinds only a controller and its relays say to each other. A host that says one is
 # breaking the protocol: its relay drops it, as the controller does a host whose relay
@@ -48,6 +49,14 @@ __all__ = ["NEVER_REACHED", "RELAY_ONLY", "Adopt", "Delivered", "Entry", "Gather
 RELAY_ONLY = frozenset(map(int, (P.Kind.ADOPT, P.Kind.FORWARD, P.Kind.UP, P.Kind.GONE,
                                  P.Kind.READY, P.Kind.DELIVERED, P.Kind.OFFER,
                                  P.Kind.SETUP)))
+# Every reason a relay counts a message it dropped for (its heartbeat's ``dropped``), or
+# drops a host for (a GONE's ``reason``): what its channel, envelopes and guard refuse
+# (``tests/test_relay_hostile.py`` holds this equal to the reasons in ``_relay`` and
+# ``_wire``). A relay's report beyond them breaks the protocol: the controller drops the
+# relay, so its ``stats()`` and metrics labels stay this set.
+RELAY_REASONS = frozenset({"unauthenticated", "malformed", "oversized", "stale",
+                           "unknown_peer", "replay", "gap", "unexpected_kind"})
+MAX_REPORTED = 1 << 62  # the largest count a relay reports (a cumulative count of drops)
 SMALL = 4096  # payloads up to this size are shared by value (replies), larger by identity
 # What an entry adds to its message's packed body besides the host's packed body (an
 # estimate, on the high side): the entry's fields, each host index, a reply's times.
@@ -140,6 +149,21 @@ class Setup(P.Body):
     resend_after: float
     max_message_bytes: int
     times: bool
+
+
+def report_fault(dropped: Any) -> str:
+    """What is wrong with a relay's heartbeat report of its drops (a map of reason to
+    cumulative count), in words; ``""`` when it is within bounds."""
+    if not isinstance(dropped, dict):
+        return "a report of drops that is not a map"
+    if len(dropped) > len(RELAY_REASONS):
+        return f"drops for {len(dropped)} reasons (relays have {len(RELAY_REASONS)})"
+    for reason, n in dropped.items():
+        if reason not in RELAY_REASONS:
+            return f"drops for a reason relays do not have ({str(reason)[:40]!r})"
+        if type(n) is not int or not 0 <= n <= MAX_REPORTED:
+            return f"a count of {str(n)[:40]} drops ({reason})"
+    return ""
 
 
 def relay_proof(relay_key: bytes, nonce: bytes, session: bytes) -> bytes:
