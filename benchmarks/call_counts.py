@@ -35,8 +35,9 @@ hosts together).
 The counts include whatever else the processes do meanwhile (heartbeats: a few per
 second), so they can move by a fraction of a call between runs; the profiler slows
 both processes several times, so no time is printed. The worker's inline-call watchdog
-(``colobus-loop-watch``) is not counted: it wakes every 2 ms while inline calls run,
-whatever they do, so its share per call would follow the profiler's slowness.
+(``colobus-loop-watch``) is counted apart, in the ``watch`` column (its Python calls per
+call, per host): a watchdog that woke on a timer would show there a share that follows the
+profiler's slowness, not the calls.
 """
 
 from __future__ import annotations
@@ -90,20 +91,33 @@ def _counter():
             c[1] += 1
     return prof
 
-# Threads whose work follows the clock, not the calls: not counted
-UNCOUNTED = ("colobus-loop-watch",)
+# Threads counted apart (the worker's inline-call watchdog): their own columns
+APART = ("colobus-loop-watch",)
+WATCH = []  # their counters
 
 def _first(frame, event, arg):
-    if threading.current_thread().name in UNCOUNTED:
-        sys.setprofile(None)
+    if threading.current_thread().name in APART:
+        c = [0, 0]
+        WATCH.append(c)
+        def watch(frame, event, arg):
+            if event == "call":
+                c[0] += 1
+            elif event == "c_call":
+                c[1] += 1
+        sys.setprofile(watch)
+        watch(frame, event, arg)
         return
     prof = _counter()
     sys.setprofile(prof)
     prof(frame, event, arg)
 
 def totals():
-    # (Python calls, C calls) so far, every thread of this process
+    # (Python calls, C calls) so far, every thread of this process but those counted apart
     return sum(c[0] for c in COUNTERS), sum(c[1] for c in COUNTERS)
+
+def watch_totals():
+    # (Python calls, C calls) so far of the threads counted apart (the watchdog)
+    return sum(c[0] for c in WATCH), sum(c[1] for c in WATCH)
 
 def names():
     out = {}
@@ -114,9 +128,10 @@ def names():
 
 def mark(tag):
     calls, c_calls = totals()
+    w_calls, w_c_calls = watch_totals()
     d = os.environ["COLOBUS_COUNT_DIR"]
     with open(os.path.join(d, f"{os.getpid()}.txt"), "a") as f:
-        f.write(f"{tag} {calls} {c_calls}\n")
+        f.write(f"{tag} {calls} {c_calls} {w_calls} {w_c_calls}\n")
     if DETAIL:
         import pickle
         with open(os.path.join(d, f"{os.getpid()}.{tag.replace(':', '.')}.names"), "wb") as f:
@@ -307,22 +322,23 @@ def _child(patterns: list[str], n: int, warm: int) -> None:
 # -- in the parent ------------------------------------------------------------------------
 
 
-def _worker_counts(directory: str) -> dict[str, list[tuple[int, int]]]:
-    """Per row, each worker's (calls, C calls) over the measured calls."""
-    marks: dict[tuple[str, str], dict[str, tuple[int, int]]] = {}
+def _worker_counts(directory: str) -> dict[str, list[tuple[int, ...]]]:
+    """Per row, each worker's (calls, C calls, watchdog calls, watchdog C calls) over the
+    measured calls."""
+    marks: dict[tuple[str, str], dict[str, tuple[int, ...]]] = {}
     for name in os.listdir(directory):
         if not name.endswith(".txt") or name.startswith("controller"):
             continue
         with open(os.path.join(directory, name)) as f:
             for line in f:
-                tag, calls, c_calls = line.split()
+                tag, *counts = line.split()
                 row, point = tag.split(":")
-                marks.setdefault((row, name), {})[point] = (int(calls), int(c_calls))
-    out: dict[str, list[tuple[int, int]]] = {}
+                marks.setdefault((row, name), {})[point] = tuple(map(int, counts))
+    out: dict[str, list[tuple[int, ...]]] = {}
     for (row, _), m in marks.items():
         a, b, c = m["a"], m["b"], m["c"]
-        out.setdefault(row, []).append(((c[0] - b[0]) - (b[0] - a[0]),
-                                        (c[1] - b[1]) - (b[1] - a[1])))
+        out.setdefault(row, []).append(tuple((c[i] - b[i]) - (b[i] - a[i])
+                                             for i in range(len(a))))
     return out
 
 
@@ -384,7 +400,9 @@ def count(patterns: list[str], n: int, warm: int, detail: int = 0,
         ws = workers[row]
         out[row] = {"controller_calls": int(calls) / n, "controller_c_calls": int(c_calls) / n,
                     "worker_calls": sum(w[0] for w in ws) / len(ws) / n,
-                    "worker_c_calls": sum(w[1] for w in ws) / len(ws) / n}
+                    "worker_c_calls": sum(w[1] for w in ws) / len(ws) / n,
+                    "watch_calls": sum(w[2] for w in ws) / len(ws) / n,
+                    "watch_c_calls": sum(w[3] for w in ws) / len(ws) / n}
         rs = workers.get(f"{row}@relay")
         if rs:  # the relay's counts per call, all its hosts' work together
             out[row]["relay_calls"] = sum(r[0] for r in rs) / n
@@ -408,14 +426,14 @@ def main() -> None:
     print(f"Python calls ('call') and C calls ('c_call') per call, {args.calls} calls after "
           f"{args.warm}")
     print(f"  {'pattern':52s} {'ctl calls':>9s} {'ctl C':>7s} {'wrk calls':>9s} {'wrk C':>7s}"
-          f" {'relay calls':>11s} {'relay C':>8s}")
+          f" {'watch':>6s} {'relay calls':>11s} {'relay C':>8s}")
     for name in args.pattern:
         r = got[name]
         relay = (f" {r['relay_calls']:11.1f} {r['relay_c_calls']:8.1f}" if "relay_calls" in r
                  else "")
         print(f"  {LABELS[name]:52s} {r['controller_calls']:9.1f} "
               f"{r['controller_c_calls']:7.1f} {r['worker_calls']:9.1f} "
-              f"{r['worker_c_calls']:7.1f}{relay}")
+              f"{r['worker_c_calls']:7.1f} {r['watch_calls']:6.2f}{relay}")
     stars = sorted((STARS[k], got[k]["controller_calls"]) for k in args.pattern if k in STARS)
     for (n0, c0), (n1, c1) in itertools.pairwise(stars):
         print(f"  star controller, Python calls per additional host, {n0} -> {n1} hosts: "
