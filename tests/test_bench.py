@@ -164,9 +164,10 @@ def test_call_counts_prints_both_sides_for_every_pattern() -> None:
                   "specialized", "object method (no-op)", "object method `return x`",
                   "4 hosts"):
         row = next(line for line in lines if label in line)
-        counts = [float(v) for v in row.split()[-4:]]
+        *counts, watch = (float(v) for v in row.split()[-5:])
         # A call runs some Python on each side, and not tens of thousands of functions
         assert all(5 < c < 5000 for c in counts), row
+        assert 0 <= watch < 5000, row  # the watchdog, counted apart (none per call in time)
 
 
 def test_accelerator_check_runs_its_whole_path_with_cpu_devices_standing_in() -> None:
