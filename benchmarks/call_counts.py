@@ -20,7 +20,9 @@ Patterns: ``noop`` (a no-op, awaited one at a time), ``ident`` (``return x``, aw
 ``sync`` (``return x`` from ``.result()`` on a plain thread, ``with local_cluster``),
 ``method`` (a colocated object's no-op method, awaited), ``spec`` (``return x``
 specialized with ``out_specs_fn``, as orbax wraps every function), ``mident``
-(``return x`` as an object's method), ``fanout4`` (``return x`` on an array over 4
+(``return x`` as an object's method), ``window`` (``return x``, 100 calls in
+flight: one task keeps the futures and awaits the oldest), ``tasks`` (``return x`` from
+100 tasks, each awaiting its own calls), ``fanout4`` (``return x`` on an array over 4
 hosts, awaited), ``star4`` ... ``star32`` (a no-op on an array over that many hosts,
 over TCP: the worker's figure per host, the controller's per call; the controller's
 marginal cost per host is the slope between two of them), ``relay4``, ``relay16``,
@@ -44,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import functools
 import itertools
 import os
@@ -159,8 +162,9 @@ STAR_HEARTBEAT = float(os.environ.get("COLOBUS_COUNT_HEARTBEAT", "30"))
 # relayN: N hosts over TCP, every one carried by one relay (relays=1, relay_threshold=1);
 # the relay process is counted too (SIGUSR1 marks), its figure per call for all its hosts
 RELAYED = {"relay4": 4, "relay16": 16, "relay32": 32}
-PATTERNS = ("noop", "ident", "kept", "sync", "spec", "method", "mident", "fanout4", *STARS,
-            *RELAYED)
+PATTERNS = ("noop", "ident", "kept", "sync", "spec", "method", "mident", "window", "tasks",
+            "fanout4",
+            *STARS, *RELAYED)
 # (the star and relay rows start up to 32 workers: asked for by name)
 DEFAULT = tuple(p for p in PATTERNS if p not in STARS and p not in RELAYED)
 LABELS = {
@@ -171,6 +175,8 @@ LABELS = {
     "spec": "`return x`, specialized (out_specs_fn), awaited",
     "method": "object method (no-op), awaited",
     "mident": "object method `return x`, awaited",
+    "window": "`return x`, 100 in flight (one task's futures)",
+    "tasks": "`return x`, 100 tasks awaiting their own",
     "fanout4": "`return x`, awaited, 4 hosts (worker: per host)",
     **{k: f"no-op, awaited, {n} hosts over TCP (worker: per host)" for k, n in STARS.items()},
     "relay4": "fan-out no-op, 4 hosts over TCP, one relay",
@@ -224,18 +230,46 @@ async def _relay_mark(pids: list[int], tag: str) -> None:
             raise RuntimeError(f"relay {pid} wrote no mark {tag}")
 
 
-async def _measured(name: str, fn: Callable[[], Awaitable[Any]], x: Any, n: int,
-                    warm: int, relays: list[int] | None = None) -> None:
-    relays = relays or []
-    for _ in range(warm):
+async def _each(fn: Callable[[], Awaitable[Any]], n: int) -> None:
+    for _ in range(n):
         await fn()
+
+
+async def _window(fn: Callable[[], Awaitable[Any]], n: int, inflight: int = 100) -> None:
+    """``n`` calls, ``inflight`` of them in flight (futures kept in order, the oldest
+    awaited), as a training loop pipelines its steps."""
+    futs: collections.deque[Awaitable[Any]] = collections.deque()
+    for _ in range(n):
+        futs.append(fn())
+        if len(futs) >= inflight:
+            await futs.popleft()
+    for f in futs:
+        await f
+
+
+async def _tasks(fn: Callable[[], Awaitable[Any]], n: int, inflight: int = 100) -> None:
+    """``n`` calls from ``inflight`` tasks, each awaiting its own one after another (each
+    task a stream of its own)."""
+    async def one(k: int) -> None:
+        for _ in range(k):
+            await fn()
+
+    each, extra = divmod(n, inflight)
+    await asyncio.gather(*(one(each + (i < extra)) for i in range(inflight)))
+
+
+async def _measured(name: str, fn: Callable[[], Awaitable[Any]], x: Any, n: int,
+                    warm: int, relays: list[int] | None = None,
+                    run: Callable[[Callable[[], Awaitable[Any]], int], Awaitable[None]] = _each,
+                    ) -> None:
+    relays = relays or []
+    await run(fn, warm)
     await _relay_mark(relays, f"{name}@relay:a")
     await _mark(x, f"{name}:a")
     await _relay_mark(relays, f"{name}@relay:b")
     await _mark(x, f"{name}:b")
     c0 = _controller_totals(f"{name}.0")
-    for _ in range(n):
-        await fn()
+    await run(fn, n)
     c1 = _controller_totals(f"{name}.1")
     await _relay_mark(relays, f"{name}@relay:c")
     await _mark(x, f"{name}:c")
@@ -246,7 +280,8 @@ async def _async_rows(patterns: list[str], n: int, warm: int) -> None:
     from colobus._tools.bench_base import BenchObject, _fanout_array, _one_device_array, bench_noop
     from colobus._tools.bench_calls import bench_ident, bench_ident_specialized
 
-    one = [p for p in patterns if p in ("noop", "ident", "kept", "spec", "method", "mident")]
+    one = [p for p in patterns
+           if p in ("noop", "ident", "kept", "spec", "method", "mident", "window", "tasks")]
     if one:
         async with cb.local_cluster(hosts=1, devices_per_host=1) as ctl:
             x = _one_device_array(ctl)
@@ -262,9 +297,11 @@ async def _async_rows(patterns: list[str], n: int, warm: int) -> None:
             calls: dict[str, Callable[[], Awaitable[Any]]] = {
                 "noop": lambda: bench_noop(x), "ident": lambda: bench_ident(x),
                 "kept": keep, "spec": lambda: bench_ident_specialized(x),
-                "method": lambda: obj.ping(x), "mident": lambda: obj.ident(x)}
+                "method": lambda: obj.ping(x), "mident": lambda: obj.ident(x),
+                "window": lambda: bench_ident(x), "tasks": lambda: bench_ident(x)}
             for name in one:
-                await _measured(name, calls[name], x, n, warm)
+                await _measured(name, calls[name], x, n, warm,
+                                run={"window": _window, "tasks": _tasks}.get(name, _each))
                 kept.clear()
             await obj.aclose()
     if "fanout4" in patterns:

@@ -39,6 +39,7 @@ from .func import (
     _decode_result,
     _stream_id,
     _thread_streams,
+    task_stream,
 )
 from .joblayout import _LAYOUTS, job_layout
 from .plan import CallPlan, make_plan
@@ -208,9 +209,12 @@ def call(target: Target, args: tuple[Any, ...],
         last_stream = _last_stream[0]
         if task is not None and last_stream is not None and last_stream[0]() is task:
             stream = last_stream[1]
+        elif task is not None:  # (_stream_id() without asking for the task again)
+            stream = task_stream(task)
+            _last_stream[0] = (weakref.ref(task), stream)
         else:
             stream = _stream_id()
-            _last_stream[0] = (weakref.ref(task), stream) if task is not None else None
+            _last_stream[0] = None
         if (ops.backlog or ctl._closed
                 or (len(ops.pending) >= ops.max_inflight and ops._full(hosts))):
             op = (_LaneOp if len(hosts) == 1 else _CallOp)(
