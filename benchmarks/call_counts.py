@@ -21,7 +21,8 @@ Patterns: ``noop`` (a no-op, awaited one at a time), ``ident`` (``return x``, aw
 ``method`` (a colocated object's no-op method, awaited), ``spec`` (``return x``
 specialized with ``out_specs_fn``, as orbax wraps every function), ``mident``
 (``return x`` as an object's method), ``window`` (``return x``, 100 calls in
-flight: one task keeps the futures and awaits the oldest), ``tasks`` (``return x`` from
+flight: one task keeps the futures and awaits the oldest; ``mwindow``, the same of an object's method, as a
+training step), ``tasks`` (``return x`` from
 100 tasks, each awaiting its own calls), ``fanout4`` (``return x`` on an array over 4
 hosts, awaited), ``star4`` ... ``star32`` (a no-op on an array over that many hosts,
 over TCP: the worker's figure per host, the controller's per call; the controller's
@@ -162,8 +163,8 @@ STAR_HEARTBEAT = float(os.environ.get("COLOBUS_COUNT_HEARTBEAT", "30"))
 # relayN: N hosts over TCP, every one carried by one relay (relays=1, relay_threshold=1);
 # the relay process is counted too (SIGUSR1 marks), its figure per call for all its hosts
 RELAYED = {"relay4": 4, "relay16": 16, "relay32": 32}
-PATTERNS = ("noop", "ident", "kept", "sync", "spec", "method", "mident", "window", "tasks",
-            "fanout4",
+PATTERNS = ("noop", "ident", "kept", "sync", "spec", "method", "mident", "window", "mwindow",
+            "tasks", "fanout4",
             *STARS, *RELAYED)
 # (the star and relay rows start up to 32 workers: asked for by name)
 DEFAULT = tuple(p for p in PATTERNS if p not in STARS and p not in RELAYED)
@@ -176,6 +177,7 @@ LABELS = {
     "method": "object method (no-op), awaited",
     "mident": "object method `return x`, awaited",
     "window": "`return x`, 100 in flight (one task's futures)",
+    "mwindow": "object method `return x`, 100 in flight",
     "tasks": "`return x`, 100 tasks awaiting their own",
     "fanout4": "`return x`, awaited, 4 hosts (worker: per host)",
     **{k: f"no-op, awaited, {n} hosts over TCP (worker: per host)" for k, n in STARS.items()},
@@ -281,7 +283,8 @@ async def _async_rows(patterns: list[str], n: int, warm: int) -> None:
     from colobus._tools.bench_calls import bench_ident, bench_ident_specialized
 
     one = [p for p in patterns
-           if p in ("noop", "ident", "kept", "spec", "method", "mident", "window", "tasks")]
+           if p in ("noop", "ident", "kept", "spec", "method", "mident", "window", "mwindow",
+                    "tasks")]
     if one:
         async with cb.local_cluster(hosts=1, devices_per_host=1) as ctl:
             x = _one_device_array(ctl)
@@ -298,10 +301,12 @@ async def _async_rows(patterns: list[str], n: int, warm: int) -> None:
                 "noop": lambda: bench_noop(x), "ident": lambda: bench_ident(x),
                 "kept": keep, "spec": lambda: bench_ident_specialized(x),
                 "method": lambda: obj.ping(x), "mident": lambda: obj.ident(x),
-                "window": lambda: bench_ident(x), "tasks": lambda: bench_ident(x)}
+                "window": lambda: bench_ident(x), "tasks": lambda: bench_ident(x),
+                "mwindow": lambda: obj.ident(x)}
             for name in one:
                 await _measured(name, calls[name], x, n, warm,
-                                run={"window": _window, "tasks": _tasks}.get(name, _each))
+                                run={"window": _window, "mwindow": _window,
+                                     "tasks": _tasks}.get(name, _each))
                 kept.clear()
             await obj.aclose()
     if "fanout4" in patterns:
