@@ -28,6 +28,7 @@ from .._controller.current import State
 from .._controller.frees import WATCHED, release_now
 from .._controller.future import _PENDING, Future
 from .._controller.operation import Operation
+from .._controller.wakeups import current_task_of
 from .._errors import ControllerClosedError
 from .._wire import protocol as P
 from .._wire.lane import ON, pack
@@ -52,7 +53,7 @@ if TYPE_CHECKING:
 __all__ = ["ON", "call", "call_body"]
 
 _get_ident = threading.get_ident
-_current_task = asyncio.current_task
+_current_task = current_task_of  # (asyncio.current_task(loop), without a Python call)
 _get_running_loop = asyncio._get_running_loop
 _controllers = _current._stack  # the entered controllers, most recent last
 _RUNNING = State.RUNNING

@@ -58,6 +58,7 @@ _DRIVEN = all(hasattr(asyncio.BaseEventLoop, name) for name in (
 
 STALL_S = 0.002  # an inline call running this long hands the loop to another thread
 _monotonic = time.monotonic
+_new = object.__new__
 
 
 class _Inline:
@@ -231,7 +232,10 @@ class Baton:
                 loop._thread_id = None
                 _set_running_loop(None)
                 sys.set_asyncgen_hooks(*hooks)
-                inline = _Inline()  # (_run_inline, written out)
+                inline = _new(_Inline)  # (_run_inline, written out; _Inline() inline)
+                inline.started = _monotonic()
+                inline.lost = False
+                inline.ident = me
                 self._inline = inline
                 arm()
                 try:
