@@ -34,6 +34,7 @@ hosts together).
     python benchmarks/call_counts.py                  # 1,000 calls after 200
     python benchmarks/call_counts.py --calls 200 --warm 50 --pattern star4 star16 star32
     python benchmarks/call_counts.py --calls 100 --warm 20 --pattern noop ident
+    python benchmarks/call_counts.py --pattern window mwindow tasks   # 100 in flight
 
 The counts include whatever else the processes do meanwhile (heartbeats: a few per
 second), so they can move by a fraction of a call between runs; the profiler slows
@@ -166,8 +167,10 @@ RELAYED = {"relay4": 4, "relay16": 16, "relay32": 32}
 PATTERNS = ("noop", "ident", "kept", "sync", "spec", "method", "mident", "window", "mwindow",
             "tasks", "fanout4",
             *STARS, *RELAYED)
+# Pipelined: 100 calls in flight (asked for by name)
+PIPELINED = ("window", "mwindow", "tasks")
 # (the star and relay rows start up to 32 workers: asked for by name)
-DEFAULT = tuple(p for p in PATTERNS if p not in STARS and p not in RELAYED)
+DEFAULT = tuple(p for p in PATTERNS if p not in STARS and p not in RELAYED and p not in PIPELINED)
 LABELS = {
     "noop": "no-op, awaited, 1 host",
     "ident": "`return x`, awaited, 1 host",
