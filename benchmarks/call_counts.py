@@ -170,7 +170,8 @@ PATTERNS = ("noop", "ident", "kept", "sync", "spec", "method", "mident", "window
 # Pipelined: 100 calls in flight (asked for by name)
 PIPELINED = ("window", "mwindow", "tasks")
 # (the star and relay rows start up to 32 workers: asked for by name)
-DEFAULT = tuple(p for p in PATTERNS if p not in STARS and p not in RELAYED and p not in PIPELINED)
+DEFAULT = tuple(p for p in PATTERNS
+                if p not in STARS and p not in RELAYED and p not in PIPELINED)
 LABELS = {
     "noop": "no-op, awaited, 1 host",
     "ident": "`return x`, awaited, 1 host",
