@@ -21,9 +21,9 @@ Patterns: ``noop`` (a no-op, awaited one at a time), ``ident`` (``return x``, aw
 ``method`` (a colocated object's no-op method, awaited), ``spec`` (``return x``
 specialized with ``out_specs_fn``, as orbax wraps every function), ``mident``
 (``return x`` as an object's method), ``window`` (``return x``, 100 calls in
-flight: one task keeps the futures and awaits the oldest; ``mwindow``, the same of an object's method, as a
-training step), ``tasks`` (``return x`` from
-100 tasks, each awaiting its own calls), ``fanout4`` (``return x`` on an array over 4
+flight: one task keeps the futures and awaits the oldest; ``mwindow``, the same of an
+object's method, as a training step), ``tasks`` (``return x`` from 100 tasks, each
+awaiting its own calls), ``fanout4`` (``return x`` on an array over 4
 hosts, awaited), ``star4`` ... ``star32`` (a no-op on an array over that many hosts,
 over TCP: the worker's figure per host, the controller's per call; the controller's
 marginal cost per host is the slope between two of them), ``relay4``, ``relay16``,
