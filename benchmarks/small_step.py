@@ -12,6 +12,9 @@ machine's cores while the other waits), both ways:
 * ``awaited``: each step waited for (``block_until_ready``), the median (goal: at most
   one colobus round trip more than plain, the round trip being an awaited no-op call).
 
+``ctl us`` is the controller process's CPU per pipelined step: on CPU it competes with
+the step itself wherever the controller shares the worker's cores.
+
 On CPU the controller, the worker's Python and JAX's own threads share the cores, so
 what colobus costs per call is taken from the steps directly (on an accelerator the
 chip computes while the host's Python runs). Each figure is the median of the pairs'
@@ -142,15 +145,17 @@ class _Colobus:
         await self.t.aclose()
         await self.cluster.__aexit__(None, None, None)
 
-    async def pipelined(self, steps: int) -> float:
+    async def pipelined(self, steps: int) -> tuple[float, float]:
+        """Steps/s, and this (the controller's) process's CPU per step (us)."""
         import colobus as cb
 
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         futs = [self.t.step(self.like) for _ in range(steps)]
         await cb.block_until_ready(futs[-1])
         rate = steps / (time.perf_counter() - t0)
-        await asyncio.gather(*futs)
-        return rate
+        cpu = (time.process_time() - c0) / steps * 1e6
+        await cb.gather(*futs)
+        return rate, cpu
 
     async def awaited(self, steps: int) -> float:
         import colobus as cb
@@ -190,8 +195,10 @@ async def measure(rounds: int, steps: int, awaited: int) -> list[dict[str, float
             return float(plain.stdout.readline())
 
         for _ in range(rounds):
-            row = {"plain_steps_per_s": ask("pipelined", steps),
-                   "colobus_steps_per_s": await via.pipelined(steps),
+            plain_rate = ask("pipelined", steps)
+            rate, cpu = await via.pipelined(steps)
+            row = {"plain_steps_per_s": plain_rate, "colobus_steps_per_s": rate,
+                   "controller_cpu_us": cpu,
                    "plain_awaited_us": ask("awaited", awaited),
                    "colobus_awaited_us": await via.awaited(awaited),
                    "round_trip_us": await via.round_trip(max(awaited, 30)),
@@ -212,7 +219,8 @@ def yield_row(r: dict[str, float], i: int) -> None:
     print(f"  {i:5d} {r['plain_steps_per_s']:8.0f} {r['colobus_steps_per_s']:9.0f} "
           f"{r['pipelined_ratio']:6.3f} {r['plain_awaited_us']:9.0f} "
           f"{r['colobus_awaited_us']:10.0f} {r['round_trip_us']:10.0f} "
-          f"{r['awaited_extra_round_trips']:+7.2f} {r['load']:5.1f}", flush=True)
+          f"{r['awaited_extra_round_trips']:+7.2f} {r['controller_cpu_us']:8.0f} "
+          f"{r['load']:5.1f}", flush=True)
 
 
 def main() -> None:
@@ -229,7 +237,7 @@ def main() -> None:
     print(f"the MLP step on CPU, {args.steps} pipelined / {args.awaited} awaited steps per run, "
           f"plain and colobus side by side, load {os.getloadavg()[0]:.1f}")
     print(f"  {'pair':>5s} {'plain/s':>8s} {'colobus/s':>9s} {'ratio':>6s} {'plain us':>9s} "
-          f"{'colobus us':>10s} {'round trip':>10s} {'+trips':>7s} {'load':>5s}")
+          f"{'colobus us':>10s} {'round trip':>10s} {'+trips':>7s} {'ctl us':>8s} {'load':>5s}")
     rounds = asyncio.run(measure(args.rounds, args.steps, args.awaited))
     ratio = statistics.median(r["pipelined_ratio"] for r in rounds)
     extra = statistics.median(r["awaited_extra_round_trips"] for r in rounds)
