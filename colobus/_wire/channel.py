@@ -35,7 +35,7 @@ from .lane import encode, envelope_bytes
 from .outflow import Outflow
 from .peer import ACK_AFTER, DEFAULT_MAX_WINDOW, Peer, Via
 from .resends import resend, resend_stale
-from .sockio import EVENTS, NOBLOCK, POLLIN, _get, _poll, _recv, send_frames, socket_fd
+from .sockio import NOBLOCK, POLLIN, _poll, _recv, send_frames, socket_fd
 
 __all__ = ["DEFAULT_MAX_WINDOW", "Channel", "Peer"]
 
@@ -379,7 +379,7 @@ class Channel(Outflow):
         on_frames = self._on_frames
         try:
             while True:
-                while _get(sock, EVENTS) & POLLIN:  # (sockio.readable and recv_frames,
+                while _poll([(sock, POLLIN)], 0):  # (sockio.readable and recv_frames,
                     frame = _recv(sock, NOBLOCK, False)  # inline: no call per message
                     frames = [frame]
                     while frame.more:
