@@ -1,9 +1,9 @@
 """A one-shot alarm: one thread arms and disarms it, another sleeps until it rings.
 
 The inline-call watchdog (:mod:`colobus._host.leader`) sleeps on one: the leader arms it
-as an inline call starts and disarms it as the call ends, so the watchdog wakes only
-for a call still running when it rings, never for one that ended in time, and never on
-a clock of its own. On Linux it is a ``timerfd`` (``os.timerfd_*`` from Python 3.13,
+as an inline call starts and disarms it once the call's reply left, so the watchdog
+wakes only for a call still running when it rings, never for one that ended in time,
+and never on a clock of its own. On Linux it is a ``timerfd`` (``os.timerfd_*`` from Python 3.13,
 libc's through :mod:`ctypes` before): arming and disarming are one system call each
 and wake nobody; the watchdog blocks in ``read``. Elsewhere a condition variable
 stands in (each arm then wakes the sleeper once: it waits out the deadline).

@@ -20,8 +20,9 @@ heartbeats flow and later calls are received and run (a call that waits for anot
 completes). The thread left in the call finishes it, hands its outcome to the loop
 like a pool thread, and ends. The watchdog sleeps on an alarm
 (:mod:`colobus._host.alarm`) that the leader arms as each inline call starts and
-disarms as it ends: it wakes once for a call that outlives the threshold, never for
-one that ends in time, and never on a clock of its own.
+disarms once the call's reply left: it wakes once for a call that outlives the
+threshold, never for one that ends (and answers) in time, and never on a clock of its
+own.
 
 Every leader is a daemon thread; the main thread only waits for the worker's
 coroutine to end (and takes SIGTERM for it), so a call stuck forever never holds up
@@ -245,20 +246,24 @@ class Baton:
                         mine = self._inline is inline
                         if mine:
                             self._inline = None
-                    if mine:  # (a lost call's thread leaves the alarm to the new leader)
-                        disarm()
-                    if _monotonic() - inline.started >= stall_s:
-                        self.late += 1
                     lost = inline.lost  # (final: the watchdog sets it only before that)
                 del job  # holds the call's batch: nothing of it lives on here (as the pool)
                 self.inlined += 1
                 if lost:  # another thread leads now; this one ends with its call
+                    self.late += 1
                     self._pool.unhold(inline.ident)
                     return False
                 loop._thread_id = me
                 sys.set_asyncgen_hooks(*loop_hooks)
                 _set_running_loop(loop)
                 self._after_inline()
+                # The alarm covers the call and its reply: disarmed once the reply left,
+                # so its system call is not on the call's way back (a lost call's thread
+                # leaves the alarm to the new leader)
+                if mine:
+                    disarm()
+                if _monotonic() - inline.started >= stall_s:
+                    self.late += 1
         finally:
             if not lost:  # (a lost thread leaves the loop as its new leader has it)
                 loop._stopping = False
@@ -302,7 +307,7 @@ class Baton:
         """Hand the loop to a new thread when an inline call runs past ``stall_s``.
 
         It sleeps on the alarm each inline call arms: it wakes only when one rang, for
-        a call still running then (or one that ended as it rang), and for the close.
+        a call still running then (or one whose reply was leaving), and for the close.
         """
         alarm = self._alarm
         while True:
