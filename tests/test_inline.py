@@ -221,3 +221,42 @@ def test_ctrl_c_ends_a_worker_with_inline_calls_as_asyncio_run_would(tmp_path: P
             proc.wait()
             if proc.stderr is not None:
                 proc.stderr.close()
+
+
+@pytest.mark.parametrize("kind", ["timerfd", "condition"])
+def test_the_alarm_rings_after_an_arm_not_after_a_disarm(kind: str) -> None:
+    """colobus._host.alarm: the sleeper wakes once an armed alarm's time is up, not for
+    an alarm disarmed in time, and at once for ring() (the watchdog's close); the
+    timerfd where Linux has one and the condition variable that stands in elsewhere."""
+    import sys
+
+    from colobus._host.alarm import Alarm, make_alarm
+
+    if kind == "timerfd" and sys.platform != "linux":
+        pytest.skip("timerfd is Linux's")
+    alarm = make_alarm(0.002) if kind == "timerfd" else Alarm(0.002)
+    assert (type(alarm) is not Alarm) == (kind == "timerfd")
+    woke: list[float] = []
+
+    def sleeper() -> None:
+        alarm.wait()
+        woke.append(time.monotonic())
+
+    try:
+        t = threading.Thread(target=sleeper, daemon=True)
+        t.start()
+        armed = time.monotonic()
+        alarm.arm()
+        t.join(30)
+        assert woke and woke[0] - armed >= 0.002 - 1e-4, woke
+        t = threading.Thread(target=sleeper, daemon=True)
+        t.start()
+        alarm.arm()
+        alarm.disarm()
+        time.sleep(0.05)  # past the armed time: a disarmed alarm stays silent
+        assert t.is_alive() and len(woke) == 1
+        alarm.ring()
+        t.join(30)
+        assert len(woke) == 2
+    finally:
+        alarm.close()
