@@ -20,7 +20,10 @@ Patterns: ``noop`` (a no-op, awaited one at a time), ``ident`` (``return x``, aw
 ``sync`` (``return x`` from ``.result()`` on a plain thread, ``with local_cluster``),
 ``method`` (a colocated object's no-op method, awaited), ``spec`` (``return x``
 specialized with ``out_specs_fn``, as orbax wraps every function), ``mident``
-(``return x`` as an object's method), ``fanout4`` (``return x`` on an array over 4
+(``return x`` as an object's method), ``window`` (``return x``, 100 calls in
+flight: one task keeps the futures and awaits the oldest; ``mwindow``, the same of an
+object's method, as a training step), ``tasks`` (``return x`` from 100 tasks, each
+awaiting its own calls), ``fanout4`` (``return x`` on an array over 4
 hosts, awaited), ``star4`` ... ``star32`` (a no-op on an array over that many hosts,
 over TCP: the worker's figure per host, the controller's per call; the controller's
 marginal cost per host is the slope between two of them), ``relay4``, ``relay16``,
@@ -31,18 +34,21 @@ hosts together).
     python benchmarks/call_counts.py                  # 1,000 calls after 200
     python benchmarks/call_counts.py --calls 200 --warm 50 --pattern star4 star16 star32
     python benchmarks/call_counts.py --calls 100 --warm 20 --pattern noop ident
+    python benchmarks/call_counts.py --pattern window mwindow tasks   # 100 in flight
 
 The counts include whatever else the processes do meanwhile (heartbeats: a few per
 second), so they can move by a fraction of a call between runs; the profiler slows
 both processes several times, so no time is printed. The worker's inline-call watchdog
-(``colobus-loop-watch``) is not counted: it wakes every 2 ms while inline calls run,
-whatever they do, so its share per call would follow the profiler's slowness.
+(``colobus-loop-watch``) is counted apart, in the ``watch`` column (its Python calls per
+call, per host): a watchdog that woke on a timer would show there a share that follows the
+profiler's slowness, not the calls.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import functools
 import itertools
 import os
@@ -90,20 +96,33 @@ def _counter():
             c[1] += 1
     return prof
 
-# Threads whose work follows the clock, not the calls: not counted
-UNCOUNTED = ("colobus-loop-watch",)
+# Threads counted apart (the worker's inline-call watchdog): their own columns
+APART = ("colobus-loop-watch",)
+WATCH = []  # their counters
 
 def _first(frame, event, arg):
-    if threading.current_thread().name in UNCOUNTED:
-        sys.setprofile(None)
+    if threading.current_thread().name in APART:
+        c = [0, 0]
+        WATCH.append(c)
+        def watch(frame, event, arg):
+            if event == "call":
+                c[0] += 1
+            elif event == "c_call":
+                c[1] += 1
+        sys.setprofile(watch)
+        watch(frame, event, arg)
         return
     prof = _counter()
     sys.setprofile(prof)
     prof(frame, event, arg)
 
 def totals():
-    # (Python calls, C calls) so far, every thread of this process
+    # (Python calls, C calls) so far, every thread of this process but those counted apart
     return sum(c[0] for c in COUNTERS), sum(c[1] for c in COUNTERS)
+
+def watch_totals():
+    # (Python calls, C calls) so far of the threads counted apart (the watchdog)
+    return sum(c[0] for c in WATCH), sum(c[1] for c in WATCH)
 
 def names():
     out = {}
@@ -114,9 +133,10 @@ def names():
 
 def mark(tag):
     calls, c_calls = totals()
+    w_calls, w_c_calls = watch_totals()
     d = os.environ["COLOBUS_COUNT_DIR"]
     with open(os.path.join(d, f"{os.getpid()}.txt"), "a") as f:
-        f.write(f"{tag} {calls} {c_calls}\n")
+        f.write(f"{tag} {calls} {c_calls} {w_calls} {w_c_calls}\n")
     if DETAIL:
         import pickle
         with open(os.path.join(d, f"{os.getpid()}.{tag.replace(':', '.')}.names"), "wb") as f:
@@ -144,10 +164,14 @@ STAR_HEARTBEAT = float(os.environ.get("COLOBUS_COUNT_HEARTBEAT", "30"))
 # relayN: N hosts over TCP, every one carried by one relay (relays=1, relay_threshold=1);
 # the relay process is counted too (SIGUSR1 marks), its figure per call for all its hosts
 RELAYED = {"relay4": 4, "relay16": 16, "relay32": 32}
-PATTERNS = ("noop", "ident", "kept", "sync", "spec", "method", "mident", "fanout4", *STARS,
-            *RELAYED)
+PATTERNS = ("noop", "ident", "kept", "sync", "spec", "method", "mident", "window", "mwindow",
+            "tasks", "fanout4",
+            *STARS, *RELAYED)
+# Pipelined: 100 calls in flight (asked for by name)
+PIPELINED = ("window", "mwindow", "tasks")
 # (the star and relay rows start up to 32 workers: asked for by name)
-DEFAULT = tuple(p for p in PATTERNS if p not in STARS and p not in RELAYED)
+DEFAULT = tuple(p for p in PATTERNS
+                if p not in STARS and p not in RELAYED and p not in PIPELINED)
 LABELS = {
     "noop": "no-op, awaited, 1 host",
     "ident": "`return x`, awaited, 1 host",
@@ -156,6 +180,9 @@ LABELS = {
     "spec": "`return x`, specialized (out_specs_fn), awaited",
     "method": "object method (no-op), awaited",
     "mident": "object method `return x`, awaited",
+    "window": "`return x`, 100 in flight (one task's futures)",
+    "mwindow": "object method `return x`, 100 in flight",
+    "tasks": "`return x`, 100 tasks awaiting their own",
     "fanout4": "`return x`, awaited, 4 hosts (worker: per host)",
     **{k: f"no-op, awaited, {n} hosts over TCP (worker: per host)" for k, n in STARS.items()},
     "relay4": "fan-out no-op, 4 hosts over TCP, one relay",
@@ -209,18 +236,46 @@ async def _relay_mark(pids: list[int], tag: str) -> None:
             raise RuntimeError(f"relay {pid} wrote no mark {tag}")
 
 
-async def _measured(name: str, fn: Callable[[], Awaitable[Any]], x: Any, n: int,
-                    warm: int, relays: list[int] | None = None) -> None:
-    relays = relays or []
-    for _ in range(warm):
+async def _each(fn: Callable[[], Awaitable[Any]], n: int) -> None:
+    for _ in range(n):
         await fn()
+
+
+async def _window(fn: Callable[[], Awaitable[Any]], n: int, inflight: int = 100) -> None:
+    """``n`` calls, ``inflight`` of them in flight (futures kept in order, the oldest
+    awaited), as a training loop pipelines its steps."""
+    futs: collections.deque[Awaitable[Any]] = collections.deque()
+    for _ in range(n):
+        futs.append(fn())
+        if len(futs) >= inflight:
+            await futs.popleft()
+    for f in futs:
+        await f
+
+
+async def _tasks(fn: Callable[[], Awaitable[Any]], n: int, inflight: int = 100) -> None:
+    """``n`` calls from ``inflight`` tasks, each awaiting its own one after another (each
+    task a stream of its own)."""
+    async def one(k: int) -> None:
+        for _ in range(k):
+            await fn()
+
+    each, extra = divmod(n, inflight)
+    await asyncio.gather(*(one(each + (i < extra)) for i in range(inflight)))
+
+
+async def _measured(name: str, fn: Callable[[], Awaitable[Any]], x: Any, n: int,
+                    warm: int, relays: list[int] | None = None,
+                    run: Callable[[Callable[[], Awaitable[Any]], int], Awaitable[None]] = _each,
+                    ) -> None:
+    relays = relays or []
+    await run(fn, warm)
     await _relay_mark(relays, f"{name}@relay:a")
     await _mark(x, f"{name}:a")
     await _relay_mark(relays, f"{name}@relay:b")
     await _mark(x, f"{name}:b")
     c0 = _controller_totals(f"{name}.0")
-    for _ in range(n):
-        await fn()
+    await run(fn, n)
     c1 = _controller_totals(f"{name}.1")
     await _relay_mark(relays, f"{name}@relay:c")
     await _mark(x, f"{name}:c")
@@ -231,7 +286,9 @@ async def _async_rows(patterns: list[str], n: int, warm: int) -> None:
     from colobus._tools.bench_base import BenchObject, _fanout_array, _one_device_array, bench_noop
     from colobus._tools.bench_calls import bench_ident, bench_ident_specialized
 
-    one = [p for p in patterns if p in ("noop", "ident", "kept", "spec", "method", "mident")]
+    one = [p for p in patterns
+           if p in ("noop", "ident", "kept", "spec", "method", "mident", "window", "mwindow",
+                    "tasks")]
     if one:
         async with cb.local_cluster(hosts=1, devices_per_host=1) as ctl:
             x = _one_device_array(ctl)
@@ -247,9 +304,13 @@ async def _async_rows(patterns: list[str], n: int, warm: int) -> None:
             calls: dict[str, Callable[[], Awaitable[Any]]] = {
                 "noop": lambda: bench_noop(x), "ident": lambda: bench_ident(x),
                 "kept": keep, "spec": lambda: bench_ident_specialized(x),
-                "method": lambda: obj.ping(x), "mident": lambda: obj.ident(x)}
+                "method": lambda: obj.ping(x), "mident": lambda: obj.ident(x),
+                "window": lambda: bench_ident(x), "tasks": lambda: bench_ident(x),
+                "mwindow": lambda: obj.ident(x)}
             for name in one:
-                await _measured(name, calls[name], x, n, warm)
+                await _measured(name, calls[name], x, n, warm,
+                                run={"window": _window, "mwindow": _window,
+                                     "tasks": _tasks}.get(name, _each))
                 kept.clear()
             await obj.aclose()
     if "fanout4" in patterns:
@@ -307,22 +368,23 @@ def _child(patterns: list[str], n: int, warm: int) -> None:
 # -- in the parent ------------------------------------------------------------------------
 
 
-def _worker_counts(directory: str) -> dict[str, list[tuple[int, int]]]:
-    """Per row, each worker's (calls, C calls) over the measured calls."""
-    marks: dict[tuple[str, str], dict[str, tuple[int, int]]] = {}
+def _worker_counts(directory: str) -> dict[str, list[tuple[int, ...]]]:
+    """Per row, each worker's (calls, C calls, watchdog calls, watchdog C calls) over the
+    measured calls."""
+    marks: dict[tuple[str, str], dict[str, tuple[int, ...]]] = {}
     for name in os.listdir(directory):
         if not name.endswith(".txt") or name.startswith("controller"):
             continue
         with open(os.path.join(directory, name)) as f:
             for line in f:
-                tag, calls, c_calls = line.split()
+                tag, *counts = line.split()
                 row, point = tag.split(":")
-                marks.setdefault((row, name), {})[point] = (int(calls), int(c_calls))
-    out: dict[str, list[tuple[int, int]]] = {}
+                marks.setdefault((row, name), {})[point] = tuple(map(int, counts))
+    out: dict[str, list[tuple[int, ...]]] = {}
     for (row, _), m in marks.items():
         a, b, c = m["a"], m["b"], m["c"]
-        out.setdefault(row, []).append(((c[0] - b[0]) - (b[0] - a[0]),
-                                        (c[1] - b[1]) - (b[1] - a[1])))
+        out.setdefault(row, []).append(tuple((c[i] - b[i]) - (b[i] - a[i])
+                                             for i in range(len(a))))
     return out
 
 
@@ -384,7 +446,9 @@ def count(patterns: list[str], n: int, warm: int, detail: int = 0,
         ws = workers[row]
         out[row] = {"controller_calls": int(calls) / n, "controller_c_calls": int(c_calls) / n,
                     "worker_calls": sum(w[0] for w in ws) / len(ws) / n,
-                    "worker_c_calls": sum(w[1] for w in ws) / len(ws) / n}
+                    "worker_c_calls": sum(w[1] for w in ws) / len(ws) / n,
+                    "watch_calls": sum(w[2] for w in ws) / len(ws) / n,
+                    "watch_c_calls": sum(w[3] for w in ws) / len(ws) / n}
         rs = workers.get(f"{row}@relay")
         if rs:  # the relay's counts per call, all its hosts' work together
             out[row]["relay_calls"] = sum(r[0] for r in rs) / n
@@ -408,14 +472,14 @@ def main() -> None:
     print(f"Python calls ('call') and C calls ('c_call') per call, {args.calls} calls after "
           f"{args.warm}")
     print(f"  {'pattern':52s} {'ctl calls':>9s} {'ctl C':>7s} {'wrk calls':>9s} {'wrk C':>7s}"
-          f" {'relay calls':>11s} {'relay C':>8s}")
+          f" {'watch':>6s} {'relay calls':>11s} {'relay C':>8s}")
     for name in args.pattern:
         r = got[name]
         relay = (f" {r['relay_calls']:11.1f} {r['relay_c_calls']:8.1f}" if "relay_calls" in r
                  else "")
         print(f"  {LABELS[name]:52s} {r['controller_calls']:9.1f} "
               f"{r['controller_c_calls']:7.1f} {r['worker_calls']:9.1f} "
-              f"{r['worker_c_calls']:7.1f}{relay}")
+              f"{r['worker_c_calls']:7.1f} {r['watch_calls']:6.2f}{relay}")
     stars = sorted((STARS[k], got[k]["controller_calls"]) for k in args.pattern if k in STARS)
     for (n0, c0), (n1, c1) in itertools.pairwise(stars):
         print(f"  star controller, Python calls per additional host, {n0} -> {n1} hosts: "

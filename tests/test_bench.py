@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -164,9 +165,10 @@ def test_call_counts_prints_both_sides_for_every_pattern() -> None:
                   "specialized", "object method (no-op)", "object method `return x`",
                   "4 hosts"):
         row = next(line for line in lines if label in line)
-        counts = [float(v) for v in row.split()[-4:]]
+        *counts, watch = (float(v) for v in row.split()[-5:])
         # A call runs some Python on each side, and not tens of thousands of functions
         assert all(5 < c < 5000 for c in counts), row
+        assert 0 <= watch < 5000, row  # the watchdog, counted apart (none per call in time)
 
 
 def test_accelerator_check_runs_its_whole_path_with_cpu_devices_standing_in() -> None:
@@ -210,3 +212,44 @@ def test_a_cpu_clock_that_reads_zero_is_named_not_a_crash() -> None:
     for name in ("ident_async cpu_vs_noop", "spec_async cpu_vs_noop", "plus1_async cpu_vs_noop"):
         assert name in line, line
     assert "a clock read 0" in line, line
+
+
+def test_syscalls_counts_both_sides_per_call_around_the_window() -> None:
+    """benchmarks/syscalls.py: every system call of the controller's process and the
+    worker's (all threads) over the measured calls only, per call, with the syscalls that
+    make them up; pipelined calls cost far fewer per call than awaited ones (they are read
+    and answered in batches). Counts, not times: the load moves none of this much."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    try:
+        import syscalls
+    finally:
+        sys.path.pop(0)
+    if not syscalls.perf_usable() and shutil.which("strace") is None:
+        pytest.skip("neither perf (with tracepoints) nor strace here")
+    script = Path(syscalls.__file__)
+    proc = subprocess.run([sys.executable, str(script), "--calls", "300", "--mode", "window",
+                           "awaited"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    rows = {}
+    for mode, label in (("window", "window of 100"), ("awaited", "awaited, one at a time")):
+        i = next(i for i, line in enumerate(lines) if line.strip().startswith(label))
+        ctl, wrk = (float(v) for v in lines[i][len(label) + 2:].split()[:2])
+        assert 0 < ctl < 1000 and 0 < wrk < 1000, lines[i]
+        assert lines[i + 1].strip().startswith("controller:"), lines[i + 1]
+        assert lines[i + 2].strip().startswith("worker:"), lines[i + 2]
+        rows[mode] = (ctl, wrk)
+    assert rows["window"][0] < rows["awaited"][0] and rows["window"][1] < rows["awaited"][1]
+
+
+def test_small_step_measures_the_mlp_step_plain_and_through_colobus() -> None:
+    """benchmarks/small_step.py: the MLP step on CPU in a plain process and on a worker,
+    in pairs, with the ratios and the goals printed (a smoke run: one short pair)."""
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "small_step.py"
+    proc = subprocess.run([sys.executable, str(script), "--rounds", "1", "--steps", "20",
+                           "--awaited", "5"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = next(line for line in proc.stdout.splitlines() if line.split()[:1] == ["1"])
+    plain, via, ratio = (float(v) for v in row.split()[1:4])
+    assert plain > 0 and via > 0 and abs(ratio - via / plain) < 0.01, row
+    assert "median of the pairs: pipelined" in proc.stdout and "round trips" in proc.stdout

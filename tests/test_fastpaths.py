@@ -191,3 +191,39 @@ def test_array_only_arguments_reuse_one_payload(ctl: cb.Controller) -> None:
     x.delete()
     with pytest.raises(RuntimeError, match="deleted"):
         S.pickle_args(((x, y), {}), "f")
+
+
+def test_a_quick_loop_keeps_asyncios_time_and_debug_without_python_frames() -> None:
+    """colobus._process.quick_loop: a plain asyncio loop's ``time`` and ``get_debug`` are
+    C callables giving what asyncio's give (its timers fire, ``set_debug`` is seen); a
+    loop with a clock of its own keeps it."""
+    import asyncio
+    import time
+    import types
+
+    from colobus._process import quick_loop
+
+    loop = asyncio.new_event_loop()
+    try:
+        assert quick_loop(loop) is loop
+        assert not isinstance(loop.time, types.MethodType | types.FunctionType)
+        assert not isinstance(loop.get_debug, types.MethodType | types.FunctionType)
+        assert abs(loop.time() - time.monotonic()) < 1.0 and loop.get_debug() is False
+        loop.set_debug(True)
+        assert loop.get_debug() is True
+        loop.set_debug(False)
+        fired = loop.run_until_complete(asyncio.wait_for(asyncio.sleep(0.01, "fired"), 30))
+        assert fired == "fired"
+    finally:
+        loop.close()
+
+    class Virtual(asyncio.SelectorEventLoop):
+        def time(self) -> float:
+            return 42.0
+
+    other = Virtual()
+    try:
+        quick_loop(other)
+        assert other.time() == 42.0 and isinstance(other.get_debug, types.MethodType)
+    finally:
+        other.close()

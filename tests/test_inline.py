@@ -64,6 +64,20 @@ def touch(path: str) -> Any:
     return np.int32(1)
 
 
+@cb.colocated_python
+def watch_figures() -> Any:
+    """The worker's baton: inline calls, late ones (stall_s or longer), the watchdog's
+    wake-ups and takeovers, the last takeover's call's time (us) and the stall (us)."""
+    from colobus._host.leader import Baton
+
+    watch = next(t for t in threading.enumerate() if t.name == "colobus-loop-watch")
+    baton = watch._target.__self__  # type: ignore[attr-defined]
+    assert isinstance(baton, Baton)
+    return np.array([baton.inlined, baton.late, baton.watch_wakes, baton.takeovers,
+                     round(baton.takeover_after_s * 1e6), round(baton.stall_s * 1e6)],
+                    np.int64)
+
+
 def _on(fn: Any, ctl: cb.Controller, host: int = 0) -> Any:
     return fn.specialize(devices=[d for d in ctl.devices() if d.host == host][:1])
 
@@ -134,6 +148,45 @@ async def test_calls_that_wait_for_each_other_complete_when_the_first_ran_inline
             pytest.fail("A never ran inline in 10 tries")
 
 
+async def test_the_watchdog_wakes_only_for_a_call_past_the_stall_and_hands_it_over(
+        tmp_path: Path) -> None:
+    """The watchdog costs nothing per unit of time: over 40 quick inline calls it wakes at
+    most once for each that ran past the stall threshold (on a quiet machine: none),
+    never on a clock. A stuck inline call still loses the loop: a later call of another
+    stream runs while it waits for that call (real worker), and the takeover came after
+    the threshold, never before, and well inside the liveness timeout."""
+    async with cb.local_cluster(hosts=1, heartbeat_interval=HB, liveness_timeout=LIVE) as ctl:
+        figures = _on(watch_figures, ctl)
+        await _names(ctl, 3)
+        before = await _get_all(await figures())
+        names = await _names(ctl, 40)
+        after = await _get_all(await figures())
+        inlined, late, wakes = (after[i] - before[i] for i in range(3))
+        assert INLINE in names and inlined >= names.count(INLINE), (names, before, after)
+        # (+1: the second figures call's own wake-up, if it ran late, before its own count)
+        assert wakes <= late + 1, (before, after)
+        for i in range(10):  # a call that waits for a later one, started inline
+            path = str(tmp_path / f"made{i}")
+            a = _on(wait_for, ctl)(path, 30.0)
+            await asyncio.sleep(0.05)  # A is running on the host (inline, or on the pool)
+            assert await _get(await asyncio.create_task(_call(_on(touch, ctl), path))) == 1
+            found, name = await asyncio.wait_for(a, 30)
+            assert await _get(found) == 1, "A gave up waiting: B did not run while A waited"
+            if await _get(name) == INLINE:
+                break
+            await _names(ctl, 3)
+        else:
+            pytest.fail("A never ran inline in 10 tries")
+        got = await _get_all(await figures())
+        takeovers, took_after_us, stall_us = got[3] - after[3], got[4], got[5]
+        assert takeovers >= 1 and got[2] - after[2] >= takeovers, (after, got)
+        assert stall_us <= took_after_us < LIVE * 1e6, got
+
+
+async def _get_all(x: Any) -> list[int]:
+    return [int(v) for v in np.asarray(await cb.device_get(x))]
+
+
 def test_ctrl_c_ends_a_worker_with_inline_calls_as_asyncio_run_would(tmp_path: Path) -> None:
     """SIGINT: the worker's coroutine is cancelled, the process exits 130 (no traceback),
     with inline calls on (the loop on a leader thread) as with them off."""
@@ -168,3 +221,42 @@ def test_ctrl_c_ends_a_worker_with_inline_calls_as_asyncio_run_would(tmp_path: P
             proc.wait()
             if proc.stderr is not None:
                 proc.stderr.close()
+
+
+@pytest.mark.parametrize("kind", ["timerfd", "condition"])
+def test_the_alarm_rings_after_an_arm_not_after_a_disarm(kind: str) -> None:
+    """colobus._host.alarm: the sleeper wakes once an armed alarm's time is up, not for
+    an alarm disarmed in time, and at once for ring() (the watchdog's close); the
+    timerfd where Linux has one and the condition variable that stands in elsewhere."""
+    import sys
+
+    from colobus._host.alarm import Alarm, make_alarm
+
+    if kind == "timerfd" and sys.platform != "linux":
+        pytest.skip("timerfd is Linux's")
+    alarm = make_alarm(0.002) if kind == "timerfd" else Alarm(0.002)
+    assert (type(alarm) is not Alarm) == (kind == "timerfd")
+    woke: list[float] = []
+
+    def sleeper() -> None:
+        alarm.wait()
+        woke.append(time.monotonic())
+
+    try:
+        t = threading.Thread(target=sleeper, daemon=True)
+        t.start()
+        armed = time.monotonic()
+        alarm.arm()
+        t.join(30)
+        assert woke and woke[0] - armed >= 0.002 - 1e-4, woke
+        t = threading.Thread(target=sleeper, daemon=True)
+        t.start()
+        alarm.arm()
+        alarm.disarm()
+        time.sleep(0.05)  # past the armed time: a disarmed alarm stays silent
+        assert t.is_alive() and len(woke) == 1
+        alarm.ring()
+        t.join(30)
+        assert len(woke) == 2
+    finally:
+        alarm.close()

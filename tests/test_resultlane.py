@@ -102,6 +102,38 @@ async def test_outputs_settled_in_the_lane_are_those_the_general_path_builds(
         assert hits[0] >= 7
 
 
+async def test_replies_in_a_batch_are_settled_in_the_lane_as_the_general_path_would(
+        ctl: cb.Controller, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pipelined calls' replies come back in BATCHes: each RESULT settled in the lane
+    (outputs as the general path builds them), a failed call among them failing alone,
+    in order, with the batches counted."""
+    hits = _counting(monkeypatch)
+    batched = [0]
+    batch = resultlane._batch
+
+    def counted(entries: Any, total: int) -> Any:
+        got = batch(entries, total)
+        batched[0] += got is not None
+        return got
+
+    monkeypatch.setattr(resultlane, "_batch", counted)
+    small = cb.device_put(np.arange(6.0), cb.devices()[0])
+    big = cb.device_put(np.arange(30.0), cb.devices()[0])
+    first = await lane_fails(small)  # (learnt, if not already)
+    received = ctl.stats()["batches_received"]
+    futs = [lane_fails(big if i == 150 else small) for i in range(300)]
+    got = await asyncio.gather(*futs, return_exceptions=True)
+    assert isinstance(got[150], KeyError) and "too big" in str(got[150])
+    for i, out in enumerate(got):
+        if i != 150:
+            assert isinstance(out, Array), (i, out)
+            _same_arrays(out, first)
+    np.testing.assert_array_equal(cb.device_get(got[-1]), np.arange(6.0))
+    assert ctl.stats()["batches_received"] > received
+    if ON:
+        assert batched[0] > 0 and hits[0] >= 100, (batched, hits)
+
+
 def _leaves(tree: Any) -> list[Any]:
     import jax
 

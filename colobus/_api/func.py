@@ -57,6 +57,14 @@ _task_streams: weakref.WeakKeyDictionary[asyncio.Task[Any], int] = weakref.WeakK
 _thread_streams = threading.local()
 
 
+def task_stream(task: asyncio.Task[Any]) -> int:
+    """A task's stream (see :func:`_stream_id`), the task known."""
+    sid = _task_streams.get(task)
+    if sid is None:
+        sid = _task_streams[task] = next(_stream_counter)
+    return sid
+
+
 def _stream_id() -> int:
     """The calling task's (else thread's) stream: unique for this process's lifetime.
 
@@ -69,10 +77,7 @@ def _stream_id() -> int:
     except RuntimeError:
         task = None
     if task is not None:
-        sid = _task_streams.get(task)
-        if sid is None:
-            sid = _task_streams[task] = next(_stream_counter)
-        return sid
+        return task_stream(task)
     sid = getattr(_thread_streams, "sid", None)
     if sid is None:
         sid = _thread_streams.sid = next(_stream_counter)

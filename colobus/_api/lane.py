@@ -28,6 +28,7 @@ from .._controller.current import State
 from .._controller.frees import WATCHED, release_now
 from .._controller.future import _PENDING, Future
 from .._controller.operation import Operation
+from .._controller.wakeups import current_task_of
 from .._errors import ControllerClosedError
 from .._wire import protocol as P
 from .._wire.lane import ON, pack
@@ -39,6 +40,7 @@ from .func import (
     _decode_result,
     _stream_id,
     _thread_streams,
+    task_stream,
 )
 from .joblayout import _LAYOUTS, job_layout
 from .plan import CallPlan, make_plan
@@ -51,7 +53,7 @@ if TYPE_CHECKING:
 __all__ = ["ON", "call", "call_body"]
 
 _get_ident = threading.get_ident
-_current_task = asyncio.current_task
+_current_task = current_task_of  # (asyncio.current_task(loop), without a Python call)
 _get_running_loop = asyncio._get_running_loop
 _controllers = _current._stack  # the entered controllers, most recent last
 _RUNNING = State.RUNNING
@@ -208,9 +210,12 @@ def call(target: Target, args: tuple[Any, ...],
         last_stream = _last_stream[0]
         if task is not None and last_stream is not None and last_stream[0]() is task:
             stream = last_stream[1]
+        elif task is not None:  # (_stream_id() without asking for the task again)
+            stream = task_stream(task)
+            _last_stream[0] = (weakref.ref(task), stream)
         else:
             stream = _stream_id()
-            _last_stream[0] = (weakref.ref(task), stream) if task is not None else None
+            _last_stream[0] = None
         if (ops.backlog or ctl._closed
                 or (len(ops.pending) >= ops.max_inflight and ops._full(hosts))):
             op = (_LaneOp if len(hosts) == 1 else _CallOp)(

@@ -24,7 +24,7 @@ import zmq
 from .._errors import ControllerClosedError
 from .._model.devices import Device
 from .._observe.metrics import observing, stop_observing
-from .._process import freeze_once
+from .._process import freeze_once, quick_loop
 from .._wire import keys as _keys
 from .._wire import protocol as P
 from .._wire.channel import DEFAULT_MAX_WINDOW
@@ -306,7 +306,7 @@ class Controller(SyncFace):
         """Bind the socket and start serving on the running loop; returns once bound."""
         if self.state is not State.NEW:
             raise RuntimeError(f"Controller cannot start: it is {self.state.value}")
-        self._loop = asyncio.get_running_loop()
+        self._loop = quick_loop(asyncio.get_running_loop())
         self._loop_thread_id = threading.get_ident()
         self._inbox = Inbox(self._loop)  # what other threads hand the loop, per burst
         if self._freeze_gc:

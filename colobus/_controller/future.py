@@ -292,7 +292,11 @@ class Future(Generic[T]):
     def __await__(self) -> Generator[Any, None, T]:
         if self._state == _PENDING:
             # the task waits on a Waiter, woken in the drain that settles this future
-            loop = _get_running_loop()
+            owner: Any = self._owner
+            # On its controller's loop thread the running loop is the controller's (asking
+            # asyncio costs a getpid system call on Python 3.11)
+            loop = (owner._loop if owner is not None and _get_ident() == self._loop_thread
+                    else _get_running_loop())
             w = Waiter(loop=loop)
             box = getattr(_local, "inbox", None)  # inbox_of(loop), its hit inline
             w._box = box if box is not None and box.loop is loop else _inbox.inbox_of(loop)

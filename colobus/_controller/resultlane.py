@@ -61,6 +61,7 @@ READ_KEPT = 256
 LINGER = LINGER_MS > 0
 
 RESULT = int(P.Kind.RESULT)
+BATCH = int(P.Kind.BATCH)
 OK = int(P.Status.OK)
 MAX_OUTPUTS = P.MAX_OUTPUTS
 _Frame = zmq.Frame
@@ -70,11 +71,33 @@ _monotonic = time.monotonic
 _get_ident = threading.get_ident
 
 
+def _batch(entries: Any, total: int) -> list[tuple[int, Any, int]] | None:
+    """A BATCH's messages (kind, body, payload length) where its body passes
+    :func:`unpack_batch`'s checks and no message carries buffers (the lane's: a reply's
+    description is its payload); else None (the general path reads, or drops, it)."""
+    if type(entries) is not list or not entries:
+        return None
+    out = []
+    at = 0
+    for entry in entries:
+        if type(entry) is not list or len(entry) != 5:
+            return None
+        kind, body, plen, nbufs, pbufs = entry
+        if not (type(kind) is int and type(plen) is int and type(nbufs) is int
+                and type(pbufs) is int and kind != BATCH and plen >= 0 and nbufs == 0
+                and pbufs == 0 and at + plen <= total):
+            return None
+        at += plen
+        out.append((kind, body, plen))
+    return out if at == total else None
+
+
 class Sessions(Protocol):
     """What the lane uses of the controller's sessions (:class:`.sessions.Sessions`)."""
 
     _ctl: Any
     dropped: collections.Counter[str]
+    batches_received: int
 
     def on_frames(self, frames: list[Any]) -> None: ...
     def on_envelope(self, identity: bytes, env: Envelope, frame: Any) -> None: ...
@@ -145,10 +168,13 @@ class ResultLane:
             sessions.on_frames(frames)
             return
         peer = host.peer
-        if (kind != RESULT or sender != peer.their_session or receiver != ctl._session
-                or version != PROTOCOL_VERSION or peer.via is not None
-                or peer.assembly is not None):
-            # decoded: the rest of the general path
+        entries = None
+        if kind == BATCH:  # (pipelined calls' replies) unpack_batch's checks first
+            entries = _batch(body, plen)
+        if ((kind != RESULT and entries is None) or sender != peer.their_session
+                or receiver != ctl._session or version != PROTOCOL_VERSION
+                or peer.via is not None or peer.assembly is not None):
+            # decoded: the rest of the general path (a malformed batch dropped there)
             sessions.on_envelope(identity, Envelope(kind, sender, receiver, seq, body, payload,
                                                     [], 0, version, ack), f0)
             return
@@ -194,6 +220,33 @@ class ResultLane:
             host.hung_up = 0.0
             if f0.get(SRCFD) != host.conn_fd:
                 hangups.heard(host, f0)
+        if entries is None:
+            self._settle(host, identity, body, payload, sender, receiver, seq, version, ack)
+            return
+        # A BATCH's messages in order, as Sessions.on_envelope hands them on after
+        # unpack_batch (its twin: tests/test_resultlane.py holds the two equal)
+        sessions.batches_received += 1
+        at = 0
+        for kind, body, n in entries:
+            if not host.alive:
+                return  # dropped for an earlier message of the batch
+            part = payload[at:at + n]
+            at += n
+            if kind == RESULT:
+                self._settle(host, identity, body, part, sender, receiver, seq, version, ack)
+            else:
+                sessions._dispatch(host, identity, Envelope(kind, sender, receiver, seq, body,
+                                                            part if n else b"", [], 0, version,
+                                                            ack))
+
+    def _settle(self, host: Any, identity: bytes, body: Any, payload: Any, sender: bytes,
+                receiver: bytes, seq: int, version: int, ack: int) -> None:
+        """One accepted RESULT of ``host`` (alone in its envelope, or a BATCH's): a
+        one-host call settled, a fan-out's reply before its last recorded; anything else
+        to :meth:`Sessions._dispatch`, as the general path hands it on."""
+        sessions = self._sessions
+        ctl = self._ctl
+        kind = RESULT
         # The body (P.Result's fields) and the operation it ends.
         ops = ctl._ops
         op = None

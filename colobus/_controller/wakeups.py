@@ -22,7 +22,8 @@ from typing import Any
 
 from .inbox import Inbox
 
-__all__ = ["Waiter", "drain_ends", "drain_reads_done", "drain_starts", "fire", "wake"]
+__all__ = ["Waiter", "current_task_of", "drain_ends", "drain_reads_done", "drain_starts",
+           "fire", "wake"]
 
 _get_ident = threading.get_ident
 # Whether a task of ``loop`` runs now (``asyncio.current_task``, a Python function on
@@ -32,9 +33,12 @@ _BUILTIN: Any = type(len)
 if (_TASKS is not None and type(asyncio.current_task) is not _BUILTIN
         and type(getattr(asyncio.tasks, "_enter_task", None)) is _BUILTIN):
     _in_task: Any = _TASKS.__contains__
+    current_task_of: Any = _TASKS.get  # asyncio.current_task(loop), read in C
 else:
     def _in_task(loop: asyncio.AbstractEventLoop) -> bool:
         return asyncio.current_task(loop) is not None
+
+    current_task_of = asyncio.current_task
 
 
 class _Held(threading.local):

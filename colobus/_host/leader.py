@@ -18,7 +18,11 @@ A watchdog thread keeps the loop moving meanwhile. A call still running after
 yet) loses the loop: a new thread takes it over and runs it from then on, so
 heartbeats flow and later calls are received and run (a call that waits for another
 completes). The thread left in the call finishes it, hands its outcome to the loop
-like a pool thread, and ends.
+like a pool thread, and ends. The watchdog sleeps on an alarm
+(:mod:`colobus._host.alarm`) that the leader arms as each inline call starts and
+disarms once the call's reply left: it wakes once for a call that outlives the
+threshold, never for one that ends (and answers) in time, and never on a clock of its
+own.
 
 Every leader is a daemon thread; the main thread only waits for the worker's
 coroutine to end (and takes SIGTERM for it), so a call stuck forever never holds up
@@ -38,6 +42,8 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, Protocol
 
+from .alarm import make_alarm
+
 if TYPE_CHECKING:
     from .pool import CallPool
 
@@ -52,7 +58,8 @@ _DRIVEN = all(hasattr(asyncio.BaseEventLoop, name) for name in (
     "_asyncgen_firstiter_hook", "_asyncgen_finalizer_hook"))
 
 STALL_S = 0.002  # an inline call running this long hands the loop to another thread
-WATCH_IDLE_S = 0.5  # the watchdog sleeps until woken after this long without inline calls
+_monotonic = time.monotonic
+_new = object.__new__
 
 
 class _Inline:
@@ -61,7 +68,7 @@ class _Inline:
     __slots__ = ("ident", "lost", "started")
 
     def __init__(self) -> None:
-        self.started = time.monotonic()
+        self.started = _monotonic()
         self.lost = False
         self.ident = threading.get_ident()
 
@@ -93,12 +100,14 @@ class Baton:
         self._finished = False  # the coroutine ended: nobody runs the loop again
         self._done = threading.Event()
         self._ended_on: threading.Thread | None = None  # the leader that saw the end
-        self._closing = threading.Event()
-        self._wake = threading.Event()  # wakes a watchdog asleep for want of inline calls
-        self._watch_asleep = True
+        self._closing = False
+        self._alarm = make_alarm(stall_s)  # rings for an inline call that outlived stall_s
         self._made = 0
         self.inlined = 0
+        self.late = 0  # inline calls that ran stall_s or longer (lost the loop or not)
         self.takeovers = 0
+        self.watch_wakes = 0  # the watchdog's wake-ups (at most one per late call)
+        self.takeover_after_s = 0.0  # the last takeover: how long its call had run
 
     @property
     def busy(self) -> bool:
@@ -146,9 +155,11 @@ class Baton:
             return int(task.result())
         finally:
             signal.signal(signal.SIGTERM, previous)
-            self._closing.set()
-            self._wake.set()
+            self._closing = True
+            self._alarm.ring()
             watchdog.join(1.0)
+            if not watchdog.is_alive():
+                self._alarm.close()
             if not loop.is_running():  # (a second Ctrl-C left a leader in it: let it be)
                 loop.close()
 
@@ -205,6 +216,7 @@ class Baton:
         sys.set_asyncgen_hooks(*loop_hooks)
         _set_running_loop(loop)
         run_once = loop._run_once
+        arm, disarm, stall_s = self._alarm.arm, self._alarm.disarm, self.stall_s
         lost = False
         try:
             while True:
@@ -221,26 +233,37 @@ class Baton:
                 loop._thread_id = None
                 _set_running_loop(None)
                 sys.set_asyncgen_hooks(*hooks)
-                inline = _Inline()  # (_run_inline, written out)
+                inline = _new(_Inline)  # (_run_inline, written out; _Inline() inline)
+                inline.started = _monotonic()
+                inline.lost = False
+                inline.ident = me
                 self._inline = inline
-                if self._watch_asleep:
-                    self._wake.set()
+                arm()
                 try:
                     job()
                 finally:
                     with self._lock:
-                        if self._inline is inline:
+                        mine = self._inline is inline
+                        if mine:
                             self._inline = None
                     lost = inline.lost  # (final: the watchdog sets it only before that)
                 del job  # holds the call's batch: nothing of it lives on here (as the pool)
                 self.inlined += 1
                 if lost:  # another thread leads now; this one ends with its call
+                    self.late += 1
                     self._pool.unhold(inline.ident)
                     return False
                 loop._thread_id = me
                 sys.set_asyncgen_hooks(*loop_hooks)
                 _set_running_loop(loop)
                 self._after_inline()
+                # The alarm covers the call and its reply: disarmed once the reply left,
+                # so its system call is not on the call's way back (a lost call's thread
+                # leaves the alarm to the new leader)
+                if mine:
+                    disarm()
+                if _monotonic() - inline.started >= stall_s:
+                    self.late += 1
         finally:
             if not lost:  # (a lost thread leaves the loop as its new leader has it)
                 loop._stopping = False
@@ -253,14 +276,18 @@ class Baton:
         """Run an inline call's ``job`` (its loop stopped); whether it lost the loop."""
         me = _Inline()
         self._inline = me  # no lock: the watchdog only reads it, until it ends it
-        if self._watch_asleep:
-            self._wake.set()
+        self._alarm.arm()
         try:
             job()
         finally:
             with self._lock:
-                if self._inline is me:
+                mine = self._inline is me
+                if mine:
                     self._inline = None
+            if mine:
+                self._alarm.disarm()
+            if _monotonic() - me.started >= self.stall_s:
+                self.late += 1
         del job  # holds the call's batch: nothing of it lives on here (as the pool)
         self.inlined += 1
         if me.lost:
@@ -279,36 +306,27 @@ class Baton:
     def _watch(self) -> None:
         """Hand the loop to a new thread when an inline call runs past ``stall_s``.
 
-        It looks every ``stall_s`` while inline calls run (a call stuck is seen after
-        one to two of those), and sleeps until the next one after :data:`WATCH_IDLE_S`
-        without any: no wake-up per call.
+        It sleeps on the alarm each inline call arms: it wakes only when one rang, for
+        a call still running then (or one whose reply was leaving), and for the close.
         """
-        idle_since = time.monotonic()
-        while not self._closing.is_set():
-            if self._watch_asleep:
-                self._wake.wait()
-                self._wake.clear()
-                self._watch_asleep = False
-                idle_since = time.monotonic()
-            self._closing.wait(self.stall_s)
-            current = self._inline
-            now = time.monotonic()
-            if current is None:
-                if now - idle_since > WATCH_IDLE_S:
-                    self._watch_asleep = True
-                    if self._inline is not None:  # one started meanwhile: look again
-                        self._watch_asleep = False
-                continue
-            idle_since = now
-            if now - current.started < self.stall_s:
-                continue
+        alarm = self._alarm
+        while True:
+            alarm.wait()
+            if self._closing:
+                return
+            self.watch_wakes += 1
             with self._lock:
-                if self._inline is not current:
-                    continue  # it ended meanwhile
+                current = self._inline
+                if current is None:
+                    continue  # it ended as the alarm rang
+                ran = _monotonic() - current.started
+                if ran < self.stall_s:
+                    continue  # a later call, which armed the alarm for itself
                 current.lost = True  # read by its thread once the call ends
                 self._inline = None
                 self._pool.hold(current.ident)
             self.takeovers += 1
+            self.takeover_after_s = ran
             self._start_leader(taking_over=True)
 
 

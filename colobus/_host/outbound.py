@@ -22,7 +22,7 @@ from .._wire.failures import describe_error
 from .._wire.lane import ON, _keyed, pack
 from .._wire.limits import BODY_INLINE_MAX
 from .._wire.protocol import Status
-from .._wire.sockio import COPY_BELOW, POLLIN, SNDMORE
+from .._wire.sockio import COPY_BELOW, EVENTS, POLLIN, SNDMORE
 from .._wire.splice import pack_body
 from .fetched import FETCHER
 
@@ -31,7 +31,7 @@ __all__ = ["Outbound"]
 log = logging.getLogger("colobus.worker")
 
 _send: Any = zmq.backend.Socket.send  # (sockio's: the compiled methods)
-_poll = zmq.backend.zmq_poll
+_get: Any = zmq.backend.Socket.get  # (sockio.readable's: ZMQ_EVENTS)
 _monotonic = time.monotonic
 _Result = P.Result
 
@@ -174,7 +174,7 @@ class Outbound:
         except zmq.ZMQError as exc:
             peer.undelivered = True
             log.debug("send failed (%s); resent once the peer is back", exc)
-        if _poll([(sock, POLLIN)], 0) and self.loop is not None:
+        if _get(sock, EVENTS) & POLLIN and self.loop is not None:
             self.loop.call_soon(self._read)
 
     def reply_error(self, call_id: int, exc: BaseException, times: list[int] | None = None

@@ -185,7 +185,7 @@ class Runs:
             outcome, call.outcome = call.outcome, None
             if call.ok:
                 values, treedef, payload, bufs = outcome
-                result = w.store.store_outputs(body.call_id, values, treedef)
+                result = w.store.store_outputs(body.call_id, values, treedef, w.loop)
                 if not call.results.done():
                     call.results.set_result(result)
                 times = [call.started - call.arrived, call.ran] if call.started else []

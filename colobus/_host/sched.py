@@ -161,7 +161,8 @@ class Scheduler(Runs):
                         break
                     pins.append(fut)
                 else:
-                    loop = asyncio.get_running_loop()
+                    loop = w.loop
+                    assert loop is not None
                     results: asyncio.Future[Any] = _Future(loop=loop)
                     store.results[body.call_id] = results
                     if obj is not None:  # (as _queue: a DESTROY waits for it)
@@ -184,7 +185,8 @@ class Scheduler(Runs):
         """A CALL into its stream's queue, started as its turn comes."""
         w = self._w
         store = w.store
-        loop = asyncio.get_running_loop()
+        loop = w.loop  # (not asyncio.get_running_loop(): a getpid system call on 3.11)
+        assert loop is not None
         pins = [store.pin(r, w.host_index, env.seq) for r in body.refs]
         obj = store.pin((2, body.obj), w.host_index) if body.obj else None
         results: asyncio.Future[Any] = loop.create_future()
@@ -319,7 +321,9 @@ class Scheduler(Runs):
                 # (colobus._host.leader), unless another arrives before this drain ends.
                 self._deferred = (batch, claim)
                 if not self._draining:  # a drain hands it over as it ends (wait_briefly)
-                    asyncio.get_running_loop().call_soon(self._hand_inline)
+                    loop = self._w.loop
+                    assert loop is not None
+                    loop.call_soon(self._hand_inline)
                 return
             self._submit(batch, claim)
         elif not queue:
@@ -328,7 +332,8 @@ class Scheduler(Runs):
     def _submit(self, batch: list[_Call], claim: list[int]) -> None:
         """Loop thread: a batch to the call pool's runners."""
         self.started = True
-        loop = asyncio.get_running_loop()
+        loop = self._w.loop
+        assert loop is not None
         if not self.runners.add(functools.partial(self._run_batch, batch, claim), loop):
             loop.call_later(  # every thread is busy
                 self.start_timeout, self._expire, batch, claim, self._w.epoch)

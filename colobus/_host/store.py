@@ -168,9 +168,14 @@ class Store:
         """Code held: (functions and classes, bytes of their pickles)."""
         return len(self.code), sum(self.code_bytes.values())
 
-    def store_outputs(self, call_id: int, values: list[Any], treedef: Any) -> CallResult:
-        """Keep a finished call's output values as arrays; its result keeps their names."""
-        loop = asyncio.get_running_loop()
+    def store_outputs(self, call_id: int, values: list[Any], treedef: Any,
+                      loop: asyncio.AbstractEventLoop | None = None) -> CallResult:
+        """Keep a finished call's output values as arrays; its result keeps their names.
+
+        ``loop``: the running loop, where the caller knows it (on Python 3.11 asking for
+        it costs a ``getpid`` system call)."""
+        if loop is None:
+            loop = asyncio.get_running_loop()
         refs = []
         for i, value in enumerate(values):
             fut: asyncio.Future[Any] = _Future(loop=loop)  # (create_future: a call more)

@@ -27,7 +27,7 @@ from typing import Any
 import zmq
 
 from .._model import jaxside as _hostside
-from .._process import freeze_once
+from .._process import freeze_once, quick_loop
 from .._wire import protocol as P
 from .._wire import versions as _versions
 from .._wire.calltimes import HEARTBEAT_BUDGET, HostCallTimes
@@ -187,7 +187,7 @@ class Worker(MessagePath):
                    lambda: self.job)
 
     async def serve(self) -> int:
-        self.loop = asyncio.get_running_loop()
+        self.loop = quick_loop(asyncio.get_running_loop())
         # The first line says where this worker goes and with which key (its id, never
         # the key): what to compare with the driver's log when the join does not come.
         log.info("host %s: connecting to %s with key id %s%s", self.name, self.connect,
