@@ -91,7 +91,7 @@ class HostJob:
         """Join the job of ``body`` as process ``host`` (blocking: a thread of its own).
 
         Returns this host's JAX devices in the job (in the order the worker reported
-        its devices) and every host's, by global colobus id.
+        its devices) and every host's, by id (in a job a device's colobus id is JAX's).
 
         Raises:
             RuntimeError: JAX lacks what joining needs, the job did not form within the
@@ -149,7 +149,7 @@ class HostJob:
             if len(devs) != len(ids):
                 raise RuntimeError(f"host {h} has {len(devs)} JAX devices in the job, but "
                                    f"reported {len(ids)} at join")
-            every.update(zip(ids, devs, strict=True))
+            every.update((d.id, d) for d in devs)  # (a job's colobus ids are JAX's)
         return mine, every
 
     def leave(self) -> None:

@@ -120,6 +120,7 @@ class Worker(MessagePath):
         # renumbers the devices JAX shows; the controller keeps the host's ids across it)
         self._reported: list[list[Any]] = []
         self._devices_stale = False  # a job dropped the backend the devices came from
+        self._welcome_ids: list[int] = []  # this host's device ids, as its WELCOME said
         self.job: HostJob | None = None  # this process's part in the cluster's JAX job
         self._jax_session = False  # this session's hosts form one JAX job (WELCOME)
         self.values: HostValues = HostValues(None, {})
@@ -405,6 +406,7 @@ class Worker(MessagePath):
         self._peer.their_session = env.sender
         self._joined = True
         self.host_index = body.host
+        self._welcome_ids = list(body.device_ids)
         self._jax_session = bool(body.jax_job)
         if self._jax_session:  # its devices once the job forms (FORM): no backend till then
             _hostside.install(body.host, {}, body.host_count)
