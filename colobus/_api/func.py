@@ -292,7 +292,7 @@ class _CallOp:
         hosts = max(ctl._expected_hosts, len(ctl._hosts))  # cb.host_count() on the hosts
         # P.Call's fields; all but the host's mesh and the host count packed once
         splice = CallSplicer([call_id, self.stream, self.digest, target.obj_id, target.method,
-                              pickled.refs])
+                              pickled.refs], len(plan.hosts) > 1)
         registry, objects, nbufs, chan = ctl._hosts, pickled.objects, len(bufs), ctl._chan
         # A fan-out made again with no host joined or lost since: its hosts are as checked
         # last time (generations, code shipped, alive, relays), their peers grouped.
@@ -301,7 +301,8 @@ class _CallOp:
         if (again is not None and again[0] is plan and again[1] == registry.changes
                 and self.changes == registry.changes and target.code is not None):
             if chan is not None:  # each body the head, then its host's mesh and count
-                chan.send_fanned(again[2], P.Kind.CALL, splice.head, hosts, payload, bufs, nbufs)
+                chan.send_fanned(again[2], P.Kind.CALL, splice.head, splice.end(hosts), payload,
+                                 bufs, nbufs)
             ctl._count("calls")
             return
         meshes = plan.packed_meshes()
@@ -342,7 +343,8 @@ class _CallOp:
                     self.changes == registry.changes and len(groups) == len(to)):
                 if len(registry.fanouts) >= 64:
                     registry.fanouts.clear()
-                registry.fanouts[key] = (plan, registry.changes, chan.fanned(groups, hosts))
+                registry.fanouts[key] = (plan, registry.changes,
+                                         chan.fanned(groups, splice.end(hosts)))
         ctl._count("calls")
 
     def __call__(self, per_host: dict[int, Any]) -> Any:
