@@ -183,10 +183,14 @@ def invoke(target: Target, args: tuple[Any, ...], kwargs: dict[str, Any], *,
     changes, gens = ctl._hosts.generations(plan.hosts)
     op = _CallOp(ctl, target, plan, pickled, _stream_id(), digest, gens, ctl._ops.next_id(),
                  out_specs, changes)
+    # A JAX job's call on several hosts is never cancelled where it was sent: cancelled on
+    # a host that had not started it and run on one that had, its collectives would pair
+    # with the next call's. Cancelling its Future drops its result (freed as it comes).
+    cancellable = len(plan.hosts) == 1 or ctl._job is None
     obs = ctl.observer  # None unless metrics or tracing is on
     if obs is None:
         fut = ctl._ops.submit(plan.hosts, op.send, _decode_result, op, call_id=op.call_id,
-                              cancellable=True)
+                              cancellable=cancellable)
     else:
         seen = target.observed
         if seen is not None and seen[0] is obs:
@@ -195,7 +199,7 @@ def invoke(target: Target, args: tuple[Any, ...], kwargs: dict[str, Any], *,
             stats = obs.function(target.name, target.stats_key(digest))
             target.observed = (obs, stats)
         fut = ctl._ops.submit(plan.hosts, op.send, _decode_result, op, call_id=op.call_id,
-                              cancellable=True, stats=stats,
+                              cancellable=cancellable, stats=stats,
                               timing=obs.record(op.call_id, target.name, plan.hosts)
                               if obs.records else None)
     fut.info = plan

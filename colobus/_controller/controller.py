@@ -42,8 +42,7 @@ from .future import Future
 from .hangups import Hangups
 from .hosts import Host, HostInfo, HostRegistry
 from .inbox import Inbox
-from .jaxjob import JaxJob, wants_job
-from .jobview import job_wanted, unknown_size_note
+from .jobview import choose_view
 from .joinwait import JoinProgress, JoinWaiters, key_words
 from .ops import Operations
 from .relays import Relays
@@ -121,12 +120,9 @@ class Controller(SyncFace):
         py_modules: modules or paths (package dirs, ``.py`` files) shipped to hosts too (None:
             ``$COLOBUS_PY_MODULES``); ``ship_code=False``: only those, not your modules calls
             need; ``max_code_bytes``: the most one session ships. docs/deployment.md.
-        jax_distributed: the view host code runs (docs/jax_job.md). None (the default:
-            ``$COLOBUS_JAX_DISTRIBUTED`` where set): the global view where ``hosts`` > 1:
-            once they joined, the workers form one JAX job (host ``i`` is JAX process
-            ``i``) and host code sees every host's devices and global arrays; where the
-            size is unknown or the job cannot form, the block view, said in one log line.
-            True: the job, or an error. False: the block view (each host sees its block).
+        jax_distributed: the view host code runs (docs/jax_job.md): None (the default, or
+            ``$COLOBUS_JAX_DISTRIBUTED``) a JAX job where ``hosts`` > 1 and it can form, else
+            the block view, said in a log line; True: the job or an error; False: blocks.
 
     Raises:
         ValueError: ``curve_allow`` given without ``curve_secret_key``, ``metrics`` not
@@ -225,12 +221,9 @@ class Controller(SyncFace):
         self._close_reason: str | None = None  # why it closed, when not by the user
         self._sessions = Sessions(self)
         self._sessions.number_by_name = list(names) if names else None  # colobus launch
-        # the cluster's JAX job (the global view), formed once the hosts joined
-        mode = wants_job(jax_distributed)
-        self._job: JaxJob | None = (JaxJob(self, insist=bool(mode))
-                                    if job_wanted(mode, hosts) else None)
-        self._job_off: dict[str, Any] | None = None  # a job that fell back (jobview)
-        self._view_note = unknown_size_note(mode, hosts)  # the block view, said at start
+        # the view host code runs: the cluster's JAX job (the global view), or blocks
+        self._job = choose_view(self, jax_distributed, hosts)
+        self._job_off: dict[str, Any] | None = None  # a job that fell back, and why
 
     def __repr__(self) -> str:
         return f"<colobus.Controller {self._address or self._bind} {self.state.value}>"
@@ -352,8 +345,6 @@ class Controller(SyncFace):
         if self._job is not None:  # nothing reaches a host before the job formed
             self._job.started()
         log.info("controller listening on %s (%s)", self._address, key_words(self._key))
-        if self._view_note is not None:
-            log.warning("%s", self._view_note)
         if self._relays is not None:
             await self._relays.start()
         if self._write_key_file:

@@ -31,12 +31,12 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .._errors import ControllerClosedError, HostLostError
 from .._wire import protocol as P
 from .._wire.describe import BadReply
-from .jobview import fall_back, renumber
 from .ops import Gate, Operation
 
 if TYPE_CHECKING:
@@ -56,9 +56,8 @@ RETRIES = 1  # a job that failed to form (not for a lost host) is tried again th
 
 
 def wants_job(jax_distributed: bool | None) -> bool | None:
-    """``jax_distributed``, else ``$COLOBUS_JAX_DISTRIBUTED`` (``1``/``true``/``yes``: True,
-    the job insisted on; ``0``/``false``/``no``: False, the block view); None where neither
-    says (the default: a job where the hosts can form one, ``colobus._controller.jobview``).
+    """``jax_distributed``, else ``$COLOBUS_JAX_DISTRIBUTED``: True (``1``), False (``0``), or
+    None where neither says (the default view: ``colobus._controller.jobview``).
 
     Raises:
         ValueError: the variable holds something else.
@@ -66,10 +65,8 @@ def wants_job(jax_distributed: bool | None) -> bool | None:
     if jax_distributed is not None:
         return bool(jax_distributed)
     text = os.environ.get(JAX_DISTRIBUTED_ENV, "").strip().lower()
-    if text == "":
-        return None
-    if text in ("0", "false", "no", "off"):
-        return False
+    if text in ("0", "false", "no", "off") or not text:
+        return False if text else None
     if text in ("1", "true", "yes", "on"):
         return True
     raise ValueError(f"${JAX_DISTRIBUTED_ENV} is {text!r}: expected 1 or 0")
@@ -94,8 +91,6 @@ class JobOwner(Protocol):
     def _address(self) -> str: ...
     @property
     def join_timeout(self) -> float: ...
-    _job: JaxJob | None  # (None once a job of the default view fell back: jobview)
-    _job_off: dict[str, Any] | None
     def _send(self, host: Host, body: P.Body, payload: Any = b"", buffers: Any = (),
               pbufs: int = 0) -> None: ...
 
@@ -107,14 +102,13 @@ class JaxJob:
     was lost: waiting for the hosts to be back), ``failed`` (it could not form).
     """
 
-    def __init__(self, ctl: JobOwner, insist: bool = True) -> None:
+    def __init__(self, ctl: JobOwner,
+                 fall_back: Callable[[JaxJob, BaseException], None] | None = None) -> None:
         if ctl._expected_hosts <= 0:
             raise ValueError("jax_distributed=True needs the cluster's size: pass hosts=N "
                              "(every host is one process of the JAX job)")
         self._ctl = ctl
-        # False: the default view (nobody insisted): a job that cannot form the first
-        # time falls back to the block view, said in one line (colobus._controller.jobview)
-        self.insist = insist
+        self._fall_back = fall_back  # a job nobody insisted on that never formed (jobview)
         self.state = "waiting"
         self.generation = 0
         self.coordinator = ""  # HOST:PORT hosts reach the coordination service at
@@ -168,7 +162,7 @@ class JaxJob:
             TimeoutError: it did not form within ``timeout``.
             RuntimeError: it failed to form (the error a host raised joining it).
         """
-        if self.state in ("formed", "off"):
+        if self.state in ("formed", "off"):  # (off: the block view instead, jobview)
             return
         if self.state == "failed" and self.error is not None:
             raise self.error
@@ -250,8 +244,8 @@ class JaxJob:
                 # (the loss's own handler runs next, unless the host was gone already)
                 asyncio.get_running_loop().call_soon(self._lost_while_forming, generation, exc)
                 return
-            if not self.insist and not self.formed_count:
-                fall_back(self, self._ctl, exc)  # (the default view: the block view instead)
+            if self._fall_back is not None and not self.formed_count:
+                self._fall_back(self, exc)
                 return
             self._failures += 1
             log.error("the cluster's JAX job (generation %d) did not form: %s", generation, exc)
@@ -264,7 +258,8 @@ class JaxJob:
         ids: dict[int, list[int]] = fut.result()
         hosts = self._ctl._hosts
         for i, jax_ids in ids.items():
-            renumber(hosts, hosts[i], jax_ids)
+            _renumber(hosts[i], jax_ids)
+            hosts.taken(jax_ids)
         hosts.changes += 1  # (plans and fan-outs worked out per host see the new ids)
         self.state = "formed"
         self.form_s = time.monotonic() - self._form_began
@@ -317,10 +312,9 @@ class JaxJob:
     def _fail(self, exc: BaseException) -> None:
         """It cannot form: waiters get ``exc``; what waits for it fails now, and what is
         submitted later within ``join_timeout`` (it forms again only once a host was
-        lost and is back). In the default view, a job that never formed falls back to the
-        block view instead."""
-        if not self.insist and not self.formed_count:
-            fall_back(self, self._ctl, exc)
+        lost and is back). A job nobody insisted on that never formed falls back."""
+        if self._fall_back is not None and not self.formed_count:
+            self._fall_back(self, exc)
             return
         self.state = "failed"
         self.error = exc
@@ -462,6 +456,16 @@ def _decode_ids(host: Host, body: P.Result, env: Envelope) -> list[int]:
             and all(type(i) is int for i in ids)):
         raise BadReply(f"a FORM's reply lists {ids!r:.80} as the host's JAX device ids")
     return ids
+
+
+def _renumber(host: Host, jax_ids: list[int]) -> None:
+    """The host's devices as the job's JAX numbers them: ``id`` and ``local_id`` both
+    become the id of the matching JAX device in the job (the id every host's JAX knows
+    it by; the devices are in the order the worker reported them)."""
+    from .._model.devices import Device
+
+    host.devices = tuple(sorted(Device(lid, d.host, d.platform, d.device_kind, lid)
+                                for d, lid in zip(host.devices, jax_ids, strict=True)))
 
 
 def _service_host(address: str) -> tuple[str, str]:

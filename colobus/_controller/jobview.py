@@ -13,22 +13,44 @@ Once a job formed, each ``cb.Device.id`` is the id host code's JAX gives the dev
 
 from __future__ import annotations
 
+import functools
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .._wire import protocol as P
+from .jaxjob import JaxJob, JobOwner, wants_job
 
 if TYPE_CHECKING:
     from .._wire.envelope import Envelope
-    from .hosts import Host, HostRegistry
-    from .jaxjob import JaxJob, JobOwner
+    from .hosts import Host
 
-__all__ = ["fall_back", "job_wanted", "renumber", "unknown_size_note"]
+__all__ = ["ViewOwner", "choose_view", "fall_back", "job_wanted", "unknown_size_note"]
+
+
+class ViewOwner(JobOwner, Protocol):
+    """What the view's choice uses of the controller: the job's owner, and where a job
+    that fell back is kept."""
+
+    _job: JaxJob | None  # (None once a job nobody insisted on fell back)
+    _job_off: dict[str, Any] | None  # that job's last figures, and why it fell back
+
 
 log = logging.getLogger("colobus.controller")
 
 _CHOOSE = ("jax_distributed=False chooses the block view (and silences this line); "
            "jax_distributed=True makes it an error")
+
+
+def choose_view(ctl: ViewOwner, jax_distributed: bool | None, hosts: int) -> JaxJob | None:
+    """The cluster's job (None: the block view). Where the controller runs the block view
+    and nobody chose it, it says so in one line, now."""
+    mode = wants_job(jax_distributed)
+    note = unknown_size_note(mode, hosts)
+    if note is not None:
+        log.warning("%s", note)
+    if not job_wanted(mode, hosts):
+        return None
+    return JaxJob(ctl, None if mode else functools.partial(fall_back, ctl))
 
 
 def job_wanted(mode: bool | None, hosts: int) -> bool:
@@ -54,7 +76,7 @@ def _first_line(exc: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def fall_back(job: JaxJob, ctl: JobOwner, exc: BaseException) -> None:
+def fall_back(ctl: ViewOwner, job: JaxJob, exc: BaseException) -> None:
     """The default view's job did not form: say so in one line, bring every host back to
     its own JAX (a FORM of no processes), then run the block view.
 
@@ -91,14 +113,3 @@ def fall_back(job: JaxJob, ctl: JobOwner, exc: BaseException) -> None:
 
 def _no_reply(host: Host, body: P.Result, env: Envelope) -> None:
     return None
-
-
-def renumber(hosts: HostRegistry, host: Host, jax_ids: list[int]) -> None:
-    """The host's devices as the job's JAX numbers them: ``id`` and ``local_id`` both
-    become the id of the matching JAX device in the job (the id every host's JAX knows
-    it by), in the order the worker reported them."""
-    from .._model.devices import Device
-
-    host.devices = tuple(sorted(Device(lid, d.host, d.platform, d.device_kind, lid)
-                                for d, lid in zip(host.devices, jax_ids, strict=True)))
-    hosts.taken(jax_ids)

@@ -94,8 +94,6 @@ class OpsOwner(Parts, Protocol):
     def _sessions(self) -> ProtocolJudge: ...
     @property
     def _loop_thread_id(self) -> int | None: ...
-    @property
-    def _job(self) -> object | None: ...  # the cluster's JAX job, if one (jaxjob.JaxJob)
     def _check_open(self) -> None: ...
     def _on_loop_thread(self) -> bool: ...
     def _call_soon(self, fn: Callable[..., Any], *args: Any) -> None: ...
@@ -400,12 +398,6 @@ class Operations:
         op = self.pending.get(call_id)
         if op is None:
             return  # still in the backlog (it is skipped there) or already ended
-        if len(op.hosts) > 1 and self.ctl._job is not None:
-            # A JAX job's call on several hosts runs on all of them once sent: cancelled
-            # on some (not started) and not on others (started), its collectives would
-            # pair with the next call's. Its result is dropped (freed as it comes).
-            op.end(self, asyncio.CancelledError())
-            return
         hosts = self.ctl._hosts
         for i in op.waiting_for():
             h = hosts[i]

@@ -57,6 +57,7 @@ from .process import cpu_ns, end_context, rss_bytes
 from .sched import Scheduler
 from .store import Store
 from .values import HostValues, local_devices, setup_jax
+from .viewguard import guard_builders
 
 __all__ = ["Worker", "setup_jax"]
 
@@ -202,6 +203,7 @@ class Worker(MessagePath):
             self.loop.add_signal_handler(signal.SIGTERM, self._on_sigterm)
         self._jax = setup_jax(self._cpu_devices)
         answer_colobus_process_index(self._jax)  # (before any user code runs here)
+        guard_builders(self._jax)  # (the block view's check: colobus._host.viewguard)
         self.job = HostJob(self._jax)
         self._discover_devices()
         self._reported = [[d.platform, d.device_kind, d.id] for d in self._jax_devices]
