@@ -35,7 +35,7 @@ def test_readme_example_runs(tmp_path: Path) -> None:
     first = out.stdout.splitlines()[0]
     assert first.startswith("(8, 16)")
     assert abs(float(first.split()[-1]) - 1.0) < 1e-3
-    assert out.stdout.splitlines()[1].strip() == "4"
+    assert out.stdout.splitlines()[1].strip() == "8"  # the default view: x is global
 
 
 def test_readme_says_what_the_full_run_needs_and_gives_a_quick_one() -> None:

@@ -39,6 +39,7 @@ import numpy as np
 
 from .._model.devices import jax_axis_types
 from .._wire import protocol as P
+from .reach import probe_peers
 
 __all__ = ["JAX_HEARTBEAT_S", "HostJob", "coordinator_address"]
 
@@ -137,6 +138,8 @@ class HostJob:
         self.index = host
         self.generation = body.generation
         self.ever = True
+        # (every host probes, before any can fail for its own reasons: none waits alone)
+        probe_peers(client, host, body.processes, body.generation, self.gloo_host, timeout)
         mine = _process_devices(jax, host)
         if len(mine) != reported:
             raise RuntimeError(
