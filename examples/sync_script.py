@@ -59,7 +59,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     features = 8
 
-    with cb.local_cluster(hosts=args.hosts, devices_per_host=args.devices):
+    # The block view, chosen: each host trains its own replica on its own rows (local
+    # SGD), a per-host program; the default view (one JAX job) would make w global.
+    with cb.local_cluster(hosts=args.hosts, devices_per_host=args.devices,
+                          jax_distributed=False):
         mesh = cb.Mesh(np.array(cb.devices()).reshape(args.hosts, args.devices),
                        ("hosts", "devices"))
         per_host = cb.NamedSharding(mesh, cb.PartitionSpec("hosts"))
