@@ -87,3 +87,23 @@ def block_and_devices(x: Any) -> Any:
     import jax
 
     return np.asarray([x.shape[0], len(jax.devices())], np.int32)
+
+
+def add_by_device(x: Any, y: Any) -> Any:
+    """JAX's upstream ``add``: ``y``'s shards plus ``x``'s on the same devices, laid out
+    like ``y`` (a global array over ``y``'s mesh, whatever the call's device order)."""
+    import jax
+
+    by_device = {s.device: s.data for s in x.addressable_shards}
+    arrays = [s.data + by_device[s.device] for s in y.addressable_shards]
+    return jax.make_array_from_single_device_arrays(y.shape, y.sharding, arrays)
+
+
+def upper(s: Any) -> Any:
+    """Strings upper-cased where they live, shard by shard (JAX holds them on one device
+    but makes no global array of them: in a job too, they arrive as the host's block)."""
+    import jax
+
+    out = [jax.device_put(np.vectorize(str.upper, otypes=[np.dtypes.StringDType()])(
+        np.asarray(shard.data)), shard.device) for shard in s.addressable_shards]
+    return jax.make_array_from_single_device_arrays(s.shape, s.sharding, out)

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from globalview_hostside import (
+    add_by_device,
     block_and_devices,
     build_global,
     build_over_struct,
@@ -24,6 +25,7 @@ from globalview_hostside import (
     fetch_whole,
     find_devices,
     save_at_index,
+    upper,
 )
 from lifecycle import SETTLE_S
 
@@ -117,6 +119,30 @@ def test_a_writer_at_shard_index_writes_every_row_once(job: cb.Controller,
     data = np.memmap(tmp_path / "data", dtype=np.float32, mode="r", shape=(rows, 3))
     assert counts.tolist() == [1] * rows
     np.testing.assert_array_equal(data, np.arange(rows * 3).reshape(rows, 3))
+
+
+def test_a_global_output_laid_out_like_an_argument_keeps_its_device_order(
+        job: cb.Controller) -> None:
+    """A global output over an argument's mesh whose device order is not the call's: it
+    comes back over that mesh, each element in its place (it came back over the call's
+    mesh, its blocks swapped between the hosts)."""
+    devs = job.devices()
+    s1 = cb.NamedSharding(cb.Mesh(devs, ("x",)), P("x"))
+    s2 = cb.NamedSharding(cb.Mesh(devs[2:] + devs[:2], ("x",)), P("x"))
+    x = cb.device_put(np.zeros(8, np.int32), s1)
+    y = cb.device_put(np.arange(8, dtype=np.int32), s2)
+    out = cb.colocated_python(add_by_device).specialize(devices=devs)(x, y).result()
+    assert out.sharding == s2
+    np.testing.assert_array_equal(np.asarray(out), np.arange(8))
+
+
+def test_strings_arrive_as_the_hosts_block_in_a_job(job: cb.Controller) -> None:
+    """JAX makes no global array of strings: a string argument arrives as the host's
+    block, as in the block view (it failed with JAX's "Unknown NumPy dtype")."""
+    words = np.array([f"w{i}x" for i in range(4)], dtype=np.dtypes.StringDType())
+    rows = cb.NamedSharding(cb.Mesh(job.devices(), ("x",)), P("x"))
+    got = np.asarray(cb.colocated_python(upper)(cb.device_put(words, rows)).result())
+    assert got.tolist() == [f"W{i}X" for i in range(4)]
 
 
 def test_block_view_code_in_a_job_is_told_the_view(job: cb.Controller) -> None:
