@@ -8,7 +8,7 @@ job that could not form), the controller says so once, in one line: never silent
 A single host needs no job (its block is every array's whole).
 
 Once a job formed, each ``cb.Device.id`` is the id host code's JAX gives the device
-(:func:`renumber`), so an id sent to a host finds its device there.
+(``jaxjob._renumber``), so an id sent to a host finds its device there.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ class ViewOwner(JobOwner, Protocol):
 
 log = logging.getLogger("colobus.controller")
 
-_CHOOSE = ("jax_distributed=False chooses the block view (and silences this line); "
-           "jax_distributed=True makes it an error")
+_SILENCE = "jax_distributed=False chooses the block view (and silences this line)"
+_CHOOSE = f"{_SILENCE}; jax_distributed=True makes it an error"
 
 
 def choose_view(ctl: ViewOwner, jax_distributed: bool | None, hosts: int) -> JaxJob | None:
@@ -68,7 +68,7 @@ def unknown_size_note(mode: bool | None, hosts: int) -> str | None:
         return None
     return ("the hosts run the block view (host code sees each host's block of an array), "
             "not one JAX job: the cluster's size is unknown; pass hosts=N for the global "
-            f"view (one JAX job); {_CHOOSE.split(' (')[0]}")
+            f"view (one JAX job); {_SILENCE}")
 
 
 def _first_line(exc: BaseException) -> str:
