@@ -1,7 +1,7 @@
 """A data loader in maxtext's colocated style, with the hosts as one JAX job.
 
-``jax_distributed=True`` makes the hosts one JAX multi-controller job once they
-joined: host code sees every host's devices and global arrays, as under Pathways or
+The cluster's default view makes the hosts one JAX multi-controller job once they
+joined (no option given): host code sees every host's devices and global arrays, as under Pathways or
 any multi-host JAX program. Each host's loader (a colocated object) reads its own
 shard of the data, picked by ``jax.process_index()``, and builds the global batch
 from its local pieces with ``jax.make_array_from_single_device_arrays``; a training
@@ -111,8 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                              "--devices)")
     args = parser.parse_args(argv)
     with (tempfile.TemporaryDirectory() as ckpt,
-          cb.local_cluster(hosts=args.hosts, devices_per_host=args.devices,
-                           jax_distributed=True) as ctl):
+          cb.local_cluster(hosts=args.hosts, devices_per_host=args.devices) as ctl):
         print(f"{len(ctl.hosts())} hosts in one JAX job:",
               ctl.stats()["jax_job"]["state"], flush=True)
         mesh = cb.make_mesh((len(cb.devices()),), ("data",))

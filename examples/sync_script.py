@@ -62,9 +62,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     features = 8
 
+    # The block view, chosen: each host trains its own replica on its own rows (local
+    # SGD), a per-host program; the default view (one JAX job) would make w global.
     # Given no size, local_cluster picks its own, or serves the workers `colobus launch`
     # started: the script takes the size of the cluster it gets.
-    with cb.local_cluster(hosts=args.hosts, devices_per_host=args.devices) as ctl:
+    with cb.local_cluster(hosts=args.hosts, devices_per_host=args.devices,
+                          jax_distributed=False) as ctl:
         hosts = len(ctl.hosts())
         mesh = cb.Mesh(np.array(cb.devices()).reshape(hosts, -1), ("hosts", "devices"))
         per_host = cb.NamedSharding(mesh, cb.PartitionSpec("hosts"))

@@ -54,10 +54,12 @@ import colobus as cb  # noqa: E402  (after the patch: no module keeps the real l
 def cluster() -> collections.abc.Iterator[cb.Controller]:
     """One 2-host x 4-CPU-device local cluster shared by the whole session (sync face);
     a star whatever ``COLOBUS_RELAYS`` says (``tests/relayed.py`` has one with a relay).
+    The block view (``jax_distributed=False``): the tests on it are of that view (host
+    code sees its host's block); ``job_cluster`` is the default view's.
 
     No test loses its hosts on purpose: a long liveness timeout keeps a machine
     loaded by another run from starving a host into loss (see :func:`all_joined`)."""
-    with cb.local_cluster(hosts=2, devices_per_host=4, relays=0,
+    with cb.local_cluster(hosts=2, devices_per_host=4, relays=0, jax_distributed=False,
                           liveness_timeout=SHARED_LIVENESS_S) as ctl:
         yield ctl
 
@@ -65,11 +67,13 @@ def cluster() -> collections.abc.Iterator[cb.Controller]:
 
 @pytest.fixture(scope="session")
 def job_cluster() -> collections.abc.Iterator[cb.Controller]:
-    """One 2-host x 2-CPU-device cluster whose hosts form one JAX job (``jax_distributed``),
-    shared by the files that test the job; each worker may be restarted once (one test,
-    in tests/test_jaxjob.py, kills a host; the job forms again)."""
-    with cb.local_cluster(hosts=2, devices_per_host=2, jax_distributed=True, restart=1,
+    """One 2-host x 2-CPU-device cluster in the default view, no option given: its hosts
+    form one JAX job (the global view), shared by the files that test the job; each worker
+    may be restarted once (one test, in tests/test_jaxjob.py, kills a host; the job forms
+    again)."""
+    with cb.local_cluster(hosts=2, devices_per_host=2, restart=1,
                           relays=0, liveness_timeout=SHARED_LIVENESS_S) as ctl:
+        assert ctl.stats()["jax_job"]["state"] == "formed", ctl.stats()["jax_job"]
         yield ctl
 
 

@@ -35,7 +35,7 @@ def cluster() -> Iterator[Any]:
     """The shared cluster of ``tests/conftest.py``, for this module, through a relay."""
     import colobus as cb
 
-    with cb.local_cluster(hosts=2, devices_per_host=4, relays=1) as ctl:
+    with cb.local_cluster(hosts=2, devices_per_host=4, relays=1, jax_distributed=False) as ctl:
         yield ctl
 
 

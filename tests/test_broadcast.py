@@ -61,7 +61,8 @@ def wait_until(cond: collections.abc.Callable[[], bool], what: str, timeout: flo
 
 @pytest.fixture(scope="module")
 def six_hosts() -> collections.abc.Iterator[cb.Controller]:
-    with cb.local_cluster(hosts=HOSTS, devices_per_host=1, broadcast_tree=2) as ctl:
+    with cb.local_cluster(hosts=HOSTS, devices_per_host=1, broadcast_tree=2,
+                          jax_distributed=False) as ctl:
         yield ctl
 
 
@@ -160,7 +161,7 @@ def test_a_lost_relay_costs_only_its_own_host() -> None:
     """Root 0 is stopped before the put (its children wait on it), then killed: it is
     lost, its children get the block whole from the controller, and every other host
     stores the right bytes; only the lost host's part fails."""
-    lc = cb.local_cluster(hosts=5, devices_per_host=1, broadcast_tree=2,
+    lc = cb.local_cluster(hosts=5, devices_per_host=1, broadcast_tree=2, jax_distributed=False,
                           heartbeat_interval=0.2, liveness_timeout=2.0)
     with lc as ctl:
         devices = ctl.devices()

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 import zmq
 import zmq.asyncio
-from netbed import NetBed, cpu_seconds, eventually, unavailable_reason
+from netbed import NetBed, cpu_seconds, eventually, loss_unavailable_reason, unavailable_reason
 
 import colobus as cb
 from colobus._wire import protocol as P
@@ -765,3 +765,50 @@ async def test_a_jax_job_across_hosts_with_their_own_addresses(bed: NetBed) -> N
     finally:
         _pop_current(ctl)
         await ctl.aclose()
+
+
+@netns
+async def test_hosts_that_cannot_reach_each_other_run_the_block_view(
+        bed: NetBed, caplog: pytest.LogCaptureFixture) -> None:
+    """Each host reaches the controller but not the other (a firewall between them): the
+    default view's job cannot form (its collectives would hang), and the controller says
+    so in one line, naming the hosts, then runs the block view."""
+    import logging
+
+    from globalview_hostside import block_and_devices
+
+    reason = loss_unavailable_reason()  # (parting two hosts takes iptables too)
+    if reason is not None:
+        pytest.skip(reason)
+    bed.part(0, 1)
+    ctl = cb.Controller(bed.bind(), hosts=2, key=bed.key, join_timeout=90)
+    with caplog.at_level(logging.WARNING, logger="colobus.controller"):
+        await ctl.start()
+        try:
+            for i in range(2):
+                bed.start_worker(i, ctl.address, name=f"nb-{i}", devices=1)
+            await ctl.wait_for_hosts(timeout=90)
+            said = [r.getMessage() for r in caplog.records  # (beside the join's progress)
+                    if r.name == "colobus.controller" and r.levelno >= logging.WARNING
+                    and "block view" in r.getMessage()]
+            assert len(said) == 1 and "run the block view" in said[0], said
+            assert "cannot reach host" in said[0], said
+            assert ctl.stats()["jax_job"]["state"] == "off"
+            seen = await asyncio.wait_for(_block_call(ctl, block_and_devices), 60)
+            assert seen == [2, 1]
+        finally:
+            await ctl.aclose()
+
+
+async def _block_call(ctl: cb.Controller, fn: Any) -> list[int]:
+    from colobus._controller.controller import _pop_current, _push_current
+
+    _push_current(ctl)
+    try:
+        mesh = cb.Mesh(np.array(ctl.devices(), dtype=object), ("x",))
+        x = cb.device_put(np.arange(4.0, dtype=np.float32),
+                          cb.NamedSharding(mesh, cb.PartitionSpec("x")))
+        out = await cb.colocated_python(fn)(x)
+        return list(np.asarray(await cb.device_get(out)).tolist())
+    finally:
+        _pop_current(ctl)

@@ -503,7 +503,10 @@ def test_cache_info_counts_like_jax(ctl: cb.Controller) -> None:
 
 @pytest.fixture(scope="module")
 def eight() -> collections.abc.Iterator[cb.Controller]:
-    with cb.local_cluster(hosts=8, devices_per_host=1) as ctl:
+    # The block view: these assert what each host sees of its own block (a one-device
+    # sub-mesh, its own device numbering, three threads' calls meeting on every host);
+    # the global view's are tests/test_jaxjob.py and tests/test_globalview.py.
+    with cb.local_cluster(hosts=8, devices_per_host=1, jax_distributed=False) as ctl:
         _push_current(ctl)
         try:
             yield ctl

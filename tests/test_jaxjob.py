@@ -1,8 +1,10 @@
-"""The hosts as one JAX job (``jax_distributed=True``): host code's global view,
-collectives across hosts, global outputs, and a lost host (``docs/jax_job.md``).
+"""The hosts as one JAX job (the default view): host code's global view, collectives
+across hosts, global outputs, and a lost host (``docs/jax_job.md``); who asks for a job,
+and the fallback, in tests/test_globalview.py.
 
-The session's job cluster (``job`` in tests/conftest.py: 2 hosts x 2 CPU devices, each
-worker restartable once); the loss test runs last and leaves the job formed again.
+The session's job cluster (``job`` in tests/conftest.py: 2 hosts x 2 CPU devices, no
+option given, each worker restartable once); the loss test runs last and leaves the job
+formed again.
 """
 
 from __future__ import annotations
@@ -186,21 +188,6 @@ def test_a_lost_host_ends_the_job_and_it_forms_again(job: cb.Controller,
         cross_host_sum(x).result(timeout=SETTLE_S)
     y = _over_all(job)
     assert float(np.asarray(cross_host_sum(y).result(timeout=SETTLE_S))) == 28.0
-
-
-def test_who_asks_for_a_job(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``jax_distributed=`` decides; unsaid, ``$COLOBUS_JAX_DISTRIBUTED``; a job needs the
-    cluster's size. (Controllers made, never started.)"""
-    monkeypatch.delenv("COLOBUS_JAX_DISTRIBUTED", raising=False)
-    assert cb.Controller(hosts=2)._job is None
-    monkeypatch.setenv("COLOBUS_JAX_DISTRIBUTED", "1")
-    assert cb.Controller(hosts=2)._job is not None
-    assert cb.Controller(hosts=2, jax_distributed=False)._job is None
-    with pytest.raises(ValueError, match="hosts=N"):
-        cb.Controller(hosts=0)
-    monkeypatch.setenv("COLOBUS_JAX_DISTRIBUTED", "maybe")
-    with pytest.raises(ValueError, match="COLOBUS_JAX_DISTRIBUTED"):
-        cb.Controller(hosts=2)
 
 
 def test_a_job_that_cannot_form_says_why(monkeypatch: pytest.MonkeyPatch,

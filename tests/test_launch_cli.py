@@ -234,6 +234,21 @@ def test_launch_jax_distributed_tells_the_drivers_controller(tmp_path: Path) -> 
     assert driver_line(out.stdout)[1:] == ["1", "True"], out.stdout
 
 
+def test_launch_parses_the_view() -> None:
+    """``--jax-distributed`` insists on a job, ``--no-jax-distributed`` keeps the block
+    view, neither leaves the default (``$COLOBUS_JAX_DISTRIBUTED`` 1, 0 or unset)."""
+    import argparse
+
+    from colobus._launch.cli import add_launch_parsers
+
+    parser = argparse.ArgumentParser()
+    add_launch_parsers(parser.add_subparsers(dest="command"), int)
+    for flags, want in ((["--jax-distributed"], True), (["--no-jax-distributed"], False),
+                        ([], None)):
+        args = parser.parse_args(["launch", "local", "--hosts", "2", *flags])
+        assert args.jax_distributed is want, flags
+
+
 def test_launch_without_a_driver_command_is_a_usage_error() -> None:
     out = run_cli(["launch", "local"])  # the command's entry point, in this process
     assert out.returncode == 2 and "no driver command" in out.stderr

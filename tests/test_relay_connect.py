@@ -125,8 +125,10 @@ async def test_a_relay_is_refused_without_the_relay_key(
 
 @pytest.fixture(scope="module")
 def relayed_cluster() -> Iterator[cb.Controller]:
-    """Two hosts of four devices, each carried by a relay beside it."""
-    with cb.local_cluster(hosts=2, devices_per_host=4, relays_on_hosts=1) as ctl:
+    """Two hosts of four devices, each carried by a relay beside it; the block view, as the
+    star it is compared with (the shared cluster)."""
+    with cb.local_cluster(hosts=2, devices_per_host=4, relays_on_hosts=1,
+                          jax_distributed=False) as ctl:
         yield ctl
 
 
@@ -135,15 +137,22 @@ def test_relays_on_hosts_give_what_the_star_gives(ctl: cb.Controller,
     relays = relayed_cluster.stats()["relays"]
     assert len(relays) == 2 and all(r["connected"] for r in relays)
     assert sorted(sum((r["hosts"] for r in relays), [])) == [0, 1]
+    from colobus._controller.controller import _pop_current, _push_current
+
     got = []
     for c in (ctl, relayed_cluster):
-        devs = c.devices()
-        mesh = cb.Mesh(np.array(devs).reshape(2, 4), ("h", "d"))
-        x = cb.device_put(np.arange(16, dtype=np.float32).reshape(8, 2),
-                          cb.NamedSharding(mesh, cb.PartitionSpec(("h", "d"))), )
-        out = mixed(x).result(60)
-        got.append({k: (None if v is None else
-                        (np.asarray(cb.device_get(v)).tobytes(),
-                         str(v.dtype), v.shape, str(v.sharding.spec)))
-                    for k, v in out.items()})
+        _push_current(c)  # (each its own default: the put and the call go to its hosts)
+        try:
+            devs = c.devices()
+            mesh = cb.Mesh(np.array(devs).reshape(2, 4), ("h", "d"))
+            x = cb.device_put(np.arange(16, dtype=np.float32).reshape(8, 2),
+                              cb.NamedSharding(mesh, cb.PartitionSpec(("h", "d"))), )
+            out = mixed(x).result(60)
+            assert x._ctl is c and all(v is None or v._ctl is c for v in out.values())
+            got.append({k: (None if v is None else
+                            (np.asarray(cb.device_get(v)).tobytes(),
+                             str(v.dtype), v.shape, str(v.sharding.spec)))
+                        for k, v in out.items()})
+        finally:
+            _pop_current(c)
     assert got[0] == got[1]

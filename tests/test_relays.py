@@ -102,7 +102,7 @@ async def test_hosts_move_to_relays_and_fan_out_calls_work() -> None:
 
 async def _one_relay_lost(stop: signal.Signals, tmp_path: Any) -> None:
     files: list[str] = []  # every ipc socket file this cluster binds
-    async with cb.local_cluster(hosts=4, relays=2, heartbeat_interval=HB,
+    async with cb.local_cluster(hosts=4, relays=2, jax_distributed=False, heartbeat_interval=HB,
                                 liveness_timeout=LIVENESS) as ctl:
         doomed = ctl.stats()["relays"][0]
         files += [r["endpoint"][6:] for r in ctl.stats()["relays"]]
@@ -307,7 +307,7 @@ async def test_a_host_lost_right_after_answering_keeps_its_answer(tmp_path: Any)
     Host 0 answers ``a`` while host 1 still runs it, so the relay holds host 0's reply;
     then ``b``, ordered after ``a`` on host 0 (one stream), breaks the protocol there.
     """
-    async with cb.local_cluster(hosts=2, relays=1, heartbeat_interval=HB,
+    async with cb.local_cluster(hosts=2, relays=1, jax_distributed=False, heartbeat_interval=HB,
                                 liveness_timeout=LIVENESS) as ctl:
         devs = ctl.devices()
         x = cb.device_put(np.zeros(2, np.float32),
@@ -343,7 +343,7 @@ async def test_a_host_that_cannot_reach_its_relay_is_served_directly(
             os.unlink(r.endpoint[len("ipc://"):])
 
     monkeypatch.setattr(Relays, "start", start_unreachable)
-    async with cb.local_cluster(hosts=2, relays=1, heartbeat_interval=HB,
+    async with cb.local_cluster(hosts=2, relays=1, jax_distributed=False, heartbeat_interval=HB,
                                 liveness_timeout=2.0) as ctl:
         # Each joins, moves to the relay, is never heard there and is lost; it joins
         # again, and from then on the controller serves it without the relay.

@@ -127,8 +127,10 @@ def test_one_file_per_host_named_by_host_index(ctl: cb.Controller, tmp_path: Pat
 
 @pytest.fixture(scope="module")
 def four_cluster() -> Iterator[cb.Controller]:
-    """4 hosts x 2 CPU devices (ids 2h, 2h+1 on host h)."""
-    with cb.local_cluster(hosts=4, devices_per_host=2, liveness_timeout=SHARED_LIVENESS_S) as c:
+    """4 hosts x 2 CPU devices (ids 2h, 2h+1 on host h), in the block view: the tests read
+    each host's block in host code."""
+    with cb.local_cluster(hosts=4, devices_per_host=2, liveness_timeout=SHARED_LIVENESS_S,
+                          jax_distributed=False) as c:
         yield c
 
 
@@ -314,7 +316,9 @@ async def _until(cond: Any, what: str, timeout: float = 60.0) -> None:
 
 
 async def test_a_host_lost_mid_reshard_fails_that_operation_and_leaves_nothing() -> None:
-    async with cb.local_cluster(hosts=4, devices_per_host=1, heartbeat_interval=0.2) as c:
+    # (the block view: one host lost costs only what it holds)
+    async with cb.local_cluster(hosts=4, devices_per_host=1, heartbeat_interval=0.2,
+                                jax_distributed=False) as c:
         mesh = cb.make_mesh((4,), ("x",))
         x = np.arange(4 * 4096, dtype=np.float32).reshape(4, 4096)
         src = cb.device_put(x, cb.NamedSharding(mesh, P("x")))
@@ -360,7 +364,9 @@ async def test_replies_owed_by_survivors_are_no_violation_once_closing_began(
         tmp_path: Path) -> None:
     from colobus._wire.protocol import Kind
 
-    async with cb.local_cluster(hosts=3, devices_per_host=1, heartbeat_interval=0.2) as c:
+    # (the block view: the survivors stay)
+    async with cb.local_cluster(hosts=3, devices_per_host=1, heartbeat_interval=0.2,
+                                jax_distributed=False) as c:
         x = cb.device_put(np.arange(3.0), cb.NamedSharding(cb.make_mesh((3,), ("x",)), P("x")))
         await cb.block_until_ready(x)
         replies: list[tuple[int, int]] = []

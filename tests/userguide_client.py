@@ -17,7 +17,9 @@
 # cb.ShapeDtypeStruct; a call's value is `.result()` of its cb.Future, where the guide
 # reads an attribute of it), the file '/tmp/foo' made a file of this run, each cell
 # followed by the asserts of what the guide shows, and cell 10 followed by a variant that
-# shows its concurrency with a barrier on the hosts instead of a clock. Run as a plain
+# shows its concurrency with a barrier on one host instead of a clock (in the default view,
+# one JAX job, calls on several hosts run one at a time: that variant runs on host 0's
+# devices, where calls keep their concurrency). Run as a plain
 # script (the guide's habits are sync): `python tests/userguide_client.py DIRECTORY`.
 """JAX's colocated Python user guide, every cell, on a colobus cluster of 2 hosts."""
 
@@ -174,18 +176,27 @@ def main(ctl: cb.Controller) -> None:
     assert [int(cb.device_get(o)) for o in out] == [2, 2]
     print(f"cell 10 ok ({time.perf_counter() - start:.2f} s)")
 
-    # That they ran at the same time, asserted without a clock: the same cell without
+    # The cluster runs the default view, one JAX job: there calls that span several
+    # hosts start in one order on every host (their collectives pair up), so the two
+    # calls above ran one after the other (about 2 s: docs/jax_job.md, "Calls in a job:
+    # one order"). Calls on one host keep their concurrency. That they ran at the same
+    # time there, asserted without a clock: the same cell on host 0's devices, without
     # specialization. Each thread's first call waits for its own call, so the pool runs
     # them on two threads for sure (above, a thread done submitting may take the second
     # call too, making both one thread's, in order), and both calls must be in g at once
-    # on each host to get past the barrier there.
+    # on the host to get past the barrier there.
+    assert ctl.stats()["jax_job"]["state"] == "formed"  # no option given: the global view
+    host0 = cb.NamedSharding(cb.Mesh([d for d in cpu_devices if d.host == 0], ["x"]),
+                             cb.PartitionSpec())
+    x0 = cb.device_put(1, host0)
+
     def g(x):
         habits_hostside.meet("first calls")
         return x + 1
 
     g = colocated_python.colocated_python(g)
     with concurrent.futures.ThreadPoolExecutor(2) as executor:
-        futs = [executor.submit(g, x) for _ in range(2)]
+        futs = [executor.submit(g, x0) for _ in range(2)]
         done = [fut.result() for fut in futs]
     assert all(d.done() for d in done)  # each returned once its call had run
     assert [int(cb.device_get(d)) for d in done] == [2, 2]

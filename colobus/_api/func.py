@@ -188,10 +188,14 @@ def invoke(target: Target, args: tuple[Any, ...], kwargs: dict[str, Any], *,
     changes, gens = ctl._hosts.generations(plan.hosts)
     op = _CallOp(ctl, target, plan, pickled, _stream_id(), digest, gens, ctl._ops.next_id(),
                  out_specs, changes)
+    # A JAX job's call on several hosts is never cancelled where it was sent: cancelled on
+    # a host that had not started it and run on one that had, its collectives would pair
+    # with the next call's. Cancelling its Future drops its result (freed as it comes).
+    cancellable = len(plan.hosts) == 1 or ctl._job is None
     obs = ctl.observer  # None unless metrics or tracing is on
     if obs is None:
         fut = ctl._ops.submit(plan.hosts, op.send, _decode_result, op, call_id=op.call_id,
-                              cancellable=True)
+                              cancellable=cancellable)
     else:
         seen = target.observed
         if seen is not None and seen[0] is obs:
@@ -200,7 +204,7 @@ def invoke(target: Target, args: tuple[Any, ...], kwargs: dict[str, Any], *,
             stats = obs.function(target.name, target.stats_key(digest))
             target.observed = (obs, stats)
         fut = ctl._ops.submit(plan.hosts, op.send, _decode_result, op, call_id=op.call_id,
-                              cancellable=True, stats=stats,
+                              cancellable=cancellable, stats=stats,
                               timing=obs.record(op.call_id, target.name, plan.hosts)
                               if obs.records else None)
     fut.info = plan
@@ -297,7 +301,7 @@ class _CallOp:
         hosts = max(ctl._expected_hosts, len(ctl._hosts))  # cb.host_count() on the hosts
         # P.Call's fields; all but the host's mesh and the host count packed once
         splice = CallSplicer([call_id, self.stream, self.digest, target.obj_id, target.method,
-                              pickled.refs])
+                              pickled.refs], len(plan.hosts) > 1)
         registry, objects, nbufs, chan = ctl._hosts, pickled.objects, len(bufs), ctl._chan
         # A fan-out made again with no host joined or lost since: its hosts are as checked
         # last time (generations, code shipped, alive, relays), their peers grouped.
@@ -306,7 +310,8 @@ class _CallOp:
         if (again is not None and again[0] is plan and again[1] == registry.changes
                 and self.changes == registry.changes and target.code is not None):
             if chan is not None:  # each body the head, then its host's mesh and count
-                chan.send_fanned(again[2], P.Kind.CALL, splice.head, hosts, payload, bufs, nbufs)
+                chan.send_fanned(again[2], P.Kind.CALL, splice.head, splice.end(hosts), payload,
+                                 bufs, nbufs)
             ctl._count("calls")
             return
         meshes = plan.packed_meshes()
@@ -347,7 +352,8 @@ class _CallOp:
                     self.changes == registry.changes and len(groups) == len(to)):
                 if len(registry.fanouts) >= 64:
                     registry.fanouts.clear()
-                registry.fanouts[key] = (plan, registry.changes, chan.fanned(groups, hosts))
+                registry.fanouts[key] = (plan, registry.changes,
+                                         chan.fanned(groups, splice.end(hosts)))
         ctl._count("calls")
 
     def __call__(self, per_host: dict[int, Any]) -> Any:

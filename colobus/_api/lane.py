@@ -199,11 +199,11 @@ def call(target: Target, args: tuple[Any, ...],
         if len(hosts) == 1:
             fut = _submit_one(ctl, target, plan, args, n, refs, stream, digest, gens, call_id,
                               out_specs, changes)
-        else:
+        else:  # (a JAX job's call on several hosts: never cancelled on them, as invoke)
             op = _CallOp(ctl, target, plan, _pickled(args, refs), stream, digest, gens, call_id,
                          out_specs, changes)
             fut = ops.submit(hosts, op.send, _decode_result, op, call_id=call_id,
-                             cancellable=True)
+                             cancellable=job is None)
     else:
         # _stream_id() on the loop thread: the last task's, kept (by a weak reference)
         task = _current_task(ctl._loop)  # (the running loop: this is its thread)
@@ -222,7 +222,7 @@ def call(target: Target, args: tuple[Any, ...],
                 ctl, target, plan, _pickled(args, refs), stream, digest, gens, call_id,
                 out_specs, changes)
             fut = ops.submit(hosts, op.send, _decode_result, op, call_id=call_id,
-                             cancellable=True)
+                             cancellable=job is None or len(hosts) == 1)
         else:
             # ops.submit -> _start -> _go, for an operation that leaves now: it never
             # queues, so it takes no back-pressure slot (and gives none back).
@@ -232,6 +232,8 @@ def call(target: Target, args: tuple[Any, ...],
                 _go_one(ctl, target, plan, args, n, refs, stream, digest, gens, call_id,
                         out_specs, changes, fut)
             else:
+                if job is not None:  # (never cancelled on its hosts, as invoke)
+                    fut._canceller = None
                 op = _CallOp(ctl, target, plan, _pickled(args, refs), stream, digest, gens,
                              call_id, out_specs, changes)
                 ops._go(Operation(call_id, fut, hosts, op.send, _decode_result, op, False))

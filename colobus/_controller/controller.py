@@ -42,7 +42,7 @@ from .future import Future
 from .hangups import Hangups
 from .hosts import Host, HostInfo, HostRegistry
 from .inbox import Inbox
-from .jaxjob import JaxJob, wants_job
+from .jobview import choose_view
 from .joinwait import JoinProgress, JoinWaiters, key_words
 from .ops import Operations
 from .relays import Relays
@@ -120,9 +120,9 @@ class Controller(SyncFace):
         py_modules: modules or paths (package dirs, ``.py`` files) shipped to hosts too (None:
             ``$COLOBUS_PY_MODULES``); ``ship_code=False``: only those, not your modules calls
             need; ``max_code_bytes``: the most one session ships. docs/deployment.md.
-        jax_distributed: once the ``hosts`` joined, the workers form one JAX job (host ``i``
-            is JAX process ``i``): host code sees every host's devices and global arrays
-            (docs/jax_job.md). None: ``$COLOBUS_JAX_DISTRIBUTED``, else off.
+        jax_distributed: the view host code runs (docs/jax_job.md): None (the default, or
+            ``$COLOBUS_JAX_DISTRIBUTED``) a JAX job where ``hosts`` > 1 and it can form, else
+            the block view, said in a log line; True: the job or an error; False: blocks.
 
     Raises:
         ValueError: ``curve_allow`` given without ``curve_secret_key``, ``metrics`` not
@@ -221,8 +221,9 @@ class Controller(SyncFace):
         self._close_reason: str | None = None  # why it closed, when not by the user
         self._sessions = Sessions(self)
         self._sessions.number_by_name = list(names) if names else None  # colobus launch
-        # the cluster's JAX job (jax_distributed=True), formed once the hosts joined
-        self._job: JaxJob | None = JaxJob(self) if wants_job(jax_distributed) else None
+        # the view host code runs: the cluster's JAX job (the global view), or blocks
+        self._job = choose_view(self, jax_distributed, hosts)
+        self._job_off: dict[str, Any] | None = None  # a job that fell back, and why
 
     def __repr__(self) -> str:
         return f"<colobus.Controller {self._address or self._bind} {self.state.value}>"
@@ -277,7 +278,7 @@ class Controller(SyncFace):
         return {**collect_stats(self._sessions, self._counters, self._chan, self._ops,
                                 self._hosts, self._uploads),
                 "relays": self._relays.describe() if self._relays is not None else [],
-                "jax_job": self._job.describe() if self._job is not None else None}
+                "jax_job": self._job.describe() if self._job is not None else self._job_off}
 
     def refresh_stats(self) -> Future[dict[str, Any]]:
         """Ask every live host for its store counters now; resolves to :meth:`stats`.

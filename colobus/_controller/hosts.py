@@ -285,6 +285,11 @@ class HostRegistry:
         self._next_device_id = max(self._next_device_id, base + n)
         return ids
 
+    def taken(self, ids: Sequence[int]) -> None:
+        """Device ids given out otherwise (a JAX job's, ``jobview.renumber``): never again."""
+        self._device_ids.update(ids)
+        self._next_device_id = max(self._next_device_id, max(ids, default=-1) + 1)
+
     def _new_device_ids(self, n: int) -> list[int]:
         ids = list(range(self._next_device_id, self._next_device_id + n))
         self._next_device_id += n

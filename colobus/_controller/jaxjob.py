@@ -34,6 +34,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .._errors import ControllerClosedError, HostLostError
@@ -60,8 +61,9 @@ SERVICE_SHUTDOWN_S = 5  # (its clients are cut before: it waits for none)
 RETRIES = 1  # a job that failed to form (not for a lost host) is tried again this often
 
 
-def wants_job(jax_distributed: bool | None) -> bool:
-    """``jax_distributed``, else ``$COLOBUS_JAX_DISTRIBUTED`` (``1``/``true``/``yes``).
+def wants_job(jax_distributed: bool | None) -> bool | None:
+    """``jax_distributed``, else ``$COLOBUS_JAX_DISTRIBUTED``: True (``1``), False (``0``), or
+    None where neither says (the default view: ``colobus._controller.jobview``).
 
     Raises:
         ValueError: the variable holds something else.
@@ -69,8 +71,8 @@ def wants_job(jax_distributed: bool | None) -> bool:
     if jax_distributed is not None:
         return bool(jax_distributed)
     text = os.environ.get(JAX_DISTRIBUTED_ENV, "").strip().lower()
-    if text in ("", "0", "false", "no", "off"):
-        return False
+    if text in ("0", "false", "no", "off") or not text:
+        return False if text else None
     if text in ("1", "true", "yes", "on"):
         return True
     raise ValueError(f"${JAX_DISTRIBUTED_ENV} is {text!r}: expected 1 or 0")
@@ -110,11 +112,13 @@ class JaxJob:
     was lost: waiting for the hosts to be back), ``failed`` (it could not form).
     """
 
-    def __init__(self, ctl: JobOwner) -> None:
+    def __init__(self, ctl: JobOwner,
+                 fall_back: Callable[[JaxJob, BaseException], None] | None = None) -> None:
         if ctl._expected_hosts <= 0:
             raise ValueError("jax_distributed=True needs the cluster's size: pass hosts=N "
                              "(every host is one process of the JAX job)")
         self._ctl = ctl
+        self._fall_back = fall_back  # a job nobody insisted on that never formed (jobview)
         self.state = "waiting"
         self.generation = 0
         self.coordinator = ""  # where the coordination service listens (unix:PATH)
@@ -177,7 +181,7 @@ class JaxJob:
             TimeoutError: it did not form within ``timeout``.
             RuntimeError: it failed to form (the error a host raised joining it).
         """
-        if self.state == "formed":
+        if self.state in ("formed", "off"):  # (off: the block view instead, jobview)
             return
         if self.state == "failed" and self.error is not None:
             raise self.error
@@ -262,6 +266,9 @@ class JaxJob:
                 # (the loss's own handler runs next, unless the host was gone already)
                 asyncio.get_running_loop().call_soon(self._lost_while_forming, generation, exc)
                 return
+            if self._fall_back is not None and not self.formed_count:
+                self._fall_back(self, exc)
+                return
             self._failures += 1
             log.error("the cluster's JAX job (generation %d) did not form: %s", generation, exc)
             if self._failures <= RETRIES:
@@ -272,8 +279,9 @@ class JaxJob:
             return
         ids: dict[int, list[int]] = fut.result()
         hosts = self._ctl._hosts
-        for i, local_ids in ids.items():
-            _renumber(hosts[i], local_ids)
+        for i, jax_ids in ids.items():
+            _renumber(hosts[i], jax_ids)
+            hosts.taken(jax_ids)
         hosts.changes += 1  # (plans and fan-outs worked out per host see the new ids)
         self.state = "formed"
         self.form_s = time.monotonic() - self._form_began
@@ -326,7 +334,10 @@ class JaxJob:
     def _fail(self, exc: BaseException) -> None:
         """It cannot form: waiters get ``exc``; what waits for it fails now, and what is
         submitted later within ``join_timeout`` (it forms again only once a host was
-        lost and is back)."""
+        lost and is back). A job nobody insisted on that never formed falls back."""
+        if self._fall_back is not None and not self.formed_count:
+            self._fall_back(self, exc)
+            return
         self.state = "failed"
         self.error = exc
         self._stop_service()
@@ -455,10 +466,11 @@ def _decode_ids(host: Host, body: P.Result, env: Envelope) -> list[int]:
     return ids
 
 
-def _renumber(host: Host, local_ids: list[int]) -> None:
-    """The host's devices keep their global ids; ``local_id`` becomes the id of the
-    matching JAX device in the job (the id every host's JAX knows it by)."""
+def _renumber(host: Host, jax_ids: list[int]) -> None:
+    """The host's devices as the job's JAX numbers them: ``id`` and ``local_id`` both
+    become the id of the matching JAX device in the job (the id every host's JAX knows
+    it by; the devices are in the order the worker reported them)."""
     from .._model.devices import Device
 
-    host.devices = tuple(Device(d.id, d.host, d.platform, d.device_kind, lid)
-                         for d, lid in zip(host.devices, local_ids, strict=True))
+    host.devices = tuple(sorted(Device(lid, d.host, d.platform, d.device_kind, lid)
+                                for d, lid in zip(host.devices, jax_ids, strict=True)))

@@ -59,8 +59,8 @@ class _Destroy:
 class _Call:
     """One CALL on this host, from arrival to reply."""
 
-    __slots__ = ("argvals", "arrived", "body", "env", "epoch", "fn", "last", "mesh", "obj", "ok",
-                 "outcome", "pins", "ran", "results", "started", "state", "stream")
+    __slots__ = ("after", "argvals", "arrived", "body", "env", "epoch", "fn", "last", "mesh", "obj",
+                 "ok", "outcome", "pins", "ran", "results", "started", "state", "stream")
 
     def __init__(self, body: P.Call, env: Envelope, pins: list[asyncio.Future[Any]],
                  obj: asyncio.Future[Any] | None, results: asyncio.Future[Any],
@@ -82,18 +82,27 @@ class _Call:
         self.argvals: list[Any] | None = None
         # perf_counter_ns on arrival and at start, and ns it ran: the reply's times.
         self.arrived = self.started = self.ran = 0
+        # In a JAX job, a spread call's turn: the results of the spread call that arrived
+        # before it from another stream (colobus._host.sched); None: no turn to wait for
+        self.after: asyncio.Future[Any] | None = None
 
     def times(self) -> list[int]:
         """``[queued, ran]`` in ns, as the RESULT reports them (empty: it never started)."""
         return [self.started - self.arrived, self.ran] if self.started else []
 
     def unready_input(self) -> asyncio.Future[Any] | None:
-        """An input (argument or object) not resolved yet, if any."""
+        """An input (argument or object) not resolved yet, or the job's turn not come
+        yet (``after``), if any."""
         for p in self.pins:
             if not p.done():
                 return p
         if self.obj is not None and not self.obj.done():
             return self.obj
+        after = self.after
+        if after is not None:
+            if not after.done():
+                return after
+            self.after = None
         return None
 
 

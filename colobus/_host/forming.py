@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from .._wire.envelope import Envelope
     from .jaxjob import HostJob
 
-__all__ = ["INTERRUPTED", "Forming", "on_coord", "on_form", "run"]
+__all__ = ["INTERRUPTED", "Forming", "back_to_blocks", "on_coord", "on_form", "run"]
 
 INTERRUPTED = 130  # the exit status of a worker stopped by Ctrl-C (SIGINT), as a shell's
 
@@ -52,6 +52,9 @@ class Forming(WorkerServices, Protocol):
     _jax_devices: list[Any]
     _reported: list[list[Any]]
     _devices_stale: bool
+    _welcome_ids: list[int]  # this host's colobus device ids, as its WELCOME gave them
+
+    def _discover_devices(self) -> None: ...
 
     def _drop(self, reason: str) -> None: ...
 
@@ -60,6 +63,10 @@ def on_form(w: Forming, body: P.Form, env: Envelope) -> None:
     """Join the cluster's JAX job (on a thread of its own: JAX's connect blocks until
     every host is in); answer once in, with this host's JAX device ids there."""
     job = w.job
+    if body.processes == 0:  # no job after all: the cluster runs the block view
+        back_to_blocks(w)
+        w.send(P.Result(body.call_id, Status.OK, None))
+        return
     if job is None or not w._jax_session or body.coordinator != LINK:
         w.reply_error(body.call_id, RuntimeError(
             "this session's hosts form no JAX job (the controller's WELCOME said so)"
@@ -124,8 +131,8 @@ def _formed(w: Forming, epoch: int, body: P.Form, outcome: Any, answered: list[b
             job.leave()
             w._devices_stale = True
         return
-    if isinstance(outcome, BaseException):
-        log.warning("host %s could not join the cluster's JAX job: %s", w.name, outcome)
+    if isinstance(outcome, BaseException):  # (the controller says it, or falls back)
+        log.info("host %s could not join the cluster's JAX job: %s", w.name, outcome)
         w.reply_error(body.call_id, outcome)
         return
     mine, every = outcome
@@ -157,3 +164,19 @@ def run(serve: Callable[[], int], job: Callable[[], HostJob | None]) -> int:
         sys.stderr.flush()
         os._exit(code)
     return code
+
+
+def back_to_blocks(w: Forming) -> None:
+    """The session's hosts form no job after all (the default view fell back): leave
+    what was joined and serve the block view with this process's own JAX."""
+    job = w.job
+    if job is not None and job.index >= 0:
+        job.leave()
+    set_job(None)
+    if not w._jax_session:
+        return
+    w._jax_session = False
+    w._discover_devices()  # (joining dropped the backend the devices came from)
+    _hostside.install(w.host_index, dict(zip(w._welcome_ids, w._jax_devices, strict=True)),
+                      _hostside.host_count())
+    log.info("host %s runs the block view: the cluster's hosts form no JAX job", w.name)

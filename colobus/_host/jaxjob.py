@@ -50,6 +50,8 @@ import numpy as np
 
 from .._model.devices import jax_axis_types
 from .._wire import protocol as P
+from .reach import probe_peers
+from .values import is_string
 
 if TYPE_CHECKING:
     from .coordfwd import Forwarder
@@ -117,6 +119,11 @@ class HostJob:
         # id(a sharding outputs had) -> (it, whether this process addresses all of it)
         self.addressable: dict[int, tuple[Any, bool]] = {}
         self._local_meshes: dict[tuple[Any, ...], Any] = {}
+        # an argument's global sharding -> its stored block's sharding on this host: a
+        # global output laid out like an argument is stored with the argument's block
+        # sharding, so its description names that argument (its global layout, which
+        # the call's mesh need not be: another device order)
+        self._arg_blocks: dict[Any, Any] = {}
 
     # -- joining and leaving ------------------------------------------------------------
 
@@ -126,7 +133,7 @@ class HostJob:
         JAX's client reaching the service through ``forwarder``.
 
         Returns this host's JAX devices in the job (in the order the worker reported
-        its devices) and every host's, by global colobus id.
+        its devices) and every host's, by id (in a job a device's colobus id is JAX's).
 
         Raises:
             RuntimeError: JAX lacks what joining needs, the session ended meanwhile, or
@@ -175,6 +182,11 @@ class HostJob:
         state.coordinator_address = forwarder.address
         self.index = host
         self.generation = body.generation
+        # (every host probes, before any can fail for its own reasons: none waits alone;
+        # hosts on one machine, over ipc://, are not probed)
+        probe_peers(client, host, body.processes, body.generation,
+                    self.gloo_host if connect.startswith("tcp://") else None,
+                    max(1.0, body.timeout))
         mine = _process_devices(jax, host)
         if len(mine) != reported:
             raise RuntimeError(
@@ -187,7 +199,7 @@ class HostJob:
             if len(devs) != len(ids):
                 raise RuntimeError(f"host {h} has {len(devs)} JAX devices in the job, but "
                                    f"reported {len(ids)} at join")
-            every.update(zip(ids, devs, strict=True))
+            every.update((d.id, d) for d in devs)  # (a job's colobus ids are JAX's)
         return mine, every
 
     @property
@@ -251,6 +263,7 @@ class HostJob:
             self._blocks.clear()
             self._shardings.clear()
             self._local_meshes.clear()
+            self._arg_blocks.clear()
             self.addressable.clear()
 
     # -- the global view of arguments -------------------------------------------------------
@@ -263,8 +276,10 @@ class HostJob:
         if hit is not None and (hit[1] == layout or not hit[1]) and hit[0]() is value:
             return hit[2]
         jax = self.jax
-        if not isinstance(value, jax.Array):
-            return value  # (numpy blocks of dtypes JAX cannot hold: the block as it is)
+        if not isinstance(value, jax.Array) or is_string(value.dtype):
+            # (numpy blocks of dtypes JAX cannot hold, strings JAX holds on one device but
+            # cannot make a global array of: the block as it is, as in the block view)
+            return value
         shape, sharding = self._sharding(layout)
         try:
             out = jax.make_array_from_single_device_arrays(
@@ -275,6 +290,10 @@ class HostJob:
                 f"{shape} of {sharding} on host {self.index} ({exc}); in a JAX job, shards "
                 "must divide the array evenly, as JAX requires") from exc
         self._remember(value, layout, out)
+        with self._lock:
+            if len(self._arg_blocks) > 256:
+                self._arg_blocks.clear()
+            self._arg_blocks[sharding] = value.sharding
         return out
 
     def known(self, value: Any) -> Any:
@@ -402,7 +421,11 @@ class HostJob:
         indices = sh.devices_indices_map(x.shape)
         starts, stops = _box([indices[d] for d in local[1].devices.flat], x.shape)
         shape = tuple(b - a for a, b in zip(starts, stops, strict=True))
-        block_sharding = jax.sharding.NamedSharding(local[1], sh.spec, memory_kind=sh.memory_kind)
+        block_sharding = self._arg_blocks.get(sh)  # (laid out like an argument: its block's)
+        if block_sharding is None or block_sharding.mesh.devices.tolist() != (
+                local[1].devices.tolist()) or block_sharding.spec != sh.spec:
+            block_sharding = jax.sharding.NamedSharding(local[1], sh.spec,
+                                                        memory_kind=sh.memory_kind)
         return jax.make_array_from_single_device_arrays(
             shape, block_sharding, [s.data for s in x.addressable_shards])
 

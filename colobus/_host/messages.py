@@ -248,15 +248,17 @@ class MessagePath(Outbound):
             try:
                 if kind == _CALL:
                     handler = handlers[kind]
-                    if (handler is self._lane_call and type(body) is list
-                            and len(body) == 8):
-                        call_id, stream, digest, obj, method, refs, mesh, hosts = body
+                    n = len(body) if type(body) is list else 0
+                    # (a spread call, on several hosts, has a ninth field: True)
+                    if handler is self._lane_call and (n == 8 or (n == 9 and body[8] is True)):
+                        call_id, stream, digest, obj, method, refs, mesh, hosts = (
+                            body if n == 8 else body[:8])
                         if (type(call_id) is int and type(stream) is int
                                 and type(digest) is bytes and type(obj) is int
                                 and type(method) is str and type(refs) is list
                                 and type(mesh) is list and type(hosts) is int):
                             handler(_Call(call_id, stream, digest, obj, method, refs, mesh,
-                                          hosts), sub)
+                                          hosts, n == 9), sub)
                             continue
                     handler(P.parse(kind, body), sub)
                     continue

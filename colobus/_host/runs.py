@@ -14,7 +14,18 @@ import time
 import msgpack
 
 from .._wire.protocol import Kind, Status
-from .calls import _DONE, _QUEUED, _RUNNING, WorkerServices, _Call, _settable, _Stream, call_args
+from .calls import (
+    _DONE,
+    _JOB,
+    _QUEUED,
+    _RUNNING,
+    WorkerServices,
+    _Call,
+    _settable,
+    _Stream,
+    call_args,
+)
+from .viewguard import note_view
 
 __all__ = ["BRIEF_WAIT_NS", "BRIEF_WAIT_S", "Runs"]
 
@@ -192,6 +203,8 @@ class Runs:
                 w.send_packed(_RESULT, _pack([body.call_id, _OK, len(values), times]),
                               payload, bufs, len(bufs))  # P.Result(...).to_wire(), packed
             else:
+                if body.spread:  # code written for the other view fails inside JAX: say so
+                    note_view(outcome, _JOB[0] is not None)
                 if not call.results.done():
                     call.results.set_exception(_settable(outcome))
                     call.results.exception()

@@ -1,7 +1,12 @@
 """The host's scheduler: calls in per-stream order, on a thread pool or the loop.
 
 A stream is one controller-side caller (a thread or an asyncio task). Its calls
-run in arrival order; different streams run at the same time. When the head of
+run in arrival order; different streams run at the same time, except in a JAX job:
+there a *spread* call (one on several hosts, whose host code may run collectives with
+the others') starts only once the spread call that arrived before it has ended,
+whatever its stream, so every host runs them in the one order the controller sent
+them in and their collectives pair up (multi-controller JAX's rule). Calls on this
+host alone keep their concurrency. When the head of
 a stream's queue is a plain function with its inputs ready, it and the ready
 plain calls queued behind it form one run, and the runs of all streams wait in one
 queue that as few pool jobs as keep it moving take (:mod:`colobus._host.runners`:
@@ -33,6 +38,7 @@ from .._wire.protocol import Status
 from .calls import (
     _CANCELLED,
     _DONE,
+    _JOB,
     _QUEUED,
     _RUNNING,
     WorkerServices,
@@ -109,6 +115,8 @@ class Scheduler(Runs):
         self._draining = False  # inside a drain of the socket
         self._hosts = 0  # the host count the last CALL said
         self.lone_calls = 0  # calls that ran so (tests read it)
+        # In a JAX job, the last spread call that arrived: (its stream, its results)
+        self._spread: tuple[int, asyncio.Future[Any]] | None = None
 
     def clear(self) -> None:
         """The session ended: forget its calls (running ones finish into nothing)."""
@@ -117,6 +125,7 @@ class Scheduler(Runs):
         self._deferred = None
         self._lone = None
         self._hosts = 0
+        self._spread = None
         for t in list(self._async_calls):
             t.cancel()
         self._calls.clear()
@@ -169,6 +178,8 @@ class Scheduler(Runs):
                         store.obj_calls.setdefault(body.obj, set()).add(results)
                     call = _Call(body, env, pins, obj, results, None, w.epoch)
                     call.arrived = time.perf_counter_ns()
+                    if body.spread and _JOB[0] is not None:  # (nothing else in flight)
+                        self._spread = (body.stream, results)
                     call.fn = fn
                     call.mesh = mesh
                     call.last = True
@@ -194,6 +205,13 @@ class Scheduler(Runs):
         stream = self._stream(body.stream)
         call = _Call(body, env, pins, obj, results, stream, w.epoch)
         call.arrived = time.perf_counter_ns()
+        if body.spread and _JOB[0] is not None:
+            # A job's calls on several hosts start in the order they arrived, whatever
+            # their stream (within one stream its order already says so).
+            last = self._spread
+            if last is not None and last[0] != body.stream and not last[1].done():
+                call.after = last[1]
+            self._spread = (body.stream, results)
         code = None if body.obj else store.code.get(body.digest)
         if code is not None and code[0] == "ok":
             call.fn = code[1]  # held from now on: a RELEASE of the code cannot strand it

@@ -58,6 +58,7 @@ from .process import cpu_ns, end_context, rss_bytes
 from .sched import Scheduler
 from .store import Store
 from .values import HostValues, local_devices, setup_jax
+from .viewguard import guard_builders
 
 __all__ = ["Worker", "setup_jax"]
 
@@ -121,6 +122,7 @@ class Worker(MessagePath):
         # renumbers the devices JAX shows; the controller keeps the host's ids across it)
         self._reported: list[list[Any]] = []
         self._devices_stale = False  # a job dropped the backend the devices came from
+        self._welcome_ids: list[int] = []  # this host's device ids, as its WELCOME said
         self.job: HostJob | None = None  # this process's part in the cluster's JAX job
         self._jax_session = False  # this session's hosts form one JAX job (WELCOME)
         self.values: HostValues = HostValues(None, {})
@@ -199,6 +201,7 @@ class Worker(MessagePath):
             self.loop.add_signal_handler(signal.SIGTERM, self._on_sigterm)
         self._jax = setup_jax(self._cpu_devices)
         answer_colobus_process_index(self._jax)  # (before any user code runs here)
+        guard_builders(self._jax)  # (the block view's check: colobus._host.viewguard)
         self.job = HostJob(self._jax)
         self._discover_devices()
         self._reported = [[d.platform, d.device_kind, d.id] for d in self._jax_devices]
@@ -404,6 +407,7 @@ class Worker(MessagePath):
         self._peer.their_session = env.sender
         self._joined = True
         self.host_index = body.host
+        self._welcome_ids = list(body.device_ids)
         self._jax_session = bool(body.jax_job)
         if self._jax_session:  # its devices once the job forms (FORM): no backend till then
             _hostside.install(body.host, {}, body.host_count)

@@ -12,7 +12,9 @@ keep trying until the driver binds), and runs ``COMMAND`` with
   them as the ``[host N]`` lines here do),
 - ``COLOBUS_DEVICES_PER_HOST``: each worker's ``--devices``,
 - ``COLOBUS_PY_MODULES``: the ``--py-module`` paths, to ship to the hosts,
-- ``COLOBUS_JAX_DISTRIBUTED=1`` with ``--jax-distributed``: the hosts form one JAX job,
+- ``COLOBUS_JAX_DISTRIBUTED=1`` with ``--jax-distributed`` (the hosts form one JAX job or
+  the driver's controller fails), ``=0`` with ``--no-jax-distributed`` (the block view);
+  unsaid, the default view (a job where the hosts can form one),
 
 which ``cb.Controller()`` with no arguments reads; ``cb.init()`` and
 ``cb.local_cluster()`` serve the driver with these workers too. When the
@@ -87,9 +89,11 @@ def add_launch_parsers(sub: Any, positive_int: Any) -> None:
         p.add_argument("--py-module", action="append", default=[], metavar="PATH",
                        help="a package directory or .py file the driver's controller ships "
                             "to the hosts too (repeat)")
-        p.add_argument("--jax-distributed", action="store_true",
-                       help="the hosts form one JAX multi-controller job once they joined "
-                            "(sets COLOBUS_JAX_DISTRIBUTED=1 for the driver)")
+        p.add_argument("--jax-distributed", action=argparse.BooleanOptionalAction,
+                       default=None,
+                       help="the hosts form one JAX multi-controller job once they joined, "
+                            "or the driver fails (COLOBUS_JAX_DISTRIBUTED=1); --no-: the "
+                            "block view (=0); unsaid: a job where the hosts can form one")
 
     lo = kinds.add_parser("local", help="workers as subprocesses of this machine")
     lo.add_argument("--hosts", type=positive_int, default=2, help="workers (default 2)")
@@ -370,10 +374,10 @@ def _run(args: argparse.Namespace, command: list[str]) -> int:
                 raise _LaunchError(f"--py-module {path}: no package directory or .py file", 2)
         if args.py_module:
             env[PY_MODULES_ENV] = os.pathsep.join(os.path.abspath(p) for p in args.py_module)
-        if args.jax_distributed:
+        if args.jax_distributed is not None:
             from .._controller.jaxjob import JAX_DISTRIBUTED_ENV
 
-            env[JAX_DISTRIBUTED_ENV] = "1"
+            env[JAX_DISTRIBUTED_ENV] = "1" if args.jax_distributed else "0"
         env.update({"COLOBUS_ADDRESS": address, KEY_ENV: key_file,
                     "COLOBUS_HOSTS": str(len(launcher.names)),
                     "COLOBUS_HOST_NAMES": ",".join(launcher.names),

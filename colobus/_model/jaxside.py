@@ -70,6 +70,10 @@ _devices: dict[int, Any] = {}  # global id -> this host's jax.Device
 _ids: dict[Any, int] = {}  # this host's jax.Device -> global id
 _meshes: dict[Any, Any] = {}  # raw mesh -> jax Mesh (one object per layout: cheap ==)
 _job = False  # this host is a process of the cluster's JAX job (install_job)
+# In the block view, the host's sharding of each ShapeDtypeStruct that arrived as this
+# host's block of it: id(sharding) -> (sharding, block shape, global shape), so that host
+# code building the global shape over it is told (colobus._host.viewguard)
+block_structs: dict[int, tuple[Any, tuple[int, ...], tuple[int, ...]]] = {}
 
 
 def install(host: int, devices: Mapping[int, Any], count: int = 0) -> None:
@@ -81,6 +85,7 @@ def install(host: int, devices: Mapping[int, Any], count: int = 0) -> None:
         _host_count = max(count, host + 1)
         _job = False
         _devices.clear()
+        block_structs.clear()
         _devices.update(devices)
         _ids.clear()
         _ids.update({d: i for i, d in devices.items()})
@@ -318,6 +323,11 @@ def _local_sds(s: ShapeDtypeStruct) -> Any:
         shape = host_blocks(s.sharding, s.shape)[_host].shape  # type: ignore[index]
     except (ValueError, KeyError):
         shape = s.shape  # the shape does not split over the layout: keep it whole
+    if tuple(shape) != tuple(s.shape):
+        with _lock:
+            if len(block_structs) > 256:
+                block_structs.clear()
+            block_structs[id(local)] = (local, tuple(shape), tuple(s.shape))
     return jax.ShapeDtypeStruct(shape, s.dtype, sharding=local)
 
 

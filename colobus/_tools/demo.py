@@ -66,6 +66,11 @@ def _split_rows(mesh: Any) -> Any:
     return jax.sharding.NamedSharding(mesh, spec)
 
 
+# The demo shows the block view, chosen: each host makes its own rows and computes on its
+# block (docs/jax_job.md, "Choosing the view"); the default view would form a JAX job.
+VIEW = False
+
+
 @cb.colocated_python_class
 class Loader:
     """Makes batches of a synthetic regression task on the host it lives on.
@@ -356,12 +361,12 @@ async def _run(args: argparse.Namespace, key: bytes | None) -> Report:
     opts = dict(checkpoint_every=every, checkpoint_dir=args.checkpoint_dir)
     if args.bind is None:
         async with cb.local_cluster(hosts=args.hosts, devices_per_host=args.devices,
-                                    metrics=args.metrics) as ctl:  # (None: launch's or own)
+                                    metrics=args.metrics, jax_distributed=VIEW) as ctl:
             print(describe_hosts(ctl), flush=True)
             print_metrics(ctl)
             return await train(args.steps, **opts)
-    async with cb.Controller(args.bind, hosts=args.hosts or 2, key=key,
-                             metrics=args.metrics) as ctl:
+    async with cb.Controller(args.bind, hosts=args.hosts or 2, key=key, metrics=args.metrics,
+                             jax_distributed=VIEW) as ctl:
         print(describe_hosts(ctl), flush=True)
         print_metrics(ctl)
         return await train(args.steps, **opts)

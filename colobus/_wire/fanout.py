@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from .channel import EAGER_BATCH, Channel
 from .envelope import Buffer
 from .peer import Peer, Via
-from .splice import uint
 
 __all__ = ["Fanned", "Fanout", "FanoutChannel", "Spliced"]
 
@@ -52,12 +51,12 @@ class Fanned:
     lost): its hosts grouped by their part of the mesh, and those groups as one
     :class:`Spliced` for the host count its CALLs carry."""
 
-    __slots__ = ("groups", "hosts", "spliced")
+    __slots__ = ("end", "groups", "spliced")
 
-    def __init__(self, groups: list[tuple[bytes, Fanout]], hosts: int,
+    def __init__(self, groups: list[tuple[bytes, Fanout]], end: bytes,
                  spliced: Spliced) -> None:
         self.groups = groups  # (packed mesh part, its peers)
-        self.hosts = hosts
+        self.end = end  # what follows each mesh part (CallSplicer.end: the host count...)
         self.spliced = spliced
 
 
@@ -119,20 +118,19 @@ class FanoutChannel(Channel):
                 got[1].extend([tail] * len(hosts))
         return Spliced(direct, [(via, h, t) for via, (h, t) in relayed.items()])
 
-    def fanned(self, groups: list[tuple[bytes, Fanout]], hosts: int) -> Fanned:
+    def fanned(self, groups: list[tuple[bytes, Fanout]], end: bytes) -> Fanned:
         """A fan-out call's groups (packed mesh part, peers), kept: each CALL body is the
-        call's head, then the group's mesh part and the host count ``hosts``."""
-        return Fanned(groups, hosts, self.spliced([(fan, mesh + uint(hosts))
-                                                   for mesh, fan in groups]))
+        call's head, then the group's mesh part and ``end`` (the host count, ...)."""
+        return Fanned(groups, end, self.spliced([(fan, mesh + end) for mesh, fan in groups]))
 
-    def send_fanned(self, to: Fanned, kind: int, head: bytes, hosts: int,
+    def send_fanned(self, to: Fanned, kind: int, head: bytes, end: bytes,
                     payload: Buffer = b"", buffers: Sequence[Buffer] = (),
                     pbufs: int = 0) -> None:
         """:meth:`send_spliced` of a kept fan-out's CALLs (their ends made again if the
         host count changed)."""
-        if to.hosts != hosts:
-            to.hosts = hosts
-            to.spliced = self.spliced([(fan, mesh + uint(hosts)) for mesh, fan in to.groups])
+        if to.end != end:
+            to.end = end
+            to.spliced = self.spliced([(fan, mesh + end) for mesh, fan in to.groups])
         self.send_spliced(to.spliced, kind, head, payload, buffers, pbufs)
 
     def send_spliced(self, to: Spliced, kind: int, head: bytes, payload: Buffer = b"",

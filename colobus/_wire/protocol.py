@@ -212,10 +212,13 @@ class Call(Body):
     with tag 0 an array ref, 1 a call's result tree, 2 an object (in a JAX job,
     ``[0, id, layout]``: ``colobus._api.joblayout``). ``mesh`` is
     this host's part of the call's mesh: ``[local ids, shape, axis names]``.
+    ``spread``: the call runs on several hosts (then written; else left off the wire):
+    in a JAX job such calls start on every host in the order they arrive there
+    (``colobus._host.sched``), so that their collectives pair up.
     """
 
     kind = Kind.CALL
-    types = (int, int, bytes, int, str, list, list, int)
+    types = (int, int, bytes, int, str, list, list, int, bool)
     required = 7
     call_id: int
     stream: int
@@ -225,6 +228,14 @@ class Call(Body):
     refs: list[Any]
     mesh: list[Any]
     hosts: int = 0  # the cluster's host count now (cb.host_count() in host code)
+    spread: bool = False
+
+    def to_wire(self) -> list[Any]:  # (a one-host call's keeps its eight fields)
+        out = [self.call_id, self.stream, self.digest, self.obj, self.method, self.refs,
+               self.mesh, self.hosts]
+        if self.spread:
+            out.append(True)
+        return out
 
 
 @dataclass(frozen=True, slots=True)

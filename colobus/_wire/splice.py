@@ -45,22 +45,29 @@ def array_header(n: int) -> bytes:
 
 class CallSplicer:
     """The packed bodies of one call's CALLs to many hosts: ``fields`` (all but the
-    last two, the host's mesh and the host count) packed once; per host, the mesh.
+    host's mesh, the host count and ``spread``) packed once; per host, the mesh.
 
-    ``CallSplicer(fields)(mesh, hosts)`` equals ``pack_body([*fields, mesh, hosts])``
-    (and raises :class:`~colobus.SerializationError` where that would).
+    ``CallSplicer(fields, spread)(mesh, hosts)`` equals ``pack_body([*fields, mesh,
+    hosts])``, with ``True`` after them where ``spread`` (and raises
+    :class:`~colobus.SerializationError` where that would).
     """
 
-    __slots__ = ("_head", "head")
+    __slots__ = ("_head", "head", "spread")
 
-    def __init__(self, fields: Sequence[Any]) -> None:
+    def __init__(self, fields: Sequence[Any], spread: bool = False) -> None:
         packed = pack_body(list(fields))
-        self._head = array_header(len(fields) + 2) + packed[len(array_header(len(fields))):]
+        self._head = (array_header(len(fields) + 2 + spread)
+                      + packed[len(array_header(len(fields))):])
         self.head = self._head  # every host's body begins so (a relay splices the rest)
+        self.spread = spread
 
     def __call__(self, mesh: list[Any], hosts: int) -> bytes:
-        return self._head + pack_body(mesh) + uint(hosts)
+        return self._head + pack_body(mesh) + self.end(hosts)
+
+    def end(self, hosts: int) -> bytes:
+        """What follows each host's mesh part: the host count, and ``spread``."""
+        return uint(hosts) + b"\xc3" if self.spread else uint(hosts)
 
     def packed(self, mesh: bytes, hosts: int) -> bytes:
         """``self(m, hosts)`` for ``mesh = pack_body(m)``."""
-        return self._head + mesh + uint(hosts)
+        return self._head + mesh + self.end(hosts)
