@@ -246,8 +246,11 @@ def _as_nobody_connect(path: str) -> int:
     """Connect to the Unix socket ``path`` as another account (uid 65534) in a forked
     child: 0 connected, else the errno."""
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # (fork with threads: the
-        pid = os.fork()                                        # child only connects)
+        # (fork with threads, which Python and JAX warn of where JAX is imported in this
+        # process: the child only connects, then exits)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore", RuntimeWarning)
+        pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
         code = 99
         try:
