@@ -168,7 +168,9 @@ def test_call_counts_prints_both_sides_for_every_pattern() -> None:
         *counts, watch = (float(v) for v in row.split()[-5:])
         # A call runs some Python on each side, and not tens of thousands of functions
         assert all(5 < c < 5000 for c in counts), row
-        assert 0 <= watch < 5000, row  # the watchdog, counted apart (none per call in time)
+        # the watchdog, counted apart (none per call in time; a difference of two windows,
+        # so a wake in the baseline's window reads a little below 0)
+        assert -1 < watch < 5000, row
 
 
 def test_accelerator_check_runs_its_whole_path_with_cpu_devices_standing_in() -> None:
