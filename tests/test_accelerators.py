@@ -17,7 +17,7 @@ import pytest
 import ready_hostside as hs
 
 import colobus as cb
-from colobus._api.array import fetch_tree
+from colobus._api.fetch import fetch_tree
 from colobus._api.ready import ready_future
 from colobus._launch.accel import Accelerators, local_worker_envs, share_out
 

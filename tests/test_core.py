@@ -31,6 +31,8 @@ def test_exports_are_complete_and_sorted() -> None:
     assert set(cb.__all__) == public
     assert cb.__all__ == sorted(cb.__all__)
     assert cb.PartitionSpec is __import__("jax").sharding.PartitionSpec
+    # colobus's own lifecycle calls of a colocated object: never a method name of its own
+    assert {"close", "aclose"} <= set(cb.__all__)
 
 
 def test_error_tree() -> None:

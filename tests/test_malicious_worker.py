@@ -35,7 +35,7 @@ import zmq
 from fakeworker import FakeWorker
 
 import colobus as cb
-from colobus._api.array import fetch_tree
+from colobus._api.fetch import fetch_tree
 from colobus._wire import protocol as P
 from colobus._wire.protocol import Kind, Status
 

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import colobus as cb
-from colobus._api.array import fetch_tree
+from colobus._api.fetch import fetch_tree
 
 pytest.importorskip("prometheus_client", reason="prometheus_client is in the [test] extra")
 pytest.importorskip("rich", reason="rich is in the [test] extra")

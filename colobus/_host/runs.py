@@ -91,7 +91,7 @@ class Runs:
                 args, kwargs = call_args(call, self._w.present)
                 out = fn(*args, **kwargs)
                 call.outcome = self._w.values.outputs(out, call.mesh, call.pins, fn,
-                                                      call.argvals)
+                                                      call.argvals, call.body.check)
                 call.ok = True
             except BaseException as exc:
                 call.outcome = exc
@@ -118,7 +118,8 @@ class Runs:
             fn, call.fn = call.fn, None
             args, kwargs = call_args(call, self._w.present)
             out = fn(*args, **kwargs)
-            call.outcome = self._w.values.outputs(out, call.mesh, call.pins, fn, call.argvals)
+            call.outcome = self._w.values.outputs(out, call.mesh, call.pins, fn, call.argvals,
+                                                  call.body.check)
             call.ok = True
         except BaseException as exc:
             call.outcome = exc
@@ -189,6 +190,14 @@ class Runs:
                 if not call.results.done():
                     call.results.set_result(result)
                 times = [call.started - call.arrived, call.ran] if call.started else []
+                if times:  # third: whether every output is computed already (JAX's is_ready)
+                    computed = 1
+                    for v in values:
+                        ready = getattr(v, "is_ready", None)
+                        if ready is not None and not ready():
+                            computed = 0
+                            break
+                    times.append(computed)
                 w.send_packed(_RESULT, _pack([body.call_id, _OK, len(values), times]),
                               payload, bufs, len(bufs))  # P.Result(...).to_wire(), packed
             else:

@@ -182,6 +182,26 @@ class Store:
             self.results[call_id] = CallResult(treedef, refs, None)
         return CallResult(treedef, refs, values)
 
+    def entry(self, ref: int) -> asyncio.Future[Any] | None:
+        """Array ``ref``'s entry, or None. An output of a call still queued or running
+        here (the controller hands a call's outputs on before the call ended, as JAX
+        hands on a dispatched computation's arrays): a future of that output, failing
+        with the call's error if it fails."""
+        fut = self.arrays.get(ref)
+        if fut is not None:
+            return fut
+        running = self.results.get(ref >> 16)  # (P.output_ref: the call id, the index)
+        if not isinstance(running, asyncio.Future):
+            return None
+        out: asyncio.Future[Any] = running.get_loop().create_future()
+        index = ref & 0xFFFF
+        if running.done():
+            _output_of(out, running, index, self.arrays, ref)
+        else:
+            running.add_done_callback(
+                lambda f: _output_of(out, f, index, self.arrays, ref))
+        return out
+
     def pin(self, ref: Any, host_index: int, seq: int = 0) -> asyncio.Future[Any]:
         """The store entry a call argument names, taken now (a later RELEASE can't race).
 
@@ -191,8 +211,10 @@ class Store:
         fut: asyncio.Future[Any] | None
         if tag == 1:
             fut = self._pin_result(ident, host_index)
+        elif tag == 0:
+            fut = self.entry(ident)
         else:
-            fut = (self.arrays, None, self.objects)[tag].get(ident)  # type: ignore[union-attr]
+            fut = self.objects.get(ident)
         if fut is None:
             what = ("array", "call result", "object")[tag]
             text = f"{what} {ident} is not on host {host_index}"
@@ -233,6 +255,30 @@ class Store:
         done = asyncio.get_running_loop().create_future()
         done.set_result(CallResult(entry.treedef, entry.refs, values))
         return done
+
+
+def _output_of(out: asyncio.Future[Any], call: asyncio.Future[Any], index: int,
+               arrays: dict[int, asyncio.Future[Any]], ref: int) -> None:
+    """Settle ``out`` with output ``index`` of a call that ended (``call``: its result)."""
+    if out.done():
+        return
+    exc: BaseException | None
+    if call.cancelled():
+        exc = KeyError(f"array {ref}: the call that makes it was cancelled")
+    else:
+        exc = call.exception()
+    if exc is None:
+        stored = arrays.get(ref)  # (stored by then, unless released since)
+        values = call.result().values
+        if stored is not None and stored.done() and stored.exception() is None:
+            out.set_result(stored.result())
+            return
+        if values is not None and 0 <= index < len(values):
+            out.set_result(values[index])
+            return
+        exc = KeyError(f"array {ref} is not an output of its call on this host")
+    out.set_exception(exc)
+    out.exception()  # retrieved: no "never retrieved" log when dropped
 
 
 def _failed(exc: BaseException) -> asyncio.Future[Any]:

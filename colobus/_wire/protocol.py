@@ -211,7 +211,7 @@ class Call(Body):
     """
 
     kind = Kind.CALL
-    types = (int, int, bytes, int, str, list, list, int)
+    types = (int, int, bytes, int, str, list, list, int, int)
     required = 7
     call_id: int
     stream: int
@@ -221,12 +221,15 @@ class Call(Body):
     refs: list[Any]
     mesh: list[Any]
     hosts: int = 0  # the cluster's host count now (cb.host_count() in host code)
+    check: int = 0  # 1: hash replicated outputs, to compare replicas (check_replicas=True)
 
 
 @dataclass(frozen=True, slots=True)
 class Result(Body):
     """The outcome of a request. ``times``: for a CALL that ran, ``[queued, ran]``,
-    the ns it waited on the host (arrival to start) and the ns it ran; else empty."""
+    the ns it waited on the host (arrival to start) and the ns it ran, then for one that
+    succeeded 1 if every output was computed when it answered (JAX's ``is_ready``), else
+    0; else empty."""
 
     kind = Kind.RESULT
     types = (int, int, object, list)
@@ -263,12 +266,15 @@ class Put(Body):
 @dataclass(frozen=True, slots=True)
 class Fetch(Body):
     kind = Kind.FETCH
-    types = (int, int, int, list)
+    types = (int, int, int, list, list)
     required = 3
     call_id: int
     ref: int
     data: int  # what to answer when: a FETCH_ below (True: FETCH_DATA); see docs/protocol.md
     box: list[Any] = field(default_factory=list)  # [[start, stop], ...]: only that box
+    # [platform, local id] of one device: its own buffer of the value (its shard, where
+    # a JAX array keeps one per device), else the box of the block
+    device: list[Any] = field(default_factory=list)
 
 FETCH_WAIT, FETCH_DATA, FETCH_PROBE, FETCH_CALL = 0, 1, 2, 3  # computed; data; now?; a call's
 
