@@ -251,7 +251,7 @@ async def _async_rows(patterns: list[str], n: int, warm: int) -> None:
             for name in one:
                 await _measured(name, calls[name], x, n, warm)
                 kept.clear()
-            await obj.aclose()
+            await cb.aclose(obj)
     if "fanout4" in patterns:
         async with cb.local_cluster(hosts=4, devices_per_host=1) as ctl:
             x = _fanout_array(ctl, 4)

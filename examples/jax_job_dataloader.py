@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
         w_true = np.linspace(-1.0, 1.0, FEATURES, dtype=np.float32)
         print(f"done: max |w - w_true| = {np.abs(np.asarray(w) - w_true).max():.3f}; "
               f"restored batch equal: {same}", flush=True)
-        loader.close()
+        cb.close(loader)
     return 0
 
 

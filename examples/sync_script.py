@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
                 losses = ", ".join(f"{v:.4f}" for v in np.asarray(loss))
                 print(f"step {step}: loss per host [{losses}], replicas averaged")
         final = cb.device_get(w)[0]
-        loader.close()
+        cb.close(loader)
 
     w_true = np.arange(1.0, features + 1, dtype=np.float32) / features
     error = float(np.abs(final - w_true).max())

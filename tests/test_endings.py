@@ -414,7 +414,7 @@ async def test_defect10_destroy_ordered_before_next_call() -> None:
             del touch
             how = "close" if r % 2 else "del"
             if how == "close":
-                obj.close()
+                cb.close(obj)
             del obj  # the wrapper's last reference: dropped now (refcount)
             for h, check in enumerate(checks):
                 out = await bounded(check(token))

@@ -436,7 +436,7 @@ class Explorer(RuleBasedStateMachine):
             return
         self.objects.remove(o)
         if how == "close":
-            o.obj.close()
+            cb.close(o.obj)
 
     # -- hosts -----------------------------------------------------------------------------------
 

@@ -342,7 +342,7 @@ def test_sequential_execution(ctl: cb.Controller, on_main_thread: bool) -> None:
             # No waiting between calls: each host must run them in the order issued.
             func0(x)
             func1(x)
-            func2(x).result(timeout=30)
+            cb.block_until_ready(func2(x))  # the arrays of a call: waited for, as JAX's
         except BaseException as exc:
             errors.append(exc)
 
@@ -355,7 +355,7 @@ def test_sequential_execution(ctl: cb.Controller, on_main_thread: bool) -> None:
             t.join()
         assert not errors, errors
     finally:
-        state_cleanup(x).result(timeout=30)
+        cb.block_until_ready(state_cleanup(x))
 
 
 async def test_sequential_execution_in_one_task(ctl: cb.Controller) -> None:
@@ -387,12 +387,12 @@ def test_concurrent_execution(ctl: cb.Controller) -> None:
 
     def one() -> None:
         try:
-            results.append(func(x).result(timeout=60))
+            results.append(cb.block_until_ready(func(x)))
         except BaseException as exc:
             results.append(exc)
 
     try:
-        barrier_init(x).result(timeout=30)
+        cb.block_until_ready(barrier_init(x))
         # Three threads, three streams: the calls meet at the barrier on each host.
         threads = [threading.Thread(target=one) for _ in range(3)]
         for t in threads:
@@ -402,7 +402,7 @@ def test_concurrent_execution(ctl: cb.Controller) -> None:
         assert len(results) == 3
         assert all(isinstance(r, cb.Array) for r in results), results
     finally:
-        state_cleanup(x).result(timeout=30)
+        cb.block_until_ready(state_cleanup(x))
 
 
 async def test_concurrent_execution_from_asyncio_tasks(ctl: cb.Controller) -> None:
@@ -472,13 +472,13 @@ def test_module_variable_access(ctl: cb.Controller) -> None:
         d0 = cb.devices()[0]
         x = cb.device_put(np.array(1), d0)
         y = cb.device_put(np.array(2), d0)
-        cb.block_until_ready(set_global_state(x).result(timeout=30))
-        out = cb.device_get(get_global_state(y).result(timeout=30))
+        cb.block_until_ready(set_global_state(x))
+        out = cb.device_get(get_global_state(y))
         np.testing.assert_equal(out, np.array(1))
     finally:
         _THIS_MODULE._non_serializable.close()  # type: ignore[attr-defined]
         del _THIS_MODULE._non_serializable  # type: ignore[attr-defined]
-        state_cleanup(cb.device_put(np.array(0), cb.devices()[0])).result(timeout=30)
+        cb.block_until_ready(state_cleanup(cb.device_put(np.array(0), cb.devices()[0])))
 
 
 async def test_string_processing(ctl: cb.Controller) -> None:
@@ -654,11 +654,15 @@ async def test_host_sees_only_its_block_values(ctl: cb.Controller) -> None:
     np.testing.assert_array_equal(cb.device_get(tenfold),
                                   np.arange(8).reshape(2, 4) * 10)
 
-    # Hosts that disagree on a replicated output's value: its digests differ, so
-    # the call fails instead of a fetch silently reading the lowest host's copy.
+    # Hosts that disagree on a replicated output's value: as JAX keeps replicas, each
+    # device's shard holds its host's value, and the array's value is the first shard's.
+    first = await first_value(x)
+    assert [int(s.data[0]) for s in first.addressable_shards] == [0] * 4 + [4] * 4
+    np.testing.assert_array_equal(cb.device_get(first), [0])
+    # Asked for (check_replicas=True), they are compared: the call fails instead.
     with pytest.raises(ValueError, match=r"replicated over hosts \[0, 1\].*host 0 and host 1 "
                                          r"returned different values"):
-        await first_value(x)
+        await first_value.specialize(check_replicas=True)(x)
 
 
 async def test_one_dimensional_mesh_over_both_hosts(ctl: cb.Controller) -> None:
@@ -823,9 +827,8 @@ def test_await_from_another_event_loop(ctl: cb.Controller) -> None:
     t.join(60)
     assert len(got) == 1
     np.testing.assert_array_equal(got[0], np.arange(4).reshape(2, 2) + 1)
-    # And .result() from a plain thread (this one).
-    np.testing.assert_array_equal(np.asarray(add_one(x).result(timeout=30)),
-                                  np.arange(4).reshape(2, 2) + 1)
+    # And from a plain thread (this one): its arrays, as JAX's.
+    np.testing.assert_array_equal(np.asarray(add_one(x)), np.arange(4).reshape(2, 2) + 1)
 
 
 async def test_code_shipped_once_per_host(ctl: cb.Controller) -> None:

@@ -232,7 +232,7 @@ def test_a_methods_first_call_waits_per_object(ctl: cb.Controller, tmp_path: Pat
         saver = Saver(str(tmp_path))
         assert saver.save(x, name).done()
         assert (tmp_path / f"{name}-0").exists() and (tmp_path / f"{name}-1").exists()
-        saver.close()
+        cb.close(saver)
 
 
 def test_two_first_calls_from_a_thread_pool_run_at_the_same_time(ctl: cb.Controller) -> None:

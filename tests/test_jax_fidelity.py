@@ -242,7 +242,7 @@ async def test_device_model_objects_as_arguments_and_in_constructors(
     out = await value.add_sharding2(y)
     assert out.sharding == sharding2 and _layout(out.sharding) == _layout(sharding2)
     np.testing.assert_array_equal(cb.device_get(out), [7, 17])
-    value.close()
+    cb.close(value)
 
     # Upstream's test_object_method_specialization: a sharding given to __init__.
     obj = Fetcher(cb.SingleDeviceSharding(d0))
@@ -250,7 +250,7 @@ async def test_device_model_objects_as_arguments_and_in_constructors(
     out = await obj.fetch()
     assert out.sharding == cb.SingleDeviceSharding(d0) and out.dtype == np.int32
     assert int(cb.device_get(out)) == 1
-    obj.close()
+    cb.close(obj)
 
 
 async def test_mesh_over_hosts_becomes_the_hosts_sub_mesh(ctl: cb.Controller) -> None:
@@ -562,12 +562,12 @@ def test_eight_hosts_outputs_and_objects(eight: cb.Controller) -> None:
     k = cb.device_put(np.array(1, np.int32), devs[7])
     assert int(np.asarray(acc.add(k))) == 6
     assert int(np.asarray(acc.add(k))) == 7
-    acc.close()
+    cb.close(acc)
     obj = Fetcher(cb.SingleDeviceSharding(devs[3]))
     obj.fetch = obj.fetch.specialize(devices=[devs[3]])
     out = obj.fetch().result()
     assert out.sharding == cb.SingleDeviceSharding(devs[3]) and int(np.asarray(out)) == 1
-    obj.close()
+    cb.close(obj)
 
 
 def test_eight_hosts_execution_strings_and_keys(eight: cb.Controller) -> None:

@@ -137,7 +137,7 @@ async def _scenario() -> list[Any]:
     except KeyError as exc:
         seen.append(str(exc).splitlines()[0])
     last = counter.bump(x)
-    await counter.aclose()
+    await cb.aclose(counter)
     seen.append(await _value(await last))
     return seen
 

@@ -54,8 +54,8 @@ def _counting(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     hits = [0]
     build, learn, read = resultlane.SETTLERS[_decode_result]
 
-    def counted(op: Any, host: int, raw: bytes, count: int) -> Any:
-        got = build(op, host, raw, count)
+    def counted(op: Any, host: int, raw: bytes, count: int, times: Any) -> Any:
+        got = build(op, host, raw, count, times)
         if got is not resultlane.MISS:
             hits[0] += 1
         return got
@@ -129,7 +129,7 @@ async def test_errors_and_cancellations_after_lane_hits(ctl: cb.Controller,
 def test_result_from_threads_waits_and_times_out(ctl: cb.Controller) -> None:
     x = cb.device_put(np.arange(4.0), cb.devices()[0])
     for _ in range(3):
-        np.testing.assert_array_equal(np.asarray(lane_ident(x).result(WAIT_S)), np.arange(4.0))
+        np.testing.assert_array_equal(np.asarray(lane_ident(x)), np.arange(4.0))
     fut: Future[int] = Future()
     with pytest.raises(TimeoutError):
         fut.result(0.01)

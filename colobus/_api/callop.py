@@ -15,8 +15,8 @@ from .._wire.envelope import Envelope
 from .._wire.peer import Peer
 from .._wire.splice import CallSplicer
 from .array import Array
+from .outputs import Unlike, lane_outputs, learn_outputs
 from .outputs import build_outputs as _build_outputs
-from .outputs import lane_outputs, learn_outputs
 from .pending import Pending
 from .plan import CallPlan
 from .serialization import PickledArgs
@@ -148,8 +148,13 @@ class _CallOp:
         The op itself, not its bound method: one object less per call in flight.
         """
         pending = self.pending
-        out = _build_outputs(self.ctl, self.call_id, self.plan, per_host, self.ref_shardings,
-                             self.target.name, pending, self.check)
+        try:
+            out = _build_outputs(self.ctl, self.call_id, self.plan, per_host,
+                                 self.ref_shardings, self.target.name, pending, self.check)
+        except Unlike as exc:  # an out_specs_fn's own error says it first, where it has one
+            if self.out_specs is not None:
+                _check_specs(exc.came, self.out_specs, f"outputs of {self.target.name}")
+            raise
         if self.out_specs is not None:
             _check_specs(out, self.out_specs, f"outputs of {self.target.name}")
         if pending is not None:  # its arrays are its outputs, stored (settle_pending)

@@ -20,6 +20,7 @@ from .._model.blocks import global_shape_from_host, host_blocks, layout_from_hos
 from .._model.devices import Device, Mesh
 from .._model.sharding import (
     NamedSharding,
+    ShapeDtypeStruct,
     SingleDeviceSharding,
     with_memory_kind,
 )
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
     from .pending import Pending
     from .plan import CallPlan
 
-__all__ = ["build_outputs"]
+__all__ = ["Unlike", "build_outputs"]
 
 
 @functools.lru_cache(maxsize=16)
@@ -77,9 +78,11 @@ def build_outputs(ctl: Controller, call_id: int, plan: CallPlan,
             raise ValueError(
                 f"hosts returned different output structures: host {hosts[0]} returned "
                 f"{tree0}, host {h} returned {flat[h][1]}")
+    unlike: str | None = None  # how the hosts' outputs differ from ``pending``'s
+    came: list[Any] = []  # each leaf's (shape, dtype, sharding), while ``pending`` is given
     if pending is not None and (len(pending.leaves) != len(leaves0)
                                 or tree0 != pending.treedef):
-        _unlike(pending, name, f"output structure {pending.treedef}", str(tree0))
+        unlike = f"output structure {pending.treedef}, came back as {tree0}"
     outs: list[Array] = []
     for i, leaf0 in enumerate(leaves0):
         metas: dict[int, P.OutLeaf] = (dict.fromkeys(hosts, leaf0) if same
@@ -133,32 +136,40 @@ def build_outputs(ctl: Controller, call_id: int, plan: CallPlan,
             _outlayout.check_replicas(i, sharding, shape, metas, name,
                                       functools.partial(_output_path, tree0, i))
         if pending is not None:
-            p = pending.leaves[i]
-            if (p.shape != shape or p.dtype != dtype or p._key_impl != leaf0.key_impl
-                    or not (p.sharding is sharding or (
-                        p.sharding == sharding
-                        and p.sharding.device_list == sharding.device_list))):
-                _unlike(pending, name,
-                        f"{_output_path(tree0, i)}: {p.shape} {p.dtype} on {p.sharding!r}",
-                        f"{shape} {dtype} on {sharding!r}")
-            outs.append(p)
+            came.append(ShapeDtypeStruct(shape, dtype, sharding))
+            if unlike is None:
+                p = pending.leaves[i]
+                if (p.shape != shape or p.dtype != dtype or p._key_impl != leaf0.key_impl
+                        or not (p.sharding is sharding or (
+                            p.sharding == sharding
+                            and p.sharding.device_list == sharding.device_list))):
+                    unlike = (f"{_output_path(tree0, i)} {p.shape} {p.dtype} on "
+                              f"{p.sharding!r}, came back as {shape} {dtype} on {sharding!r}")
+                outs.append(p)
             continue
         outs.append(Array(ctl, P.output_ref(call_id, i), shape, dtype, sharding,
                           key_impl=leaf0.key_impl))
+    if unlike is not None:
+        assert pending is not None
+        if pending.cell is not None:
+            pending.cell[0] = None  # (the next call learns its specs again)
+        raise Unlike(
+            f"{name or 'a colocated function'}: the call returned its outputs at once, as "
+            f"JAX does, from the specs of its out_specs_fn or of its earlier call with the "
+            f"same input specs, but they differ: {unlike}. Return outputs of the same specs "
+            "for the same input specs, or give specialize(out_specs_fn=...) that says what "
+            "it returns; its next call learns the specs again.", tree0.unflatten(came))
     return tree0.unflatten(outs)
 
 
-def _unlike(pending: Pending, name: str, made: str, came: str) -> None:
-    """Raise: the hosts' outputs differ from the arrays the call returned when made (the
-    cell those specs came from is emptied: the next call learns again)."""
-    if pending.cell is not None:
-        pending.cell[0] = None
-    raise ValueError(
-        f"{name or 'a colocated function'}: the call returned its outputs at once as "
-        f"{made}, from the specs of its out_specs_fn or of its earlier call with the same "
-        f"input specs (as JAX does), but its hosts returned {came}. Return outputs of the "
-        "same specs for the same input specs, or give specialize(out_specs_fn=...) that "
-        "says what it returns; its next call learns the specs again.")
+class Unlike(ValueError):
+    """A call's outputs differ from the pending arrays it returned; ``came`` is what the
+    hosts returned, as a tree of ``cb.ShapeDtypeStruct`` (an ``out_specs_fn``'s own
+    error, where it has one, says it first: ``_CallOp``)."""
+
+    def __init__(self, text: str, came: Any) -> None:
+        super().__init__(text)
+        self.came = came
 
 
 def _output_path(treedef: Any, i: int) -> str:

@@ -168,7 +168,7 @@ class Bench:
             obj: Any = BenchObject(i)  # the colocated wrapper: methods return Futures
             await obj.ping(x)
             times.append(time.perf_counter() - t)
-            await obj.aclose()
+            await cb.aclose(obj)
         ours = _median_us(times[2:])
         base = self._raw_rtt.get(1) or self.raw_rtt_us(raw)
         self.add(Row("object_first_call", "us", ours, base, "lower",

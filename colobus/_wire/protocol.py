@@ -223,6 +223,13 @@ class Call(Body):
     hosts: int = 0  # the cluster's host count now (cb.host_count() in host code)
     check: int = 0  # 1: hash replicated outputs, to compare replicas (check_replicas=True)
 
+    def to_wire(self) -> list[Any]:
+        out = [self.call_id, self.stream, self.digest, self.obj, self.method, self.refs,
+               self.mesh, self.hosts]
+        if self.check:  # (eight fields otherwise: the lanes splice those)
+            out.append(self.check)
+        return out
+
 
 @dataclass(frozen=True, slots=True)
 class Result(Body):
@@ -275,6 +282,12 @@ class Fetch(Body):
     # [platform, local id] of one device: its own buffer of the value (its shard, where
     # a JAX array keeps one per device), else the box of the block
     device: list[Any] = field(default_factory=list)
+
+    def to_wire(self) -> list[Any]:
+        out = [self.call_id, self.ref, self.data, self.box]
+        if self.device:
+            out.append(self.device)
+        return out
 
 FETCH_WAIT, FETCH_DATA, FETCH_PROBE, FETCH_CALL = 0, 1, 2, 3  # computed; data; now?; a call's
 
