@@ -42,6 +42,15 @@ async def _call(fn: object, *args: object) -> object:
     return await fn(*args)  # type: ignore[operator]
 
 
+def _future_of(fn: object, *args: object) -> cb.Future:
+    """The call's Future: as async code gets it (here on a loop of this thread's own),
+    where plain code gets its arrays."""
+    async def make() -> cb.Future:
+        return fn(*args)  # type: ignore[operator, no-any-return]
+
+    return asyncio.run(make())
+
+
 async def _until_started(events: object, gate: int) -> None:
     for _ in range(600):
         if gate + 1_000_000 in await _events(events):
@@ -146,7 +155,7 @@ def test_result_timeout_raises_timeouterror_and_call_survives(ctl: cb.Controller
     dev = cb.devices()[2]
     wait_gate, _, _ = _on(dev)
     gate = next(_ids)
-    a = wait_gate(gate)
+    a = _future_of(wait_gate, gate)
     with pytest.raises(TimeoutError):
         a.result(timeout=0.05)
     with pytest.raises(TimeoutError):
@@ -161,7 +170,7 @@ def test_result_timeout_raises_timeouterror_and_call_survives(ctl: cb.Controller
 def test_result_on_loop_thread_says_await(ctl: cb.Controller) -> None:
     wait_gate, _, _ = _on(cb.devices()[3])
     gate = next(_ids)
-    fut = wait_gate(gate)
+    fut = _future_of(wait_gate, gate)
 
     async def on_loop() -> str:
         try:

@@ -148,7 +148,7 @@ def test_sync_with_round_trip(transport: str) -> None:
     with cb.local_cluster(hosts=1, devices_per_host=2, transport=transport) as ctl:
         pids = [h.pid for h in ctl.hosts()]
         x = cb.device_put(np.arange(3), cb.devices()[1])
-        np.testing.assert_array_equal(np.asarray(ident(x).result(30)), np.arange(3))
+        np.testing.assert_array_equal(np.asarray(ident(x)), np.arange(3))
         info = ctl.hosts()[0]
         assert info.index == 0 and info.name == "local-0" and len(info.devices) == 2
     _assert_gone(pids)
@@ -208,7 +208,7 @@ def test_init_and_shutdown() -> None:
         ctl = cb.init(hosts=1)
         assert cb.devices() == ctl.devices()
         np.testing.assert_array_equal(
-            np.asarray(ident(cb.device_put(np.ones(2), cb.devices()[0])).result(30)), 1)
+            np.asarray(ident(cb.device_put(np.ones(2), cb.devices()[0]))), 1)
         cb.shutdown()
         cb.shutdown()  # idempotent
         with pytest.raises(cb.NoControllerError):

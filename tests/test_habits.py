@@ -57,25 +57,25 @@ def test_block_until_ready_as_a_statement_waits(ctl: cb.Controller, tmp_path: Pa
     y = step(_over_hosts(np.ones((2, 3), np.float32)), str(tmp_path))
     cb.block_until_ready(y)  # a statement, as in a JAX script: it waits
     assert all(m.read_text() == "done" for m in marks)
-    out = y.result()
-    assert cb.block_until_ready(out) is out  # an array: the same object back, ready
+    assert cb.block_until_ready(y) is y  # an array: the same object back, ready
+    assert jax.block_until_ready(y) is y and y.block_until_ready() is y  # JAX's, as JAX
 
 
 def test_is_ready_is_a_bool_in_plain_code(ctl: cb.Controller) -> None:
     dev = next(d for d in cb.devices() if d.host == 1)
     x = cb.device_put(np.arange(4, dtype=np.float32), cb.SingleDeviceSharding(dev))
     try:
-        y = rh.hold(x).result()  # its value "still computing" until released
+        y = rh.hold(x)  # (a first call: once it ran) its value "still computing" until released
         taken = []
         if y.is_ready():  # a Future here would always be taken (it is truthy)
             taken.append("ready")
         assert taken == [] and y.is_ready() is False
-        rh.release(x).result()
+        cb.block_until_ready(rh.release(x))
         cb.block_until_ready(y)
         assert y.is_ready() is True
     finally:
-        rh.release(x).result()
-        rh.unpatch(x).result()
+        cb.block_until_ready(rh.release(x))
+        cb.block_until_ready(rh.unpatch(x))
 
 
 def test_device_get_prints_numbers_and_takes_futures(ctl: cb.Controller,
@@ -180,41 +180,42 @@ def test_a_first_call_returns_once_its_hosts_ran_it(ctl: cb.Controller, tmp_path
         return x
 
     x = _over_hosts(np.zeros((2, 1), np.float32))
-    first = save_state(x, str(tmp_path))  # called for its side effect, as maxtext does
-    assert first.done()
+    opened = tmp_path / "opened"
+    opened.write_text("open")
+    first = save_state(x, str(tmp_path), str(opened))  # for its side effect, as maxtext
+    assert isinstance(first, cb.Array)
     assert sorted(p.name for p in tmp_path.glob("state-*")) == ["state-0.json",
                                                                 "state-1.json"]
-    later = save_state(x, str(tmp_path / "later"), str(gate))  # specs known: at once
-    assert not later.done()
+    # the same input specs again: its specs are known, its arrays come at once (pending)
+    later = save_state(x, str(tmp_path / "later"), str(gate))
+    assert later.is_ready() is False  # its call waits at the gate
     (tmp_path / "later").mkdir()
     gate.write_text("open")
-    assert isinstance(later.result(timeout=60), cb.Array)
+    assert cb.block_until_ready(later) is later and later.is_ready() is True
     # A specialization is a function of its own; with out_specs_fn it never waits.
     gate.unlink()
     known = save_state.specialize(out_specs_fn=lambda x, folder, gate: x)
-    fut = known(x, str(tmp_path), str(gate))
-    assert not fut.done()
+    out = known(x, str(tmp_path), str(gate))
+    assert out.is_ready() is False
     gate.write_text("open")
-    fut.result(timeout=60)
+    cb.block_until_ready(out)
 
 
-def test_a_failed_first_call_teaches_nothing(ctl: cb.Controller) -> None:
-    calls = []
-
+def test_a_failed_first_call_teaches_nothing(ctl: cb.Controller, tmp_path: Path) -> None:
     @cb.colocated_python
-    def picky(x: Any, fail: bool) -> Any:
+    def picky(x: Any, fail: bool, folder: str) -> Any:
+        time.sleep(0.2)  # (makes a call that returned early see no file)
+        Path(folder, f"{fail}-{cb.host_index()}").write_text("ran")
         if fail:
             raise ValueError("not this time")
         return x
 
     x = _over_hosts(np.zeros((2, 1), np.float32))
-    for fail in (True, False):  # the second call is a first call too: it waits
-        fut = picky(x, fail)
-        calls.append(fut.done())
-        if fail:
-            with pytest.raises(ValueError, match="not this time"):
-                fut.result()
-    assert calls == [True, True]
+    with pytest.raises(ValueError, match="not this time"):  # raised at the call, as JAX's
+        picky(x, True, str(tmp_path))
+    assert isinstance(picky(x, False, str(tmp_path)), cb.Array)  # a first call too: waits
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "False-0", "False-1", "True-0", "True-1"]
 
 
 def test_a_methods_first_call_waits_per_object(ctl: cb.Controller, tmp_path: Path) -> None:
@@ -230,7 +231,7 @@ def test_a_methods_first_call_waits_per_object(ctl: cb.Controller, tmp_path: Pat
     x = _over_hosts(np.zeros((2, 1), np.float32))
     for name in ("a", "b"):  # each object's first call of the method waits
         saver = Saver(str(tmp_path))
-        assert saver.save(x, name).done()
+        saver.save(x, name)
         assert (tmp_path / f"{name}-0").exists() and (tmp_path / f"{name}-1").exists()
         cb.close(saver)
 
@@ -244,7 +245,6 @@ def test_two_first_calls_from_a_thread_pool_run_at_the_same_time(ctl: cb.Control
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         futs = [pool.submit(fn, x, "thread pool") for _ in range(2)]
         done = [f.result(timeout=120) for f in futs]
-    assert all(d.done() for d in done)
     for d in done:
         np.testing.assert_array_equal(cb.device_get(d), [1.0, 1.0])
 
@@ -272,20 +272,24 @@ def test_a_failed_calls_future_dropped_unread_is_logged_once(
 
     dev = next(d for d in cb.devices() if d.host == 1)
     x = cb.device_put(np.zeros(2, np.float32), cb.SingleDeviceSharding(dev))
-    broken(x)  # called for its side effect; the error never read
+    known = broken.specialize(out_specs_fn=lambda x: x)  # its arrays at once (pending)
+    out = known(x)  # called for its side effect; the error never read
+    cb.block_until_ready(ident(x))  # (behind it on its host: it failed by now)
+    del out
     (line,) = _unread(caplog)
     assert "broken" in line and "host 1" in line and "broken on purpose" in line, line
     assert _unread(caplog) == [line]  # once
     caplog.clear()
-    # Read (result, exception, await) or handed to another call: never logged.
-    f = broken(x)
+    # Read (its array used) or handed to another call: never logged.
+    f = known(x)
     with pytest.raises(KeyError):
-        f.result()
-    g = broken(x)
-    assert isinstance(g.exception(), KeyError)
-    h = ident(broken(x))
+        np.asarray(f)
+    g = known(x)
+    with pytest.raises(KeyError, match="broken on purpose"):
+        jax.block_until_ready(g)
+    h = ident(known(x))
     with pytest.raises(KeyError):
-        h.result()
+        cb.device_get(h)
     del f, g, h
     assert _unread(caplog) == []
 

@@ -106,7 +106,7 @@ def invoke(target: Target, args: tuple[Any, ...], kwargs: dict[str, Any], *,
         cell = cell_of(target, signature(treedef, leaves, plan))
         outs = cell[0] if cell is not None else None
         if outs is None and out_specs is not None and cell is not None:
-            outs = cell[0] = outs_of_specs(out_specs)
+            outs = cell[0] = outs_of_specs(out_specs, plan)
         fut._returns = Wait(cell) if outs is None else outs
     failed = _failed_input(inputs)
     if failed is not None:  # nothing to run it on: never sent, ends as its input did
@@ -159,6 +159,7 @@ def _check_buried(keep: list[Any], leaves: list[Any], plan: CallPlan,
     inputs: list[Future[Any]] = []
     for h in keep:  # a pending array's call: an input too (chained as a Future is)
         if type(h) is Array and h._call is not None:
+            h._call._read()  # its error, if any, is the dependent call's (never logged)
             inputs.append(h._call)
     all_leaves = len(keep) == len(leaves)
     for a, b in zip(keep, leaves, strict=True) if all_leaves else ():

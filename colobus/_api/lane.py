@@ -204,7 +204,7 @@ def call(target: Target, args: tuple[Any, ...],
             stream = getattr(_thread_streams, "sid", None) or _stream_id()
             outs = cell[0] if cell is not None else None
             if outs is None and out_specs is not None and cell is not None:
-                outs = cell[0] = outs_of_specs(out_specs)
+                outs = cell[0] = outs_of_specs(out_specs, plan)
             if outs is None:
                 fut._returns = Wait(cell)
             else:

@@ -27,12 +27,14 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .._controller.future import Future
+from .._model.devices import Device
 from .._model.sharding import NamedSharding, ShapeDtypeStruct, SingleDeviceSharding
 from .array import Array, _hosts_of
 from .specs import _as_seen_on_hosts
 
 if TYPE_CHECKING:
     from .._controller.controller import Controller
+    from .plan import CallPlan
 
 __all__ = ["OutSpecs", "Pending", "Wait", "cell_of", "make_pending", "outs_of_specs",
            "settle_pending", "signature", "wait_outputs"]
@@ -91,18 +93,25 @@ def outs_of_result(result: Any) -> OutSpecs | None:
     return OutSpecs(None if single else treedef, treedef, entries)
 
 
-def outs_of_specs(out_specs: Any) -> OutSpecs | None:
+def outs_of_specs(out_specs: Any, plan: CallPlan) -> OutSpecs | None:
     """The specs an ``out_specs_fn`` gave, where each leaf is a ``cb.ShapeDtypeStruct``
-    with a colobus sharding and a plain dtype (else None: its first call tells)."""
+    with a plain dtype (else None: its first call tells); one without a sharding is
+    replicated over the call's devices, as a host's plain value is."""
     import jax
 
     leaves, treedef = jax.tree_util.tree_flatten(out_specs)
     entries: list[_Entry] = []
+    replicated: Any = None
     for s in leaves:
         if not isinstance(s, ShapeDtypeStruct):
             return None
         sharding = s.sharding
-        if not isinstance(sharding, NamedSharding | SingleDeviceSharding):
+        if sharding is None:
+            if replicated is None:
+                replicated = (SingleDeviceSharding(plan.mesh) if isinstance(plan.mesh, Device)
+                              else NamedSharding(plan.mesh, jax.sharding.PartitionSpec()))
+            sharding = replicated
+        elif not isinstance(sharding, NamedSharding | SingleDeviceSharding):
             return None
         dtype = _as_seen_on_hosts(s.dtype)
         if not isinstance(dtype, np.dtype) or dtype.hasobject:
