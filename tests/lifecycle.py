@@ -46,6 +46,17 @@ async def bounded(aw: Awaitable[T], seconds: float = SETTLE_S, what: str = "oper
         raise AssertionError(f"{what} did not settle within {seconds} s (hang)") from None
 
 
+def in_async(make: Callable[[], T]) -> T:
+    """``make()`` run as async code runs it (a coroutine, here on a loop of this thread's
+    own, one task: one stream): calls made there return their ``cb.Future``, where plain
+    code gets the calls' arrays (for tests of the Futures themselves)."""
+
+    async def run() -> T:
+        return make()
+
+    return asyncio.run(run())
+
+
 async def outcome(fut: cb.Future[Any], seconds: float = SETTLE_S,
                   what: str = "future") -> BaseException | None:
     """Wait (bounded) until ``fut`` is done, without cancelling it; its exception or None."""

@@ -30,6 +30,7 @@ import pytest
 from lifecycle import (
     assert_store_empty,
     bounded,
+    in_async,
     outcome,
     pid_of,
     quiesced,
@@ -212,7 +213,7 @@ def _close_from_callback() -> None:
             took.append(time.monotonic() - t0)
             done.set()
 
-        fut = hs.nap.specialize(devices=ctl.devices())(0.2, 1)
+        fut = in_async(lambda: hs.nap.specialize(devices=ctl.devices())(0.2, 1))
         fut.add_done_callback(closer)
         finished = done.wait(10)
         if not finished:
