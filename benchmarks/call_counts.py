@@ -17,7 +17,8 @@ events (C functions called from Python) of every thread. For each pattern this r
 Patterns: ``noop`` (a no-op, awaited one at a time), ``ident`` (``return x``, awaited),
 ``kept`` (the same, each future kept: no frees ride along; the difference from
 ``ident`` is what freeing a call's result and output costs),
-``sync`` (``return x`` from ``.result()`` on a plain thread, ``with local_cluster``),
+``sync`` (``return x`` on a plain thread, ``with local_cluster``: its array at once, then
+``block_until_ready()``, as JAX code waits),
 ``method`` (a colocated object's no-op method, awaited), ``spec`` (``return x``
 specialized with ``out_specs_fn``, as orbax wraps every function), ``mident``
 (``return x`` as an object's method), ``fanout4`` (``return x`` on an array over 4
@@ -152,7 +153,7 @@ LABELS = {
     "noop": "no-op, awaited, 1 host",
     "ident": "`return x`, awaited, 1 host",
     "kept": "`return x`, awaited, futures kept (no frees)",
-    "sync": "`return x`, .result() from a plain thread",
+    "sync": "`return x`, plain thread, block_until_ready()",
     "spec": "`return x`, specialized (out_specs_fn), awaited",
     "method": "object method (no-op), awaited",
     "mident": "object method `return x`, awaited",
@@ -287,14 +288,14 @@ def _sync_row(n: int, warm: int) -> None:
         x = _one_device_array(ctl)
         cb.block_until_ready(x)
         for _ in range(warm):
-            bench_ident(x).result()
-        _mark(x, "sync:a").result()
-        _mark(x, "sync:b").result()
+            bench_ident(x).block_until_ready()
+        _mark(x, "sync:a").block_until_ready()
+        _mark(x, "sync:b").block_until_ready()
         c0 = _controller_totals("sync.0")
         for _ in range(n):
-            bench_ident(x).result()
+            bench_ident(x).block_until_ready()  # its array at once, then waited, as JAX's
         c1 = _controller_totals("sync.1")
-        _mark(x, "sync:c").result()
+        _mark(x, "sync:c").block_until_ready()
     print(f"ROW sync {c1[0] - c0[0]} {c1[1] - c0[1]}", flush=True)
 
 

@@ -165,7 +165,7 @@ async def train(steps: int, every: int, where: str) -> dict[str, Any]:
     first_loss = float(np.asarray(await cb.device_get(await losses[0])).mean())
     last_loss = float(np.asarray(await cb.device_get(last)).mean())
     await cb.aclose(model)
-    await ckpt.aclose()
+    await cb.aclose(ckpt)
     return {"platform": kind, "hosts": len(hosts), "steps": steps, "seconds": seconds,
             "first_loss": first_loss, "last_loss": last_loss, "saves": saves}
 

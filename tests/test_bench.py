@@ -21,7 +21,7 @@ EXPECTED = {
     # bench_calls: calls, scaling, bigout
     "mem_inflight_controller", "mem_inflight_worker", "mem_held_controller", "mem_held_worker",
     "noop_async_alt", "ident_async", "spec_async", "plus1_async", "ident_pipelined_tasks",
-    "ident_pipelined_gather", "ident_pipelined_cbgather", "noop_sync_alt", "ident_sync",
+    "ident_pipelined_gather", "ident_pipelined_cbgather", "ident_sync",
     "scaling1_noop", "scaling1_ident", "scaling2_noop", "scaling2_ident", "scaling4_noop",
     "scaling4_ident", "scaling_cpu_per_host_noop", "scaling_cpu_per_host_ident",
     "bigout_first_peak_rss_worker", "bigout_second_peak_rss_worker",

@@ -46,6 +46,7 @@ from .bench_base import (
     bench_inc,
     bench_noop,
 )
+from .bench_calls import bench_ident
 
 __all__ = ["BENCHMARKS", "run_bench"]
 
@@ -69,12 +70,14 @@ async def _latency_async(x: Any, n: int) -> list[float]:
 
 
 def _latency_sync(x: Any, n: int) -> list[float]:
+    """``return x`` waited for as JAX code waits (a no-op returns nothing to wait for in
+    plain code, as JAX's): its array at once, then ``block_until_ready``."""
     for _ in range(n // 10):
-        bench_noop(x).result()
+        bench_ident(x).block_until_ready()
     out = []
     for _ in range(n):
         t = time.perf_counter()
-        bench_noop(x).result()
+        bench_ident(x).block_until_ready()
         out.append(time.perf_counter() - t)
     return out
 
@@ -277,8 +280,8 @@ def _run_sync(bench: Bench, options: dict[str, Any]) -> None:
         ours = _median_us(_latency_sync(x, bench.sizes.latency_calls))
         base = bench._raw_rtt.get(1) or bench.raw_rtt_us(raw)
         bench.add(Row("latency_sync", "us", ours, base, "lower",
-                      "no-op call, 1 host, `with` + .result(); baseline: raw blocking round "
-                      "trip"))
+                      "`return x`, 1 host, `with`: its array at once, then "
+                      "block_until_ready(); baseline: raw blocking round trip"))
 
 
 def _huge_pages_line() -> str:

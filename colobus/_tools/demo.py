@@ -297,7 +297,7 @@ async def train(steps: int, *, checkpoint_every: int = 10, checkpoint_dir: str |
     w_true = np.random.default_rng(0).normal(size=FEATURES).astype(np.float32)
     report.weight_error = float(np.abs(w - w_true).max())
     await cb.aclose(loader)
-    await writer.aclose()
+    await cb.aclose(writer)
     return report
 
 
