@@ -74,7 +74,7 @@ __all__ = [
     "unpack_bounded",
 ]
 
-PROTOCOL_VERSION = 11  # 2: BATCH envelopes; 3: acknowledgements (ack) in every header;
+PROTOCOL_VERSION = 12  # 2: BATCH envelopes; 3: acknowledgements (ack) in every header;
 # 4: timings in RESULT, health in HEARTBEAT
 # 5: challenged joins (JOIN, CHALLENGE), no pickles from workers
 # 6: hosts count calls' queued and run times (asked in WELCOME, sent in HEARTBEAT)
@@ -85,6 +85,8 @@ PROTOCOL_VERSION = 11  # 2: BATCH envelopes; 3: acknowledgements (ack) in every 
 # 10: FETCH modes (is_ready's probe; a wait for a call's outputs); FETCH waits until computed
 # 11: HELLO must carry the worker's Python and colobus versions (refused without them);
 #     the JAX job (FORM, WELCOME's jax_job); relays that connect (OFFER, SETUP)
+# 12: a FETCH of one device's buffer (its device field); CALL's check field
+#     (check_replicas); a call's RESULT says whether its outputs were computed (times[2])
 BATCH_KIND = 17  # _protocol.Kind.BATCH (this module does not import the kinds)
 MAC_SIZE = 32
 
