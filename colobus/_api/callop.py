@@ -148,13 +148,16 @@ class _CallOp:
         The op itself, not its bound method: one object less per call in flight.
         """
         pending = self.pending
+        unlike: Unlike | None = None
         try:
             out = _build_outputs(self.ctl, self.call_id, self.plan, per_host,
                                  self.ref_shardings, self.target.name, pending, self.check)
-        except Unlike as exc:  # an out_specs_fn's own error says it first, where it has one
+        except Unlike as exc:
+            unlike = exc
+        if unlike is not None:  # an out_specs_fn's own error says it first, where it has one
             if self.out_specs is not None:
-                _check_specs(exc.came, self.out_specs, f"outputs of {self.target.name}")
-            raise
+                _check_specs(unlike.came, self.out_specs, f"outputs of {self.target.name}")
+            raise unlike
         if self.out_specs is not None:
             _check_specs(out, self.out_specs, f"outputs of {self.target.name}")
         if pending is not None:  # its arrays are its outputs, stored (settle_pending)

@@ -415,6 +415,9 @@ class Operations:
         """End the operation of ``fut`` with ``exc`` (any thread): a call that depends on
         a call that failed (``exc``, that call's error). Its hosts that have not answered
         are told to drop it, as for a cancel; one still in the backlog never leaves."""
+        if threading.get_ident() == self.ctl._loop_thread_id:  # (before its own reply)
+            self._fail(fut, exc)
+            return
         try:
             self.ctl._call_soon(self._fail, fut, exc)
         except ControllerClosedError:
