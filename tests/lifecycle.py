@@ -57,6 +57,20 @@ def in_async(make: Callable[[], T]) -> T:
     return asyncio.run(run())
 
 
+@contextmanager
+def calls_return_futures() -> Iterator[None]:
+    """Within, calls made on this thread return their ``cb.Future`` as async code's do
+    (the thread looks like one running an event loop), its calls keeping this thread's
+    stream: for tests of the Futures themselves, written as plain code."""
+    loop = asyncio.new_event_loop()
+    asyncio.events._set_running_loop(loop)
+    try:
+        yield
+    finally:
+        asyncio.events._set_running_loop(None)
+        loop.close()
+
+
 async def outcome(fut: cb.Future[Any], seconds: float = SETTLE_S,
                   what: str = "future") -> BaseException | None:
     """Wait (bounded) until ``fut`` is done, without cancelling it; its exception or None."""

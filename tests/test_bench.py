@@ -160,9 +160,9 @@ def test_call_counts_prints_both_sides_for_every_pattern() -> None:
                           capture_output=True, text=True, timeout=300, cwd=tempfile.gettempdir())
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
-    for label in ("no-op, awaited", "`return x`, awaited, 1 host", "no frees", ".result()",
-                  "specialized", "object method (no-op)", "object method `return x`",
-                  "4 hosts"):
+    for label in ("no-op, awaited", "`return x`, awaited, 1 host", "no frees",
+                  "block_until_ready()", "specialized", "object method (no-op)",
+                  "object method `return x`", "4 hosts"):
         row = next(line for line in lines if label in line)
         counts = [float(v) for v in row.split()[-4:]]
         # A call runs some Python on each side, and not tens of thousands of functions

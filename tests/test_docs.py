@@ -141,7 +141,7 @@ def add_one(x):
 # What each page's text gives its fragments, beyond the base (above); the pages of
 # OWN_CLUSTER start the cluster they describe instead of the base's.
 OWN_CLUSTER = {"index.md", "observability.md", "reliability.md"}
-# The pages whose fragments are plain code beside a `with` cluster (`.result()`, blocking
+# The pages whose fragments are code beside a `with` cluster (its blocking
 # helpers): they run on a loop of their own, as in a notebook. Every other page's
 # fragments are async code under `async with`: they run on the base cluster's own loop,
 # where `cb.device_get` and `cb.block_until_ready` are futures to await.

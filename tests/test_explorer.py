@@ -41,7 +41,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from lifecycle import STORE_KEYS, Workers
+from lifecycle import STORE_KEYS, Workers, calls_return_futures
 
 import colobus as cb
 from colobus._wire.keys import write_key
@@ -508,6 +508,11 @@ class Explorer(RuleBasedStateMachine):
 
 def _run(examples: int, steps: int, shrink: bool, derandomize: bool) -> None:
     phases = [Phase.explicit, Phase.generate] + ([Phase.shrink] if shrink else [])
+    with calls_return_futures():  # (the explorer follows each call's Future)
+        _run_machine(phases, examples, steps, derandomize)
+
+
+def _run_machine(phases: list[Phase], examples: int, steps: int, derandomize: bool) -> None:
     run_state_machine_as_test(Explorer, settings=settings(
         max_examples=examples, stateful_step_count=steps, deadline=None, database=None,
         derandomize=derandomize, phases=phases, suppress_health_check=list(HealthCheck),

@@ -20,7 +20,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-
 from lifecycle import in_async
 
 import colobus as cb
