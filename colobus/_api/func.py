@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._controller.controller import Controller, default_controller
+from .._controller.dependents import fail_with
 from .._controller.future import Future
 from .._model.devices import Device
 from .array import Array, check_owner
@@ -209,7 +210,7 @@ def _follow_inputs(fut: Future[Any], inputs: list[Future[Any]]) -> None:
         elif (exc := f._exception) is not None:
             owner = dependent._owner
             if isinstance(owner, Controller):
-                owner._ops.fail_with(dependent, exc)
+                fail_with(owner._ops, dependent, exc)
 
     for f in inputs:
         f.add_done_callback(on_input)

@@ -411,36 +411,6 @@ class Operations:
             chan.flush()  # a CANCEL is urgent: it must reach the host before the call starts
         op.end(self, asyncio.CancelledError())
 
-    def fail_with(self, fut: Future[Any], exc: BaseException) -> None:
-        """End the operation of ``fut`` with ``exc`` (any thread): a call that depends on
-        a call that failed (``exc``, that call's error). Its hosts that have not answered
-        are told to drop it, as for a cancel; one still in the backlog never leaves."""
-        if threading.get_ident() == self.ctl._loop_thread_id:  # (before its own reply)
-            self._fail(fut, exc)
-            return
-        try:
-            self.ctl._call_soon(self._fail, fut, exc)
-        except ControllerClosedError:
-            pass
-
-    def _fail(self, fut: Future[Any], exc: BaseException) -> None:
-        op = self.pending.get(fut.call_id)
-        if op is None or op.future is not fut:  # still in the backlog, or ended already
-            if fut.done():
-                return
-            for queued in self.backlog:  # (it is skipped as it reaches the front)
-                if isinstance(queued, Operation) and queued.future is fut:
-                    queued.fail(exc)
-                    return
-            fut.set_exception(exc)  # (not on the loop yet: _start skips it)
-            return
-        hosts = self.ctl._hosts
-        for i in op.waiting_for():
-            h = hosts[i]
-            if h.alive:
-                self.ctl._send(h, P.Cancel(op.call_id))
-        op.end(self, exc)
-
     def host_lost(self, host: Host, why: str) -> None:
         """Fail every operation waiting for ``host``; the others' outputs are freed."""
         i = host.index
