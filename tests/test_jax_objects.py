@@ -12,8 +12,10 @@ call's error, whatever the failure (SPEC 5).
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +101,30 @@ def test_a_calls_outputs_are_arrays_at_once_with_jaxs_methods(ctl: cb.Controller
     # axlearn's restore: a CPU array placed, then block_until_ready() on it.
     restored = cb.device_put(np.ones((2, 4), np.float32), _cpu_dummy().sharding)
     assert restored.block_until_ready() is restored and restored.is_ready() is True
+
+
+def test_arrays_deleted_while_their_call_runs_leave_nothing_on_the_host(
+        ctl: cb.Controller, tmp_path: Path) -> None:
+    """A call's arrays deleted before it ended (freed on the host before the outputs
+    exist) are not kept when it ends; dropped, they live until it ended, then go."""
+    dev = next(d for d in cb.devices() if d.host == 1)
+    x = cb.device_put(np.zeros(2, np.int32), dev)
+    slow = slow_write.specialize(out_specs_fn=lambda x, folder: x)  # its array at once
+
+    def held() -> int:
+        gc.collect()
+        return int(ctl.refresh_stats().result(30)["hosts"][1]["arrays"])
+
+    cb.block_until_ready(slow(x, str(tmp_path)))  # (code shipped, its output dropped)
+    base = held()
+    for _ in range(3):
+        slow(x, str(tmp_path)).delete()  # freed at once, while it sleeps on the host
+        slow(x, str(tmp_path))  # dropped at once
+    assert cb.block_until_ready(plus_one(x)).shape == (2,)  # behind them on the host
+    deadline = time.monotonic() + 20
+    while held() > base:
+        assert time.monotonic() < deadline, (held(), base)
+        time.sleep(0.1)
 
 
 def test_jaxs_own_functions_refuse_a_cb_array_clearly(ctl: cb.Controller) -> None:

@@ -204,6 +204,7 @@ class Runs:
                 if not call.results.done():
                     call.results.set_exception(_settable(outcome))
                     call.results.exception()
+                w.store.gone_early.pop(body.call_id, None)
                 w.reply_error(body.call_id, outcome, call.times())
         else:
             self._forget(call)

@@ -99,6 +99,9 @@ class Store:
         self.classes: dict[int, bytes] = {}  # obj -> its class's code digest
         self.reshards: dict[int, Any] = {}  # new array ref -> its block being assembled
         self.trees: dict[int, Any] = {}  # TREEPUT call id -> its block (_host/treeput)
+        # call id -> outputs released while the call ran (their handles went before it
+        # ended): not stored when it ends
+        self.gone_early: dict[int, set[int]] = {}
 
     def clear(self) -> None:
         self.shipped.clear()
@@ -111,6 +114,7 @@ class Store:
         self.classes.clear()
         self.reshards.clear()
         self.trees.clear()
+        self.gone_early.clear()
         self.puts.clear()
         self.released.clear()
         self.sessions += 1
@@ -138,6 +142,10 @@ class Store:
         for ref in refs:
             if arrays.pop(ref, None) is not None:
                 released.append((ref, seq))
+            else:  # an output of a call still running here: dropped as it ends
+                running = self.results.get(ref >> 16)
+                if isinstance(running, asyncio.Future) and not running.done():
+                    self.gone_early.setdefault(ref >> 16, set()).add(ref)
         for call_id in calls:
             self.results.pop(call_id, None)
         for digest in code:  # calls queued with it hold the function itself (_Call.code)
@@ -169,15 +177,19 @@ class Store:
         return len(self.code), sum(self.code_bytes.values())
 
     def store_outputs(self, call_id: int, values: list[Any], treedef: Any) -> CallResult:
-        """Keep a finished call's output values as arrays; its result keeps their names."""
+        """Keep a finished call's output values as arrays (but those released while it
+        ran); its result keeps their names."""
         loop = asyncio.get_running_loop()
         refs = []
+        gone = self.gone_early.pop(call_id, None) if self.gone_early else None
         for i, value in enumerate(values):
+            ref = (call_id << 16) | i  # P.output_ref(call_id, i)
+            refs.append(ref)
+            if gone is not None and ref in gone:
+                continue  # its handle went while the call ran: nobody will read it
             fut: asyncio.Future[Any] = _Future(loop=loop)  # (create_future: a call more)
             fut.set_result(value)
-            ref = (call_id << 16) | i  # P.output_ref(call_id, i)
             self.arrays[ref] = fut
-            refs.append(ref)
         if call_id in self.results:  # not released meanwhile
             self.results[call_id] = CallResult(treedef, refs, None)
         return CallResult(treedef, refs, values)
