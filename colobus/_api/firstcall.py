@@ -8,6 +8,10 @@ controller: on every thread but the controller's own event-loop thread (plain sc
 kernel's beside a ``with`` cluster). On the controller's loop thread (async code under
 ``async with``) every call returns at once. A target's specs are known once it has an
 ``out_specs_fn`` or a call of it succeeded (``Target.learned``).
+
+This is the rule of calls that return their Future (async code, on any loop). Plain
+code's calls return their arrays, and learn output specs per input signature, as JAX
+specializes: ``colobus._api.pending``.
 """
 
 from __future__ import annotations

@@ -9,7 +9,11 @@ argument shardings is kept per function), no hop through the backlog and its
 back-pressure slot (the call leaves at once, as the backlog would send it). It makes
 the same checks in the same order, raises the same errors, numbers, sends, cancels
 and frees the call exactly as that path does: only the Python calls in between are
-fewer. Anything else returns None before doing anything, and takes the usual path.
+fewer. Anything else returns None before doing anything, and takes the usual path
+(an argument that is a pending array, a call's output while the call runs, too). Made
+in plain code, the call's Future carries what the call returns there: its pending
+arrays, made here from the output specs learned for its input signature, or what to
+learn into (``colobus._api.pending``).
 
 ``COLOBUS_CALL_LANE=0`` (read at import) turns the lane off. ``colobus._api`` imports
 this module as it loads, which sets the hook that ``ColocatedFunction`` calls.
@@ -149,8 +153,9 @@ def call(target: Target, args: tuple[Any, ...],
         if sigs is not None:  # (seen read before note: a set that note replaces lacks the key)
             sigs.note(_positional_treedef(n), list(args), plan)
         out_specs = None if out_specs_fn is None else _out_specs(out_specs_fn, args)
-        cell = cell_of(target, signature(_positional_treedef(n), list(args), plan))
+        cell = None  # (several arguments: worked out below, where plain code needs it)
         if n == 1:
+            cell = cell_of(target, signature(_positional_treedef(1), [a], plan))
             target.lane_last = (a.sharding, a.shape, a.dtype, seen, plan, out_specs, cell)
     registry = ctl._hosts
     changes = registry.changes
@@ -202,6 +207,8 @@ def call(target: Target, args: tuple[Any, ...],
         else:  # plain code: JAX's arrays at once where the output specs are known
             # _stream_id() on a plain thread: the thread's, read inline
             stream = getattr(_thread_streams, "sid", None) or _stream_id()
+            if cell is None:
+                cell = cell_of(target, signature(_positional_treedef(n), list(args), plan))
             outs = cell[0] if cell is not None else None
             if outs is None and out_specs is not None and cell is not None:
                 outs = cell[0] = outs_of_specs(out_specs, plan)
