@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import jaxobjects_hostside as hs
 import numpy as np
 import pytest
-from lifecycle import in_async
+from lifecycle import calls_return_futures, in_async
 
 import colobus as cb
 import colobus as colocated_python  # was: from jax.experimental import colocated_python
@@ -98,6 +98,13 @@ def test_a_calls_outputs_are_arrays_at_once_with_jaxs_methods(ctl: cb.Controller
     got = jax.device_get({"first": first, "later": [later], "n": 3})
     assert isinstance(got["later"][0], np.ndarray) and got["n"] == 3
     np.testing.assert_array_equal(got["first"], np.arange(8) + 1)
+    # A call's Future (async code's) has JAX's methods too: jax's functions take it.
+    with calls_return_futures():
+        fut = plus_one(x)
+    assert isinstance(fut, cb.Future)
+    assert jax.block_until_ready(fut) is fut and fut.done()
+    fut.copy_to_host_async()
+    np.testing.assert_array_equal(jax.device_get(plus_one(x)), np.arange(8) + 1)
     # axlearn's restore: a CPU array placed, then block_until_ready() on it.
     restored = cb.device_put(np.ones((2, 4), np.float32), _cpu_dummy().sharding)
     assert restored.block_until_ready() is restored and restored.is_ready() is True
