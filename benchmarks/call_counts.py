@@ -19,6 +19,9 @@ Patterns: ``noop`` (a no-op, awaited one at a time), ``ident`` (``return x``, aw
 ``ident`` is what freeing a call's result and output costs),
 ``sync`` (``return x`` on a plain thread, ``with local_cluster``: its array at once, then
 ``block_until_ready()``, as JAX code waits),
+``foreign`` (``return x`` awaited in a coroutine on a loop of the caller's own,
+``asyncio.run`` beside a ``with local_cluster``: a Jupyter kernel's or pytest-asyncio's
+case; its array, awaited),
 ``method`` (a colocated object's no-op method, awaited), ``spec`` (``return x``
 specialized with ``out_specs_fn``, as orbax wraps every function), ``mident``
 (``return x`` as an object's method), ``fanout4`` (``return x`` on an array over 4
@@ -145,7 +148,7 @@ STAR_HEARTBEAT = float(os.environ.get("COLOBUS_COUNT_HEARTBEAT", "30"))
 # relayN: N hosts over TCP, every one carried by one relay (relays=1, relay_threshold=1);
 # the relay process is counted too (SIGUSR1 marks), its figure per call for all its hosts
 RELAYED = {"relay4": 4, "relay16": 16, "relay32": 32}
-PATTERNS = ("noop", "ident", "kept", "sync", "spec", "method", "mident", "fanout4", *STARS,
+PATTERNS = ("noop", "ident", "kept", "sync", "foreign", "spec", "method", "mident", "fanout4", *STARS,
             *RELAYED)
 # (the star and relay rows start up to 32 workers: asked for by name)
 DEFAULT = tuple(p for p in PATTERNS if p not in STARS and p not in RELAYED)
@@ -154,6 +157,7 @@ LABELS = {
     "ident": "`return x`, awaited, 1 host",
     "kept": "`return x`, awaited, futures kept (no frees)",
     "sync": "`return x`, plain thread, block_until_ready()",
+    "foreign": "`return x`, awaited on a loop of the caller's own",
     "spec": "`return x`, specialized (out_specs_fn), awaited",
     "method": "object method (no-op), awaited",
     "mident": "object method `return x`, awaited",
@@ -299,10 +303,35 @@ def _sync_row(n: int, warm: int) -> None:
     print(f"ROW sync {c1[0] - c0[0]} {c1[1] - c0[1]}", flush=True)
 
 
+def _foreign_row(n: int, warm: int) -> None:
+    from colobus._tools.bench_base import _one_device_array
+    from colobus._tools.bench_calls import bench_ident
+
+    with cb.local_cluster(hosts=1, devices_per_host=1) as ctl:
+        x = _one_device_array(ctl)
+        cb.block_until_ready(x)
+
+        async def run() -> None:  # a loop of this thread's own: not the controller's
+            for _ in range(warm):
+                await bench_ident(x)
+            await _mark(x, "foreign:a")
+            await _mark(x, "foreign:b")
+            c0 = _controller_totals("foreign.0")
+            for _ in range(n):
+                await bench_ident(x)
+            c1 = _controller_totals("foreign.1")
+            await _mark(x, "foreign:c")
+            print(f"ROW foreign {c1[0] - c0[0]} {c1[1] - c0[1]}", flush=True)
+
+        asyncio.run(run())
+
+
 def _child(patterns: list[str], n: int, warm: int) -> None:
     asyncio.run(_async_rows(patterns, n, warm))
     if "sync" in patterns:
         _sync_row(n, warm)
+    if "foreign" in patterns:
+        _foreign_row(n, warm)
 
 
 # -- in the parent ------------------------------------------------------------------------

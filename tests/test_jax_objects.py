@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import jaxobjects_hostside as hs
 import numpy as np
 import pytest
-from lifecycle import calls_return_futures, in_async
+from lifecycle import in_async
 
 import colobus as cb
 import colobus as colocated_python  # was: from jax.experimental import colocated_python
@@ -99,8 +99,7 @@ def test_a_calls_outputs_are_arrays_at_once_with_jaxs_methods(ctl: cb.Controller
     assert isinstance(got["later"][0], np.ndarray) and got["n"] == 3
     np.testing.assert_array_equal(got["first"], np.arange(8) + 1)
     # A call's Future (async code's) has JAX's methods too: jax's functions take it.
-    with calls_return_futures():
-        fut = plus_one(x)
+    fut = in_async(lambda: plus_one(x))
     assert isinstance(fut, cb.Future)
     assert jax.block_until_ready(fut) is fut and fut.done()
     fut.copy_to_host_async()

@@ -33,7 +33,7 @@ import numpy as np
 import pytest
 import zmq
 from fakeworker import FakeWorker
-from lifecycle import calls_return_futures
+from lifecycle import in_async
 
 import colobus as cb
 from colobus._api.fetch import fetch_tree
@@ -400,8 +400,8 @@ def test_hostile_host_times_never_skew_metrics() -> None:
         hostile: list[Any] = [[1_000, 2_000], ["x", 3], [2, 1 << 63], [1, 2, 3], [None, None]]
         digest = b""
         for times in hostile:
-            with calls_return_futures():  # (the call's Future: its cancellation is seen)
-                fut = make_one.specialize(devices=dev, out_specs_fn=_make_one_specs)()
+            # (the call's Future, async code's: its cancellation is seen)
+            fut = in_async(make_one.specialize(devices=dev, out_specs_fn=_make_one_specs))
             call = fake.expect(Kind.CALL)
             digest = call.body[2]
             fake.send(Kind.RESULT, [call.body[0], Status.CANCELLED, None, times])

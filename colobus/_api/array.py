@@ -4,12 +4,14 @@ hosts, batched. A call's output is a handle from the moment the call is made (JA
 arrays of a dispatched computation): until the call ends it is *pending*, and what reads
 it waits for the call (``colobus._api.pending``); JAX's own methods (``block_until_ready``,
 ``copy_to_host_async``, ``__array__``) are here, so that ``jax.block_until_ready``,
-``jax.device_get`` and ``np.asarray`` work on it as JAX's functions call them."""
+``jax.device_get`` and ``np.asarray`` work on it as JAX's functions call them. colobus
+adds one: ``await arr`` (any event loop) waits for its call without blocking the loop."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -246,6 +248,27 @@ class Array:
             WAYS.ready(self).result()
         return self
 
+    def __await__(self) -> Generator[Any, None, Array]:
+        """colobus's, not JAX's: ``await arr`` waits until the call that makes the array
+        ended, in any event loop and without blocking it, so that ``y = await f(x)`` reads
+        alike wherever ``f(x)`` returns an array or its ``cb.Future``.
+
+        Returns:
+            The array itself (its value is not fetched: ``cb.device_get`` does that).
+
+        Raises:
+            Exception: the call that makes it failed: its error, with the host's
+                traceback in its notes; the array was deleted, or a host holding it lost.
+
+        Cancelling the awaiting task leaves the call running: the array is a value that
+        other code may hold (``fut.cancel()`` of async code's Future cancels a call).
+        """
+        call = self._call
+        if call is not None and call._state == _PENDING:
+            yield from _ended_in(asyncio.get_running_loop(), call).__await__()
+        self.check_usable()
+        return self
+
     def copy_to_host_async(self) -> None:
         """JAX's: start fetching the array's value without waiting (``jax.device_get``
         calls it on every leaf first, so that their fetches overlap); the next
@@ -325,6 +348,26 @@ class Array:
                 seen.add(key)
                 chosen[h] = b
         return chosen
+
+
+def _ended_in(loop: asyncio.AbstractEventLoop, call: Future[Any]) -> asyncio.Future[None]:
+    """A future of ``loop``'s that is done once ``call`` is (which settles on the
+    controller's loop thread, whatever loop waits)."""
+    ended: asyncio.Future[None] = loop.create_future()
+
+    def settled(_: Future[Any]) -> None:
+        try:
+            loop.call_soon_threadsafe(_end, ended)
+        except RuntimeError:  # that loop closed meanwhile: nothing waits there any more
+            pass
+
+    call.add_done_callback(settled)
+    return ended
+
+
+def _end(ended: asyncio.Future[None]) -> None:
+    if not ended.done():  # (the awaiting task may have been cancelled)
+        ended.set_result(None)
 
 
 def _is_array_leaf(x: Any) -> bool:

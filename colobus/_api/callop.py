@@ -48,7 +48,7 @@ class _CallOp:
         self.call_id = call_id
         self.out_specs = out_specs
         self.ref_shardings: tuple[Any, ...] = ()
-        self.pending = pending  # the arrays the call returned when made (plain code)
+        self.pending = pending  # the arrays the call returned when made (off the loop thread)
         self.check = check  # specialize(check_replicas=True): hosts hash, replicas compared
 
     def send(self, call_id: int) -> None:

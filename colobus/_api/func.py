@@ -8,7 +8,6 @@ into global ``cb.Array`` handles that stay on the hosts.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import threading
 import weakref
@@ -22,7 +21,6 @@ from .._model.devices import Device
 from .array import Array, check_owner
 from .cacheinfo import CacheInfo
 from .callop import _CallOp, _decode_result
-from .firstcall import first_call
 from .pending import (
     OutSpecs,
     Pending,
@@ -56,7 +54,6 @@ __all__ = [
 
 
 _get_ident = threading.get_ident
-_get_running_loop = asyncio._get_running_loop
 
 
 def invoke(target: Target, args: tuple[Any, ...], kwargs: dict[str, Any], *,
@@ -64,8 +61,8 @@ def invoke(target: Target, args: tuple[Any, ...], kwargs: dict[str, Any], *,
            devices: Sequence[Device] | None = None,
            check_replicas: bool = False) -> Future[Any]:
     """Run ``target`` on every host of the call's device set; a Future of its outputs
-    (and, made in plain code, in its ``_returns`` what the call returns there:
-    ``colobus._api.pending``)."""
+    (and, made off the controller's loop thread, in its ``_returns`` what the call
+    returns there: ``colobus._api.pending``)."""
     import jax
 
     ctl = default_controller()
@@ -102,8 +99,9 @@ def invoke(target: Target, args: tuple[Any, ...], kwargs: dict[str, Any], *,
         state.bind(ctl)
     call_id = ctl._ops.next_id()
     fut: Future[Any] = Future(ctl._loop_thread_id, call_id, ctl)
-    if _get_ident() != ctl._loop_thread_id and _get_running_loop() is None:
-        # plain code: JAX's arrays at once where the output specs are known
+    if _get_ident() != ctl._loop_thread_id:
+        # off the controller's loop thread (a plain thread, or one running another event
+        # loop): JAX's arrays at once where the output specs are known
         cell = cell_of(target, signature(treedef, leaves, plan))
         outs = cell[0] if cell is not None else None
         if outs is None and out_specs is not None and cell is not None:
@@ -226,8 +224,9 @@ _LANE: list[Callable[[Target, tuple[Any, ...], Callable[..., Any] | None],
 
 class ColocatedFunction:
     """A function that runs on every host of its device set. A call returns what JAX's
-    returns, its outputs as ``cb.Array`` handles at once, in plain code; an awaitable
-    ``cb.Future`` of them in async code (``colobus._api.pending``)."""
+    returns, its outputs as ``cb.Array`` handles at once, on any thread but the
+    controller's event-loop thread; there (async code under ``async with``) an awaitable
+    ``cb.Future`` of them (``colobus._api.pending``)."""
 
     def __init__(self, fn: Callable[..., Any], *, in_specs: Any = None,
                  out_specs_fn: Callable[..., Any] | None = None,
@@ -237,7 +236,6 @@ class ColocatedFunction:
         self._fn = fn
         self._code = code if code is not None else Code(fn)
         self._target = FunctionTarget(self._code, getattr(fn, "__qualname__", repr(fn)))
-        self._target.known = out_specs_fn is not None
         self._in_specs = in_specs
         self._out_specs_fn = out_specs_fn
         self._devices = tuple(devices) if devices is not None else None
@@ -273,24 +271,24 @@ class ColocatedFunction:
         if self._lane and not kwargs:
             fut = _LANE[0](target, args, self._out_specs_fn)  # type: ignore[misc]
             if fut is not None:
-                r = fut._returns
-                if r is None:  # async code: its Future
-                    return fut if target.known else first_call(target, fut)
-                return r.tree if type(r) is Pending else wait_outputs(target, fut, r)
+                r = fut._returns  # (returned, inline)
+                if r is None:  # the controller's loop thread: its Future
+                    return fut
+                return r.tree if type(r) is Pending else wait_outputs(fut, r)
         fut = invoke(target, args, kwargs, in_specs=self._in_specs,
                      out_specs_fn=self._out_specs_fn, devices=self._devices,
                      check_replicas=self._check_replicas)
-        return returned(target, fut)
+        return returned(fut)
 
 
-def returned(target: Target, fut: Future[Any]) -> Any:
-    """What a call returns: in async code its Future (once its hosts ran it, for a first
-    call made off the controller's loop thread); in plain code its outputs, the pending
-    arrays or, where their specs were not known, the outputs once its hosts ran it."""
+def returned(fut: Future[Any]) -> Any:
+    """What a call returns: on the controller's event-loop thread its Future, at once;
+    on any other thread its outputs, the pending arrays or, where their specs were not
+    known, the outputs once its hosts ran it (``colobus._api.pending``)."""
     r = fut._returns
     if r is None:
-        return fut if target.known else first_call(target, fut)
-    return r.tree if type(r) is Pending else wait_outputs(target, fut, r)
+        return fut
+    return r.tree if type(r) is Pending else wait_outputs(fut, r)
 
 
 def colocated_python(fn: Callable[..., Any]) -> ColocatedFunction:
@@ -299,8 +297,9 @@ def colocated_python(fn: Callable[..., Any]) -> ColocatedFunction:
     The device set is the device list of the ``cb.Array`` arguments, or the one
     given with ``specialize(devices=...)``. Each array argument arrives on a host
     as a ``jax.Array`` holding that host's block; other arguments arrive as they
-    are. In plain code a call returns its outputs as ``cb.Array`` handles at once, as
-    JAX's does (its first call per input specs once its hosts ran it); in async code an
-    awaitable ``cb.Future`` of them.
+    are. A call returns its outputs as ``cb.Array`` handles at once, as JAX's does (its
+    first call per input specs once its hosts ran it), on any thread but the
+    controller's event-loop thread; there (async code under ``async with``) an awaitable
+    ``cb.Future`` of them.
     """
     return ColocatedFunction(fn)

@@ -11,9 +11,10 @@ the same checks in the same order, raises the same errors, numbers, sends, cance
 and frees the call exactly as that path does: only the Python calls in between are
 fewer. Anything else returns None before doing anything, and takes the usual path
 (an argument that is a pending array, a call's output while the call runs, too). Made
-in plain code, the call's Future carries what the call returns there: its pending
-arrays, made here from the output specs learned for its input signature, or what to
-learn into (``colobus._api.pending``).
+off the controller's loop thread (plain code, or a thread running another event loop),
+the call's Future carries what the call returns there: its pending arrays, made here
+from the output specs learned for its input signature, or what to learn into
+(``colobus._api.pending``).
 
 ``COLOBUS_CALL_LANE=0`` (read at import) turns the lane off. ``colobus._api`` imports
 this module as it loads, which sets the hook that ``ColocatedFunction`` calls.
@@ -144,7 +145,7 @@ def call(target: Target, args: tuple[Any, ...],
             and last[2] == a.dtype and last[3] is seen and n == 1):
         plan: CallPlan = last[4]
         out_specs = last[5]
-        cell = last[6]  # the output specs learned for this signature (plain code's)
+        cell = last[6]  # the output specs learned for this signature (off the loop thread)
         if sigs is not None:
             with sigs.lock:
                 sigs.hits += 1
@@ -153,7 +154,7 @@ def call(target: Target, args: tuple[Any, ...],
         if sigs is not None:  # (seen read before note: a set that note replaces lacks the key)
             sigs.note(_positional_treedef(n), list(args), plan)
         out_specs = None if out_specs_fn is None else _out_specs(out_specs_fn, args)
-        cell = None  # (several arguments: worked out below, where plain code needs it)
+        cell = None  # (several arguments: worked out below, off the loop thread)
         if n == 1:
             cell = cell_of(target, signature(_positional_treedef(1), [a], plan))
             target.lane_last = (a.sharding, a.shape, a.dtype, seen, plan, out_specs, cell)
@@ -202,21 +203,20 @@ def call(target: Target, args: tuple[Any, ...],
     if _get_ident() != ctl._loop_thread_id:
         fut: Future[Any] = Future(ctl._loop_thread_id, call_id, ctl)
         pending = None
-        if _get_running_loop() is not None:  # async code on another loop: its Future
-            stream = _stream_id()
-        else:  # plain code: JAX's arrays at once where the output specs are known
-            # _stream_id() on a plain thread: the thread's, read inline
-            stream = getattr(_thread_streams, "sid", None) or _stream_id()
-            if cell is None:
-                cell = cell_of(target, signature(_positional_treedef(n), list(args), plan))
-            outs = cell[0] if cell is not None else None
-            if outs is None and out_specs is not None and cell is not None:
-                outs = cell[0] = outs_of_specs(out_specs, plan)
-            if outs is None:
-                fut._returns = Wait(cell)
-            else:
-                pending = fut._returns = make_pending(ctl, call_id, outs, fut, hosts, gens,
-                                                      cell)
+        # Off the controller's loop thread (a plain thread, or one running another event
+        # loop): JAX's arrays at once where the output specs are known.
+        # _stream_id() on a plain thread: the thread's, read inline (a task's on a loop)
+        stream = ((_get_running_loop() is None and getattr(_thread_streams, "sid", None))
+                  or _stream_id())
+        if cell is None:
+            cell = cell_of(target, signature(_positional_treedef(n), list(args), plan))
+        outs = cell[0] if cell is not None else None
+        if outs is None and out_specs is not None and cell is not None:
+            outs = cell[0] = outs_of_specs(out_specs, plan)
+        if outs is None:
+            fut._returns = Wait(cell)
+        else:
+            pending = fut._returns = make_pending(ctl, call_id, outs, fut, hosts, gens, cell)
         if len(hosts) == 1:
             _submit_one(ctl, target, plan, args, n, refs, stream, digest, gens, call_id,
                         out_specs, changes, fut)

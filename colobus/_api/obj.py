@@ -20,12 +20,10 @@ from types import TracebackType
 from typing import Any, TypeVar, cast
 
 from .._controller.controller import Controller
-from .._controller.future import Future
 from .._controller.hosts import Host
 from .._model.devices import Device
 from .._wire import protocol as P
 from .array import check_owner
-from .firstcall import first_call
 from .func import (
     _LANE,
     CallPlan,
@@ -61,7 +59,6 @@ class ObjectState:
         self.built: dict[int, int] = {}  # host -> generation it was built in
         self.closed = False
         self.destroy_sent = False  # loop thread: DESTROY went out, nothing may build it again
-        self.known: set[str] = set()  # methods whose output specs a call taught (first_call)
         self._lock = threading.Lock()
 
     def check_open(self) -> None:
@@ -167,12 +164,6 @@ class MethodTarget(Target):
         self.method = method
         self.name = f"{state.cls_name}.{method}"
         self.built = state.built  # (the dict itself: emptied, never replaced)
-        self.known = method in state.known
-
-    def learned(self, fut: Future[Any]) -> None:
-        super().learned(fut)
-        if self.known:
-            self.state.known.add(self.method)
 
     def stats_key(self, digest: bytes) -> tuple[bytes, str]:
         return (self.state.code.get()[0], self.method)  # hosts know the object's class
@@ -207,8 +198,6 @@ class ColocatedMethod:
         self._name = name
         self._fn = fn
         self._target = MethodTarget(state, name)
-        if out_specs_fn is not None:
-            self._target.known = True
         self._in_specs = in_specs
         self._out_specs_fn = out_specs_fn
         self._devices = tuple(devices) if devices is not None else None
@@ -251,13 +240,13 @@ class ColocatedMethod:
             fut = _LANE[0](target, args, self._out_specs_fn)  # type: ignore[misc]
             if fut is not None:
                 r = fut._returns  # (colobus._api.func.returned, inline)
-                if r is None:  # async code: its Future
-                    return fut if target.known else first_call(target, fut)
-                return r.tree if type(r) is Pending else wait_outputs(target, fut, r)
+                if r is None:  # the controller's loop thread: its Future
+                    return fut
+                return r.tree if type(r) is Pending else wait_outputs(fut, r)
         fut = invoke(target, args, kwargs, in_specs=self._in_specs,
                      out_specs_fn=self._out_specs_fn, devices=self._devices,
                      check_replicas=self._check_replicas)
-        return returned(target, fut)
+        return returned(fut)
 
 
 _new = object.__new__

@@ -2,17 +2,20 @@
 
 JAX's colocated call returns its output arrays while the computation runs, from specs it
 knows: an ``out_specs_fn``'s, or those its first call with the same input specs
-returned (that first call runs synchronously, to learn them). colobus does the same in
-plain code (no event loop running in the calling thread: scripts, ``cb.init()``, worker
-threads): each target keeps, per input signature, a *cell* with the output specs it
-learned (:class:`OutSpecs`); a call whose cell is full returns *pending* arrays at once
+returned (that first call runs synchronously, to learn them). colobus does the same on
+every thread but the controller's own event-loop thread (scripts, ``cb.init()``, worker
+threads, and a thread running another event loop: a Jupyter kernel's, an
+``asyncio.run`` or pytest-asyncio's beside a ``with`` cluster; the controller's loop
+runs on a thread of its own there, so a wait stalls only the caller): each target
+keeps, per input signature, a *cell* with the output specs it learned
+(:class:`OutSpecs`); a call whose cell is full returns *pending* arrays at once
 (:class:`Pending`), handles under the refs the hosts will store the outputs under, each
 holding the call's Future until the call ends. A call whose cell is empty waits for its
-hosts (:func:`wait_outputs`), learns, and returns the outputs.
+hosts (:func:`wait_outputs`), learns, and returns the outputs. Async code on another
+loop awaits an array (``cb.Array.__await__``) without stalling its loop.
 
-In async code the call returns its awaitable ``cb.Future`` (``Future._returns`` is None):
-on the controller's loop thread, and in a thread running another event loop, where a
-wait would stall that loop.
+On the controller's loop thread (async code under ``async with``) the call returns its
+awaitable ``cb.Future`` at once (``Future._returns`` is None): nothing may wait there.
 
 When the call ends, its combiner checks the outputs the hosts described against the
 pending arrays (:func:`colobus._api.outputs.build_outputs`): a difference fails the call
@@ -70,8 +73,9 @@ class Pending:
 
 
 class Wait:
-    """A call made in plain code whose output specs are not known: it waits for its
-    hosts, then its outputs' specs fill ``cell`` (None: nothing to learn into)."""
+    """A call made off the controller's loop thread whose output specs are not known: it
+    waits for its hosts, then its outputs' specs fill ``cell`` (None: nothing to learn
+    into)."""
 
     __slots__ = ("cell",)
 
@@ -199,12 +203,10 @@ def settle_pending(pending: Pending, computed: bool) -> None:
             a._ready = True
 
 
-def wait_outputs(target: Any, fut: Future[Any], wait: Wait) -> Any:
-    """The outputs of a call made in plain code whose specs were not known: its Future
-    waited for (its error raised here, as JAX's first call raises it), its outputs'
-    specs learned into its cell."""
-    fut._wait(None)
-    target.learned(fut)
+def wait_outputs(fut: Future[Any], wait: Wait) -> Any:
+    """The outputs of a call made off the controller's loop thread whose specs were not
+    known: its Future waited for (its error raised here, as JAX's first call raises it),
+    its outputs' specs learned into its cell."""
     out = fut.result()
     cell = wait.cell
     if cell is not None and cell[0] is None:

@@ -11,7 +11,6 @@ import weakref
 from typing import Any
 
 from .._controller.controller import Controller
-from .._controller.future import Future
 from .._controller.hosts import Host
 from .._observe.observer import FunctionStats, Observer
 from .cacheinfo import Signatures
@@ -67,14 +66,8 @@ class Target:
     lane_last: tuple[Any, Any, Any, Any, CallPlan, Any, Any] | None = None
     lane_gens: tuple[Any, tuple[int, ...], int, dict[int, int]] | None = None
     lane_ok: tuple[CallPlan, int, Controller, bytes] | None = None
-    known: bool = False  # its output specs are (out_specs_fn, a call succeeded): firstcall
     # per input signature, the output specs its calls learned (colobus._api.pending)
     cells: dict[Any, list[OutSpecs | None]] | None = None
-
-    def learned(self, fut: Future[Any]) -> None:
-        """A call of it ended (any thread): once one succeeded, its output specs are known."""
-        if fut.done() and not fut.cancelled() and fut._exception is None:
-            self.known = True
 
     def digest(self) -> bytes:
         return b""
