@@ -312,8 +312,9 @@ class Explorer(RuleBasedStateMachine):
         f = hs.value.specialize(devices=self._devs((where,)))
         for _ in range(n):
             tok = next(_tokens)
-            self._track(self.on_loop(lambda: f(tok)), f"burst call {tok} on {where}", (where,),
-                        0.0, expected=np.full(2, tok, np.int32))
+            fut = self.on_loop(lambda tok=tok: f(tok))
+            self._track(fut, f"burst call {tok} on {where}", (where,), 0.0,
+                        expected=np.full(2, tok, np.int32))
 
     @rule(i=PICK)
     @step
