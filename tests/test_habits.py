@@ -1,9 +1,10 @@
 """JAX's habits off the controller's loop thread, on the shared ``with`` cluster.
 
 - ``cb.block_until_ready(y)`` as a statement waits; ``y.is_ready()`` is a bool;
-  ``cb.device_get`` returns numbers and takes calls' futures in the tree; so on every
-  thread but the controller's own loop thread (a thread running another event loop, as
-  a notebook's, included); on that thread all three are futures to await.
+  ``cb.device_get`` returns numbers and takes calls' futures in the tree; a call returns
+  its arrays; so on every thread but the controller's own loop thread (a thread running
+  another event loop, as a notebook's, included: there ``await arr`` waits for its call);
+  on that thread all four are futures to await.
 - The first call of a function or method whose output specs are unknown returns once its
   hosts have run it; later calls, and calls with ``out_specs_fn``, return at once; two
   first calls from a thread pool run at the same time on the hosts.
@@ -111,11 +112,14 @@ def _saver() -> Any:
 async def _in_a_loop_of_its_own(x: cb.Array, folder: Path) -> dict[str, Any]:
     """What a thread running an event loop other than the controller's sees."""
     asyncio.get_running_loop()  # (raises where no loop runs: this must be async code)
-    first = _saver()(x, str(folder))
-    seen = {"first_done": first.done(),
-            "files": sorted(p.name for p in folder.glob("saved-*")),
+    save = _saver()
+    first = save(x, str(folder))  # its array, once its hosts ran it (a first call)
+    seen = {"first": first, "files": sorted(p.name for p in folder.glob("saved-*")),
             "got": cb.device_get(x), "ready": cb.block_until_ready(x), "probe": x.is_ready()}
-    seen["awaited"] = await first  # a call's Future is still awaitable in any loop
+    seen["awaited"] = await first  # an array is awaitable in any loop (colobus's)
+    later = save(x, str(folder))  # its array at once, the call running
+    seen["later"] = later
+    seen["later_awaited"] = await later
     return seen
 
 
@@ -124,7 +128,8 @@ async def test_a_thread_running_another_event_loop_blocks_as_jax(
     """A ``with`` cluster's controller runs on a loop thread of its own: a thread running
     some other event loop (pytest's here, a Jupyter kernel's in a notebook, an
     ``asyncio.run`` in a plain thread) is not that thread, so the helpers block and
-    return values and a first call waits for its hosts, as JAX's."""
+    return values, a call returns its arrays and a first call waits for its hosts, as
+    JAX's; ``await`` of an array waits for its call there without blocking the loop."""
     x = _over_hosts(np.ones((2, 2), np.float32))
     here = tmp_path / "here"
     there = tmp_path / "there"
@@ -132,11 +137,14 @@ async def test_a_thread_running_another_event_loop_blocks_as_jax(
     there.mkdir()
     for seen in (await _in_a_loop_of_its_own(x, here),  # pytest's loop, the notebook's case
                  await asyncio.to_thread(asyncio.run, _in_a_loop_of_its_own(x, there))):
-        assert seen["first_done"] and seen["files"] == ["saved-0", "saved-1"], seen
+        assert isinstance(seen["first"], cb.Array) and seen["first"].is_ready() is True
+        assert seen["files"] == ["saved-0", "saved-1"], seen
         assert isinstance(seen["got"], np.ndarray)
         np.testing.assert_array_equal(seen["got"], np.ones((2, 2)))
         assert seen["ready"] is x and seen["probe"] is True
-        assert isinstance(seen["awaited"], cb.Array)
+        assert seen["awaited"] is seen["first"]
+        assert isinstance(seen["later"], cb.Array) and seen["later_awaited"] is seen["later"]
+        np.testing.assert_array_equal(cb.device_get(seen["later"]), np.ones((2, 2)))
 
 
 def test_the_controllers_loop_thread_gets_futures_and_first_calls_return_at_once(
@@ -346,18 +354,24 @@ def test_a_jax_without_axis_types_says_so() -> None:
 
 async def test_errors_gathered_count_as_read(ctl: cb.Controller,
                                              caplog: pytest.LogCaptureFixture) -> None:
-    """As asyncio.gather retrieves each child's exception: none is logged as unread."""
+    """As asyncio.gather retrieves each child's exception: none is logged as unread, the
+    calls' arrays (made here, beside a ``with`` cluster) or their Futures (made as async
+    code under ``async with`` makes them, on the controller's loop thread)."""
+    from lifecycle import in_async
+
     caplog.set_level(logging.ERROR, "colobus.future")
 
     @cb.colocated_python
     def broken(x: Any) -> Any:
         raise KeyError("gathered")
 
+    known = broken.specialize(out_specs_fn=lambda x: x)  # its arrays at once
     dev = next(d for d in cb.devices() if d.host == 0)
     x = cb.device_put(np.zeros(2, np.float32), cb.SingleDeviceSharding(dev))
-    got = await cb.gather(broken(x), broken(x), return_exceptions=True)
-    assert all(isinstance(e, KeyError) for e in got)
-    with pytest.raises(KeyError):
-        await cb.gather(broken(x), broken(x))
-    del got  # (the second gather's other future is read as it settles, whenever that is)
+    for two in (lambda: (known(x), known(x)), lambda: in_async(lambda: (broken(x), broken(x)))):
+        got = await cb.gather(*two(), return_exceptions=True)
+        assert all(isinstance(e, KeyError) for e in got)
+        with pytest.raises(KeyError):
+            await cb.gather(*two())
+        del got  # (the second gather's other one is read as it settles, whenever that is)
     assert _unread(caplog) == []
