@@ -279,7 +279,7 @@ async def _foreign_loop_backpressure() -> None:
             await asyncio.sleep(0.01)
 
     tick = asyncio.create_task(ticker())
-    futs: list[cb.Future[Any]] = []
+    outs: list[cb.Array] = []  # (a call made here returns its array: SPEC 4)
     try:
         with cb.local_cluster(hosts=1, devices_per_host=1, max_inflight=1) as ctl:
             # Output specs given: back-pressure is what this measures, not the first call
@@ -291,13 +291,13 @@ async def _foreign_loop_backpressure() -> None:
             for i, seconds in enumerate((3.0, 0.0, 0.0, 0.0)):
                 t0 = time.monotonic()
                 try:
-                    futs.append(slow(seconds, i))
+                    outs.append(slow(seconds, i))
                 except (RuntimeError, cb.ColobusError):
                     pass  # a clear refusal is allowed; blocking this loop is not
                 worst = max(worst, time.monotonic() - t0)
                 await asyncio.sleep(0.02)
-            for f in futs:
-                await outcome(f, 20.0, "a call made from a foreign loop")
+            for out in outs:  # (awaited: this loop keeps running meanwhile)
+                await bounded(out, 20.0, "a call made from a foreign loop")
             gaps = [b - a for a, b in itertools.pairwise(ticks)]
             assert worst < 1.0 and max(gaps) < 1.0, (
                 f"a call from a foreign loop blocked it {worst:.2f} s "
