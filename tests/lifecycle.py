@@ -89,6 +89,7 @@ class OnLoop:
                     done.set_result(make())
                 except BaseException as exc:
                     done.set_exception(exc)
+                del job, make, done  # (holds nothing made: a Future kept frees nothing)
 
         assert self.ctl._loop is not None
         self.task = asyncio.run_coroutine_threadsafe(serve(), self.ctl._loop)
