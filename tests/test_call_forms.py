@@ -1,8 +1,8 @@
 """Every common call form on the call's lane (colobus._api.lane) gives what the general
 path (:func:`colobus._api.func.invoke`) gives: a function specialized with
 ``out_specs_fn``, an object's methods (plain and specialized), the sync face
-the sync face from a plain thread (a call returns its arrays at once, as JAX's), one host
-and a fan-out.
+from a plain thread (a call returns its arrays at once, as JAX's) and from a thread
+running an event loop of its own (its arrays too: SPEC 4), one host and a fan-out.
 
 The same sequence runs twice on the shared cluster: once as the lane takes it, once
 with the lane refusing every call (so each goes the general path); the results,
@@ -124,6 +124,12 @@ def _run(ctl: cb.Controller) -> list[Any]:
     return _forms(x1, x8)
 
 
+async def _on_a_loop(ctl: cb.Controller) -> list[Any]:
+    """The sequence from a thread running an event loop that is not the controller's (a
+    notebook's, ``asyncio.run`` beside a ``with`` cluster): the same arrays."""
+    return _run(ctl)
+
+
 def test_each_form_gives_on_the_lane_what_the_general_path_gives(ctl: cb.Controller) -> None:
     lane = func._LANE[0]
     if lane is None:
@@ -142,12 +148,14 @@ def test_each_form_gives_on_the_lane_what_the_general_path_gives(ctl: cb.Control
         on_lane = _run(ctl)
         lane_specs = len(_SPEC_CALLS)
         assert taken[0] == 43, taken  # every call of the sequence took the lane
+        on_a_loop = asyncio.run(_on_a_loop(ctl))
+        assert taken[0] == 86, taken  # there too
         func._LANE[0] = lambda *args: None  # each call the general path
         _SPEC_CALLS.clear()
         general = _run(ctl)
     finally:
         func._LANE[0] = lane
-    assert on_lane == general
+    assert on_lane == general == on_a_loop
     # out_specs_fn runs once per input signature on the lane (the general path: per call)
     assert lane_specs < len(_SPEC_CALLS)
 

@@ -169,6 +169,7 @@ def step(params, batch):
 
 
 load = f = cb.colocated_python(lambda x: x)
+pair = cb.colocated_python(lambda x: (x, x * 2))
 preprocess = cb.colocated_python(lambda x: x * 2)
 normalize = cb.colocated_python(lambda x: (x - x.mean()) / (x.std() + 1e-6))
 compute = cb.colocated_python(lambda params, batch: params * batch)

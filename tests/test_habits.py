@@ -147,6 +147,42 @@ async def test_a_thread_running_another_event_loop_blocks_as_jax(
         np.testing.assert_array_equal(cb.device_get(seen["later"]), np.ones((2, 2)))
 
 
+async def test_an_array_awaited_on_another_loop_waits_for_its_call_without_blocking_it(
+        ctl: cb.Controller, tmp_path: Path) -> None:
+    """colobus's ``await arr`` (pytest's loop here, beside the ``with`` cluster): it waits
+    until the array's call ended while the loop runs on, returns the array, raises the
+    call's error; a task cancelled while it awaits leaves the call running."""
+    gate = tmp_path / "gate"
+
+    @cb.colocated_python
+    def gated(x: Any, path: str) -> Any:
+        hh.wait_for_file(path)
+        return x * 2
+
+    @cb.colocated_python
+    def broken(x: Any) -> Any:
+        raise KeyError("awaited on purpose")
+
+    x = _over_hosts(np.ones((2, 2), np.float32))
+    assert await x is x  # an upload: at once
+    y = gated.specialize(out_specs_fn=lambda x, path: x)(x, str(gate))  # at once, pending
+
+    async def wait_for(a: cb.Array) -> cb.Array:
+        return await a
+
+    waiting, quitter = asyncio.ensure_future(wait_for(y)), asyncio.ensure_future(wait_for(y))
+    await asyncio.sleep(0.05)  # this loop runs on while both wait (the gate is closed)
+    assert not waiting.done() and y.is_ready() is False
+    quitter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await quitter
+    gate.write_text("open")  # written by this loop, while `waiting` awaits
+    assert await asyncio.wait_for(waiting, 60) is y  # (its call was not cancelled)
+    np.testing.assert_array_equal(cb.device_get(y), np.full((2, 2), 2.0))
+    with pytest.raises(KeyError, match="awaited on purpose"):
+        await broken.specialize(out_specs_fn=lambda x: x)(x)
+
+
 def test_the_controllers_loop_thread_gets_futures_and_first_calls_return_at_once(
         ctl: cb.Controller, tmp_path: Path) -> None:
     """On the controller's own loop thread (async code under ``async with``; here a

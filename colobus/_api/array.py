@@ -9,7 +9,6 @@ adds one: ``await arr`` (any event loop) waits for its call without blocking the
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any
@@ -265,7 +264,7 @@ class Array:
         """
         call = self._call
         if call is not None and call._state == _PENDING:
-            yield from _ended_in(asyncio.get_running_loop(), call).__await__()
+            yield from call._ended()
         self.check_usable()
         return self
 
@@ -348,26 +347,6 @@ class Array:
                 seen.add(key)
                 chosen[h] = b
         return chosen
-
-
-def _ended_in(loop: asyncio.AbstractEventLoop, call: Future[Any]) -> asyncio.Future[None]:
-    """A future of ``loop``'s that is done once ``call`` is (which settles on the
-    controller's loop thread, whatever loop waits)."""
-    ended: asyncio.Future[None] = loop.create_future()
-
-    def settled(_: Future[Any]) -> None:
-        try:
-            loop.call_soon_threadsafe(_end, ended)
-        except RuntimeError:  # that loop closed meanwhile: nothing waits there any more
-            pass
-
-    call.add_done_callback(settled)
-    return ended
-
-
-def _end(ended: asyncio.Future[None]) -> None:
-    if not ended.done():  # (the awaiting task may have been cancelled)
-        ended.set_result(None)
 
 
 def _is_array_leaf(x: Any) -> bool:

@@ -20,7 +20,7 @@ import numpy as np
 
 from .._observe.observer import FOLD_AT
 from . import inbox as _inbox
-from .wakeups import Waiter, wake
+from .wakeups import Waiter, Watch, wake
 
 if TYPE_CHECKING:
     from .._observe.observer import FunctionStats
@@ -355,6 +355,30 @@ class Future(Generic[T]):
         if self._state == _FINISHED and self._exception is None:
             return self._result  # type: ignore[no-any-return]
         return self._get()
+
+    def _ended(self) -> Generator[Any, None, None]:
+        """``yield from fut._ended()``: wait, in any event loop, until done, neither reading
+        the outcome nor cancelling the operation when the awaiting task is cancelled (what
+        ``await arr`` waits on). Its twin: :meth:`__await__`'s wait, with a Watch."""
+        if self._state != _PENDING:
+            return
+        loop = _get_running_loop()
+        w = Watch(loop=loop)
+        box = getattr(_local, "inbox", None)  # inbox_of(loop), its hit inline
+        w._box = box if box is not None and box.loop is loop else _inbox.inbox_of(loop)
+        w._fut = self
+        with _LOCK:
+            waits = self._state == _PENDING
+            if waits:
+                if self._waiter is None:
+                    self._waiter = w
+                elif self._callbacks is None:
+                    self._callbacks = [w._settled]
+                else:
+                    self._callbacks.append(w._settled)
+        if waits:
+            w._asyncio_future_blocking = True
+            yield w
 
 
 class _Unread:
