@@ -151,7 +151,7 @@ async def colobus_timings(kind: str, dev: cb.Device) -> dict[str, float]:
         t0 = time.perf_counter()
         await cb.block_until_ready(t.step(like))  # the wait leaves behind the call
         waits.append(time.perf_counter() - t0)
-    await t.aclose()
+    await cb.aclose(t)
     return {"steps_per_s": best, "awaited_us": statistics.median(waits) * 1e6}
 
 

@@ -17,7 +17,11 @@ events (C functions called from Python) of every thread. For each pattern this r
 Patterns: ``noop`` (a no-op, awaited one at a time), ``ident`` (``return x``, awaited),
 ``kept`` (the same, each future kept: no frees ride along; the difference from
 ``ident`` is what freeing a call's result and output costs),
-``sync`` (``return x`` from ``.result()`` on a plain thread, ``with local_cluster``),
+``sync`` (``return x`` on a plain thread, ``with local_cluster``: its array at once, then
+``block_until_ready()``, as JAX code waits),
+``foreign`` (``return x`` awaited in a coroutine on a loop of the caller's own,
+``asyncio.run`` beside a ``with local_cluster``: a Jupyter kernel's or pytest-asyncio's
+case; its array, awaited),
 ``method`` (a colocated object's no-op method, awaited), ``spec`` (``return x``
 specialized with ``out_specs_fn``, as orbax wraps every function), ``mident``
 (``return x`` as an object's method), ``window`` (``return x``, 100 calls in
@@ -164,9 +168,8 @@ STAR_HEARTBEAT = float(os.environ.get("COLOBUS_COUNT_HEARTBEAT", "30"))
 # relayN: N hosts over TCP, every one carried by one relay (relays=1, relay_threshold=1);
 # the relay process is counted too (SIGUSR1 marks), its figure per call for all its hosts
 RELAYED = {"relay4": 4, "relay16": 16, "relay32": 32}
-PATTERNS = ("noop", "ident", "kept", "sync", "spec", "method", "mident", "window", "mwindow",
-            "tasks", "fanout4",
-            *STARS, *RELAYED)
+PATTERNS = ("noop", "ident", "kept", "sync", "foreign", "spec", "method", "mident", "window",
+            "mwindow", "tasks", "fanout4", *STARS, *RELAYED)
 # Pipelined: 100 calls in flight (asked for by name)
 PIPELINED = ("window", "mwindow", "tasks")
 # (the star and relay rows start up to 32 workers: asked for by name)
@@ -176,7 +179,8 @@ LABELS = {
     "noop": "no-op, awaited, 1 host",
     "ident": "`return x`, awaited, 1 host",
     "kept": "`return x`, awaited, futures kept (no frees)",
-    "sync": "`return x`, .result() from a plain thread",
+    "sync": "`return x`, plain thread, block_until_ready()",
+    "foreign": "`return x`, awaited on a loop of the caller's own",
     "spec": "`return x`, specialized (out_specs_fn), awaited",
     "method": "object method (no-op), awaited",
     "mident": "object method `return x`, awaited",
@@ -312,7 +316,7 @@ async def _async_rows(patterns: list[str], n: int, warm: int) -> None:
                                 run={"window": _window, "mwindow": _window,
                                      "tasks": _tasks}.get(name, _each))
                 kept.clear()
-            await obj.aclose()
+            await cb.aclose(obj)
     if "fanout4" in patterns:
         async with cb.local_cluster(hosts=4, devices_per_host=1) as ctl:
             x = _fanout_array(ctl, 4)
@@ -348,21 +352,46 @@ def _sync_row(n: int, warm: int) -> None:
         x = _one_device_array(ctl)
         cb.block_until_ready(x)
         for _ in range(warm):
-            bench_ident(x).result()
-        _mark(x, "sync:a").result()
-        _mark(x, "sync:b").result()
+            bench_ident(x).block_until_ready()
+        _mark(x, "sync:a").block_until_ready()
+        _mark(x, "sync:b").block_until_ready()
         c0 = _controller_totals("sync.0")
         for _ in range(n):
-            bench_ident(x).result()
+            bench_ident(x).block_until_ready()  # its array at once, then waited, as JAX's
         c1 = _controller_totals("sync.1")
-        _mark(x, "sync:c").result()
+        _mark(x, "sync:c").block_until_ready()
     print(f"ROW sync {c1[0] - c0[0]} {c1[1] - c0[1]}", flush=True)
+
+
+def _foreign_row(n: int, warm: int) -> None:
+    from colobus._tools.bench_base import _one_device_array
+    from colobus._tools.bench_calls import bench_ident
+
+    with cb.local_cluster(hosts=1, devices_per_host=1) as ctl:
+        x = _one_device_array(ctl)
+        cb.block_until_ready(x)
+
+        async def run() -> None:  # a loop of this thread's own: not the controller's
+            for _ in range(warm):
+                await bench_ident(x)
+            await _mark(x, "foreign:a")
+            await _mark(x, "foreign:b")
+            c0 = _controller_totals("foreign.0")
+            for _ in range(n):
+                await bench_ident(x)
+            c1 = _controller_totals("foreign.1")
+            await _mark(x, "foreign:c")
+            print(f"ROW foreign {c1[0] - c0[0]} {c1[1] - c0[1]}", flush=True)
+
+        asyncio.run(run())
 
 
 def _child(patterns: list[str], n: int, warm: int) -> None:
     asyncio.run(_async_rows(patterns, n, warm))
     if "sync" in patterns:
         _sync_row(n, warm)
+    if "foreign" in patterns:
+        _foreign_row(n, warm)
 
 
 # -- in the parent ------------------------------------------------------------------------

@@ -16,12 +16,14 @@ if _typing.TYPE_CHECKING:
     from jax.sharding import PartitionSpec as PartitionSpec
 
     from ._api.array import Array as Array
-    from ._api.array import device_get as device_get
     from ._api.entry import colocated_cpu_devices as colocated_cpu_devices
     from ._api.entry import devices as devices
     from ._api.entry import make_mesh as make_mesh
+    from ._api.fetch import device_get as device_get
     from ._api.func import colocated_python as colocated_python
     from ._api.gather import gather as gather
+    from ._api.obj import aclose as aclose
+    from ._api.obj import close as close
     from ._api.obj import colocated_python_class as colocated_python_class
     from ._api.put import device_put as device_put
     from ._api.ready import block_until_ready as block_until_ready
@@ -77,7 +79,9 @@ __all__ = [
     "ShapeDtypeStruct",
     "Sharding",
     "SingleDeviceSharding",
+    "aclose",
     "block_until_ready",
+    "close",
     "colocated_cpu_devices",
     "colocated_python",
     "colocated_python_class",
@@ -99,13 +103,15 @@ __all__ = [
 # Where each public name lives (the TYPE_CHECKING imports above, for type checkers).
 _WHERE = {
     "Array": "._api.array",
-    "device_get": "._api.array",
+    "device_get": "._api.fetch",
     "colocated_cpu_devices": "._api.entry",
     "devices": "._api.entry",
     "make_mesh": "._api.entry",
     "colocated_python": "._api.func",
     "gather": "._api.gather",
     "colocated_python_class": "._api.obj",
+    "close": "._api.obj",
+    "aclose": "._api.obj",
     "device_put": "._api.put",
     "block_until_ready": "._api.ready",
     "Controller": "._controller.controller",

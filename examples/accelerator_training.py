@@ -167,8 +167,8 @@ async def train(steps: int, every: int, where: str) -> dict[str, Any]:
         await saving
     first_loss = float(np.asarray(await cb.device_get(await losses[0])).mean())
     last_loss = float(np.asarray(await cb.device_get(last)).mean())
-    await model.aclose()
-    await ckpt.aclose()
+    await cb.aclose(model)
+    await cb.aclose(ckpt)
     return {"platform": kind, "hosts": len(hosts), "steps": steps, "seconds": seconds,
             "first_loss": first_loss, "last_loss": last_loss, "saves": saves}
 

@@ -121,25 +121,25 @@ def main(argv: list[str] | None = None) -> int:
                           cb.NamedSharding(mesh, cb.PartitionSpec()))
         loader = ShardedLoader(0, ckpt)
         for step in range(1, args.steps + 1):
-            x, y = loader.get_next(like).result()
-            w, loss = train_step(w, x, y).result()
+            x, y = loader.get_next(like)
+            w, loss = train_step(w, x, y)
             if step == 1 or step % 10 == 0:
                 print(f"step {step}: global batch {x.shape}, loss {float(np.asarray(loss)):.4f}",
                       flush=True)
         # checkpoint the loaders (one file per host), read a batch, restore, read it again
         at = cb.device_put(np.array(args.steps, np.int32),
                            cb.NamedSharding(mesh, cb.PartitionSpec()))
-        loader.save_state(at).result()
+        loader.save_state(at).block_until_ready()  # (its first call waited anyway)
         files = sorted(p.name for p in pathlib.Path(ckpt, str(args.steps)).iterdir())
         print("checkpoint:", ", ".join(files), flush=True)
-        after, _ = loader.get_next(like).result()
-        loader.restore_state(at).result()
-        again, _ = loader.get_next(like).result()
+        after, _ = loader.get_next(like)
+        loader.restore_state(at)
+        again, _ = loader.get_next(like)
         same = np.array_equal(np.asarray(after), np.asarray(again))
         w_true = np.linspace(-1.0, 1.0, FEATURES, dtype=np.float32)
         print(f"done: max |w - w_true| = {np.abs(np.asarray(w) - w_true).max():.3f}; "
               f"restored batch equal: {same}", flush=True)
-        loader.close()
+        cb.close(loader)
     return 0
 
 

@@ -67,18 +67,18 @@ def main(argv: list[str] | None = None) -> int:
 
         text = "The cat sat on the mat"
         # Passing ``vocab`` builds it on every host first (it was never used yet).
-        ids = tok.encode(vocab, text).result(timeout=60)
+        ids = tok.encode(vocab, text)
         print(f"before: {text!r} -> {np.asarray(ids).tolist()}")
 
         # Calls from one thread run on each host in the order issued, so the
         # encode below sees the words this add puts into each host's vocabulary.
         size = vocab.add(["on", "mat"])
-        ids = tok.encode(vocab, text).result(timeout=60)
-        print(f"vocabulary size on every host: {int(np.asarray(size.result(timeout=60)))}")
+        ids = tok.encode(vocab, text)
+        print(f"vocabulary size on every host: {int(np.asarray(size))}")
         print(f"after:  {text!r} -> {np.asarray(ids).tolist()}")
 
-        tok.close()  # each host drops its Tokenizer; the Vocabulary lives on
-        vocab.close()
+        cb.close(tok)  # each host drops its Tokenizer; the Vocabulary lives on
+        cb.close(vocab)
     return 0
 
 

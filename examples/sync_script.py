@@ -1,8 +1,9 @@
-"""The training-loop idea as a plain script: no asyncio, ``.result()`` instead of ``await``.
+"""The training-loop idea as a plain script: no asyncio, JAX's habits.
 
 ``with cb.local_cluster(...)`` starts the controller on a thread of its own and
-the workers as subprocesses; every colocated call still returns a ``cb.Future``,
-and ``.result()`` waits for it from this (ordinary) thread.
+the workers as subprocesses; from this (ordinary) thread a colocated call returns
+its outputs as ``cb.Array`` handles at once, as JAX's does, and using one
+(``np.asarray``, ``cb.device_get``, ``block_until_ready``) waits for it.
 
     python examples/sync_script.py [--steps N] [--hosts N] [--devices N]
 """
@@ -74,8 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         w = cb.device_put(np.zeros((hosts, features), np.float32), per_host)
         loader = Loader(features)
         for step in range(1, args.steps + 1):
-            x, y = loader.next_batch(w).result(timeout=60)
-            w, loss = host_step(w, x, y, 0.2).result(timeout=60)
+            x, y = loader.next_batch(w)  # the arrays at once; the hosts hand them on
+            w, loss = host_step(w, x, y, 0.2)
             if step % 10 == 0 or step == args.steps:
                 # Model averaging through the controller: fetch every replica
                 # (blocking np.asarray), average, and upload the mean to all hosts.
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
                 losses = ", ".join(f"{v:.4f}" for v in np.asarray(loss))
                 print(f"step {step}: loss per host [{losses}], replicas averaged")
         final = cb.device_get(w)[0]
-        loader.close()
+        cb.close(loader)
 
     w_true = np.arange(1.0, features + 1, dtype=np.float32) / features
     error = float(np.abs(final - w_true).max())

@@ -7,6 +7,7 @@ Store figures come only from the public ``await ctl.refresh_stats()``.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import gc
 import os
 import subprocess
@@ -44,6 +45,78 @@ async def bounded(aw: Awaitable[T], seconds: float = SETTLE_S, what: str = "oper
         return await asyncio.wait_for(run(), seconds)
     except TimeoutError:
         raise AssertionError(f"{what} did not settle within {seconds} s (hang)") from None
+
+
+def _loop_of(ctl: cb.Controller | None) -> cb.Controller:
+    from colobus._controller.controller import default_controller
+
+    return ctl if ctl is not None else default_controller()
+
+
+def in_async(make: Callable[[], T], ctl: cb.Controller | None = None) -> T:
+    """``make()`` run as async code under ``async with`` runs it: on the controller's own
+    event-loop thread (``ctl``, default: the default controller, a ``with`` one), in a
+    task of its own (one stream). Calls made there return their ``cb.Future``; on every
+    other thread (plain code, or another event loop) they return their arrays. For tests
+    of the Futures themselves; ``make`` must not block (it runs on that loop)."""
+
+    async def run() -> T:
+        return make()
+
+    return _loop_of(ctl).run_sync(run(), timeout=SETTLE_S)
+
+
+class OnLoop:
+    """``on_loop(make)``: ``make()`` run as :func:`in_async` runs it, every one in the same
+    task on the controller's loop (one stream: the calls made there run on each host in
+    the order made, as one thread's or task's do); its result or error, here."""
+
+    def __init__(self, ctl: cb.Controller) -> None:
+        self.ctl = ctl
+        self.jobs: asyncio.Queue[Any] | None = None
+        self.task: concurrent.futures.Future[None] | None = None
+
+    def start(self) -> None:
+        async def make_queue() -> asyncio.Queue[Any]:
+            return asyncio.Queue()
+
+        self.jobs = jobs = self.ctl.run_sync(make_queue(), timeout=SETTLE_S)
+
+        async def serve() -> None:
+            while (job := await jobs.get()) is not None:
+                make, done = job
+                try:
+                    done.set_result(make())
+                except BaseException as exc:
+                    done.set_exception(exc)
+                del job, make, done  # (holds nothing made: a Future kept frees nothing)
+
+        assert self.ctl._loop is not None
+        self.task = asyncio.run_coroutine_threadsafe(serve(), self.ctl._loop)
+
+    def __call__(self, make: Callable[[], T]) -> T:
+        assert self.jobs is not None and self.ctl._loop is not None
+        done: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self.ctl._loop.call_soon_threadsafe(self.jobs.put_nowait, (make, done))
+        return done.result(SETTLE_S)
+
+    def stop(self) -> None:
+        if self.jobs is not None and self.task is not None and self.ctl._loop is not None:
+            self.ctl._loop.call_soon_threadsafe(self.jobs.put_nowait, None)
+            self.task.result(SETTLE_S)
+
+
+@contextmanager
+def calls_return_futures(ctl: cb.Controller | None = None) -> Iterator[OnLoop]:
+    """Within, ``on_loop(make)`` runs ``make()`` on the controller's loop thread, in one
+    task (:class:`OnLoop`), where calls return their ``cb.Future`` as async code's under
+    ``async with`` do: for tests of the Futures themselves, written as plain code."""
+    on_loop = OnLoop(_loop_of(ctl))
+    on_loop.start()
+    try:
+        yield on_loop
+    finally:
+        on_loop.stop()
 
 
 async def outcome(fut: cb.Future[Any], seconds: float = SETTLE_S,

@@ -26,8 +26,8 @@ What changed, and nothing else:
 - ``RemoteIterator``, the host side, is maxtext's own code;
 - ``RemoteIteratorWrapper``, the driver side, makes its shardings and arrays with
   colobus's ``NamedSharding`` and ``device_put`` instead of JAX's (the controller's JAX
-  cannot address the hosts' devices), and waits for ``get_next``'s result where JAX's
-  ``device_put`` would (``docs/jax_comparison.md``, "Porting a real client").
+  cannot address the hosts' devices; ``docs/jax_comparison.md``, "Porting a real
+  client"). ``get_next``'s result is used as maxtext uses JAX's.
 """
 
 import json
@@ -183,8 +183,7 @@ class RemoteIteratorWrapper:
   def __next__(self):
     out = self.local_iterator.get_next(self.dummy_array)  # pyrefly: ignore[missing-attribute]
     # use tree_map is out is a dict
-    # (ported: the call's Future, waited for where JAX's device_put would take the array)
-    return colocated_python.device_put(out.result(), self.tpu_sharding)
+    return colocated_python.device_put(out, self.tpu_sharding)
 
   def save_state(self, step):
     replicated_cpu_sharding = colocated_python.NamedSharding(self.cpu_mesh, PartitionSpec())

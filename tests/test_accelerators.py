@@ -17,7 +17,7 @@ import pytest
 import ready_hostside as hs
 
 import colobus as cb
-from colobus._api.array import fetch_tree
+from colobus._api.fetch import fetch_tree
 from colobus._api.ready import ready_future
 from colobus._launch.accel import Accelerators, local_worker_envs, share_out
 
@@ -26,54 +26,53 @@ def test_block_until_ready_waits_until_the_host_says_computed(ctl: cb.Controller
     dev = next(d for d in cb.devices() if d.host == 0)
     x = cb.device_put(np.arange(4, dtype=np.float32), cb.SingleDeviceSharding(dev))
     try:
-        y = hs.hold(x).result()
+        y = hs.hold(x)
         assert y.is_ready() is False
         waiter = ready_future(y)  # (cb.block_until_ready would block here: its Future)
         # The host answers this probe after it received the wait above: had the wait been
         # answered at once, its reply would have come first.
         assert y.is_ready() is False
         assert not waiter.done()
-        hs.release(x).result()  # opens the gate on the host
+        cb.block_until_ready(hs.release(x))  # opens the gate on the host
         assert waiter.result(timeout=60) is y
         assert y.is_ready() is True
         np.testing.assert_array_equal(np.asarray(y), np.arange(4, dtype=np.float32) * 2)
     finally:
-        hs.release(x).result()
-        hs.unpatch(x).result()
+        cb.block_until_ready(hs.release(x))
+        cb.block_until_ready(hs.unpatch(x))
 
 
 def test_a_fetch_waits_for_the_computation_too(ctl: cb.Controller) -> None:
     dev = next(d for d in cb.devices() if d.host == 1)
     x = cb.device_put(np.arange(4, dtype=np.float32), cb.SingleDeviceSharding(dev))
     try:
-        y = hs.hold(x).result()
+        y = hs.hold(x)
         got = fetch_tree(y)  # (cb.device_get would block here: its Future)
         assert y.is_ready() is False
         assert not got.done()
-        hs.release(x).result()
+        cb.block_until_ready(hs.release(x))
         np.testing.assert_array_equal(got.result(timeout=60), np.arange(4) * 2)
     finally:
-        hs.release(x).result()
-        hs.unpatch(x).result()
+        cb.block_until_ready(hs.release(x))
+        cb.block_until_ready(hs.unpatch(x))
 
 
 def test_block_until_ready_of_a_calls_future_waits_behind_the_call(ctl: cb.Controller) -> None:
     dev = next(d for d in cb.devices() if d.host == 0)
     x = cb.device_put(np.arange(4, dtype=np.float32), cb.SingleDeviceSharding(dev))
     try:
-        call = hs.hold.specialize(out_specs_fn=lambda a: a)(x)  # returns at once
-        waiter = ready_future({"y": call, "x": x})  # sent before the call answered
-        y = call.result()
+        y = hs.hold.specialize(out_specs_fn=lambda a: a)(x)  # its array at once (pending)
+        waiter = ready_future({"y": y, "x": x})  # sent before the call answered
         assert y.is_ready() is False
         assert not waiter.done()
-        hs.release(x).result()
+        cb.block_until_ready(hs.release(x))
         got = waiter.result(timeout=60)
-        assert got["y"] is y and got["x"] is x  # the Future replaced by its value
+        assert got["y"] is y and got["x"] is x  # the same arrays back, ready
         assert y._ready  # the hosts said so: a later wait sends nothing
         np.testing.assert_array_equal(np.asarray(y), np.arange(4, dtype=np.float32) * 2)
     finally:
-        hs.release(x).result()
-        hs.unpatch(x).result()
+        cb.block_until_ready(hs.release(x))
+        cb.block_until_ready(hs.unpatch(x))
 
 
 def test_block_until_ready_of_a_failed_call_raises_its_error(ctl: cb.Controller) -> None:
@@ -83,7 +82,6 @@ def test_block_until_ready_of_a_failed_call_raises_its_error(ctl: cb.Controller)
         cb.block_until_ready(hs.fail(x))
     # a finished call's Future: its outputs are waited for as arrays
     done = hs.long_computation(x)
-    done.result()
     assert cb.block_until_ready(done).shape == (768, 768)
 
 
@@ -91,11 +89,11 @@ def test_after_block_until_ready_a_long_computation_is_done_on_its_host(
         ctl: cb.Controller) -> None:
     dev = next(d for d in cb.devices() if d.host == 0)
     x = cb.device_put(np.ones((2, 2), np.float32), cb.SingleDeviceSharding(dev))
-    y = hs.long_computation(x).result()
+    y = hs.long_computation(x)
     assert cb.block_until_ready(y) is y
     # Asked of JAX on the host, right after: computed (before, the wait returned at
     # once while JAX still ran it).
-    assert np.asarray(hs.computed_here(y).result()).tolist() == [True]
+    assert np.asarray(hs.computed_here(y)).tolist() == [True]
     assert y.is_ready() is True
 
 
@@ -148,7 +146,7 @@ def test_workers_get_their_chips_and_one_that_cannot_open_joins_cpu_only(
         views = []
         for dev in cb.devices():
             x = cb.device_put(np.zeros(1, np.float32), cb.SingleDeviceSharding(dev))
-            views.append(str(np.asarray(_worker_view(x).result())[0]))
+            views.append(str(np.asarray(_worker_view(x))[0]))
     assert views == ["0 1,1,1 tpu,cpu cpu", "1 1,1,1 tpu,cpu cpu", "- - cpu cpu"]
     assert "2 tpu chips for 3 hosts: hosts 0-1 get 1 each, host 2 is CPU-only" in caplog.text
     err = capfd.readouterr().err

@@ -53,23 +53,30 @@ def test_sync_caller_blocks_at_the_bound_and_all_complete_in_order(
     events = hs.events.specialize(devices=[dev])
     gate, n = 77, 40
     tokens = list(range(5000, 5000 + n))
-    gated: list[cb.Future] = []
-    submitted: list[cb.Future] = []
+    gated: list[cb.Array] = []
+    submitted: list[cb.Array] = []
     done = [0]
     peak = {"inflight": 0, "queued": 0, "outstanding": 0}
     lock = threading.Lock()
 
-    def on_done(_: cb.Future) -> None:
+    def on_done(_: object) -> None:
         with lock:
             done[0] += 1
+
+    def when_done(arr: cb.Array) -> None:
+        call = arr._call  # the call behind a pending array (colobus._api.pending)
+        if call is None:
+            on_done(None)
+        else:
+            call.add_done_callback(on_done)
 
     def fire() -> None:
         # The gate holds this stream on the host: the marks queue behind it,
         # one in the host's second slot, the rest here.
         gated.append(wait_gate(gate))
         for tok in tokens:
-            f = slow_mark(tok, 2)
-            f.add_done_callback(on_done)
+            f = slow_mark(tok, 2)  # its array at once, as JAX's (or here, at the bound)
+            when_done(f)
             submitted.append(f)
             with lock:
                 peak["outstanding"] = max(peak["outstanding"], len(submitted) - done[0])
@@ -93,13 +100,13 @@ def test_sync_caller_blocks_at_the_bound_and_all_complete_in_order(
     hs.open_gate(gate)
     firer.join(120)
     assert not firer.is_alive()
-    results = [int(np.asarray(f.result(60))) for f in submitted]
+    results = [int(np.asarray(f)) for f in submitted]
     assert results == tokens
-    gated[0].result(30)
+    cb.block_until_ready(gated[0])
     assert peak["inflight"] <= MAX_INFLIGHT
     assert peak["queued"] <= MAX_BACKLOG
     assert peak["outstanding"] <= MAX_INFLIGHT + MAX_BACKLOG
-    log = [int(x) for x in np.asarray(events().result(30))]
+    log = [int(x) for x in np.asarray(events())]
     assert [x for x in log if x >= 5000 and x < 5000 + n] == tokens  # ran in order
     _wait_until(lambda: ctl.stats()["queued"] == 0 and not ctl._hosts[0].inflight,
                 "the queue to drain")
@@ -143,8 +150,8 @@ async def test_wait_capacity_from_another_loop(small: cb.Controller) -> None:
     await asyncio.wait_for(waiter, 60)
     for f in gated:
         await f
-    for q in queued:
-        await q.result()
+    for q in queued:  # (made on plain threads: their arrays)
+        await asyncio.to_thread(cb.block_until_ready, q.result())
 
 
 def test_close_wakes_a_blocked_caller() -> None:

@@ -22,7 +22,7 @@ EXPECTED = {
     # bench_calls: calls, scaling, bigout
     "mem_inflight_controller", "mem_inflight_worker", "mem_held_controller", "mem_held_worker",
     "noop_async_alt", "ident_async", "spec_async", "plus1_async", "ident_pipelined_tasks",
-    "ident_pipelined_gather", "ident_pipelined_cbgather", "noop_sync_alt", "ident_sync",
+    "ident_pipelined_gather", "ident_pipelined_cbgather", "ident_sync",
     "scaling1_noop", "scaling1_ident", "scaling2_noop", "scaling2_ident", "scaling4_noop",
     "scaling4_ident", "scaling_cpu_per_host_noop", "scaling_cpu_per_host_ident",
     "bigout_first_peak_rss_worker", "bigout_second_peak_rss_worker",
@@ -161,9 +161,9 @@ def test_call_counts_prints_both_sides_for_every_pattern() -> None:
                           capture_output=True, text=True, timeout=300, cwd=tempfile.gettempdir())
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
-    for label in ("no-op, awaited", "`return x`, awaited, 1 host", "no frees", ".result()",
-                  "specialized", "object method (no-op)", "object method `return x`",
-                  "4 hosts"):
+    for label in ("no-op, awaited", "`return x`, awaited, 1 host", "no frees",
+                  "block_until_ready()", "specialized", "object method (no-op)",
+                  "object method `return x`", "4 hosts"):
         row = next(line for line in lines if label in line)
         *counts, watch = (float(v) for v in row.split()[-5:])
         # A call runs some Python on each side, and not tens of thousands of functions

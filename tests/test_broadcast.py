@@ -89,7 +89,7 @@ def test_replicated_put_leaves_the_controller_twice(six: cb.Controller) -> None:
     data = np.random.default_rng(1).standard_normal((9 * MiB + 12) // 4).astype(np.float32)
     before = six.stats()
     a = cb.device_put(data, sharding)
-    out = checker({sha(data)})(a).result(timeout=120)  # right away: waits on the hosts
+    out = cb.block_until_ready(checker({sha(data)})(a))  # right away: waits on the hosts
     np.testing.assert_array_equal(cb.device_get(out), data)
     after = six.refresh_stats().result(timeout=60)
     assert after["bytes_put"] - before["bytes_put"] == 2 * data.nbytes
@@ -135,7 +135,7 @@ def test_partly_replicated_blocks_each_take_a_tree(six: cb.Controller) -> None:
     data = np.arange(2 * MiB, dtype=np.int32).reshape(2, MiB)  # 4 MiB rows
     before = six.stats()["bytes_put"]
     a = cb.device_put(data, cb.NamedSharding(mesh, P("a")))
-    checker({sha(data[0:1]), sha(data[1:2])})(a).result(timeout=120)
+    cb.block_until_ready(checker({sha(data[0:1]), sha(data[1:2])})(a))
     np.testing.assert_array_equal(cb.device_get(a), data)
     # two blocks, each held by 3 hosts: each sent to its 2 roots
     assert six.stats()["bytes_put"] - before == 2 * data.nbytes
@@ -145,13 +145,13 @@ def test_small_blocks_and_trees_off_take_the_star(six: cb.Controller) -> None:
     sharding = cb.NamedSharding(cb.Mesh(np.array(six.devices()), ("h",)), P())
     small = np.arange(1000, dtype=np.float32)
     before = six.stats()["bytes_put"]
-    checker({sha(small)})(cb.device_put(small, sharding)).result(timeout=60)
+    cb.block_until_ready(checker({sha(small)})(cb.device_put(small, sharding)))
     assert six.stats()["bytes_put"] - before == HOSTS * small.nbytes
     big = np.ones(MiB, dtype=np.float32)
     six.broadcast_tree = 0
     try:
         before = six.stats()["bytes_put"]
-        checker({sha(big)})(cb.device_put(big, sharding)).result(timeout=60)
+        cb.block_until_ready(checker({sha(big)})(cb.device_put(big, sharding)))
         assert six.stats()["bytes_put"] - before == HOSTS * big.nbytes
     finally:
         six.broadcast_tree = 2
@@ -192,7 +192,7 @@ def test_a_lost_relay_costs_only_its_own_host() -> None:
         # the live hosts hold the right bytes: a new array over them, from their blocks
         live = cb.NamedSharding(cb.Mesh(np.array(devices[1:]), ("h",)), P())
         again = cb.device_put(data, live)
-        checker({sha(data)})(again).result(timeout=120)
+        cb.block_until_ready(checker({sha(data)})(again))
 
 
 @pytest.fixture

@@ -1,7 +1,8 @@
 """Every common call form on the call's lane (colobus._api.lane) gives what the general
 path (:func:`colobus._api.func.invoke`) gives: a function specialized with
 ``out_specs_fn``, an object's methods (plain and specialized), the sync face
-``.result()`` from a plain thread, one host and a fan-out.
+from a plain thread (a call returns its arrays at once, as JAX's) and from a thread
+running an event loop of its own (its arrays too: SPEC 4), one host and a fan-out.
 
 The same sequence runs twice on the shared cluster: once as the lane takes it, once
 with the lane refusing every call (so each goes the general path); the results,
@@ -85,12 +86,12 @@ def _forms(x1: Any, x8: Any) -> list[Any]:
     wrong = form_ident.specialize(out_specs_fn=_wrong_specs)
     for x in (x1, x8, x1):  # one host, a fan-out over both hosts, one host again
         for _ in range(3):
-            seen.append(_value(ident_s(x).result()))
-        a, (b,) = pair_s(x).result()
+            seen.append(_value(ident_s(x)))
+        a, (b,) = pair_s(x)  # unpacked at once, as JAX's outputs
         seen += [_value(a), _value(b)]
         for _ in range(2):
             with pytest.raises(ValueError, match="expected shape") as err:
-                wrong(x).result()
+                cb.block_until_ready(wrong(x))
             seen.append(str(err.value))
     seen.append(ident_s.cache_info()[:2])
     keeper = Keeper(10)
@@ -98,17 +99,17 @@ def _forms(x1: Any, x8: Any) -> list[Any]:
     specialized = keeper.ident.specialize(out_specs_fn=_same_specs)
     keeper.ident_s = specialized  # assigned back: bound again on each access
     for x in (x1, x8, x1):
-        seen.append(_value(ident_m(x).result()))
-        seen.append(_value(keeper.ident(x).result()))
-        seen.append(_value(keeper.ident_s(x).result()))
-        seen.append(_value(keeper.bump(x).result()))
+        seen.append(_value(ident_m(x)))
+        seen.append(_value(keeper.ident(x)))
+        seen.append(_value(keeper.ident_s(x)))
+        seen.append(_value(keeper.bump(x)))
         with pytest.raises(KeyError, match="no") as kerr:
-            keeper.fails(x).result()
+            cb.block_until_ready(keeper.fails(x))
         seen.append(str(kerr.value).splitlines()[0])
-    # many in flight from this thread, then awaited in order
-    futs = [keeper.bump(x1) for _ in range(5)] + [ident_s(x1) for _ in range(5)]
-    seen += [_value(f.result()) for f in futs]
-    keeper.close()
+    # many in flight from this thread, then read in order
+    outs = [keeper.bump(x1) for _ in range(5)] + [ident_s(x1) for _ in range(5)]
+    seen += [_value(o) for o in outs]
+    cb.close(keeper)
     with pytest.raises(RuntimeError, match="closed"):
         keeper.ident(x1)
     return seen
@@ -121,6 +122,12 @@ def _run(ctl: cb.Controller) -> list[Any]:
     x8 = cb.device_put(np.arange(16, dtype=np.float32),
                        cb.NamedSharding(mesh, cb.PartitionSpec("i")))
     return _forms(x1, x8)
+
+
+async def _on_a_loop(ctl: cb.Controller) -> list[Any]:
+    """The sequence from a thread running an event loop that is not the controller's (a
+    notebook's, ``asyncio.run`` beside a ``with`` cluster): the same arrays."""
+    return _run(ctl)
 
 
 def test_each_form_gives_on_the_lane_what_the_general_path_gives(ctl: cb.Controller) -> None:
@@ -141,12 +148,14 @@ def test_each_form_gives_on_the_lane_what_the_general_path_gives(ctl: cb.Control
         on_lane = _run(ctl)
         lane_specs = len(_SPEC_CALLS)
         assert taken[0] == 43, taken  # every call of the sequence took the lane
+        on_a_loop = asyncio.run(_on_a_loop(ctl))
+        assert taken[0] == 86, taken  # there too
         func._LANE[0] = lambda *args: None  # each call the general path
         _SPEC_CALLS.clear()
         general = _run(ctl)
     finally:
         func._LANE[0] = lane
-    assert on_lane == general
+    assert on_lane == general == on_a_loop
     # out_specs_fn runs once per input signature on the lane (the general path: per call)
     assert lane_specs < len(_SPEC_CALLS)
 
@@ -165,7 +174,7 @@ def test_out_specs_fn_runs_once_per_input_signature_on_the_lane(ctl: cb.Controll
     x = cb.device_put(np.zeros(3, np.float32), d0)
     y = cb.device_put(np.zeros(5, np.float32), d0)
     for a in (x, x, x, y, y, x):
-        assert f(a).result().shape == a.shape
+        assert f(a).shape == a.shape
     assert calls == [((3,), "float32"), ((5,), "float32"), ((3,), "float32")]
 
 
@@ -186,7 +195,7 @@ async def test_methods_and_specialized_calls_awaited_on_the_controllers_loop() -
         outs = await cb.gather(*[keeper.bump(x) for _ in range(4)], *[f(x) for _ in range(4)])
         assert [np.asarray(await cb.device_get(o)).tolist()[0] for o in outs[:4]] == [
             6.0, 7.0, 8.0, 9.0]
-        await keeper.aclose()
+        await cb.aclose(keeper)
         del y, z, outs
         hosts = await quiesced(ctl, base={0: {"arrays": 1, "bytes": 24}})
         assert (hosts[0]["arrays"], hosts[0]["results"]) == (1, 0), hosts
@@ -209,7 +218,7 @@ def test_a_method_bound_again_is_the_method_made_anew(ctl: cb.Controller) -> Non
                 assert got.__dict__[k] == v, k
     assert keeper.bump._target is keeper.bump._target  # one target per object and method
     assert keeper.bump.__name__ == "bump" and keeper.bump._owner is keeper
-    keeper.close()
+    cb.close(keeper)
 
 
 class _Plain:
@@ -271,13 +280,13 @@ def test_one_host_calls_from_many_threads_keep_each_threads_order(ctl: cb.Contro
     keeper = Keeper(0)
     d0 = ctl.devices()[0]
     x = cb.device_put(np.zeros(1), d0)
-    keeper.bump(x).result()
+    cb.block_until_ready(keeper.bump(x))
     got: dict[int, list[float]] = {}
 
     def run(i: int) -> None:
         f = form_ident.specialize(out_specs_fn=_same_specs)
-        futs = [f(keeper.bump(x)) for _ in range(20)]
-        got[i] = [float(np.asarray(cb.device_get(fu.result()))[0]) for fu in futs]
+        outs = [f(keeper.bump(x)) for _ in range(20)]  # pending arrays, chained
+        got[i] = [float(np.asarray(cb.device_get(o))[0]) for o in outs]
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(3)]
     for t in threads:
@@ -287,4 +296,4 @@ def test_one_host_calls_from_many_threads_keep_each_threads_order(ctl: cb.Contro
     for seq in got.values():
         assert seq == sorted(seq) and len(set(seq)) == 20  # each thread's calls in order
     assert sorted(v for seq in got.values() for v in seq) == [float(v) for v in range(2, 62)]
-    keeper.close()
+    cb.close(keeper)

@@ -9,10 +9,11 @@
   model (the shared cluster) and in a JAX job (the shared job cluster): the host code
   as JAX's, the driver's JAX calls as colobus's (``docs/jax_comparison.md``).
 
-They rely on JAX's habits as colobus keeps them (SPEC 3 and 5): ``addressable_data``,
-``axis_types=`` on ``cb.make_mesh``, ``cb.device_get`` returning values in plain code,
-and the first call of a method returning once its hosts ran it (maxtext's
-``save_state`` drops its result and expects the files written).
+They rely on JAX's habits as colobus keeps them (SPEC 3 and 5): a call returning its
+arrays at once in plain code, ``addressable_data``, ``axis_types=`` on
+``cb.make_mesh``, ``cb.device_get`` returning values in plain code, and the first call
+of a method returning once its hosts ran it (maxtext's ``save_state`` drops its result
+and expects the files written).
 """
 
 from __future__ import annotations
@@ -144,7 +145,7 @@ def test_simple_function(mode: cb.Controller) -> None:
     x = np.arange(cpu_mesh.size)
     x = cb.device_put(x, cpu_sharding)
 
-    out = add_one(x).result()
+    out = add_one(x)
 
     out = cb.device_put(out, cb.NamedSharding(cpu_mesh, cb.PartitionSpec()))
     out = cb.device_get(out)

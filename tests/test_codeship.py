@@ -297,7 +297,7 @@ async def test_modules_named_only_by_arguments_travel(far: Elsewhere) -> None:
         assert await fetch(use(x, by_call.triple, by_call.Config(4), closure)) == [12.0, 13.0]
         holder = Holder(lambda v: v * by_init.SCALE)
         assert await fetch(holder.run(x)) == [14.0, 15.0]
-        holder.close()
+        cb.close(holder)
         assert ctl.stats()["packages_sent"] >= 2 * HOSTS  # both modules, on every host
     # Without shipping, the same call fails on the hosts, naming the module.
     async with far.controller(ship_code=False) as ctl:

@@ -191,7 +191,7 @@ def add_one(x):
 # What each page's text gives its fragments, beyond the base (above); the pages of
 # OWN_CLUSTER start the cluster they describe instead of the base's.
 OWN_CLUSTER = {"index.md", "observability.md", "reliability.md"}
-# The pages whose fragments are plain code beside a `with` cluster (`.result()`, blocking
+# The pages whose fragments are code beside a `with` cluster (its blocking
 # helpers): they run on a loop of their own, as in a notebook. Every other page's
 # fragments are async code under `async with`: they run on the base cluster's own loop,
 # where `cb.device_get` and `cb.block_until_ready` are futures to await.
@@ -219,6 +219,7 @@ def step(params, batch):
 
 
 load = f = cb.colocated_python(lambda x: x)
+pair = cb.colocated_python(lambda x: (x, x * 2))
 preprocess = cb.colocated_python(lambda x: x * 2)
 normalize = cb.colocated_python(lambda x: (x - x.mean()) / (x.std() + 1e-6))
 compute = cb.colocated_python(lambda params, batch: params * batch)

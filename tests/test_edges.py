@@ -17,7 +17,7 @@ from typing import Any
 import edges_hostside as hs
 import numpy as np
 import pytest
-from lifecycle import bounded, eventually, outcome
+from lifecycle import bounded, eventually, in_async, outcome
 
 import colobus as cb
 
@@ -43,7 +43,7 @@ def test_1_cancel_from_a_thread_contains_a_raising_callback(ctl: cb.Controller,
     """``fut.cancel()`` on a user thread does not raise a callback's ``CancelledError``;
     later callbacks still run, and another thread awaiting the future settles."""
     gate = str(tmp_path / "gate")
-    fut = hs.block.specialize(devices=[ctl.devices()[0]])(gate)
+    fut = in_async(lambda: hs.block.specialize(devices=[ctl.devices()[0]])(gate))
     ran: list[int] = []
     fut.add_done_callback(lambda f: f.result())  # raises CancelledError on a cancelled future
     fut.add_done_callback(lambda f: ran.append(1))
@@ -77,9 +77,10 @@ def test_1_raising_callback_never_loses_the_rest_of_a_batch(ctl: cb.Controller,
     BATCH of replies) does not lose the other replies of that batch: every future settles."""
     dev = ctl.devices()[0]
     gate = str(tmp_path / "gate")
-    first = hs.block.specialize(devices=[dev])(gate)
     tok = hs.token.specialize(devices=[dev])
-    futs = [tok(i) for i in range(60)]  # queued behind the gate: they end back to back
+    # queued behind the gate (one task: one stream): they end back to back
+    first, futs = in_async(lambda: (hs.block.specialize(devices=[dev])(gate),
+                                    [tok(i) for i in range(60)]))
     for f in futs:
         f.add_done_callback(_boom)
     _touch(gate)
@@ -177,8 +178,8 @@ def test_3_sharded_outputs_with_different_dtypes_are_refused(ctl: cb.Controller)
                       cb.NamedSharding(mesh, cb.PartitionSpec("x")))
     with pytest.raises(ValueError, match=r"output 0 is sharded, so all hosts must agree on its "
                                          r"dtype.*float32.*uint8"):
-        hs.cast_on(x, ctl.hosts()[1].pid).result(timeout=30)
-    same = hs.cast_on(x, -1).result(timeout=30)  # every host float32: accepted
+        cb.block_until_ready(hs.cast_on(x, ctl.hosts()[1].pid))
+    same = cb.block_until_ready(hs.cast_on(x, -1))  # every host float32: accepted
     assert same.dtype == np.float32
     assert list(np.asarray(cb.device_get(same))) == [300.75] * 8
 
@@ -198,7 +199,7 @@ def test_4_array_inside_a_plain_object_must_match_the_call(ctl: cb.Controller) -
     with pytest.raises(ValueError, match=r"not a pytree node.*pass it as a pytree leaf"):
         hs.unbox.specialize(devices=host0)(hs.Box(x))
     # On the call's own devices it travels as before: each host gets its block.
-    out = hs.unbox_beside(x, hs.Box(x)).result(timeout=30)
+    out = cb.block_until_ready(hs.unbox_beside(x, hs.Box(x)))
     assert list(np.asarray(cb.device_get(out))) == list(range(8))
 
 
@@ -211,9 +212,9 @@ def test_6_input_cancelled_before_the_call(ctl: cb.Controller, tmp_path: Path) -
     dev = ctl.devices()[0]
     gate = str(tmp_path / "gate")
     try:
-        a = hs.block.specialize(devices=[dev])(gate)
+        a = in_async(lambda: hs.block.specialize(devices=[dev])(gate))
         assert a.cancel()
-        b = hs.ident(a)
+        b = in_async(lambda: hs.ident(a))
         assert b.cancelled()
         with pytest.raises(asyncio.CancelledError):
             b.result(timeout=30)
@@ -230,12 +231,16 @@ def test_6_input_cancelled_after_the_call(ctl: cb.Controller, tmp_path: Path,
     dev = ctl.devices()[0]
     gate = str(tmp_path / "gate")
     try:
-        a = hs.block.specialize(devices=[dev])(gate)
         if where == "same_stream":
-            b = hs.ident(a)
+            def both() -> tuple[cb.Future[Any], cb.Future[Any]]:
+                first = hs.block.specialize(devices=[dev])(gate)
+                return first, hs.ident(first)
+
+            a, b = in_async(both)
         else:
+            a = in_async(lambda: hs.block.specialize(devices=[dev])(gate))
             box: list[cb.Future[Any]] = []
-            t = threading.Thread(target=lambda: box.append(hs.ident(a)))
+            t = threading.Thread(target=lambda: box.append(in_async(lambda: hs.ident(a))))
             t.start()
             t.join(30)
             b = box[0]
@@ -249,7 +254,7 @@ def test_6_input_cancelled_after_the_call(ctl: cb.Controller, tmp_path: Path,
             raise AssertionError(f"the dependent call ended with {exc!r}, not cancelled") from exc
         assert b.cancelled()
         # The stream goes on: a later call runs.
-        out = hs.token.specialize(devices=[dev])(9).result(timeout=30)
+        out = cb.block_until_ready(hs.token.specialize(devices=[dev])(9))
         assert int(np.asarray(cb.device_get(out))) == 9
     finally:
         _touch(gate)
@@ -266,11 +271,11 @@ def test_8_method_without_arguments_returns_sharded_state(ctl: cb.Controller) ->
     mesh = cb.Mesh(np.array(devs, dtype=object), ("x",))
     x = cb.device_put(np.arange(8, dtype=np.float32), cb.NamedSharding(mesh, cb.PartitionSpec("x")))
     h = hs.Holder()
-    h.keep(x).result(timeout=30)
-    out = h.read.specialize(devices=devs)().result(timeout=30)
+    cb.block_until_ready(h.keep(x))
+    out = h.read.specialize(devices=devs)()
     assert out.shape == (8,) and out.sharding == x.sharding, out.sharding
     assert list(np.asarray(cb.device_get(out))) == [2.0 * i for i in range(8)]
-    h.close()
+    cb.close(h)
 
 
 def test_8_function_without_arguments_on_a_captured_2d_mesh(ctl: cb.Controller) -> None:
@@ -279,7 +284,7 @@ def test_8_function_without_arguments_on_a_captured_2d_mesh(ctl: cb.Controller) 
     devs = ctl.devices()
     mesh = cb.Mesh(np.array(devs, dtype=object).reshape(2, -1), ("hosts", "d"))
     sharding = cb.NamedSharding(mesh, cb.PartitionSpec("hosts", "d"))
-    out = hs.fill_on.specialize(devices=devs)(sharding).result(timeout=30)
+    out = hs.fill_on.specialize(devices=devs)(sharding)
     assert out.shape == (2, 4) and out.sharding == sharding, out.sharding
     got = np.asarray(cb.device_get(out))
     first = [min(d.id for d in devs if d.host == h) for h in (0, 1)]
@@ -291,7 +296,7 @@ def test_8_no_fitting_layout_names_the_output_and_what_to_return(ctl: cb.Control
     says what to return instead (and the 1-D mesh's axis a call without arguments gets)."""
     with pytest.raises(ValueError, match=r"output 0: the hosts returned layouts that do not "
                                          r"form one global sharding.*axis 'devices'"):
-        hs.own_axis_names.specialize(devices=ctl.devices())().result(timeout=30)
+        cb.block_until_ready(hs.own_axis_names.specialize(devices=ctl.devices())())
 
 
 # -- also: what a worker's error may be rebuilt as; run_sync's timeout; long keys ----------
@@ -303,10 +308,9 @@ def test_also_a_worker_never_raises_colobus_errors_or_stopiteration(ctl: cb.Cont
     """Errors of colobus itself and ``StopIteration`` raised by host code reach the caller
     as ``cb.RemoteError`` (a worker cannot fake a lost host or end the caller's loop);
     builtins and user ``Exception`` classes keep their type."""
-    fut = hs.raise_named.specialize(devices=ctl.devices())(which)
     expected = KeyError if which == "key" else cb.RemoteError
     with pytest.raises(expected) as info:
-        fut.result(timeout=30)
+        cb.block_until_ready(hs.raise_named.specialize(devices=ctl.devices())(which))
     assert type(info.value) is expected
     if which == "host_lost":
         assert "HostLostError" in str(info.value)
@@ -449,7 +453,7 @@ def test_7_code_is_freed_on_hosts_when_its_function_goes(ctl: cb.Controller) -> 
     devs = ctl.devices()
     fns = [_closure(i) for i in range(5)]
     for i, f in enumerate(fns):
-        out = f.specialize(devices=devs)().result(timeout=30)
+        out = f.specialize(devices=devs)()
         assert float(np.asarray(cb.device_get(out))) == i
     beat()
     grown = held()

@@ -30,6 +30,7 @@ import pytest
 from lifecycle import (
     assert_store_empty,
     bounded,
+    in_async,
     outcome,
     pid_of,
     quiesced,
@@ -215,7 +216,7 @@ def _close_from_callback() -> None:
             took.append(time.monotonic() - t0)
             done.set()
 
-        fut = hs.nap.specialize(devices=ctl.devices())(0.2, 1)
+        fut = in_async(lambda: hs.nap.specialize(devices=ctl.devices())(0.2, 1))
         fut.add_done_callback(closer)
         finished = done.wait(10)
         if not finished:
@@ -281,7 +282,7 @@ async def _foreign_loop_backpressure() -> None:
             await asyncio.sleep(0.01)
 
     tick = asyncio.create_task(ticker())
-    futs: list[cb.Future[Any]] = []
+    outs: list[cb.Array] = []  # (a call made here returns its array: SPEC 4)
     try:
         with cb.local_cluster(hosts=1, devices_per_host=1, max_inflight=1) as ctl:
             # Output specs given: back-pressure is what this measures, not the first call
@@ -293,13 +294,13 @@ async def _foreign_loop_backpressure() -> None:
             for i, seconds in enumerate((3.0, 0.0, 0.0, 0.0)):
                 t0 = time.monotonic()
                 try:
-                    futs.append(slow(seconds, i))
+                    outs.append(slow(seconds, i))
                 except (RuntimeError, cb.ColobusError):
                     pass  # a clear refusal is allowed; blocking this loop is not
                 worst = max(worst, time.monotonic() - t0)
                 await asyncio.sleep(0.02)
-            for f in futs:
-                await outcome(f, 20.0, "a call made from a foreign loop")
+            for out in outs:  # (awaited: this loop keeps running meanwhile)
+                await bounded(out, 20.0, "a call made from a foreign loop")
             gaps = [b - a for a, b in itertools.pairwise(ticks)]
             assert worst < 1.0 and max(gaps) < 1.0, (
                 f"a call from a foreign loop blocked it {worst:.2f} s "
@@ -419,7 +420,7 @@ async def test_defect10_destroy_ordered_before_next_call() -> None:
             del touch
             how = "close" if r % 2 else "del"
             if how == "close":
-                obj.close()
+                cb.close(obj)
             del obj  # the wrapper's last reference: dropped now (refcount)
             for h, check in enumerate(checks):
                 out = await bounded(check(token))

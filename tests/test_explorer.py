@@ -41,7 +41,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from lifecycle import STORE_KEYS, Workers
+from lifecycle import STORE_KEYS, OnLoop, Workers, calls_return_futures
 
 import colobus as cb
 from colobus._wire.keys import write_key
@@ -102,6 +102,7 @@ class Bed:
 
 
 _bed: list[Bed] = []
+_on_loop: list[OnLoop] = []  # where the rules make their calls (Futures)
 
 
 @pytest.fixture(scope="module")
@@ -182,6 +183,7 @@ class Explorer(RuleBasedStateMachine):
         super().__init__()
         self.bed = _bed[0]
         self.ctl = self.bed.ctl
+        self.on_loop = _on_loop[0]  # calls made as async code makes them: Futures, one stream
         self.ops: list[Op] = []
         self.dropped: list[tuple[weakref.ref[cb.Future[Any]], float, str]] = []
         self.arrays: list[Arr] = []
@@ -264,15 +266,15 @@ class Explorer(RuleBasedStateMachine):
         devs = self._devs(where)
         tok = next(_tokens)
         if kind == "fast":
-            fut = hs.value.specialize(devices=devs)(tok)
+            fut = self.on_loop(lambda: hs.value.specialize(devices=devs)(tok))
             self._track(fut, f"fast call {tok} on {where}", where, 0.0,
                         expected=np.full(2, tok, np.int32))
         elif kind == "slow":
-            fut = hs.nap.specialize(devices=devs)(SLOW_S, tok)
+            fut = self.on_loop(lambda: hs.nap.specialize(devices=devs)(SLOW_S, tok))
             self._track(fut, f"slow call {tok} on {where}", where, SLOW_S,
                         expected=np.asarray(np.int32(tok)))
         else:
-            fut = hs.fail.specialize(devices=devs)(f"raising call {tok}")
+            fut = self.on_loop(lambda: hs.fail.specialize(devices=devs)(f"raising call {tok}"))
             self._track(fut, f"raising call {tok} on {where}", where, 0.0, error=ValueError)
 
     @rule(slow_host=st.sampled_from([0, 1]))
@@ -281,7 +283,8 @@ class Explorer(RuleBasedStateMachine):
         """A call on both hosts where one answers at once and the other after SLOW_S."""
         tok = next(_tokens)
         pid = self.ctl.hosts()[slow_host].pid
-        fut = hs.nap_on.specialize(devices=self._devs((0, 1)))(pid, SLOW_S, tok)
+        nap_on = hs.nap_on.specialize(devices=self._devs((0, 1)))
+        fut = self.on_loop(lambda: nap_on(pid, SLOW_S, tok))
         self._track(fut, f"lopsided call {tok} (host {slow_host} slow)", (0, 1), SLOW_S,
                     expected=np.asarray(np.int32(tok)))
 
@@ -293,7 +296,7 @@ class Explorer(RuleBasedStateMachine):
             return
         lost = self._lost(a.hosts, a.gens)
         try:
-            fut = hs.plus_one(a.arr)
+            fut = self.on_loop(lambda: hs.plus_one(a.arr))
         except cb.HostLostError:
             assert lost, "HostLostError at a call on an array whose hosts were not lost"
             return
@@ -309,7 +312,8 @@ class Explorer(RuleBasedStateMachine):
         f = hs.value.specialize(devices=self._devs((where,)))
         for _ in range(n):
             tok = next(_tokens)
-            self._track(f(tok), f"burst call {tok} on {where}", (where,), 0.0,
+            fut = self.on_loop(lambda tok=tok: f(tok))
+            self._track(fut, f"burst call {tok} on {where}", (where,), 0.0,
                         expected=np.full(2, tok, np.int32))
 
     @rule(i=PICK)
@@ -406,7 +410,7 @@ class Explorer(RuleBasedStateMachine):
         lost = bool(o.lost_ok & set(where))
         method = o.obj.incr.specialize(devices=self._devs(where))
         try:
-            fut = method()
+            fut = self.on_loop(method)
         except cb.HostLostError:
             assert lost, "HostLostError calling an object whose hosts were not lost"
             return
@@ -436,7 +440,7 @@ class Explorer(RuleBasedStateMachine):
             return
         self.objects.remove(o)
         if how == "close":
-            o.obj.close()
+            cb.close(o.obj)
 
     # -- hosts -----------------------------------------------------------------------------------
 
@@ -508,6 +512,15 @@ class Explorer(RuleBasedStateMachine):
 
 def _run(examples: int, steps: int, shrink: bool, derandomize: bool) -> None:
     phases = [Phase.explicit, Phase.generate] + ([Phase.shrink] if shrink else [])
+    with calls_return_futures(_bed[0].ctl) as on_loop:  # (it follows each call's Future)
+        _on_loop.append(on_loop)
+        try:
+            _run_machine(phases, examples, steps, derandomize)
+        finally:
+            _on_loop.clear()
+
+
+def _run_machine(phases: list[Phase], examples: int, steps: int, derandomize: bool) -> None:
     run_state_machine_as_test(Explorer, settings=settings(
         max_examples=examples, stateful_step_count=steps, deadline=None, database=None,
         derandomize=derandomize, phases=phases, suppress_health_check=list(HealthCheck),

@@ -73,11 +73,11 @@ async def test_main_and_local_arguments_travel_by_value(ctl: cb.Controller) -> N
     main.ColobusTestScale = scale  # type: ignore[attr-defined]
     try:
         # by reference, `__main__.ColobusTestScale` would not load on the host
-        out, is_jax = await describe(x, scale(2.0))
+        out, is_jax = describe(x, scale(2.0))  # (a tuple: plain-call form)
         assert np.asarray(cb.device_get(out)).tolist() == [0, 2, 4, 6]
         assert bool(np.asarray(cb.device_get(is_jax)))
         k = 5.0
-        out, _ = await describe(x, lambda v: v + k)  # a closure: by value too
+        out, _ = describe(x, lambda v: v + k)  # a closure: by value too
         assert np.asarray(cb.device_get(out)).tolist() == [5, 6, 7, 8]
     finally:
         del main.ColobusTestScale  # type: ignore[attr-defined]
@@ -112,7 +112,7 @@ async def test_large_put_is_a_jax_array_in_calls_and_fetches_exactly(
         assert stats[h]["bytes"] - base[h]["bytes"] == data.nbytes // 2
     # fetched before any call used it (served from the received frame), exactly
     assert np.array_equal(np.asarray(cb.device_get(x)), data)
-    is_jax, is_f32, shards = await block_info(x)  # replicated: both hosts agree
+    is_jax, is_f32, shards = block_info(x)  # replicated: both hosts agree
     assert bool(np.asarray(cb.device_get(is_jax)))
     assert bool(np.asarray(cb.device_get(is_f32)))
     assert np.asarray(cb.device_get(shards)).tolist() == [1 << 17] * 4  # per device
@@ -133,7 +133,7 @@ async def test_large_put_64bit_stays_exact_and_is_seen_as_jax_would(
     dev = cb.devices()[4]
     data = (np.arange(1 << 18, dtype=np.int64) << 33) + 7  # 2 MiB, beyond int32
     x = cb.device_put(data, dev)
-    is_jax, _, _ = await block_info(x)
+    is_jax, _, _ = block_info(x)
     assert bool(np.asarray(cb.device_get(is_jax)))
     assert np.array_equal(np.asarray(cb.device_get(x)), data)  # exact bytes back
 

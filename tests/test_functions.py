@@ -199,7 +199,7 @@ async def test_simple_function(ctl: cb.Controller) -> None:
 async def test_simple_function_with_tree(ctl: cb.Controller) -> None:
     x = [np.array(1), (np.array(2), {"v": np.array(3)})]
     x = cb.device_put(x, cb.SingleDeviceSharding(cb.devices()[0]))
-    out = await add_one(x)
+    out = add_one(x)  # (a list of arrays: not awaitable, unlike one array or a Future)
     assert jax.tree.structure(out) == jax.tree.structure([0, (0, {"v": 0})])
     got = cb.device_get(out)
     assert got == [np.array(2), (np.array(3), {"v": np.array(4)})]
@@ -244,7 +244,7 @@ async def test_input_polymorphism_without_out_specs_fn(ctl: cb.Controller) -> No
     assert cb.device_get(await add_one(x)) == np.array(2)
     tree = cb.device_put([np.array(1), (np.array(2), {"v": np.array(3)})],
                          cb.SingleDeviceSharding(d0))
-    got = cb.device_get(await add_one(tree))
+    got = cb.device_get(add_one(tree))
     assert got == [np.array(2), (np.array(3), {"v": np.array(4)})]
     # Different shape and dtype again.
     y = cb.device_put(np.arange(6, dtype=np.int16).reshape(2, 3), d0)
@@ -268,7 +268,7 @@ async def test_input_polymorphism_allowed_with_out_specs_fn(ctl: cb.Controller) 
     assert seen[-1].shape == () and seen[-1].sharding == cb.SingleDeviceSharding(d0)
     tree = cb.device_put([np.array(1), (np.array(2), {"v": np.array(3)})],
                          cb.SingleDeviceSharding(d0))
-    got = cb.device_get(await f(tree))
+    got = cb.device_get(f(tree))
     assert got == [np.array(2), (np.array(3), {"v": np.array(4)})]
     assert len(seen) == 2
 
@@ -342,7 +342,7 @@ def test_sequential_execution(ctl: cb.Controller, on_main_thread: bool) -> None:
             # No waiting between calls: each host must run them in the order issued.
             func0(x)
             func1(x)
-            func2(x).result(timeout=30)
+            cb.block_until_ready(func2(x))  # the arrays of a call: waited for, as JAX's
         except BaseException as exc:
             errors.append(exc)
 
@@ -355,7 +355,7 @@ def test_sequential_execution(ctl: cb.Controller, on_main_thread: bool) -> None:
             t.join()
         assert not errors, errors
     finally:
-        state_cleanup(x).result(timeout=30)
+        cb.block_until_ready(state_cleanup(x))
 
 
 async def test_sequential_execution_in_one_task(ctl: cb.Controller) -> None:
@@ -387,12 +387,12 @@ def test_concurrent_execution(ctl: cb.Controller) -> None:
 
     def one() -> None:
         try:
-            results.append(func(x).result(timeout=60))
+            results.append(cb.block_until_ready(func(x)))
         except BaseException as exc:
             results.append(exc)
 
     try:
-        barrier_init(x).result(timeout=30)
+        cb.block_until_ready(barrier_init(x))
         # Three threads, three streams: the calls meet at the barrier on each host.
         threads = [threading.Thread(target=one) for _ in range(3)]
         for t in threads:
@@ -402,7 +402,7 @@ def test_concurrent_execution(ctl: cb.Controller) -> None:
         assert len(results) == 3
         assert all(isinstance(r, cb.Array) for r in results), results
     finally:
-        state_cleanup(x).result(timeout=30)
+        cb.block_until_ready(state_cleanup(x))
 
 
 async def test_concurrent_execution_from_asyncio_tasks(ctl: cb.Controller) -> None:
@@ -472,13 +472,13 @@ def test_module_variable_access(ctl: cb.Controller) -> None:
         d0 = cb.devices()[0]
         x = cb.device_put(np.array(1), d0)
         y = cb.device_put(np.array(2), d0)
-        cb.block_until_ready(set_global_state(x).result(timeout=30))
-        out = cb.device_get(get_global_state(y).result(timeout=30))
+        cb.block_until_ready(set_global_state(x))
+        out = cb.device_get(get_global_state(y))
         np.testing.assert_equal(out, np.array(1))
     finally:
         _THIS_MODULE._non_serializable.close()  # type: ignore[attr-defined]
         del _THIS_MODULE._non_serializable  # type: ignore[attr-defined]
-        state_cleanup(cb.device_put(np.array(0), cb.devices()[0])).result(timeout=30)
+        cb.block_until_ready(state_cleanup(cb.device_put(np.array(0), cb.devices()[0])))
 
 
 async def test_string_processing(ctl: cb.Controller) -> None:
@@ -603,7 +603,7 @@ async def test_mixed_tree_with_keys(ctl: cb.Controller) -> None:
     key = jax.random.key(1)
     tree = {"key": cb.device_put(key, d0), "x": cb.device_put(np.arange(4.0), d0),
             "name": "four"}
-    out = await step(tree, 2.0)
+    out = step(tree, 2.0)
     assert out["none"] is None
     assert jax.dtypes.issubdtype(out["key"].dtype, jax.dtypes.prng_key)
     got = cb.device_get(out)
@@ -634,7 +634,7 @@ async def test_array_sharded_over_both_hosts_arrives_as_host_blocks(
         return (np.array(x.shape), np.array(len(sh.device_set)),
                 np.array(sh.mesh.devices.shape), x * 2)
 
-    shape, ndev, mesh_shape, doubled = await inspect_block(x)
+    shape, ndev, mesh_shape, doubled = inspect_block(x)
     # Replicated per-host facts: every host agrees, so they come back replicated.
     np.testing.assert_array_equal(cb.device_get(shape), [1, 8])
     np.testing.assert_array_equal(cb.device_get(ndev), 4)
@@ -647,24 +647,28 @@ async def test_array_sharded_over_both_hosts_arrives_as_host_blocks(
 
 async def test_host_sees_only_its_block_values(ctl: cb.Controller) -> None:
     x = _put_over_hosts(np.arange(8, dtype=np.int32).reshape(2, 4))
-    shape, ndev, tenfold = await host_view(x)
+    shape, ndev, tenfold = host_view(x)
     np.testing.assert_array_equal(cb.device_get(shape), [1, 4])
     np.testing.assert_array_equal(cb.device_get(ndev), 4)
     assert tenfold.sharding == x.sharding
     np.testing.assert_array_equal(cb.device_get(tenfold),
                                   np.arange(8).reshape(2, 4) * 10)
 
-    # Hosts that disagree on a replicated output's value: its digests differ, so
-    # the call fails instead of a fetch silently reading the lowest host's copy.
+    # Hosts that disagree on a replicated output's value: as JAX keeps replicas, each
+    # device's shard holds its host's value, and the array's value is the first shard's.
+    first = await first_value(x)
+    assert [int(s.data[0]) for s in first.addressable_shards] == [0] * 4 + [4] * 4
+    np.testing.assert_array_equal(cb.device_get(first), [0])
+    # Asked for (check_replicas=True), they are compared: the call fails instead.
     with pytest.raises(ValueError, match=r"replicated over hosts \[0, 1\].*host 0 and host 1 "
                                          r"returned different values"):
-        await first_value(x)
+        await first_value.specialize(check_replicas=True)(x)
 
 
 async def test_one_dimensional_mesh_over_both_hosts(ctl: cb.Controller) -> None:
     mesh = cb.Mesh(np.array(cb.devices()), ("x",))
     x = cb.device_put(np.arange(16, dtype=np.int32), cb.NamedSharding(mesh, P("x")))
-    shape, ndev, tenfold = await host_view(x)
+    shape, ndev, tenfold = host_view(x)
     np.testing.assert_array_equal(cb.device_get(shape), [8])
     np.testing.assert_array_equal(cb.device_get(ndev), 4)
     np.testing.assert_array_equal(cb.device_get(tenfold), np.arange(16) * 10)
@@ -676,7 +680,7 @@ async def test_two_dimensional_mesh(ctl: cb.Controller) -> None:
     # Rows split over hosts, columns over each host's devices, and the transpose.
     for spec, block in ((P("hosts", "devices"), [2, 8]), (P("devices", "hosts"), [4, 4])):
         x = cb.device_put(data, cb.NamedSharding(mesh, spec))
-        shape, ndev, tenfold = await host_view(x)
+        shape, ndev, tenfold = host_view(x)
         np.testing.assert_array_equal(cb.device_get(shape), block)
         np.testing.assert_array_equal(cb.device_get(ndev), 4)
         assert tenfold.sharding == cb.NamedSharding(mesh, spec)
@@ -823,9 +827,8 @@ def test_await_from_another_event_loop(ctl: cb.Controller) -> None:
     t.join(60)
     assert len(got) == 1
     np.testing.assert_array_equal(got[0], np.arange(4).reshape(2, 2) + 1)
-    # And .result() from a plain thread (this one).
-    np.testing.assert_array_equal(np.asarray(add_one(x).result(timeout=30)),
-                                  np.arange(4).reshape(2, 2) + 1)
+    # And from a plain thread (this one): its arrays, as JAX's.
+    np.testing.assert_array_equal(np.asarray(add_one(x)), np.arange(4).reshape(2, 2) + 1)
 
 
 async def test_code_shipped_once_per_host(ctl: cb.Controller) -> None:
@@ -872,7 +875,7 @@ async def test_outputs_none_leaves_kept(ctl: cb.Controller) -> None:
         return (x, None, {"a": None, "b": x + 1})
 
     x = cb.device_put(np.array([1, 2]), cb.devices()[0])
-    out = await with_nones(x)
+    out = with_nones(x)
     assert out[1] is None and out[2]["a"] is None
     got = cb.device_get(out)
     np.testing.assert_array_equal(got[2]["b"], [2, 3])
@@ -897,7 +900,7 @@ async def test_outputs_python_scalars_and_numpy(ctl: cb.Controller) -> None:
 
     x = _put_over_hosts(np.zeros((2, 2)))
     try:
-        out = await scalars(x)
+        out = scalars(x)
     except KeyError as exc:  # seen twice in full runs: say what the hosts dropped
         # (the host's own message says whether its PUT arrived, or a RELEASE took it)
         stats = ctl.stats()
@@ -959,10 +962,9 @@ async def test_single_device_call_returns_single_device_sharding(ctl: cb.Control
 
 async def test_future_as_argument(ctl: cb.Controller) -> None:
     x = _put_over_hosts(np.arange(4, dtype=np.int32).reshape(2, 2))
-    first = add_one(x)             # not awaited
+    first = add_one(x)             # not awaited (its array, its call running)
     second = add_one(first)        # sent at once; hosts resolve `first` locally
-    tree = add_one({"a": second, "b": [first]})
-    out = await tree
+    out = add_one({"a": second, "b": [first]})
     np.testing.assert_array_equal(cb.device_get(out["a"]), np.arange(4).reshape(2, 2) + 3)
     np.testing.assert_array_equal(cb.device_get(out["b"][0]),
                                   np.arange(4).reshape(2, 2) + 2)
@@ -971,10 +973,9 @@ async def test_future_as_argument(ctl: cb.Controller) -> None:
 
 async def test_future_as_argument_error_propagates(ctl: cb.Controller) -> None:
     x = cb.device_put(np.array([7]), cb.devices()[0])
-    failing = raise_custom(x)
-    dependent = add_one(failing)
+    failing = raise_custom.specialize(out_specs_fn=lambda x: x)(x)  # its array at once
     with pytest.raises(CustomError, match=r"custom failure with block \[7\]"):
-        await dependent
+        await add_one(failing)  # (its error at the call where add_one waits, else here)
     with pytest.raises(CustomError):
         await failing
 
@@ -983,7 +984,7 @@ async def test_output_trees_travel_without_pickle(ctl: cb.Controller) -> None:
     """namedtuples, OrderedDicts and registered pytree nodes come back as themselves
     from a msgpack description (their classes are imported here)."""
     x = cb.device_put(np.array([1.0]), cb.devices()[0])
-    out = await fancy_tree(x)
+    out = fancy_tree(x)
     assert isinstance(out["p"], Pair) and isinstance(out["box"], Box)
     assert out["box"].tag == "t" and out["none"] is None
     assert isinstance(out["o"], collections.OrderedDict) and list(out["o"]) == ["b", "a"]

@@ -1,8 +1,11 @@
 """``cb.gather``: asyncio.gather's results, errors and cancellation, one wake-up in all.
 
 The shared cluster's loop runs on a thread of its own, so these futures settle on
-another thread than the one awaiting them; the last test runs the controller
-in the test's own loop, where they settle on the awaiting thread.
+another thread than the one awaiting them (calls made here, off that thread, return
+their arrays, which ``cb.gather`` awaits too; the Futures of the tests about Futures are
+made as async code under ``async with`` makes them, on the controller's loop thread:
+``lifecycle.in_async``); the last test runs the controller in the test's own loop, where
+they settle on the awaiting thread.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 import sec_hostside as hs
+from lifecycle import in_async
 
 import colobus as cb
 
@@ -59,7 +63,7 @@ async def test_results_come_in_the_order_given(ctl: cb.Controller) -> None:
 
 async def test_the_first_error_propagates_and_the_rest_still_run(ctl: cb.Controller) -> None:
     x = _vec(1)
-    futs = [g_add(x), g_fail(x), g_add(x)]
+    futs = in_async(lambda: [g_add(x), g_fail(x), g_add(x)])
     with pytest.raises(KeyError, match="on purpose"):
         await cb.gather(*futs)
     assert _value(await futs[2]) == 2 and not futs[2].cancelled()
@@ -68,9 +72,10 @@ async def test_the_first_error_propagates_and_the_rest_still_run(ctl: cb.Control
 async def test_return_exceptions_puts_each_in_its_place(ctl: cb.Controller) -> None:
     wait_gate = hs.wait_gate.specialize(devices=[_other_host()])
     x, gate = _vec(5), next(_ids)
-    gated = wait_gate(gate)
+    gated = in_async(lambda: wait_gate(gate))
     gated.cancel()
-    outs = await cb.gather(g_add(x), g_fail(x), gated, return_exceptions=True)
+    outs = await cb.gather(*in_async(lambda: (g_add(x), g_fail(x))), gated,
+                           return_exceptions=True)
     assert _value(outs[0]) == 6
     assert isinstance(outs[1], KeyError) and isinstance(outs[2], asyncio.CancelledError)
     hs.open_gate(gate)  # in case it had started
@@ -78,8 +83,8 @@ async def test_return_exceptions_puts_each_in_its_place(ctl: cb.Controller) -> N
 
 async def test_a_cancelled_call_ends_the_gather_as_cancelled(ctl: cb.Controller) -> None:
     wait_gate = hs.wait_gate.specialize(devices=[_other_host()])
-    gate = next(_ids)
-    gated, other = wait_gate(gate), g_add(_vec(0))
+    gate, x = next(_ids), _vec(0)
+    gated, other = in_async(lambda: (wait_gate(gate), g_add(x)))
     gathering = asyncio.ensure_future(cb.gather(gated, other))
     await asyncio.sleep(0.05)
     gated.cancel()
@@ -93,8 +98,9 @@ async def test_cancelling_the_gather_cancels_its_calls(ctl: cb.Controller) -> No
     wait_gate = hs.wait_gate.specialize(devices=[_other_host()])
     mark = hs.mark.specialize(devices=[_other_host()])
     gate, queued = next(_ids), next(_ids)
-    gated = wait_gate(gate)
-    behind = mark(queued)  # same task: queued on the host behind the gated call
+    gated, behind = in_async(lambda: (
+        wait_gate(gate),
+        mark(queued)))  # same task: queued on the host behind the gated call
     task = asyncio.ensure_future(cb.gather(gated, behind))
     await asyncio.sleep(0.05)
     task.cancel()
@@ -104,16 +110,12 @@ async def test_cancelling_the_gather_cancels_its_calls(ctl: cb.Controller) -> No
     events = hs.events.specialize(devices=[_other_host()])
     # The host reads its messages in order: once a later call (its own stream) has
     # answered, the CANCELs were handled there. Opening the gate sooner let the queued
-    # call run on a loaded machine, where its CANCEL was still on its way.
-    await asyncio.create_task(_call(events))
+    # call run on a loaded machine, where its CANCEL was still on its way. (Its Futures,
+    # each its own task: the log grows, which arrays of learned specs would refuse.)
+    await in_async(events)
     hs.open_gate(gate)
-    ran = [int(v) for v in np.asarray(cb.device_get(await asyncio.create_task(
-        _call(events))))]
+    ran = [int(v) for v in np.asarray(cb.device_get(await in_async(events)))]
     assert queued not in ran  # cancelled before it started: it never ran
-
-
-async def _call(fn: Any) -> Any:
-    return await fn()
 
 
 async def test_other_awaitables_go_to_asyncio_gather(ctl: cb.Controller) -> None:

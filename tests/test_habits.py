@@ -1,9 +1,10 @@
 """JAX's habits off the controller's loop thread, on the shared ``with`` cluster.
 
 - ``cb.block_until_ready(y)`` as a statement waits; ``y.is_ready()`` is a bool;
-  ``cb.device_get`` returns numbers and takes calls' futures in the tree; so on every
-  thread but the controller's own loop thread (a thread running another event loop, as
-  a notebook's, included); on that thread all three are futures to await.
+  ``cb.device_get`` returns numbers and takes calls' futures in the tree; a call returns
+  its arrays; so on every thread but the controller's own loop thread (a thread running
+  another event loop, as a notebook's, included: there ``await arr`` waits for its call);
+  on that thread all four are futures to await.
 - The first call of a function or method whose output specs are unknown returns once its
   hosts have run it; later calls, and calls with ``out_specs_fn``, return at once; two
   first calls from a thread pool run at the same time on the hosts.
@@ -57,25 +58,25 @@ def test_block_until_ready_as_a_statement_waits(ctl: cb.Controller, tmp_path: Pa
     y = step(_over_hosts(np.ones((2, 3), np.float32)), str(tmp_path))
     cb.block_until_ready(y)  # a statement, as in a JAX script: it waits
     assert all(m.read_text() == "done" for m in marks)
-    out = y.result()
-    assert cb.block_until_ready(out) is out  # an array: the same object back, ready
+    assert cb.block_until_ready(y) is y  # an array: the same object back, ready
+    assert jax.block_until_ready(y) is y and y.block_until_ready() is y  # JAX's, as JAX
 
 
 def test_is_ready_is_a_bool_in_plain_code(ctl: cb.Controller) -> None:
     dev = next(d for d in cb.devices() if d.host == 1)
     x = cb.device_put(np.arange(4, dtype=np.float32), cb.SingleDeviceSharding(dev))
     try:
-        y = rh.hold(x).result()  # its value "still computing" until released
+        y = rh.hold(x)  # (a first call: once it ran) its value "still computing" until released
         taken = []
         if y.is_ready():  # a Future here would always be taken (it is truthy)
             taken.append("ready")
         assert taken == [] and y.is_ready() is False
-        rh.release(x).result()
+        cb.block_until_ready(rh.release(x))
         cb.block_until_ready(y)
         assert y.is_ready() is True
     finally:
-        rh.release(x).result()
-        rh.unpatch(x).result()
+        cb.block_until_ready(rh.release(x))
+        cb.block_until_ready(rh.unpatch(x))
 
 
 def test_device_get_prints_numbers_and_takes_futures(ctl: cb.Controller,
@@ -111,11 +112,14 @@ def _saver() -> Any:
 async def _in_a_loop_of_its_own(x: cb.Array, folder: Path) -> dict[str, Any]:
     """What a thread running an event loop other than the controller's sees."""
     asyncio.get_running_loop()  # (raises where no loop runs: this must be async code)
-    first = _saver()(x, str(folder))
-    seen = {"first_done": first.done(),
-            "files": sorted(p.name for p in folder.glob("saved-*")),
+    save = _saver()
+    first = save(x, str(folder))  # its array, once its hosts ran it (a first call)
+    seen = {"first": first, "files": sorted(p.name for p in folder.glob("saved-*")),
             "got": cb.device_get(x), "ready": cb.block_until_ready(x), "probe": x.is_ready()}
-    seen["awaited"] = await first  # a call's Future is still awaitable in any loop
+    seen["awaited"] = await first  # an array is awaitable in any loop (colobus's)
+    later = save(x, str(folder))  # its array at once, the call running
+    seen["later"] = later
+    seen["later_awaited"] = await later
     return seen
 
 
@@ -124,7 +128,8 @@ async def test_a_thread_running_another_event_loop_blocks_as_jax(
     """A ``with`` cluster's controller runs on a loop thread of its own: a thread running
     some other event loop (pytest's here, a Jupyter kernel's in a notebook, an
     ``asyncio.run`` in a plain thread) is not that thread, so the helpers block and
-    return values and a first call waits for its hosts, as JAX's."""
+    return values, a call returns its arrays and a first call waits for its hosts, as
+    JAX's; ``await`` of an array waits for its call there without blocking the loop."""
     x = _over_hosts(np.ones((2, 2), np.float32))
     here = tmp_path / "here"
     there = tmp_path / "there"
@@ -132,11 +137,50 @@ async def test_a_thread_running_another_event_loop_blocks_as_jax(
     there.mkdir()
     for seen in (await _in_a_loop_of_its_own(x, here),  # pytest's loop, the notebook's case
                  await asyncio.to_thread(asyncio.run, _in_a_loop_of_its_own(x, there))):
-        assert seen["first_done"] and seen["files"] == ["saved-0", "saved-1"], seen
+        assert isinstance(seen["first"], cb.Array) and seen["first"].is_ready() is True
+        assert seen["files"] == ["saved-0", "saved-1"], seen
         assert isinstance(seen["got"], np.ndarray)
         np.testing.assert_array_equal(seen["got"], np.ones((2, 2)))
         assert seen["ready"] is x and seen["probe"] is True
-        assert isinstance(seen["awaited"], cb.Array)
+        assert seen["awaited"] is seen["first"]
+        assert isinstance(seen["later"], cb.Array) and seen["later_awaited"] is seen["later"]
+        np.testing.assert_array_equal(cb.device_get(seen["later"]), np.ones((2, 2)))
+
+
+async def test_an_array_awaited_on_another_loop_waits_for_its_call_without_blocking_it(
+        ctl: cb.Controller, tmp_path: Path) -> None:
+    """colobus's ``await arr`` (pytest's loop here, beside the ``with`` cluster): it waits
+    until the array's call ended while the loop runs on, returns the array, raises the
+    call's error; a task cancelled while it awaits leaves the call running."""
+    gate = tmp_path / "gate"
+
+    @cb.colocated_python
+    def gated(x: Any, path: str) -> Any:
+        hh.wait_for_file(path)
+        return x * 2
+
+    @cb.colocated_python
+    def broken(x: Any) -> Any:
+        raise KeyError("awaited on purpose")
+
+    x = _over_hosts(np.ones((2, 2), np.float32))
+    assert await x is x  # an upload: at once
+    y = gated.specialize(out_specs_fn=lambda x, path: x)(x, str(gate))  # at once, pending
+
+    async def wait_for(a: cb.Array) -> cb.Array:
+        return await a
+
+    waiting, quitter = asyncio.ensure_future(wait_for(y)), asyncio.ensure_future(wait_for(y))
+    await asyncio.sleep(0.05)  # this loop runs on while both wait (the gate is closed)
+    assert not waiting.done() and y.is_ready() is False
+    quitter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await quitter
+    gate.write_text("open")  # written by this loop, while `waiting` awaits
+    assert await asyncio.wait_for(waiting, 60) is y  # (its call was not cancelled)
+    np.testing.assert_array_equal(cb.device_get(y), np.full((2, 2), 2.0))
+    with pytest.raises(KeyError, match="awaited on purpose"):
+        await broken.specialize(out_specs_fn=lambda x: x)(x)
 
 
 def test_the_controllers_loop_thread_gets_futures_and_first_calls_return_at_once(
@@ -180,41 +224,42 @@ def test_a_first_call_returns_once_its_hosts_ran_it(ctl: cb.Controller, tmp_path
         return x
 
     x = _over_hosts(np.zeros((2, 1), np.float32))
-    first = save_state(x, str(tmp_path))  # called for its side effect, as maxtext does
-    assert first.done()
+    opened = tmp_path / "opened"
+    opened.write_text("open")
+    first = save_state(x, str(tmp_path), str(opened))  # for its side effect, as maxtext
+    assert isinstance(first, cb.Array)
     assert sorted(p.name for p in tmp_path.glob("state-*")) == ["state-0.json",
                                                                 "state-1.json"]
-    later = save_state(x, str(tmp_path / "later"), str(gate))  # specs known: at once
-    assert not later.done()
+    # the same input specs again: its specs are known, its arrays come at once (pending)
+    later = save_state(x, str(tmp_path / "later"), str(gate))
+    assert later.is_ready() is False  # its call waits at the gate
     (tmp_path / "later").mkdir()
     gate.write_text("open")
-    assert isinstance(later.result(timeout=60), cb.Array)
+    assert cb.block_until_ready(later) is later and later.is_ready() is True
     # A specialization is a function of its own; with out_specs_fn it never waits.
     gate.unlink()
     known = save_state.specialize(out_specs_fn=lambda x, folder, gate: x)
-    fut = known(x, str(tmp_path), str(gate))
-    assert not fut.done()
+    out = known(x, str(tmp_path), str(gate))
+    assert out.is_ready() is False
     gate.write_text("open")
-    fut.result(timeout=60)
+    cb.block_until_ready(out)
 
 
-def test_a_failed_first_call_teaches_nothing(ctl: cb.Controller) -> None:
-    calls = []
-
+def test_a_failed_first_call_teaches_nothing(ctl: cb.Controller, tmp_path: Path) -> None:
     @cb.colocated_python
-    def picky(x: Any, fail: bool) -> Any:
+    def picky(x: Any, fail: bool, folder: str) -> Any:
+        time.sleep(0.2)  # (makes a call that returned early see no file)
+        Path(folder, f"{fail}-{cb.host_index()}").write_text("ran")
         if fail:
             raise ValueError("not this time")
         return x
 
     x = _over_hosts(np.zeros((2, 1), np.float32))
-    for fail in (True, False):  # the second call is a first call too: it waits
-        fut = picky(x, fail)
-        calls.append(fut.done())
-        if fail:
-            with pytest.raises(ValueError, match="not this time"):
-                fut.result()
-    assert calls == [True, True]
+    with pytest.raises(ValueError, match="not this time"):  # raised at the call, as JAX's
+        picky(x, True, str(tmp_path))
+    assert isinstance(picky(x, False, str(tmp_path)), cb.Array)  # a first call too: waits
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "False-0", "False-1", "True-0", "True-1"]
 
 
 def test_a_methods_first_call_waits_per_object(ctl: cb.Controller, tmp_path: Path) -> None:
@@ -230,9 +275,9 @@ def test_a_methods_first_call_waits_per_object(ctl: cb.Controller, tmp_path: Pat
     x = _over_hosts(np.zeros((2, 1), np.float32))
     for name in ("a", "b"):  # each object's first call of the method waits
         saver = Saver(str(tmp_path))
-        assert saver.save(x, name).done()
+        saver.save(x, name)
         assert (tmp_path / f"{name}-0").exists() and (tmp_path / f"{name}-1").exists()
-        saver.close()
+        cb.close(saver)
 
 
 def test_two_first_calls_from_a_thread_pool_run_at_the_same_time(ctl: cb.Controller) -> None:
@@ -244,7 +289,6 @@ def test_two_first_calls_from_a_thread_pool_run_at_the_same_time(ctl: cb.Control
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         futs = [pool.submit(fn, x, "thread pool") for _ in range(2)]
         done = [f.result(timeout=120) for f in futs]
-    assert all(d.done() for d in done)
     for d in done:
         np.testing.assert_array_equal(cb.device_get(d), [1.0, 1.0])
 
@@ -272,20 +316,24 @@ def test_a_failed_calls_future_dropped_unread_is_logged_once(
 
     dev = next(d for d in cb.devices() if d.host == 1)
     x = cb.device_put(np.zeros(2, np.float32), cb.SingleDeviceSharding(dev))
-    broken(x)  # called for its side effect; the error never read
+    known = broken.specialize(out_specs_fn=lambda x: x)  # its arrays at once (pending)
+    out = known(x)  # called for its side effect; the error never read
+    cb.block_until_ready(ident(x))  # (behind it on its host: it failed by now)
+    del out
     (line,) = _unread(caplog)
     assert "broken" in line and "host 1" in line and "broken on purpose" in line, line
     assert _unread(caplog) == [line]  # once
     caplog.clear()
-    # Read (result, exception, await) or handed to another call: never logged.
-    f = broken(x)
+    # Read (its array used) or handed to another call: never logged.
+    f = known(x)
     with pytest.raises(KeyError):
-        f.result()
-    g = broken(x)
-    assert isinstance(g.exception(), KeyError)
-    h = ident(broken(x))
+        np.asarray(f)
+    g = known(x)
+    with pytest.raises(KeyError, match="broken on purpose"):
+        jax.block_until_ready(g)
+    h = ident(known(x))
     with pytest.raises(KeyError):
-        h.result()
+        cb.device_get(h)
     del f, g, h
     assert _unread(caplog) == []
 
@@ -342,18 +390,24 @@ def test_a_jax_without_axis_types_says_so() -> None:
 
 async def test_errors_gathered_count_as_read(ctl: cb.Controller,
                                              caplog: pytest.LogCaptureFixture) -> None:
-    """As asyncio.gather retrieves each child's exception: none is logged as unread."""
+    """As asyncio.gather retrieves each child's exception: none is logged as unread, the
+    calls' arrays (made here, beside a ``with`` cluster) or their Futures (made as async
+    code under ``async with`` makes them, on the controller's loop thread)."""
+    from lifecycle import in_async
+
     caplog.set_level(logging.ERROR, "colobus.future")
 
     @cb.colocated_python
     def broken(x: Any) -> Any:
         raise KeyError("gathered")
 
+    known = broken.specialize(out_specs_fn=lambda x: x)  # its arrays at once
     dev = next(d for d in cb.devices() if d.host == 0)
     x = cb.device_put(np.zeros(2, np.float32), cb.SingleDeviceSharding(dev))
-    got = await cb.gather(broken(x), broken(x), return_exceptions=True)
-    assert all(isinstance(e, KeyError) for e in got)
-    with pytest.raises(KeyError):
-        await cb.gather(broken(x), broken(x))
-    del got  # (the second gather's other future is read as it settles, whenever that is)
+    for two in (lambda: (known(x), known(x)), lambda: in_async(lambda: (broken(x), broken(x)))):
+        got = await cb.gather(*two(), return_exceptions=True)
+        assert all(isinstance(e, KeyError) for e in got)
+        with pytest.raises(KeyError):
+            await cb.gather(*two())
+        del got  # (the second gather's other one is read as it settles, whenever that is)
     assert _unread(caplog) == []

@@ -22,7 +22,7 @@ P = cb.PartitionSpec
 def test_process_index_and_count_are_the_hosts(ctl: cb.Controller) -> None:
     mesh = cb.make_mesh((8,), ("x",))
     x = cb.device_put(np.zeros(8, np.float32), cb.NamedSharding(mesh, P("x")))
-    got = np.asarray(process_numbers(x).result())
+    got = np.asarray(process_numbers(x))
     assert got.shape == (8, 7)
     # host 0 holds devices 0-3, host 1 devices 4-7: every name says so, and count 2
     np.testing.assert_array_equal(got[:4], [[0, 2, 0, 2, 0, 2, 2]] * 4)
@@ -36,7 +36,7 @@ def test_a_function_pickled_by_value_sees_them_too(ctl: cb.Controller) -> None:
     def which(x: jax.Array) -> jax.Array:  # a local function: cloudpickle, by value
         return x + 10 * process_index() + jax.process_count()
 
-    y = np.asarray(cb.colocated_python(which)(x).result())
+    y = np.asarray(cb.colocated_python(which)(x))
     np.testing.assert_array_equal(y, [2] * 4 + [12] * 4)
 
 
@@ -54,4 +54,4 @@ def test_the_controller_and_jax_itself_are_untouched(ctl: cb.Controller) -> None
 
     mesh = cb.make_mesh((2, 4), ("hosts", "devices"))
     x = cb.device_put(np.zeros(8, np.int32), cb.NamedSharding(mesh, P(("hosts", "devices"))))
-    np.testing.assert_array_equal(np.asarray(local_count(x).result()), [4] * 8)
+    np.testing.assert_array_equal(np.asarray(local_count(x)), [4] * 8)

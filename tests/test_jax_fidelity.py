@@ -140,21 +140,8 @@ def _cb_model() -> SimpleNamespace:
         devices=cb.colocated_cpu_devices(cb.devices()), Mesh=cb.Mesh,
         NamedSharding=cb.NamedSharding, SingleDeviceSharding=cb.SingleDeviceSharding,
         ShapeDtypeStruct=cb.ShapeDtypeStruct, device_put=cb.device_put,
-        colocated_python=lambda f: _Synced(cb.colocated_python(f)),
+        colocated_python=cb.colocated_python,
         get=lambda x: cb.device_get(x))
-
-
-class _Synced:
-    """A colobus function called like JAX's: the call waits for its outputs."""
-
-    def __init__(self, fn: Any) -> None:
-        self.fn = fn
-
-    def specialize(self, **kw: Any) -> _Synced:
-        return _Synced(self.fn.specialize(**kw))
-
-    def __call__(self, *args: Any) -> Any:
-        return self.fn(*args).result()
 
 
 def _layout(sharding: Any) -> tuple[Any, ...]:
@@ -242,7 +229,7 @@ async def test_device_model_objects_as_arguments_and_in_constructors(
     out = await value.add_sharding2(y)
     assert out.sharding == sharding2 and _layout(out.sharding) == _layout(sharding2)
     np.testing.assert_array_equal(cb.device_get(out), [7, 17])
-    value.close()
+    cb.close(value)
 
     # Upstream's test_object_method_specialization: a sharding given to __init__.
     obj = Fetcher(cb.SingleDeviceSharding(d0))
@@ -250,7 +237,7 @@ async def test_device_model_objects_as_arguments_and_in_constructors(
     out = await obj.fetch()
     assert out.sharding == cb.SingleDeviceSharding(d0) and out.dtype == np.int32
     assert int(cb.device_get(out)) == 1
-    obj.close()
+    cb.close(obj)
 
 
 async def test_mesh_over_hosts_becomes_the_hosts_sub_mesh(ctl: cb.Controller) -> None:
@@ -354,7 +341,7 @@ def test_one_device_outputs_keep_their_device(ctl: cb.Controller) -> None:
     """The one-device fast path: ``return x`` keeps x's sharding object, like JAX."""
     d = ctl.devices()[1]
     x = cb.device_put(np.arange(4, dtype=np.float32), d)
-    same, fresh = same_or_fresh(x).result(timeout=60)
+    same, fresh = same_or_fresh(x)
     assert same.sharding is x.sharding
     assert fresh.sharding == cb.SingleDeviceSharding(d) and fresh.shape == (3,)
     np.testing.assert_array_equal(np.asarray(same), np.arange(4, dtype=np.float32))
@@ -386,7 +373,7 @@ def test_array_answers_like_jax_array(ctl: cb.Controller, layout: str) -> None:
         return m.device_put(data, m.NamedSharding(mesh, spec[layout]))
 
     jarr, carr = make(_jax_model()), make(_cb_model())
-    assert _array_answers(carr, lambda f: f.result()) == _array_answers(jarr, lambda a: a)
+    assert _array_answers(carr, lambda d: d) == _array_answers(jarr, lambda a: a)
     assert f"hosts={sorted({d.host for d in carr.devices()})}" in repr(carr)
     if layout == "replicated":
         np.testing.assert_array_equal(np.asarray(carr.addressable_shards[7].data), data)
@@ -404,8 +391,14 @@ async def test_replicated_output_hosts_disagree(ctl: cb.Controller) -> None:
     def stats(x: jax.Array) -> jax.Array:
         return jnp.stack([x.mean()])  # each host's own mean: not the same value
 
+    # As JAX keeps replicas: each device's shard holds its host's mean, the array's value
+    # is the first shard's (JAX never compares them).
+    means = await stats(x)
+    assert [float(s.data[0]) for s in means.addressable_shards] == [1.5] * 4 + [5.5] * 4
+    np.testing.assert_array_equal(cb.device_get(means), [1.5])
+    # Asked for, they are compared (colobus's check_replicas=True): the call fails.
     with pytest.raises(ValueError, match=r"replicated over hosts \[0, 1\]") as info:
-        await stats(x)
+        await stats.specialize(check_replicas=True)(x)
     text = str(info.value)
     assert "host 0 and host 1 returned different values" in text
     assert "shard the output over the hosts" in text
@@ -480,9 +473,10 @@ def test_cache_info_counts_like_jax(ctl: cb.Controller) -> None:
     x = cb.device_put(np.array(1), d0)
     misses = []
     for arg in (x, x, cb.device_put([np.array(1), (np.array(2), {"v": np.array(3)})], d0)):
-        add_one(arg).result()
+        cb.block_until_ready(add_one(arg))
         misses.append(add_one.cache_info().misses)
-    add_one(cb.device_put([np.array(1), (np.array(2), {"v": np.array(3)})], d0)).result()
+    cb.block_until_ready(add_one(cb.device_put([np.array(1), (np.array(2), {"v": np.array(3)})],
+                                               d0)))
     misses.append(add_one.cache_info().misses)
     assert misses == [1, 1, 2, 2]
     info = add_one.cache_info()
@@ -491,8 +485,8 @@ def test_cache_info_counts_like_jax(ctl: cb.Controller) -> None:
     everywhere = add_one.specialize(devices=cb.devices())
     x_all = cb.device_put(np.array(1), cb.NamedSharding(cb.Mesh(np.array(cb.devices()), "d"),
                                                         P()))
-    everywhere(x_all).result()
-    everywhere(x_all).result()
+    cb.block_until_ready(everywhere(x_all))
+    cb.block_until_ready(everywhere(x_all))
     assert everywhere.cache_info().misses == 1
     assert add_one.cache_info().code_shipped == {0: 1, 1: 1}  # shared code, once per host
     assert all(h["code_sent"] >= 1 for h in ctl.stats()["hosts"].values())
@@ -532,7 +526,7 @@ def test_eight_hosts_outputs_and_objects(eight: cb.Controller) -> None:
     sharding2 = cb.NamedSharding(cb.Mesh([d1, d0], "x"), P("x"))
     x = cb.device_put(np.array([0, 2], np.int32), sharding1)
     y = cb.device_put(np.array([4, 8], np.int32), sharding2)
-    out = add.specialize(devices=[d0, d1])(x, y).result()
+    out = add.specialize(devices=[d0, d1])(x, y)
     assert _layout(out.sharding) == _layout(sharding2)
     assert [s.device for s in out.addressable_shards] == [d1, d0]
     np.testing.assert_array_equal(np.asarray(out), [2 + 4, 0 + 8])
@@ -547,30 +541,34 @@ def test_eight_hosts_outputs_and_objects(eight: cb.Controller) -> None:
         row = [sub.devices.shape[0], sub.devices.flat[0].id, int(np.asarray(x)[0])]
         return jax.device_put(np.array([row], np.int32), rows)
 
-    out = where(cb.device_put(np.arange(8, dtype=np.int32), rows)).result()
+    out = where(cb.device_put(np.arange(8, dtype=np.int32), rows))
     assert out.sharding == rows
     # (a host's jax.Device ids are its own JAX numbering: 0 on every one-device host)
     np.testing.assert_array_equal(np.asarray(out), [[1, 0, h] for h in range(8)])
 
-    # Replicas that disagree name the hosts.
+    # Replicas that disagree: each host's on its shard, as JAX keeps them; compared where
+    # asked (check_replicas=True), they name the hosts.
     @cb.colocated_python
     def own(x: jax.Array) -> jax.Array:
         return jnp.stack([x.sum()])  # each host's own block: replicas that differ
 
+    sums = own(cb.device_put(np.arange(8, dtype=np.int32), rows))
+    assert [int(s.data[0]) for s in sums.addressable_shards] == list(range(8))
     with pytest.raises(ValueError, match=r"replicated over hosts \[0, 1, 2, 3, 4, 5, 6, 7\]"):
-        own(cb.device_put(np.arange(8, dtype=np.int32), rows)).result()
+        cb.block_until_ready(own.specialize(check_replicas=True)(
+            cb.device_put(np.arange(8, dtype=np.int32), rows)))
 
     # Stateful objects and method specialization, per host.
     acc = Accumulator(np.array(5, np.int32))
     k = cb.device_put(np.array(1, np.int32), devs[7])
     assert int(np.asarray(acc.add(k))) == 6
     assert int(np.asarray(acc.add(k))) == 7
-    acc.close()
+    cb.close(acc)
     obj = Fetcher(cb.SingleDeviceSharding(devs[3]))
     obj.fetch = obj.fetch.specialize(devices=[devs[3]])
-    out = obj.fetch().result()
+    out = obj.fetch()
     assert out.sharding == cb.SingleDeviceSharding(devs[3]) and int(np.asarray(out)) == 1
-    obj.close()
+    cb.close(obj)
 
 
 def test_eight_hosts_execution_strings_and_keys(eight: cb.Controller) -> None:
@@ -583,20 +581,21 @@ def test_eight_hosts_execution_strings_and_keys(eight: cb.Controller) -> None:
                                                                        seq_check))
         f0(x)
         f1(x)
-        f2(x).result()
+        cb.block_until_ready(f2(x))
         # Concurrent: three threads meet at a barrier on every host.
-        barrier_init(x).result()
-        threads = [threading.Thread(target=lambda: barrier_wait(x).result()) for _ in range(3)]
+        cb.block_until_ready(barrier_init(x))
+        threads = [threading.Thread(target=lambda: cb.block_until_ready(barrier_wait(x)))
+                   for _ in range(3)]
         for t in threads:
             t.start()
         for t in threads:
             t.join(timeout=60)
         assert not any(t.is_alive() for t in threads)
         # Module variable access.
-        set_global(x).result()
+        cb.block_until_ready(set_global(x))
         assert int(np.asarray(get_global(cb.device_put(np.int32(2), everywhere)))) == 1
     finally:
-        state_cleanup(x).result()
+        cb.block_until_ready(state_cleanup(x))
 
     # Strings, one per host, upper-cased where they live.
     @cb.colocated_python
@@ -607,7 +606,7 @@ def test_eight_hosts_execution_strings_and_keys(eight: cb.Controller) -> None:
 
     words = np.array([f"w{i}x" for i in range(8)], dtype=np.dtypes.StringDType())
     rows = cb.NamedSharding(cb.Mesh(np.array(devs), ("hosts",)), P("hosts"))
-    got = np.asarray(upper(cb.device_put(words, rows)).result())
+    got = np.asarray(upper(cb.device_put(words, rows)))
     assert got.tolist() == [f"W{i}X" for i in range(8)]
 
     # Binary data as base64 text.
@@ -619,7 +618,7 @@ def test_eight_hosts_execution_strings_and_keys(eight: cb.Controller) -> None:
 
     packed = base64.b64encode(struct.pack("<ii", 1001, 1002)).decode("ascii")
     s = cb.device_put(np.array([packed], dtype=np.dtypes.StringDType()), devs[6])
-    back = np.asarray(bump(s).result())
+    back = np.asarray(bump(s))
     assert struct.unpack("<ii", base64.b64decode(str(back[0]).encode("ascii"))) == (1002, 1003)
 
     # PRNG keys in, out and round-tripped, in a mixed tree, on every host.
@@ -629,7 +628,7 @@ def test_eight_hosts_execution_strings_and_keys(eight: cb.Controller) -> None:
         return {"key": k1, "noise": jax.random.normal(k2, (2,)), "none": None}
 
     key = jax.random.key(1)
-    out = step({"key": cb.device_put(key, everywhere)}).result()
+    out = step({"key": cb.device_put(key, everywhere)})
     assert out["none"] is None and out["key"].sharding == everywhere
     got = cb.device_get(out)
     k1, k2 = jax.random.split(key)

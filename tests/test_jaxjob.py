@@ -30,7 +30,6 @@ from hostview_hostside import (
     wait_for_file,
     wait_or_collect,
 )
-from lifecycle import SETTLE_S
 
 import colobus as cb
 
@@ -53,14 +52,14 @@ def test_the_job_formed(job: cb.Controller) -> None:
 
 def test_process_index_and_count(job: cb.Controller) -> None:
     x = _over_all(job, 4)
-    got = np.asarray(process_numbers(x).result(timeout=SETTLE_S))
+    got = np.asarray(process_numbers(x))
     np.testing.assert_array_equal(got[:2], [[0, 2, 0, 2, 0, 2, 2]] * 2)
     np.testing.assert_array_equal(got[2:], [[1, 2, 1, 2, 1, 2, 2]] * 2)
 
 
 def test_arguments_are_global_arrays(job: cb.Controller) -> None:
     x = _over_all(job)
-    view = np.asarray(global_view(x).result(timeout=SETTLE_S))
+    view = np.asarray(global_view(x))
     # the global length, not the host's block; not fully addressable; every host's devices
     assert view[0].tolist() == [8, 0, 2, 4]
     want = [[d.local_id, d.host] for d in x.sharding.mesh.devices.flat]
@@ -68,9 +67,9 @@ def test_arguments_are_global_arrays(job: cb.Controller) -> None:
     # every call form sends the layout: a specialized function too (and methods:
     # tests/test_clients.py), whatever path the call takes to its hosts
     fixed = global_view.specialize(devices=list(x.sharding.mesh.devices.flat))
-    np.testing.assert_array_equal(np.asarray(fixed(x).result(timeout=SETTLE_S)), view)
+    np.testing.assert_array_equal(np.asarray(fixed(x)), view)
     # each host's addressable shards are its own devices' shards, at their global place
-    shards = np.asarray(my_shards(x).result(timeout=SETTLE_S))
+    shards = np.asarray(my_shards(x))
     ids = {d.id: d.local_id for d in job.devices()}
     want_rows = [[ids[d.id], idx[0].start, idx[0].stop]
                  for d, idx in x.sharding.devices_indices_map((8,)).items()]
@@ -89,43 +88,43 @@ def test_a_meshs_axis_types_reach_the_global_view(job: cb.Controller) -> None:
         return np.asarray([t == jax.sharding.AxisType.Explicit
                            for t in x.sharding.mesh.axis_types], np.int32)
 
-    np.testing.assert_array_equal(np.asarray(seen(x).result(timeout=SETTLE_S)), [1])
+    np.testing.assert_array_equal(np.asarray(seen(x)), [1])
     # a global output over that mesh comes back as the same layout, axis types and all
-    y = plus_one_global(x).result(timeout=SETTLE_S)
+    y = cb.block_until_ready(plus_one_global(x))
     assert y.sharding == x.sharding and y.sharding.mesh.axis_types == (explicit,)
-    np.testing.assert_array_equal(np.asarray(seen(y).result(timeout=SETTLE_S)), [1])
+    np.testing.assert_array_equal(np.asarray(seen(y)), [1])
     np.testing.assert_array_equal(np.asarray(y), np.arange(8) + 1)
 
 
 def test_devices_arrive_as_the_jobs_devices(job: cb.Controller) -> None:
     x = _over_all(job)
-    seen = np.asarray(devices_seen(x, job.devices()).result(timeout=SETTLE_S))
+    seen = np.asarray(devices_seen(x, job.devices()))
     assert seen.tolist() == [[d.local_id, d.host] for d in job.devices()]
 
 
 def test_a_collective_across_hosts(job: cb.Controller) -> None:
     x = _over_all(job)
-    total = cross_host_sum(x).result(timeout=SETTLE_S)
+    total = cb.block_until_ready(cross_host_sum(x))
     assert isinstance(total, cb.Array) and total.shape == ()
     assert float(np.asarray(total)) == float(np.arange(8).sum())
     # a psum in shard_map: every shard holds the sum of all shards
-    psummed = np.asarray(psum_shard_map(x).result(timeout=SETTLE_S))
+    psummed = np.asarray(psum_shard_map(x))
     shards = np.arange(8, dtype=np.float32).reshape(4, 2)
     np.testing.assert_array_equal(psummed, np.tile(shards.sum(0), 4))
 
 
 def test_global_arrays_out(job: cb.Controller) -> None:
     x = _over_all(job)
-    y = plus_one_global(x).result(timeout=SETTLE_S)
+    y = cb.block_until_ready(plus_one_global(x))
     assert isinstance(y, cb.Array) and y.shape == (8,) and y.sharding == x.sharding
     np.testing.assert_array_equal(np.asarray(y), np.arange(8) + 1)
     # passed on unawaited, the output arrives global again
-    z = np.asarray(plus_one_global(plus_one_global(x)).result(timeout=SETTLE_S))
+    z = np.asarray(plus_one_global(plus_one_global(x)))
     np.testing.assert_array_equal(z, np.arange(8) + 2)
 
 
 def test_a_global_output_keeps_its_own_mesh(job: cb.Controller) -> None:
-    y = on_a_mesh_of_its_own(_over_all(job)).result(timeout=SETTLE_S)
+    y = cb.block_until_ready(on_a_mesh_of_its_own(_over_all(job)))
     assert y.shape == (4, 6) and y.sharding.spec == cb.PartitionSpec("a", "b")
     assert y.sharding.mesh.axis_names == ("a", "b") and y.sharding.mesh.devices.shape == (2, 2)
     assert [d.id for d in y.sharding.mesh.devices.flat] == [d.id for d in job.devices()]
@@ -134,7 +133,7 @@ def test_a_global_output_keeps_its_own_mesh(job: cb.Controller) -> None:
 
 def test_block_outputs_still_work(job: cb.Controller) -> None:
     x = _over_all(job)
-    y = block_output(x).result(timeout=SETTLE_S)
+    y = cb.block_until_ready(block_output(x))
     assert y.shape == (8,) and y.sharding == x.sharding
     np.testing.assert_array_equal(np.asarray(y), np.arange(8) * 10)
 
@@ -143,9 +142,9 @@ def test_one_hosts_array_is_whole_there(job: cb.Controller) -> None:
     # an array on one host's devices is a global array that host addresses whole
     mesh = cb.Mesh(np.array(job.devices()[2:]), ("x",))
     x = cb.device_put(np.arange(4, dtype=np.float32), cb.NamedSharding(mesh, P("x")))
-    view = np.asarray(global_view(x).result(timeout=SETTLE_S))
+    view = np.asarray(global_view(x))
     assert view[0].tolist() == [4, 1, 2, 4]
-    np.testing.assert_array_equal(np.asarray(plus_one_global(x).result(timeout=SETTLE_S)),
+    np.testing.assert_array_equal(np.asarray(plus_one_global(x)),
                                   np.arange(4) + 1)
 
 
@@ -153,7 +152,7 @@ def test_a_lost_host_ends_the_job_and_it_forms_again(job: cb.Controller,
                                                      tmp_path: Path) -> None:
     x = _over_all(job)
     # in flight on both hosts (host 0 in a collective with host 1), and on host 0 alone;
-    # their output specs given, so these first calls return at once (SPEC 5)
+    # their output specs given, so these first calls return their arrays at once (SPEC 5)
     collect = wait_or_collect.specialize(out_specs_fn=lambda x, folder: cb.ShapeDtypeStruct(
         (), x.dtype, sharding=cb.NamedSharding(x.sharding.mesh, P())))
     both = collect(x, str(tmp_path))
@@ -172,11 +171,13 @@ def test_a_lost_host_ends_the_job_and_it_forms_again(job: cb.Controller,
     before = job.stats()["jax_job"]["generation"]
     survivor = job.hosts()[0].pid
     os.kill(job.hosts()[1].pid, signal.SIGKILL)
-    for fut in (both, only0):  # both fail, naming host 1: none hangs
+    errors = []
+    for out in (both, only0):  # both fail, naming host 1: none hangs
         with pytest.raises(cb.HostLostError, match=r"Host 1 \('local-1'\) was lost") as err:
-            fut.result(timeout=SETTLE_S)
+            cb.block_until_ready(out)
         assert err.value.host == 1
-    assert "JAX job" in str(only0.exception())  # (the fan-out failed with host 1 itself)
+        errors.append(err.value)
+    assert "JAX job" in str(errors[1])  # (the fan-out failed with host 1 itself)
     # the launcher starts host 1 again; host 0 left the job and joined again: it forms
     job.run_sync(job.wait_for_hosts(timeout=120))
     info = job.stats()["jax_job"]
@@ -185,9 +186,9 @@ def test_a_lost_host_ends_the_job_and_it_forms_again(job: cb.Controller,
     assert job.hosts()[0].pid == survivor  # left the job and joined again: JAX ended nobody
     # the old array is gone with the old job; a new one computes across the hosts
     with pytest.raises(cb.HostLostError):
-        cross_host_sum(x).result(timeout=SETTLE_S)
+        cb.block_until_ready(cross_host_sum(x))
     y = _over_all(job)
-    assert float(np.asarray(cross_host_sum(y).result(timeout=SETTLE_S))) == 28.0
+    assert float(np.asarray(cross_host_sum(y))) == 28.0
 
 
 def test_a_job_that_cannot_form_says_why(monkeypatch: pytest.MonkeyPatch,

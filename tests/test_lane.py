@@ -192,7 +192,7 @@ def test_cache_info_counts_the_lanes_calls_as_note_does(ctl: Any, cap: int,
     x2 = cb.device_put(np.ones(2), d0)  # x's signature (its sharding equal, maybe not x's)
     z = cb.device_put(np.zeros(2, np.int32), d0)  # x's shape and sharding, not its dtype
     for arg in (x, x, y, y, x, x2, z, z, x):
-        same(arg).result()
+        cb.block_until_ready(same(arg))
     info = same.cache_info()
     # distinct: x, y, z; with a cap of 1 every change starts the set over: x y x z x
     assert (info.misses, info.hits) == ((3, 6) if cap > 1 else (5, 4))

@@ -35,7 +35,7 @@ DRIVER = textwrap.dedent("""
         mesh = cb.Mesh(np.array([h.devices[0] for h in hosts]), ("h",))
         x = cb.device_put(np.zeros(len(hosts), np.int64),
                           cb.NamedSharding(mesh, cb.PartitionSpec("h")))
-        got = cb.device_get(where(x).result(timeout=60))
+        got = cb.device_get(where(x))
         assert got.tolist() == [h.pid for h in hosts], (got, hosts)
         print("DRIVER", ctl.address, [h.name for h in hosts], [h.address for h in hosts],
               [h.pid for h in hosts], flush=True)
@@ -103,7 +103,7 @@ INIT_DRIVER = textwrap.dedent("""
         assert all(parent(h.pid) != os.getpid() for h in hosts), hosts
         mesh = cb.Mesh(np.array([h.devices[0] for h in hosts]), ("h",))
         x = cb.device_put(np.zeros(2), cb.NamedSharding(mesh, cb.PartitionSpec("h")))
-        assert cb.device_get(pid(x).result(60)).tolist() == [h.pid for h in hosts]
+        assert cb.device_get(pid(x)).tolist() == [h.pid for h in hosts]
     ctl = cb.init()
     print("DRIVER", ctl.address, [h.name for h in ctl.hosts()], flush=True)
     sys.exit(int(sys.argv[1]))
@@ -198,7 +198,7 @@ PY_MODULE_DRIVER = textwrap.dedent("""
 
     ctl = cb.init(hosts=1, ship_code=False)  # only what --py-module names travels
     (h,) = ctl.hosts()
-    got = cb.device_get(twice(cb.device_put(np.ones(1), h.devices[0])).result(60))
+    got = cb.device_get(twice(cb.device_put(np.ones(1), h.devices[0])))
     assert got.tolist() == [2.0] and ctl.stats()["packages_sent"] == 1, (got, ctl.stats())
     print("DRIVER", ctl.address, [h.name], flush=True)
 """)

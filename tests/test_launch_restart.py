@@ -46,7 +46,7 @@ def test_restart_brings_a_killed_worker_back_under_its_name(
         wait_until(started.exists, 30, "the call to run on host 1")
         os.kill(before[1].pid, signal.SIGKILL)
         with pytest.raises(cb.HostLostError, match="killed by SIGKILL"):
-            pending.result(timeout=20)
+            cb.block_until_ready(pending)
         wait_until(lambda: ctl.hosts()[1].state == "alive"
                    and ctl.hosts()[1].pid != before[1].pid, 60, "host 1 to come back")
         after = ctl.hosts()

@@ -41,7 +41,7 @@ def fetch_octets(ctl: cb.Controller, controller_ip: str) -> list[int]:
     mesh = cb.Mesh(np.array([h.devices[0] for h in hosts]), ("h",))
     x = cb.device_put(np.zeros(len(hosts), np.int64),
                       cb.NamedSharding(mesh, cb.PartitionSpec("h")))
-    out = source_ip(x, controller_ip).result(timeout=60)
+    out = cb.block_until_ready(source_ip(x, controller_ip))
     return list(cb.device_get(out).tolist())
 
 
@@ -99,7 +99,7 @@ def test_a_function_of_this_test_module_runs_in_a_job_that_lacks_it(
         hosts = ctl.hosts()
         mesh = cb.Mesh(np.array([h.devices[0] for h in hosts]), ("h",))
         x = cb.device_put(np.zeros(2, np.int64), cb.NamedSharding(mesh, cb.PartitionSpec("h")))
-        out = cb.device_get(marked(x).result(timeout=60))
+        out = cb.device_get(marked(x))
         assert out.tolist() == [SHIPPED_MARK] * 2
 
 

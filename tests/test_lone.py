@@ -15,6 +15,7 @@ from typing import Any
 import msgpack
 import numpy as np
 import pytest
+from lifecycle import calls_return_futures
 
 import colobus as cb
 from colobus._wire import protocol as P
@@ -137,7 +138,7 @@ async def _scenario() -> list[Any]:
     except KeyError as exc:
         seen.append(str(exc).splitlines()[0])
     last = counter.bump(x)
-    await counter.aclose()
+    await cb.aclose(counter)
     seen.append(await _value(await last))
     return seen
 
@@ -244,14 +245,18 @@ async def test_a_cancel_during_the_lone_calls_start_never_gets_a_result_after_it
     try:
         x = cb.device_put(np.arange(3, dtype=np.int32), dev)
         ident_ = ident.specialize(devices=[dev])
-        for _ in range(3):
-            # a quick call first: the host's next call takes the lone path
-            assert np.asarray(cb.device_get(await ident_(x))).tolist() == [0, 1, 2]
-            fut = raced(x)
-            await asyncio.sleep(0.15)  # the host is inside the lone path's check now
-            assert fut.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await fut
+        # (the calls' Futures, one stream: made as async code under ``async with`` makes
+        # them, on the controller's loop thread, and cancelled here)
+        with calls_return_futures() as on_loop:
+            for _ in range(3):
+                # a quick call first: the host's next call takes the lone path
+                quick = await on_loop(lambda: ident_(x))
+                assert np.asarray(cb.device_get(quick)).tolist() == [0, 1, 2]
+                fut = on_loop(lambda: raced(x))
+                await asyncio.sleep(0.15)  # the host is inside the lone path's check now
+                assert fut.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await fut
         # the next call on that host answers: the host is alive and kept in order
         assert np.asarray(cb.device_get(await ident_(x))).tolist() == [0, 1, 2]
     finally:

@@ -33,9 +33,11 @@ import numpy as np
 import pytest
 import zmq
 from fakeworker import FakeWorker
+from lifecycle import in_async
 
 import colobus as cb
-from colobus._api.array import fetch_tree
+from colobus._api.fetch import fetch_tree
+from colobus._api.shards import fetch_shard
 from colobus._wire import protocol as P
 from colobus._wire.protocol import Kind, Status
 
@@ -130,7 +132,7 @@ def mctl(bed: dict[str, Any]) -> collections.abc.Iterator[cb.Controller]:
 def _real_host_still_works(ctl: cb.Controller) -> None:
     real = [d for d in ctl.devices() if d.host == 0]
     x = cb.device_put(np.arange(4.0), real[0])
-    assert np.asarray(add_one(x).result(60)).tolist() == [1.0, 2.0, 3.0, 4.0]
+    assert np.asarray(add_one(x)).tolist() == [1.0, 2.0, 3.0, 4.0]
 
 
 @contextlib.contextmanager
@@ -186,10 +188,10 @@ def test_hostile_replies_never_run_code(bed: dict[str, Any], mctl: cb.Controller
     with _fake(bed, f"evil-{case}") as fake:
         before = dict(mctl.stats()["dropped"])
         dev = [d for d in mctl.devices() if d.host == fake.index]
-        fut = make_one.specialize(devices=dev, out_specs_fn=_make_one_specs)()
+        out = make_one.specialize(devices=dev, out_specs_fn=_make_one_specs)()
         _answer_call(fake, *_evil_payloads(bed["marker"])[case])
         with pytest.raises(cb.ProtocolError, match="malformed reply"):
-            fut.result(30)
+            cb.block_until_ready(out)
         _dropped(mctl, fake.index, "bad_reply", before)
     _real_host_still_works(mctl)
 
@@ -222,10 +224,10 @@ def test_errors_are_data_never_code(bed: dict[str, Any], mctl: cb.Controller) ->
             (error("builtins", "GeneratorExit", []), cb.RemoteError),
         ]
         for payload, expected in cases:
-            fut = make_one.specialize(devices=dev, out_specs_fn=_make_one_specs)()
+            out = make_one.specialize(devices=dev, out_specs_fn=_make_one_specs)()
             _answer_call(fake, Status.ERROR, None, payload)
             with pytest.raises(expected) as info:
-                fut.result(30)
+                cb.block_until_ready(out)
             assert "n1" in info.value.__notes__
             assert f"raised on colobus host {fake.index}" in info.value.__notes__[1]
         assert mctl.hosts()[fake.index].state == "alive"  # errors as data are no violation
@@ -250,11 +252,11 @@ def test_protocol_violations_drop_the_host(bed: dict[str, Any], mctl: cb.Control
         before = dict(mctl.stats()["dropped"])
         dev = [d for d in mctl.devices() if d.host == fake.index]
         if what in ("huge_count", "negative_count"):
-            fut = make_one.specialize(devices=dev, out_specs_fn=_make_one_specs)()
+            out = make_one.specialize(devices=dev, out_specs_fn=_make_one_specs)()
             # A count this size once built range(n) on the controller's loop.
             _answer_call(fake, Status.OK, (1 << 62) if what == "huge_count" else -1)
             with pytest.raises(cb.HostLostError):
-                fut.result(30)
+                cb.block_until_ready(out)
         elif what == "stats_counts":
             fut = mctl.refresh_stats()
             st = fake.expect(Kind.STATS)
@@ -273,7 +275,8 @@ def test_protocol_violations_drop_the_host(bed: dict[str, Any], mctl: cb.Control
             # Shard.data reads its block with the bounded reader and checks its shape
             # (issue 23): a block of another shape, or sizes the buffer does not hold.
             arr = cb.device_put(np.zeros(2, np.float32), dev[0])
-            fut = arr.addressable_shards[0].data
+            shard = arr.addressable_shards[0]  # (its .data would wait here for the answer)
+            fut = fetch_shard(arr, shard.device, shard.index)
             fetch = fake.expect(Kind.FETCH)
             shape = [3] if what == "shard_shape" else [1 << 40]
             fake.send(Kind.RESULT, [fetch.body[0], Status.OK, [shape, "<f4", None]],
@@ -289,8 +292,9 @@ def test_protocol_violations_drop_the_host(bed: dict[str, Any], mctl: cb.Control
         elif what == "other_hosts_call":
             real = [d for d in mctl.devices() if d.host == 0]
             other = add_one(cb.device_put(np.arange(3.0), real[0]))
-            fake.send(Kind.RESULT, [other.call_id, Status.ERROR, None], evil)
-            fake.send(Kind.RESULT, [other.call_id + 1, Status.OK, 1], evil)
+            call_id = other.ref >> 16  # (P.output_ref: its call's id)
+            fake.send(Kind.RESULT, [call_id, Status.ERROR, None], evil)
+            fake.send(Kind.RESULT, [call_id + 1, Status.OK, 1], evil)
         elif what == "oversized_total":
             # Two frames under the limit each, over it together: counted, not buffered
             # into anything, and this host (whose real workers stay under) is dropped.
@@ -298,7 +302,7 @@ def test_protocol_violations_drop_the_host(bed: dict[str, Any], mctl: cb.Control
             fake.send(Kind.HEARTBEAT, [0, 0, 0, 0], b"", [half, half])
         _dropped(mctl, fake.index, reason, before)
     if other is not None:  # the other host's call was not disturbed
-        assert np.asarray(other.result(60)).tolist() == [1.0, 2.0, 3.0]
+        assert np.asarray(other).tolist() == [1.0, 2.0, 3.0]
     _real_host_still_works(mctl)
     assert mctl.stats()["hosts_dropped"] >= 1
 
@@ -396,7 +400,8 @@ def test_hostile_host_times_never_skew_metrics() -> None:
         hostile: list[Any] = [[1_000, 2_000], ["x", 3], [2, 1 << 63], [1, 2, 3], [None, None]]
         digest = b""
         for times in hostile:
-            fut = make_one.specialize(devices=dev, out_specs_fn=_make_one_specs)()
+            # (the call's Future, async code's: its cancellation is seen)
+            fut = in_async(make_one.specialize(devices=dev, out_specs_fn=_make_one_specs))
             call = fake.expect(Kind.CALL)
             digest = call.body[2]
             fake.send(Kind.RESULT, [call.body[0], Status.CANCELLED, None, times])

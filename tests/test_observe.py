@@ -20,9 +20,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from lifecycle import in_async
 
 import colobus as cb
-from colobus._api.array import fetch_tree
+from colobus._api.fetch import fetch_tree
 
 pytest.importorskip("prometheus_client", reason="prometheus_client is in the [test] extra")
 pytest.importorskip("rich", reason="rich is in the [test] extra")
@@ -133,10 +134,10 @@ def test_scrape_counts_known_work(octl: cb.Controller) -> None:
     before = _scrape(octl)
     n_calls, floats = 7, 1024  # 4 KiB, split over 4 devices on 2 hosts
     x = _sharded(octl, floats)
-    futs = [obs_inc(x) for _ in range(n_calls)]
+    futs = in_async(lambda: [obs_inc(x) for _ in range(n_calls)])  # (Futures: timings())
     outs = [f.result(timeout=60) for f in futs]
     with pytest.raises(ValueError, match="on purpose"):
-        obs_fail(x).result(timeout=60)
+        cb.block_until_ready(obs_fail(x))
     np.testing.assert_array_equal(cb.device_get(outs[-1]),
                                   np.arange(floats, dtype=np.float32) + 1)
 
@@ -191,7 +192,7 @@ def test_a_scrape_right_after_calls_counts_their_host_times(octl: cb.Controller)
     """A scrape asks the hosts for what they counted since their last heartbeat."""
     x = _sharded(octl, 16)
     for _ in range(5):
-        obs_now(x).result(timeout=60)
+        cb.block_until_ready(obs_now(x))
     s = _scrape(octl)  # no waiting for a heartbeat
     assert _value(s, "colobus_call_run_seconds_count", function="obs_now") == 2 * 5
     assert _value(s, "colobus_call_host_queue_seconds_count", function="obs_now") == 2 * 5
@@ -204,10 +205,9 @@ def test_host_times_of_method_calls_count_per_class_and_method(octl: cb.Controll
     destroyed before the host's next heartbeat."""
     x = _sharded(octl, 8)  # on both hosts: each call runs, and is timed, on two
     first, second = ObsCounter(), ObsCounter()
-    futs = [first.bump(x) for _ in range(3)] + [second.bump(x) for _ in range(2)]
-    for f in futs:
-        f.result(timeout=60)
-    ObsCounter().bump(x).result(timeout=60)  # a temporary object, destroyed after its call
+    outs = [first.bump(x) for _ in range(3)] + [second.bump(x) for _ in range(2)]
+    cb.block_until_ready(outs)
+    cb.block_until_ready(ObsCounter().bump(x))  # a temporary object, destroyed after its call
 
     def reported() -> bool:
         return _value(_scrape(octl), "colobus_call_run_seconds_count",
@@ -222,7 +222,7 @@ def test_host_times_of_method_calls_count_per_class_and_method(octl: cb.Controll
 
 def test_trace_has_one_event_per_host_per_call(octl: cb.Controller, tmp_path: Path) -> None:
     x = _sharded(octl, 8)
-    futs = [obs_traced(x) for _ in range(3)]
+    futs = in_async(lambda: [obs_traced(x) for _ in range(3)])  # (Futures: their call ids)
     for f in futs:
         f.result(timeout=60)
     path = octl.write_trace(tmp_path / "trace.json")
@@ -243,7 +243,7 @@ def test_trace_has_one_event_per_host_per_call(octl: cb.Controller, tmp_path: Pa
 def test_top_once_through_the_console_script(octl: cb.Controller) -> None:
     x = _sharded(octl, 8)
     for _ in range(3):
-        obs_top(x).result(timeout=60)
+        cb.block_until_ready(obs_top(x))
     assert octl.metrics_url is not None
     base = octl.metrics_url.removesuffix("/metrics")
     out = subprocess.run([str(COLOBUS), "top", "--metrics", base, "--once"],
@@ -283,7 +283,7 @@ def test_live_view_refreshes_under_tmux(octl: cb.Controller) -> None:
         assert "obs_live" not in first
         x = _sharded(octl, 8)
         for _ in range(4):
-            obs_live(x).result(timeout=60)
+            cb.block_until_ready(obs_live(x))
 
         def shows_calls() -> bool:
             rows = [ln for ln in screen().splitlines() if "obs_live" in ln]
@@ -310,7 +310,7 @@ def test_otel_spans_one_per_call_with_a_child_per_host(octl: cb.Controller) -> N
     otel._tracer = provider.get_tracer("colobus")  # not the process-wide provider
     x = _sharded(octl, 8)
     for _ in range(2):
-        obs_otel(x).result(timeout=60)
+        cb.block_until_ready(obs_otel(x))
     spans = exporter.get_finished_spans()
     parents = [s for s in spans if s.name == "obs_otel"]
     children = [s for s in spans if s.name.startswith("obs_otel on host")]
@@ -361,7 +361,7 @@ async def test_trace_path_is_written_on_close(tmp_path: Path) -> None:
 def test_metrics_alone_count_every_call_and_keep_no_record_per_call() -> None:
     with cb.local_cluster(hosts=1, devices_per_host=1, metrics="127.0.0.1:0") as ctl:
         x = cb.device_put(np.arange(4, dtype=np.float32), ctl.devices()[0])
-        futs = [obs_inc(x) for _ in range(50)]
+        futs = in_async(lambda: [obs_inc(x) for _ in range(50)])  # (Futures: one cancelled)
         futs[-1].cancel()  # cancelled (or finished, if it was too late to cancel)
         for f in futs[:-1]:
             f.result(timeout=60)

@@ -56,7 +56,7 @@ def test_a_driver_array_as_the_only_argument_says_to_device_put_it(
 def test_a_non_array_output_names_the_function_and_the_leaf(ctl: cb.Controller) -> None:
     x = cb.device_put(np.arange(2), cb.devices()[0])
     with pytest.raises(ValueError) as info:
-        returns_a_string(x).result(timeout=60)
+        cb.block_until_ready(returns_a_string(x))
     assert str(info.value) == ("colocated_python only supports jax.Array as input and output, "
                                "but got <class 'str'>.")
     note = _notes(info.value)
@@ -66,7 +66,7 @@ def test_a_non_array_output_names_the_function_and_the_leaf(ctl: cb.Controller) 
 def test_a_missing_file_on_a_host_shows_its_path_in_the_headline(ctl: cb.Controller) -> None:
     x = cb.device_put(np.arange(2), cb.devices()[0])
     with pytest.raises(FileNotFoundError) as info:
-        opens_a_missing_file(x).result(timeout=60)
+        cb.block_until_ready(opens_a_missing_file(x))
     assert str(info.value) == ("[Errno 2] No such file or directory: "
                                "'/nonexistent-colobus-dir/data.txt'")
     assert info.value.filename == "/nonexistent-colobus-dir/data.txt"
@@ -82,7 +82,7 @@ MAIN_SCRIPT = textwrap.dedent("""
 
     with cb.local_cluster(hosts=1) as ctl:
         try:
-            fails(cb.device_put(np.arange(2), cb.devices()[0])).result(timeout=60)
+            cb.block_until_ready(fails(cb.device_put(np.arange(2), cb.devices()[0])))
         except KeyError as exc:
             print("\\n".join(exc.__notes__))
 """)

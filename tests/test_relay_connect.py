@@ -147,7 +147,7 @@ def test_relays_on_hosts_give_what_the_star_gives(ctl: cb.Controller,
             mesh = cb.Mesh(np.array(devs).reshape(2, 4), ("h", "d"))
             x = cb.device_put(np.arange(16, dtype=np.float32).reshape(8, 2),
                               cb.NamedSharding(mesh, cb.PartitionSpec(("h", "d"))), )
-            out = mixed(x).result(60)
+            out = cb.block_until_ready(mixed(x))
             assert x._ctl is c and all(v is None or v._ctl is c for v in out.values())
             got.append({k: (None if v is None else
                             (np.asarray(cb.device_get(v)).tobytes(),

@@ -198,11 +198,15 @@ async def test_coalesced_results_settle_once_and_keep_each_hosts_times() -> None
         assert runs == sorted(runs) and runs[3] >= 0.1 > runs[0], runs
         assert ctl._ops.pending == {} and all(not h.inflight for h in ctl._hosts.hosts)
         assert ctl.stats()["dropped"].get("unsolicited", 0) == 0
-        # Replicas compared through the relay: hosts 0, 1 and 3 agree (their equal replies
-        # coalesce), host 2 differs in its last element, above the old 64 KiB limit.
+        # Replicas through the relay: hosts 0, 1 and 3 agree (their equal replies
+        # coalesce), host 2 differs in its last element, above the old 64 KiB limit. Kept
+        # per host as JAX keeps them; compared where asked (check_replicas=True).
+        odd = await odd_one(x, 128 << 10)
+        lasts = [float((await s.data)[-1]) for s in odd.addressable_shards]
+        assert lasts == [0.0, 0.0, 1.0, 0.0], lasts
         with pytest.raises(ValueError, match=r"odd_one: the output is replicated over hosts "
                                              r"\[0, 1, 2, 3\].*hosts by value: 0, 1, 3; 2"):
-            await odd_one(x, 128 << 10)
+            await odd_one.specialize(check_replicas=True)(x, 128 << 10)
 
 
 @cb.colocated_python

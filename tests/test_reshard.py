@@ -91,7 +91,7 @@ def test_memory_kind_reaches_host_code(ctl: cb.Controller) -> None:
     sharding = cb.NamedSharding(mesh, P("hosts"), memory_kind="unpinned_host")
     x = np.arange(16.0, dtype=np.float32).reshape(8, 2)
     arr = cb.device_put(x, sharding)
-    out = _memory_kinds(arr, sharding).result()
+    out = cb.block_until_ready(_memory_kinds(arr, sharding))
     assert out.sharding.memory_kind == "unpinned_host" and out.sharding == sharding
     np.testing.assert_array_equal(np.asarray(out), x)
 
@@ -116,7 +116,7 @@ def _write_host_file(x: Any, folder: str) -> Any:
 def test_one_file_per_host_named_by_host_index(ctl: cb.Controller, tmp_path: Path) -> None:
     mesh = cb.make_mesh((2, 4), ("hosts", "devices"))
     x = cb.device_put(np.arange(8.0, dtype=np.float32), cb.NamedSharding(mesh, P("hosts")))
-    _write_host_file(x, str(tmp_path)).result()
+    cb.block_until_ready(_write_host_file(x, str(tmp_path)))
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "host-0-of-2-pid0.txt", "host-1-of-2-pid1.txt"]  # jax.process_index(): the host's
     assert (tmp_path / "host-1-of-2-pid1.txt").read_text() == str(4.0 + 5 + 6 + 7)
@@ -232,7 +232,7 @@ def test_a_mesh_to_its_colocated_cpu_mesh_moves_nothing(four: cb.Controller) -> 
         np.testing.assert_array_equal(np.asarray(out), x)
     assert _moved(four, before) == 0
     # host code sees the memory kind the reshard asked for
-    assert _memory_kinds(out, target).result().sharding == target
+    assert cb.block_until_ready(_memory_kinds(out, target)).sharding == target
     assert four.stats()["bytes_put"] == before["bytes_put"]
 
 
@@ -426,7 +426,7 @@ def test_a_checkpoint_dispatcher(ctl: cb.Controller, tmp_path: Path) -> None:
 
     dispatch = cb.colocated_python(save).specialize(out_specs_fn=out_specs)
     done = dispatch(dummy, cpu_arr)
-    token = done.result()
+    token = cb.block_until_ready(done)  # (its arrays at once, as JAX's: waited for here)
     assert isinstance(token, cb.Array) and token.sharding == replicated
     assert np.asarray(token).item() is True
     names = sorted(p.name for p in tmp_path.iterdir())

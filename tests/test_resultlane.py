@@ -4,7 +4,10 @@ same outputs, errors and wake-ups as the general path.
 A function's first reply takes the general path (its outputs are built from the
 description and remembered); the same description again is settled in the lane. Each
 test here compares what the two made, on the shared 2-host cluster (whose controller
-runs on its own loop thread: the awaiting task here is woken across threads).
+runs on its own loop thread: the awaiting task here is woken across threads). The calls
+are made as async code under ``async with`` makes them, on that thread
+(``lifecycle.in_async``): their Futures' replies are what is compared (a call made here,
+off that thread, returns its arrays, made before the reply).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from lifecycle import in_async
 
 import colobus as cb
 from colobus._api import outputs
@@ -54,8 +58,8 @@ def _counting(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     hits = [0]
     build, learn, read = resultlane.SETTLERS[_decode_result]
 
-    def counted(op: Any, host: int, raw: bytes, count: int) -> Any:
-        got = build(op, host, raw, count)
+    def counted(op: Any, host: int, raw: bytes, count: int, times: Any) -> Any:
+        got = build(op, host, raw, count, times)
         if got is not resultlane.MISS:
             hits[0] += 1
         return got
@@ -84,10 +88,10 @@ async def test_outputs_settled_in_the_lane_are_those_the_general_path_builds(
     hits = _counting(monkeypatch)
     x = cb.device_put(np.arange(6.0), cb.devices()[0])
     for fn in (lane_ident, lane_pair):
-        first = await fn(x)  # (learnt, if not already)
+        first = await in_async(lambda fn=fn: fn(x))  # (learnt, if not already)
         leaves0 = [first] if isinstance(first, Array) else _leaves(first)
         for _ in range(3):
-            again = await fn(x)
+            again = await in_async(lambda fn=fn: fn(x))
             leaves = [again] if isinstance(again, Array) else _leaves(again)
             assert type(again) is type(first)
             assert len(leaves) == len(leaves0)
@@ -96,8 +100,8 @@ async def test_outputs_settled_in_the_lane_are_those_the_general_path_builds(
                 np.testing.assert_array_equal(cb.device_get(a), np.arange(6.0))
         if not isinstance(first, Array):
             assert list(again[1]) == list(first[1]) and isinstance(again[1]["a"], list)
-    assert await lane_nothing(x) is None
-    assert await lane_nothing(x) is None
+    assert await in_async(lambda: lane_nothing(x)) is None
+    assert await in_async(lambda: lane_nothing(x)) is None
     if ON:
         assert hits[0] >= 7
 
@@ -146,14 +150,14 @@ async def test_errors_and_cancellations_after_lane_hits(ctl: cb.Controller,
     small = cb.device_put(np.arange(3.0), cb.devices()[0])
     big = cb.device_put(np.arange(30.0), cb.devices()[0])
     for _ in range(3):
-        assert isinstance(await lane_fails(small), Array)
+        assert isinstance(await in_async(lambda: lane_fails(small)), Array)
     with pytest.raises(KeyError, match="too big"):
-        await lane_fails(big)
-    fut = lane_fails(small)
+        await in_async(lambda: lane_fails(big))
+    fut = in_async(lambda: lane_fails(small))
     fut.cancel()
     with pytest.raises(asyncio.CancelledError):
         await fut
-    assert isinstance(await lane_fails(small), Array)  # the lane still serves it
+    assert isinstance(await in_async(lambda: lane_fails(small)), Array)  # the lane serves it
     if ON:
         assert hits[0] >= 3
 
@@ -161,7 +165,7 @@ async def test_errors_and_cancellations_after_lane_hits(ctl: cb.Controller,
 def test_result_from_threads_waits_and_times_out(ctl: cb.Controller) -> None:
     x = cb.device_put(np.arange(4.0), cb.devices()[0])
     for _ in range(3):
-        np.testing.assert_array_equal(np.asarray(lane_ident(x).result(WAIT_S)), np.arange(4.0))
+        np.testing.assert_array_equal(np.asarray(lane_ident(x)), np.arange(4.0))
     fut: Future[int] = Future()
     with pytest.raises(TimeoutError):
         fut.result(0.01)
@@ -200,15 +204,15 @@ async def test_fan_out_results_are_those_of_the_general_path(ctl: cb.Controller)
     sharding = cb.NamedSharding(mesh, cb.PartitionSpec("hosts"))
     x = cb.device_put(np.arange(8.0).reshape(2, 4), sharding)
     for _ in range(3):
-        out = await lane_pair(x)
+        out = await in_async(lambda: lane_pair(x))
         assert out[0].sharding == x.sharding and out[0].shape == (2, 4)
         np.testing.assert_array_equal(cb.device_get(out[1]["a"][0]),
                                       np.arange(8.0).reshape(2, 4))
     y = cb.device_put(np.array([[0.0, 1, 2, 3], [100, 100, 100, 100]]), sharding)
     for _ in range(2):
-        assert isinstance(await lane_fails(x), cb.Array)
+        assert isinstance(await in_async(lambda: lane_fails(x)), cb.Array)
         with pytest.raises(KeyError, match="too big") as info:  # host 1's error, host 0's
-            await lane_fails(y)  # output freed
+            await in_async(lambda: lane_fails(y))  # output freed
         assert any("host 1" in note for note in info.value.__notes__)
 
 

@@ -23,5 +23,5 @@ async def test_async_round_trip(ctl: cb.Controller) -> None:
 def test_sync_round_trip(ctl: cb.Controller) -> None:
     d = cb.devices()[5]
     x = cb.device_put(np.arange(4, dtype=np.int32), d)
-    y = add_one(x).result(timeout=30)
+    y = add_one(x)  # its array, as JAX's
     np.testing.assert_array_equal(np.asarray(y), np.arange(4) + 1)

@@ -31,14 +31,14 @@ def test_short_soak_stores_end_empty() -> None:
         mesh = cb.Mesh(np.array(cb.devices()).reshape(1, 2), ("hosts", "devices"))
         sharding = cb.NamedSharding(mesh, cb.PartitionSpec("hosts", "devices"))
         x = cb.device_put(np.arange(32, dtype=np.float32).reshape(2, 16), sharding)
-        window: deque[cb.Future] = deque()
+        window: deque[cb.Array] = deque()
         for _ in range(CALLS):
-            window.append(bump(x))
+            window.append(bump(x))  # its array at once
             if len(window) >= 64:
-                window.popleft().result(60)
+                cb.block_until_ready(window.popleft())
         last = None
         while window:
-            last = window.popleft().result(60)
+            last = cb.block_until_ready(window.popleft())
         assert last is not None
         np.testing.assert_array_equal(np.asarray(last), np.arange(32).reshape(2, 16) + 1)
         del last

@@ -4,6 +4,11 @@ Calls from one task form one stream: the host runs them in order, and runs the
 ready plain calls queued in a stream back to back in one thread-pool job. These
 tests fire bursts so that batches form, then read back what ran where and in
 what order.
+
+The shared cluster runs on a loop thread of its own: the bursts whose Futures the tests
+follow are made as async code under ``async with`` makes them, on that thread, in one
+task (``lifecycle.in_async``, ``calls_return_futures``: one stream); calls made here, on
+pytest's loop, return their arrays (SPEC 4).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 import sec_hostside as hs
+from lifecycle import calls_return_futures, in_async
 
 import colobus as cb
 
@@ -75,8 +81,9 @@ def _on(dev: cb.Device, *fns: Any) -> list[Any]:
 
 async def _host_log(dev: cb.Device) -> tuple[list[int], list[bool]]:
     (read,) = _on(dev, read_log)
-    # Its own task, hence its own stream: never queued behind the stream under test.
-    out = await asyncio.create_task(_call(read))
+    # Its own task, hence its own stream: never queued behind the stream under test (its
+    # Future: the log grows, which arrays made from an earlier call's specs would refuse).
+    out = await in_async(read)
     tokens, off_loop = cb.device_get(out)
     return [int(t) for t in np.asarray(tokens)], [bool(p) for p in np.asarray(off_loop)]
 
@@ -88,7 +95,7 @@ async def _call(fn: Any, *args: Any) -> Any:
 async def _until_started(dev: cb.Device, gate: int) -> None:
     (events,) = _on(dev, hs.events)
     for _ in range(600):
-        arr = await asyncio.create_task(_call(events))
+        arr = await in_async(events)  # (its own task: its own stream)
         if gate + 1_000_000 in [int(x) for x in np.asarray(cb.device_get(arr))]:
             return
         await asyncio.sleep(0.02)
@@ -99,7 +106,7 @@ async def test_burst_runs_in_order_with_errors_per_call(ctl: cb.Controller) -> N
     dev = cb.devices()[1]
     (rec,) = _on(dev, record)
     tokens = [next(_ids) for _ in range(300)]
-    futs = [rec(t) for t in tokens]  # one task: one stream, fired without awaiting
+    futs = in_async(lambda: [rec(t) for t in tokens])  # one task: one stream, not awaited
     results = await asyncio.gather(*futs, return_exceptions=True)
     for t, r in zip(tokens, results, strict=True):
         if t % 7 == 0:
@@ -118,7 +125,8 @@ async def test_async_def_in_a_burst_keeps_order_and_runs_on_the_loop(
     dev = cb.devices()[2]
     rec, rec_async = _on(dev, record, record_async)
     tokens = [t for t in itertools.islice(_ids, 70) if t % 7][:60]  # no failures here
-    futs = [(rec_async if i % 10 == 5 else rec)(t) for i, t in enumerate(tokens)]
+    futs = in_async(lambda: [(rec_async if i % 10 == 5 else rec)(t)
+                             for i, t in enumerate(tokens)])
     await asyncio.gather(*futs)
     log, off_loop = await _host_log(dev)
     mine = {t: p for t, p in zip(log, off_loop, strict=True) if t in set(tokens)}
@@ -132,12 +140,11 @@ async def test_cancel_a_call_inside_a_running_batch(ctl: cb.Controller) -> None:
     wait_gate, mark, events = _on(dev, hs.wait_gate, hs.mark, hs.events)
     g1, g2 = next(_ids), next(_ids)
     skipped, after = next(_ids), next(_ids)
-    a = wait_gate(g1)
-    await _until_started(dev, g1)
-    # Queued behind a: they become one batch when a finishes.
-    b = wait_gate(g2)
-    c = mark(skipped)
-    d = mark(after)
+    with calls_return_futures() as on_loop:  # (one task: one stream)
+        a = on_loop(lambda: wait_gate(g1))
+        await _until_started(dev, g1)
+        # Queued behind a: they become one batch when a finishes.
+        b, c, d = on_loop(lambda: (wait_gate(g2), mark(skipped), mark(after)))
     await asyncio.sleep(0.05)  # let them reach the host's queue
     hs.open_gate(g1)
     await a
@@ -149,11 +156,11 @@ async def test_cancel_a_call_inside_a_running_batch(ctl: cb.Controller) -> None:
     # The host reads its messages in order: once a later call (its own task, so its
     # own stream) has answered, the CANCEL was handled there. Opening the gate
     # before that let c run on a loaded machine, where the CANCEL was still on its way.
-    await asyncio.create_task(_call(events))
+    await in_async(events)
     hs.open_gate(g2)
     await b
     assert int(np.asarray(cb.device_get(await d))) == after
-    arr = await asyncio.create_task(_call(events))
+    arr = await in_async(events)
     log = [int(x) for x in np.asarray(cb.device_get(arr))]
     assert skipped not in log, "a call cancelled inside a batch ran"
     assert log.index(-g2) < log.index(after)
@@ -177,7 +184,7 @@ async def test_other_streams_run_while_one_is_gated(ctl: cb.Controller) -> None:
     dev = cb.devices()[6]
     wait_gate, mark = _on(dev, hs.wait_gate, hs.mark)
     gate, token = next(_ids), next(_ids)
-    a = wait_gate(gate)
+    a = in_async(lambda: wait_gate(gate))  # (its Future: done() is read below)
     await _until_started(dev, gate)
     out = await asyncio.create_task(_call(mark, token))  # another stream
     assert int(np.asarray(cb.device_get(out))) == token

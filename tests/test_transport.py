@@ -238,7 +238,7 @@ def test_an_unencodable_put_fails_at_the_call_and_spends_nothing(bctl: cb.Contro
 
     first, second, err = bctl.run_sync(on_loop())
     assert isinstance(err, cb.SerializationError), repr(err)
-    np.testing.assert_array_equal(np.asarray(plus_one(first).result(30)), np.arange(3.0) + 1)
+    np.testing.assert_array_equal(np.asarray(plus_one(first)), np.arange(3.0) + 1)
     np.testing.assert_array_equal(cb.device_get(second), np.arange(3.0) + 10)
     assert not {"gap", "oversized", "malformed"} & set(_host_drops(bctl))
 
@@ -266,7 +266,7 @@ def test_calls_with_many_handles_and_frees_of_many_arrays_fit(bctl: cb.Controlle
     x = cb.device_put(np.arange(2.0), dev)
     # A CALL listing 150k handles (1.5 MB of refs): its body travels in the payload. The
     # host makes the array host code sees once, as JAX passes one object named twice.
-    y = first_plus_one([x] * 150_000).result(120)
+    y = cb.block_until_ready(first_plus_one([x] * 150_000))
     np.testing.assert_array_equal(np.asarray(y), np.arange(2.0) + 1)
     # 262k frees at once: one RELEASE listing them all, never refused by the worker.
     gen = bctl._hosts[0].generation
@@ -276,7 +276,7 @@ def test_calls_with_many_handles_and_frees_of_many_arrays_fit(bctl: cb.Controlle
         bctl._frees._queue_many([({0: gen}, ref0 + i, 0) for i in range(262_144)])
 
     bctl._call_soon(free_all)
-    z = plus_one(x).result(60)  # queued behind the RELEASE: it arrives, in sequence
+    z = cb.block_until_ready(plus_one(x))  # queued behind the RELEASE: it arrives, in sequence
     np.testing.assert_array_equal(np.asarray(z), np.arange(2.0) + 1)
     assert not {"gap", "oversized", "malformed"} & set(_host_drops(bctl))
 
@@ -365,7 +365,7 @@ def test_a_hostile_description_costs_a_small_multiple_of_its_size(
             probe.reset()
             fake.send(Kind.RESULT, [call.body[0], int(status), meta], bomb)
             with pytest.raises(cb.ProtocolError, match="malformed reply"):
-                fut.result(60)
+                cb.block_until_ready(fut)
             assert probe.longest < 0.5, f"the loop stalled {probe.longest:.2f} s"
             # The host broke the protocol: dropped. A new session for the next round.
             fake.close()
@@ -628,7 +628,7 @@ def test_uploads_faster_than_the_link_wait_with_bounded_bytes_queued(shaped: Any
         # Bounded by the bound plus the one put admitted below it (4 MiB without it).
         assert max(queued) <= bound + size, queued
         assert max(queued) >= bound // 2, f"the link never held the puts back: {queued}"
-        sums = [total(x).result(120) for x in arrays]
+        sums = [cb.block_until_ready(total(x)) for x in arrays]
         assert [float(np.asarray(s)[0]) for s in sums] == [
             float(i) * (size // 8) for i in range(2 * n)]
         assert [h.state for h in ctl.hosts()] == ["alive"]
@@ -748,7 +748,7 @@ def test_an_unauthenticated_flood_costs_the_loop_nothing(workers: Workers) -> No
         assert ctl.hosts()[0].state == "alive"
         dev = ctl.devices()[0]
         x = cb.device_put(np.arange(3.0), dev)
-        np.testing.assert_array_equal(np.asarray(plus_one(x).result(60)), np.arange(3.0) + 1)
+        np.testing.assert_array_equal(np.asarray(plus_one(x)), np.arange(3.0) + 1)
     finally:
         _pop_current(ctl)
         ctl.close()

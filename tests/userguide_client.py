@@ -12,15 +12,16 @@
 # permissions and limitations under the License.
 #
 # Changed from the original: the imports (colobus for jax.experimental.colocated_python;
-# JAX's device and array calls for colobus's, as a porting user writes them: cb.devices,
-# cb.Mesh, cb.NamedSharding, cb.PartitionSpec, cb.device_put, cb.block_until_ready,
-# cb.ShapeDtypeStruct; a call's value is `.result()` of its cb.Future, where the guide
-# reads an attribute of it), the file '/tmp/foo' made a file of this run, each cell
-# followed by the asserts of what the guide shows, and cell 10 followed by a variant that
-# shows its concurrency with a barrier on one host instead of a clock (in the default view,
-# one JAX job, calls on several hosts run one at a time: that variant runs on host 0's
-# devices, where calls keep their concurrency). Run as a plain
-# script (the guide's habits are sync): `python tests/userguide_client.py DIRECTORY`.
+# JAX's device and array calls that place data for colobus's, as a porting user writes
+# them: cb.devices, cb.Mesh, cb.NamedSharding, cb.PartitionSpec, cb.device_put,
+# cb.ShapeDtypeStruct; JAX's jax.block_until_ready stays), the file '/tmp/foo' made a
+# file of this run, each cell followed by the asserts of what the guide shows, and cell
+# 10 followed by a variant that shows its concurrency with a barrier on the hosts
+# instead of a clock (in the default view, one JAX job,
+# calls on several hosts run one at a time: that variant runs on host 0's devices, where
+# calls keep their concurrency). A call's value is used as the guide uses it (its arrays, as JAX
+# returns them). Run as a plain script (the guide's habits are sync):
+# `python tests/userguide_client.py DIRECTORY`.
 """JAX's colocated Python user guide, every cell, on a colobus cluster of 2 hosts."""
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def main(ctl: cb.Controller) -> None:
         return x + 1
 
     f = colocated_python.colocated_python(f)
-    y = f(x).result()  # the first call ran synchronously: done already
+    y = f(x)  # the first call ran synchronously: done already
     assert y.sharding == x.sharding
     print(y)
     assert int(cb.device_get(y)) == 2
@@ -77,7 +78,7 @@ def main(ctl: cb.Controller) -> None:
         return x
 
     f = colocated_python.colocated_python(f)
-    cb.block_until_ready(f(x))  # was: jax.block_until_ready
+    jax.block_until_ready(f(x))
     with open(FOO) as file:
         assert file.read() == "1"
     print("cell 4 ok")
@@ -88,7 +89,7 @@ def main(ctl: cb.Controller) -> None:
 
     f = colocated_python.colocated_python(f)
     f = f.specialize(out_specs_fn=lambda x: x)
-    y = f(x).result()
+    y = f(x)
     assert y.sharding == x.sharding
     assert int(cb.device_get(y)) == 2
     print("cell 5 ok")
@@ -154,7 +155,7 @@ def main(ctl: cb.Controller) -> None:
     del adder
     gc.collect()
     # Destroyed asynchronously, before any later call of this thread on those hosts.
-    cb.block_until_ready(colocated_python.colocated_python(lambda x: x)(x))
+    jax.block_until_ready(colocated_python.colocated_python(lambda x: x)(x))
     stats = ctl.refresh_stats().result(timeout=60)
     assert all(h["objects"] == 0 for h in stats["hosts"].values()), stats["hosts"]
     print("cell 9 ok")
@@ -172,7 +173,7 @@ def main(ctl: cb.Controller) -> None:
         fut1 = executor.submit(f, x)
         fut2 = executor.submit(f, x)
         # Will finish in approximately 1 second instead of 2 seconds.
-        out = cb.block_until_ready([fut1.result(), fut2.result()])
+        out = jax.block_until_ready([fut1.result(), fut2.result()])
     assert [int(cb.device_get(o)) for o in out] == [2, 2]
     print(f"cell 10 ok ({time.perf_counter() - start:.2f} s)")
 
@@ -198,7 +199,7 @@ def main(ctl: cb.Controller) -> None:
     with concurrent.futures.ThreadPoolExecutor(2) as executor:
         futs = [executor.submit(g, x0) for _ in range(2)]
         done = [fut.result() for fut in futs]
-    assert all(d.done() for d in done)  # each returned once its call had run
+    assert all(d.is_ready() for d in done)  # each returned once its call had run
     assert [int(cb.device_get(d)) for d in done] == [2, 2]
     print("cell 10, first calls ok")
 

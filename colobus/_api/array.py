@@ -1,38 +1,67 @@
 """Array handles: data that lives on hosts (one ref per host of the sharding, each host
-holding only its own block), and moving it there and back; dropping the handle (or
-``delete()``) frees the data on the hosts, batched."""
+holding only its own block); dropping the handle (or ``delete()``) frees the data on the
+hosts, batched. A call's output is a handle from the moment the call is made (JAX's
+arrays of a dispatched computation): until the call ends it is *pending*, and what reads
+it waits for the call (``colobus._api.pending``); JAX's own methods (``block_until_ready``,
+``copy_to_host_async``, ``__array__``) are here, so that ``jax.block_until_ready``,
+``jax.device_get`` and ``np.asarray`` work on it as JAX's functions call them. colobus
+adds one: ``await arr`` (any event loop) waits for its call without blocking the loop."""
 
 from __future__ import annotations
 
-import functools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from .._controller.controller import Controller, default_controller
+from .._controller.controller import Controller
 from .._controller.frees import release_now
-from .._controller.future import Future
-from .._controller.hosts import Host
+from .._controller.future import _PENDING, Future
 from .._errors import HostLostError
-from .._model.blocks import HostBlock, assemble, host_blocks
+from .._model.blocks import HostBlock, host_blocks
 from .._model.devices import Device
 from .._model.jaxside import is_key_array
 from .._model.sharding import NamedSharding, Sharding, SingleDeviceSharding
-from .._wire import protocol as P
-from .._wire.describe import read_fetched
-from .._wire.envelope import Envelope
 from .reshard import mesh_message
 from .shards import Shard, addressable_shards
 
 if TYPE_CHECKING:
     from jax.sharding import PartitionSpec
 
-__all__ = ["Array", "MisusedHandle", "check_owner", "device_get", "fetch_many", "fetch_tree",
-           "mesh_message", "off_loop"]
+__all__ = ["WAYS", "Array", "MisusedHandle", "check_owner", "mesh_message", "off_loop"]
 
 _get_ident = threading.get_ident
+
+
+class Ways:
+    """What the array's JAX methods call, set by the modules that do it as they load
+    (``colobus._api.fetch``, ``.ready``: they import this one, so it cannot import them).
+
+    Attributes:
+        fetch: ``fetch(tree)``, a Future of the tree with each array's value.
+        ready: ``ready(tree)``, a Future of the tree once every array in it is ready.
+        probe: ``probe(array)``, a Future of whether its hosts hold it computed now.
+    """
+
+    fetch: Callable[[Any], Future[Any]]
+    ready: Callable[[Any], Future[Any]]
+    probe: Callable[[Any], Future[bool]]
+
+
+WAYS = Ways()
+
+
+def off_loop(fut: Future[Any]) -> Any:
+    """``fut`` on its controller's event-loop thread (async code under ``async with``
+    awaits it); on any other thread, its value, waited for, as JAX's ``device_get`` and
+    ``block_until_ready`` block -- a thread running some other event loop (Jupyter's, an
+    ``asyncio.run`` beside a ``with`` cluster) included: the controller's loop runs on a
+    thread of its own there, so waiting cannot stall it."""
+    loop_thread = fut._loop_thread
+    if loop_thread is not None and _get_ident() == loop_thread:
+        return fut
+    return fut.result()
 
 
 class MisusedHandle(ValueError):
@@ -78,8 +107,8 @@ class Array:
         shape, dtype, sharding: the global array's layout.
     """
 
-    __slots__ = ("__weakref__", "_checked", "_ctl", "_deleted", "_failed", "_finalizer", "_gens",
-                 "_key_impl", "_ready", "dtype", "ref", "shape", "sharding")
+    __slots__ = ("__weakref__", "_call", "_checked", "_ctl", "_deleted", "_failed", "_finalizer",
+                 "_gens", "_key_impl", "_prefetch", "_ready", "dtype", "ref", "shape", "sharding")
 
     def __init__(self, ctl: Controller, ref: int, shape: tuple[int, ...], dtype: Any,
                  sharding: Sharding, *, key_impl: str | None = None,
@@ -93,6 +122,8 @@ class Array:
         self._ready = ready
         self._deleted = False
         self._failed: BaseException | None = None  # the reshard that makes it failed
+        self._call: Future[Any] | None = None  # the call that makes it, while it runs
+        self._prefetch: Future[Any] | None = None  # its value on its way (copy_to_host_async)
         self._checked = -1  # the host registry's ``changes`` when check_usable last passed
         # each host's generation now (a dict the registry shares: never changed)
         self._gens = ctl._hosts.generations(_hosts_of(sharding))[1]
@@ -142,46 +173,107 @@ class Array:
 
     @property
     def addressable_shards(self) -> list[Shard]:
-        """Every device's shard, in the sharding's device order; ``.data`` is a Future."""
+        """Every device's shard, in the sharding's device order, as JAX lists them; a
+        shard's ``.data`` is what that device holds (what its host returned there)."""
         return addressable_shards(self)
 
-    def addressable_data(self, index: int) -> Future[Any]:
-        """``addressable_shards[index].data``, as JAX's: a ``cb.Future`` of that shard's
-        value (numpy; a JAX key array for PRNG keys), read from the one host holding it.
+    def addressable_data(self, index: int) -> Any:
+        """JAX's: ``addressable_shards[index].data``, or, where the array is fully
+        replicated, the first shard's (as JAX's returns that one for any index).
+
+        Returns:
+            The shard's value (numpy; a JAX key array for PRNG keys), read from the one
+            host holding it: off the controller's event-loop thread the value, waited
+            for; on it a ``cb.Future`` of it, to ``await``.
 
         Raises:
             IndexError: ``index`` is not the index of a shard.
         """
-        return addressable_shards(self)[index].data
+        shards = addressable_shards(self)
+        return (shards[0] if self.sharding.is_fully_replicated else shards[index]).data
 
     def is_ready(self) -> Any:
         """Whether the array is stored on every host and its value computed there (JAX's
-        ``is_ready``: the hosts answer at once, never waiting for the computation).
+        ``is_ready``: answered at once, never waiting for the computation; False while
+        the call that makes it runs).
 
         Returns:
             A bool off the controller's event-loop thread (as JAX's: plain scripts,
             ``cb.init()``, worker threads, a thread running another event loop such as
             Jupyter's); on that thread (async code under ``async with``) a ``cb.Future``
             of the bool, to ``await``.
+
+        Raises:
+            Exception: the call that makes it failed: its error (as JAX raises it).
         """
         return off_loop(self._is_ready())
 
     def _is_ready(self) -> Future[bool]:
         """A Future of :meth:`is_ready`'s answer, on any thread."""
         self.check_usable()
-        ctl = self._ctl
-        fut: Future[bool]
-        if self._ready:
-            fut = ctl._ops.new_future()
-            fut.set_result(True)
+        if self._ready or self._call is not None:
+            fut: Future[bool] = self._ctl._ops.new_future()
+            fut.set_result(self._call is None)
             return fut
-        ref = self.ref
+        return WAYS.probe(self)
 
-        def send(call_id: int) -> None:
-            for h in self.hosts:
-                ctl._send(ctl._hosts[h], P.Fetch(call_id, ref, P.FETCH_PROBE))
+    def block_until_ready(self) -> Array:
+        """JAX's: wait until the array is ready (stored on its hosts and computed there;
+        the call that makes it ended), as ``cb.block_until_ready``; so
+        ``jax.block_until_ready(tree)``, which calls this on each leaf, waits too.
 
-        return ctl._ops.submit(self.hosts, send, _answer, _all_true, backpressure=False)
+        Returns:
+            The array itself.
+
+        Raises:
+            RuntimeError: called on the controller's event-loop thread (async code under
+                ``async with``), where waiting would stall it: ``await
+                cb.block_until_ready(arr)`` there.
+            Exception: the call that makes it failed: its error, with the host's
+                traceback in its notes.
+        """
+        ctl = self._ctl
+        if _get_ident() == ctl._loop_thread_id:
+            raise RuntimeError(
+                "arr.block_until_ready() would block the colobus controller's event loop; "
+                "use `await cb.block_until_ready(arr)` in async code")
+        call = self._call
+        if call is not None and call._state == _PENDING:
+            call._wait(None)  # its call's reply: often all it takes (it says "computed")
+        if self._ready and self._call is None and not self._deleted:
+            return self
+        self.check_usable()
+        if not self._ready:
+            WAYS.ready(self).result()
+        return self
+
+    def __await__(self) -> Generator[Any, None, Array]:
+        """colobus's, not JAX's: ``await arr`` waits until the call that makes the array
+        ended, in any event loop and without blocking it, so that ``y = await f(x)`` reads
+        alike wherever ``f(x)`` returns an array or its ``cb.Future``.
+
+        Returns:
+            The array itself (its value is not fetched: ``cb.device_get`` does that).
+
+        Raises:
+            Exception: the call that makes it failed: its error, with the host's
+                traceback in its notes; the array was deleted, or a host holding it lost.
+
+        Cancelling the awaiting task leaves the call running: the array is a value that
+        other code may hold (``fut.cancel()`` of async code's Future cancels a call).
+        """
+        call = self._call
+        if call is not None and call._state == _PENDING:
+            yield from call._ended()
+        self.check_usable()
+        return self
+
+    def copy_to_host_async(self) -> None:
+        """JAX's: start fetching the array's value without waiting (``jax.device_get``
+        calls it on every leaf first, so that their fetches overlap); the next
+        ``np.asarray`` of it takes the value fetched."""
+        if self._prefetch is None:
+            self._prefetch = WAYS.fetch(self)
 
     def is_deleted(self) -> bool:
         return self._deleted
@@ -197,13 +289,19 @@ class Array:
     def __repr__(self) -> str:
         state = ", deleted" if self._deleted else ""
         return (f"colobus.Array(shape={self.shape}, dtype={self.dtype}, "
-                f"sharding={self.sharding}, hosts={list(self._gens)}, "
+                f"sharding={self.sharding!r}, hosts={list(self._gens)}, "
                 f"devices={[d.id for d in self.sharding.device_list]}{state})")
 
     def check_usable(self) -> None:
-        """Raise if deleted or if a host holding its data was lost."""
+        """Raise if deleted, if the call that makes it failed (its error), or if a host
+        holding its data was lost. Never waits: a call still running passes."""
         if self._deleted:
             raise RuntimeError(f"{self!r} was deleted; it cannot be used any more")
+        call = self._call
+        if call is not None and call._state != _PENDING:
+            if call._exception is not None or call.cancelled():
+                call._get()  # (raises its error, marked read)
+            self._call = None
         if (exc := self._failed) is not None:
             text = f"{self!r} is not stored: the device_put that resharded it failed: {exc}"
             if isinstance(exc, HostLostError):
@@ -217,21 +315,33 @@ class Array:
     # -- fetching -----------------------------------------------------------------------------
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray[Any, Any]:
+        """``np.asarray(arr)``: the array's value, fetched (the first shard's where
+        several devices hold one block: JAX's value of a replicated array); waits for
+        the call that makes it, and raises its error.
+
+        Raises:
+            RuntimeError: called on the controller's event-loop thread.
+            TypeError: a typed PRNG key array (``cb.device_get`` keeps its type).
+        """
         if self._ctl._on_loop_thread():
             raise RuntimeError(
                 "np.asarray(colobus.Array) blocks, which would stall the controller's event "
                 "loop; use `await cb.device_get(arr)` in async code.")
-        out = fetch_tree(self).result()
+        fut, self._prefetch = self._prefetch, None
+        out = (fut if fut is not None else WAYS.fetch(self)).result()
         if is_key_array(out):
             raise TypeError("typed PRNG key arrays do not convert to numpy; use cb.device_get")
         return np.asarray(out, dtype=dtype)
 
     def _fetch_block_hosts(self) -> dict[int, HostBlock]:
-        """One host per distinct block: replicas are fetched once."""
+        """One host per distinct block, the one of the first device (in the sharding's
+        order) that holds it: replicas are fetched once, the first shard's value."""
         blocks = host_blocks(self.sharding, self.shape)
         chosen: dict[int, HostBlock] = {}
         seen: set[tuple[tuple[int, int], ...]] = set()
-        for h, b in blocks.items():
+        hosts = dict.fromkeys(d.host for d in self.sharding.device_list)
+        for h in hosts:
+            b = blocks[h]
             key = tuple((s.start, s.stop) for s in b.index)
             if key not in seen:
                 seen.add(key)
@@ -239,204 +349,5 @@ class Array:
         return chosen
 
 
-def _answer(host: Host, body: P.Result, env: Envelope) -> bool:
-    return body.meta is True
-
-
-def _all_true(values: dict[int, bool]) -> bool:
-    return all(values.values())
-
-
 def _is_array_leaf(x: Any) -> bool:
     return isinstance(x, Array)
-
-
-# -- device_get / block_until_ready ------------------------------------------------------
-
-
-def _ctl_of(leaves: list[Array]) -> Controller:
-    ctl = leaves[0]._ctl if leaves else default_controller()
-    for a in leaves:
-        check_owner(a, ctl)
-    return ctl
-
-
-def fetch_many(arrays: list[Array], data: bool,
-                finish: Callable[[list[Any]], Any]) -> Future[Any]:
-    """One operation fetching (or only awaiting) every array's blocks."""
-    ctl = _ctl_of(arrays)
-    plan: list[tuple[int, int, Array, HostBlock | None]] = []  # (host, array idx, arr, block)
-    for i, a in enumerate(arrays):
-        a.check_usable()
-        if data:
-            for h, blk in a._fetch_block_hosts().items():
-                plan.append((h, i, a, blk))
-        elif not a._ready:
-            for h in a.hosts:
-                plan.append((h, i, a, None))
-    by_host: dict[int, list[tuple[int, Array, HostBlock | None]]] = {}
-    for h, i, a, b in plan:
-        by_host.setdefault(h, []).append((i, a, b))
-    # One sub-call id per (host, block); the op completes when all replied.
-    sub_ids: dict[int, tuple[int, int, Array, HostBlock | None]] = {}
-    for h, items in by_host.items():
-        for i, a, b in items:
-            sub_ids[ctl._ops.next_id()] = (h, i, a, b)
-    if not sub_ids:
-        fut: Future[Any] = ctl._ops.new_future()
-        fut.set_result(finish([None] * len(arrays)))
-        return fut
-    results: list[dict[int, np.ndarray[Any, Any]]] = [{} for _ in arrays]
-    outer = ctl._ops.new_future()
-    remaining = [len(sub_ids)]
-
-    def on_one(sub: int, f: Future[Any]) -> None:
-        h, i, _, _ = sub_ids[sub]
-        if outer.done():
-            return
-        exc = f.exception() if not f.cancelled() else None
-        if exc is not None:
-            outer.set_exception(exc)
-            return
-        if data:
-            results[i][h] = f.result()
-        remaining[0] -= 1
-        if remaining[0] == 0:
-            try:
-                outer.set_result(finish(results))
-            except BaseException as e:
-                outer.set_exception(e)
-
-    def decode(host: Host, body: P.Result, env: Envelope) -> Any:
-        if not data:
-            return None
-        block = read_fetched(body.meta, env.buffers)
-        ctl._count("bytes_fetched", block.nbytes)
-        return block
-
-    for sub, (h, _, a, _) in sub_ids.items():
-        def send(call_id: int, h: int = h, a: Array = a) -> None:
-            ctl._send(ctl._hosts[h], P.Fetch(call_id, a.ref, data))
-
-        f = ctl._ops.submit((h,), send, decode, functools.partial(_value_of, h), call_id=sub,
-                       backpressure=False)
-        f.add_done_callback(functools.partial(on_one, sub))
-    return outer
-
-
-def _value_of(host: int, values: dict[int, Any]) -> Any:
-    return values[host]
-
-
-def _assemble(a: Array, blocks: dict[int, np.ndarray[Any, Any]]) -> Any:
-    hb = host_blocks(a.sharding, a.shape)
-    if a._key_impl:
-        import jax
-
-        sample = next(iter(blocks.values()))
-        extra = sample.shape[len(a.shape):]
-        data_hb = {h: hb[h] for h in blocks}
-        full = _assemble_blocks(a.shape + extra, sample.dtype, blocks, data_hb, len(extra))
-        return jax.random.wrap_key_data(full, impl=a._key_impl)  # type: ignore[arg-type]
-    return assemble(a.shape, a.dtype, blocks, {h: hb[h] for h in blocks})
-
-
-def _assemble_blocks(shape: tuple[int, ...], dtype: Any, blocks: dict[int, Any],
-                     hb: dict[int, HostBlock], extra: int) -> np.ndarray[Any, Any]:
-    out = np.empty(shape, dtype)
-    for h, blk in blocks.items():
-        out[hb[h].index + (slice(None),) * extra] = blk
-    return out
-
-
-def _is_handle(x: Any) -> bool:
-    return isinstance(x, Array | Future)
-
-
-def off_loop(fut: Future[Any]) -> Any:
-    """``fut`` on its controller's event-loop thread (async code under ``async with``
-    awaits it); on any other thread, its value, waited for, as JAX's ``device_get`` and
-    ``block_until_ready`` block -- a thread running some other event loop (Jupyter's, an
-    ``asyncio.run`` beside a ``with`` cluster) included: the controller's loop runs on a
-    thread of its own there, so waiting cannot stall it."""
-    loop_thread = fut._loop_thread
-    if loop_thread is not None and _get_ident() == loop_thread:
-        return fut
-    return fut.result()
-
-
-def device_get(tree: Any) -> Any:
-    """Fetch every ``cb.Array`` in ``tree``: the same tree with numpy leaves.
-
-    A ``cb.Future`` in ``tree`` (a colocated call's) is waited for and replaced by its
-    value, fetched the same way. Non-array leaves pass through. Typed PRNG key arrays
-    come back as JAX key arrays.
-
-    Returns:
-        Off the controller's event-loop thread (plain scripts under ``with``,
-        ``cb.init()``, worker threads, a thread running another event loop such as a
-        Jupyter kernel's), the fetched tree, waited for as JAX's ``device_get`` does; on
-        that thread (async code under ``async with``), a ``cb.Future`` of it, to
-        ``await``.
-    """
-    return off_loop(fetch_tree(tree))
-
-
-def fetch_tree(tree: Any) -> Future[Any]:
-    """A Future of :func:`device_get`'s value, on any thread."""
-    import jax
-
-    leaves, treedef = jax.tree_util.tree_flatten(tree, is_leaf=_is_handle)
-    calls = [x for x in leaves if isinstance(x, Future)]
-    if calls:
-        return _after_futures(tree, leaves, treedef, calls)
-    arrays = [x for x in leaves if isinstance(x, Array)]
-    tdef: Any = treedef
-
-    def finish(results: list[Any]) -> Any:
-        it = iter(_assemble(a, r) for a, r in zip(arrays, results, strict=True))
-        return tdef.unflatten([next(it) if isinstance(x, Array) else x for x in leaves])
-
-    return fetch_many(arrays, True, finish)
-
-
-def _after_futures(tree: Any, leaves: list[Any], treedef: Any,
-                   futures: list[Future[Any]]) -> Future[Any]:
-    """:func:`fetch_tree` of ``tree`` once its futures are done, each replaced by its
-    value (its error, or its cancellation, is the fetch's)."""
-    arrays = [x for x in leaves if isinstance(x, Array)]
-    owner = futures[0]._owner
-    ctl = owner if isinstance(owner, Controller) else _ctl_of(arrays)
-    for h in (*arrays, *futures):
-        check_owner(h, ctl)
-    outer: Future[Any] = ctl._ops.new_future()
-    left = [len(futures)]
-
-    def copy(f: Future[Any]) -> None:
-        if f.cancelled():
-            outer._set_cancelled()
-        elif (exc := f.exception()) is not None:
-            outer.set_exception(exc)
-        else:
-            outer.set_result(f.result())
-
-    def one(f: Future[Any]) -> None:
-        if outer.done():
-            return
-        if f.cancelled() or f.exception() is not None:
-            copy(f)
-            return
-        left[0] -= 1
-        if left[0]:
-            return
-        values = [x.result() if isinstance(x, Future) else x for x in leaves]
-        try:
-            inner = fetch_tree(treedef.unflatten(values))
-        except BaseException as exc:  # a deleted or lost array among the values
-            outer.set_exception(exc)
-            return
-        inner.add_done_callback(copy)
-
-    for f in futures:
-        f.add_done_callback(one)
-    return outer

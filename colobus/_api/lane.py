@@ -9,7 +9,12 @@ argument shardings is kept per function), no hop through the backlog and its
 back-pressure slot (the call leaves at once, as the backlog would send it). It makes
 the same checks in the same order, raises the same errors, numbers, sends, cancels
 and frees the call exactly as that path does: only the Python calls in between are
-fewer. Anything else returns None before doing anything, and takes the usual path.
+fewer. Anything else returns None before doing anything, and takes the usual path
+(an argument that is a pending array, a call's output while the call runs, too). Made
+off the controller's loop thread (plain code, or a thread running another event loop),
+the call's Future carries what the call returns there: its pending arrays, made here
+from the output specs learned for its input signature, or what to learn into
+(``colobus._api.pending``).
 
 ``COLOBUS_CALL_LANE=0`` (read at import) turns the lane off. ``colobus._api`` imports
 this module as it loads, which sets the hook that ``ColocatedFunction`` calls.
@@ -40,12 +45,13 @@ from .func import (
     _decode_result,
     _stream_id,
     _thread_streams,
-    task_stream,
 )
 from .joblayout import _LAYOUTS, job_layout
+from .pending import OutSpecs, Pending, Wait, cell_of, make_pending, outs_of_specs, signature
 from .plan import CallPlan, make_plan
 from .serialization import PickledArgs, _handles_payload
 from .specs import _positional_treedef, _spec_of_leaf
+from .target import task_stream
 
 if TYPE_CHECKING:
     from .._controller.controller import Controller
@@ -113,7 +119,7 @@ def call(target: Target, args: tuple[Any, ...],
     if not args:
         return None
     for a in args:
-        if type(a) is not Array:
+        if type(a) is not Array or a._call is not None:  # (a pending one: chained there)
             return None
     try:  # default_controller(), read inline (any thread: a list's last item)
         ctl = _controllers[-1]
@@ -136,10 +142,12 @@ def call(target: Target, args: tuple[Any, ...],
     # output specs are those worked out then (as JAX, out_specs_fn runs once per input
     # signature, not once per call).
     last = target.lane_last
+    cell: list[OutSpecs | None] | None
     if (last is not None and last[0] is a.sharding and last[1] == a.shape
             and last[2] == a.dtype and last[3] is seen and n == 1):
         plan: CallPlan = last[4]
         out_specs = last[5]
+        cell = last[6]  # the output specs learned for this signature (off the loop thread)
         if sigs is not None:
             with sigs.lock:
                 sigs.hits += 1
@@ -148,8 +156,10 @@ def call(target: Target, args: tuple[Any, ...],
         if sigs is not None:  # (seen read before note: a set that note replaces lacks the key)
             sigs.note(_positional_treedef(n), list(args), plan)
         out_specs = None if out_specs_fn is None else _out_specs(out_specs_fn, args)
+        cell = None  # (several arguments: worked out below, off the loop thread)
         if n == 1:
-            target.lane_last = (a.sharding, a.shape, a.dtype, seen, plan, out_specs)
+            cell = cell_of(target, signature(_positional_treedef(1), [a], plan))
+            target.lane_last = (a.sharding, a.shape, a.dtype, seen, plan, out_specs, cell)
     registry = ctl._hosts
     changes = registry.changes
     code = target.code
@@ -193,17 +203,31 @@ def call(target: Target, args: tuple[Any, ...],
     ops = ctl._ops
     call_id = next(ops._ids)  # (ops.next_id, inline)
     if _get_ident() != ctl._loop_thread_id:
-        # _stream_id() on a plain thread: the thread's, read inline
-        stream = _stream_id() if _get_running_loop() is not None else getattr(
-            _thread_streams, "sid", None) or _stream_id()
+        fut: Future[Any] = Future(ctl._loop_thread_id, call_id, ctl)
+        pending = None
+        # Off the controller's loop thread (a plain thread, or one running another event
+        # loop): JAX's arrays at once where the output specs are known.
+        # _stream_id() on a plain thread: the thread's, read inline (a task's on a loop)
+        stream = ((_get_running_loop() is None and getattr(_thread_streams, "sid", None))
+                  or _stream_id())
+        if cell is None:
+            cell = cell_of(target, signature(_positional_treedef(n), list(args), plan))
+        outs = cell[0] if cell is not None else None
+        if outs is None and out_specs is not None and cell is not None:
+            outs = cell[0] = outs_of_specs(out_specs, plan)
+        if outs is None:
+            fut._returns = Wait(cell)
+        else:
+            pending = fut._returns = make_pending(ctl, call_id, outs, fut, hosts, gens, cell)
         if len(hosts) == 1:
-            fut = _submit_one(ctl, target, plan, args, n, refs, stream, digest, gens, call_id,
-                              out_specs, changes)
-        else:  # (a JAX job's call on several hosts: never cancelled on them, as invoke)
+            _submit_one(ctl, target, plan, args, n, refs, stream, digest, gens, call_id,
+                        out_specs, changes, fut)
+        else:
             op = _CallOp(ctl, target, plan, _pickled(args, refs), stream, digest, gens, call_id,
-                         out_specs, changes)
-            fut = ops.submit(hosts, op.send, _decode_result, op, call_id=call_id,
-                             cancellable=job is None)
+                         out_specs, changes, pending)
+            # (a JAX job's call on several hosts: never cancelled on them, as invoke)
+            ops.submit(hosts, op.send, _decode_result, op, call_id=call_id,
+                       cancellable=job is None, future=fut)
     else:
         # _stream_id() on the loop thread: the last task's, kept (by a weak reference)
         task = _current_task(ctl._loop)  # (the running loop: this is its thread)
@@ -245,11 +269,11 @@ def call(target: Target, args: tuple[Any, ...],
 def _submit_one(ctl: Controller, target: Target, plan: CallPlan, args: tuple[Any, ...],
                 nargs: int, refs: list[list[int]], stream: int, digest: bytes,
                 gens: dict[int, int], call_id: int, out_specs: Any, changes: int,
-                ) -> Future[Any]:
+                fut: Future[Any]) -> None:
     """``ops.submit`` of a one-host call from another thread than the loop's: its
     back-pressure slot taken as ``_take_slot`` takes it (a plain thread waits there while
-    ``max_backlog`` are queued), its Future made, and :func:`_start_one` posted to the
-    loop's inbox (``ctl._call_soon``) in the order of everything else submitted."""
+    ``max_backlog`` are queued), and :func:`_start_one` posted to the loop's inbox
+    (``ctl._call_soon``) in the order of everything else submitted, with its Future."""
     if ctl._closed:
         ctl._check_open()  # (raises)
     ops = ctl._ops
@@ -259,7 +283,6 @@ def _submit_one(ctl: Controller, target: Target, plan: CallPlan, args: tuple[Any
             ops.queued += 1
     if not room:
         ops._take_slot()
-    fut: Future[Any] = Future(ctl._loop_thread_id, call_id, ctl)
     fut._canceller = ops._canceller
     inbox = ctl._inbox
     assert inbox is not None
@@ -268,7 +291,6 @@ def _submit_one(ctl: Controller, target: Target, plan: CallPlan, args: tuple[Any
                    call_id, out_specs, changes, fut)
     except RuntimeError:  # the loop closed under us
         raise ControllerClosedError("the colobus controller is closed") from None
-    return fut
 
 
 def _start_one(ctl: Controller, target: Target, plan: CallPlan, args: tuple[Any, ...],
@@ -288,8 +310,9 @@ def _start_one(ctl: Controller, target: Target, plan: CallPlan, args: tuple[Any,
         return
     hosts = plan.hosts
     if ops.backlog or (len(ops.pending) >= ops.max_inflight and ops._full(hosts)):
+        r = fut._returns
         op = _LaneOp(ctl, target, plan, _pickled(args, refs), stream, digest, gens, call_id,
-                     out_specs, changes)
+                     out_specs, changes, r if type(r) is Pending else None)
         ops.backlog.append(Operation(call_id, fut, hosts, op.send, _decode_result, op, True))
         return
     ops._give_slot()  # (as _go gives it)
@@ -314,14 +337,17 @@ def _go_one(ctl: Controller, target: Target, plan: CallPlan, args: tuple[Any, ..
     host = ctl._hosts.hosts[h]
     chan = ctl._chan
     built = target.built
+    r = fut._returns  # (the pending arrays the call returned, if any)
+    pending = r if type(r) is Pending else None
     if not (host.alive and host.generation == gens[h] and chan is not None
             and (digest in host.code_sent if built is None
                  else built.get(h) == host.generation)):
         op = _LaneOp(ctl, target, plan, _pickled(args, refs), stream, digest, gens, call_id,
-                     out_specs, changes)
+                     out_specs, changes, pending)
         ops._go(Operation(call_id, fut, plan.hosts, op.send, _decode_result, op, False))
         return
-    op = _LaneOp(ctl, target, plan, None, stream, digest, gens, call_id, out_specs, changes)
+    op = _LaneOp(ctl, target, plan, None, stream, digest, gens, call_id, out_specs, changes,
+                 pending)
     operation = Operation(call_id, fut, plan.hosts, op.send, _decode_result, op, False)
     operation.send = None  # (sent here)
     host.inflight.add(call_id)

@@ -20,12 +20,10 @@ from types import TracebackType
 from typing import Any, TypeVar, cast
 
 from .._controller.controller import Controller
-from .._controller.future import Future
 from .._controller.hosts import Host
 from .._model.devices import Device
 from .._wire import protocol as P
 from .array import check_owner
-from .firstcall import first_call
 from .func import (
     _LANE,
     CallPlan,
@@ -36,11 +34,13 @@ from .func import (
     _stream_id,
     invoke,
     pickle_args,
+    returned,
 )
 from .joblayout import job_refs
-from .specs import merge_specialization
+from .pending import Pending, wait_outputs
+from .specs import merge_check, merge_specialization
 
-__all__ = ["colocated_python_class"]
+__all__ = ["aclose", "close", "colocated_python_class"]
 
 _obj_ids = itertools.count(1)
 
@@ -59,7 +59,6 @@ class ObjectState:
         self.built: dict[int, int] = {}  # host -> generation it was built in
         self.closed = False
         self.destroy_sent = False  # loop thread: DESTROY went out, nothing may build it again
-        self.known: set[str] = set()  # methods whose output specs a call taught (first_call)
         self._lock = threading.Lock()
 
     def check_open(self) -> None:
@@ -165,12 +164,6 @@ class MethodTarget(Target):
         self.method = method
         self.name = f"{state.cls_name}.{method}"
         self.built = state.built  # (the dict itself: emptied, never replaced)
-        self.known = method in state.known
-
-    def learned(self, fut: Future[Any]) -> None:
-        super().learned(fut)
-        if self.known:
-            self.state.known.add(self.method)
 
     def stats_key(self, digest: bytes) -> tuple[bytes, str]:
         return (self.state.code.get()[0], self.method)  # hosts know the object's class
@@ -197,32 +190,37 @@ class ColocatedMethod:
 
     def __init__(self, state: ObjectState, name: str, fn: Callable[..., Any], *,
                  in_specs: Any = None, out_specs_fn: Callable[..., Any] | None = None,
-                 devices: Sequence[Device] | None = None, owner: Any = None) -> None:
+                 devices: Sequence[Device] | None = None, owner: Any = None,
+                 check_replicas: bool = False) -> None:
         functools.update_wrapper(self, fn)
         self._owner = owner
         self._state = state
         self._name = name
         self._fn = fn
         self._target = MethodTarget(state, name)
-        if out_specs_fn is not None:
-            self._target.known = True
         self._in_specs = in_specs
         self._out_specs_fn = out_specs_fn
         self._devices = tuple(devices) if devices is not None else None
+        self._check_replicas = check_replicas
         # the common call's lane (colobus._api.lane): no input specs, no fixed devices
-        self._lane = _LANE[0] is not None and in_specs is None and devices is None
+        self._lane = (_LANE[0] is not None and in_specs is None and devices is None
+                      and not check_replicas)
 
     def __repr__(self) -> str:
         return f"<colocated method {self._target.name}>"
 
     def specialize(self, in_specs: Any = None, out_specs_fn: Callable[..., Any] | None = None,
-                   devices: Sequence[Device] | None = None) -> ColocatedMethod:
-        """A new method with fixed specs or devices; assign it back onto the object."""
+                   devices: Sequence[Device] | None = None,
+                   check_replicas: bool | None = None) -> ColocatedMethod:
+        """A new method with fixed specs or devices (or ``check_replicas=True``: see
+        ``ColocatedFunction.specialize``); assign it back onto the object."""
         in_specs, out_specs_fn, devices = merge_specialization(
             (self._in_specs, self._out_specs_fn, self._devices), in_specs, out_specs_fn,
             devices)
         return ColocatedMethod(self._state, self._name, self._fn, in_specs=in_specs,
-                               out_specs_fn=out_specs_fn, devices=devices, owner=self._owner)
+                               out_specs_fn=out_specs_fn, devices=devices, owner=self._owner,
+                               check_replicas=merge_check(self._check_replicas,
+                                                          check_replicas))
 
     def _rebind(self, owner: Any) -> ColocatedMethod:
         """The same method (same specialization, the same target) held by ``owner``, or
@@ -233,7 +231,7 @@ class ColocatedMethod:
         method._owner = owner
         return method
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Future[Any]:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         state = self._state
         if state.closed:
             state.check_open()  # (raises)
@@ -241,10 +239,14 @@ class ColocatedMethod:
         if self._lane and not kwargs:
             fut = _LANE[0](target, args, self._out_specs_fn)  # type: ignore[misc]
             if fut is not None:
-                return fut if target.known else first_call(target, fut)
+                r = fut._returns  # (colobus._api.func.returned, inline)
+                if r is None:  # the controller's loop thread: its Future
+                    return fut
+                return r.tree if type(r) is Pending else wait_outputs(fut, r)
         fut = invoke(target, args, kwargs, in_specs=self._in_specs,
-                     out_specs_fn=self._out_specs_fn, devices=self._devices)
-        return fut if target.known else first_call(target, fut)
+                     out_specs_fn=self._out_specs_fn, devices=self._devices,
+                     check_replicas=self._check_replicas)
+        return returned(fut)
 
 
 _new = object.__new__
@@ -321,26 +323,22 @@ class _ColocatedObject(ColocatedObjectBase):
                 "so only their methods can be reached from the controller")
         raise AttributeError(f"{cls.__qualname__!r} colocated object has no attribute {name!r}")
 
-    def close(self) -> None:
-        """Destroy the instance on every host that built it (after its queued calls)."""
-        self._colobus_finalizer()
-
-    async def aclose(self) -> None:
-        self.close()
+    # colobus's own lifecycle is ``cb.close(obj)`` / ``await cb.aclose(obj)``, ``with``,
+    # ``async with`` and ``del``: every name a user's class may use is the user's method
 
     def __enter__(self: T) -> T:
         return self
 
     def __exit__(self, et: type[BaseException] | None, e: BaseException | None,
                  tb: TracebackType | None) -> None:
-        self.close()
+        self._colobus_finalizer()
 
     async def __aenter__(self: T) -> T:
         return self
 
     async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
                         tb: TracebackType | None) -> None:
-        self.close()
+        self._colobus_finalizer()
 
     def __repr__(self) -> str:
         st = self._colobus_state
@@ -350,7 +348,23 @@ class _ColocatedObject(ColocatedObjectBase):
         return f"<colocated {st.cls_name} object, {where}>"
 
 
-_RESERVED = {"close", "aclose"}
+def close(obj: Any) -> None:
+    """Destroy a colocated object on every host that built it, after the calls it holds
+    there (as leaving ``with obj:`` or ``del obj`` does): colobus's own close, named so
+    that no method of the user's class (``obj.close(...)`` is the user's) is hidden.
+
+    Raises:
+        TypeError: ``obj`` is not a colocated object.
+    """
+    if not isinstance(obj, _ColocatedObject):
+        raise TypeError(f"cb.close closes colocated objects (made by a "
+                        f"colocated_python_class), not {type(obj).__name__}")
+    obj._colobus_finalizer()
+
+
+async def aclose(obj: Any) -> None:
+    """:func:`close`, for ``await cb.aclose(obj)`` in async code."""
+    close(obj)
 
 
 def colocated_python_class(cls: type[T]) -> type[T]:
@@ -359,7 +373,8 @@ def colocated_python_class(cls: type[T]) -> type[T]:
     The returned wrapper class has ``cls``'s name, docstring and methods.
     Constructing it sends nothing (the arguments are pickled at once); each
     method call runs on every host of its device set, building the host's
-    instance first if needed.
+    instance first if needed. Every method of ``cls`` is reachable, whatever its name
+    (``close`` too): colobus's own are ``cb.close(obj)`` and ``await cb.aclose(obj)``.
     """
     if not isinstance(cls, type):
         raise TypeError("colocated_python_class decorates a class")
@@ -371,7 +386,7 @@ def colocated_python_class(cls: type[T]) -> type[T]:
         "_colobus_code": Code(cls),
     }
     for name, member in inspect.getmembers(cls):
-        if name.startswith("__") or name in _RESERVED:
+        if name.startswith("__"):
             continue
         if inspect.isfunction(member) or inspect.iscoroutinefunction(member):
             namespace[name] = _MethodDescriptor(name, member)

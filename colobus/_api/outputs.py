@@ -2,7 +2,10 @@
 
 Each host describes what its call returned (:mod:`colobus._wire.describe`); the
 outputs are ``cb.Array`` handles whose sharding follows the call's mesh (or the
-layout the hosts kept), checked for agreement across hosts.
+layout the hosts kept), checked for agreement across hosts in structure, shapes and
+dtypes. Replicas' values are compared only where the call asked
+(``specialize(check_replicas=True)``). A call that returned pending arrays
+(``colobus._api.pending``) gets those back, once checked against what the hosts said.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from .._model.blocks import global_shape_from_host, host_blocks, layout_from_hos
 from .._model.devices import Device, Mesh
 from .._model.sharding import (
     NamedSharding,
+    ShapeDtypeStruct,
     SingleDeviceSharding,
     with_memory_kind,
 )
@@ -25,9 +29,10 @@ from .array import Array, _hosts_of
 
 if TYPE_CHECKING:
     from .._controller.controller import Controller
+    from .pending import Pending
     from .plan import CallPlan
 
-__all__ = ["build_outputs"]
+__all__ = ["Unlike", "build_outputs"]
 
 
 @functools.lru_cache(maxsize=16)
@@ -39,14 +44,17 @@ def _key_dtype(impl: str) -> Any:
 
 def build_outputs(ctl: Controller, call_id: int, plan: CallPlan,
                    per_host: dict[int, Any], ref_shardings: Sequence[Any] = (),
-                   name: str = "") -> Any:
+                   name: str = "", pending: Pending | None = None,
+                   check_replicas: bool = False) -> Any:
     """The call's outputs from each host's description (``name``: the function's, for
-    errors).
+    errors); ``pending``: the arrays the call returned before it ran, which these must
+    match (they are the outputs then); ``check_replicas``: compare replicas' values.
 
     Raises:
         ValueError: the hosts' outputs do not agree (structure, dtype, shape, layout,
-            or the values of a replicated output: naming the function, the output's
-            path and the hosts).
+            or, with ``check_replicas``, the values of a replicated output: naming the
+            function, the output's path and the hosts); or they differ from
+            ``pending``'s.
     """
     import jax
 
@@ -70,6 +78,11 @@ def build_outputs(ctl: Controller, call_id: int, plan: CallPlan,
             raise ValueError(
                 f"hosts returned different output structures: host {hosts[0]} returned "
                 f"{tree0}, host {h} returned {flat[h][1]}")
+    unlike: str | None = None  # how the hosts' outputs differ from ``pending``'s
+    came: list[Any] = []  # each leaf's (shape, dtype, sharding), while ``pending`` is given
+    if pending is not None and (len(pending.leaves) != len(leaves0)
+                                or tree0 != pending.treedef):
+        unlike = f"output structure {pending.treedef}, came back as {tree0}"
     outs: list[Array] = []
     for i, leaf0 in enumerate(leaves0):
         metas: dict[int, P.OutLeaf] = (dict.fromkeys(hosts, leaf0) if same
@@ -119,12 +132,44 @@ def build_outputs(ctl: Controller, call_id: int, plan: CallPlan,
                         else NamedSharding(plan.mesh, jax.sharding.PartitionSpec()))
         if leaf0.memory_kind is not None:  # the host's own memory kind (JAX's sharding)
             sharding = with_memory_kind(sharding, leaf0.memory_kind)
-        if leaf0.digest is not None and len(hosts) > 1:
+        if check_replicas and leaf0.digest is not None and len(hosts) > 1:
             _outlayout.check_replicas(i, sharding, shape, metas, name,
                                       functools.partial(_output_path, tree0, i))
+        if pending is not None:
+            came.append(ShapeDtypeStruct(shape, dtype, sharding))
+            if unlike is None:
+                p = pending.leaves[i]
+                if (p.shape != shape or p.dtype != dtype or p._key_impl != leaf0.key_impl
+                        or not (p.sharding is sharding or (
+                            p.sharding == sharding
+                            and p.sharding.device_list == sharding.device_list))):
+                    unlike = (f"{_output_path(tree0, i)} {p.shape} {p.dtype} on "
+                              f"{p.sharding!r}, came back as {shape} {dtype} on {sharding!r}")
+                outs.append(p)
+            continue
         outs.append(Array(ctl, P.output_ref(call_id, i), shape, dtype, sharding,
                           key_impl=leaf0.key_impl))
+    if unlike is not None:
+        assert pending is not None
+        if pending.cell is not None:
+            pending.cell[0] = None  # (the next call learns its specs again)
+        raise Unlike(
+            f"{name or 'a colocated function'}: the call returned its outputs at once, as "
+            f"JAX does, from the specs of its out_specs_fn or of its earlier call with the "
+            f"same input specs, but they differ: {unlike}. Return outputs of the same specs "
+            "for the same input specs, or give specialize(out_specs_fn=...) that says what "
+            "it returns; its next call learns the specs again.", tree0.unflatten(came))
     return tree0.unflatten(outs)
+
+
+class Unlike(ValueError):
+    """A call's outputs differ from the pending arrays it returned; ``came`` is what the
+    hosts returned, as a tree of ``cb.ShapeDtypeStruct`` (an ``out_specs_fn``'s own
+    error, where it has one, says it first: ``_CallOp``)."""
+
+    def __init__(self, text: str, came: Any) -> None:
+        super().__init__(text)
+        self.came = came
 
 
 def _output_path(treedef: Any, i: int) -> str:
@@ -151,10 +196,12 @@ _BUILT_MAX = 1024
 _new = object.__new__
 
 
-def lane_outputs(op: Any, host: int, raw: bytes, count: int) -> Any:
+def lane_outputs(op: Any, host: int, raw: bytes, count: int, times: Any = None) -> Any:
     """``op(...)`` (a call's combiner: :func:`build_outputs`) for one host's reply whose
     description ``raw`` it built before for the same plan and argument shardings: the
-    same handles, made without reading the description again; else ``MISS``."""
+    same handles, made without reading the description again (the call's pending arrays,
+    where it returned some and they are alike: ``times``, the reply's, says whether they
+    are computed); else ``MISS``."""
     plan = op.plan
     hit = _BUILT.get((raw, count, host, id(plan)))
     if hit is None or hit[0] is not plan or hit[4] is not op.out_specs:
@@ -165,6 +212,27 @@ def lane_outputs(op: Any, host: int, raw: bytes, count: int) -> Any:
     for a, b in zip(refs, hit[1], strict=True):
         if a is not b:
             return MISS
+    pending = op.pending
+    if pending is not None:  # the arrays returned when it was made, if alike
+        leaves = pending.leaves
+        entries = hit[3]
+        if len(leaves) != len(entries) or (
+                pending.tree is not leaves[0] if hit[2] is None
+                else hit[2] != pending.treedef):
+            return MISS  # (the general path says what differs)
+        i = 0
+        for shape, dtype, sharding, key_impl, _ in entries:
+            p = leaves[i]
+            if p.sharding is not sharding or p.shape != shape or p.dtype != dtype or (
+                    p._key_impl != key_impl):
+                return MISS
+            i += 1
+        computed = type(times) is list and len(times) > 2 and times[2] == 1
+        for p in leaves:  # (settle_pending, inline)
+            p._call = None
+            if computed:
+                p._ready = True
+        return pending.tree
     ctl = op.ctl
     registry = ctl._hosts
     frees = ctl._frees
@@ -186,6 +254,8 @@ def lane_outputs(op: Any, host: int, raw: bytes, count: int) -> Any:
         a._ready = False
         a._deleted = False
         a._failed = None
+        a._call = None
+        a._prefetch = None
         a._checked = -1
         a._gens = gens
         a._finalizer = frees.release_when_gone(a, gens, ref=ref)

@@ -117,6 +117,7 @@ class _PreparedReshard:
         ctl = src._ctl
         new = Array(ctl, ctl._ops.next_id() << 16, src.shape, src.dtype, self.sharding,
                     key_impl=src._key_impl)
+        new._call = src._call  # a pending source: the new array waits for its call too
         Reshard(ctl, src, new, self.sharding, self.plan, src._key_impl).start()
         return new
 

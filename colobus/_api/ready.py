@@ -12,14 +12,16 @@ array.
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Any
 
 from .._controller.controller import Controller, default_controller
-from .._controller.future import Future
+from .._controller.future import ARRAY_WAYS, Future
 from .._controller.hosts import Host
 from .._wire import protocol as P
 from .._wire.envelope import Envelope
-from .array import Array, check_owner, fetch_many, off_loop
+from .array import WAYS, Array, check_owner, off_loop
+from .fetch import fetch_many
 from .plan import CallPlan
 
 __all__ = ["block_until_ready", "ready_future"]
@@ -124,6 +126,9 @@ def block_until_ready(tree: Any) -> Any:
     (its arrays, ready): the wait leaves right behind the call, so
     ``await cb.block_until_ready(step(x))`` costs one round trip.
 
+    A pending array (a call's output while the call runs) is waited for with its call,
+    whose error is raised here.
+
     Returns:
         Off the controller's event-loop thread (plain scripts under ``with``,
         ``cb.init()``, worker threads, a thread running another event loop such as a
@@ -161,3 +166,17 @@ def _with_calls(tree: Any, arrays: list[Array], calls: list[Future[Any]]) -> Fut
     for h in (*arrays, *calls):
         check_owner(h, ctl)
     return _Wait(ctl, tree, arrays, calls).outer
+
+
+def _block_future(fut: Future[Any]) -> None:
+    """``fut.block_until_ready()`` (a call's Future): as ``cb.block_until_ready(fut)``."""
+    loop_thread = fut._loop_thread
+    if loop_thread is not None and threading.get_ident() == loop_thread:
+        raise RuntimeError(
+            "fut.block_until_ready() would block the colobus controller's event loop; use "
+            "`await cb.block_until_ready(fut)` in async code")
+    ready_future(fut).result()
+
+
+WAYS.ready = ready_future
+ARRAY_WAYS["block"] = _block_future

@@ -15,7 +15,7 @@ from .._model.sharding import ShapeDtypeStruct
 from .array import Array
 from .serialization import ColocatedObjectBase, arg_path
 
-__all__ = ["merge_specialization"]
+__all__ = ["merge_check", "merge_specialization"]
 
 
 def _as_seen_on_hosts(dtype: Any) -> Any:
@@ -86,3 +86,12 @@ def merge_specialization(current: tuple[Any, Any, Any], in_specs: Any,
     return (in_specs if in_specs is not None else cur_in,
             out_specs_fn if out_specs_fn is not None else cur_out,
             devices if devices is not None else cur_dev)
+
+
+def merge_check(current: bool, given: bool | None) -> bool:
+    """``specialize(check_replicas=...)`` over what was given before (each once)."""
+    if given is None:
+        return current
+    if current:
+        raise ValueError("check_replicas already specified")
+    return bool(given)

@@ -20,13 +20,13 @@ import numpy as np
 
 from .._observe.observer import FOLD_AT
 from . import inbox as _inbox
-from .wakeups import Waiter, wake
+from .wakeups import Waiter, Watch, wake
 
 if TYPE_CHECKING:
     from .._observe.observer import FunctionStats
     from .._observe.trace import CallRecord, CallTimings
 
-__all__ = ["Future", "fail_call", "in_event_loop"]
+__all__ = ["ARRAY_WAYS", "Future", "fail_call", "in_event_loop"]
 
 T = TypeVar("T")
 
@@ -43,6 +43,11 @@ _get_ident = threading.get_ident
 _get_running_loop = asyncio.get_running_loop
 _local = _inbox._local
 _clock = time.perf_counter  # read per observed call: one global, not an attribute of one
+
+# JAX's methods of arrays, for a Future that stands for a call's arrays, set by
+# ``colobus._api`` as it loads (this layer does not import it): ``block(fut)`` waits
+# until the call's arrays are ready, ``copy(fut)`` starts fetching them
+ARRAY_WAYS: dict[str, Callable[[Future[Any]], Any]] = {}
 
 
 class Future(Generic[T]):
@@ -62,6 +67,7 @@ class Future(Generic[T]):
         "_loop_thread",
         "_owner",
         "_result",
+        "_returns",
         "_state",
         "_stats",
         "_submitted",
@@ -86,6 +92,9 @@ class Future(Generic[T]):
         self._canceller: Callable[[Future[T]], object] | None = None
         self.call_id = call_id
         self.info: Any = None  # what produced it (a colocated call's device list, ...)
+        # what a colocated call made off the controller's loop thread returns in its
+        # place (colobus._api.pending): None, the Future itself
+        self._returns: Any = None
         # Set by the controller for colocated calls while metrics or tracing is on:
         self._stats: FunctionStats | None = None  # the function's counters
         self._submitted = 0.0  # when the call was made (perf_counter)
@@ -289,6 +298,34 @@ class Future(Generic[T]):
             return np.array(value, dtype=dtype, copy=True)
         return np.asarray(value, dtype=dtype)
 
+    def block_until_ready(self) -> Future[T]:
+        """JAX's method, for a Future of a call's arrays: wait until the call is done and
+        its arrays are ready (stored on their hosts and computed there), as
+        ``cb.block_until_ready(fut)``; so ``jax.block_until_ready(fut)`` waits too.
+
+        Returns:
+            The Future itself, as JAX's returns the array.
+
+        Raises:
+            RuntimeError: called on the controller's event-loop thread (``await
+                cb.block_until_ready(fut)`` there).
+            Exception: the call's error.
+        """
+        block = ARRAY_WAYS.get("block")
+        if block is None:  # (colobus._api is not loaded: no arrays to wait for)
+            self.result()
+        else:
+            block(self)
+        return self
+
+    def copy_to_host_async(self) -> None:
+        """JAX's method, for a Future of a call's arrays: start fetching its arrays' values
+        once the call is done, so that a later ``np.asarray`` (``jax.device_get``) of them
+        finds them on their way; returns at once."""
+        copy = ARRAY_WAYS.get("copy")
+        if copy is not None:
+            copy(self)
+
     def __await__(self) -> Generator[Any, None, T]:
         if self._state == _PENDING:
             # the task waits on a Waiter, woken in the drain that settles this future
@@ -322,6 +359,30 @@ class Future(Generic[T]):
         if self._state == _FINISHED and self._exception is None:
             return self._result  # type: ignore[no-any-return]
         return self._get()
+
+    def _ended(self) -> Generator[Any, None, None]:
+        """``yield from fut._ended()``: wait, in any event loop, until done, neither reading
+        the outcome nor cancelling the operation when the awaiting task is cancelled (what
+        ``await arr`` waits on). Its twin: :meth:`__await__`'s wait, with a Watch."""
+        if self._state != _PENDING:
+            return
+        loop = _get_running_loop()
+        w = Watch(loop=loop)
+        box = getattr(_local, "inbox", None)  # inbox_of(loop), its hit inline
+        w._box = box if box is not None and box.loop is loop else _inbox.inbox_of(loop)
+        w._fut = self
+        with _LOCK:
+            waits = self._state == _PENDING
+            if waits:
+                if self._waiter is None:
+                    self._waiter = w
+                elif self._callbacks is None:
+                    self._callbacks = [w._settled]
+                else:
+                    self._callbacks.append(w._settled)
+        if waits:
+            w._asyncio_future_blocking = True
+            yield w
 
 
 class _Unread:

@@ -141,7 +141,8 @@ class Operations:
     def submit(self, hosts: Sequence[int], send: Sender, decode: Decoder, combine: Combiner, *,
                call_id: int | None = None, backpressure: bool = True,
                cancellable: bool = False, stats: FunctionStats | None = None,
-               timing: CallRecord | None = None, urgent: bool = False) -> Future[Any]:
+               timing: CallRecord | None = None, urgent: bool = False,
+               future: Future[Any] | None = None) -> Future[Any]:
         """Start one remote operation on ``hosts``; thread-safe.
 
         ``send(call_id)`` runs on the loop thread and sends the messages (it may
@@ -150,7 +151,8 @@ class Operations:
         result from the per-host values. The first error by host index wins.
         ``urgent``: leaves at once, past the backlog (a step of an operation that
         already left, such as a reshard's moves: queued behind later calls that
-        wait for it, it would never leave).
+        wait for it, it would never leave). ``future``: the operation's Future, made by
+        the caller (with ``call_id``), else made here.
         """
         ctl = self.ctl
         if ctl._closed:
@@ -158,7 +160,8 @@ class Operations:
         if backpressure:
             self._take_slot()
         call_id = self.next_id() if call_id is None else call_id
-        fut: Future[Any] = Future(ctl._loop_thread_id, call_id, ctl)  # (new_future)
+        fut: Future[Any] = (Future(ctl._loop_thread_id, call_id, ctl) if future is None
+                            else future)  # (new_future)
         if stats is not None:  # observed (before the loop can settle it)
             fut._stats, fut._submitted, fut._timing = stats, _clock(), timing
         if cancellable:

@@ -45,11 +45,12 @@ __all__ = ["MISS", "SETTLERS", "ResultLane"]
 # A builder that cannot build a reply's outputs from what it has seen says so with this.
 MISS: Any = object()
 # A decoder (``Operation.decode``) -> (build, learn, read): ``build(combiner, host,
-# description bytes, count)`` is a one-host operation's result, or MISS; ``learn(combiner,
+# description bytes, count, times)`` is a one-host operation's result, or MISS (``times``:
+# the RESULT's, or None); ``learn(combiner,
 # host, bytes, count, result)`` is told what the general path built for a MISS;
 # ``read(payload, count)`` is one host's value (the decoder's, from the payload alone:
 # a fan-out's replies before its last).
-SETTLERS: dict[Any, tuple[Callable[[Any, int, bytes, int], Any],
+SETTLERS: dict[Any, tuple[Callable[[Any, int, bytes, int, Any], Any],
                           Callable[[Any, int, bytes, int, Any], None],
                           Callable[[Any, int], Any]]] = {}
 
@@ -302,7 +303,7 @@ class ResultLane:
             return
         raw = bytes(payload)
         try:
-            result = settler[0](op.combine, host.index, raw, meta)
+            result = settler[0](op.combine, host.index, raw, meta, body[3] if n == 4 else None)
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException:  # (a bug) as Sessions.handle counts one

@@ -22,7 +22,7 @@ from typing import Any
 
 from .inbox import Inbox
 
-__all__ = ["Waiter", "current_task_of", "drain_ends", "drain_reads_done", "drain_starts",
+__all__ = ["Waiter", "Watch", "current_task_of", "drain_ends", "drain_reads_done", "drain_starts",
            "fire", "wake"]
 
 _get_ident = threading.get_ident
@@ -69,6 +69,17 @@ class Waiter(asyncio.Future):  # type: ignore[type-arg]
     def _settled(self, _: object) -> None:
         """A done-callback of the colobus Future (a second task awaiting it)."""
         wake(self)
+
+
+class Watch(Waiter):
+    """A :class:`Waiter` whose cancellation (the awaiting task cancelled) leaves the
+    operation running: what ``await arr`` waits on (an array is a value that other code
+    may hold; ``fut.cancel()`` of a call's Future cancels the call)."""
+
+    __slots__ = ()
+
+    def cancel(self, msg: Any = None) -> bool:
+        return asyncio.Future.cancel(self, msg)
 
 
 def fire(w: Waiter) -> None:

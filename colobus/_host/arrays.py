@@ -159,7 +159,7 @@ class HostArrays:
         gc.collect(0)
 
     def on_fetch(self, body: P.Fetch, env: Envelope) -> None:
-        fut = self._w.store.arrays.get(body.ref)
+        fut = self._w.store.entry(body.ref)  # (an output of a call still running: its own)
         if body.data == P.FETCH_PROBE:
             self._probe(body.call_id, body.ref, fut)
             return
@@ -167,7 +167,7 @@ class HostArrays:
             self._w._spawn(self._wait_call(body.call_id, body.ref, self._w.epoch))
             return
         self._w._spawn(self._fetch(body.call_id, body.ref, fut, body.data == P.FETCH_DATA,
-                                   self._w.epoch, body.box))
+                                   self._w.epoch, body.box, body.device))
 
     def _probe(self, call_id: int, ref: int, fut: asyncio.Future[Any] | None) -> None:
         """Answer whether array ``ref`` is stored and computed, without waiting (is_ready)."""
@@ -229,7 +229,7 @@ class HostArrays:
         await asyncio.get_running_loop().run_in_executor(self._waits, value.block_until_ready)
 
     async def _fetch(self, call_id: int, ref: int, fut: asyncio.Future[Any] | None,
-                     data: bool, epoch: int, box: list[Any]) -> None:
+                     data: bool, epoch: int, box: list[Any], device: list[Any]) -> None:
         try:
             if fut is None:
                 raise KeyError(f"array {ref} is not on host {self._w.host_index} (deleted?)")
@@ -243,8 +243,11 @@ class HostArrays:
             if not data:
                 self._w.send(P.Result(call_id, Status.OK, None))
                 return
+            shard = self._device_shard(value, device) if device else None
+            if shard is not None:  # that device's own buffer (replicas kept as returned)
+                value, box = shard, []
             arr, impl = as_numpy(self._w._jax, value)
-            if box:  # a box of the block only (a reshard's move)
+            if box:  # a box of the block only (a shard's, a reshard's move)
                 arr = arr[box_index(box, arr.ndim)]
             descr, buf = to_buffer(arr)
             if buf.nbytes + REPLY_MARGIN > self._w._max_message:
@@ -258,6 +261,21 @@ class HostArrays:
                 self._w.reply_error(call_id, exc)
             return
         self._w.send(P.Result(call_id, Status.OK, [list(arr.shape), descr, impl]), b"", [buf])
+
+    def _device_shard(self, value: Any, device: list[Any]) -> Any:
+        """What one device (``[platform, local id]``) holds of a stored JAX array that
+        keeps a buffer per device (None: not such a value; its block's box tells)."""
+        shards = getattr(value, "addressable_shards", None)
+        if not shards or len(shards) < 2:
+            return None
+        try:
+            want = self._w.values.device(str(device[0]), int(device[1]))
+        except (IndexError, TypeError, ValueError):
+            return None
+        for s in shards:
+            if s.device == want:
+                return s.data
+        return None
 
 
 _SPINS: dict[int, tuple[Any, bool]] = {}  # id(sharding) -> (sharding, whether to ask on the loop)

@@ -34,7 +34,7 @@ async def run_async(sched: Scheduler, call: _Call, fn: Any) -> None:
     try:
         args, kwargs = call_args(call, w.present)
         out = await fn(*args, **kwargs)
-        call.outcome = w.values.outputs(out, call.mesh, call.pins, fn)
+        call.outcome = w.values.outputs(out, call.mesh, call.pins, fn, None, call.body.check)
         call.ok = True
     except asyncio.CancelledError as exc:
         if call.epoch != w.epoch:

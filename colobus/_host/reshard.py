@@ -89,7 +89,7 @@ class HostReshards:
         store = self._w.store
         for hold in body.holds:
             src, held = hold
-            lent = store.arrays.get(src)
+            lent = store.entry(src)  # (a running call's output: its own)
             store.arrays[held] = lent if lent is not None else _failed(
                 KeyError(f"array {src} is not on host {self._w.host_index} (deleted?)"))
         if not body.ref:
@@ -99,7 +99,7 @@ class HostReshards:
         fut: asyncio.Future[Any] = loop.create_future()
         store.arrays[body.ref] = fut
         block = self._blocks[body.ref] = _Block(body, fut)
-        pins = [(store.arrays.get(src), src_box, dst_box) for src, src_box, dst_box in body.local]
+        pins = [(store.entry(src), src_box, dst_box) for src, src_box, dst_box in body.local]
         if block.left == 0:  # an empty block: nothing to copy
             self._spawn_finish(block)
         elif pins:

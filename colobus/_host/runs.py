@@ -102,7 +102,7 @@ class Runs:
                 args, kwargs = call_args(call, self._w.present)
                 out = fn(*args, **kwargs)
                 call.outcome = self._w.values.outputs(out, call.mesh, call.pins, fn,
-                                                      call.argvals)
+                                                      call.argvals, call.body.check)
                 call.ok = True
             except BaseException as exc:
                 call.outcome = exc
@@ -129,7 +129,8 @@ class Runs:
             fn, call.fn = call.fn, None
             args, kwargs = call_args(call, self._w.present)
             out = fn(*args, **kwargs)
-            call.outcome = self._w.values.outputs(out, call.mesh, call.pins, fn, call.argvals)
+            call.outcome = self._w.values.outputs(out, call.mesh, call.pins, fn, call.argvals,
+                                                  call.body.check)
             call.ok = True
         except BaseException as exc:
             call.outcome = exc
@@ -200,6 +201,14 @@ class Runs:
                 if not call.results.done():
                     call.results.set_result(result)
                 times = [call.started - call.arrived, call.ran] if call.started else []
+                if times:  # third: whether every output is computed already (JAX's is_ready)
+                    computed = 1
+                    for v in values:
+                        ready = getattr(v, "is_ready", None)
+                        if ready is not None and not ready():
+                            computed = 0
+                            break
+                    times.append(computed)
                 w.send_packed(_RESULT, _pack([body.call_id, _OK, len(values), times]),
                               payload, bufs, len(bufs))  # P.Result(...).to_wire(), packed
             else:
@@ -208,6 +217,7 @@ class Runs:
                 if not call.results.done():
                     call.results.set_exception(_settable(outcome))
                     call.results.exception()
+                w.store.gone_early.pop(body.call_id, None)
                 w.reply_error(body.call_id, outcome, call.times())
         else:
             self._forget(call)

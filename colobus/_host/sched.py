@@ -257,6 +257,7 @@ class Scheduler(Runs):
             if call.state != _QUEUED:
                 return
             call.state = _CANCELLED
+        self._w.store.gone_early.pop(body.call_id, None)
         if not call.results.done():
             call.results.set_exception(asyncio.CancelledError())
             call.results.exception()  # retrieved: no "never retrieved" log when dropped

@@ -99,6 +99,9 @@ class Store:
         self.classes: dict[int, bytes] = {}  # obj -> its class's code digest
         self.reshards: dict[int, Any] = {}  # new array ref -> its block being assembled
         self.trees: dict[int, Any] = {}  # TREEPUT call id -> its block (_host/treeput)
+        # call id -> outputs released while the call ran (their handles went before it
+        # ended): not stored when it ends
+        self.gone_early: dict[int, set[int]] = {}
 
     def clear(self) -> None:
         self.shipped.clear()
@@ -111,6 +114,7 @@ class Store:
         self.classes.clear()
         self.reshards.clear()
         self.trees.clear()
+        self.gone_early.clear()
         self.puts.clear()
         self.released.clear()
         self.sessions += 1
@@ -138,6 +142,10 @@ class Store:
         for ref in refs:
             if arrays.pop(ref, None) is not None:
                 released.append((ref, seq))
+            else:  # an output of a call still running here: dropped as it ends
+                running = self.results.get(ref >> 16)
+                if isinstance(running, asyncio.Future) and not running.done():
+                    self.gone_early.setdefault(ref >> 16, set()).add(ref)
         for call_id in calls:
             self.results.pop(call_id, None)
         for digest in code:  # calls queued with it hold the function itself (_Call.code)
@@ -170,22 +178,46 @@ class Store:
 
     def store_outputs(self, call_id: int, values: list[Any], treedef: Any,
                       loop: asyncio.AbstractEventLoop | None = None) -> CallResult:
-        """Keep a finished call's output values as arrays; its result keeps their names.
+        """Keep a finished call's output values as arrays (but those released while it
+        ran); its result keeps their names.
 
         ``loop``: the running loop, where the caller knows it (on Python 3.11 asking for
         it costs a ``getpid`` system call)."""
         if loop is None:
             loop = asyncio.get_running_loop()
         refs = []
+        gone = self.gone_early.pop(call_id, None) if self.gone_early else None
         for i, value in enumerate(values):
+            ref = (call_id << 16) | i  # P.output_ref(call_id, i)
+            refs.append(ref)
+            if gone is not None and ref in gone:
+                continue  # its handle went while the call ran: nobody will read it
             fut: asyncio.Future[Any] = _Future(loop=loop)  # (create_future: a call more)
             fut.set_result(value)
-            ref = (call_id << 16) | i  # P.output_ref(call_id, i)
             self.arrays[ref] = fut
-            refs.append(ref)
         if call_id in self.results:  # not released meanwhile
             self.results[call_id] = CallResult(treedef, refs, None)
         return CallResult(treedef, refs, values)
+
+    def entry(self, ref: int) -> asyncio.Future[Any] | None:
+        """Array ``ref``'s entry, or None. An output of a call still queued or running
+        here (the controller hands a call's outputs on before the call ended, as JAX
+        hands on a dispatched computation's arrays): a future of that output, failing
+        with the call's error if it fails."""
+        fut = self.arrays.get(ref)
+        if fut is not None:
+            return fut
+        running = self.results.get(ref >> 16)  # (P.output_ref: the call id, the index)
+        if not isinstance(running, asyncio.Future):
+            return None
+        out: asyncio.Future[Any] = running.get_loop().create_future()
+        index = ref & 0xFFFF
+        if running.done():
+            _output_of(out, running, index, self.arrays, ref)
+        else:
+            running.add_done_callback(
+                lambda f: _output_of(out, f, index, self.arrays, ref))
+        return out
 
     def pin(self, ref: Any, host_index: int, seq: int = 0) -> asyncio.Future[Any]:
         """The store entry a call argument names, taken now (a later RELEASE can't race).
@@ -196,8 +228,10 @@ class Store:
         fut: asyncio.Future[Any] | None
         if tag == 1:
             fut = self._pin_result(ident, host_index)
+        elif tag == 0:
+            fut = self.entry(ident)
         else:
-            fut = (self.arrays, None, self.objects)[tag].get(ident)  # type: ignore[union-attr]
+            fut = self.objects.get(ident)
         if fut is None:
             what = ("array", "call result", "object")[tag]
             text = f"{what} {ident} is not on host {host_index}"
@@ -238,6 +272,30 @@ class Store:
         done = asyncio.get_running_loop().create_future()
         done.set_result(CallResult(entry.treedef, entry.refs, values))
         return done
+
+
+def _output_of(out: asyncio.Future[Any], call: asyncio.Future[Any], index: int,
+               arrays: dict[int, asyncio.Future[Any]], ref: int) -> None:
+    """Settle ``out`` with output ``index`` of a call that ended (``call``: its result)."""
+    if out.done():
+        return
+    exc: BaseException | None
+    if call.cancelled():
+        exc = KeyError(f"array {ref}: the call that makes it was cancelled")
+    else:
+        exc = call.exception()
+    if exc is None:
+        stored = arrays.get(ref)  # (stored by then, unless released since)
+        values = call.result().values
+        if stored is not None and stored.done() and stored.exception() is None:
+            out.set_result(stored.result())
+            return
+        if values is not None and 0 <= index < len(values):
+            out.set_result(values[index])
+            return
+        exc = KeyError(f"array {ref} is not an output of its call on this host")
+    out.set_exception(exc)
+    out.exception()  # retrieved: no "never retrieved" log when dropped
 
 
 def _failed(exc: BaseException) -> asyncio.Future[Any]:

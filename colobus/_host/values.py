@@ -211,6 +211,10 @@ class HostValues:
         self.meshes.clear()
         self._described.clear()
 
+    def device(self, platform: str, local_id: int) -> Any:
+        """This host's ``jax.Device`` of that platform and local id, or None."""
+        return self._by_local.get((platform, local_id))
+
     def local_mesh(self, raw: list[Any]) -> Any:
         """A jax ``Mesh`` (or one ``jax.Device``) from ``[[platform, id]...], shape, names]``
         (and the axis types by name, where one is not Auto)."""
@@ -268,7 +272,7 @@ class HostValues:
         return ready() if ready is not None else value
 
     def outputs(self, out: Any, mesh: Any, pins: Sequence[asyncio.Future[Any]] = (),
-                fn: Any = None, argvals: Sequence[Any] | None = None,
+                fn: Any = None, argvals: Sequence[Any] | None = None, check: int = 0,
                 ) -> tuple[list[Any], Any, bytes, list[Buffer]]:
         """A call's return value as the values the host stores, their tree, and the
         reply's pickled description (one :class:`~colobus._wire.protocol.OutLeaf` per leaf).
@@ -276,7 +280,9 @@ class HostValues:
         ``pins`` are the call's host-resident arguments (for ``OutLeaf.ref``, see
         ``_outlayout``); ``argvals``, their values where the call knows them (else read
         from ``pins``); ``fn``, the function that returned ``out``, is named in the
-        error for a leaf that is not an array."""
+        error for a leaf that is not an array; ``check`` (the CALL's, from
+        ``check_replicas=True``): hash each output, every device's copy of a replicated
+        one compared here, for the controller to compare the hosts'."""
         jax = self.jax
         kept = self._described_types
         job = self.job
@@ -302,7 +308,7 @@ class HostValues:
         # and namedtuples, whose description the tree's equality fixes: dict keys and
         # custom nodes' data can compare equal and pack differently, e.g. True and 1),
         # the mesh, and per leaf its type, sharding and dtype (by identity), shape and ref.
-        parts: list[Any] = [treedef, id(mesh)]
+        parts: list[Any] = [treedef, id(mesh), check]
         args = argvals
         key: tuple[Any, ...] | None = None
         for leaf in leaves:
@@ -323,7 +329,8 @@ class HostValues:
             hit = self._described.get(key)
             if hit is not None:
                 return leaves, treedef, hit[0], []
-        values, description, keep = self._outputs(jax, out, leaves, treedef, mesh, pins, fn)
+        values, description, keep = self._outputs(jax, out, leaves, treedef, mesh, pins, fn,
+                                                  check)
         if key is not None and keep is not None:
             if len(self._described) >= _DESCRIBED_MAX:
                 self._described.clear()
@@ -331,17 +338,17 @@ class HostValues:
         return values, treedef, description, []
 
     def _outputs(self, jax: Any, out: Any, leaves: list[Any], treedef: Any, mesh: Any,
-                 pins: Sequence[asyncio.Future[Any]], fn: Any,
+                 pins: Sequence[asyncio.Future[Any]], fn: Any, check: int = 0,
                  ) -> tuple[list[Any], bytes, list[Any] | None]:
         """``outputs`` the long way: the values, the description, and what a cached
         description's key must keep alive (None: this description is not cached)."""
         metas: list[P.OutLeaf] = []
         values: list[Any] = []
         is_mesh = isinstance(mesh, jax.sharding.Mesh)
-        several = is_mesh and _host_count() != 1  # (replicas to compare: every size)
-        # cached where nothing in it depends on the values (a mesh's digests do: nothing
-        # returned has none)
-        keep: list[Any] | None = (None if (is_mesh and leaves) or not _exact_tree(treedef, 0)
+        # replicas to compare (every size), where the call asked (check_replicas=True)
+        several = bool(check) and is_mesh
+        # cached where nothing in it depends on the values (digests do)
+        keep: list[Any] | None = (None if (several and leaves) or not _exact_tree(treedef, 0)
                                   else [mesh])
         for i, leaf in enumerate(leaves):
             spec = None
@@ -383,7 +390,7 @@ class HostValues:
             metas.append(P.OutLeaf(i, tuple(value.shape), value.dtype if impl is None else None,
                                    spec, impl, layout,
                                    # one device, or one host: no other holds a replica
-                                   _outlayout.digest(value) if is_mesh and several else None,
+                                   _outlayout.digest(value, i) if several else None,
                                    ref,
                                    None if memory in (None, "device") else memory))
             values.append(value)

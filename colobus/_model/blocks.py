@@ -109,11 +109,11 @@ def _host_sub_mesh(mesh: Mesh, host: int, sharding: NamedSharding
                    ) -> tuple[tuple[tuple[int, ...], ...], Mesh]:
     positions = [pos for pos, dev in np.ndenumerate(mesh.devices) if dev.host == host]
     if not positions:
-        raise ValueError(f"Host {host} has no device in {sharding}.")
+        raise ValueError(f"Host {host} has no device in {sharding!r}.")
     coords = tuple(sorted({p[a] for p in positions}) for a in range(mesh.devices.ndim))
     if len(positions) != math.prod(len(c) for c in coords):
         raise ValueError(
-            f"The devices of host {host} do not form a sub-box of the mesh of {sharding}: "
+            f"The devices of host {host} do not form a sub-box of the mesh of {sharding!r}: "
             f"they sit at mesh positions {sorted(positions)}. colobus needs each host's "
             "devices to be the product of one set of positions per mesh axis."
         )
@@ -132,7 +132,7 @@ def _named_host_block(sharding: NamedSharding, host: int, shape: tuple[int, ...]
     box = math.prod(h - low + 1 for low, h in zip(lo, hi, strict=True))
     if len(distinct) != box:
         raise ValueError(
-            f"The shards of host {host} under {sharding} do not form one rectangular block "
+            f"The shards of host {host} under {sharding!r} do not form one rectangular block "
             f"of the global array (tiles {sorted(distinct)} of a {list(factors)} tiling). "
             "colobus needs each host's shards to form one rectangular block; choose a mesh "
             "whose host axis is major in the spec entries it appears in."
@@ -143,8 +143,8 @@ def _named_host_block(sharding: NamedSharding, host: int, shape: tuple[int, ...]
         expected = tuple(t - low for t, low in zip(tile, lo, strict=True))
         if local_tiles[dev] != expected:
             raise ValueError(
-                f"The local sharding {local_sharding} of host {host} would place tile "
-                f"{local_tiles[dev]} on {dev}, but {sharding} places tile {expected} of the "
+                f"The local sharding {local_sharding!r} of host {host} would place tile "
+                f"{local_tiles[dev]} on {dev!r}, but {sharding!r} places tile {expected} of the "
                 "host's block there."
             )
     index: list[slice] = []
@@ -230,7 +230,7 @@ def global_shape_from_host(
     block = host_blocks(sharding, shape)[host]
     if block.shape != local_shape:
         raise ValueError(
-            f"A block of shape {local_shape} on host {host} is inconsistent with {sharding}: "
+            f"A block of shape {local_shape} on host {host} is inconsistent with {sharding!r}: "
             f"the global shape {shape} would give the host a block of shape {block.shape}."
         )
     return shape

@@ -50,6 +50,10 @@ class Device:
     def __repr__(self) -> str:
         return f"Device(id={self.id}, host={self.host}, platform={self.platform!r})"
 
+    def __str__(self) -> str:
+        # What JAX's own functions print of a value they refuse: whose device this is.
+        return f"{self!r} (a colobus device: use cb.device_put with it, not jax.device_put)"
+
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Device):
             return NotImplemented

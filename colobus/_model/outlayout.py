@@ -15,9 +15,11 @@ y.sharding)`` or ``make_array_from_single_device_arrays(..., y.sharding,
 ...)``), else -1: where one host's part of two global layouts looks the same
 (one device per host), it names the global one. It is looked for on kept
 layouts, and on outputs on the call's own mesh when the call has several
-host-resident arguments. Every output of a call on a mesh, whatever its size, also
-carries a digest of its bytes (:func:`digest`: one hash up to :data:`DIGEST_CHUNK_BYTES`,
-above that chunks hashed on threads), so the controller can tell replicas that disagree.
+host-resident arguments. Where the call asks (``specialize(check_replicas=True)``),
+every output of a call on a mesh, whatever its size, also carries a digest of its bytes
+(:func:`digest`: one hash up to :data:`DIGEST_CHUNK_BYTES`, above that chunks hashed on
+threads), so the controller can tell replicas that disagree; otherwise replicas are kept
+as JAX keeps them, each device's as returned, never compared.
 
 Controller side (:func:`global_sharding`, :func:`check_replicas`): the global
 sharding is the first candidate that gives every host exactly the layout it
@@ -95,13 +97,20 @@ def arg_ref(sharding: Any, args: Sequence[Any]) -> int:
     return -1
 
 
-def digest(value: Any) -> bytes:
+def digest(value: Any, index: int | None = None) -> bytes:
     """A digest of an output's bytes, whatever its size (replicas compare by it).
 
     Shape and dtype are not in it: the controller compares those separately. A
     ``jax.Array`` replicated over the host's devices is read from its first device
-    alone (on an accelerator: one copy to host memory, not kept on the array).
+    (on an accelerator: one copy to host memory, not kept on the array). With ``index``
+    (the output's, for the error), the devices of this host that hold the same block
+    are compared first.
+
+    Raises:
+        ValueError: two devices of this host hold different values of one block.
     """
+    if index is not None:
+        _check_devices(value, index)
     if is_key_array(value):
         import jax
 
@@ -109,7 +118,43 @@ def digest(value: Any) -> bytes:
     if getattr(getattr(value, "sharding", None), "is_fully_replicated", False) and (
             len(value.sharding.device_set) > 1):
         value = value.addressable_data(0)
-    arr = np.asarray(value)
+    return _hash(np.asarray(value))
+
+
+def _raw(value: Any) -> np.ndarray[Any, Any]:
+    if is_key_array(value):
+        import jax
+
+        value = jax.random.key_data(value)
+    return np.asarray(value)
+
+
+def _check_devices(value: Any, index: int) -> None:
+    """Raise if two of this host's devices hold different values of one block of
+    ``value`` (JAX keeps each device's copy as it was given: ``check_replicas``)."""
+    shards = getattr(value, "addressable_shards", None)
+    if not shards or len(shards) < 2:
+        return
+    groups: dict[str, list[Any]] = {}
+    for s in shards:
+        groups.setdefault(repr(s.index), []).append(s)
+    for group in groups.values():
+        if len(group) < 2:
+            continue
+        first = _hash(_raw(group[0].data))
+        for other in group[1:]:
+            if _hash(_raw(other.data)) != first:
+                raise ValueError(
+                    f"output {index} is replicated over this host's devices "
+                    f"{[getattr(g.device, 'id', g.device) for g in group]}, but device "
+                    f"{getattr(group[0].device, 'id', group[0].device)} and device "
+                    f"{getattr(other.device, 'id', other.device)} hold different values "
+                    "(check_replicas=True compares every replica). Either shard the output "
+                    "over those devices, or give each the same value.")
+
+
+def _hash(arr: np.ndarray[Any, Any]) -> bytes:
+    """blake2b of an array's bytes (chunks hashed side by side above the chunk size)."""
     if isinstance(arr.dtype, np.dtypes.StringDType):
         h = hashlib.blake2b(digest_size=16)
         for s in arr.reshape(-1).tolist():
@@ -259,7 +304,8 @@ def global_sharding(index: int, plan: Any, metas: Mapping[int, Any],
             continue
     if all(r is None or r[2] for r in reports.values()):
         return None
-    shown = "; ".join(f"host {h}: {r[1] if r else 'the call mesh'}" for h, r in reports.items())
+    shown = "; ".join(f"host {h}: {r[1]!r}" if r else f"host {h}: the call mesh"
+                      for h, r in reports.items())
     call_mesh = (f"axes {plan.mesh.axis_names} of shape {plan.mesh.devices.shape}"
                  if isinstance(plan.mesh, Mesh) else "one device")
     raise ValueError(
@@ -372,7 +418,7 @@ def check_replicas(index: int, sharding: Sharding, shape: tuple[int, ...],
                 for hs in list(values.values())[:6]) + ("; ..." if len(values) > 6 else "") + ")"
         raise ValueError(
             f"{function or 'a colocated function'}: {path} is replicated over hosts "
-            f"{list(group)} (each holds the same block of it, under {sharding}), but host "
+            f"{list(group)} (each holds the same block of it, under {sharding!r}), but host "
             f"{first} and host {other} returned different values{alike}. Either shard the "
             "output over the hosts (return it with a NamedSharding whose spec names the "
             "mesh axis that spans the hosts), or return the same value on every host.")

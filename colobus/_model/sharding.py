@@ -215,6 +215,11 @@ class Sharding:
     def _memory_repr(self) -> str:
         return "" if self._memory_kind is None else f", memory_kind={self._memory_kind!r}"
 
+    def __str__(self) -> str:
+        # What JAX's own functions print of a value they refuse ("Received invalid value:
+        # ..."): it says whose sharding this is, and what takes it.
+        return f"{self!r} (a colobus sharding: use cb.device_put with it, not jax.device_put)"
+
 
 def _spec_entries(spec: PartitionSpec) -> tuple[tuple[str, ...], ...]:
     """One tuple of mesh axis names per spec entry (``None`` -> ``()``)."""

@@ -149,8 +149,9 @@ class CallRecord:
 
 
 def host_times(times: Any) -> tuple[int, int] | None:
-    """A RESULT's ``[ns queued, ns ran]``, or None where a host sent none (or nonsense)."""
-    if (type(times) is list and len(times) == 2 and type(times[0]) is int
+    """A RESULT's ``[ns queued, ns ran]`` (a third field says whether its outputs were
+    computed), or None where a host sent none (or nonsense)."""
+    if (type(times) is list and 2 <= len(times) <= 3 and type(times[0]) is int
             and type(times[1]) is int):
         return max(0, times[0]), max(0, times[1])
     return None

@@ -48,6 +48,7 @@ from .bench_base import (
     quotient,
     unmeasured_lines,
 )
+from .bench_calls import bench_ident
 
 __all__ = ["BENCHMARKS", "run_bench"]
 
@@ -71,12 +72,14 @@ async def _latency_async(x: Any, n: int) -> list[float]:
 
 
 def _latency_sync(x: Any, n: int) -> list[float]:
+    """``return x`` waited for as JAX code waits (a no-op returns nothing to wait for in
+    plain code, as JAX's): its array at once, then ``block_until_ready``."""
     for _ in range(n // 10):
-        bench_noop(x).result()
+        bench_ident(x).block_until_ready()
     out = []
     for _ in range(n):
         t = time.perf_counter()
-        bench_noop(x).result()
+        bench_ident(x).block_until_ready()
         out.append(time.perf_counter() - t)
     return out
 
@@ -170,7 +173,7 @@ class Bench:
             obj: Any = BenchObject(i)  # the colocated wrapper: methods return Futures
             await obj.ping(x)
             times.append(time.perf_counter() - t)
-            await obj.aclose()
+            await cb.aclose(obj)
         ours = _median_us(times[2:])
         base = self._raw_rtt.get(1) or self.raw_rtt_us(raw)
         self.add(Row("object_first_call", "us", ours, base, "lower",
@@ -279,8 +282,8 @@ def _run_sync(bench: Bench, options: dict[str, Any]) -> None:
         ours = _median_us(_latency_sync(x, bench.sizes.latency_calls))
         base = bench._raw_rtt.get(1) or bench.raw_rtt_us(raw)
         bench.add(Row("latency_sync", "us", ours, base, "lower",
-                      "no-op call, 1 host, `with` + .result(); baseline: raw blocking round "
-                      "trip"))
+                      "`return x`, 1 host, `with`: its array at once, then "
+                      "block_until_ready(); baseline: raw blocking round trip"))
 
 
 def _huge_pages_line() -> str:

@@ -5,8 +5,8 @@ Groups (``colobus bench NAME``):
 * ``calls``: ``return x`` and ``return x + 1`` against the no-op, from ``await``
   (alternating chunks of each, medians) with the controller's CPU per call
   (``time.thread_time()`` of the loop thread: in ``async with`` the controller
-  runs on this thread), and from ``.result()`` on a plain thread; ``return x``
-  with 1,000 in flight driven by tasks + a semaphore and by ``asyncio.gather``;
+  runs on this thread), and from a plain thread (its array, then ``block_until_ready``);
+  ``return x`` with 1,000 in flight driven by tasks + a semaphore and by ``asyncio.gather``;
   the memory held per call in flight and per finished call whose future and
   output are alive (controller and worker RSS).
 * ``scaling``: fan-out over 1, 2, 4, 8, 16 hosts (quick: 1, 2, 4): latency and
@@ -317,29 +317,24 @@ async def _on_cluster(bench: BenchRun,
 
 
 def _sync_rows(bench: BenchRun, options: dict[str, Any]) -> None:
-    """``.result()`` from a plain thread: no-op and ``return x``, alternating chunks."""
-    from .bench_base import RawEcho, Row, _median_us, _one_device_array, bench_noop
+    """A plain thread's ``return x``, as JAX code waits for it: its array at once, then
+    ``block_until_ready()`` (a no-op call returns nothing to wait for there, as JAX's)."""
+    from .bench_base import RawEcho, Row, _median_us, _one_device_array
 
     z = _sizes(bench.sizes.latency_calls < 1000)
     with cb.local_cluster(hosts=1, devices_per_host=1, **options) as ctl, RawEcho(1) as raw:
         x = _one_device_array(ctl)
         cb.block_until_ready(x)
-        lat: dict[str, list[float]] = {"noop": [], "ident": []}
-        fns = {"noop": bench_noop, "ident": bench_ident}
+        lat: list[float] = []
         assert threading.current_thread() is threading.main_thread()
         for r in range(z["rounds"] + 1):
-            for name, fn in fns.items():
-                for _ in range(z["chunk"]):
-                    t = time.perf_counter()
-                    fn(x).result()
-                    if r:
-                        lat[name].append(time.perf_counter() - t)
+            for _ in range(z["chunk"]):
+                t = time.perf_counter()
+                bench_ident(x).block_until_ready()
+                if r:
+                    lat.append(time.perf_counter() - t)
         base = _median_us(raw.round_trips(bench.sizes.latency_calls))
-    noop = statistics.median(lat["noop"]) * 1e6
-    ident = statistics.median(lat["ident"]) * 1e6
-    bench.add(Row("noop_sync_alt", "us", noop, base, "lower",
-                  "no-op, `with` + .result(), alternating with ident_sync; baseline: raw "
-                  "round trip"))
+    ident = statistics.median(lat) * 1e6
     bench.add(Row("ident_sync", "us", ident, base, "lower",
-                  "`return x`, `with` + .result() from a plain thread; baseline: raw round "
-                  "trip", {"vs_noop": quotient(ident, noop)}))
+                  "`return x` from a plain thread (`with`): its array at once, then "
+                  "block_until_ready(); baseline: raw round trip"))

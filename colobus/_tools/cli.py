@@ -24,7 +24,7 @@ __all__ = ["CliParser", "build_parser", "main", "positive_int"]
 
 # `colobus bench --help`'s list (tests/test_cli.py: the same names as bench.BENCHMARKS).
 BENCHMARK_HELP = (
-    ("latency", "one no-op call's round trip, 1 host (await, and .result() from a script)"),
+    ("latency", "one call's round trip, 1 host (await; a script's block_until_ready)"),
     ("pipelined", "no-op calls with many in flight"),
     ("fanout", "one call on 4 hosts"),
     ("object", "method calls on a colocated_python_class object"),

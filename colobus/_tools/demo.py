@@ -301,8 +301,8 @@ async def train(steps: int, *, checkpoint_every: int = 10, checkpoint_dir: str |
     w = np.asarray(await cb.device_get(params))
     w_true = np.random.default_rng(0).normal(size=FEATURES).astype(np.float32)
     report.weight_error = float(np.abs(w - w_true).max())
-    await loader.aclose()
-    await writer.aclose()
+    await cb.aclose(loader)
+    await cb.aclose(writer)
     return report
 
 

@@ -85,7 +85,10 @@ PROTOCOL_VERSION = 12  # 2: BATCH envelopes; 3: acknowledgements (ack) in every 
 # 10: FETCH modes (is_ready's probe; a wait for a call's outputs); FETCH waits until computed
 # 11: HELLO must carry the worker's Python and colobus versions (refused without them);
 #     the JAX job (FORM, WELCOME's jax_job); relays that connect (OFFER, SETUP)
-# 12: a CALL on several hosts carries `spread` (a ninth field); a FORM of no processes
+# 12: a CALL on several hosts carries `spread` (a ninth field); a FORM of no processes;
+#     a FETCH of one device's buffer (its device field); CALL's check field (a tenth:
+#     check_replicas); a call's RESULT says whether its outputs were computed (times[2]);
+#     COORD (the job's coordination over the link); IMPORT and MODULE
 BATCH_KIND = 17  # _protocol.Kind.BATCH (this module does not import the kinds)
 MAC_SIZE = 32
 

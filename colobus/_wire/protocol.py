@@ -218,7 +218,7 @@ class Call(Body):
     """
 
     kind = Kind.CALL
-    types = (int, int, bytes, int, str, list, list, int, bool)
+    types = (int, int, bytes, int, str, list, list, int, bool, int)
     required = 7
     call_id: int
     stream: int
@@ -228,20 +228,25 @@ class Call(Body):
     refs: list[Any]
     mesh: list[Any]
     hosts: int = 0  # the cluster's host count now (cb.host_count() in host code)
-    spread: bool = False
+    spread: bool = False  # on several hosts (then written, or where check is)
+    check: int = 0  # 1: hash replicated outputs, to compare replicas (check_replicas=True)
 
     def to_wire(self) -> list[Any]:  # (a one-host call's keeps its eight fields)
         out = [self.call_id, self.stream, self.digest, self.obj, self.method, self.refs,
                self.mesh, self.hosts]
-        if self.spread:
-            out.append(True)
+        if self.spread or self.check:  # (eight fields otherwise: the lanes splice those)
+            out.append(self.spread)
+            if self.check:
+                out.append(self.check)
         return out
 
 
 @dataclass(frozen=True, slots=True)
 class Result(Body):
     """The outcome of a request. ``times``: for a CALL that ran, ``[queued, ran]``,
-    the ns it waited on the host (arrival to start) and the ns it ran; else empty."""
+    the ns it waited on the host (arrival to start) and the ns it ran, then for one that
+    succeeded 1 if every output was computed when it answered (JAX's ``is_ready``), else
+    0; else empty."""
 
     kind = Kind.RESULT
     types = (int, int, object, list)
@@ -278,12 +283,21 @@ class Put(Body):
 @dataclass(frozen=True, slots=True)
 class Fetch(Body):
     kind = Kind.FETCH
-    types = (int, int, int, list)
+    types = (int, int, int, list, list)
     required = 3
     call_id: int
     ref: int
     data: int  # what to answer when: a FETCH_ below (True: FETCH_DATA); see docs/protocol.md
     box: list[Any] = field(default_factory=list)  # [[start, stop], ...]: only that box
+    # [platform, local id] of one device: its own buffer of the value (its shard, where
+    # a JAX array keeps one per device), else the box of the block
+    device: list[Any] = field(default_factory=list)
+
+    def to_wire(self) -> list[Any]:
+        out = [self.call_id, self.ref, self.data, self.box]
+        if self.device:
+            out.append(self.device)
+        return out
 
 FETCH_WAIT, FETCH_DATA, FETCH_PROBE, FETCH_CALL = 0, 1, 2, 3  # computed; data; now?; a call's
 
