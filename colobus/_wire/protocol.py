@@ -209,12 +209,11 @@ class Call(Body):
     """Run ``digest`` (or method ``method`` of object ``obj``) on this host.
 
     ``refs`` lists the persistent ids of the pickled arguments: ``[tag, id]``
-    with tag 0 an array ref, 1 a call's result tree, 2 an object (in a JAX job,
-    ``[0, id, layout]``: ``colobus._api.joblayout``). ``mesh`` is
-    this host's part of the call's mesh: ``[local ids, shape, axis names]``.
-    ``spread``: the call runs on several hosts (then written; else left off the wire):
-    in a JAX job such calls start on every host in the order they arrive there
-    (``colobus._host.sched``), so that their collectives pair up.
+    with tag 0 an array ref, 1 a call's result tree, 2 an object (in a JAX job, ``[0, id,
+    layout]``: ``colobus._api.joblayout``). ``mesh``: this host's part of the call's mesh.
+    ``spread``: on several hosts (in a JAX job such calls start on every host in the
+    order they arrive: ``colobus._host.sched``); both it and ``check`` left off where
+    false, so a one-host call's body keeps its eight fields (the lanes splice those).
     """
 
     kind = Kind.CALL
@@ -228,13 +227,13 @@ class Call(Body):
     refs: list[Any]
     mesh: list[Any]
     hosts: int = 0  # the cluster's host count now (cb.host_count() in host code)
-    spread: bool = False  # on several hosts (then written, or where check is)
+    spread: bool = False
     check: int = 0  # 1: hash replicated outputs, to compare replicas (check_replicas=True)
 
-    def to_wire(self) -> list[Any]:  # (a one-host call's keeps its eight fields)
+    def to_wire(self) -> list[Any]:
         out = [self.call_id, self.stream, self.digest, self.obj, self.method, self.refs,
                self.mesh, self.hosts]
-        if self.spread or self.check:  # (eight fields otherwise: the lanes splice those)
+        if self.spread or self.check:
             out.append(self.spread)
             if self.check:
                 out.append(self.check)
