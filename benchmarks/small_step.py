@@ -142,7 +142,9 @@ class _Colobus:
         await self.pipelined(20)
 
     async def stop(self) -> None:
-        await self.t.aclose()
+        import colobus as cb
+
+        await cb.aclose(self.t)
         await self.cluster.__aexit__(None, None, None)
 
     async def pipelined(self, steps: int) -> tuple[float, float]:

@@ -123,9 +123,10 @@ async def test_replies_in_a_batch_are_settled_in_the_lane_as_the_general_path_wo
     monkeypatch.setattr(resultlane, "_batch", counted)
     small = cb.device_put(np.arange(6.0), cb.devices()[0])
     big = cb.device_put(np.arange(30.0), cb.devices()[0])
-    first = await lane_fails(small)  # (learnt, if not already)
+    first = await in_async(lambda: lane_fails(small))  # (learnt, if not already)
     received = ctl.stats()["batches_received"]
-    futs = [lane_fails(big if i == 150 else small) for i in range(300)]
+    # (made as async code makes them, on the controller's loop: their Futures, at once)
+    futs = in_async(lambda: [lane_fails(big if i == 150 else small) for i in range(300)])
     got = await asyncio.gather(*futs, return_exceptions=True)
     assert isinstance(got[150], KeyError) and "too big" in str(got[150])
     for i, out in enumerate(got):
