@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -255,3 +256,18 @@ def test_small_step_measures_the_mlp_step_plain_and_through_colobus() -> None:
     plain, via, ratio = (float(v) for v in row.split()[1:4])
     assert plain > 0 and via > 0 and abs(ratio - via / plain) < 0.01, row
     assert "median of the pairs: pipelined" in proc.stdout and "round trips" in proc.stdout
+
+
+def test_step_anatomy_times_the_step_on_the_host_per_call_and_in_one_call() -> None:
+    """benchmarks/step_anatomy.py: the host's own clock around the MLP step, per colobus
+    call and in one call, beside the plain process (a smoke run of a few steps, on CPU)."""
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "step_anatomy.py"
+    proc = subprocess.run([sys.executable, str(script), "--steps", "10"], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout)
+    via = doc["colobus"]
+    for side in (doc["plain"], via["in_one_call"]):
+        assert side["steps_per_s"] > 0 and side["dispatch_us"] > 0, doc
+    assert via["steps_per_s"] > 0 and via["host"]["dispatch_us"] > 0 and via["thread_cpu_s"], doc
+    assert abs(doc["ratio"] - doc["colobus"]["steps_per_s"] / doc["plain"]["steps_per_s"]) < 0.01

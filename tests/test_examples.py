@@ -163,6 +163,10 @@ def test_example_parser_matches_the_demo_cli() -> None:
     """``colobus demo`` options are a subset of the example's, with the same defaults."""
     example = _load_example("async_training_loop").build_parser().parse_args([])
     demo = _parse(cli_parser(), ["demo"])
+    # The example leaves --hosts and --devices unset (None) so that under `colobus launch`
+    # the launch's size wins; outside one, main() makes them 2 and 4 (colobus/_tools/demo.py).
+    assert (example.hosts, example.devices) == (None, None)
+    example.hosts, example.devices = 2, 4
     for name in ("hosts", "devices", "steps"):
         assert getattr(demo, name) == getattr(example, name), name
 

@@ -1,0 +1,189 @@
+"""Where a small step's time goes on a colobus host: the host's own clock around the step.
+
+``accelerator_check.py``'s MLP step (or the matmul step) pipelined, in a plain process and
+as a colocated object's method on a ``local_cluster(hosts=1)`` worker. The worker's method
+stamps its clock before and after the step's JAX dispatch; from the stamps:
+
+* ``dispatch us``: JAX's dispatch of one step (the method's own time), median;
+* ``between us``: from one step's end to the next one's start on the host, median: what
+  colobus spends per call on the worker while calls are queued (receiving, scheduling,
+  describing the output, replying), since the next call is already waiting;
+* per-thread CPU of the worker (``/proc/self/task``) over the run, by thread name.
+
+The plain process's ``dispatch us`` and steps/s are measured the same way. Prints one JSON
+object. Runs on an accelerator where one is (JAX's default backend), else on CPU.
+
+    python benchmarks/step_anatomy.py --kind mlp --steps 400
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import colobus as cb
+
+
+class Trainer:
+    """``accelerator_check.Trainer``: the MLP (or matmul) step; ``step()`` returns the loss."""
+
+    def __init__(self, kind: str) -> None:
+        import jax
+        import jax.numpy as jnp
+
+        dev = jax.devices()[0]
+        k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
+        if kind == "matmul":
+            self.params = jax.device_put(jax.random.normal(k1, (4096, 4096), jnp.bfloat16), dev)
+            self.batch = jax.device_put(jax.random.normal(k2, (4096, 4096), jnp.bfloat16) / 64,
+                                        dev)
+
+            def step(w: Any, x: Any) -> Any:
+                w = (w @ x).astype(jnp.bfloat16)
+                return w, w[0, 0].astype(jnp.float32)
+        else:
+            self.params = jax.device_put({"w1": jax.random.normal(k1, (256, 512)) / 16,
+                                          "w2": jax.random.normal(k2, (512, 16)) / 23}, dev)
+            self.batch = jax.device_put(jax.random.normal(k3, (128, 256)), dev)
+
+            def loss_fn(p: Any, x: Any) -> Any:
+                return jnp.mean((jax.nn.relu(x @ p["w1"]) @ p["w2"] - 1.0) ** 2)
+
+            def step(p: Any, x: Any) -> Any:
+                loss, g = jax.value_and_grad(loss_fn)(p, x)
+                return jax.tree.map(lambda w, d: w - 0.01 * d, p, g), loss
+        self._step = jax.jit(step, donate_argnums=0)
+        self.marks: list[tuple[float, float]] = []
+        self.step().block_until_ready()
+
+    def step(self) -> Any:
+        t0 = time.perf_counter()
+        self.params, loss = self._step(self.params, self.batch)
+        out = loss.reshape(1)
+        self.marks.append((t0, time.perf_counter()))
+        return out
+
+
+def _threads() -> dict[str, float]:
+    """CPU seconds per thread of this process, by thread name (/proc/self/task)."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            stat = Path(f"/proc/self/task/{tid}/stat").read_text()
+            comm = Path(f"/proc/self/task/{tid}/comm").read_text().strip()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        name = names.get(int(tid), "other:" + comm)
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def _figures(marks: list[tuple[float, float]]) -> dict[str, float]:
+    disp = [b - a for a, b in marks]
+    between = [marks[i + 1][0] - marks[i][1] for i in range(len(marks) - 1)]
+    return {"dispatch_us": statistics.median(disp) * 1e6,
+            "between_us": statistics.median(between) * 1e6 if between else 0.0,
+            "between_mean_us": statistics.mean(between) * 1e6 if between else 0.0}
+
+
+@cb.colocated_python_class
+class HostTrainer:
+    def __init__(self, kind: str) -> None:
+        self.t = Trainer(kind)
+
+    def step(self, like: Any) -> Any:
+        return self.t.step()
+
+    def begin(self, like: Any) -> Any:
+        self.t.marks.clear()
+        self.cpu0 = _threads()
+        return like
+
+    def report(self, like: Any) -> Any:
+        cpu1 = _threads()
+        marks = list(self.t.marks)
+        self.t.marks.clear()
+        t0 = time.perf_counter()
+        for _ in range(len(marks)):
+            loss = self.t.step()
+        loss.block_until_ready()
+        rate = len(marks) / (time.perf_counter() - t0)
+        out = {"host": _figures(marks),
+               "in_one_call": {"steps_per_s": rate, **_figures(self.t.marks)},
+               "thread_cpu_s": {k: round(v - self.cpu0.get(k, 0.0), 3) for k, v in cpu1.items()
+                                if v - self.cpu0.get(k, 0.0) > 0.005}}
+        Path(os.environ.get("STEP_ANATOMY_OUT", "/tmp/step_anatomy.json")).write_text(
+            json.dumps(out))
+        return like
+
+
+def plain(kind: str, steps: int) -> dict[str, Any]:
+    t = Trainer(kind)
+    for _ in range(20):
+        t.step()
+    t.step().block_until_ready()
+    t.marks.clear()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        loss = t.step()
+    loss.block_until_ready()
+    return {"steps_per_s": steps / (time.perf_counter() - t0), **_figures(t.marks)}
+
+
+async def via(kind: str, steps: int) -> dict[str, Any]:
+    out_file = f"/tmp/step_anatomy_{os.getpid()}.json"
+    os.environ["STEP_ANATOMY_OUT"] = out_file
+    async with cb.local_cluster(hosts=1, devices_per_host=1):
+        dev = next((d for d in cb.devices() if d.platform != "cpu"), cb.devices()[0])
+        like = cb.device_put(np.zeros(1, np.float32), cb.SingleDeviceSharding(dev))
+        t: Any = HostTrainer(kind)
+        for _ in range(20):
+            t.step(like)
+        await cb.block_until_ready(t.step(like))
+        await cb.block_until_ready(t.begin(like))
+        t0 = time.perf_counter()
+        futs = [t.step(like) for _ in range(steps)]
+        sent = time.perf_counter() - t0
+        await cb.block_until_ready(futs[-1])
+        rate = steps / (time.perf_counter() - t0)
+        await cb.block_until_ready(t.report(like))
+        await cb.aclose(t)
+    host = json.loads(Path(out_file).read_text())
+    return {"steps_per_s": rate, "sent_us_per_call": sent / steps * 1e6, **host}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kind", choices=("mlp", "matmul"), default="mlp")
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--plain", action="store_true", help="(internal) the plain process")
+    args = ap.parse_args()
+    if args.plain:
+        print(json.dumps(plain(args.kind, args.steps)))
+        return 0
+    proc = subprocess.run([sys.executable, __file__, "--plain", "--kind", args.kind,
+                           "--steps", str(args.steps)], capture_output=True, text=True,
+                          check=True)
+    p = json.loads(proc.stdout.strip().splitlines()[-1])
+    v = asyncio.run(via(args.kind, args.steps))
+    print(json.dumps({"kind": args.kind, "plain": p, "colobus": v,
+                      "ratio": round(v["steps_per_s"] / p["steps_per_s"], 3)}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
