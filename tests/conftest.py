@@ -17,6 +17,25 @@ import cloudpickle.cloudpickle
 import pytest
 
 
+def _share_jax_compilations() -> str | None:
+    """One JAX compilation cache for this run's processes (the suite's workers compile the
+    same small programs again and again, and the suite is CPU-bound on 2 cores): a new
+    owner-only directory per run, named in the environment that xdist's workers and
+    every process they start inherit; removed at the run's end (pytest_sessionfinish)."""
+    import tempfile
+
+    if "JAX_COMPILATION_CACHE_DIR" in os.environ:
+        return None  # the user's own, or this run's (made by the main process)
+    path = tempfile.mkdtemp(prefix="colobus-tests-jax-cache-")  # (mode 0700)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = path
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+    return path
+
+
+_JAX_CACHE = _share_jax_compilations()
+
+
 def _forbid_unpickling(record: str) -> None:
     """Make every unpickling in THIS process fail and leave a record of who tried.
 
@@ -144,6 +163,10 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     import early
 
     early.stop_all()
+    if _JAX_CACHE is not None:  # the process that made it: the run's main one
+        import shutil
+
+        shutil.rmtree(_JAX_CACHE, ignore_errors=True)
 
 
 # Files whose tests make network-namespace hosts, sshd or Slurm daemons, or Docker
@@ -177,3 +200,4 @@ from slurm_fixtures import slurm, slurm_bed  # noqa: E402, F401
 
 # An sshd in each host of a netns bed (tests/sshbed.py): `ssh_bed_session` and `ssh_bed`.
 from sshbed import ssh_bed, ssh_bed_session  # noqa: E402, F401
+
