@@ -293,6 +293,8 @@ class SlurmJobCluster(LaunchedCluster):
                         f"before every worker joined; see its output {self.output}")
             try:
                 await ctl.wait_for_hosts(timeout=0.5)
+                if self.state is None or self.state[0] != "RUNNING":  # joined between polls
+                    log.info("slurm job %s: RUNNING (its workers joined)", self.job_id)
                 return
             except TimeoutError:
                 if time.monotonic() > deadline:
