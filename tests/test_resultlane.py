@@ -154,8 +154,12 @@ async def test_errors_and_cancellations_after_lane_hits(ctl: cb.Controller,
         assert isinstance(await in_async(lambda: lane_fails(small)), Array)
     with pytest.raises(KeyError, match="too big"):
         await in_async(lambda: lane_fails(big))
-    fut = in_async(lambda: lane_fails(small))
-    fut.cancel()
+    def made_and_cancelled() -> Any:  # in one step of the controller's loop: before its reply
+        made = lane_fails(small)
+        made.cancel()
+        return made
+
+    fut = in_async(made_and_cancelled)
     with pytest.raises(asyncio.CancelledError):
         await fut
     assert isinstance(await in_async(lambda: lane_fails(small)), Array)  # the lane serves it
