@@ -72,9 +72,7 @@ class LocalLauncher(Launcher):
             env["COLOBUS_PARENT_PID"] = str(os.getpid())
             # Local workers share the user's terminal: only warnings and errors.
             env.setdefault("COLOBUS_LOG_LEVEL", "WARNING")
-            import jax
-
-            env["COLOBUS_JAX_X64"] = "1" if jax.config.read("jax_enable_x64") else "0"
+            env["COLOBUS_JAX_X64"] = "1" if _x64() else "0"
             env.pop("COLOBUS_KEY_FILE", None)
             env["PYTHONUNBUFFERED"] = "1"  # host code's prints reach us line by line
             self._env = env
@@ -256,3 +254,13 @@ def shutdown() -> None:
     elif cluster is not None:
         cluster.close()
         _pop_current(cluster.controller)
+
+
+def _x64() -> bool:
+    """This process's JAX's ``jax_enable_x64``, without importing JAX where it is not
+    imported (``colobus launch``: an import cut short by a Ctrl-C could crash the
+    process at exit); then JAX's own default, read from its environment variable."""
+    jax = sys.modules.get("jax")
+    if jax is not None:
+        return bool(jax.config.read("jax_enable_x64"))
+    return os.environ.get("JAX_ENABLE_X64", "").lower() in ("1", "y", "yes", "t", "true", "on")
