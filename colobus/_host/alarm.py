@@ -39,6 +39,12 @@ class Alarm:
             self._deadline = time.monotonic() + self.after_s
             self._cond.notify()
 
+    def arm_in(self, seconds: float) -> None:
+        """Ring ``seconds`` from now (replaces an earlier arm)."""
+        with self._cond:
+            self._deadline = time.monotonic() + seconds
+            self._cond.notify()
+
     def disarm(self) -> None:
         """Do not ring (what was armed)."""
         self._deadline = None
@@ -103,6 +109,12 @@ class _TimerFd(Alarm):
             self.arm = functools.partial(settime, fd, 0, armed, None)  # type: ignore[method-assign]
             self.disarm = functools.partial(settime, fd, 0, off, None)  # type: ignore[method-assign]
             self._ring = functools.partial(settime, fd, 0, now, None)
+
+    def arm_in(self, seconds: float) -> None:
+        if self._settime is None:
+            os.timerfd_settime_ns(self._fd, initial=max(1, round(seconds * 1e9)))  # type: ignore[attr-defined]
+        else:
+            self._settime(self._fd, 0, ctypes.byref(_spec(seconds)), None)
 
     def ring(self) -> None:
         self._ring()

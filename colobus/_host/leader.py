@@ -114,6 +114,22 @@ class Baton:
         """An inline call waits for the loop to stop, or runs (loop thread)."""
         return self._job is not None
 
+    def watching(self) -> _Inline | None:
+        """Inside an inline job: its watch entry (a job running several calls sets its
+        ``started`` as each starts); None where the loop was taken from it already."""
+        return self._inline
+
+    def between(self, watch: _Inline, fn: Callable[..., None], *args: Any) -> bool:
+        """Inside an inline job, between its calls: ``fn(*args)`` as the loop's owner, and
+        True; False (and nothing run) where the thread lost the loop meanwhile. The
+        watchdog cannot take the loop while ``fn`` runs; the job should end after it."""
+        with self._lock:
+            if watch.lost:
+                return False
+            fn(*args)
+            watch.started = _monotonic()  # (what is left of the job is no stuck call)
+            return True
+
     def inline(self, job: Callable[[], None]) -> None:
         """Run ``job`` on this thread once the loop's current iteration ends (loop thread)."""
         assert self._job is None and self.loop is not None
@@ -321,7 +337,11 @@ class Baton:
                     continue  # it ended as the alarm rang
                 ran = _monotonic() - current.started
                 if ran < self.stall_s:
-                    continue  # a later call, which armed the alarm for itself
+                    # a later call of the job (a slice of pipelined calls): it is watched
+                    # from its own start. (A later job arms the alarm for itself; this
+                    # arm then only moves its ring nearer, never past it.)
+                    alarm.arm_in(self.stall_s - ran)
+                    continue
                 current.lost = True  # read by its thread once the call ends
                 self._inline = None
                 self._pool.hold(current.ident)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import threading
 import time
+from time import monotonic as _monotonic
+from typing import TYPE_CHECKING
 
 import msgpack
 
@@ -27,11 +29,24 @@ from .calls import (
 )
 from .viewguard import note_view
 
+if TYPE_CHECKING:
+    from .leader import Baton
+
 __all__ = ["BRIEF_WAIT_NS", "BRIEF_WAIT_S", "Runs"]
 
 _WAITING, _TAKEN, _EXPIRED = range(3)  # a pool job's claim: taken by a thread, or expired
 BRIEF_WAIT_S = 0.0005  # after starting quick calls, the loop waits this long for them
 BRIEF_WAIT_NS = int(BRIEF_WAIT_S * 1e9)
+# A stream's pipelined calls run on the loop's leader in slices, the loop running once
+# between two (the replies leave in one burst, new messages are read): a slice ends once
+# it ran SLICE_MIN_CALLS calls and SLICE_MIN_NS, or SLICE_MAX_NS, whichever comes first
+# (replies keep flowing to a caller that keeps a window of calls in flight, and a slow
+# machine's system calls are shared by a few calls); each call must take less than
+# SLICE_CALL_NS (a slower one ends its slice, and the stream's next calls go to the pool).
+SLICE_MIN_NS = 500_000
+SLICE_MIN_CALLS = 4
+SLICE_MAX_NS = 2_000_000
+SLICE_CALL_NS = 1_000_000
 _OK = int(Status.OK)
 _RESULT = int(Kind.RESULT)
 _pack = msgpack.Packer(use_bin_type=True).pack  # a RESULT's body (loop thread only)
@@ -53,6 +68,8 @@ class Runs:
         self._done_event = threading.Event()
         self._quick = True  # the last batch took less than BRIEF_WAIT_S
         self._slow_once = False  # the last lone call took longer (see _run_lone)
+        self._brief = True  # the last call run took less than SLICE_CALL_NS (see _run_slice)
+        self.baton: Baton | None = None  # inline calls (colobus._host.leader), if on
         # The host's only call, arrived on an idle stream: no stream of its own unless
         # another call or DESTROY arrives before it ends (Scheduler._adopt, on_call).
         self._lone: _Call | None = None
@@ -82,8 +99,54 @@ class Runs:
             end = time.perf_counter_ns()
             call.started, call.ran = start, end - start
             self._quick = end - t0 < BRIEF_WAIT_NS
+            self._brief = end - start < SLICE_CALL_NS
             start = end
             self._post_done(call)
+
+    def _run_slice(self, batch: list[_Call], claim: list[int]) -> None:
+        """The loop's leader, the loop stopped: ``_run_batch`` of one stream's ready calls,
+        for one slice. Each call is watched on its own (the watchdog times it from its
+        start); at the slice's end the calls not started go back to the head of their
+        stream's queue (:meth:`Baton.between`) and the loop runs once (the replies leave in
+        one burst, new messages are read); the stream's next slice starts from ``pump``.
+        A thread that lost the loop to the watchdog runs the rest as a pool thread would."""
+        baton = self.baton
+        assert baton is not None
+        claim[0] = _TAKEN  # (no pool thread can claim it, and it never expires)
+        watch = baton.watching()  # None: the loop was taken from this job already
+        t0 = start = time.perf_counter_ns()
+        last = batch[-1]
+        for i, call in enumerate(batch):
+            with self._state_lock:
+                runs = call.state == _QUEUED
+                if runs:
+                    call.state = _RUNNING
+            if runs:
+                if watch is not None:
+                    watch.started = _monotonic()
+                self._run_plain(call)
+            end = time.perf_counter_ns()
+            call.started, call.ran = start, end - start
+            self._brief = brief = end - start < SLICE_CALL_NS
+            self._quick = end - start < BRIEF_WAIT_NS
+            start = end
+            spent = end - t0
+            if (call is not last and watch is not None
+                    and (not brief or spent >= SLICE_MAX_NS
+                         or spent >= SLICE_MIN_NS and i + 1 >= SLICE_MIN_CALLS)
+                    and not watch.lost and baton.between(watch, self._requeue, batch, i + 1)):
+                self._post_done(call)
+                return
+            self._post_done(call)
+
+    def _requeue(self, batch: list[_Call], rest: int) -> None:
+        """As the loop's owner: the calls of ``batch`` from ``rest`` on go back to the head
+        of their stream's queue, not started; the one before them ends the batch."""
+        batch[rest - 1].last = True
+        batch[-1].last = False
+        stream = batch[0].stream
+        assert stream is not None
+        stream.queue.extendleft(reversed(batch[rest:]))
 
     def _run_lone(self, call: _Call) -> None:
         """The loop's leader, the loop stopped: the lone call (``_run_batch`` of a batch of

@@ -53,7 +53,7 @@ from .runners import Runners
 from .runs import _EXPIRED, _WAITING, BRIEF_WAIT_S, Runs
 
 if TYPE_CHECKING:
-    from .leader import Baton
+    pass
 
 __all__ = ["Scheduler", "WorkerServices"]
 
@@ -110,7 +110,6 @@ class Scheduler(Runs):
         self._calls: dict[int, _Call] = {}
         self._async_calls: set[asyncio.Task[None]] = set()
         self.started = False  # the current drain started a batch on the pool
-        self.baton: Baton | None = None  # inline calls (colobus._host.leader), if on
         self._deferred: tuple[list[_Call], list[int]] | None = None  # to run inline
         self._draining = False  # inside a drain of the socket
         self._hosts = 0  # the host count the last CALL said
@@ -333,11 +332,13 @@ class Scheduler(Runs):
                 if self._lone is not None:
                     self._adopt()
                 self._submit(*deferred)
-            elif (len(batch) == 1 and len(self._calls) == 1 and self._quick and not self.started
-                  and self.baton is not None and not self.baton.busy and self.runners.idle()
-                  and self.pool.has_room()):
-                # The host's only call, and a quick one: it runs inline
-                # (colobus._host.leader), unless another arrives before this drain ends.
+            elif ((self._quick if len(self._calls) == 1 else
+                   self._brief and len(self._calls) <= len(batch) + len(queue))
+                  and not self.started and self.baton is not None and not self.baton.busy
+                  and self.runners.idle() and self.pool.has_room()):
+                # The host's only call, and a quick one, or only this stream's calls, each
+                # brief: they run inline (colobus._host.leader; the calls in slices,
+                # _run_slice), unless another call arrives before this drain ends.
                 self._deferred = (batch, claim)
                 if not self._draining:  # a drain hands it over as it ends (wait_briefly)
                     loop = self._w.loop
@@ -452,7 +453,7 @@ class Scheduler(Runs):
             batch, claim = deferred
             lone = self._lone
             baton.inline(functools.partial(self._run_lone, lone) if lone is batch[0]
-                         else functools.partial(self._run_batch, batch, claim))
+                         else functools.partial(self._run_slice, batch, claim))
             return False
         if not (self.started and self._quick):
             return False

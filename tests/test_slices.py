@@ -1,0 +1,170 @@
+"""Pipelined calls in slices (issue 64): where one stream's calls are the only ones on a
+host and each is brief, the loop's leader runs them back to back (no call-pool thread, no
+hand-off of the GIL per call), a slice at a time; between slices the loop runs once.
+
+What must hold, on real workers: the calls keep their stream's order; a call of the slice
+that waits for something the controller does only after an earlier call's answer still
+completes (the watchdog hands the loop over, and what finished leaves); other streams
+are not held up longer than a slice; a call the controller cancels while it waits behind
+a slice never runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import colobus as cb
+
+HB, LIVE = 0.2, 2.0
+INLINE, POOL = 1, 2
+
+
+@pytest.fixture(autouse=True)
+def _inline_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLOBUS_INLINE_CALLS", "1")
+
+
+@cb.colocated_python
+def numbered(i: int) -> Any:
+    """``[i, where it ran]``: 1 a loop leader, 2 a call-pool thread."""
+    name = threading.current_thread().name
+    return np.array([i, INLINE if name.startswith("colobus-loop-")
+                     else POOL if name.startswith("colobus-call") else 0], np.int64)
+
+
+@cb.colocated_python_class
+class Log:
+    """What a stream's calls saw, in the order they ran."""
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+    def add(self, like: Any, i: int) -> Any:
+        self.seen.append(i)
+        return np.int64(len(self.seen))
+
+    def wait_for(self, like: Any, path: str, seconds: float) -> Any:
+        deadline = time.monotonic() + seconds
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.001)
+        return np.int32(os.path.exists(path))
+
+    def seen_all(self, like: Any) -> Any:
+        return np.array(self.seen, np.int64)
+
+
+@cb.colocated_python
+def touch(path: str) -> Any:
+    with open(path, "w"):
+        pass
+    return np.int32(1)
+
+
+def _like(ctl: cb.Controller) -> Any:
+    """An array on host 0's first device: the object's methods take it (it places them)."""
+    dev = [d for d in ctl.devices() if d.host == 0][0]
+    return cb.device_put(np.zeros(1, np.float32), cb.SingleDeviceSharding(dev))
+
+
+def _on(fn: Any, ctl: cb.Controller) -> Any:
+    return fn.specialize(devices=[d for d in ctl.devices() if d.host == 0][:1])
+
+
+async def _call(fn: Any, *args: Any) -> Any:
+    return await _value(fn(*args))
+
+
+async def _value(x: Any) -> Any:
+    return np.asarray(await cb.device_get(await x if isinstance(x, cb.Future) else x))
+
+
+async def test_a_streams_pipelined_brief_calls_run_on_the_loops_leader_in_order() -> None:
+    async with cb.local_cluster(hosts=1, heartbeat_interval=HB, liveness_timeout=LIVE) as ctl:
+        fn = _on(numbered, ctl)
+        for attempt in range(10):  # (under load a slice may go to the pool: tries)
+            futs = [fn(i) for i in range(300)]
+            got = [await _value(f) for f in futs]
+            assert [int(g[0]) for g in got] == list(range(300))
+            where = [int(g[1]) for g in got]
+            if where[1:].count(INLINE) >= 150:  # most of them, after the first
+                break
+        else:
+            pytest.fail(f"pipelined calls did not run on the loop's leader: {where}")
+
+
+async def test_an_objects_pipelined_calls_keep_their_order_across_slices() -> None:
+    async with cb.local_cluster(hosts=1, heartbeat_interval=HB, liveness_timeout=LIVE) as ctl:
+        log: Any = Log()
+        x = _like(ctl)
+        futs = [log.add(x, i) for i in range(2000)]
+        counts = [int(await _value(f)) for f in futs]
+        assert counts == list(range(1, 2001))
+        assert [int(v) for v in await _value(log.seen_all(x))] == list(range(2000))
+        await cb.aclose(log)
+
+
+async def test_a_call_of_a_slice_that_waits_for_the_controller_completes(
+        tmp_path: Path) -> None:
+    """Call 2 of a pipelined pair waits for a file the controller has made (by another
+    stream's call) only once it got call 1's answer: held until the slice ended, that
+    answer would never come. The watchdog hands the loop over and what finished leaves."""
+    async with cb.local_cluster(hosts=1, heartbeat_interval=HB, liveness_timeout=LIVE) as ctl:
+        log: Any = Log()
+        x = _like(ctl)
+        await _value(log.add(x, -1))  # built
+        for i in range(5):
+            path = str(tmp_path / f"made{i}")
+            first = log.add(x, i)
+            second = log.wait_for(x, path, 20.0)
+            assert int(await asyncio.wait_for(_value(first), 10)) >= 1
+            # (called inside the new task: its own stream)
+            assert int(await asyncio.create_task(_call(_on(touch, ctl), path))) == 1
+            assert int(await asyncio.wait_for(_value(second), 30)) == 1
+        await cb.aclose(log)
+
+
+@cb.colocated_python
+def numbered_slowly(i: int) -> Any:
+    time.sleep(0.0003)  # brief (a slice's call), but 3,000 of them take a second or more
+    return np.array([i, 0], np.int64)
+
+
+async def test_another_stream_is_answered_while_a_long_pipeline_runs() -> None:
+    async with cb.local_cluster(hosts=1, heartbeat_interval=HB, liveness_timeout=LIVE) as ctl:
+        fn = _on(numbered_slowly, ctl)
+        futs = [fn(i) for i in range(3000)]
+        await asyncio.sleep(0)  # (the pipeline's calls leave first)
+        assert int((await asyncio.create_task(_call(fn, -1)))[0]) == -1
+        done_before = sum(f.done() for f in futs)
+        # answered before the long pipeline ended (it waits at most a slice behind it)
+        assert done_before < len(futs), "the pipeline ended first: no overlap to measure"
+        got = [int((await _value(f))[0]) for f in futs]
+        assert got == list(range(3000))
+
+
+async def test_a_call_cancelled_behind_a_slice_never_runs() -> None:
+    async with cb.local_cluster(hosts=1, heartbeat_interval=HB, liveness_timeout=LIVE) as ctl:
+        log: Any = Log()
+        x = _like(ctl)
+        await _value(log.add(x, -1))
+        futs = [log.add(x, i) for i in range(2000)]
+        cancelled = futs[-500:]
+        for f in cancelled:
+            f.cancel()
+        for f in futs[:-500]:
+            await _value(f)
+        seen = [int(v) for v in await _value(log.seen_all(x))]
+        ran = {i for i in seen if i >= 1500}
+        for i, f in zip(range(1500, 2000), cancelled, strict=True):
+            if f.cancelled():  # answered CANCELLED: it must not have run
+                assert i not in ran, i
+        assert seen[1:] == sorted(seen[1:])  # and what ran kept its order
+        await cb.aclose(log)
