@@ -1,7 +1,7 @@
 # One image for both sides: the driver (controller) and the workers.
 #   colobus keygen colobus.key
 #   docker compose up --build --scale worker=3 --abort-on-container-exit --exit-code-from driver
-# See docs/deployment.md.
+# See docs/containers.md.
 #
 # BASE: any Debian-like image with python3 (3.11+) and its venv module. The
 # default is the public python image; where no image registry can be reached

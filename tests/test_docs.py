@@ -267,6 +267,7 @@ class Model:
 model = Model()
 """,
     "functions.md": 'open("mymodule.py", "w").write("cache = None\\n")  # a module of yours',
+    "arrays.md": "arr = x   # a cb.Array (moving_arrays.md's first fragment makes one)",
 }
 
 
@@ -390,8 +391,8 @@ def test_the_snippet_markers_are_seen() -> None:
     assert not _NOT_RUN.match("<!-- not run -->")
 
 
-def test_the_compose_file_on_the_deployment_page_is_the_repositorys() -> None:
-    text = (ROOT / "docs" / "deployment.md").read_text()
+def test_the_compose_file_on_the_containers_page_is_the_repositorys() -> None:
+    text = (ROOT / "docs" / "containers.md").read_text()
     (block,) = re.findall(r"```yaml\n(services:.*?)```", text, re.DOTALL)
     assert yaml.safe_load(block) == yaml.safe_load((ROOT / "docker-compose.yml").read_text())
 
@@ -401,7 +402,7 @@ def test_both_kubernetes_recipes_name_the_secret_alike() -> None:
     one mount path, so a Secret made for either serves both."""
     from colobus._launch import kubernetes as k8s
 
-    text = (ROOT / "docs" / "deployment.md").read_text()
+    text = (ROOT / "docs" / "containers.md").read_text()
     made = re.findall(r"kubectl create secret generic (\S+)\s+--from-file=(\w+)=", text)
     assert made and set(made) == {(k8s.SECRET_NAME, "key")}, made
     recipe = text[text.index("\n## Kubernetes\n"):]

@@ -195,7 +195,7 @@ def _free_port() -> int:
 
 
 def test_the_ports_the_docs_name_are_the_ones_workers_listen_on(tmp_path: Path) -> None:
-    docs = (ROOT / "docs" / "deployment.md").read_text()
+    docs = (ROOT / "docs" / "network.md").read_text()
     assert "open no listening port" not in docs and "Only the driver listens" not in docs
     (row,) = [ln for ln in docs.splitlines() if ln.startswith("| **each worker: its data plane")]
     assert "**one TCP port**, ephemeral by default, on the worker's interface toward the " \
@@ -211,7 +211,7 @@ def test_the_ports_the_docs_name_are_the_ones_workers_listen_on(tmp_path: Path) 
             cb.Controller(address, hosts=2, key=key, join_timeout=240,
                           jax_distributed=False) as ctl:
         # (the block view's listeners: a JAX job adds its collectives' own, which the
-        # deployment docs list with the job's)
+        # network docs list with the job's)
         by_name = {h.name: h for h in ctl.hosts()}
         ctl_port = int(ctl.address.rsplit(":", 1)[1])
         default = _listening_tcp_ports(by_name["port-0"].pid)

@@ -135,7 +135,7 @@ def test_arrays_deleted_while_their_call_runs_leave_nothing_on_the_host(
 
 def test_jaxs_own_functions_refuse_a_cb_array_clearly(ctl: cb.Controller) -> None:
     x = cb.device_put(np.arange(4, dtype=np.float32), cb.devices()[0])
-    assert not isinstance(x, jax.Array)  # by choice: docs/arrays.md
+    assert not isinstance(x, jax.Array)  # by choice: docs/moving_arrays.md
     with pytest.raises(TypeError, match="requires ndarray or scalar arguments"):
         jnp.add(x, 1)
     with pytest.raises(TypeError, match="not a valid JAX type"):

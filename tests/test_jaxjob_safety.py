@@ -1,5 +1,5 @@
 """A JAX job never costs more than its session, and only key holders reach its
-coordination (docs/jax_job.md, docs/security.md, docs/deployment.md).
+coordination (docs/jax_job.md, docs/security.md, docs/network.md).
 
 Real worker processes throughout: a module cluster (2 hosts x 1 CPU device,
 ``jax_distributed=True``, each host restartable once, a short liveness timeout since
@@ -100,10 +100,10 @@ def unix_listeners(pid: int) -> set[str]:
 
 
 def documented_job_listeners() -> dict[str, tuple[int, int]]:
-    """docs/deployment.md's port table, the rows of a JAX job: who listens -> (TCP
+    """docs/network.md's port table, the rows of a JAX job: who listens -> (TCP
     ports, Unix sockets), from the words of its "where" column."""
     rows: dict[str, tuple[int, int]] = {}
-    for line in (DOCS / "deployment.md").read_text().splitlines():
+    for line in (DOCS / "network.md").read_text().splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) != 4 or "JAX job" not in cells[0]:
             continue

@@ -1,7 +1,7 @@
 """Resharding, make_mesh, memory kinds and host identity, on real local clusters.
 
 ``cb.device_put(arr, sharding)`` of a ``cb.Array`` moves only the blocks each
-host lacks (``docs/arrays.md``, "Resharding"); these tests check the values
+host lacks (``docs/moving_arrays.md``, "Resharding"); these tests check the values
 against numpy, the bytes the controller moved (``ctl.stats()``), what each host
 holds afterwards, and that a host lost mid-way fails exactly that operation.
 """
@@ -437,7 +437,7 @@ def test_a_checkpoint_dispatcher(ctl: cb.Controller, tmp_path: Path) -> None:
 
 def test_large_blocks_stay_in_their_pieces_until_read(four: cb.Controller,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """A large new block is kept as the frames it came in (docs/arrays.md): a fetch, a
+    """A large new block is kept as the frames it came in (docs/moving_arrays.md): a fetch, a
     call and another reshard of it each read it whole, with the right values."""
     from colobus._model import moves
 

@@ -137,13 +137,13 @@ def device_put(x: Any, device_or_sharding: Any) -> Any:
 
     Returns ``cb.Array`` handles at once; the upload runs in the background and the arrays
     can be used in calls immediately. Each host receives only its own block (a block that
-    many hosts hold goes down a tree of them: ``docs/arrays.md``, "Broadcast trees"). Every
+    many hosts hold goes down a tree of them: ``docs/moving_arrays.md``, "Broadcast trees"). Every
     leaf is checked before anything is sent: a bad leaf raises and no part of the tree
     leaves this process. Large inputs are sent without copying: do not modify a numpy
     input until ``cb.block_until_ready`` on the result returned.
 
     A ``cb.Array`` leaf onto another sharding is resharded: each host gets the
-    parts of its new block it lacks, through the controller (``docs/arrays.md``,
+    parts of its new block it lacks, through the controller (``docs/moving_arrays.md``,
     "Resharding"); onto its own sharding it is returned as is.
 
     Args:

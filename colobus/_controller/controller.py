@@ -111,7 +111,7 @@ class Controller(SyncFace):
             calls stop walking them (about 15 % of a pipelined call's controller CPU).
         broadcast_tree: a ``device_put`` block of 1 MiB or more that this many hosts or more
             hold the same goes down a tree of them (each serves it to two), leaving the
-            controller twice; 0 turns trees off (``docs/arrays.md``, "Broadcast trees").
+            controller twice; 0 turns trees off (``docs/moving_arrays.md``, "Broadcast trees").
         relays: relay processes carrying the hosts' sessions (one message per relay per
             call, not per host). None: ``$COLOBUS_RELAYS``, else by ``hosts=``: none below
             ``relay_threshold`` (0: never), one per 256 hosts above (docs/architecture.md).

@@ -52,7 +52,7 @@ def setup_jax(cpu_devices: int | None) -> Any:
         except Exception:  # older JAX: XLA_FLAGS above does it
             pass
     # JAX's own default (x64 off) unless the controller side asks otherwise;
-    # local_cluster passes its process's setting (docs/arrays.md, "Dtypes").
+    # local_cluster passes its process's setting (docs/moving_arrays.md, "`device_put`").
     jax.config.update("jax_enable_x64", os.environ.get("COLOBUS_JAX_X64", "0") == "1")
     return jax
 

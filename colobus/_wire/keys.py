@@ -111,7 +111,7 @@ def _make_one(path: Path) -> str:
     """How to make the key file ``path`` that is missing."""
     if str(path).startswith("/run/secrets/"):  # inside a container: a secret not given
         return ("the key reaches containers as a secret: run `colobus keygen colobus.key` "
-                "beside docker-compose.yml (see docs/deployment.md)")
+                "beside docker-compose.yml (see docs/containers.md)")
     return f"make one with `colobus keygen {path}`"
 
 
