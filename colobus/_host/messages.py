@@ -22,7 +22,7 @@ from .._wire.envelope import BATCH_KIND, Dropped, Envelope, unpack_batch
 from .._wire.lane import ON, decode
 from .._wire.peer import ACK_AFTER
 from .._wire.protocol import Kind
-from .._wire.sockio import EVENTS, NOBLOCK, POLLIN
+from .._wire.sockio import NOBLOCK
 from .outbound import Outbound
 
 if TYPE_CHECKING:
@@ -37,7 +37,6 @@ log = logging.getLogger("colobus.worker")
 _CALL, _RELEASE = int(Kind.CALL), int(Kind.RELEASE)
 _LANE_KINDS = (BATCH_KIND, _CALL, _RELEASE)  # what the lane reads (the rest: the general path)
 _recv = zmq.backend.Socket.recv  # (sockio's: the compiled methods)
-_get: Any = zmq.backend.Socket.get  # (sockio's: ZMQ_EVENTS, one system call fewer than zmq_poll)
 _monotonic = time.monotonic
 _Call = P.Call
 
@@ -88,8 +87,15 @@ class MessagePath(Outbound):
         on_frames = self._on_frames
         try:
             while True:
-                while _get(sock, EVENTS) & POLLIN:
-                    frame = _recv(sock, NOBLOCK, False)  # sockio.recv_frames
+                # Received until none waits: a receive that finds nothing has processed
+                # the socket's commands, as ZMQ_EVENTS does (the FD's edge is re-armed),
+                # and a receive that finds a message costs no system call, where each
+                # ZMQ_EVENTS does (getpid and poll, in libzmq's signaler)
+                while True:
+                    try:
+                        frame = _recv(sock, NOBLOCK, False)  # sockio.recv_frames
+                    except zmq.Again:
+                        break
                     frames = [frame]
                     while frame.more:
                         frame = _recv(sock, NOBLOCK, False)

@@ -133,7 +133,7 @@ class Runs:
             spent = end - t0
             if (call is not last and watch is not None
                     and (not brief or spent >= SLICE_MAX_NS
-                         or spent >= SLICE_MIN_NS and i + 1 >= SLICE_MIN_CALLS)
+                         or (spent >= SLICE_MIN_NS and i + 1 >= SLICE_MIN_CALLS))
                     and not watch.lost and baton.between(watch, self._requeue, batch, i + 1)):
                 self._post_done(call)
                 return
