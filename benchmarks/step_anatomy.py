@@ -8,6 +8,9 @@ stamps its clock before and after the step's JAX dispatch; from the stamps:
 * ``between us``: from one step's end to the next one's start on the host, median: what
   colobus spends per call on the worker while calls are queued (receiving, scheduling,
   describing the output, replying), since the next call is already waiting;
+* ``in_one_call`` and ``in_one_call_kept``: the same steps run back to back inside one call
+  on the same worker thread, the outputs dropped (as a plain loop does) or kept and asked
+  ``is_ready`` (as a colobus host does with a call's outputs);
 * per-thread CPU of the worker (``/proc/self/task``) over the run, by thread name.
 
 The plain process's ``dispatch us`` and steps/s are measured the same way. Prints one JSON
@@ -122,8 +125,22 @@ class HostTrainer:
             loss = self.t.step()
         loss.block_until_ready()
         rate = len(marks) / (time.perf_counter() - t0)
+        one = _figures(self.t.marks)
+        # the same, each step's output kept and asked whether it is computed, as a
+        # colobus host does with a call's outputs (stored until the controller frees them)
+        self.t.marks.clear()
+        kept = []
+        t0 = time.perf_counter()
+        for _ in range(len(marks)):
+            loss = self.t.step()
+            loss.is_ready()
+            kept.append(loss)
+        loss.block_until_ready()
+        kept_rate = len(marks) / (time.perf_counter() - t0)
+        del kept
         out = {"host": _figures(marks),
-               "in_one_call": {"steps_per_s": rate, **_figures(self.t.marks)},
+               "in_one_call": {"steps_per_s": rate, **one},
+               "in_one_call_kept": {"steps_per_s": kept_rate, **_figures(self.t.marks)},
                "thread_cpu_s": {k: round(v - self.cpu0.get(k, 0.0), 3) for k, v in cpu1.items()
                                 if v - self.cpu0.get(k, 0.0) > 0.005}}
         Path(os.environ.get("STEP_ANATOMY_OUT", "/tmp/step_anatomy.json")).write_text(
