@@ -138,7 +138,16 @@ def _run(cmd: list[str], marks: Path, trigger: str, job: bool,
                 if interrupt_on in line:
                     os.killpg(proc.pid, signal.SIGINT)
                     break
-        out, err = proc.communicate(timeout=240)
+        try:
+            out, err = proc.communicate(timeout=240)
+        except subprocess.TimeoutExpired:  # say what it printed, and what still runs
+            left = subprocess.run(["ps", "-eLo", "pid,tid,ppid,stat,wchan:24,comm,args"],
+                                  capture_output=True, text=True).stdout
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            pytest.fail(f"{cmd} did not end within 240 s of the Ctrl-C\n--- stdout\n"
+                        f"{out[-3000:]}\n--- stderr\n{(''.join(err_lines) + err)[-6000:]}"
+                        f"\n--- processes\n{left[-12000:]}")
         return proc.returncode, out, "".join(err_lines) + err
     finally:
         if proc.poll() is None:
