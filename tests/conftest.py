@@ -9,12 +9,30 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import collections.abc
 import pickle
+import signal
 import traceback
 from typing import Any
 
 import cloudpickle
 import cloudpickle.cloudpickle
 import pytest
+
+
+def _take_interrupts() -> None:
+    """Ctrl-C as a terminal gives it, in this process and every process a test starts.
+
+    A run started in the background by a shell without job control (``cmd &`` in a
+    script, as some CI runners start it) inherits SIGINT and SIGQUIT ignored, and so
+    would every driver, launcher and worker a test starts: the tests that send them
+    SIGINT (tests/test_ctrl_c.py, a job's worker told to stop) would then wait for an
+    interrupt nothing takes. Python's own handler, as a foreground run has it."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if signal.getsignal(signal.SIGQUIT) is signal.SIG_IGN:
+        signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+
+
+_take_interrupts()
 
 
 def _share_jax_compilations() -> str | None:
