@@ -8,6 +8,7 @@ how many BATCH envelopes went each way.
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -23,6 +24,17 @@ def tag(x: Any, i: int) -> Any:
     if i % 7 == 3:
         raise ValueError(f"call {i} fails")
     return x * 0 + i
+
+
+@cb.colocated_python
+def gate(x: Any, path: str) -> None:
+    """Returns once ``path`` exists (at most 60 s): the calls behind it wait."""
+    import os
+    import time
+
+    deadline = time.monotonic() + 60
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.002)
 
 
 @cb.colocated_python
@@ -97,12 +109,20 @@ def test_sync_callers_from_threads_keep_working_with_batches(ctl: cb.Controller)
 
 @pytest.mark.parametrize("n", [1, 2])
 async def test_cancelling_calls_inside_a_batch_cancels_just_those(ctl: cb.Controller,
-                                                                  n: int) -> None:
+                                                                  n: int, tmp_path: Path
+                                                                  ) -> None:
     x = _x(ctl)
-    futs = in_async(lambda: [tag(x, i) for i in range(40)])  # (Futures: cancelled here)
+    opened = tmp_path / "open"
+    # (Futures: cancelled here) The calls wait on every host behind a gate that opens
+    # once the victims are cancelled: without it, a quick host can have answered them
+    # before the cancel leaves (then they are not cancelled: they ended).
+    futs = in_async(lambda: [gate(x, str(opened)), *(tag(x, i) for i in range(40))])
+    gated, futs = futs[0], futs[1:]
     victims = futs[10:10 + n]
     for f in victims:
-        f.cancel()
+        assert f.cancel()
+    opened.touch()
+    assert await gated is None
     outcomes = await asyncio.gather(*futs, return_exceptions=True)
     for i, out in enumerate(outcomes):
         if 10 <= i < 10 + n:
