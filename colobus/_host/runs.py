@@ -131,13 +131,13 @@ class Runs:
             self._quick = end - start < BRIEF_WAIT_NS
             start = end
             spent = end - t0
-            if (call is not last and watch is not None
-                    and (not brief or spent >= SLICE_MAX_NS
-                         or (spent >= SLICE_MIN_NS and i + 1 >= SLICE_MIN_CALLS))
-                    and not watch.lost and baton.between(watch, self._requeue, batch, i + 1)):
-                self._post_done(call)
+            cut = (call is not last and watch is not None
+                   and (not brief or spent >= SLICE_MAX_NS
+                        or (spent >= SLICE_MIN_NS and i + 1 >= SLICE_MIN_CALLS))
+                   and not watch.lost and baton.between(watch, self._requeue, batch, i + 1))
+            self._post_done(call)  # (after the cut: this call then ends its batch)
+            if cut:
                 return
-            self._post_done(call)
 
     def _requeue(self, batch: list[_Call], rest: int) -> None:
         """As the loop's owner: the calls of ``batch`` from ``rest`` on go back to the head
