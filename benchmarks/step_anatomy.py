@@ -7,7 +7,9 @@ stamps its clock before and after the step's JAX dispatch; from the stamps:
 * ``dispatch us``: JAX's dispatch of one step (the method's own time), median;
 * ``between us``: from one step's end to the next one's start on the host, median: what
   colobus spends per call on the worker while calls are queued (receiving, scheduling,
-  describing the output, replying), since the next call is already waiting;
+  describing the output, replying), since the next call is already waiting; its mean,
+  and the gaps of 0.5 ms or more (``long_gaps``: how many, and their share of the time
+  between steps: the loop's turns between slices, or the host waiting for calls);
 * ``in_one_call`` and ``in_one_call_kept``: the same steps run back to back inside one call
   on the same worker thread, the outputs dropped (as a plain loop does) or kept and asked
   ``is_ready`` (as a colobus host does with a call's outputs);
@@ -98,9 +100,14 @@ def _threads() -> dict[str, float]:
 def _figures(marks: list[tuple[float, float]]) -> dict[str, float]:
     disp = [b - a for a, b in marks]
     between = [marks[i + 1][0] - marks[i][1] for i in range(len(marks) - 1)]
+    long = [b for b in between if b >= 0.5e-3]
     return {"dispatch_us": statistics.median(disp) * 1e6,
             "between_us": statistics.median(between) * 1e6 if between else 0.0,
-            "between_mean_us": statistics.mean(between) * 1e6 if between else 0.0}
+            "between_mean_us": statistics.mean(between) * 1e6 if between else 0.0,
+            # the gaps of 0.5 ms or more (between slices, or waiting for calls): how many
+            # and their share of all the time between steps
+            "long_gaps": len(long),
+            "long_gaps_share": sum(long) / sum(between) if between and sum(between) else 0.0}
 
 
 @cb.colocated_python_class
@@ -141,6 +148,7 @@ class HostTrainer:
         out = {"host": _figures(marks),
                "in_one_call": {"steps_per_s": rate, **one},
                "in_one_call_kept": {"steps_per_s": kept_rate, **_figures(self.t.marks)},
+               "glibc_tunables": os.environ.get("GLIBC_TUNABLES", ""),
                "thread_cpu_s": {k: round(v - self.cpu0.get(k, 0.0), 3) for k, v in cpu1.items()
                                 if v - self.cpu0.get(k, 0.0) > 0.005}}
         Path(os.environ.get("STEP_ANATOMY_OUT", "/tmp/step_anatomy.json")).write_text(

@@ -27,7 +27,7 @@ import threading
 import time
 from typing import TypeVar
 
-__all__ = ["available", "freeze_once", "quick_loop", "reexec_with_huge_pages",
+__all__ = ["available", "freeze_once", "keep_heaps", "quick_loop", "reexec_with_huge_pages",
            "with_huge_pages"]
 
 log = logging.getLogger("colobus.gc")
@@ -85,7 +85,7 @@ def freeze_once() -> bool:
 # environment of the processes it starts (``local_cluster`` workers) and re-runs
 # ``colobus worker`` and ``colobus bench`` with it. ``COLOBUS_HUGE_PAGES=0``
 # turns this off; a ``glibc.malloc.hugetlb`` setting of the user's own stands.
-log = logging.getLogger("colobus.hugepages")
+hplog = logging.getLogger("colobus.hugepages")
 
 TUNABLE = "glibc.malloc.hugetlb=1"
 OFF_ENV = "COLOBUS_HUGE_PAGES"  # "0": leave malloc alone
@@ -133,10 +133,61 @@ def reexec_with_huge_pages() -> None:
         return
     env[_DONE_ENV] = "1"
     argv = [sys.executable, *sys.orig_argv[1:]]
-    log.debug("re-running with %s", env["GLIBC_TUNABLES"])
+    hplog.debug("re-running with %s", env["GLIBC_TUNABLES"])
     sys.stdout.flush()
     sys.stderr.flush()
     try:
         os.execve(sys.executable, argv, env)
     except OSError as exc:  # carry on without: only speed is lost
-        log.warning("could not re-run with huge pages on: %s", exc)
+        hplog.warning("could not re-run with huge pages on: %s", exc)
+
+
+# Threads' malloc heaps that stay grown.
+#
+# glibc gives each thread that allocates an arena of its own. A non-main arena's heap
+# grows with ``mprotect`` and, whenever a free leaves more than ``M_TRIM_THRESHOLD``
+# (128 KiB, or what glibc's dynamic threshold has raised it to) free at its top, shrinks
+# with ``madvise(MADV_DONTNEED)``: the next growth faults the same pages in again. A
+# host keeps each call's outputs until the controller frees them, so the heap of the
+# thread that runs the calls grows with every call and shrinks with every batch of
+# frees. Where system calls and page faults are slow (the lent TPU VM's sandbox: 6 us a
+# system call), JAX's dispatch of a small step on such a thread took 470-600 us instead
+# of 330 (benchmarks/NOTES.md, "Issue 64, third pass"). A 16 MiB pad on each growth,
+# a 64 MiB trim threshold and the mmap threshold fixed at glibc's own dynamic ceiling
+# (32 MiB: smaller blocks come from the heaps, as once that threshold has risen) keep
+# the heaps grown. What it costs: up to 64 MiB of freed memory an arena keeps instead of
+# returning it to the system. ``COLOBUS_MALLOC_HEAPS=0`` leaves malloc alone, and so does
+# a ``GLIBC_TUNABLES`` that sets any of these itself.
+heaplog = logging.getLogger("colobus.malloc")
+HEAPS_ENV = "COLOBUS_MALLOC_HEAPS"
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
+_HEAPS = ((_M_TOP_PAD, 16 << 20), (_M_TRIM_THRESHOLD, 64 << 20), (_M_MMAP_THRESHOLD, 32 << 20))
+_OWN = ("glibc.malloc.top_pad", "glibc.malloc.trim_threshold", "glibc.malloc.mmap_threshold")
+heaps_kept = False  # whether this process made the settings (read by the tests)
+
+
+def keep_heaps() -> bool:
+    """Keep this process's malloc heaps grown (glibc only; see above). Call it early in a
+    worker process, before JAX starts its threads.
+
+    Returns:
+        Whether the settings were made.
+    """
+    if os.environ.get(HEAPS_ENV, "1") == "0":
+        return False
+    if any(name in os.environ.get("GLIBC_TUNABLES", "") for name in _OWN):
+        return False  # the user's own choice stands
+    if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
+        return False
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    made = all(mallopt(param, value) == 1 for param, value in _HEAPS)
+    heaplog.debug("malloc heaps kept grown: %s", made)
+    global heaps_kept
+    heaps_kept = made
+    return made

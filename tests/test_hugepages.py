@@ -1,5 +1,7 @@
 """Huge pages for large receives (issue 7): local workers and the CLI run with
-glibc's ``malloc.hugetlb`` tunable, unless turned off or set by the user."""
+glibc's ``malloc.hugetlb`` tunable, unless turned off or set by the user. And a
+worker's malloc heaps kept grown (issue 64): made in each worker, unless turned off
+or set by the user."""
 
 from __future__ import annotations
 
@@ -8,11 +10,14 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 import colobus as cb
 from colobus import _process as H
 
+glibc = sys.platform.startswith("linux") and __import__("platform").libc_ver()[0] == "glibc"
+needs_glibc = pytest.mark.skipif(not glibc, reason="needs Linux with glibc")
 needs_thp = pytest.mark.skipif(not H.available(),
                                reason="needs Linux, glibc 2.35+ and transparent huge pages")
 
@@ -72,3 +77,44 @@ def test_colobus_worker_reruns_itself_with_huge_pages() -> None:
     finally:
         proc.kill()
         proc.wait()
+
+
+def _keeps(env: dict[str, str]) -> str:
+    """What ``keep_heaps`` answers in a fresh interpreter with ``env`` added."""
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("GLIBC_TUNABLES", "COLOBUS_MALLOC_HEAPS")}
+    return subprocess.run(
+        [sys.executable, "-c", "from colobus import _process as H; print(H.keep_heaps())"],
+        env={**base, **env}, capture_output=True, text=True, check=True).stdout.strip()
+
+
+@needs_glibc
+def test_keep_heaps_is_made_unless_turned_off_or_set_by_the_user() -> None:
+    assert _keeps({}) == "True"
+    assert _keeps({"COLOBUS_MALLOC_HEAPS": "0"}) == "False"
+    assert _keeps({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1048576"}) == "False"
+    assert _keeps({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}) == "True"  # not one of ours
+
+
+@cb.colocated_python
+def _heaps_kept(x: object) -> object:
+    import jax.numpy as jnp
+
+    from colobus import _process
+
+    return jnp.asarray([int(_process.heaps_kept)], jnp.int32)
+
+
+@needs_glibc
+@pytest.mark.parametrize("switch", [None, "0"])
+async def test_each_worker_keeps_its_heaps_unless_turned_off(
+        switch: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    if switch is None:
+        monkeypatch.delenv("COLOBUS_MALLOC_HEAPS", raising=False)
+    else:
+        monkeypatch.setenv("COLOBUS_MALLOC_HEAPS", switch)
+    async with cb.local_cluster(hosts=1, devices_per_host=1):
+        x = cb.device_put(np.zeros(1, np.int32), cb.SingleDeviceSharding(cb.devices()[0]))
+        got = await cb.device_get(_heaps_kept(x))
+    assert list(np.asarray(got)) == ([1] if switch is None else [0])

@@ -27,7 +27,7 @@ from typing import Any
 import zmq
 
 from .._model import jaxside as _hostside
-from .._process import freeze_once, quick_loop
+from .._process import freeze_once, keep_heaps, quick_loop
 from .._wire import protocol as P
 from .._wire import versions as _versions
 from .._wire.calltimes import HEARTBEAT_BUDGET, HostCallTimes
@@ -199,6 +199,9 @@ class Worker(MessagePath):
         on_main = threading.current_thread() is threading.main_thread()
         if on_main:
             self.loop.add_signal_handler(signal.SIGTERM, self._on_sigterm)
+        # The calls' outputs live until the controller frees them: the heaps of the
+        # threads that run calls would grow and shrink with each batch (colobus._process).
+        keep_heaps()
         self._jax = setup_jax(self._cpu_devices)
         answer_colobus_process_index(self._jax)  # (before any user code runs here)
         guard_builders(self._jax)  # (the block view's check: colobus._host.viewguard)
