@@ -20,6 +20,13 @@ own ``return x`` calls one after another), ``awaited`` (one call in flight at a 
     python benchmarks/syscalls.py                          # 2,000 calls per mode, perf
     python benchmarks/syscalls.py --calls 500 --mode window --tool strace
 
+``--spin-us N`` makes each call a step of the host's time instead of ``return x``: the
+call spins N us on the worker and returns its argument (a small step's shape: calls of
+under 1 ms run back to back on the worker's loop thread, in slices, and each loop turn
+between slices is shared by a few calls only).
+
+    python benchmarks/syscalls.py --mode window --spin-us 300 --calls 1000
+
 Counts follow what the processes do, not the clock, except for how many calls wait per
 wake-up (more on a slow machine) and the heartbeats (one each way per second).
 """
@@ -47,6 +54,18 @@ TRACEFS = "/sys/kernel/tracing/events/syscalls"
 
 
 # -- the driver (its own process: counted whole) ----------------------------------------------
+
+
+SPIN_ENV = "SYSCALLS_SPIN_US"
+SPIN_S = float(os.environ.get(SPIN_ENV, "0")) / 1e6  # (the driver's: set by main)
+
+
+def _spin(x: Any) -> Any:
+    """A small step's shape: ``SPIN_S`` of the host's time, the argument returned."""
+    end = time.perf_counter() + SPIN_S
+    while time.perf_counter() < end:
+        pass
+    return x
 
 
 def _worker_pid() -> Any:
@@ -91,6 +110,7 @@ async def _drive(modes: list[str], n: int, inflight: int) -> None:
     from colobus._tools.bench_calls import bench_ident
 
     pid_of = cb.colocated_python(_worker_pid)
+    fn = cb.colocated_python(_spin) if SPIN_S else bench_ident
     async with cb.local_cluster(hosts=1, devices_per_host=1) as ctl:
         x = _one_device_array(ctl)
         await cb.block_until_ready(x)
@@ -98,10 +118,10 @@ async def _drive(modes: list[str], n: int, inflight: int) -> None:
             devices=list(x.sharding.device_set))())))
         print(f"PIDS {os.getpid()} {wpid}", flush=True)
         for mode in modes:
-            await RUNS[mode](bench_ident, x, max(n // 4, 50), inflight)  # warm: threads made
+            await RUNS[mode](fn, x, max(n // 4, 50), inflight)  # warm: threads made
             print(f"READY {mode}", flush=True)
             sys.stdin.readline()  # (blocking: the loop has nothing else to do)
-            await RUNS[mode](bench_ident, x, n, inflight)
+            await RUNS[mode](fn, x, n, inflight)
             print(f"DONE {mode}", flush=True)
             sys.stdin.readline()
 
@@ -257,15 +277,20 @@ def main() -> None:
     ap.add_argument("--mode", nargs="+", default=list(MODES), choices=MODES)
     ap.add_argument("--tool", choices=("perf", "strace"), default=None,
                     help="perf where it can count tracepoints, else strace")
+    ap.add_argument("--spin-us", type=float, default=0.0,
+                    help="each call spins this long on the worker (default: return x)")
     ap.add_argument("--child", action="store_true", help="(internal) the driver")
     args = ap.parse_args()
+    if args.spin_us:
+        os.environ[SPIN_ENV] = str(args.spin_us)  # (the driver's child reads it)
     if args.child:
         asyncio.run(_drive(args.mode, args.calls, args.inflight))
         return
     tool = args.tool or ("perf" if perf_usable() else "strace")
     got = count(args.mode, args.calls, args.inflight, tool)
     load = os.getloadavg()[0]
-    print(f"system calls per call ({tool}), {args.calls} `return x` calls per mode, "
+    what = f"{args.spin_us:g} us step" if args.spin_us else "`return x`"
+    print(f"system calls per call ({tool}), {args.calls} {what} calls per mode, "
           f"load {load:.1f}")
     print(f"  {'mode':28s} {'controller':>10s} {'worker':>8s} {'calls/s':>8s}")
     for mode in args.mode:

@@ -168,3 +168,42 @@ async def test_a_call_cancelled_behind_a_slice_never_runs() -> None:
                 assert i not in ran, i
         assert seen[1:] == sorted(seen[1:])  # and what ran kept its order
         await cb.aclose(log)
+
+
+@cb.colocated_python_class
+class Looked:
+    """Counts how often the host looks its method ``add`` up: once each time a call of it
+    is made ready to run (its target, inputs and mesh)."""
+
+    def __init__(self) -> None:
+        self.lookups = 0
+        self.ran = 0
+
+    def __getattribute__(self, name: str) -> Any:
+        if name == "add":
+            object.__getattribute__(self, "__dict__")["lookups"] += 1
+        return object.__getattribute__(self, name)
+
+    def add(self, like: Any) -> Any:
+        self.ran += 1
+        return np.int64(self.ran)
+
+    def counts(self, like: Any) -> Any:
+        return np.array([self.ran, self.lookups], np.int64)
+
+
+async def test_a_slice_is_handed_a_slices_worth_of_calls_not_the_whole_queue() -> None:
+    """1,000 pipelined calls queue behind the first: each slice is made ready only about
+    as many as it runs (those it does not reach go back to the queue, to be made ready
+    again). Handed the stream's next 256 each time, each call was made ready ~50 times:
+    on a small step that was most of the loop's turn between two slices."""
+    async with cb.local_cluster(hosts=1, heartbeat_interval=HB, liveness_timeout=LIVE) as ctl:
+        obj: Any = Looked()
+        x = _like(ctl)
+        await _value(obj.add(x))
+        futs = [obj.add(x) for _ in range(1000)]
+        assert [int(await _value(f)) for f in futs] == list(range(2, 1002))
+        ran, lookups = (int(v) for v in await _value(obj.counts(x)))
+        assert ran == 1001
+        assert lookups <= 10 * ran, f"{lookups} lookups for {ran} calls"
+        await cb.aclose(obj)

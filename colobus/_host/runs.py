@@ -47,6 +47,11 @@ SLICE_MIN_NS = 500_000
 SLICE_MIN_CALLS = 4
 SLICE_MAX_NS = 2_000_000
 SLICE_CALL_NS = 1_000_000
+# The calls a slice is handed: twice what the last slice ran, at least SLICE_MIN_BATCH.
+# Each call handed is made ready first (its inputs, target and mesh looked up), and
+# those a slice does not reach go back to the queue: handing a slice of four 300 us
+# steps the stream's next 256 calls made each loop turn between slices cost ~1 ms.
+SLICE_MIN_BATCH = 8
 _OK = int(Status.OK)
 _RESULT = int(Kind.RESULT)
 _pack = msgpack.Packer(use_bin_type=True).pack  # a RESULT's body (loop thread only)
@@ -69,6 +74,7 @@ class Runs:
         self._quick = True  # the last batch took less than BRIEF_WAIT_S
         self._slow_once = False  # the last lone call took longer (see _run_lone)
         self._brief = True  # the last call run took less than SLICE_CALL_NS (see _run_slice)
+        self.slice_batch = SLICE_MIN_BATCH  # the calls the next slice is handed, at most
         self.baton: Baton | None = None  # inline calls (colobus._host.leader), if on
         # The host's only call, arrived on an idle stream: no stream of its own unless
         # another call or DESTROY arrives before it ends (Scheduler._adopt, on_call).
@@ -137,7 +143,9 @@ class Runs:
                    and not watch.lost and baton.between(watch, self._requeue, batch, i + 1))
             self._post_done(call)  # (after the cut: this call then ends its batch)
             if cut:
+                self.slice_batch = max(SLICE_MIN_BATCH, 2 * (i + 1))
                 return
+        self.slice_batch = max(SLICE_MIN_BATCH, 2 * len(batch))
 
     def _requeue(self, batch: list[_Call], rest: int) -> None:
         """As the loop's owner: the calls of ``batch`` from ``rest`` on go back to the head

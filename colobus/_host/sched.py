@@ -277,7 +277,10 @@ class Scheduler(Runs):
             return  # a stream of a finished session
         queue = stream.queue
         batch: list[_Call] = []
-        while queue and len(batch) < MAX_BATCH:
+        # A stream that may run inline, in slices (below), is handed a slice's worth.
+        limit = (self.slice_batch if self._brief and self.baton is not None
+                 and len(self._calls) <= len(queue) else MAX_BATCH)
+        while queue and len(batch) < limit:
             call = queue[0]
             if isinstance(call, _Destroy):
                 if batch:
