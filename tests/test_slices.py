@@ -207,3 +207,63 @@ async def test_a_slice_is_handed_a_slices_worth_of_calls_not_the_whole_queue() -
         assert ran == 1001
         assert lookups <= 10 * ran, f"{lookups} lookups for {ran} calls"
         await cb.aclose(obj)
+
+
+@cb.colocated_python_class
+class Twin:
+    """Calls that fail at every seventh, noting where each ran (loop leader or pool)."""
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+        self.where: set[int] = set()
+
+    def step(self, like: Any, i: int) -> Any:
+        name = threading.current_thread().name
+        self.where.add(INLINE if name.startswith("colobus-loop-")
+                       else POOL if name.startswith("colobus-call") else 0)
+        self.seen.append(i)
+        if i % 7 == 3:
+            raise ValueError(f"call {i} fails")
+        return np.int64(i)
+
+    def report(self, like: Any) -> Any:
+        return np.array([*sorted(self.where), -1, *self.seen], np.int64)
+
+
+@pytest.mark.parametrize("inline", ["1", "0"])
+async def test_slices_and_pool_batches_end_calls_alike(
+        inline: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Runs._run_slice`` writes out ``_run_batch``'s loop (the hot path's twin): the same
+    pipeline, in slices on the loop's leader or in batches on a pool thread
+    (``COLOBUS_INLINE_CALLS=0``), ends every call alike: values, errors, order, and the
+    calls cancelled before they started never run."""
+    monkeypatch.setenv("COLOBUS_INLINE_CALLS", inline)
+    async with cb.local_cluster(hosts=1, heartbeat_interval=HB, liveness_timeout=LIVE) as ctl:
+        obj: Any = Twin()
+        x = _like(ctl)
+        await _value(obj.step(x, 0))
+        futs = [obj.step(x, i) for i in range(1, 601)]
+        for f in futs[-100:]:
+            f.cancel()
+        got: list[Any] = []
+        for i, f in zip(range(1, 601), futs, strict=True):
+            try:
+                got.append(int(await _value(f)))
+            except ValueError as exc:
+                got.append(str(exc))
+            except asyncio.CancelledError:
+                assert i > 500, i
+                got.append(None)
+        report = [int(v) for v in await _value(obj.report(x))]
+        where, seen = report[:report.index(-1)], report[report.index(-1) + 1:]
+        await cb.aclose(obj)
+    expected = [f"call {i} fails" if i % 7 == 3 else i for i in range(1, 501)]
+    assert got[:500] == expected
+    assert seen[:501] == list(range(501))
+    for i, outcome in zip(range(501, 601), got[500:], strict=True):
+        if outcome is None:  # answered CANCELLED: it never ran
+            assert i not in seen, i
+        else:
+            assert outcome == (f"call {i} fails" if i % 7 == 3 else i)
+    assert seen == sorted(seen)
+    assert (INLINE in where) if inline == "1" else (where == [POOL]), where

@@ -115,7 +115,9 @@ class Runs:
         start); at the slice's end the calls not started go back to the head of their
         stream's queue (:meth:`Baton.between`) and the loop runs once (the replies leave in
         one burst, new messages are read); the stream's next slice starts from ``pump``.
-        A thread that lost the loop to the watchdog runs the rest as a pool thread would."""
+        A thread that lost the loop to the watchdog runs the rest as a pool thread would.
+        Twin of ``_run_batch``'s loop, written out (the hot path); tests/test_slices.py
+        (``test_slices_and_pool_batches_end_calls_alike``) holds the two equal."""
         baton = self.baton
         assert baton is not None
         claim[0] = _TAKEN  # (no pool thread can claim it, and it never expires)
