@@ -39,33 +39,16 @@ from typing import Any
 os.environ.setdefault("JAX_PLATFORMS", "cpu")  # (this process's JAX, and its workers')
 
 
-class Trainer:
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from accelerator_check import Trainer as _Trainer  # (after JAX_PLATFORMS is set)
+
+
+class Trainer(_Trainer):
     """``accelerator_check.Trainer``'s MLP: parameters on this process's first device and a
     jitted step; ``step()`` returns the loss as JAX dispatched it."""
 
     def __init__(self) -> None:
-        import jax
-        import jax.numpy as jnp
-
-        dev = jax.devices()[0]
-        k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
-        self.params = jax.device_put({"w1": jax.random.normal(k1, (256, 512)) / 16,
-                                      "w2": jax.random.normal(k2, (512, 16)) / 23}, dev)
-        self.batch = jax.device_put(jax.random.normal(k3, (128, 256)), dev)
-
-        def loss_fn(p: Any, x: Any) -> Any:
-            return jnp.mean((jax.nn.relu(x @ p["w1"]) @ p["w2"] - 1.0) ** 2)
-
-        def step(p: Any, x: Any) -> Any:
-            loss, g = jax.value_and_grad(loss_fn)(p, x)
-            return jax.tree.map(lambda w, d: w - 0.01 * d, p, g), loss
-
-        self._step = jax.jit(step, donate_argnums=0)
-        self.step()[0].block_until_ready()  # compiled
-
-    def step(self) -> Any:
-        self.params, loss = self._step(self.params, self.batch)
-        return loss.reshape(1)
+        super().__init__("mlp")
 
 
 class _Plain:

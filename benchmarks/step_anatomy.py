@@ -39,43 +39,21 @@ import numpy as np
 
 import colobus as cb
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from accelerator_check import Trainer as _Trainer  # (its step, by reference)
 
-class Trainer:
-    """``accelerator_check.Trainer``: the MLP (or matmul) step; ``step()`` returns the loss."""
+
+class Trainer(_Trainer):
+    """``accelerator_check.Trainer``'s MLP (or matmul) step, each dispatch's start and end
+    stamped in ``marks``."""
 
     def __init__(self, kind: str) -> None:
-        import jax
-        import jax.numpy as jnp
-
-        dev = jax.devices()[0]
-        k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
-        if kind == "matmul":
-            self.params = jax.device_put(jax.random.normal(k1, (4096, 4096), jnp.bfloat16), dev)
-            self.batch = jax.device_put(jax.random.normal(k2, (4096, 4096), jnp.bfloat16) / 64,
-                                        dev)
-
-            def step(w: Any, x: Any) -> Any:
-                w = (w @ x).astype(jnp.bfloat16)
-                return w, w[0, 0].astype(jnp.float32)
-        else:
-            self.params = jax.device_put({"w1": jax.random.normal(k1, (256, 512)) / 16,
-                                          "w2": jax.random.normal(k2, (512, 16)) / 23}, dev)
-            self.batch = jax.device_put(jax.random.normal(k3, (128, 256)), dev)
-
-            def loss_fn(p: Any, x: Any) -> Any:
-                return jnp.mean((jax.nn.relu(x @ p["w1"]) @ p["w2"] - 1.0) ** 2)
-
-            def step(p: Any, x: Any) -> Any:
-                loss, g = jax.value_and_grad(loss_fn)(p, x)
-                return jax.tree.map(lambda w, d: w - 0.01 * d, p, g), loss
-        self._step = jax.jit(step, donate_argnums=0)
         self.marks: list[tuple[float, float]] = []
-        self.step().block_until_ready()
+        super().__init__(kind)
 
     def step(self) -> Any:
         t0 = time.perf_counter()
-        self.params, loss = self._step(self.params, self.batch)
-        out = loss.reshape(1)
+        out = super().step()
         self.marks.append((t0, time.perf_counter()))
         return out
 

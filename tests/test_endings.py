@@ -329,7 +329,7 @@ async def test_defect8_stale_fetch_reply_never_settles_next_sessions_op(tmp_path
 
     key_file = str(tmp_path / "key")
     key = write_key(key_file)
-    hold = 8.0  # how long the host's conversion pool is held busy
+    hold = 6.0  # how long the host's conversion pool is held busy
     with workers(key_file) as w:
         async with cb.Controller("tcp://127.0.0.1:*", hosts=0, key=key, join_timeout=60) as a:
             bind = a.address
@@ -358,7 +358,7 @@ async def test_defect8_stale_fetch_reply_never_settles_next_sessions_op(tmp_path
             futs = [gated(gate, i) for i in range(300)]  # call ids 1..300 of this session
             try:
                 # The stale window: the old session's fetch resumes once the pool frees up.
-                await asyncio.sleep(max(0.0, held_since + hold + 4.0 - time.monotonic()))
+                await asyncio.sleep(max(0.0, held_since + hold + 3.0 - time.monotonic()))
                 early = {i: repr(f.exception()) if not f.cancelled() else "cancelled"
                          for i, f in enumerate(futs) if f.done()}
             finally:
