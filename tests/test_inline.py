@@ -158,11 +158,16 @@ async def test_the_watchdog_wakes_only_for_a_call_past_the_stall_and_hands_it_ov
     async with cb.local_cluster(hosts=1, heartbeat_interval=HB, liveness_timeout=LIVE) as ctl:
         figures = _on(watch_figures, ctl)
         await _names(ctl, 3)
-        before = await _get_all(await figures())
-        names = await _names(ctl, 40)
-        after = await _get_all(await figures())
+        for _ in range(10):  # (a loaded machine can make every call of a round slow)
+            before = await _get_all(await figures())
+            names = await _names(ctl, 40)
+            after = await _get_all(await figures())
+            if INLINE in names:
+                break
+        else:
+            pytest.fail(f"no call ran inline in 10 rounds of 40: {names} {before} {after}")
         inlined, late, wakes = (after[i] - before[i] for i in range(3))
-        assert INLINE in names and inlined >= names.count(INLINE), (names, before, after)
+        assert inlined >= names.count(INLINE), (names, before, after)
         # (+1: the second figures call's own wake-up, if it ran late, before its own count)
         assert wakes <= late + 1, (before, after)
         for i in range(25):  # a call that waits for a later one, started inline
