@@ -1,4 +1,7 @@
-"""Takes the objects a process starts with out of the garbage collector's way.
+"""A colobus process's own runtime settings, each where it pays for itself: the
+startup objects frozen out of the collector's scans (below), the asyncio loop's clock
+(``quick_loop``), huge pages for large receives and malloc heaps kept grown (their
+comments further down).
 
 A controller or worker imports JAX and numpy before its first call: about
 100,000 objects that live as long as the process. CPython's collector scans
@@ -167,8 +170,9 @@ heaps_kept = False  # whether this process made the settings (read by the tests)
 
 
 def keep_heaps() -> bool:
-    """Keep this process's malloc heaps grown (glibc only; see above). Call it early in a
-    worker process, before JAX starts its threads.
+    """Keep this process's malloc heaps grown (glibc only; see above). The settings are
+    the allocator's, for every thread's arena, whenever it is called; a worker calls it
+    at its start.
 
     Returns:
         Whether the settings were made.
