@@ -267,3 +267,73 @@ async def test_slices_and_pool_batches_end_calls_alike(
             assert outcome == (f"call {i} fails" if i % 7 == 3 else i)
     assert seen == sorted(seen)
     assert (INLINE in where) if inline == "1" else (where == [POOL]), where
+
+
+def _baton() -> Any:
+    """The worker's :class:`~colobus._host.leader.Baton` (its watchdog thread's)."""
+    from colobus._host.leader import Baton
+
+    watch = next(t for t in threading.enumerate() if t.name == "colobus-loop-watch")
+    baton = watch._target.__self__  # type: ignore[attr-defined]
+    assert isinstance(baton, Baton)
+    return baton
+
+
+@cb.colocated_python_class
+class Spinner:
+    """A small step's shape: each call holds the host's thread (and the GIL) ``us``, and
+    says which inline job ran it (a slice is one; -1: not inline)."""
+
+    def __init__(self) -> None:
+        self.baton = _baton()
+
+    def step(self, like: Any, us: float) -> Any:
+        end = time.perf_counter() + us / 1e6
+        while time.perf_counter() < end:
+            pass
+        inline = threading.current_thread().name.startswith("colobus-loop-")
+        return np.int64(self.baton.inlined if inline else -1)
+
+    def figures(self, like: Any) -> Any:
+        """The watchdog's wake-ups, its takeovers, and the jobs whose last call ran past
+        the stall threshold."""
+        b = self.baton
+        return np.array([b.watch_wakes, b.takeovers, b.late], np.int64)
+
+
+async def _slices(obj: Any, x: Any, calls: int, burst: int, us: float) -> tuple[float, int]:
+    """``calls`` steps sent in bursts of ``burst`` (each burst awaited whole): the mean
+    length of the runs of calls one inline job ran, and the watchdog's wake-ups
+    meanwhile less its takeovers and late jobs."""
+    before = [int(v) for v in await _value(obj.figures(x))]
+    jobs: list[int] = []
+    for _ in range(calls // burst):
+        futs = [obj.step(x, us) for _ in range(burst)]
+        jobs += [int(await _value(f)) for f in futs]
+    after = [int(v) for v in await _value(obj.figures(x))]
+    wakes, takeovers, late = (a - b for a, b in zip(after, before, strict=True))
+    inline = [j for j in jobs if j >= 0]
+    runs = sum(1 for i, j in enumerate(inline) if i == 0 or inline[i - 1] != j)
+    return len(inline) / max(runs, 1), wakes - takeovers - late
+
+
+async def test_a_deep_pipeline_runs_in_long_slices_and_a_shallow_one_in_short() -> None:
+    """Brief steps queued deep run many to a slice (the loop's turn between two, its
+    system calls, shared by up to 32), and the watchdog sleeps through a slice however
+    long: the leader moves the alarm on between its calls. Where few are queued (bursts
+    of 12), a slice runs at most half of them: the replies leave while the rest run."""
+    async with cb.local_cluster(hosts=1, heartbeat_interval=HB, liveness_timeout=LIVE) as ctl:
+        obj: Any = Spinner()
+        x = _like(ctl)
+        await _value(obj.step(x, 1))
+        for _ in range(6):  # (a loaded machine may stretch a step past 1 ms)
+            deep, deep_wakes = await _slices(obj, x, 600, 600, 100)
+            shallow, _ = await _slices(obj, x, 120, 12, 300)
+            if deep >= 10 and 2 <= shallow <= 6 and deep_wakes <= 1:
+                break
+        else:
+            pytest.fail(f"calls per slice: {deep:.1f} queued deep (want 10 or more), "
+                        f"{shallow:.1f} in bursts of 12 (want 2 to 6); the watchdog woke "
+                        f"{deep_wakes} times more than its takeovers and late calls while "
+                        "the deep pipeline ran (want at most 1)")
+        await cb.aclose(obj)

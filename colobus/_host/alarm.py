@@ -27,6 +27,10 @@ _CLOCK_MONOTONIC = 1
 class Alarm:
     """The interface (and the fallback): a condition variable and a deadline."""
 
+    # Whether an arm while armed wakes nobody (a timerfd's does not; the fallback's
+    # wakes its sleeper to read the new deadline).
+    quiet_arm = False
+
     def __init__(self, after_s: float) -> None:
         self.after_s = after_s
         self._cond = threading.Condition(threading.Lock())
@@ -90,6 +94,8 @@ def _spec(seconds: float) -> _Itimerspec:
 
 class _TimerFd(Alarm):
     """A Linux ``timerfd``: nobody wakes unless it rings."""
+
+    quiet_arm = True
 
     def __init__(self, after_s: float, settime: Any) -> None:
         self.after_s = after_s

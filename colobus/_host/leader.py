@@ -130,6 +130,19 @@ class Baton:
             watch.started = _monotonic()  # (what is left of the job is no stuck call)
             return True
 
+    def rearm(self, watch: _Inline) -> bool:
+        """Inside an inline job, between its calls: the alarm rings ``stall_s`` from now,
+        where that wakes nobody (a timerfd), so a job of many brief calls never wakes the
+        watchdog (whose every wake takes the GIL from the calls); whether it was moved.
+        The next call is still watched from its own start: it starts after this arm."""
+        if not self._alarm.quiet_arm:
+            return False
+        with self._lock:
+            if watch.lost or self._inline is not watch:
+                return False  # (another leader's job may own the alarm now)
+            self._alarm.arm()
+            return True
+
     def inline(self, job: Callable[[], None]) -> None:
         """Run ``job`` on this thread once the loop's current iteration ends (loop thread)."""
         assert self._job is None and self.loop is not None

@@ -38,15 +38,22 @@ _WAITING, _TAKEN, _EXPIRED = range(3)  # a pool job's claim: taken by a thread, 
 BRIEF_WAIT_S = 0.0005  # after starting quick calls, the loop waits this long for them
 BRIEF_WAIT_NS = int(BRIEF_WAIT_S * 1e9)
 # A stream's pipelined calls run on the loop's leader in slices, the loop running once
-# between two (the replies leave in one burst, new messages are read): a slice ends once
-# it ran SLICE_MIN_CALLS calls and SLICE_MIN_NS, or SLICE_MAX_NS, whichever comes first
-# (replies keep flowing to a caller that keeps a window of calls in flight, and a slow
-# machine's system calls are shared by a few calls); each call must take less than
-# SLICE_CALL_NS (a slower one ends its slice, and the stream's next calls go to the pool).
+# between two (the replies leave in one burst, new messages are read). A slice ends
+# once it ran SLICE_MIN_CALLS calls and SLICE_MIN_NS, and either SLICE_MAX_CALLS calls
+# or at least as many as still wait in its stream (the caller's window: replies keep
+# flowing to a caller that keeps calls in flight); or at SLICE_MAX_NS, whichever comes
+# first. A deep queue of brief steps so shares each loop turn (its system calls: 6 us
+# each on a sandboxed accelerator host) among up to 32 calls, not four. Each call must
+# take less than SLICE_CALL_NS (a slower one ends its slice, and the stream's next
+# calls go to the pool).
 SLICE_MIN_NS = 500_000
 SLICE_MIN_CALLS = 4
-SLICE_MAX_NS = 2_000_000
+SLICE_MAX_CALLS = 32
+SLICE_MAX_NS = 8_000_000
 SLICE_CALL_NS = 1_000_000
+# The alarm is moved on between a slice's calls once this much passed since it was set
+# (half the stall threshold: one arm per few brief calls, and no wake-up in the slice).
+REARM_NS = 1_000_000
 # The calls a slice is handed: twice what the last slice ran, at least SLICE_MIN_BATCH.
 # Each call handed is made ready first (its inputs, target and mesh looked up), and
 # those a slice does not reach go back to the queue: handing a slice of four 300 us
@@ -122,8 +129,10 @@ class Runs:
         assert baton is not None
         claim[0] = _TAKEN  # (no pool thread can claim it, and it never expires)
         watch = baton.watching()  # None: the loop was taken from this job already
-        t0 = start = time.perf_counter_ns()
+        t0 = start = armed = time.perf_counter_ns()
         last = batch[-1]
+        stream = last.stream
+        queued = len(batch) + (len(stream.queue) if stream is not None else 0)
         for i, call in enumerate(batch):
             with self._state_lock:
                 runs = call.state == _QUEUED
@@ -139,14 +148,19 @@ class Runs:
             self._quick = end - start < BRIEF_WAIT_NS
             start = end
             spent = end - t0
+            ran = i + 1
             cut = (call is not last and watch is not None
                    and (not brief or spent >= SLICE_MAX_NS
-                        or (spent >= SLICE_MIN_NS and i + 1 >= SLICE_MIN_CALLS))
-                   and not watch.lost and baton.between(watch, self._requeue, batch, i + 1))
+                        or (spent >= SLICE_MIN_NS and ran >= SLICE_MIN_CALLS
+                            and (ran >= SLICE_MAX_CALLS or 2 * ran >= queued)))
+                   and not watch.lost and baton.between(watch, self._requeue, batch, ran))
             self._post_done(call)  # (after the cut: this call then ends its batch)
             if cut:
-                self.slice_batch = max(SLICE_MIN_BATCH, 2 * (i + 1))
+                self.slice_batch = max(SLICE_MIN_BATCH, 2 * ran)
                 return
+            if end - armed >= REARM_NS and watch is not None:
+                armed = end
+                baton.rearm(watch)
         self.slice_batch = max(SLICE_MIN_BATCH, 2 * len(batch))
 
     def _requeue(self, batch: list[_Call], rest: int) -> None:
