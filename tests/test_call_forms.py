@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from types import MethodType
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -297,3 +297,56 @@ def test_one_host_calls_from_many_threads_keep_each_threads_order(ctl: cb.Contro
         assert seq == sorted(seq) and len(set(seq)) == 20  # each thread's calls in order
     assert sorted(v for seq in got.values() for v in seq) == [float(v) for v in range(2, 62)]
     cb.close(keeper)
+
+
+@cb.colocated_python
+def unpicklings(x: Any, on: bool) -> Any:
+    """The worker's argument unpicklings since counting started (``on``: count from now
+    on, as a subclass of its loader; off: the worker's own loader back)."""
+    from colobus._host import calls
+
+    loader = calls.ArgsLoader
+    counted = getattr(loader, "counted", None)
+    if on and counted is None:
+        class Counted(loader):  # type: ignore[misc, valid-type]
+            counted: ClassVar[list[int]] = [0]
+
+            def load(self) -> Any:
+                Counted.counted[0] += 1
+                return super().load()
+
+        calls.ArgsLoader = Counted
+        counted = Counted.counted
+    elif not on and counted is not None:
+        calls.ArgsLoader = loader.__bases__[0]
+    return np.int64(counted[0] if counted else 0)
+
+
+@cb.colocated_python
+def form_add(x: Any, y: Any, scale: float = 1.0) -> Any:
+    return (x + y) * scale
+
+
+def _got(a: Any) -> Any:
+    return np.asarray(cb.device_get(a))
+
+
+def test_arrays_alone_by_position_are_the_arguments_without_unpickling(
+        ctl: cb.Controller) -> None:
+    """``f(x)``, ``f(x, y)``: the controller's payload for arrays alone is the same bytes
+    every time, and the worker takes the values as the arguments without unpickling
+    them; any other argument (a number, a keyword) is unpickled as before."""
+    d0 = ctl.devices()[0]
+    x = cb.device_put(np.arange(4, dtype=np.float32), d0)
+    y = cb.device_put(np.ones(4, dtype=np.float32), d0)
+    start = int(_got(unpicklings(x, True)))  # (this call: a bool, unpickled)
+    try:
+        for _ in range(5):
+            assert _got(form_ident(x)).tolist() == [0, 1, 2, 3]
+            assert _got(form_add(x, y)).tolist() == [1, 2, 3, 4]
+        assert _got(unpicklings(x, True)) - start == 1  # only the count's own call
+        assert _got(form_add(x, y, 2.0)).tolist() == [2, 4, 6, 8]
+        assert _got(form_add(x, y=y)).tolist() == [1, 2, 3, 4]
+        assert _got(unpicklings(x, True)) - start == 4
+    finally:
+        unpicklings(x, False)

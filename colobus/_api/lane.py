@@ -37,6 +37,7 @@ from .._controller.wakeups import current_task_of
 from .._errors import ControllerClosedError
 from .._wire import protocol as P
 from .._wire.lane import ON, pack
+from .._wire.pickling import handles_payload as _handles_payload
 from .array import Array, check_owner
 from .func import (
     _LANE,
@@ -49,7 +50,7 @@ from .func import (
 from .joblayout import _LAYOUTS, job_layout
 from .pending import OutSpecs, Pending, Wait, cell_of, make_pending, outs_of_specs, signature
 from .plan import CallPlan, make_plan
-from .serialization import PickledArgs, _handles_payload
+from .serialization import PickledArgs
 from .specs import _positional_treedef, _spec_of_leaf
 from .target import task_stream
 

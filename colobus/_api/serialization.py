@@ -14,7 +14,6 @@ host's JAX objects (``_hostside``). Large buffers go out of band, zero-copy.
 from __future__ import annotations
 
 import collections
-import functools
 import hashlib
 import importlib
 import io
@@ -37,6 +36,7 @@ from .._errors import SerializationError
 from .._model.jaxside import HOST_REDUCERS, std_dispatch_table
 from .._wire import protocol as P
 from .._wire.envelope import Buffer, StdPickler, oob_callback
+from .._wire.pickling import handles_payload as _handles_payload
 from .array import Array, MisusedHandle, check_owner
 from .joblayout import job_refs
 from .plan import CallPlan
@@ -411,32 +411,6 @@ def pickle_args(tree: Any, what: str, ctl: Controller | None = None) -> PickledA
     data = f.getvalue()
     return PickledArgs(data, buffers, refs, pickler.keep, pickler.objects,
                        _packages_in_args(data, ctl))
-
-
-class _Slot:
-    """Stands for the i-th array argument while :func:`_handles_payload` pickles."""
-
-    __slots__ = ("index",)
-
-    def __init__(self, index: int) -> None:
-        self.index = index
-
-
-class _SlotPickler(StdPickler):
-    def __init__(self, file: io.BytesIO) -> None:
-        self.dispatch_table = std_dispatch_table()  # as _FastArgsPickler has it
-        super().__init__(file, protocol=5)
-
-    def persistent_id(self, obj: Any) -> int | None:
-        return obj.index if type(obj) is _Slot else None
-
-
-@functools.lru_cache(maxsize=64)
-def _handles_payload(n: int) -> bytes:
-    """What :class:`_FastArgsPickler` writes for ``f(a_0, ..., a_{n-1})`` of arrays."""
-    f = io.BytesIO()
-    _SlotPickler(f).dump((tuple(_Slot(i) for i in range(n)), {}))
-    return f.getvalue()
 
 
 def arg_path(path: Sequence[Any]) -> str:
