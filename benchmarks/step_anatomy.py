@@ -13,7 +13,12 @@ stamps its clock before and after the step's JAX dispatch; from the stamps:
 * ``in_one_call`` and ``in_one_call_kept``: the same steps run back to back inside one call
   on the same worker thread, the outputs dropped (as a plain loop does) or kept and asked
   ``is_ready`` (as a colobus host does with a call's outputs);
-* per-thread CPU of the worker (``/proc/self/task``) over the run, by thread name.
+* per-thread CPU of the worker (``/proc/self/task``) over the run, by thread name;
+* ``loop_profile``: the same steps again with a timing wrapper around each of the
+  worker's per-call and per-turn functions (:data:`PROFILED`): per step, how often each
+  ran and its time, inclusive and its own (less the wrapped functions it called), in us.
+  The wrappers cost about 1-2 us a call; the rows say where a step's colobus time goes
+  (``Runs._run_slice``'s own time holds the step itself).
 
 The plain process's ``dispatch us`` and steps/s are measured the same way. Prints one JSON
 object. Runs on an accelerator where one is (JAX's default backend), else on CPU.
@@ -56,6 +61,72 @@ class Trainer(_Trainer):
         out = super().step()
         self.marks.append((t0, time.perf_counter()))
         return out
+
+
+# (module, function or Class.method) timed on the worker for ``loop_profile``
+PROFILED = (
+    ("selectors", "EpollSelector.select"), ("asyncio.base_events", "BaseEventLoop._run_once"),
+    ("asyncio.events", "Handle._run"),
+    ("colobus._host.messages", "MessagePath._on_frames"),
+    ("colobus._host.messages", "MessagePath._lane_in"),
+    ("colobus._host.sched", "Scheduler.on_call"), ("colobus._host.sched", "Scheduler._queue"),
+    ("colobus._host.sched", "Scheduler.pump"), ("colobus._host.sched", "Scheduler._target"),
+    ("colobus._host.runs", "Runs._run_slice"), ("colobus._host.runs", "Runs._run_batch"),
+    ("colobus._host.runs", "Runs._run_lone"), ("colobus._host.runs", "Runs._finish_all"),
+    ("colobus._host.runs", "Runs._finish"), ("colobus._host.runs", "Runs._post_done"),
+    ("colobus._host.runs", "call_args"), ("colobus._host.values", "HostValues.outputs"),
+    ("colobus._host.store", "Store.store_outputs"), ("colobus._host.outbound", "Outbound.uncork"),
+    ("colobus._wire.channel", "Channel.flush"), ("colobus._wire.channel", "Channel.uncork"),
+    ("colobus._wire.channel", "Channel.drain"), ("colobus._host.alarm", "_TimerFd.wait"),
+)
+
+
+@cb.colocated_python
+def profile_loop(like: Any, on: bool) -> Any:
+    """``on``: wrap :data:`PROFILED` with timers; off: unwrap them and return what they
+    counted, as JSON bytes (name: [calls, inclusive ns, own ns])."""
+    import importlib
+
+    stats: dict[str, list[int]] = {}
+    tl, clock = threading.local(), time.perf_counter_ns
+
+    def wrap(key: str, fn: Any) -> Any:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            stack = tl.__dict__.setdefault("stack", [])
+            stack.append(0)
+            t0 = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent = clock() - t0
+                inner = stack.pop()
+                row = stats.setdefault(key, [0, 0, 0])
+                row[0] += 1
+                row[1] += spent
+                row[2] += spent - inner
+                if stack:
+                    stack[-1] += spent
+
+        timed.profiled = fn  # type: ignore[attr-defined]
+        timed.stats = stats  # type: ignore[attr-defined]
+        return timed
+
+    for mod, name in PROFILED:
+        owner: Any = importlib.import_module(mod)
+        attr = name
+        if "." in name:
+            cls, attr = name.split(".")
+            owner = getattr(owner, cls, None)
+        fn = getattr(owner, attr, None) if owner is not None else None
+        if fn is None:
+            continue  # (not on this platform: no timerfd)
+        was = getattr(fn, "profiled", None)
+        if on and was is None:
+            setattr(owner, attr, wrap(name, fn))
+        elif not on and was is not None:
+            stats = fn.stats
+            setattr(owner, attr, was)
+    return like if on else np.frombuffer(json.dumps(stats).encode(), np.uint8).copy()
 
 
 def _threads() -> dict[str, float]:
@@ -164,9 +235,19 @@ async def via(kind: str, steps: int) -> dict[str, Any]:
         await cb.block_until_ready(futs[-1])
         rate = steps / (time.perf_counter() - t0)
         await cb.block_until_ready(t.report(like))
+        await cb.block_until_ready(profile_loop(like, True))
+        t0 = time.perf_counter()
+        futs = [t.step(like) for _ in range(steps)]
+        await cb.block_until_ready(futs[-1])
+        profiled_rate = steps / (time.perf_counter() - t0)
+        rows = json.loads(bytes(await cb.device_get(await profile_loop(like, False))))
         await cb.aclose(t)
     host = json.loads(Path(out_file).read_text())
-    return {"steps_per_s": rate, "sent_us_per_call": sent / steps * 1e6, **host}
+    table = {name: {"per_step": round(n / steps, 2), "incl_us": round(incl / steps / 1e3, 1),
+                    "own_us": round(own / steps / 1e3, 1)}
+             for name, (n, incl, own) in sorted(rows.items(), key=lambda kv: -kv[1][2])}
+    return {"steps_per_s": rate, "sent_us_per_call": sent / steps * 1e6, **host,
+            "loop_profile": {"steps_per_s": profiled_rate, "per_step": table}}
 
 
 def main() -> int:

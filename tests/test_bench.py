@@ -275,3 +275,8 @@ def test_step_anatomy_times_the_step_on_the_host_per_call_and_in_one_call() -> N
     # (per thread, those past 5 ms of CPU: a smoke run's ten steps may leave none there)
     assert all(v > 0.005 for v in via["thread_cpu_s"].values()), doc
     assert abs(doc["ratio"] - doc["colobus"]["steps_per_s"] / doc["plain"]["steps_per_s"]) < 0.01
+    # the worker's functions timed per step: each step's arguments read, its outputs
+    # described and its RESULT made once (the profile's own calls: the rest), each timed
+    rows = via["loop_profile"]["per_step"]
+    for name in ("Runs._finish", "call_args", "HostValues.outputs"):
+        assert 1 <= rows[name]["per_step"] <= 1.3 and rows[name]["own_us"] > 0, rows
