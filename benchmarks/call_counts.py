@@ -344,54 +344,57 @@ async def _async_rows(patterns: list[str], n: int, warm: int) -> None:
             await _measured(name, functools.partial(bench_noop, x), x, n, warm, pids)
 
 
-def _sync_row(n: int, warm: int) -> None:
-    from colobus._tools.bench_base import _one_device_array
+def _sync_row(x: Any, n: int, warm: int) -> None:
     from colobus._tools.bench_calls import bench_ident
 
-    with cb.local_cluster(hosts=1, devices_per_host=1) as ctl:
-        x = _one_device_array(ctl)
-        cb.block_until_ready(x)
-        for _ in range(warm):
-            bench_ident(x).block_until_ready()
-        _mark(x, "sync:a").block_until_ready()
-        _mark(x, "sync:b").block_until_ready()
-        c0 = _controller_totals("sync.0")
-        for _ in range(n):
-            bench_ident(x).block_until_ready()  # its array at once, then waited, as JAX's
-        c1 = _controller_totals("sync.1")
-        _mark(x, "sync:c").block_until_ready()
+    for _ in range(warm):
+        bench_ident(x).block_until_ready()
+    _mark(x, "sync:a").block_until_ready()
+    _mark(x, "sync:b").block_until_ready()
+    c0 = _controller_totals("sync.0")
+    for _ in range(n):
+        bench_ident(x).block_until_ready()  # its array at once, then waited, as JAX's
+    c1 = _controller_totals("sync.1")
+    _mark(x, "sync:c").block_until_ready()
     print(f"ROW sync {c1[0] - c0[0]} {c1[1] - c0[1]}", flush=True)
 
 
-def _foreign_row(n: int, warm: int) -> None:
-    from colobus._tools.bench_base import _one_device_array
+def _foreign_row(x: Any, n: int, warm: int) -> None:
     from colobus._tools.bench_calls import bench_ident
+
+    async def run() -> None:  # a loop of this thread's own: not the controller's
+        for _ in range(warm):
+            await bench_ident(x)
+        await _mark(x, "foreign:a")
+        await _mark(x, "foreign:b")
+        c0 = _controller_totals("foreign.0")
+        for _ in range(n):
+            await bench_ident(x)
+        c1 = _controller_totals("foreign.1")
+        await _mark(x, "foreign:c")
+        print(f"ROW foreign {c1[0] - c0[0]} {c1[1] - c0[1]}", flush=True)
+
+    asyncio.run(run())
+
+
+def _plain_thread_rows(patterns: list[str], n: int, warm: int) -> None:
+    """The rows called from this plain thread, beside a ``with local_cluster`` (one for
+    both: each row's warm calls come before its marks)."""
+    from colobus._tools.bench_base import _one_device_array
 
     with cb.local_cluster(hosts=1, devices_per_host=1) as ctl:
         x = _one_device_array(ctl)
         cb.block_until_ready(x)
-
-        async def run() -> None:  # a loop of this thread's own: not the controller's
-            for _ in range(warm):
-                await bench_ident(x)
-            await _mark(x, "foreign:a")
-            await _mark(x, "foreign:b")
-            c0 = _controller_totals("foreign.0")
-            for _ in range(n):
-                await bench_ident(x)
-            c1 = _controller_totals("foreign.1")
-            await _mark(x, "foreign:c")
-            print(f"ROW foreign {c1[0] - c0[0]} {c1[1] - c0[1]}", flush=True)
-
-        asyncio.run(run())
+        if "sync" in patterns:
+            _sync_row(x, n, warm)
+        if "foreign" in patterns:
+            _foreign_row(x, n, warm)
 
 
 def _child(patterns: list[str], n: int, warm: int) -> None:
     asyncio.run(_async_rows(patterns, n, warm))
-    if "sync" in patterns:
-        _sync_row(n, warm)
-    if "foreign" in patterns:
-        _foreign_row(n, warm)
+    if "sync" in patterns or "foreign" in patterns:
+        _plain_thread_rows(patterns, n, warm)
 
 
 # -- in the parent ------------------------------------------------------------------------

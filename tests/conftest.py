@@ -10,6 +10,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import collections.abc
 import pickle
 import signal
+import sys
 import traceback
 from typing import Any
 
@@ -52,6 +53,32 @@ def _share_jax_compilations() -> str | None:
 
 
 _JAX_CACHE = _share_jax_compilations()
+
+
+def _compile_the_sources() -> list[str]:
+    """Bytecode for the repository's own modules, made once per run where this environment
+    has Python write none (``PYTHONDONTWRITEBYTECODE``, set where CI runs): every worker,
+    driver and tool the suite starts (about 900 processes) would otherwise compile the
+    colobus modules it imports from source, about 0.3 s of CPU each. The ``__pycache__``
+    folders it made are removed at the run's end (pytest_sessionfinish)."""
+    import compileall
+    import pathlib
+
+    if not sys.flags.dont_write_bytecode or os.environ.get("PYTEST_XDIST_WORKER"):
+        return []  # (Python writes them itself; or the run's main process made them)
+    root = pathlib.Path(__file__).resolve().parent.parent
+    package, tests = root / "colobus", root / "tests"
+
+    def caches() -> set[pathlib.Path]:
+        return {*package.rglob("__pycache__"), *tests.glob("__pycache__")}
+
+    before = caches()
+    compileall.compile_dir(package, quiet=2)
+    compileall.compile_dir(tests, maxlevels=0, quiet=2)  # (the helpers workers import)
+    return sorted(str(c) for c in caches() - before)
+
+
+_PYCACHES = _compile_the_sources()
 
 
 def _forbid_unpickling(record: str) -> None:
@@ -178,33 +205,67 @@ def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
+    import shutil
+
     import early
 
     early.stop_all()
     if _JAX_CACHE is not None:  # the process that made it: the run's main one
-        import shutil
-
         shutil.rmtree(_JAX_CACHE, ignore_errors=True)
+    for folder in _PYCACHES:  # (the main process's: the folders it made)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 # Files whose tests make network-namespace hosts, sshd or Slurm daemons, or Docker
-# containers: under pytest-xdist (two workers by default, pyproject.toml) they run in one
-# worker, one after another, as without xdist. Every other file stays whole on a worker
-# (its module fixtures start once).
-BEDS = {"test_blip.py", "test_broadcast.py", "test_compose.py", "test_examples.py",
-        "test_faults.py", "test_launch_cli.py", "test_launch_slurm_bed.py",
-        "test_launch_ssh.py", "test_slurmbed.py", "test_transport.py"}
+# containers, in two groups: under pytest-xdist (three workers by default, pyproject.toml)
+# each group runs in one worker, one file after another; the two may run side by side
+# (each bed picks its own subnet, names, ports and Compose project). The second holds
+# the files of the session's sshd and Slurm beds, so each starts once. Every other file
+# stays whole on a worker (its module fixtures start once). pytest_xdist_make_scheduler
+# makes the groups.
+BED_GROUPS = {
+    "beds-netns": {"test_blip.py", "test_broadcast.py", "test_examples.py", "test_faults.py",
+                   "test_transport.py"},
+    "beds-launch": {"test_compose.py", "test_launch_cli.py", "test_launch_slurm_bed.py",
+                    "test_launch_ssh.py", "test_slurmbed.py"},
+}
+BEDS = set().union(*BED_GROUPS.values())
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own reads the groups
+def _group(nodeid: str) -> str:
+    """A test's xdist group: its BED_GROUPS group for the BEDS files' tests, else its file."""
+    path = nodeid.split("::", 1)[0]
+    name = path.rsplit("/", 1)[-1]
+    return next((group for group, files in BED_GROUPS.items() if name in files), path)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadgroup`` (pyproject.toml) with the groups of :func:`_group`, each sent
+    whole to one worker. xdist's own loadgroup reads the group its workers append to each
+    test's ``_nodeid`` from an ``xdist_group`` marker, but pytest 9's ``nodeid`` no longer
+    reads ``_nodeid`` (xdist 3.8): every test was sent on its own, a file's module
+    fixtures started on every worker, and all the beds ran side by side. Groups go out
+    largest first, as xdist's do."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            return _group(nodeid)
+
+    return ByGroup(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Each test's xdist group and, for the BEDS files, the marker ``bed``; tests marked
-    ``slow`` stay out of the default run (and CI) unless ``--run-slow``."""
+    """The BEDS files' tests get the marker ``bed``; the compose tests go last (their image
+    builds beside the suite from its start: tests/early.py); tests marked ``slow`` stay
+    out of the default run (and CI) unless ``--run-slow``."""
     for item in items:
-        file = item.path.name
-        item.add_marker(pytest.mark.xdist_group("beds" if file in BEDS else file))
-        if file in BEDS:
+        if item.path.name in BEDS:
             item.add_marker(pytest.mark.bed)  # the README's quick run: -m "not bed"
+    items.sort(key=lambda item: item.path.name == "test_compose.py")  # (stable)
     if config.getoption("--run-slow"):
         return
     skip = pytest.mark.skip(reason="slow: run with --run-slow")

@@ -43,6 +43,11 @@ def thread_name() -> Any:
 
 
 @cb.colocated_python
+def nothing() -> None:
+    """Returns nothing: its run on the host's pool is as short as a call's can be."""
+
+
+@cb.colocated_python
 def sleep_then_name(seconds: float) -> Any:
     time.sleep(seconds)
     return _where()
@@ -115,6 +120,10 @@ async def test_a_slow_inline_call_never_blocks_heartbeats_nor_other_calls() -> N
     async with cb.local_cluster(hosts=1, heartbeat_interval=HB, liveness_timeout=LIVE) as ctl:
         for _ in range(25):  # until the slow call is one that started inline (under load: tries)
             await _names(ctl, 3)
+            # The host's last call a quick one (its run under 0.5 ms), which a lone call
+            # needs to start inline: a thread_name call's array output alone takes about
+            # that long on a pool thread, so its calls may leave the host on the pool.
+            await _on(nothing, ctl)()
             slow = _on(sleep_then_name, ctl)(LIVE * 1.5)
             await asyncio.sleep(0.1)  # alone on the host, not in one batch with the next
             # another task, another stream: answered while the slow call runs

@@ -70,7 +70,7 @@ def touch(path: str) -> Any:
 
 def _like(ctl: cb.Controller) -> Any:
     """An array on host 0's first device: the object's methods take it (it places them)."""
-    dev = [d for d in ctl.devices() if d.host == 0][0]
+    dev = next(d for d in ctl.devices() if d.host == 0)
     return cb.device_put(np.zeros(1, np.float32), cb.SingleDeviceSharding(dev))
 
 
@@ -89,7 +89,7 @@ async def _value(x: Any) -> Any:
 async def test_a_streams_pipelined_brief_calls_run_on_the_loops_leader_in_order() -> None:
     async with cb.local_cluster(hosts=1, heartbeat_interval=HB, liveness_timeout=LIVE) as ctl:
         fn = _on(numbered, ctl)
-        for attempt in range(10):  # (under load a slice may go to the pool: tries)
+        for _attempt in range(10):  # (under load a slice may go to the pool: tries)
             futs = [fn(i) for i in range(300)]
             got = [await _value(f) for f in futs]
             assert [int(g[0]) for g in got] == list(range(300))
@@ -217,16 +217,22 @@ async def test_a_slice_is_handed_a_slices_worth_of_calls_not_the_whole_queue() -
 
 @cb.colocated_python_class
 class Twin:
-    """Calls that fail at every seventh, noting where each ran (loop leader or pool)."""
+    """Calls that fail at every seventh, noting where each ran (loop leader or pool); the
+    call numbered ``hold`` waits (up to a minute) for the file ``gate``."""
 
-    def __init__(self) -> None:
+    def __init__(self, hold: int, gate: str) -> None:
         self.seen: list[int] = []
         self.where: set[int] = set()
+        self.hold, self.gate = hold, gate
 
     def step(self, like: Any, i: int) -> Any:
         name = threading.current_thread().name
         self.where.add(INLINE if name.startswith("colobus-loop-")
                        else POOL if name.startswith("colobus-call") else 0)
+        if i == self.hold:
+            deadline = time.monotonic() + 60.0
+            while not os.path.exists(self.gate) and time.monotonic() < deadline:
+                time.sleep(0.001)
         self.seen.append(i)
         if i % 7 == 3:
             raise ValueError(f"call {i} fails")
@@ -238,22 +244,24 @@ class Twin:
 
 @pytest.mark.parametrize("inline", ["1", "0"])
 async def test_slices_and_pool_batches_end_calls_alike(
-        inline: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        inline: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """``Runs._run_slice`` writes out ``_run_batch``'s loop (the hot path's twin): the same
     pipeline, in slices on the loop's leader or in batches on a pool thread
-    (``COLOBUS_INLINE_CALLS=0``), ends every call alike: values, errors and order. (The
-    last 60 are cancelled as soon as they are made: a cancelled call that had started
-    finishes, its result dropped (SPEC 4), so which of them ran is the race's; that
-    one cancelled before it started never runs is held by
-    ``test_a_call_cancelled_behind_a_slice_never_runs``.)"""
+    (``COLOBUS_INLINE_CALLS=0``), ends every call alike: values, errors, order, and the
+    calls cancelled before they started never run. (A cancel that reaches the host after
+    its call started lets it finish: call 240 holds the stream until the host has read the
+    cancels, which came before a call of another stream that it answered.)"""
     monkeypatch.setenv("COLOBUS_INLINE_CALLS", inline)
+    gate = tmp_path / "gate"
     async with cb.local_cluster(hosts=1, heartbeat_interval=HB, liveness_timeout=LIVE) as ctl:
-        obj: Any = Twin()
+        obj: Any = Twin(240, str(gate))
         x = _like(ctl)
         await _value(obj.step(x, 0))
         futs = [obj.step(x, i) for i in range(1, 301)]
         for f in futs[-60:]:
-            f.cancel()
+            f.cancel()  # (its CANCEL leaves at once: this is the controller's loop)
+        assert int((await asyncio.create_task(_call(_on(numbered, ctl), -1)))[0]) == -1
+        gate.touch()
         got: list[Any] = []
         for i, f in zip(range(1, 301), futs, strict=True):
             try:
@@ -270,9 +278,10 @@ async def test_slices_and_pool_batches_end_calls_alike(
     assert got[:240] == expected
     assert seen[:241] == list(range(241))
     for i, outcome in zip(range(241, 301), got[240:], strict=True):
-        if outcome is not None:  # (None: cancelled, run or not)
+        if outcome is None:  # answered CANCELLED: its cancel came before it started
+            assert i not in seen, i
+        else:
             assert outcome == (f"call {i} fails" if i % 7 == 3 else i)
-            assert i in seen, i
     assert seen == sorted(seen)
     assert (INLINE in where) if inline == "1" else (where == [POOL]), where
 
