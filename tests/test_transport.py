@@ -648,7 +648,9 @@ def test_a_put_waiting_for_room_ends_when_its_host_is_lost_or_the_controller_clo
     import threading
 
     bound = 1 << 20
-    with cb.local_cluster(hosts=1, max_queued_bytes=bound, liveness_timeout=3.0) as ctl:
+    # (the host must stay alive, stopped, until the second put waits: 10 s, for a loaded
+    # machine; then killed, it is lost at once: its connection closes)
+    with cb.local_cluster(hosts=1, max_queued_bytes=bound, liveness_timeout=10.0) as ctl:
         dev, pid = ctl.devices()[0], ctl.hosts()[0].pid
         assert pid is not None
         os.kill(pid, signal.SIGSTOP)
