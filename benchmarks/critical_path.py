@@ -21,7 +21,7 @@ batches, frees, device sets or output layouts): the floor of this design on this
 machine. The raw pyzmq round trip of ``colobus bench`` (a blocking ROUTER/DEALER echo),
 the figure the issue's ratios divide by, is measured before and after.
 
-    python benchmarks/critical_path.py              # 5,000 calls
+    python benchmarks/critical_path.py              # 5,000 calls after 1,000
     python benchmarks/critical_path.py --calls 20000 --what ident
 """
 
@@ -139,8 +139,8 @@ LINKS = (
 # -- colobus, traced ----------------------------------------------------------------------
 
 
-async def _colobus_calls(n: int, what: str) -> None:
-    """Run in the traced child: ``n`` sequential awaited calls after a warm-up."""
+async def _colobus_calls(n: int, what: str, warm: int) -> None:
+    """Run in the traced child: ``n`` sequential awaited calls after ``warm`` of them."""
     import colobus as cb
     from colobus._tools.bench_base import _one_device_array, bench_noop
     from colobus._tools.bench_calls import bench_ident
@@ -149,7 +149,7 @@ async def _colobus_calls(n: int, what: str) -> None:
     async with cb.local_cluster(hosts=1, devices_per_host=1) as ctl:
         x = _one_device_array(ctl)
         await cb.block_until_ready(x)
-        for _ in range(1000):
+        for _ in range(warm):
             await fn(x)
         print(f"MARK {time.perf_counter():.9f}", flush=True)
         for _ in range(n):
@@ -185,13 +185,14 @@ def _links(trace_dir: str, ctl_name: str, start: float, end: float) -> dict[str,
     return out
 
 
-def traced_colobus(n: int, what: str) -> dict[str, list[float]]:
+def traced_colobus(n: int, what: str, warm: int) -> dict[str, list[float]]:
     with tempfile.TemporaryDirectory() as d:
         with open(os.path.join(d, "sitecustomize.py"), "w") as f:
             f.write(SHIM)
         env = dict(os.environ, COLOBUS_CRITICAL_DIR=d,
                    PYTHONPATH=os.pathsep.join([d, *filter(None, [os.environ.get("PYTHONPATH")])]))
-        proc = subprocess.run([sys.executable, __file__, "--child", what, "--calls", str(n)],
+        proc = subprocess.run([sys.executable, __file__, "--child", what, "--calls", str(n),
+                               "--warm", str(warm)],
                               env=env, stdout=subprocess.PIPE, text=True, check=True)
         marks = [float(line.split()[1]) for line in proc.stdout.splitlines()
                  if line.startswith("MARK ")]
@@ -284,7 +285,7 @@ class _Handle:
         return (int, (7,))
 
 
-async def _minimal_calls(n: int, trace_dir: str) -> list[float]:
+async def _minimal_calls(n: int, trace_dir: str, warm: int) -> list[float]:
     """``n`` sequential calls of the minimal design; their times (us). Both sides'
     links go to ``trace_dir`` (the worker's as it exits)."""
     import msgpack
@@ -326,7 +327,7 @@ async def _minimal_calls(n: int, trace_dir: str) -> list[float]:
         return fut
 
     x, out = _Handle(), []
-    for _ in range(1000):
+    for _ in range(warm):
         await call(x)
     trace.append((clock(), "mark"))
     for _ in range(n):
@@ -347,9 +348,9 @@ async def _minimal_calls(n: int, trace_dir: str) -> list[float]:
     return out
 
 
-def traced_minimal(n: int) -> dict[str, list[float]]:
+def traced_minimal(n: int, warm: int) -> dict[str, list[float]]:
     with tempfile.TemporaryDirectory() as d:
-        asyncio.run(_minimal_calls(n, d))
+        asyncio.run(_minimal_calls(n, d, warm))
         return _links(d, "controller.txt", 0.0, float("inf"))
 
 
@@ -359,6 +360,8 @@ def traced_minimal(n: int) -> dict[str, list[float]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=5000)
+    ap.add_argument("--warm", type=int, default=1000,
+                    help="calls before the measured ones, on each side (default 1,000)")
     ap.add_argument("--what", choices=("noop", "ident"), default="noop")
     ap.add_argument("--child", choices=("noop", "ident"), help=argparse.SUPPRESS)
     ap.add_argument("--minimal-worker", help=argparse.SUPPRESS)
@@ -369,15 +372,15 @@ def main() -> None:
         return
     if args.child:
         print(f"PID {os.getpid()}", flush=True)
-        asyncio.run(_colobus_calls(args.calls, args.child))
+        asyncio.run(_colobus_calls(args.calls, args.child, args.warm))
         return
 
     from colobus._tools.bench_base import RawEcho
 
     with RawEcho(1) as raw:
         raw_before = statistics.median(raw.round_trips(args.calls)) * 1e6
-        links = traced_colobus(args.calls, args.what)
-        minimal = traced_minimal(args.calls)
+        links = traced_colobus(args.calls, args.what, args.warm)
+        minimal = traced_minimal(args.calls, args.warm)
         raw_after = statistics.median(raw.round_trips(args.calls)) * 1e6
     base = (raw_before + raw_after) / 2
     print(f"sequential awaited {args.what}, 1 host: medians (us) over "

@@ -118,7 +118,8 @@ def test_critical_path_times_every_link_of_colobus_and_the_minimal_call() -> Non
     (a renamed function would leave no chain to time: the script then fails), on both
     sides of both designs."""
     script = Path(__file__).resolve().parent.parent / "benchmarks" / "critical_path.py"
-    proc = subprocess.run([sys.executable, str(script), "--calls", "300", "--what", "ident"],
+    proc = subprocess.run([sys.executable, str(script), "--calls", "300", "--warm", "100",
+                           "--what", "ident"],
                           capture_output=True, text=True, timeout=300, cwd=tempfile.gettempdir())
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = proc.stdout
