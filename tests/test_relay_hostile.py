@@ -155,6 +155,10 @@ def _fake(bed: dict[str, Any], name: str) -> collections.abc.Iterator[FakeWorker
         fake.join()
         _wait_until(lambda: ctl._hosts.hosts[fake.index].peer.via is not None,
                     "the relay to carry it")  # (set just after its WELCOME went)
+        # The relay took it over once something reaches it through the relay (a
+        # heartbeat). A word sent before that can reach the relay before its ADOPT
+        # (seen once, on a loaded machine: the host was never dropped).
+        assert fake.poll_in(30.0), "nothing reached the fake host through the relay"
         yield fake
     finally:
         fake.close()
