@@ -171,3 +171,14 @@ async def break_heartbeats_once() -> Any:
             worker._health = once
             return np.int32(1)
     return np.int32(0)
+
+
+@cb.colocated_python_class
+class StopsInInit:
+    """An object whose ``__init__`` raises StopIteration."""
+
+    def __init__(self) -> None:
+        raise StopIteration("forged in __init__")
+
+    def get(self, x: Any) -> Any:
+        return x

@@ -316,6 +316,17 @@ def test_also_a_worker_never_raises_colobus_errors_or_stopiteration(ctl: cb.Cont
         assert "HostLostError" in str(info.value)
 
 
+def test_also_an_init_that_raises_stopiteration_fails_the_objects_calls(
+        ctl: cb.Controller) -> None:
+    """An ``__init__`` raising StopIteration fails the object's calls with that error's
+    stand-in (asyncio refuses StopIteration in a future: the construction hung)."""
+    dev = ctl.devices()[0]
+    x = cb.device_put(np.zeros(1, np.float32), cb.SingleDeviceSharding(dev))
+    obj = hs.StopsInInit()
+    with pytest.raises(RuntimeError, match="StopIteration: forged in __init__"):
+        obj.get(x).result(timeout=60)
+
+
 def test_also_run_sync_cancels_the_coroutine_on_timeout(ctl: cb.Controller) -> None:
     """``ctl.run_sync(coro, timeout=)`` that times out cancels ``coro`` on the loop instead
     of leaving it running unseen."""

@@ -139,9 +139,67 @@ def block_until_ready(tree: Any) -> Any:
     return off_loop(ready_future(tree))
 
 
+class _OneCall:
+    """``block_until_ready`` of one call's Future (``_Wait``'s case of a tree that is one
+    call, written out: an awaited step's path, with no tree to walk and no empty fetch)."""
+
+    __slots__ = ("call", "confirmed", "ctl", "left", "outer")
+
+    def __init__(self, ctl: Controller, call: Future[Any], ask: Future[bool]) -> None:
+        self.ctl, self.call = ctl, call
+        self.outer: Future[Any] = ctl._ops.new_future()
+        self.confirmed = False
+        self.left = 2
+        call.add_done_callback(self._part)
+        ask.add_done_callback(self._asked)
+
+    def _asked(self, f: Future[bool]) -> None:
+        self.confirmed = not f.cancelled() and f.exception() is None and f.result()
+        self._part(None)
+
+    def _part(self, f: Future[Any] | None) -> None:
+        outer = self.outer
+        if outer.done():
+            return
+        if f is not None and (f.cancelled() or f.exception() is not None):
+            exc = f.exception() if not f.cancelled() else RuntimeError("cancelled")
+            assert exc is not None
+            outer.set_exception(exc)
+            return
+        self.left -= 1
+        if self.left:
+            return
+        value = self.call.result()
+        if self.confirmed:
+            for a in _arrays(value):
+                a._ready = True
+            outer.set_result(value)
+            return
+        fetch_many(_arrays(value), False, _nothing).add_done_callback(self._fetched)
+
+    def _fetched(self, f: Future[Any]) -> None:
+        if self.outer.done():
+            return
+        if f.cancelled() or f.exception() is not None:
+            self.outer.set_exception(f.exception() or RuntimeError("cancelled"))
+            return
+        self.outer.set_result(self.call.result())
+
+
+def _nothing(_: list[Any]) -> None:
+    return None
+
+
 def ready_future(tree: Any) -> Future[Any]:
     """A Future of :func:`block_until_ready`'s value, on any thread."""
     import jax
+
+    if type(tree) is Future and tree.call_id:  # one call's (an awaited step)
+        owner = tree._owner
+        ctl = owner if isinstance(owner, Controller) else default_controller()
+        ask = _ask_hosts(ctl, tree)
+        if ask is not None:
+            return _OneCall(ctl, tree, ask).outer
 
     leaves = jax.tree_util.tree_leaves(tree, is_leaf=_is_handle)
     arrays = [x for x in leaves if isinstance(x, Array)]

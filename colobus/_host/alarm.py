@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["Alarm", "make_alarm"]
+__all__ = ["Alarm", "LoopTimer", "make_alarm", "make_loop_timer"]
 
 _CLOCK_MONOTONIC = 1
 
@@ -144,11 +144,55 @@ def _libc_timerfd() -> tuple[Any, Any] | None:
     return create, settime
 
 
-def _create() -> int:
+class LoopTimer:
+    """A ``timerfd`` an event loop reads: any thread sets when it rings (one system call,
+    nobody woken); the loop's reader for :attr:`fd` runs then (call :meth:`clear` in it)."""
+
+    def __init__(self) -> None:
+        self.fd = _create(nonblocking=True)
+        self._settime = None if _LIBC is None else _LIBC[1]
+        self._off = ctypes.byref(_Itimerspec())
+
+    def arm_in(self, seconds: float) -> None:
+        """Ring ``seconds`` from now (replaces an earlier arm)."""
+        if self._settime is None:
+            os.timerfd_settime_ns(self.fd, initial=max(1, round(seconds * 1e9)))  # type: ignore[attr-defined]
+        else:
+            self._settime(self.fd, 0, ctypes.byref(_spec(seconds)), None)
+
+    def disarm(self) -> None:
+        if self._settime is None:
+            os.timerfd_settime_ns(self.fd, initial=0)  # type: ignore[attr-defined]
+        else:
+            self._settime(self.fd, 0, self._off, None)
+
+    def clear(self) -> None:
+        """Take the ring (in the loop's reader), so the loop stops seeing it."""
+        try:
+            os.read(self.fd, 8)
+        except BlockingIOError:
+            pass
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def make_loop_timer() -> LoopTimer | None:
+    """A :class:`LoopTimer` where this system has ``timerfd``, else None."""
+    if sys.platform == "linux" and (hasattr(os, "timerfd_create") or _LIBC is not None):
+        try:
+            return LoopTimer()
+        except OSError:  # (a sandbox without timerfd)
+            pass
+    return None
+
+
+def _create(nonblocking: bool = False) -> int:
+    flags = os.O_CLOEXEC | (os.O_NONBLOCK if nonblocking else 0)  # (TFD_* are O_*)
     if hasattr(os, "timerfd_create"):
-        return int(os.timerfd_create(_CLOCK_MONOTONIC, flags=os.TFD_CLOEXEC))  # type: ignore[attr-defined]
+        return int(os.timerfd_create(_CLOCK_MONOTONIC, flags=flags))
     assert _LIBC is not None
-    fd = int(_LIBC[0](_CLOCK_MONOTONIC, os.O_CLOEXEC))  # (TFD_CLOEXEC is O_CLOEXEC)
+    fd = int(_LIBC[0](_CLOCK_MONOTONIC, flags))
     if fd < 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))

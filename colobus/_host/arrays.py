@@ -12,6 +12,7 @@ import asyncio
 import concurrent.futures
 import functools
 import gc
+import time
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -164,6 +165,11 @@ class HostArrays:
             self._probe(body.call_id, body.ref, fut)
             return
         if body.data == P.FETCH_CALL:
+            store = self._w.store
+            entry = store.results.get(body.ref)
+            if (isinstance(entry, asyncio.Future) and not entry.done()
+                    and body.ref not in store.awaited):
+                store.awaited[body.ref] = body.call_id
             self._w._spawn(self._wait_call(body.call_id, body.ref, self._w.epoch))
             return
         self._w._spawn(self._fetch(body.call_id, body.ref, fut, body.data == P.FETCH_DATA,
@@ -191,6 +197,12 @@ class HostArrays:
                     entry = await entry
                 except BaseException:  # the call's own reply says why
                     entry = None
+            awaited = store.awaited.get(call)
+            if awaited == -call_id:  # answered with the call's RESULT (runs.Runs._finish)
+                del store.awaited[call]
+                return
+            if awaited == call_id:
+                del store.awaited[call]
             refs = entry.refs if isinstance(entry, CallResult) else None
             entries = [store.arrays.get(ref) for ref in refs or ()]
             known = refs is not None and None not in entries
@@ -294,6 +306,23 @@ def _spins(value: Any) -> bool:
         spin = all(d.platform != "cpu" for d in sharding.device_set)
         got = _SPINS[id(sharding)] = (sharding, spin)
     return got[1]
+
+
+def wait_computed(values: Any) -> None:
+    """Wait on this thread until JAX computed every value of ``values`` (asked for up to
+    ``SPIN_SECONDS`` first where the values are an accelerator's, as ``computed``)."""
+    for value in values:
+        if is_computed(value):
+            continue
+        if _spins(value):
+            until = time.monotonic() + SPIN_SECONDS
+            while time.monotonic() < until:
+                if is_computed(value):
+                    break
+            else:
+                value.block_until_ready()
+        else:
+            value.block_until_ready()
 
 
 def is_computed(value: Any) -> bool:

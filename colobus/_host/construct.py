@@ -56,5 +56,10 @@ def _build(built: list[Any], cls: Any, args: Any, kwargs: Any) -> None:
     """Work-pool thread: make the instance; it reaches the loop in ``built``, not as the
     executor future's result. That future (and the pool thread's work item) lives on a
     moment after the loop resumes: holding the instance, it would delay its ``__del__``
-    past a DESTROY that ran meanwhile."""
-    built.append(cls(*args, **kwargs))
+    past a DESTROY that ran meanwhile. A StopIteration from ``__init__`` is raised as its
+    stand-in: asyncio cannot carry it from the executor's future to the loop's (the
+    chaining callback fails, and the construction would never end)."""
+    try:
+        built.append(cls(*args, **kwargs))
+    except (StopIteration, StopAsyncIteration) as exc:
+        raise _settable(exc) from exc

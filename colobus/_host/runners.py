@@ -60,6 +60,10 @@ class Runners:
         """No run waits and no runner is taking runs (loop thread; a snapshot)."""
         return not self._runners and not self._ready
 
+    def waiting(self) -> bool:
+        """A run waits for a runner (loop thread; a snapshot)."""
+        return bool(self._ready)
+
     def clear(self) -> None:
         """The session ended: its waiting runs are dropped, its runners stop."""
         with self._lock:

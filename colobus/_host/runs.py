@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING
 
 import msgpack
 
-from .._wire.protocol import Kind, Status
+from .._wire.protocol import Kind, Result, Status
+from .alarm import LoopTimer, make_loop_timer
+from .arrays import wait_computed
 from .calls import (
     _DONE,
     _JOB,
@@ -45,12 +47,19 @@ BRIEF_WAIT_NS = int(BRIEF_WAIT_S * 1e9)
 # first. A deep queue of brief steps so shares each loop turn (its system calls: 6 us
 # each on a sandboxed accelerator host) among up to 32 calls, not four. Each call must
 # take less than SLICE_CALL_NS (a slower one ends its slice, and the stream's next
-# calls go to the pool).
+# calls go to the pool): a step that long (JAX on CPU computes on the dispatching
+# thread, its GIL released) is better run beside the loop, which reads the next calls
+# and sends the replies meanwhile, than with the loop stopped; its replies are held
+# as a slice's (HOLD_NS).
 SLICE_MIN_NS = 500_000
 SLICE_MIN_CALLS = 4
 SLICE_MAX_CALLS = 32
 SLICE_MAX_NS = 8_000_000
-SLICE_CALL_NS = 1_000_000
+SLICE_CALL_NS = 500_000
+# The host's only call in flight runs inline while the last call took less than this
+# (slow twice running, the next goes to the pool): one such call costs no hand-off
+# between threads either way, and a call past the stall threshold loses the loop.
+LONE_CALL_NS = 1_500_000
 # The alarm is moved on between a slice's calls once this much passed since it was set
 # (half the stall threshold: one arm per few brief calls, and no wake-up in the slice).
 REARM_NS = 1_000_000
@@ -59,6 +68,16 @@ REARM_NS = 1_000_000
 # those a slice does not reach go back to the queue: handing a slice of four 300 us
 # steps the stream's next 256 calls made each loop turn between slices cost ~1 ms.
 SLICE_MIN_BATCH = 8
+# A pool batch's replies are held as a slice's are: the pool thread wakes the loop once
+# the calls held since the last burst pass the slice's cut (above), or its batch ends,
+# or a call took HOLD_CALL_NS or more; and HOLD_NS after the first held at the latest,
+# a timer the loop reads rings (a call that blocks, perhaps on what a held reply would
+# have let the caller do, holds nothing longer; set past the cut's own SLICE_MAX_NS,
+# which the pool thread keeps while its calls are brief). Where the system has no
+# timerfd, nothing is held.
+HOLD_CALL_NS = 2_000_000
+HOLD_NS = SLICE_MAX_NS + HOLD_CALL_NS
+HOLD_S = HOLD_NS / 1e9
 _OK = int(Status.OK)
 _RESULT = int(Kind.RESULT)
 _pack = msgpack.Packer(use_bin_type=True).pack  # a RESULT's body (loop thread only)
@@ -81,6 +100,12 @@ class Runs:
         self._quick = True  # the last batch took less than BRIEF_WAIT_S
         self._slow_once = False  # the last lone call took longer (see _run_lone)
         self._brief = True  # the last call run took less than SLICE_CALL_NS (see _run_slice)
+        self._lone_ok = True  # the last call run took less than LONE_CALL_NS (see _run_lone)
+        self.held_timer: LoopTimer | None = None  # (made by hold_replies)
+        self._timer_tried = False
+        self.bursts = 0  # finished calls' bursts the loop took from pool threads
+        self.held_rings = 0  # of them, sent as the held timer rang
+        self.waited_inline = 0  # lone calls whose outputs were waited for before the reply
         self.slice_batch = SLICE_MIN_BATCH  # the calls the next slice is handed, at most
         self.baton: Baton | None = None  # inline calls (colobus._host.leader), if on
         # The host's only call, arrived on an idle stream: no stream of its own unless
@@ -102,7 +127,12 @@ class Runs:
                 return  # failed meanwhile: waited too long for a thread
             claim[0] = _TAKEN
         t0 = start = time.perf_counter_ns()
-        for call in batch:
+        timer = self.held_timer
+        last = batch[-1]
+        stream = last.stream
+        since = held = 0
+        armed = False
+        for i, call in enumerate(batch):
             with self._state_lock:
                 runs = call.state == _QUEUED
                 if runs:
@@ -113,8 +143,34 @@ class Runs:
             call.started, call.ran = start, end - start
             self._quick = end - t0 < BRIEF_WAIT_NS
             self._brief = end - start < SLICE_CALL_NS
+            self._lone_ok = end - start < LONE_CALL_NS
+            if timer is not None and end - start < HOLD_CALL_NS and call is not last:
+                # Its reply held (see HOLD_NS): the loop is not woken per brief call.
+                with self._done_lock:
+                    hold = not self._flush_scheduled  # (else it leaves with that flush)
+                    if hold:
+                        if not self._done:  # a new window (the last one left, however:
+                            since, held = end, 0  # perhaps as the timer rang)
+                            armed = False
+                        held += 1
+                        spent = end - since
+                        left = len(batch) - i - 1 + (len(stream.queue) if stream else 0)
+                        hold = spent < SLICE_MAX_NS and (
+                            spent < SLICE_MIN_NS or held < SLICE_MIN_CALLS
+                            or (held < SLICE_MAX_CALLS and held < left))
+                        if hold:
+                            self._done.append(call)
+                if hold:
+                    start = end
+                    if not armed:
+                        armed = True
+                        timer.arm_in(HOLD_S)
+                    continue
             start = end
             self._post_done(call)
+            if armed and timer is not None:
+                armed = False
+                timer.disarm()
 
     def _run_slice(self, batch: list[_Call], claim: list[int]) -> None:
         """The loop's leader, the loop stopped: ``_run_batch`` of one stream's ready calls,
@@ -146,6 +202,7 @@ class Runs:
             call.started, call.ran = start, end - start
             self._brief = brief = end - start < SLICE_CALL_NS
             self._quick = end - start < BRIEF_WAIT_NS
+            self._lone_ok = end - start < LONE_CALL_NS
             start = end
             spent = end - t0
             ran = i + 1
@@ -188,21 +245,34 @@ class Runs:
                 fn, call.fn = call.fn, None
                 args, kwargs = call_args(call, self._w.present)
                 out = fn(*args, **kwargs)
-                call.outcome = self._w.values.outputs(out, call.mesh, call.pins, fn,
-                                                      call.argvals, call.body.check)
+                call.outcome = outcome = self._w.values.outputs(out, call.mesh, call.pins, fn,
+                                                                call.argvals, call.body.check)
                 call.ok = True
             except BaseException as exc:
                 call.outcome = exc
-            end = time.perf_counter_ns()
+            end = waited = time.perf_counter_ns()
+            awaited = self._w.store.awaited
+            if awaited and call.ok and call.body.call_id in awaited:
+                # A FETCH_CALL waits for this call's outputs (block_until_ready on its
+                # Future): wait for them here, the loop stopped, and the answer leaves with
+                # the RESULT (Runs._finish), where a thread of the loop's would wait and wake
+                # the loop. The watchdog guards the loop as during the call; the wait counts
+                # toward the call's time below (a long one sends the next to the pool,
+                # whose waits are the loop's: colobus._host.arrays).
+                self.waited_inline += 1
+                wait_computed(outcome[0])
+                waited = time.perf_counter_ns()
             call.started, call.ran = start, end - start
             # Slow twice running, the next lone call goes to the pool; slow once, it
             # may have been a preemption (many workers on few cores, all woken by one
             # fan-out): the next still runs inline (the watchdog guards the loop).
-            if end - start < BRIEF_WAIT_NS:
-                self._quick = True
+            self._quick = end - start < BRIEF_WAIT_NS
+            self._brief = end - start < SLICE_CALL_NS
+            if waited - start < LONE_CALL_NS:
+                self._lone_ok = True
                 self._slow_once = False
             else:
-                self._quick = not self._slow_once
+                self._lone_ok = not self._slow_once
                 self._slow_once = True
         with self._done_lock:
             if self._sync_wait == 2:  # (_post_done's case, written out) an inline call's end
@@ -253,11 +323,37 @@ class Runs:
             self._flush_scheduled = False
         self._finish_all(done)
 
+    def hold_replies(self) -> None:
+        """Loop thread: make the timer that bounds how long pool batches hold replies
+        (once: where none can be made, nothing is held)."""
+        if self._timer_tried or self._w.loop is None:
+            return
+        self._timer_tried = True
+        timer = make_loop_timer()
+        if timer is not None:
+            self._w.loop.add_reader(timer.fd, self._held_rang, timer)
+            self.held_timer = timer
+
+    def close_timer(self) -> None:
+        """Loop thread, as the worker ends: release the timer."""
+        timer, self.held_timer = self.held_timer, None
+        if timer is not None:
+            if self._w.loop is not None:
+                self._w.loop.remove_reader(timer.fd)
+            timer.close()
+
+    def _held_rang(self, timer: LoopTimer) -> None:
+        timer.clear()
+        self.held_rings += 1
+        self._flush_done()
+
     def _flush_done(self) -> None:
         with self._done_lock:
             done, self._done = self._done, []
             self._flush_scheduled = False
-        self._finish_all(done)
+        if done:
+            self.bursts += 1
+            self._finish_all(done)
 
     def _finish_all(self, done: list[_Call]) -> None:
         """Loop thread: :meth:`_finish` each; the replies leave as one batch at uncork."""
@@ -298,6 +394,12 @@ class Runs:
                     times.append(computed)
                 w.send_packed(_RESULT, _pack([body.call_id, _OK, len(values), times]),
                               payload, bufs, len(bufs))  # P.Result(...).to_wire(), packed
+                awaited = w.store.awaited
+                if awaited and times and times[2]:
+                    fetch = awaited.get(body.call_id, 0)
+                    if fetch > 0:  # a FETCH_CALL's answer, with the RESULT (arrays.py)
+                        awaited[body.call_id] = -fetch
+                        w.send(Result(fetch, Status.OK, True))
             else:
                 if body.spread:  # code written for the other view fails inside JAX: say so
                     note_view(outcome, _JOB[0] is not None)

@@ -138,7 +138,7 @@ class Scheduler(Runs):
             set_host_count(body.hosts)
         if self._lone is not None:
             self._adopt()  # not alone any more: it keeps its place in its stream
-        elif (not self._calls and self._quick and not self.started and self.baton is not None
+        elif (not self._calls and self._lone_ok and not self.started and self.baton is not None
               and lane.ON and body.stream not in self._streams):
             # The host's only call, on an idle stream: deferred to run inline as ``pump``
             # would defer it, with no stream, when it is a plain function (or a plain
@@ -335,10 +335,10 @@ class Scheduler(Runs):
                 if self._lone is not None:
                     self._adopt()
                 self._submit(*deferred)
-            elif ((self._quick if len(self._calls) == 1 else
+            elif ((self._lone_ok if len(self._calls) == 1 else
                    self._brief and len(self._calls) <= len(batch) + len(queue))
                   and not self.started and self.baton is not None and not self.baton.busy
-                  and self.runners.idle() and self.pool.has_room()):
+                  and not self.runners.waiting() and self.pool.has_room()):
                 # The host's only call, and a quick one, or only this stream's calls, each
                 # brief: they run inline (colobus._host.leader; the calls in slices,
                 # _run_slice), unless another call arrives before this drain ends.
@@ -357,6 +357,8 @@ class Scheduler(Runs):
         self.started = True
         loop = self._w.loop
         assert loop is not None
+        if not self._timer_tried:
+            self.hold_replies()
         if not self.runners.add(functools.partial(self._run_batch, batch, claim), loop):
             loop.call_later(  # every thread is busy
                 self.start_timeout, self._expire, batch, claim, self._w.epoch)

@@ -94,6 +94,10 @@ class Store:
         # call id -> the running call's future (of a CallResult), or a finished call's
         # CallResult without values (names only)
         self.results: dict[int, asyncio.Future[Any] | CallResult] = {}
+        # A call a FETCH_CALL waits for, not ended when it arrived -> that FETCH's id, or
+        # minus it once the call's RESULT said computed and the answer went with it (the
+        # thread that runs the call inline waits for its outputs first: colobus._host.runs).
+        self.awaited: dict[int, int] = {}
         self.objects: dict[int, asyncio.Future[Any]] = {}
         self.obj_calls: dict[int, set[asyncio.Future[Any]]] = {}  # obj -> its calls' results
         self.classes: dict[int, bytes] = {}  # obj -> its class's code digest
@@ -109,6 +113,7 @@ class Store:
         self.code_bytes.clear()
         self.arrays.clear()
         self.results.clear()
+        self.awaited.clear()
         self.objects.clear()
         self.obj_calls.clear()
         self.classes.clear()
