@@ -12,15 +12,13 @@ import asyncio
 import concurrent.futures
 import functools
 import gc
-import time
 from typing import TYPE_CHECKING, Any
-
-import numpy as np
 
 from .._wire import protocol as P
 from .._wire.codec import from_buffer, to_buffer
 from .._wire.envelope import Envelope
 from .._wire.protocol import Kind, Status
+from .computed import SPIN_SECONDS, is_computed, spins
 from .reshard import HostReshards, as_numpy, box_index
 from .store import CallResult
 from .treeput import HostTreePuts
@@ -32,7 +30,6 @@ if TYPE_CHECKING:
 __all__ = ["REPLY_MARGIN", "HostArrays"]
 
 REPLY_MARGIN = 1 << 20  # room for a reply's header, MAC and batch around a fetched block
-SPIN_SECONDS = 0.002  # how long a wait asks JAX on the loop before it blocks a thread
 
 
 class HostArrays:
@@ -227,7 +224,7 @@ class HostArrays:
         # measured on a TPU VM under gVisor), and most waits are for the step in flight.
         # Not for a value on CPU devices: there the asking loop takes a core from the
         # computation it waits for (a 2 ms MLP step on 2 cores took twice as long).
-        if _spins(value):
+        if spins(value):
             loop = asyncio.get_running_loop()
             until = loop.time() + SPIN_SECONDS
             while loop.time() < until:
@@ -288,50 +285,6 @@ class HostArrays:
             if s.device == want:
                 return s.data
         return None
-
-
-_SPINS: dict[int, tuple[Any, bool]] = {}  # id(sharding) -> (sharding, whether to ask on the loop)
-
-
-def _spins(value: Any) -> bool:
-    """Whether a wait for ``value`` asks JAX on the loop first: for a value on an
-    accelerator, not one on CPU devices (worked out once per sharding)."""
-    sharding = getattr(value, "sharding", None)
-    if sharding is None:
-        return False
-    got = _SPINS.get(id(sharding))
-    if got is None or got[0] is not sharding:
-        if len(_SPINS) >= 256:
-            _SPINS.clear()
-        spin = all(d.platform != "cpu" for d in sharding.device_set)
-        got = _SPINS[id(sharding)] = (sharding, spin)
-    return got[1]
-
-
-def wait_computed(values: Any) -> None:
-    """Wait on this thread until JAX computed every value of ``values`` (asked for up to
-    ``SPIN_SECONDS`` first where the values are an accelerator's, as ``computed``)."""
-    for value in values:
-        if is_computed(value):
-            continue
-        if _spins(value):
-            until = time.monotonic() + SPIN_SECONDS
-            while time.monotonic() < until:
-                if is_computed(value):
-                    break
-            else:
-                value.block_until_ready()
-        else:
-            value.block_until_ready()
-
-
-def is_computed(value: Any) -> bool:
-    """Whether a stored value's data is there: a ``jax.Array`` JAX still computes is not
-    (JAX dispatches asynchronously); numpy data always is."""
-    if isinstance(value, np.ndarray):
-        return True
-    check = getattr(value, "is_ready", None)
-    return True if check is None else bool(check())
 
 
 def chain_future(dst: asyncio.Future[Any], src: asyncio.Future[Any]) -> None:

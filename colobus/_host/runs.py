@@ -17,7 +17,6 @@ import msgpack
 
 from .._wire.protocol import Kind, Result, Status
 from .alarm import LoopTimer, make_loop_timer
-from .arrays import wait_computed
 from .calls import (
     _DONE,
     _JOB,
@@ -29,6 +28,7 @@ from .calls import (
     _Stream,
     call_args,
 )
+from .computed import wait_computed
 from .viewguard import note_view
 
 if TYPE_CHECKING:

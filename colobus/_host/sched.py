@@ -130,6 +130,11 @@ class Scheduler(Runs):
         self._calls.clear()
         self._streams.clear()
 
+    def shutdown(self) -> None:
+        """The worker ends (loop thread): the pool's threads go, the held timer closes."""
+        self.pool.shutdown()
+        self.close_timer()
+
     # -- arrivals ------------------------------------------------------------------------
 
     def on_call(self, body: P.Call, env: Envelope) -> None:

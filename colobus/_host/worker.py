@@ -240,8 +240,7 @@ class Worker(MessagePath):
             if on_main:
                 self.loop.remove_signal_handler(signal.SIGTERM)
             watchdog.cancel()
-            self.sched.pool.shutdown()
-            self.sched.close_timer()
+            self.sched.shutdown()
             self._pool.shutdown(wait=False, cancel_futures=True)
             if self.dataplane is not None:
                 self.dataplane.close()
