@@ -60,6 +60,7 @@ SLICE_CALL_NS = 500_000
 # (slow twice running, the next goes to the pool): one such call costs no hand-off
 # between threads either way, and a call past the stall threshold loses the loop.
 LONE_CALL_NS = 1_500_000
+WAIT_SKIP = 16  # after an awaited lone call's wait went past LONE_CALL_NS (see _run_lone)
 # The alarm is moved on between a slice's calls once this much passed since it was set
 # (half the stall threshold: one arm per few brief calls, and no wake-up in the slice).
 REARM_NS = 1_000_000
@@ -106,6 +107,7 @@ class Runs:
         self.bursts = 0  # finished calls' bursts the loop took from pool threads
         self.held_rings = 0  # of them, sent as the held timer rang
         self.waited_inline = 0  # lone calls whose outputs were waited for before the reply
+        self._wait_skip = 0  # awaited lone calls whose wait is left to the loop, still
         self.slice_batch = SLICE_MIN_BATCH  # the calls the next slice is handed, at most
         self.baton: Baton | None = None  # inline calls (colobus._host.leader), if on
         # The host's only call, arrived on an idle stream: no stream of its own unless
@@ -250,25 +252,29 @@ class Runs:
                 call.ok = True
             except BaseException as exc:
                 call.outcome = exc
-            end = waited = time.perf_counter_ns()
+            end = time.perf_counter_ns()
             awaited = self._w.store.awaited
             if awaited and call.ok and call.body.call_id in awaited:
                 # A FETCH_CALL waits for this call's outputs (block_until_ready on its
                 # Future): wait for them here, the loop stopped, and the answer leaves with
                 # the RESULT (Runs._finish), where a thread of the loop's would wait and wake
-                # the loop. The watchdog guards the loop as during the call; the wait counts
-                # toward the call's time below (a long one sends the next to the pool,
-                # whose waits are the loop's: colobus._host.arrays).
-                self.waited_inline += 1
-                wait_computed(outcome[0])
-                waited = time.perf_counter_ns()
+                # the loop. The watchdog guards the loop as during the call. A wait that
+                # took the call past LONE_CALL_NS leaves the next WAIT_SKIP waits to the
+                # loop (colobus._host.arrays: a long step would lose the loop each time).
+                if self._wait_skip:
+                    self._wait_skip -= 1
+                else:
+                    self.waited_inline += 1
+                    wait_computed(outcome[0])
+                    if time.perf_counter_ns() - start >= LONE_CALL_NS:
+                        self._wait_skip = WAIT_SKIP
             call.started, call.ran = start, end - start
             # Slow twice running, the next lone call goes to the pool; slow once, it
             # may have been a preemption (many workers on few cores, all woken by one
             # fan-out): the next still runs inline (the watchdog guards the loop).
             self._quick = end - start < BRIEF_WAIT_NS
             self._brief = end - start < SLICE_CALL_NS
-            if waited - start < LONE_CALL_NS:
+            if end - start < LONE_CALL_NS:
                 self._lone_ok = True
                 self._slow_once = False
             else:
