@@ -100,7 +100,11 @@ class Runs:
         self._done_event = threading.Event()
         self._quick = True  # the last batch took less than BRIEF_WAIT_S
         self._slow_once = False  # the last lone call took longer (see _run_lone)
-        self._brief = True  # the last call run took less than SLICE_CALL_NS (see _run_slice)
+        # The last call run took less than SLICE_CALL_NS, or in a slice the one before it
+        # did (a slice's call slow once, perhaps preempted, ends its slice but leaves its
+        # stream in slices; slow twice running, its next calls go to the pool).
+        self._brief = True
+        self._last_brief = True  # the last call run took less than SLICE_CALL_NS
         self._lone_ok = True  # the last call run took less than LONE_CALL_NS (see _run_lone)
         self.held_timer: LoopTimer | None = None  # (made by hold_replies)
         self._timer_tried = False
@@ -144,7 +148,7 @@ class Runs:
             end = time.perf_counter_ns()
             call.started, call.ran = start, end - start
             self._quick = end - t0 < BRIEF_WAIT_NS
-            self._brief = end - start < SLICE_CALL_NS
+            self._brief = self._last_brief = end - start < SLICE_CALL_NS
             self._lone_ok = end - start < LONE_CALL_NS
             if timer is not None and end - start < HOLD_CALL_NS and call is not last:
                 # Its reply held (see HOLD_NS): the loop is not woken per brief call.
@@ -202,7 +206,9 @@ class Runs:
                 self._run_plain(call)
             end = time.perf_counter_ns()
             call.started, call.ran = start, end - start
-            self._brief = brief = end - start < SLICE_CALL_NS
+            brief = end - start < SLICE_CALL_NS
+            self._brief = brief or self._last_brief
+            self._last_brief = brief
             self._quick = end - start < BRIEF_WAIT_NS
             self._lone_ok = end - start < LONE_CALL_NS
             start = end
@@ -273,7 +279,7 @@ class Runs:
             # may have been a preemption (many workers on few cores, all woken by one
             # fan-out): the next still runs inline (the watchdog guards the loop).
             self._quick = end - start < BRIEF_WAIT_NS
-            self._brief = end - start < SLICE_CALL_NS
+            self._brief = self._last_brief = end - start < SLICE_CALL_NS
             if end - start < LONE_CALL_NS:
                 self._lone_ok = True
                 self._slow_once = False
