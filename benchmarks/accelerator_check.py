@@ -37,6 +37,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,9 +72,11 @@ class Trainer:
             self.params = jax.device_put(jax.random.normal(k1, (n, n), jnp.bfloat16), dev)
             self.batch = jax.device_put(jax.random.normal(k2, (n, n), jnp.bfloat16) / 64, dev)
 
-            def step(w: Any, x: Any) -> Any:
+            def matmul_step(w: Any, x: Any) -> Any:
                 w = (w @ x).astype(jnp.bfloat16)  # x ~ N(0, 1/64^2): w stays ~N(0, 1)
                 return w, w[0, 0].astype(jnp.float32)
+
+            step: Callable[[Any, Any], Any] = matmul_step
         else:
             self.params = jax.device_put({"w1": jax.random.normal(k1, (256, 512)) / 16,
                                           "w2": jax.random.normal(k2, (512, 16)) / 23}, dev)
@@ -82,9 +85,11 @@ class Trainer:
             def loss_fn(p: Any, x: Any) -> Any:
                 return jnp.mean((jax.nn.relu(x @ p["w1"]) @ p["w2"] - 1.0) ** 2)
 
-            def step(p: Any, x: Any) -> Any:
+            def mlp_step(p: Any, x: Any) -> Any:
                 loss, g = jax.value_and_grad(loss_fn)(p, x)
                 return jax.tree.map(lambda w, d: w - 0.01 * d, p, g), loss
+
+            step = mlp_step
         self._step = jax.jit(step, donate_argnums=0)
         self.step()[0].block_until_ready()  # compiled
 
