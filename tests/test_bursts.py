@@ -203,3 +203,24 @@ async def test_an_awaited_lone_call_is_answered_with_its_result() -> None:
         await _value(obj.nap(x, 1))
         assert (await _figures(obj, x))[3] == 0, "waits left on the host"
         await cb.aclose(obj)
+
+
+async def test_waits_for_calls_on_the_pool_end_as_the_calls_do(pool_only: None) -> None:
+    """``block_until_ready`` of calls that run on the pool (their outputs perhaps still
+    computing when they end): each wait ends once its call's outputs are computed, with
+    the values right, and the host keeps no record of the waits afterwards."""
+    async with cb.local_cluster(hosts=1, heartbeat_interval=HB, liveness_timeout=LIVE) as ctl:
+        obj: Any = Steps()
+        x = _like(ctl)
+        want = float(np.asarray(await cb.device_get(obj.product(x, 128))))
+        futs = [obj.product(x, 128) for _ in range(10)]
+        got = await asyncio.gather(*(cb.block_until_ready(f) for f in futs))
+        for g in got:
+            assert float(np.asarray(await cb.device_get(g))) == pytest.approx(want)
+        with pytest.raises(ValueError, match="this step fails"):
+            await cb.block_until_ready(obj.fails(x))
+        await _value(obj.nap(x, 1))
+        figures = await _figures(obj, x)
+        assert figures[2] == 0, "a pool call's outputs were waited for on the pool"
+        assert figures[3] == 0, "waits left on the host"
+        await cb.aclose(obj)

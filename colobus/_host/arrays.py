@@ -166,7 +166,12 @@ class HostArrays:
             entry = store.results.get(body.ref)
             if (isinstance(entry, asyncio.Future) and not entry.done()
                     and body.ref not in store.awaited):
+                # Its answer may leave with the call's RESULT (colobus._host.runs): no
+                # task unless the call ends otherwise (it costs the call's start time).
                 store.awaited[body.ref] = body.call_id
+                entry.add_done_callback(functools.partial(
+                    self._call_ended, body.call_id, body.ref, self._w.epoch))
+                return
             self._w._spawn(self._wait_call(body.call_id, body.ref, self._w.epoch))
             return
         self._w._spawn(self._fetch(body.call_id, body.ref, fut, body.data == P.FETCH_DATA,
@@ -182,6 +187,14 @@ class HostArrays:
             self._w.reply_error(call_id, exc)
             return
         self._w.send(P.Result(call_id, Status.OK, ready))
+
+    def _call_ended(self, call_id: int, call: int, epoch: int, _: asyncio.Future[Any]) -> None:
+        """A call a FETCH_CALL waits for ended: its answer left with the RESULT, or it is
+        given as for a call that had ended when the FETCH_CALL came."""
+        if self._w.store.awaited.get(call) == -call_id:
+            del self._w.store.awaited[call]
+        elif epoch == self._w.epoch:
+            self._w._spawn(self._wait_call(call_id, call, epoch))
 
     async def _wait_call(self, call_id: int, call: int, epoch: int) -> None:
         """Answer True once every output of ``call`` is computed; False where this host
