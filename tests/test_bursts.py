@@ -21,6 +21,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from pipeline_hostside import call as _call
+from pipeline_hostside import like_on_host0 as _like
+from pipeline_hostside import touch
+from pipeline_hostside import value as _value
 
 import colobus as cb
 
@@ -86,26 +90,6 @@ class Steps:
 
     def fails(self, like: Any) -> Any:
         raise ValueError("this step fails")
-
-
-@cb.colocated_python
-def touch(path: str) -> Any:
-    with open(path, "w"):
-        pass
-    return np.int32(1)
-
-
-def _like(ctl: cb.Controller) -> Any:
-    dev = next(d for d in ctl.devices() if d.host == 0)
-    return cb.device_put(np.zeros(1, np.float32), cb.SingleDeviceSharding(dev))
-
-
-async def _value(x: Any) -> Any:
-    return np.asarray(await cb.device_get(await x if isinstance(x, cb.Future) else x))
-
-
-async def _call(fn: Any, *args: Any) -> Any:
-    return await _value(fn(*args))
 
 
 async def _figures(obj: Any, x: Any) -> list[int]:

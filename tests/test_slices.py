@@ -20,6 +20,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from pipeline_hostside import call as _call
+from pipeline_hostside import like_on_host0 as _like
+from pipeline_hostside import touch
+from pipeline_hostside import value as _value
 
 import colobus as cb
 
@@ -61,29 +65,8 @@ class Log:
         return np.array(self.seen, np.int64)
 
 
-@cb.colocated_python
-def touch(path: str) -> Any:
-    with open(path, "w"):
-        pass
-    return np.int32(1)
-
-
-def _like(ctl: cb.Controller) -> Any:
-    """An array on host 0's first device: the object's methods take it (it places them)."""
-    dev = next(d for d in ctl.devices() if d.host == 0)
-    return cb.device_put(np.zeros(1, np.float32), cb.SingleDeviceSharding(dev))
-
-
 def _on(fn: Any, ctl: cb.Controller) -> Any:
     return fn.specialize(devices=[d for d in ctl.devices() if d.host == 0][:1])
-
-
-async def _call(fn: Any, *args: Any) -> Any:
-    return await _value(fn(*args))
-
-
-async def _value(x: Any) -> Any:
-    return np.asarray(await cb.device_get(await x if isinstance(x, cb.Future) else x))
 
 
 async def test_a_streams_pipelined_brief_calls_run_on_the_loops_leader_in_order() -> None:
