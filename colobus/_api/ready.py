@@ -81,12 +81,7 @@ class _Wait:
         self._part(None)
 
     def _part(self, f: Future[Any] | None) -> None:
-        if self.outer.done():
-            return
-        if f is not None and (f.cancelled() or f.exception() is not None):
-            exc = f.exception() if not f.cancelled() else RuntimeError("cancelled")
-            assert exc is not None
-            self.outer.set_exception(exc)
+        if self.outer.done() or (f is not None and _failed(self.outer, f)):
             return
         self.left -= 1
         if self.left == 0:
@@ -104,10 +99,7 @@ class _Wait:
         fetch_many(late, False, lambda _: None).add_done_callback(self._finish)
 
     def _finish(self, f: Future[Any]) -> None:
-        if self.outer.done():
-            return
-        if f.cancelled() or f.exception() is not None:
-            self.outer.set_exception(f.exception() or RuntimeError("cancelled"))
+        if self.outer.done() or _failed(self.outer, f):
             return
         import jax
 
@@ -159,12 +151,7 @@ class _OneCall:
 
     def _part(self, f: Future[Any] | None) -> None:
         outer = self.outer
-        if outer.done():
-            return
-        if f is not None and (f.cancelled() or f.exception() is not None):
-            exc = f.exception() if not f.cancelled() else RuntimeError("cancelled")
-            assert exc is not None
-            outer.set_exception(exc)
+        if outer.done() or (f is not None and _failed(outer, f)):
             return
         self.left -= 1
         if self.left:
@@ -178,16 +165,22 @@ class _OneCall:
         fetch_many(_arrays(value), False, _nothing).add_done_callback(self._fetched)
 
     def _fetched(self, f: Future[Any]) -> None:
-        if self.outer.done():
-            return
-        if f.cancelled() or f.exception() is not None:
-            self.outer.set_exception(f.exception() or RuntimeError("cancelled"))
-            return
-        self.outer.set_result(self.call.result())
+        if not self.outer.done() and not _failed(self.outer, f):
+            self.outer.set_result(self.call.result())
 
 
 def _nothing(_: list[Any]) -> None:
     return None
+
+
+def _failed(outer: Future[Any], f: Future[Any]) -> bool:
+    """Whether part ``f`` of a wait failed (or was cancelled): then ``outer`` fails so.
+    (A cancelled Future's ``exception()`` raises: it is not asked.)"""
+    exc = RuntimeError("cancelled") if f.cancelled() else f.exception()
+    if exc is None:
+        return False
+    outer.set_exception(exc)
+    return True
 
 
 def ready_future(tree: Any) -> Future[Any]:

@@ -190,10 +190,10 @@ class HostArrays:
 
     def _call_ended(self, call_id: int, call: int, epoch: int, _: asyncio.Future[Any]) -> None:
         """A call a FETCH_CALL waits for ended: its answer left with the RESULT, or it is
-        given as for a call that had ended when the FETCH_CALL came."""
-        if self._w.store.awaited.get(call) == -call_id:
-            del self._w.store.awaited[call]
-        elif epoch == self._w.epoch:
+        given as for a call that had ended when the FETCH_CALL came. Either way the
+        record of the wait goes (it is this FETCH's: ``on_fetch`` keeps one per call)."""
+        answered = self._w.store.awaited.pop(call, None) == -call_id
+        if not answered and epoch == self._w.epoch:
             self._w._spawn(self._wait_call(call_id, call, epoch))
 
     async def _wait_call(self, call_id: int, call: int, epoch: int) -> None:
@@ -207,12 +207,6 @@ class HostArrays:
                     entry = await entry
                 except BaseException:  # the call's own reply says why
                     entry = None
-            awaited = store.awaited.get(call)
-            if awaited == -call_id:  # answered with the call's RESULT (runs.Runs._finish)
-                del store.awaited[call]
-                return
-            if awaited == call_id:
-                del store.awaited[call]
             refs = entry.refs if isinstance(entry, CallResult) else None
             entries = [store.arrays.get(ref) for ref in refs or ()]
             known = refs is not None and None not in entries

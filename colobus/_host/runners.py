@@ -56,10 +56,6 @@ class Runners:
         self._watch(loop)
         return self._pool.has_room()
 
-    def idle(self) -> bool:
-        """No run waits and no runner is taking runs (loop thread; a snapshot)."""
-        return not self._runners and not self._ready
-
     def waiting(self) -> bool:
         """A run waits for a runner (loop thread; a snapshot)."""
         return bool(self._ready)
