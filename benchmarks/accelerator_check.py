@@ -17,7 +17,10 @@ Prints one JSON object (``--out FILE`` also writes it) with:
   dispatched back to back, one wait at the end (goal: colobus >= 0.95x the plain
   steps/s); (b) ``awaited``: each step waited for with ``block_until_ready``
   (goal: at most one colobus round trip more than plain, the round trip being an
-  awaited trivial colocated call, ``round_trip_us``).
+  awaited trivial colocated call, ``round_trip_us``); beside it, ``raw``: the same
+  step behind a raw pyzmq echo server (``raw_step.py``, after the plain side, alone on
+  the chip), the machine's part of an awaited step's extra (``raw_extra_us``, and in
+  the raw server's own round trips) and colobus's own (``own_extra_us``).
 
 The driver never opens the accelerator: each measurement runs in a process of its
 own (one process at a time can hold a TPU). Without an accelerator it runs the
@@ -44,6 +47,9 @@ from typing import Any
 import numpy as np
 
 import colobus as cb
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from raw_step import raw_timings  # (this directory's: the script runs by path)
 
 ROOT = Path(__file__).resolve().parent.parent
 # --quick: a smoke run of the script itself (tests/test_bench.py), small and short
@@ -228,19 +234,27 @@ def main() -> int:
         f"import json, sys; sys.argv += {['--quick'] if QUICK else []!r}; "
         "sys.path.insert(0, 'benchmarks'); import accelerator_check as a; "
         "print(json.dumps({k: a.plain_timings(k) for k in ('matmul', 'mlp')}))")
+    if QUICK:  # (the raw server's Trainer: the same sizes as the plain side's)
+        os.environ["ACCEL_CHECK_QUICK"] = "1"
+    raw = {kind: raw_timings(kind, REPEATS * AWAITED, 30 if QUICK else 300)
+           for kind in ("matmul", "mlp")}
     via = asyncio.run(one_host(out))
     if out["accelerator"] is None:
         out["note"] = "no accelerator here: CPU devices stand in for it"
     rt = out["round_trip_us"]
     out["steps"] = {}
     for kind in ("matmul", "mlp"):
-        a, b = plain[kind], via[kind]
+        a, b, r = plain[kind], via[kind], raw[kind]
         ratio = b["steps_per_s"] / a["steps_per_s"]
         extra = b["awaited_us"] - a["awaited_us"]
+        raw_extra = r["awaited_us"] - a["awaited_us"]
         out["steps"][kind] = {
             "plain": a, "colobus": b, "pipelined_ratio": round(ratio, 3),
             "pipelined_goal_met": ratio >= 0.95, "awaited_extra_us": round(extra, 1),
-            "awaited_extra_round_trips": round(extra / rt, 2), "awaited_goal_met": extra <= rt}
+            "awaited_extra_round_trips": round(extra / rt, 2), "awaited_goal_met": extra <= rt,
+            "raw": r, "raw_extra_us": round(raw_extra, 1),
+            "raw_extra_round_trips": round(raw_extra / r["round_trip_us"], 2),
+            "own_extra_us": round(b["awaited_us"] - r["awaited_us"], 1)}
     out["two_workers"] = asyncio.run(two_workers())
     example_ok = True
     if not args.quick:

@@ -12,6 +12,12 @@ machine's cores while the other waits), both ways:
 * ``awaited``: each step waited for (``block_until_ready``), the median (goal: at most
   one colobus round trip more than plain, the round trip being an awaited no-op call).
 
+A third side, ``raw`` (``raw_step.py``: the same step behind a raw pyzmq echo server,
+nothing of colobus), measured in each pair after colobus, splits colobus's awaited extra
+into the machine's part (``raw +us``: what any design sending each step over ZeroMQ pays
+here, its wake-ups and a step started on threads that slept) and colobus's own (``own
++us``, the rest); ``raw +trips`` is the raw side's extra in its own round trips.
+
 ``ctl us`` is the controller process's CPU per pipelined step: on CPU it competes with
 the step itself wherever the controller shares the worker's cores.
 
@@ -41,6 +47,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # (this process's JAX, and its wo
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from accelerator_check import Trainer as _Trainer  # (after JAX_PLATFORMS is set)
+from raw_step import RawStep
 
 
 class Trainer(_Trainer):
@@ -167,11 +174,14 @@ async def measure(rounds: int, steps: int, awaited: int) -> list[dict[str, float
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert plain.stdin is not None and plain.stdout is not None
     via = _Colobus()
+    raw: RawStep | None = None
     out = []
     try:
         if plain.stdout.readline().strip() != "ready":
             raise RuntimeError("the plain process failed")
         await via.start()
+        raw = side = RawStep("mlp")
+        side.awaited(20)  # warm
 
         def ask(what: str, n: int) -> float:
             assert plain.stdin is not None and plain.stdout is not None
@@ -187,14 +197,21 @@ async def measure(rounds: int, steps: int, awaited: int) -> list[dict[str, float
                    "plain_awaited_us": ask("awaited", awaited),
                    "colobus_awaited_us": await via.awaited(awaited),
                    "round_trip_us": await via.round_trip(max(awaited, 30)),
+                   "raw_awaited_us": side.awaited(awaited),
+                   "raw_round_trip_us": side.round_trip(max(awaited, 30)),
                    "load": os.getloadavg()[0]}
             row["pipelined_ratio"] = row["colobus_steps_per_s"] / row["plain_steps_per_s"]
             row["awaited_extra_round_trips"] = (
                 row["colobus_awaited_us"] - row["plain_awaited_us"]) / row["round_trip_us"]
+            row["raw_extra_us"] = row["raw_awaited_us"] - row["plain_awaited_us"]
+            row["own_extra_us"] = row["colobus_awaited_us"] - row["raw_awaited_us"]
+            row["raw_extra_round_trips"] = row["raw_extra_us"] / row["raw_round_trip_us"]
             out.append(row)
             yield_row(row, len(out))
         await via.stop()
     finally:
+        if raw is not None:
+            raw.close()
         plain.stdin.close()
         plain.wait(60)
     return out
@@ -204,8 +221,10 @@ def yield_row(r: dict[str, float], i: int) -> None:
     print(f"  {i:5d} {r['plain_steps_per_s']:8.0f} {r['colobus_steps_per_s']:9.0f} "
           f"{r['pipelined_ratio']:6.3f} {r['plain_awaited_us']:9.0f} "
           f"{r['colobus_awaited_us']:10.0f} {r['round_trip_us']:10.0f} "
-          f"{r['awaited_extra_round_trips']:+7.2f} {r['controller_cpu_us']:8.0f} "
-          f"{r['load']:5.1f}", flush=True)
+          f"{r['awaited_extra_round_trips']:+7.2f} {r['raw_extra_us']:+7.0f} "
+          f"{r['raw_round_trip_us']:7.0f} {r['raw_extra_round_trips']:+9.2f} "
+          f"{r['own_extra_us']:+7.0f} {r['controller_cpu_us']:7.0f} {r['load']:5.1f}",
+          flush=True)
 
 
 def main() -> None:
@@ -222,17 +241,25 @@ def main() -> None:
     print(f"the MLP step on CPU, {args.steps} pipelined / {args.awaited} awaited steps per run, "
           f"plain and colobus side by side, load {os.getloadavg()[0]:.1f}")
     print(f"  {'pair':>5s} {'plain/s':>8s} {'colobus/s':>9s} {'ratio':>6s} {'plain us':>9s} "
-          f"{'colobus us':>10s} {'round trip':>10s} {'+trips':>7s} {'ctl us':>8s} {'load':>5s}")
+          f"{'colobus us':>10s} {'round trip':>10s} {'+trips':>7s} {'raw +us':>7s} "
+          f"{'raw rt':>7s} {'raw +trips':>9s} {'own +us':>7s} {'ctl us':>7s} {'load':>5s}")
     rounds = asyncio.run(measure(args.rounds, args.steps, args.awaited))
     ratio = statistics.median(r["pipelined_ratio"] for r in rounds)
     extra = statistics.median(r["awaited_extra_round_trips"] for r in rounds)
     print(f"median of the pairs: pipelined {ratio:.3f}x plain (goal >= 0.9: "
           f"{'met' if ratio >= 0.9 else 'not met'}), awaited {extra:+.2f} round trips "
           f"(goal <= +1.0: {'met' if extra <= 1.0 else 'not met'})")
+    raw_us = statistics.median(r["raw_extra_us"] for r in rounds)
+    own_us = statistics.median(r["own_extra_us"] for r in rounds)
+    raw_trips = statistics.median(r["raw_extra_round_trips"] for r in rounds)
+    print(f"of colobus's awaited extra: the machine's (a raw pyzmq server's) {raw_us:+.0f} us "
+          f"({raw_trips:+.2f} of its own round trips), colobus's own {own_us:+.0f} us")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"pairs": rounds, "pipelined_ratio": ratio,
-                       "awaited_extra_round_trips": extra}, f, indent=1)
+                       "awaited_extra_round_trips": extra, "raw_extra_us": raw_us,
+                       "own_extra_us": own_us, "raw_extra_round_trips": raw_trips},
+                      f, indent=1)
 
 if __name__ == "__main__":
     main()

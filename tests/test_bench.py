@@ -190,6 +190,10 @@ def test_accelerator_check_runs_its_whole_path_with_cpu_devices_standing_in() ->
     for kind in ("matmul", "mlp"):
         step = report["steps"][kind]
         assert step["plain"]["steps_per_s"] > 0 and step["colobus"]["steps_per_s"] > 0
+        # the raw pyzmq server ran the same step: the machine's part of the awaited extra
+        assert step["raw"]["awaited_us"] > 0 and step["raw"]["round_trip_us"] > 0
+        assert step["own_extra_us"] == round(
+            step["colobus"]["awaited_us"] - step["raw"]["awaited_us"], 1)
     assert [len(h) for h in report["two_workers"]["hosts"]] == [1, 1]
 
 
