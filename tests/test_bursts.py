@@ -161,16 +161,54 @@ async def test_a_held_reply_leaves_while_the_next_call_waits_for_the_controller(
 
 async def test_an_awaited_lone_call_is_answered_with_its_result() -> None:
     """``block_until_ready`` of a lone call whose output JAX still computes: the host waits
-    for it before the reply, and the wait's answer leaves with it (one message each way);
-    the values are right, a failing call's error is raised, two waits on one call both
-    end, and the host keeps no record of the waits afterwards."""
+    for it before the reply, and the reply answers the wait (one message each way: no
+    batch of the reply and a second answer comes in); the values are right, a failing
+    call's error is raised, two waits on one call both end, and the host keeps no record
+    of the waits afterwards."""
     async with cb.local_cluster(hosts=1, heartbeat_interval=HB, liveness_timeout=LIVE) as ctl:
         obj: Any = Steps()
         x = _like(ctl)
         want = float(np.asarray(await cb.device_get(obj.product(x, 128))))
         before = await _figures(obj, x)
+        batches = ctl.stats()["batches_received"]
         for i in range(200):  # (under load a step may take long: its waits go to the loop)
             got = await cb.block_until_ready(obj.product(x, 128))
+            assert float(np.asarray(await cb.device_get(got))) == pytest.approx(want)
+            if i % 20 == 19 and (await _figures(obj, x))[2] - before[2] >= 10:
+                break
+        after = await _figures(obj, x)
+        waited = after[2] - before[2]
+        assert waited >= 10, (
+            f"the host waited for the outputs itself {waited} times in 200 awaited calls "
+            "(want 10 or more)")
+        batches = ctl.stats()["batches_received"] - batches
+        assert batches < waited // 2, (
+            f"{batches} batches came in for {waited} waits answered by their calls' replies: "
+            "the answers travelled as messages of their own")
+        with pytest.raises(ValueError, match="this step fails"):
+            await cb.block_until_ready(obj.fails(x))
+        fut = obj.product(x, 128)
+        both = await asyncio.gather(cb.block_until_ready(fut), cb.block_until_ready(fut))
+        for got in both:
+            assert float(np.asarray(await cb.device_get(got))) == pytest.approx(want)
+        await _value(obj.nap(x, 1))
+        assert (await _figures(obj, x))[3] == 0, "waits left on the host"
+        await cb.aclose(obj)
+
+
+async def test_an_awaited_call_through_a_relay_is_answered_behind_its_reply() -> None:
+    """Through a relay (which passes calls' times up only when tracing) the host answers
+    the wait with a message of its own right behind the reply: every wait ends, with the
+    host waiting for the outputs itself, and no record of the waits is left."""
+    async with cb.local_cluster(hosts=1, relays=1, heartbeat_interval=HB,
+                                liveness_timeout=LIVE) as ctl:
+        assert [r["hosts"] for r in ctl.stats()["relays"]] == [[0]]
+        obj: Any = Steps()
+        x = _like(ctl)
+        want = float(np.asarray(await cb.device_get(obj.product(x, 128))))
+        before = await _figures(obj, x)
+        for i in range(200):
+            got = await asyncio.wait_for(cb.block_until_ready(obj.product(x, 128)), 60)
             assert float(np.asarray(await cb.device_get(got))) == pytest.approx(want)
             if i % 20 == 19 and (await _figures(obj, x))[2] - before[2] >= 10:
                 break
@@ -178,12 +216,6 @@ async def test_an_awaited_lone_call_is_answered_with_its_result() -> None:
         assert after[2] - before[2] >= 10, (
             f"the host waited for the outputs itself {after[2] - before[2]} times in 200 "
             "awaited calls (want 10 or more)")
-        with pytest.raises(ValueError, match="this step fails"):
-            await cb.block_until_ready(obj.fails(x))
-        fut = obj.product(x, 128)
-        both = await asyncio.gather(cb.block_until_ready(fut), cb.block_until_ready(fut))
-        for got in both:
-            assert float(np.asarray(await cb.device_get(got))) == pytest.approx(want)
         await _value(obj.nap(x, 1))
         assert (await _figures(obj, x))[3] == 0, "waits left on the host"
         await cb.aclose(obj)

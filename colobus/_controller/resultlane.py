@@ -287,6 +287,9 @@ class ResultLane:
                     op.remaining &= ~bit
                     op.outputs[host.index] = meta
                     op.values[host.index] = value
+                    if n == 4 and len(body[3]) > 3:  # it answers a FETCH_CALL too
+                        answer_fetch(ops, host, body[3], Envelope(
+                            kind, sender, receiver, seq, body, payload, [], 0, version, ack))
                     if ops.backlog:
                         ops.pump()
                     return
@@ -343,5 +346,30 @@ class ResultLane:
                         waiters.append(w)  # woken by the drain once it has read what waits
                     else:
                         wake(w)
+        if n == 4 and len(body[3]) > 3:  # it answers a FETCH_CALL too (on_result, below)
+            answer_fetch(ops, host, body[3], Envelope(
+                kind, sender, receiver, seq, body, payload, [], 0, version, ack))
         if ops.backlog:
             ops.pump()
+
+
+def on_result(ops: Any, host: Any, body: P.Result, env: Envelope) -> None:
+    """A joined host's RESULT off the general path: :meth:`Operations.on_result`, then
+    the FETCH_CALL answer it may carry (:func:`answer_fetch`)."""
+    ops.on_result(host, body, env)
+    if len(body.times) > 3 and body.status == OK and host.alive:
+        answer_fetch(ops, host, body.times, env)
+
+
+def answer_fetch(ops: Any, host: Any, times: list[Any], env: Envelope) -> None:
+    """A call's RESULT that also answers the FETCH_CALL its host held for the call
+    (``times[3]``, that FETCH's id, sent only where every output was computed; protocol
+    13): that FETCH's answer, True, as the FETCH's own RESULT brought it before (an
+    awaited step's wait needs no message of its own). After the call's RESULT."""
+    fetch = times[3]
+    if type(fetch) is not int or fetch <= 0:
+        ops.ctl._sessions.violation(host, "malformed", f"call times {times!r}")
+        return
+    ops.on_result(host, P.Result(fetch, OK, True), Envelope(
+        RESULT, env.sender, env.receiver, env.seq, [fetch, OK, True], b"", [], 0,
+        env.version, env.ack))

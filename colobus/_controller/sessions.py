@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -39,7 +40,7 @@ from .joinwait import WrongKeys
 from .liveness import Liveness
 from .ops import Parts
 from .relays import NO_RELAYS, refuse
-from .resultlane import ResultLane
+from .resultlane import ResultLane, on_result
 
 if TYPE_CHECKING:
     from .._wire.envelope import Buffer
@@ -121,7 +122,7 @@ class Sessions:
         # Keyed by Kind, found by the plain int off the wire (IntEnum hashes as int).
         self._handlers: dict[int, Callable[[Host, Any, Envelope], None]] = {
             Kind.HEARTBEAT: self._on_heartbeat,
-            Kind.RESULT: ctl._ops.on_result,
+            Kind.RESULT: functools.partial(on_result, ctl._ops),  # (and a FETCH it answers)
             Kind.IMPORT: ImportAnswers(ctl).on_import,  # host code imports what it lacks
         }
 

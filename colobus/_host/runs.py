@@ -396,6 +396,7 @@ class Runs:
                 if not call.results.done():
                     call.results.set_result(result)
                 times = [call.started - call.arrived, call.ran] if call.started else []
+                fetch = 0
                 if times:  # third: whether every output is computed already (JAX's is_ready)
                     computed = 1
                     for v in values:
@@ -404,14 +405,20 @@ class Runs:
                             computed = 0
                             break
                     times.append(computed)
+                    awaited = w.store.awaited
+                    if computed and awaited:
+                        fetch = awaited.get(body.call_id, 0)
+                        if fetch > 0:  # a FETCH_CALL waits for it (arrays.py): answered now
+                            awaited[body.call_id] = -fetch
+                            chan = w._chan
+                            if chan is not None and not chan.moved:
+                                times.append(fetch)  # by this RESULT (fourth: its id)
+                                fetch = 0
                 w.send_packed(_RESULT, _pack([body.call_id, _OK, len(values), times]),
                               payload, bufs, len(bufs))  # P.Result(...).to_wire(), packed
-                awaited = w.store.awaited
-                if awaited and times and times[2]:
-                    fetch = awaited.get(body.call_id, 0)
-                    if fetch > 0:  # a FETCH_CALL's answer, with the RESULT (arrays.py)
-                        awaited[body.call_id] = -fetch
-                        w.send(Result(fetch, Status.OK, True))
+                if fetch > 0:  # through a relay (which passes calls' times up only when
+                    # tracing): the FETCH_CALL's own RESULT, behind the call's
+                    w.send(Result(fetch, Status.OK, True))
             else:
                 if body.spread:  # code written for the other view fails inside JAX: say so
                     note_view(outcome, _JOB[0] is not None)

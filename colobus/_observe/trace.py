@@ -150,8 +150,9 @@ class CallRecord:
 
 def host_times(times: Any) -> tuple[int, int] | None:
     """A RESULT's ``[ns queued, ns ran]`` (a third field says whether its outputs were
-    computed), or None where a host sent none (or nonsense)."""
-    if (type(times) is list and 2 <= len(times) <= 3 and type(times[0]) is int
+    computed, a fourth names the FETCH it answers), or None where a host sent none (or
+    nonsense)."""
+    if (type(times) is list and 2 <= len(times) <= 4 and type(times[0]) is int
             and type(times[1]) is int):
         return max(0, times[0]), max(0, times[1])
     return None

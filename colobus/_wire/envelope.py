@@ -74,7 +74,7 @@ __all__ = [
     "unpack_bounded",
 ]
 
-PROTOCOL_VERSION = 12  # 2: BATCH envelopes; 3: acknowledgements (ack) in every header;
+PROTOCOL_VERSION = 13  # 2: BATCH envelopes; 3: acknowledgements (ack) in every header;
 # 4: timings in RESULT, health in HEARTBEAT
 # 5: challenged joins (JOIN, CHALLENGE), no pickles from workers
 # 6: hosts count calls' queued and run times (asked in WELCOME, sent in HEARTBEAT)
@@ -89,6 +89,8 @@ PROTOCOL_VERSION = 12  # 2: BATCH envelopes; 3: acknowledgements (ack) in every 
 #     a FETCH of one device's buffer (its device field); CALL's check field (a tenth:
 #     check_replicas); a call's RESULT says whether its outputs were computed (times[2]);
 #     COORD (the job's coordination over the link); IMPORT and MODULE
+# 13: a call's RESULT answers the FETCH_CALL its host held for the call (times[3]: that
+#     FETCH's id; not through a relay): an awaited step's wait needs no message of its own
 BATCH_KIND = 17  # _protocol.Kind.BATCH (this module does not import the kinds)
 MAC_SIZE = 32
 
