@@ -307,6 +307,28 @@ def test_protocol_violations_drop_the_host(bed: dict[str, Any], mctl: cb.Control
     assert mctl.stats()["hosts_dropped"] >= 1
 
 
+@pytest.mark.parametrize("fetch", ["never_sent", "not_an_id"])
+def test_a_reply_answering_a_wait_never_asked_drops_the_host(bed: dict[str, Any],
+                                                             mctl: cb.Controller,
+                                                             fetch: str) -> None:
+    """A call's RESULT may also answer the FETCH_CALL its host held for the call (its
+    times' fourth field, that FETCH's id: protocol 13). One naming a FETCH never sent to
+    that host, or no id at all, is a violation as any unsolicited or malformed reply."""
+    reason = {"never_sent": "unsolicited", "not_an_id": "malformed"}[fetch]
+    with _fake(bed, f"fetch-{fetch}") as fake:
+        before = dict(mctl.stats()["dropped"])
+        dev = [d for d in mctl.devices() if d.host == fake.index]
+        out = make_one.specialize(devices=dev, out_specs_fn=_make_one_specs)()
+        call = fake.expect(Kind.CALL)
+        leaf = {"shape": [2], "dtype": "<f4", "spec": None, "key": None}
+        desc = msgpack.packb({"v": 1, "tree": "*", "leaves": [leaf]})
+        times = [1_000, 2_000, 1, 10**12 if fetch == "never_sent" else "x"]
+        fake.send(Kind.RESULT, [call.body[0], Status.OK, 1, times], desc)
+        _dropped(mctl, fake.index, reason, before)
+        del out
+    _real_host_still_works(mctl)
+
+
 def test_join_floods_stay_bounded(bed: dict[str, Any], mctl: cb.Controller,
                                   caplog: pytest.LogCaptureFixture) -> None:
     """JOIN, HELLO and bad-MAC floods: bounded tables, flat memory, few log lines."""
