@@ -35,7 +35,7 @@ from .lane import encode, envelope_bytes
 from .outflow import Outflow
 from .peer import ACK_AFTER, DEFAULT_MAX_WINDOW, Peer, Via
 from .resends import resend, resend_stale
-from .sockio import EVENTS, NOBLOCK, POLLIN, _get, _poll, _recv, send_frames, socket_fd
+from .sockio import NOBLOCK, POLLIN, _poll, _recv, send_frames, socket_fd
 
 __all__ = ["DEFAULT_MAX_WINDOW", "Channel", "Peer"]
 
@@ -361,12 +361,8 @@ class Channel(Outflow):
         self._step_scheduled = False
         self.flush()
         # The ZeroMQ FD is edge-triggered: a send can consume the edge that
-        # announced incoming messages, so read what waits after sending. ZMQ_EVENTS
-        # asks as a read that finds nothing would (its system calls, the edge re-armed),
-        # without the zmq.Again that read builds in Python (five Python calls): most
-        # steps' sends find nothing waiting (a call's reply is a round trip away).
-        if not self.sock.closed and _get(self.sock, EVENTS) & POLLIN:
-            self.drain()
+        # announced incoming messages, so read what waits after sending.
+        self.drain()
 
     # -- receiving -------------------------------------------------------------------
 
