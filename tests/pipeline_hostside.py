@@ -5,6 +5,8 @@ Importable on the workers (they inherit ``sys.path``), so these travel by refere
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Any
 
 import numpy as np
@@ -18,6 +20,15 @@ def touch(path: str) -> Any:
     with open(path, "w"):
         pass
     return np.int32(1)
+
+
+def wait_for_path(path: str, seconds: float) -> Any:
+    """On the host, inside a method: wait until the file ``path`` exists (at most
+    ``seconds``); whether it does, as an int32 (the method's output)."""
+    deadline = time.monotonic() + seconds
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return np.int32(os.path.exists(path))
 
 
 def like_on_host0(ctl: cb.Controller) -> Any:

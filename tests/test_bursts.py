@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ import numpy as np
 import pytest
 from pipeline_hostside import call as _call
 from pipeline_hostside import like_on_host0 as _like
-from pipeline_hostside import touch
+from pipeline_hostside import touch, wait_for_path
 from pipeline_hostside import value as _value
 
 import colobus as cb
@@ -58,10 +59,7 @@ class Steps:
         return np.int64(1)
 
     def wait_for(self, like: Any, path: str, seconds: float) -> Any:
-        deadline = time.monotonic() + seconds
-        while not os.path.exists(path) and time.monotonic() < deadline:
-            time.sleep(0.001)
-        return np.int32(os.path.exists(path))
+        return wait_for_path(path, seconds)
 
     def figures(self, like: Any) -> Any:
         s = self.sched = self.sched or _sched()
@@ -90,6 +88,9 @@ class Steps:
 
     def fails(self, like: Any) -> Any:
         raise ValueError("this step fails")
+
+    def pid(self, like: Any) -> Any:
+        return np.int64(os.getpid())
 
 
 async def _figures(obj: Any, x: Any) -> list[int]:
@@ -194,6 +195,36 @@ async def test_an_awaited_lone_call_is_answered_with_its_result() -> None:
         await _value(obj.nap(x, 1))
         assert (await _figures(obj, x))[3] == 0, "waits left on the host"
         await cb.aclose(obj)
+
+
+async def test_a_wait_its_reply_answers_ends_with_its_caller_or_its_host(
+        tmp_path: Path) -> None:
+    """The other endings of a wait that its call's reply answers: the caller gives up
+    while the call runs (the reply still answers the wait: the host stays, keeps no
+    record of it, and later waits work), and the host is lost while the call runs (the
+    wait fails with HostLostError)."""
+    async with cb.local_cluster(hosts=1, heartbeat_interval=HB, liveness_timeout=LIVE) as ctl:
+        obj: Any = Steps()
+        x = _like(ctl)
+        gate = tmp_path / "go"
+        fut = obj.wait_for(x, str(gate), 30.0)
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(cb.block_until_ready(fut), 0.3)
+        gate.touch()
+        assert int(await asyncio.wait_for(_value(fut), 30)) == 1
+        want = float(np.asarray(await cb.device_get(obj.product(x, 128))))
+        got = await asyncio.wait_for(cb.block_until_ready(obj.product(x, 128)), 60)
+        assert float(np.asarray(await cb.device_get(got))) == pytest.approx(want)
+        await _value(obj.nap(x, 1))
+        assert (await _figures(obj, x))[3] == 0, "waits left on the host"
+        assert ctl.hosts()[0].state == "alive"
+        assert not ctl.stats()["dropped"].get("unsolicited"), ctl.stats()["dropped"]
+        pid = int(await _value(obj.pid(x)))
+        held = obj.wait_for(x, str(tmp_path / "never"), 60.0)
+        waiting = asyncio.ensure_future(cb.block_until_ready(held))
+        os.kill(pid, signal.SIGKILL)  # (before or after the call starts: lost either way)
+        with pytest.raises(cb.HostLostError):
+            await asyncio.wait_for(waiting, LIVE + 30)
 
 
 async def test_an_awaited_call_through_a_relay_is_answered_behind_its_reply() -> None:

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from pipeline_hostside import call as _call
 from pipeline_hostside import like_on_host0 as _like
-from pipeline_hostside import touch
+from pipeline_hostside import touch, wait_for_path
 from pipeline_hostside import value as _value
 
 import colobus as cb
@@ -56,10 +56,7 @@ class Log:
         return np.int64(len(self.seen))
 
     def wait_for(self, like: Any, path: str, seconds: float) -> Any:
-        deadline = time.monotonic() + seconds
-        while not os.path.exists(path) and time.monotonic() < deadline:
-            time.sleep(0.001)
-        return np.int32(os.path.exists(path))
+        return wait_for_path(path, seconds)
 
     def seen_all(self, like: Any) -> Any:
         return np.array(self.seen, np.int64)
