@@ -16,6 +16,11 @@ a reply nobody owes, a traced call, a malformed field, a relay), takes the gener
 where it stands, with what was read so far, so that every message is checked and
 counted (drops, violations) exactly as there. ``COLOBUS_CALL_LANE=0`` (read at import)
 keeps the general path for every message.
+
+A call's RESULT may also answer the ``block_until_ready`` wait its host held for the
+call (protocol 13): :func:`answer_fetch` reads that part of a RESULT for both paths (the
+general path's RESULT handler is :func:`on_result`), so the lane and the general path
+answer it alike.
 """
 
 from __future__ import annotations
