@@ -92,6 +92,12 @@ class Steps:
     def pid(self, like: Any) -> Any:
         return np.int64(os.getpid())
 
+    def job(self, like: Any) -> Any:
+        """The inline jobs the host's loop thread ran before this call (a slice's calls
+        read the same)."""
+        s = self.sched = self.sched or _sched()
+        return np.int64(s.baton.inlined)
+
 
 async def _figures(obj: Any, x: Any) -> list[int]:
     return [int(v) for v in await _value(obj.figures(x))]
@@ -157,6 +163,28 @@ async def test_a_held_reply_leaves_while_the_next_call_waits_for_the_controller(
             if rings and i >= 4:
                 break
         assert rings >= 1, "no held reply was sent by the timer: the pairs were never held"
+        await cb.aclose(obj)
+
+
+async def test_a_burst_whose_first_call_finds_the_host_idle_runs_in_one_slice() -> None:
+    """The calls a task makes as a reply wakes it leave in one message. Its first finds
+    the host idle and would run alone, inline; the rest, read right behind it, join it:
+    the burst runs as one slice with one reply, not as a slice of its first call and one
+    of the rest (a window of 100 calls then travels in two groups of 50, not in ever
+    more groups, each costing both sides a wake-up and its system calls)."""
+    async with cb.local_cluster(hosts=1, heartbeat_interval=HB, liveness_timeout=LIVE) as ctl:
+        obj: Any = Steps()
+        x = _like(ctl)
+        await _value(obj.job(x))
+        together = 0
+        for _ in range(6):
+            await _value(obj.job(x))  # (the host is idle now; this task wakes in a drain)
+            burst = [obj.job(x) for _ in range(8)]
+            seen = [int(await _value(f)) for f in burst]
+            together += seen[0] == seen[1]
+        # (a first call preempted past SLICE_CALL_NS ends its slice: a loaded machine)
+        assert together >= 3, (
+            f"the burst's first call ran in a slice of its own {6 - together} times in 6")
         await cb.aclose(obj)
 
 

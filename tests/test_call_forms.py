@@ -23,7 +23,7 @@ import pytest
 import colobus as cb
 from colobus._api import func
 from colobus._api.obj import ColocatedMethod
-from colobus._host.sched import plain_method
+from colobus._host.construct import plain_method
 
 _SPEC_CALLS: list[int] = []  # out_specs_fn's calls (controller side)
 
@@ -247,7 +247,7 @@ class _Own(_Plain):
 
 
 def test_the_workers_lone_method_is_getattr_where_it_finds_one() -> None:
-    """colobus._host.sched.plain_method: the bound plain method getattr gives, or None
+    """colobus._host.construct.plain_method: the bound plain method getattr gives, or None
     where finding it could run the user's code or give something else."""
     loop = asyncio.new_event_loop()
     try:

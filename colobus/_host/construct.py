@@ -3,13 +3,17 @@
 The instance is made on the worker's conversion pool (an ``__init__`` may take
 its time) and then held by the object's future alone, so a DESTROY drops it at
 once. Until it is built, and if ``__init__`` raised, the object's future says so
-to every call that uses it (the store keeps it under the object's id).
+to every call that uses it (the store keeps it under the object's id). Once built, a
+call's method is found without running the user's code where it is a plain one
+(:func:`plain_method`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
+from types import FunctionType, MethodType
 from typing import TYPE_CHECKING, Any
 
 from .calls import _JOB, _global_views, _settable
@@ -18,9 +22,38 @@ from .pool import ArgsUnpickler
 if TYPE_CHECKING:
     from .._wire import protocol as P
     from .._wire.envelope import Envelope
-    from .sched import WorkerServices
+    from .calls import WorkerServices
 
-__all__ = ["on_construct"]
+__all__ = ["on_construct", "plain_method"]
+
+_object_getattribute: Any = object.__getattribute__
+_ABSENT: Any = object()
+
+
+def plain_method(obj: asyncio.Future[Any], name: str) -> MethodType | None:
+    """``getattr(instance, name)`` of a built object (``obj``, its store entry) where
+    that is a plain function of its class bound to it, found without running any code
+    of the user's (no ``__getattribute__`` of its own, no metaclass, not shadowed by the
+    instance's ``__dict__``, not ``async``); else None (the scheduler's ``_target``
+    then looks it up, once)."""
+    if not obj.done() or obj.cancelled() or obj.exception() is not None:
+        return None
+    inst = obj.result()
+    cls = type(inst)
+    if type(cls) is not type or cls.__getattribute__ is not _object_getattribute:
+        return None
+    f: Any = None
+    for klass in cls.__mro__:  # (the class's own entry: getattr would unwrap a staticmethod)
+        f = klass.__dict__.get(name, _ABSENT)
+        if f is not _ABSENT:
+            break
+    if (type(f) is not FunctionType or f.__code__.co_flags & inspect.CO_COROUTINE
+            or f.__dict__):
+        return None
+    d = getattr(inst, "__dict__", None)
+    if d is not None and name in d:
+        return None
+    return MethodType(f, inst)
 
 
 def on_construct(w: WorkerServices, body: P.Construct, env: Envelope) -> None:

@@ -28,7 +28,7 @@ import logging
 import os
 import time
 from types import FunctionType, MethodType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .._model.jaxside import set_host_count
 from .._wire import lane
@@ -47,13 +47,11 @@ from .calls import (
     _settable,
     _Stream,
 )
+from .construct import plain_method
 from .onloop import destroy, run_async
 from .pool import CallPool
 from .runners import Runners
 from .runs import _EXPIRED, _WAITING, BRIEF_WAIT_S, Runs
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["Scheduler", "WorkerServices"]
 
@@ -64,36 +62,6 @@ MAX_BATCH = 256  # calls of one stream run in one thread-pool job, at most
 # (TimeoutError) instead of waiting forever; COLOBUS_CALL_START_TIMEOUT overrides.
 CALL_START_TIMEOUT_S = 60.0
 _Future = asyncio.Future  # made directly: create_future is one Python call more
-
-
-_object_getattribute: Any = object.__getattribute__
-_ABSENT: Any = object()
-
-
-def plain_method(obj: asyncio.Future[Any], name: str) -> MethodType | None:
-    """``getattr(instance, name)`` of a built object (``obj``, its store entry) where
-    that is a plain function of its class bound to it, found without running any code
-    of the user's (no ``__getattribute__`` of its own, no metaclass, not shadowed by the
-    instance's ``__dict__``, not ``async``); else None (the scheduler's ``_target``
-    then looks it up, once)."""
-    if not obj.done() or obj.cancelled() or obj.exception() is not None:
-        return None
-    inst = obj.result()
-    cls = type(inst)
-    if type(cls) is not type or cls.__getattribute__ is not _object_getattribute:
-        return None
-    f: Any = None
-    for klass in cls.__mro__:  # (the class's own entry: getattr would unwrap a staticmethod)
-        f = klass.__dict__.get(name, _ABSENT)
-        if f is not _ABSENT:
-            break
-    if (type(f) is not FunctionType or f.__code__.co_flags & inspect.CO_COROUTINE
-            or f.__dict__):
-        return None
-    d = getattr(inst, "__dict__", None)
-    if d is not None and name in d:
-        return None
-    return MethodType(f, inst)
 
 
 class Scheduler(Runs):
@@ -280,56 +248,13 @@ class Scheduler(Runs):
             return
         if self._streams.get(stream.sid) is not stream:
             return  # a stream of a finished session
-        queue = stream.queue
         batch: list[_Call] = []
         # A stream that may run inline, in slices (below), is handed a slice's worth.
         limit = (self.slice_batch if self._brief and self.baton is not None
-                 and len(self._calls) <= len(queue) else MAX_BATCH)
-        while queue and len(batch) < limit:
-            call = queue[0]
-            if isinstance(call, _Destroy):
-                if batch:
-                    break
-                queue.popleft()
-                stream.busy = True
-                task = asyncio.get_running_loop().create_task(destroy(self, call, stream))
-                self._async_calls.add(task)
-                task.add_done_callback(self._async_calls.discard)
-                return
-            if call.state == _CANCELLED:
-                queue.popleft()
-                self._forget(call)
-                continue
-            wait = call.unready_input()
-            if wait is not None:
-                if batch:
-                    break
-                stream.waiting = wait
-                wait.add_done_callback(functools.partial(self._resume, stream))
-                return
-            try:
-                fn = self._target(call)
-            except Exception as exc:
-                if batch:
-                    break
-                queue.popleft()
-                self._fail(call, exc)
-                continue
-            f = fn.__func__ if type(fn) is MethodType else fn  # (a bound method's function)
-            if ((type(f) is not FunctionType or f.__code__.co_flags & inspect.CO_COROUTINE
-                 or f.__dict__) and inspect.iscoroutinefunction(fn)):  # (plain: no calls)
-                if batch:
-                    break
-                queue.popleft()
-                call.state = _RUNNING  # no lock: CANCEL also runs on this thread
-                stream.busy = True
-                task = asyncio.get_running_loop().create_task(run_async(self, call, fn))
-                self._async_calls.add(task)
-                task.add_done_callback(self._async_calls.discard)
-                return
-            call.fn = fn
-            queue.popleft()
-            batch.append(call)
+                 and len(self._calls) <= len(stream.queue) else MAX_BATCH)
+        if not self._fill(stream, batch, limit):
+            return
+        queue = stream.queue
         if batch:
             batch[-1].last = True
             stream.busy = True
@@ -356,6 +281,74 @@ class Scheduler(Runs):
             self._submit(batch, claim)
         elif not queue:
             del self._streams[stream.sid]  # idle: a later call starts a new one
+
+    def _fill(self, stream: _Stream, batch: list[_Call], limit: int) -> bool:
+        """Move the calls at the head of ``stream``'s queue that are ready to run into
+        ``batch``, up to ``limit`` of them; False where the stream's head needs more than
+        a batch (a DESTROY, an ``async`` call: started; inputs not here: waited for;
+        ``batch`` empty) and ``pump`` is done."""
+        queue = stream.queue
+        while queue and len(batch) < limit:
+            call = queue[0]
+            if isinstance(call, _Destroy):
+                if batch:
+                    break
+                queue.popleft()
+                stream.busy = True
+                task = asyncio.get_running_loop().create_task(destroy(self, call, stream))
+                self._async_calls.add(task)
+                task.add_done_callback(self._async_calls.discard)
+                return False
+            if call.state == _CANCELLED:
+                queue.popleft()
+                self._forget(call)
+                continue
+            wait = call.unready_input()
+            if wait is not None:
+                if batch:
+                    break
+                stream.waiting = wait
+                wait.add_done_callback(functools.partial(self._resume, stream))
+                return False
+            try:
+                fn = self._target(call)
+            except Exception as exc:
+                if batch:
+                    break
+                queue.popleft()
+                self._fail(call, exc)
+                continue
+            f = fn.__func__ if type(fn) is MethodType else fn  # (a bound method's function)
+            if ((type(f) is not FunctionType or f.__code__.co_flags & inspect.CO_COROUTINE
+                 or f.__dict__) and inspect.iscoroutinefunction(fn)):  # (plain: no calls)
+                if batch:
+                    break
+                queue.popleft()
+                call.state = _RUNNING  # no lock: CANCEL also runs on this thread
+                stream.busy = True
+                task = asyncio.get_running_loop().create_task(run_async(self, call, fn))
+                self._async_calls.add(task)
+                task.add_done_callback(self._async_calls.discard)
+                return False
+            call.fn = fn
+            queue.popleft()
+            batch.append(call)
+        return True
+
+    def _gather(self, batch: list[_Call]) -> None:
+        """A batch about to run inline takes the calls its stream received since it was
+        made (in the same drain: a caller's burst whose first call found the stream
+        idle), while they are all the host's calls and brief: one slice and one reply
+        for the burst, not one for its first call and one for the rest."""
+        stream = batch[-1].stream
+        if stream is None or not stream.queue or not self._brief:
+            return
+        if len(self._calls) > len(batch) + len(stream.queue):
+            return
+        last = batch[-1]
+        if self._fill(stream, batch, self.slice_batch) and batch[-1] is not last:
+            last.last = False
+            batch[-1].last = True
 
     def _submit(self, batch: list[_Call], claim: list[int]) -> None:
         """Loop thread: a batch to the call pool's runners."""
@@ -462,6 +455,8 @@ class Scheduler(Runs):
                 self._sync_wait = 2  # what finishes meanwhile is collected after it
             batch, claim = deferred
             lone = self._lone
+            if lone is not batch[0]:
+                self._gather(batch)
             baton.inline(functools.partial(self._run_lone, lone) if lone is batch[0]
                          else functools.partial(self._run_slice, batch, claim))
             return False
