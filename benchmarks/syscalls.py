@@ -10,8 +10,10 @@ them up:
   ``raw_syscalls:sys_enter`` and a few ``syscalls:sys_enter_*``, enabled and disabled
   through its control FIFO around the window; it does not slow the processes;
 * ``strace`` (``--tool strace``, or where perf cannot count): ``strace -f -c``, attached
-  before the window and detached after it; it slows every system call, so more calls
-  pile up per wake-up and the counts come out lower than perf's.
+  before the window and detached after it; it slows every system call, which changes
+  how many calls wait per wake-up: its counts differ from perf's (on the 2-core VM,
+  4-5x fewer calls a second and up to a quarter more system calls a call). perf needs the
+  tracing filesystem (``mount -t tracefs nodev /sys/kernel/tracing``, as root).
 
 Modes: ``window`` (``return x``, one task keeping ``--inflight`` futures in flight, as a
 training loop pipelines its steps), ``tasks`` (``--inflight`` tasks, each awaiting its
@@ -287,6 +289,9 @@ def main() -> None:
         asyncio.run(_drive(args.mode, args.calls, args.inflight))
         return
     tool = args.tool or ("perf" if perf_usable() else "strace")
+    if tool == "strace" and shutil.which("perf") and not os.path.isdir(TRACEFS):
+        print(f"(perf cannot count here: no {TRACEFS}; as root, `mount -t tracefs nodev "
+              "/sys/kernel/tracing` lets it, and strace moves the counts)", file=sys.stderr)
     got = count(args.mode, args.calls, args.inflight, tool)
     load = os.getloadavg()[0]
     what = f"{args.spin_us:g} us step" if args.spin_us else "`return x`"

@@ -13,7 +13,8 @@ queue that as few pool jobs as keep it moving take (:mod:`colobus._host.runners`
 one hop per burst, not one per call or per stream); each call's reply goes out as
 it finishes (:mod:`colobus._host.runs`). The host's only call in flight, when quick,
 runs inline on the loop's thread instead (:mod:`colobus._host.leader`); arrived on an
-idle stream, it takes no stream of its own unless another call arrives before it ends.
+idle stream, it takes no stream of its own unless another call arrives before it ends;
+its stream's calls read in the same drain join it (one slice, one reply for a burst).
 ``async def`` functions run on the loop, alone (:mod:`colobus._host.onloop`). A DESTROY
 runs in its stream like a call: after that caller's earlier calls, before its later
 ones, once every call of the object received (any stream) has finished.
