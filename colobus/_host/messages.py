@@ -22,7 +22,7 @@ from .._wire.envelope import BATCH_KIND, Dropped, Envelope, unpack_batch
 from .._wire.lane import ON, decode
 from .._wire.peer import ACK_AFTER
 from .._wire.protocol import Kind
-from .._wire.sockio import NOBLOCK
+from .._wire.sockio import EVENTS, NOBLOCK, POLLIN, _get
 from .outbound import Outbound
 
 if TYPE_CHECKING:
@@ -90,7 +90,9 @@ class MessagePath(Outbound):
                 # Received until none waits: a receive that finds nothing has processed
                 # the socket's commands, as ZMQ_EVENTS does (the FD's edge is re-armed),
                 # and a receive that finds a message costs no system call, where each
-                # ZMQ_EVENTS does (getpid and poll, in libzmq's signaler)
+                # ZMQ_EVENTS does (getpid and poll, in libzmq's signaler). After the
+                # first message ZMQ_EVENTS asks instead (as Channel.drain: no zmq.Again)
+                first = True
                 while True:
                     try:
                         frame = _recv(sock, NOBLOCK, False)  # sockio.recv_frames
@@ -103,6 +105,10 @@ class MessagePath(Outbound):
                     on_frames(frames)
                     if sock.closed:
                         return
+                    if first:
+                        first = False
+                        if not _get(sock, EVENTS) & POLLIN:
+                            break
                     if _monotonic() - start > DRAIN_BUDGET_S:  # as Channel.drain
                         chan.flush()
                         if self.loop is not None:
@@ -112,8 +118,9 @@ class MessagePath(Outbound):
                         or chan._gathered else False)
                 if sched.wait_briefly():
                     continue
-                if not sent:
-                    break  # else read again: the sends may have taken the FD's edge
+                # the sends may have taken the FD's edge: read again where a message waits
+                if not sent or not _get(sock, EVENTS) & POLLIN:
+                    break
         except zmq.ZMQError as exc:
             if exc.errno not in (zmq.EAGAIN, zmq.ENOTSOCK):
                 log.warning("socket error: %s", exc)
