@@ -92,6 +92,14 @@ def _spec(seconds: float) -> _Itimerspec:
     return _Itimerspec(_Timespec(0, 0), _Timespec(ns // 1_000_000_000, ns % 1_000_000_000))
 
 
+def _set_in(settime: Any, fd: int, seconds: float) -> None:
+    """Timerfd ``fd`` rings ``seconds`` from now (``settime``: libc's, or None: os's)."""
+    if settime is None:
+        os.timerfd_settime_ns(fd, initial=max(1, round(seconds * 1e9)))  # type: ignore[attr-defined]
+    else:
+        settime(fd, 0, ctypes.byref(_spec(seconds)), None)
+
+
 class _TimerFd(Alarm):
     """A Linux ``timerfd``: nobody wakes unless it rings."""
 
@@ -117,10 +125,7 @@ class _TimerFd(Alarm):
             self._ring = functools.partial(settime, fd, 0, now, None)
 
     def arm_in(self, seconds: float) -> None:
-        if self._settime is None:
-            os.timerfd_settime_ns(self._fd, initial=max(1, round(seconds * 1e9)))  # type: ignore[attr-defined]
-        else:
-            self._settime(self._fd, 0, ctypes.byref(_spec(seconds)), None)
+        _set_in(self._settime, self._fd, seconds)
 
     def ring(self) -> None:
         self._ring()
@@ -155,10 +160,7 @@ class LoopTimer:
 
     def arm_in(self, seconds: float) -> None:
         """Ring ``seconds`` from now (replaces an earlier arm)."""
-        if self._settime is None:
-            os.timerfd_settime_ns(self.fd, initial=max(1, round(seconds * 1e9)))  # type: ignore[attr-defined]
-        else:
-            self._settime(self.fd, 0, ctypes.byref(_spec(seconds)), None)
+        _set_in(self._settime, self.fd, seconds)
 
     def disarm(self) -> None:
         if self._settime is None:
