@@ -83,6 +83,8 @@ class CallPool:
 
     def has_room(self) -> bool:
         """Whether a job submitted now would find a thread (idle, or one to start)."""
+        if self.idle or len(self._threads) + self._held < self._max:
+            return True  # (a snapshot, as ``idle`` is: the bound with no thread stuck)
         with self._lock:
             return bool(self.idle) or len(self._threads) + self._held < self._limit()
 
