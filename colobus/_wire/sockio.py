@@ -80,9 +80,10 @@ def readable(sock: zmq.Socket[Any]) -> bool:
     ``zmq_poll`` with no timeout: no Python call. ``ZMQ_EVENTS`` from the compiled
     ``getsockopt`` gives the same answer with one system call fewer (``zmq_poll`` polls
     the socket's descriptor before it asks for the events, which poll it again), but
-    pyzmq builds the option's enum for it (two Python calls): the worker's reader, which
-    looks about three times per call whatever the call, takes that trade; the
-    controller, which looks once more per host reply of a fan-out, does not.
+    pyzmq builds the option's enum for it (two Python calls): the drains on both sides
+    (``Channel.drain``, the worker's reader), which look once or twice per wake-up, take
+    that trade inline; this helper serves the paths off the calls' way (resends, the
+    link monitor).
     """
     return bool(_poll([(sock, POLLIN)], 0))
 
